@@ -1,0 +1,167 @@
+"""Strict conversion between plain YAML data and the dataclass trees of plans and inventories.
+
+Unknown keys, missing fields and wrong types raise :class:`SchemaError` with the field path.
+A field is optional exactly when its dataclass field has a default. ``bool`` is never accepted
+for ``int``/``float`` and ``int`` is accepted for ``float`` (YAML writes ``2.0`` as ``2.0``, a
+hand-edit may write ``2``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+from .errors import Described, SchemaError
+
+__all__ = ["from_data", "to_data", "read_yaml", "write_yaml"]
+
+
+def read_yaml(path: str | Path) -> Any:
+    """Read a YAML file; a missing file or a syntax error becomes a :class:`SchemaError`."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise SchemaError(str(path), "", exc.strerror, "a readable YAML file") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise SchemaError(str(path), where, getattr(exc, "problem", str(exc)), "valid YAML") from None
+
+
+def write_yaml(data: Any, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=100))
+
+
+def from_data(cls: type, data: Any, *, source: str, path: str = "") -> Any:
+    """Build ``cls`` (a dataclass, or any supported type hint) from plain data, strictly."""
+    return _convert(cls, data, source, path)
+
+
+def to_data(obj: Any) -> Any:
+    """Plain data (dicts, lists, scalars) for ``obj``; fields equal to ``None`` are left out."""
+    if dataclasses.is_dataclass(obj):
+        out = {}
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if value is None or f.metadata.get("internal"):
+                continue
+            out[f.name] = to_data(value)
+        return out
+    if isinstance(obj, (list, tuple)):
+        return [to_data(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_data(v) for k, v in obj.items()}
+    return obj
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _describe(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if hint is int:
+        return "an integer"
+    if hint is float:
+        return "a number"
+    if hint is bool:
+        return "true or false"
+    if hint is str:
+        return "a string"
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
+    if origin in (list, tuple):
+        return f"a list of {_describe(typing.get_args(hint)[0])}"
+    if origin is dict:
+        return f"a mapping of names to {_describe(typing.get_args(hint)[1])}"
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(hint) if a is not type(None))
+    if dataclasses.is_dataclass(hint):
+        return f"a mapping ({hint.__name__})"
+    return str(hint)
+
+
+def _convert(hint: Any, data: Any, source: str, path: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        options = [a for a in typing.get_args(hint) if a is not type(None)]
+        if data is None and len(options) < len(typing.get_args(hint)):
+            return None
+        for option in options:
+            try:
+                return _convert(option, data, source, path)
+            except SchemaError:
+                continue
+        raise SchemaError(source, path, data, _describe(hint))
+    if dataclasses.is_dataclass(hint):
+        return _convert_dataclass(hint, data, source, path)
+    if origin is Literal:
+        if data in typing.get_args(hint) and not isinstance(data, bool):
+            return data
+        raise SchemaError(source, path, data, _describe(hint))
+    if origin in (list, tuple):
+        if not isinstance(data, list):
+            raise SchemaError(source, path, data, _describe(hint))
+        (item,) = typing.get_args(hint)[:1]
+        return [_convert(item, v, source, f"{path}[{i}]") for i, v in enumerate(data)]
+    if origin is dict:
+        if not isinstance(data, dict):
+            raise SchemaError(source, path, data, _describe(hint))
+        _, value_hint = typing.get_args(hint)
+        out = {}
+        for k, v in data.items():
+            if not isinstance(k, str):
+                raise SchemaError(source, _join(path, str(k)), k, "a string key")
+            out[k] = _convert(value_hint, v, source, _join(path, k))
+        return out
+    if hint is bool:
+        if isinstance(data, bool):
+            return data
+    elif hint is int:
+        if isinstance(data, int) and not isinstance(data, bool):
+            return data
+    elif hint is float:
+        if isinstance(data, (int, float)) and not isinstance(data, bool):
+            return float(data)
+    elif hint is str:
+        if isinstance(data, str):
+            return data
+    elif hint is Any:
+        return data
+    else:
+        raise TypeError(f"unsupported schema type {hint!r} at {path}")  # a bug, not user input
+    raise SchemaError(source, path, data, _describe(hint))
+
+
+def _convert_dataclass(cls: type, data: Any, source: str, path: str) -> Any:
+    if not isinstance(data, dict):
+        raise SchemaError(source, path, data, _describe(cls))
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init and not f.metadata.get("internal")}
+    unknown = [k for k in data if k not in fields]
+    if unknown:
+        raise SchemaError(
+            source, _join(path, str(unknown[0])), Described("an unknown key"), "one of " + ", ".join(fields)
+        )
+    kwargs = {}
+    for name, f in fields.items():
+        has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+        if name not in data:
+            if not has_default:
+                raise SchemaError(source, _join(path, name), Described("nothing (the key is missing)"), _describe(hints[name]))
+            continue
+        kwargs[name] = _convert(hints[name], data[name], source, _join(path, name))
+    try:
+        return cls(**kwargs)
+    except SchemaError as exc:
+        # __post_init__ checks report paths relative to the object; anchor them here.
+        raise SchemaError(source, _join(path, exc.path) if exc.path != "<root>" else path,
+                          exc.found, exc.expected) from None

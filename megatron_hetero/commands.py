@@ -1,0 +1,33 @@
+"""Handlers of the plan subcommands (``validate``, ``args``)."""
+
+from __future__ import annotations
+
+import argparse
+
+from .hardware.inventory import load_inventory
+from .megatron_args import megatron_args, megatron_args_line
+from .plan import check_plan_against_inventory, load_plan
+
+__all__ = ["validate_main", "args_main"]
+
+
+def validate_main(args: argparse.Namespace) -> int:
+    inventory = load_inventory(args.inventory) if args.inventory else None
+    plan = load_plan(args.plan, catalog=inventory.catalog if inventory else None)
+    if inventory is not None:
+        check_plan_against_inventory(plan, inventory, source=args.plan)
+    counts = ", ".join(f"{n}x {gpu}" for gpu, n in sorted(plan.device_counts().items()))
+    print(f"{args.plan}: valid plan for {plan.model.name}: TP={plan.tensor_model_parallel_size} "
+          f"PP={plan.pipeline_model_parallel_size} DP={plan.data_parallel_size} "
+          f"({plan.world_size} GPUs: {counts}); layers {plan.layer_split}; "
+          f"micro-batches {[p.num_microbatches for p in plan.pipelines]}")
+    return 0
+
+
+def args_main(args: argparse.Namespace) -> int:
+    plan = load_plan(args.plan)
+    if args.one_per_line:
+        print("\n".join(megatron_args(plan, args.plan)))
+    else:
+        print(megatron_args_line(plan, args.plan))
+    return 0

@@ -1,0 +1,135 @@
+"""The GPU catalog: datasheet figures per GPU model, looked up by name or by reported alias."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any, Mapping
+
+import yaml
+
+from .._schema import from_data
+from ..errors import Described, SchemaError
+
+__all__ = ["GPUSpec", "GPUOverride", "Catalog", "load_catalog"]
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class GPUSpec:
+    """Datasheet figures of one GPU model (see catalog.yaml for units)."""
+
+    name: str = field(default="", metadata={"internal": True})
+    vendor: str
+    bf16_tflops: float
+    """Dense bf16 (or fp16 where ``bf16`` is false) tensor-core TFLOPS."""
+    bf16: bool
+    fp32_tflops: float
+    memory_gb: float
+    memory_bandwidth_gb_s: float
+    intra_node_link: str
+    intra_node_bandwidth_gb_s: float
+    """One-direction bandwidth to peers in the same node."""
+    efficiency: float
+    """Default achievable fraction of ``bf16_tflops`` on transformer layers."""
+    aliases: list[str] = field(default_factory=list)
+    notes: str | None = None
+
+    def __post_init__(self) -> None:
+        for key in ("bf16_tflops", "fp32_tflops", "memory_gb", "memory_bandwidth_gb_s",
+                    "intra_node_bandwidth_gb_s"):
+            if getattr(self, key) <= 0:
+                raise SchemaError("", key, getattr(self, key), "a positive number")
+        if not 0 < self.efficiency <= 1:
+            raise SchemaError("", "efficiency", self.efficiency, "a fraction in (0, 1]")
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_gb * 1e9
+
+    @property
+    def achievable_flops(self) -> float:
+        """FLOP/s a transformer layer reaches on this card by default."""
+        return self.bf16_tflops * 1e12 * self.efficiency
+
+
+@dataclass(kw_only=True, slots=True)
+class GPUOverride:
+    """Partial GPU entry in an inventory: overrides fields of a catalog entry, or (with every
+    required field given) adds a new one."""
+
+    vendor: str | None = None
+    bf16_tflops: float | None = None
+    bf16: bool | None = None
+    fp32_tflops: float | None = None
+    memory_gb: float | None = None
+    memory_bandwidth_gb_s: float | None = None
+    intra_node_link: str | None = None
+    intra_node_bandwidth_gb_s: float | None = None
+    efficiency: float | None = None
+    aliases: list[str] | None = None
+    notes: str | None = None
+
+
+def _norm(name: str) -> str:
+    return "".join(ch for ch in name.lower() if ch.isalnum())
+
+
+class Catalog:
+    """GPU models by canonical name, with alias lookup that ignores case and punctuation."""
+
+    def __init__(self, specs: Mapping[str, GPUSpec]):
+        self._specs = dict(specs)
+        self._by_key: dict[str, str] = {}
+        for name, spec in self._specs.items():
+            for key in [name, *spec.aliases]:
+                self._by_key.setdefault(_norm(key), name)
+
+    def names(self) -> list[str]:
+        return list(self._specs)
+
+    def __contains__(self, name: str) -> bool:
+        return self.resolve(name) is not None
+
+    def resolve(self, name: str) -> str | None:
+        """Canonical catalog name for a name or alias, or None."""
+        return self._by_key.get(_norm(name))
+
+    def get(self, name: str, *, source: str = "catalog", path: str = "") -> GPUSpec:
+        canonical = self.resolve(name)
+        if canonical is None:
+            raise SchemaError(source, path, name, "a GPU in the catalog: " + ", ".join(self._specs)
+                              + " (or add it under the inventory's `gpus:` key)")
+        return self._specs[canonical]
+
+    def with_overrides(self, overrides: Mapping[str, GPUOverride], *, source: str,
+                       path: str = "gpus") -> "Catalog":
+        specs = dict(self._specs)
+        for name, ov in overrides.items():
+            given = {k: v for k, v in dataclasses.asdict(ov).items() if v is not None}
+            canonical = self.resolve(name)
+            where = f"{path}.{name}"
+            if canonical is not None:
+                base = {f.name: getattr(specs[canonical], f.name) for f in dataclasses.fields(GPUSpec)}
+                base.update(given)
+                base.pop("name")
+                specs[canonical] = from_data(GPUSpec, base, source=source, path=where)
+                specs[canonical] = dataclasses.replace(specs[canonical], name=canonical)
+            else:
+                spec = from_data(GPUSpec, given, source=source, path=where)
+                specs[name] = dataclasses.replace(spec, name=name)
+        return Catalog(specs)
+
+
+def _builtin() -> dict[str, Any]:
+    text = resources.files(__package__).joinpath("catalog.yaml").read_text()
+    return yaml.safe_load(text)
+
+
+def load_catalog() -> Catalog:
+    """The built-in catalog."""
+    specs = {}
+    for name, data in _builtin().items():
+        spec = from_data(GPUSpec, data, source="megatron_hetero/hardware/catalog.yaml", path=name)
+        specs[name] = dataclasses.replace(spec, name=name)
+    return Catalog(specs)

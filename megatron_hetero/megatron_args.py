@@ -1,0 +1,88 @@
+"""The Megatron-LM command-line arguments a plan implies.
+
+Only what is the same on every rank goes on the command line: parallel sizes, the layer split,
+the model shape, batch sizes. What differs per rank (micro-batch counts, recompute, offload)
+stays in the plan, and the runtime applies it on each rank (``--hetero-plan``).
+"""
+
+from __future__ import annotations
+
+import shlex
+
+from .plan import Plan
+
+__all__ = ["megatron_args", "megatron_args_line", "split_args"]
+
+
+def split_args(plan: Plan) -> list[str]:
+    """Arguments for the uneven layer split: nothing when even, first/last stage counts where
+    they express the split exactly, else ``--pipeline-model-parallel-layout``."""
+    split = plan.layer_split
+    pp = len(split)
+    if pp == 1 or len(set(split)) == 1:
+        return []
+    first, middle, last = split[0], split[1:-1], split[-1]
+    if first >= 1 and last >= 1 and len(set(middle)) <= 1 and (not middle or middle[0] >= 1):
+        out = []
+        if not middle or first != middle[0]:
+            out += ["--decoder-first-pipeline-num-layers", str(first)]
+        if not middle or last != middle[0]:
+            out += ["--decoder-last-pipeline-num-layers", str(last)]
+        return out
+    return ["--pipeline-model-parallel-layout", plan.layout()]
+
+
+def _recompute_args(plan: Plan) -> list[str]:
+    policies = {(s.recompute.granularity, s.recompute.method, s.recompute.num_layers)
+                for p in plan.pipelines for s in p.stages}
+    if len(policies) != 1:
+        return []  # per-stage policies: the runtime applies them from the plan
+    granularity, method, num_layers = policies.pop()
+    if granularity == "none":
+        return []
+    out = ["--recompute-granularity", granularity]
+    if granularity == "full":
+        out += ["--recompute-method", method, "--recompute-num-layers", str(num_layers)]
+    return out
+
+
+def megatron_args(plan: Plan, plan_path: str | None = None) -> list[str]:
+    """The argument list for ``pretrain_gpt.py`` (without data, tokenizer and schedule options)."""
+    m = plan.model
+    args = [
+        "--tensor-model-parallel-size", str(plan.tensor_model_parallel_size),
+        "--pipeline-model-parallel-size", str(plan.pipeline_model_parallel_size),
+        *split_args(plan),
+        "--num-layers", str(m.num_layers),
+        "--hidden-size", str(m.hidden_size),
+        "--ffn-hidden-size", str(m.ffn_hidden_size),
+        "--num-attention-heads", str(m.num_attention_heads),
+    ]
+    if m.num_query_groups != m.num_attention_heads:
+        args += ["--group-query-attention", "--num-query-groups", str(m.num_query_groups)]
+    args += ["--seq-length", str(m.seq_length), "--max-position-embeddings", str(m.seq_length)]
+    args += ["--normalization", m.normalization, "--position-embedding-type", m.position_embedding_type]
+    if m.swiglu:
+        args.append("--swiglu")
+    if m.untie_embeddings_and_output_weights:
+        args.append("--untie-embeddings-and-output-weights")
+    if not m.add_bias_linear:
+        args.append("--disable-bias-linear")
+    # Megatron's single --micro-batch-size; replicas that differ get theirs from the runtime.
+    args += ["--micro-batch-size", str(plan.pipelines[0].micro_batch_size),
+             "--global-batch-size", str(plan.global_batch_size)]
+    if plan.precision != "fp32":
+        args.append(f"--{plan.precision}")
+    if plan.use_distributed_optimizer:
+        args.append("--use-distributed-optimizer")
+    if not plan.uniform_data_parallel:
+        args.append("--calculate-per-token-loss")
+    args += _recompute_args(plan)
+    if plan_path is not None:
+        args += ["--hetero-plan", str(plan_path)]
+    return args
+
+
+def megatron_args_line(plan: Plan, plan_path: str | None = None) -> str:
+    """:func:`megatron_args` as one shell-ready line."""
+    return shlex.join(megatron_args(plan, plan_path))

@@ -1,0 +1,316 @@
+"""The plan (``plan.yaml``, ``format_version: 1``): the one contract between the tuner, the
+runtime, the launch scripts and the user.
+
+A plan lists one pipeline per data-parallel replica (in data-parallel rank order); each
+pipeline lists its stages in pipeline rank order. Stage ``s`` has the same number of layers in
+every pipeline (Megatron's gradient buckets need it), but may run on a different GPU type and
+with its own recompute and offload policy. Pipelines may differ in micro-batch size and count:
+that is how uneven data parallelism is expressed.
+
+Megatron rank order is ``tp-dp-pp``: the slot (pipeline ``d``, stage ``s``, tensor rank ``t``)
+is Megatron rank ``t + T * (d + D * s)``; see :meth:`Plan.slot_of_rank`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from ._schema import from_data, read_yaml, to_data, write_yaml
+from .errors import Described, SchemaError
+from .hardware.catalog import Catalog, load_catalog
+
+__all__ = ["ModelSpec", "Recompute", "Offload", "Stage", "Pipeline", "Plan", "Slot",
+           "load_plan", "save_plan", "plan_from_data", "check_plan_against_inventory",
+           "FORMAT_VERSION"]
+
+FORMAT_VERSION = 1
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelSpec:
+    """Transformer shape. Names follow Megatron's arguments."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    """Key/value head groups; equal to ``num_attention_heads`` for plain multi-head attention."""
+    vocab_size: int
+    seq_length: int
+    swiglu: bool = True
+    normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
+    position_embedding_type: Literal["rope", "learned_absolute"] = "rope"
+    untie_embeddings_and_output_weights: bool = True
+    add_bias_linear: bool = False
+
+    def __post_init__(self) -> None:
+        for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                    "num_query_groups", "vocab_size", "seq_length"):
+            if getattr(self, key) < 1:
+                raise SchemaError("", key, getattr(self, key), "a positive integer")
+        if self.hidden_size % self.num_attention_heads:
+            raise SchemaError("", "hidden_size", self.hidden_size,
+                              f"a multiple of num_attention_heads ({self.num_attention_heads})")
+        if self.num_attention_heads % self.num_query_groups:
+            raise SchemaError("", "num_query_groups", self.num_query_groups,
+                              f"a divisor of num_attention_heads ({self.num_attention_heads})")
+
+
+@dataclass(kw_only=True, slots=True)
+class Recompute:
+    """Activation recomputation of one stage (Megatron's ``--recompute-*`` for that stage)."""
+
+    granularity: Literal["none", "selective", "full"] = "none"
+    method: Literal["uniform", "block"] | None = None
+    """Required with ``full``: how Megatron picks the recomputed layers."""
+    num_layers: int | None = None
+    """Required with ``full``: layers per recompute chunk (uniform) or layers recomputed (block)."""
+
+    def __post_init__(self) -> None:
+        if self.granularity == "full":
+            if self.method is None:
+                raise SchemaError("", "method", None, "'uniform' or 'block' with granularity full")
+            if self.num_layers is None or self.num_layers < 1:
+                raise SchemaError("", "num_layers", self.num_layers,
+                                  "a positive integer with granularity full")
+        else:
+            for key in ("method", "num_layers"):
+                if getattr(self, key) is not None:
+                    raise SchemaError("", key, getattr(self, key),
+                                      f"nothing with granularity {self.granularity!r}")
+
+
+@dataclass(kw_only=True, slots=True)
+class Offload:
+    """What one stage keeps in host memory instead of device memory."""
+
+    optimizer_fraction: float = 0.0
+    """Fraction of the optimizer state (and its step) held and run on the CPU
+    (Megatron's ``--optimizer-cpu-offload --optimizer-offload-fraction``)."""
+    activations: bool = False
+    """Offload saved activations to host memory (needs a megatron-core that allows it with PP > 1)."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.optimizer_fraction <= 1.0:
+            raise SchemaError("", "optimizer_fraction", self.optimizer_fraction,
+                              "a fraction in [0, 1]")
+
+    @property
+    def any(self) -> bool:
+        return self.optimizer_fraction > 0 or self.activations
+
+
+@dataclass(kw_only=True, slots=True)
+class Stage:
+    """One pipeline stage of one replica: its GPU type, its layers and its memory policy."""
+
+    device_type: str
+    """Canonical catalog name of the GPU type that runs this stage (all its TP ranks)."""
+    num_layers: int
+    recompute: Recompute = field(default_factory=Recompute)
+    offload: Offload = field(default_factory=Offload)
+
+    def __post_init__(self) -> None:
+        if self.num_layers < 0:
+            raise SchemaError("", "num_layers", self.num_layers, "a non-negative integer")
+        if self.recompute.num_layers is not None and self.recompute.num_layers > max(self.num_layers, 1):
+            raise SchemaError("", "recompute.num_layers", self.recompute.num_layers,
+                              f"at most the stage's num_layers ({self.num_layers})")
+
+
+@dataclass(kw_only=True, slots=True)
+class Pipeline:
+    """One data-parallel replica."""
+
+    micro_batch_size: int
+    num_microbatches: int
+    """Micro-batches this replica runs per step; may differ between replicas."""
+    stages: list[Stage]
+
+    def __post_init__(self) -> None:
+        if self.micro_batch_size < 1:
+            raise SchemaError("", "micro_batch_size", self.micro_batch_size, "a positive integer")
+        if self.num_microbatches < 1:
+            raise SchemaError("", "num_microbatches", self.num_microbatches, "a positive integer")
+        if not self.stages:
+            raise SchemaError("", "stages", self.stages, "at least one stage")
+
+    @property
+    def samples(self) -> int:
+        return self.micro_batch_size * self.num_microbatches
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """Where one Megatron rank sits in the plan."""
+
+    pipeline: int
+    stage: int
+    tensor_rank: int
+
+
+@dataclass(kw_only=True, slots=True)
+class Plan:
+    """A complete heterogeneous training plan."""
+
+    format_version: Literal[1]
+    model: ModelSpec
+    global_batch_size: int
+    tensor_model_parallel_size: int
+    pipelines: list[Pipeline]
+    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    use_distributed_optimizer: bool = True
+    """Shard optimizer state over data parallelism (``--use-distributed-optimizer``)."""
+    prediction: dict[str, float] | None = None
+    """Figures the tuner predicted for this plan (informational; never read back as input)."""
+
+    def __post_init__(self) -> None:
+        if self.global_batch_size < 1:
+            raise SchemaError("", "global_batch_size", self.global_batch_size, "a positive integer")
+        tp = self.tensor_model_parallel_size
+        if tp < 1:
+            raise SchemaError("", "tensor_model_parallel_size", tp, "a positive integer")
+        m = self.model
+        if m.num_attention_heads % tp or m.num_query_groups % tp:
+            raise SchemaError("", "tensor_model_parallel_size", tp,
+                              f"a divisor of model.num_attention_heads ({m.num_attention_heads}) "
+                              f"and model.num_query_groups ({m.num_query_groups})")
+        if not self.pipelines:
+            raise SchemaError("", "pipelines", self.pipelines, "at least one pipeline")
+        first = self.pipelines[0].stages
+        for d, pipe in enumerate(self.pipelines[1:], start=1):
+            if len(pipe.stages) != len(first):
+                raise SchemaError("", f"pipelines[{d}].stages", Described(f"{len(pipe.stages)} stages"),
+                                  f"{len(first)} stages, as in pipelines[0]")
+            for s, stage in enumerate(pipe.stages):
+                if stage.num_layers != first[s].num_layers:
+                    raise SchemaError("", f"pipelines[{d}].stages[{s}].num_layers", stage.num_layers,
+                                      f"{first[s].num_layers}, as in pipelines[0] (a stage index "
+                                      "has the same layers in every pipeline)")
+        total = sum(s.num_layers for s in first)
+        if total != m.num_layers:
+            raise SchemaError("", "pipelines[0].stages", Described(f"layers adding up to {total}"),
+                              f"layers adding up to model.num_layers ({m.num_layers})")
+        last = len(first) - 1
+        for s, stage in enumerate(first):
+            if stage.num_layers == 0 and 0 < s < last:
+                raise SchemaError("", f"pipelines[0].stages[{s}].num_layers", 0,
+                                  "at least 1 layer on a middle stage (only the first and last "
+                                  "stage may hold just the embedding or the loss)")
+        if len(first) == 1 and first[0].num_layers == 0:
+            raise SchemaError("", "pipelines[0].stages[0].num_layers", 0, "at least 1")
+        samples = sum(p.samples for p in self.pipelines)
+        if samples != self.global_batch_size:
+            raise SchemaError("", "global_batch_size", self.global_batch_size,
+                              f"the sum over pipelines of micro_batch_size x num_microbatches "
+                              f"({samples})")
+
+    # -- shape -----------------------------------------------------------------------------------
+    @property
+    def pipeline_model_parallel_size(self) -> int:
+        return len(self.pipelines[0].stages)
+
+    @property
+    def data_parallel_size(self) -> int:
+        return len(self.pipelines)
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.data_parallel_size
+
+    @property
+    def layer_split(self) -> list[int]:
+        return [s.num_layers for s in self.pipelines[0].stages]
+
+    @property
+    def uniform_data_parallel(self) -> bool:
+        """True when every replica runs the same micro-batch size and count."""
+        return len({(p.micro_batch_size, p.num_microbatches) for p in self.pipelines}) == 1
+
+    def stage(self, pipeline: int, stage: int) -> Stage:
+        return self.pipelines[pipeline].stages[stage]
+
+    def slot_of_rank(self, rank: int) -> Slot:
+        """The plan slot Megatron's rank ``rank`` plays (Megatron order ``tp-dp-pp``)."""
+        tp, dp = self.tensor_model_parallel_size, self.data_parallel_size
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside world size {self.world_size}")
+        return Slot(pipeline=(rank // tp) % dp, stage=rank // (tp * dp), tensor_rank=rank % tp)
+
+    def rank_of_slot(self, slot: Slot) -> int:
+        tp, dp = self.tensor_model_parallel_size, self.data_parallel_size
+        return slot.tensor_rank + tp * (slot.pipeline + dp * slot.stage)
+
+    def device_type_of_rank(self, rank: int) -> str:
+        slot = self.slot_of_rank(rank)
+        return self.stage(slot.pipeline, slot.stage).device_type
+
+    def device_counts(self) -> Counter[str]:
+        """GPUs the plan needs per device type."""
+        counts: Counter[str] = Counter()
+        for pipe in self.pipelines:
+            for stage in pipe.stages:
+                counts[stage.device_type] += self.tensor_model_parallel_size
+        return counts
+
+    def layout(self) -> str:
+        """Megatron's ``pipeline_model_parallel_layout`` string for this plan's split."""
+        parts = []
+        last = self.pipeline_model_parallel_size - 1
+        for s, n in enumerate(self.layer_split):
+            body = "" if n == 0 else ("t" if n == 1 else f"t*{n}")
+            parts.append(("E" if s == 0 else "") + body + ("L" if s == last else ""))
+        return "|".join(parts)
+
+    # -- conversion ------------------------------------------------------------------------------
+    def to_data(self) -> dict:
+        return to_data(self)
+
+
+def plan_from_data(data: object, *, source: str = "<plan>", catalog: Catalog | None = None) -> Plan:
+    """Build and check a plan from plain data. Device types must be canonical catalog names."""
+    plan = from_data(Plan, data, source=source)
+    catalog = catalog or load_catalog()
+    for d, pipe in enumerate(plan.pipelines):
+        for s, stage in enumerate(pipe.stages):
+            path = f"pipelines[{d}].stages[{s}].device_type"
+            canonical = catalog.resolve(stage.device_type)
+            if canonical is None:
+                catalog.get(stage.device_type, source=source, path=path)  # raises the full message
+            if canonical != stage.device_type:
+                raise SchemaError(source, path, stage.device_type,
+                                  f"a canonical catalog name ({canonical!r})")
+            if plan.precision == "bf16" and not catalog.get(canonical).bf16:
+                raise SchemaError(source, "precision", plan.precision,
+                                  f"fp16 or fp32: {canonical} (at {path}) has no bf16")
+    return plan
+
+
+def load_plan(path: str | Path, *, catalog: Catalog | None = None) -> Plan:
+    """Load and check ``plan.yaml``. Errors are :class:`SchemaError` naming file and field path."""
+    return plan_from_data(read_yaml(path), source=str(path), catalog=catalog)
+
+
+def save_plan(plan: Plan, path: str | Path) -> None:
+    write_yaml(plan.to_data(), path)
+
+
+def check_plan_against_inventory(plan: Plan, inventory, *, source: str = "<plan>") -> None:
+    """Raise :class:`SchemaError` if the plan needs more GPUs of a type than the inventory has,
+    or a tensor-parallel group larger than a node of that type."""
+    have = inventory.gpu_counts()
+    for gpu, need in sorted(plan.device_counts().items()):
+        if need > have.get(gpu, 0):
+            raise SchemaError(source, "pipelines", Described(f"{need} GPUs of type {gpu}"),
+                              f"at most {have.get(gpu, 0)} (what {inventory.source} has; it has "
+                              + ", ".join(f"{n}x {g}" for g, n in sorted(have.items())) + ")")
+        widest = max(g.gpus_per_node for g in inventory.groups if g.gpu == gpu)
+        if plan.tensor_model_parallel_size > widest:
+            raise SchemaError(source, "tensor_model_parallel_size", plan.tensor_model_parallel_size,
+                              f"at most {widest}, the GPUs per node of type {gpu} in "
+                              f"{inventory.source} (a tensor-parallel group stays inside a node)")

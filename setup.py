@@ -1,0 +1,32 @@
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+version = {}
+exec(Path("megatron_hetero/_version.py").read_text(), version)
+
+setup(
+    name="megatron-hetero",
+    version=version["__version__"],
+    description="Plan and run Megatron-LM training on a mixed pool of GPUs",
+    long_description=Path("README.md").read_text(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_hetero", "megatron_hetero.*"]),
+    package_data={"megatron_hetero": ["hardware/*.yaml", "patches/*.patch"]},
+    install_requires=[
+        "megatron-core>=0.16",
+        "torch>=2.4",
+        "pyyaml>=6",
+        "numpy>=1.24",
+        "scipy>=1.11",
+        "rich>=13",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "hypothesis>=6.100", "matplotlib>=3.7"],
+        "plot": ["matplotlib>=3.7"],
+        "te": ["transformer-engine[pytorch]"],
+        "apex": ["apex"],
+    },
+    entry_points={"console_scripts": ["megatron-hetero=megatron_hetero.cli:main"]},
+)
