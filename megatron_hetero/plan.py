@@ -232,6 +232,12 @@ class Plan:
         """True when every replica runs the same micro-batch size and count."""
         return len({(p.micro_batch_size, p.num_microbatches) for p in self.pipelines}) == 1
 
+    def replica_sample_range(self, pipeline: int) -> tuple[int, int]:
+        """(offset, count) of the samples of every global batch that replica ``pipeline`` reads:
+        replicas take consecutive shares in data-parallel rank order."""
+        offset = sum(p.samples for p in self.pipelines[:pipeline])
+        return offset, self.pipelines[pipeline].samples
+
     def stage(self, pipeline: int, stage: int) -> Stage:
         return self.pipelines[pipeline].stages[stage]
 

@@ -1,0 +1,1 @@
+"""Cost model: compute, memory and communication per device type; measured profiles."""
