@@ -1,0 +1,80 @@
+"""Speed emulation: a wrapped step sleeps (factor - 1) x the CPU time it used, and only that."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from megatron_hetero.emulate.speed import SpeedEmulation, device_slowdowns
+from megatron_hetero.hardware.catalog import load_catalog
+from megatron_hetero.plan import plan_from_data
+
+
+def _burn(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    x = 0
+    while time.thread_time() < end:
+        x += 1
+
+
+@pytest.mark.parametrize("slowdown,time_scale", [(2.5, 1.0), (1.0, 2.0), (1.5, 2.0)])
+def test_sleep_is_factor_minus_one_times_cpu(slowdown, time_scale):
+    emu = SpeedEmulation(slowdown=slowdown, time_scale=time_scale)
+    for _ in range(3):
+        with emu.step():
+            _burn(0.03)
+    factor = slowdown * time_scale
+    assert emu.steps == 3
+    assert emu.cpu_s >= 0.09
+    # sleep overshoot is a few hundred microseconds per step at most
+    assert emu.slept_s == pytest.approx((factor - 1) * emu.cpu_s, rel=0.1, abs=0.01)
+    assert emu.busy_s >= emu.cpu_s + emu.slept_s * 0.99
+
+
+def test_waiting_is_not_stretched():
+    """A step that waits (sleeps, as a rank does on a receive) used no CPU: nothing is added."""
+    emu = SpeedEmulation(slowdown=4.0)
+    with emu.step():
+        time.sleep(0.05)
+    assert emu.cpu_s < 0.01
+    assert emu.slept_s < 0.04
+
+
+def test_fastest_device_is_not_stretched():
+    emu = SpeedEmulation(slowdown=1.0)
+    with emu.step():
+        _burn(0.02)
+    assert emu.slept_s == 0.0
+
+
+def test_disabled_only_measures():
+    emu = SpeedEmulation(slowdown=3.0, enabled=False)
+    with emu.step():
+        _burn(0.02)
+    assert emu.slept_s == 0.0 and emu.cpu_s > 0.015
+
+
+def test_bad_slowdown_rejected():
+    with pytest.raises(ValueError, match="slowdown"):
+        SpeedEmulation(slowdown=0.5)
+    with pytest.raises(ValueError, match="time_scale"):
+        SpeedEmulation(slowdown=1.0, time_scale=0.5)
+
+
+def test_slowdowns_follow_catalog_achievable_flops():
+    catalog = load_catalog()
+    fast, slow = "A100-SXM-80GB", "V100-SXM2-32GB"
+    plan = plan_from_data({
+        "format_version": 1, "precision": "fp16", "global_batch_size": 4,
+        "tensor_model_parallel_size": 1,
+        "model": {"name": "t", "num_layers": 4, "hidden_size": 64, "ffn_hidden_size": 128,
+                  "num_attention_heads": 4, "num_query_groups": 4, "vocab_size": 128,
+                  "seq_length": 32},
+        "pipelines": [{"micro_batch_size": 1, "num_microbatches": 4, "stages": [
+            {"device_type": fast, "num_layers": 1}, {"device_type": slow, "num_layers": 3}]}],
+    })
+    s = device_slowdowns(plan, catalog)
+    assert s[fast] == 1.0
+    a, v = catalog.get(fast), catalog.get(slow)
+    assert s[slow] == pytest.approx(a.bf16_tflops * a.efficiency / (v.bf16_tflops * v.efficiency))
