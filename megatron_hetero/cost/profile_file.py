@@ -1,0 +1,401 @@
+"""The device profile file (``profile.yaml``, ``format_version: 1``) and the cost model's view of it.
+
+``megatron-hetero profile`` writes one file per device type; ``megatron-hetero tune --profile
+FILE`` reads them back. The format is documented in ``docs/profile-format.md``. Loading is strict
+(unknown keys, missing fields and wrong types are :class:`SchemaError` naming the field path).
+
+:class:`MeasuredProfile` implements :class:`~megatron_hetero.cost.profile_protocol.DeviceProfile`:
+it answers with measured seconds for a model shape it profiled, linearly interpolated between two
+measured micro-batch sizes at the same TP size, and ``None`` otherwise. :class:`ProfileUsage`
+records which answers were measured and which fell back, for the tuner's report.
+
+No torch here: the tuner imports this module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Literal, Mapping
+
+from .._schema import from_data, read_yaml, to_data, write_yaml
+from ..errors import Described, SchemaError
+from ..plan import ModelSpec
+from .profile_protocol import DeviceProfile, Part
+
+__all__ = ["FORMAT_VERSION", "DeviceInfo", "Software", "Timing", "PartTimes", "MemoryFigures",
+           "ProfileEntry", "BandwidthSample", "Communication", "ProfileData", "MeasuredProfile",
+           "ProfileUsage", "load_profile", "load_profiles", "save_profile", "shape_matches",
+           "LAYER_SHAPE_FIELDS", "VOCAB_SHAPE_FIELDS"]
+
+FORMAT_VERSION = 1
+
+LAYER_SHAPE_FIELDS = ("hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                      "seq_length", "swiglu", "normalization", "add_bias_linear")
+"""ModelSpec fields that decide the cost of one transformer layer."""
+VOCAB_SHAPE_FIELDS = LAYER_SHAPE_FIELDS + ("vocab_size", "position_embedding_type")
+"""ModelSpec fields that decide the cost of the embedding and of the output layer with its loss."""
+
+
+@dataclass(kw_only=True, slots=True)
+class DeviceInfo:
+    """What was profiled."""
+
+    name: str
+    """Name the device reports (``torch.cuda.get_device_name()``, or the CPU model)."""
+    type: str
+    """Canonical catalog name of the device type, or ``CPU`` for a CPU run (add a ``CPU`` entry
+    under the inventory's ``gpus:`` key to plan with it)."""
+    backend: Literal["cuda", "cpu"]
+    ranks: int = 1
+    """Processes used; more than 1 when TP > 1 was profiled or bandwidth was measured."""
+    peak_matmul_tflops: float | None = None
+    """Dense matmul rate measured on this device in the profiled precision (TFLOPS)."""
+    memory_bytes: int | None = None
+    """Device memory the profiler saw (total device memory, or host RAM on CPU)."""
+
+    def __post_init__(self) -> None:
+        if self.ranks < 1:
+            raise SchemaError("", "ranks", self.ranks, "a positive integer")
+
+
+@dataclass(kw_only=True, slots=True)
+class Software:
+    """Versions of what ran the measurement (``null`` when not installed)."""
+
+    megatron_hetero: str
+    python: str
+    torch: str
+    megatron_core: str
+    transformer_engine: str | None = None
+    cuda: str | None = None
+
+
+@dataclass(kw_only=True, slots=True)
+class Timing:
+    """How the times were taken."""
+
+    method: Literal["cuda-events", "synchronize-wall-clock"]
+    warmup: int
+    """Untimed iterations before the timed ones."""
+    repeats: int
+    """Timed iterations; every time in the file is their median."""
+    layer_spec: Literal["transformer_engine", "local"]
+    precision: Literal["bf16", "fp16", "fp32"]
+
+    def __post_init__(self) -> None:
+        if self.warmup < 0:
+            raise SchemaError("", "warmup", self.warmup, "a non-negative integer")
+        if self.repeats < 1:
+            raise SchemaError("", "repeats", self.repeats, "a positive integer")
+
+
+@dataclass(kw_only=True, slots=True)
+class PartTimes:
+    """Median seconds of one micro-batch through one part, per rank of the TP group."""
+
+    forward_s: float
+    backward_s: float
+
+    def __post_init__(self) -> None:
+        for key in ("forward_s", "backward_s"):
+            if not getattr(self, key) > 0:
+                raise SchemaError("", key, getattr(self, key), "a positive number of seconds")
+
+
+@dataclass(kw_only=True, slots=True)
+class MemoryFigures:
+    """Memory of one micro-batch on one rank of the TP group (bytes)."""
+
+    method: Literal["cuda-max-memory-allocated", "saved-tensors"]
+    """``cuda-max-memory-allocated``: allocator peaks on a GPU. ``saved-tensors``: on CPU, the
+    bytes autograd saves for backward (``torch.autograd.graph.saved_tensors_hooks``), counted once
+    per storage; ``peak_bytes`` is then parameters + gradients + saved tensors, not an allocator
+    peak."""
+    parameter_bytes_per_layer: int
+    activation_bytes_per_layer: int
+    """Bytes one layer keeps for backward (no recompute)."""
+    peak_bytes: int
+    """Peak over one layer's forward and backward, parameters and gradients included."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ProfileEntry:
+    """Measurements at one (micro-batch size, TP size)."""
+
+    micro_batch_size: int
+    tensor_parallel_size: int
+    layer: PartTimes
+    """One transformer layer."""
+    embedding: PartTimes
+    output: PartTimes
+    """The output layer with its cross-entropy loss."""
+    memory: MemoryFigures
+    achieved_tflops: float | None = None
+    """Model FLOPs of one layer's forward and backward over its measured time, per rank."""
+
+    def __post_init__(self) -> None:
+        if self.micro_batch_size < 1:
+            raise SchemaError("", "micro_batch_size", self.micro_batch_size, "a positive integer")
+        if self.tensor_parallel_size < 1:
+            raise SchemaError("", "tensor_parallel_size", self.tensor_parallel_size,
+                              "a positive integer")
+
+
+@dataclass(kw_only=True, slots=True)
+class BandwidthSample:
+    """One message size of a collective, median of repeats."""
+
+    bytes: int
+    seconds: float
+    gb_s: float
+    """Bus bandwidth in GB/s: bytes / seconds for p2p; 2 (n-1)/n bytes / seconds for all-reduce."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Communication:
+    """Bandwidth between the profiler's ranks (only when it ran with more than one)."""
+
+    ranks: int
+    backend: str
+    """torch.distributed backend (``nccl``, ``gloo``)."""
+    p2p: list[BandwidthSample]
+    all_reduce: list[BandwidthSample]
+
+
+@dataclass(kw_only=True, slots=True)
+class ProfileData:
+    """The whole ``profile.yaml``."""
+
+    format_version: Literal[1]
+    device: DeviceInfo
+    software: Software
+    timing: Timing
+    model: ModelSpec
+    """The shape profiled (``num_layers`` is the model's, not what was run)."""
+    entries: list[ProfileEntry]
+    created: str = ""
+    """UTC time of the measurement, ISO 8601."""
+    efficiency: float | None = None
+    """Fraction of the catalog's ``bf16_tflops`` (or of ``device.peak_matmul_tflops`` for a CPU)
+    one transformer layer achieved at TP=1, best micro-batch size."""
+    communication: Communication | None = None
+
+    def __post_init__(self) -> None:
+        if not self.entries:
+            raise SchemaError("", "entries", self.entries, "at least one measurement")
+        seen: dict[tuple[int, int], int] = {}
+        for i, e in enumerate(self.entries):
+            key = (e.micro_batch_size, e.tensor_parallel_size)
+            if key in seen:
+                raise SchemaError("", f"entries[{i}]",
+                                  Described(f"micro_batch_size {key[0]}, tensor_parallel_size "
+                                            f"{key[1]} again"),
+                                  f"one entry per pair (entries[{seen[key]}] has it)")
+            seen[key] = i
+        if self.efficiency is not None and not 0 < self.efficiency <= 1:
+            raise SchemaError("", "efficiency", self.efficiency, "a fraction in (0, 1]")
+
+    def to_data(self) -> dict:
+        return to_data(self)
+
+
+def shape_matches(profiled: ModelSpec, asked: ModelSpec, part: Part) -> bool:
+    """True when ``asked`` has the shape ``profiled`` measured for ``part``."""
+    keys = LAYER_SHAPE_FIELDS if part == "layer" else VOCAB_SHAPE_FIELDS
+    return all(getattr(profiled, k) == getattr(asked, k) for k in keys)
+
+
+class MeasuredProfile:
+    """A loaded profile, answering the cost model (:class:`DeviceProfile`)."""
+
+    __slots__ = ("data", "source", "device_type", "_by_tp")
+
+    def __init__(self, data: ProfileData, *, source: str = "<profile>"):
+        self.data = data
+        self.source = source
+        self.device_type: str = data.device.type
+        self._by_tp: dict[int, list[ProfileEntry]] = {}
+        for e in data.entries:
+            self._by_tp.setdefault(e.tensor_parallel_size, []).append(e)
+        for entries in self._by_tp.values():
+            entries.sort(key=lambda e: e.micro_batch_size)
+
+    @property
+    def efficiency(self) -> float | None:
+        return self.data.efficiency
+
+    def times(self, part: Part, *, model: ModelSpec, micro_batch_size: int,
+              tensor_parallel_size: int) -> tuple[float, float] | None:
+        found = self.lookup(part, model=model, micro_batch_size=micro_batch_size,
+                            tensor_parallel_size=tensor_parallel_size)
+        return None if found is None else found[0]
+
+    def lookup(self, part: Part, *, model: ModelSpec, micro_batch_size: int,
+               tensor_parallel_size: int) -> tuple[tuple[float, float], bool] | None:
+        """``((forward_s, backward_s), interpolated)`` or None. Between two measured
+        micro-batch sizes the times are interpolated linearly; outside them, None."""
+        if not shape_matches(self.data.model, model, part):
+            return None
+        entries = self._by_tp.get(tensor_parallel_size)
+        if not entries:
+            return None
+        for e in entries:
+            if e.micro_batch_size == micro_batch_size:
+                t = getattr(e, part)
+                return (t.forward_s, t.backward_s), False
+        below = [e for e in entries if e.micro_batch_size < micro_batch_size]
+        above = [e for e in entries if e.micro_batch_size > micro_batch_size]
+        if not below or not above:
+            return None
+        lo, hi = below[-1], above[0]
+        w = (micro_batch_size - lo.micro_batch_size) / (hi.micro_batch_size - lo.micro_batch_size)
+        a, b = getattr(lo, part), getattr(hi, part)
+        return ((a.forward_s + w * (b.forward_s - a.forward_s),
+                 a.backward_s + w * (b.backward_s - a.backward_s)), True)
+
+    def memory(self, *, model: ModelSpec, micro_batch_size: int,
+               tensor_parallel_size: int) -> MemoryFigures | None:
+        """Measured memory figures of one layer at exactly this shape, or None."""
+        if not shape_matches(self.data.model, model, "layer"):
+            return None
+        for e in self._by_tp.get(tensor_parallel_size, []):
+            if e.micro_batch_size == micro_batch_size:
+                return e.memory
+        return None
+
+    def __repr__(self) -> str:
+        return f"MeasuredProfile({self.device_type!r}, {self.source!r})"
+
+
+@dataclass(kw_only=True, slots=True)
+class _Tally:
+    measured: int = 0
+    interpolated: int = 0
+    estimated: int = 0
+    keys_measured: set = field(default_factory=set)
+    keys_estimated: set = field(default_factory=set)
+
+
+class ProfileUsage:
+    """Wraps profiles to record which figures the cost model got measured and which it had to
+    estimate. Pass :meth:`wrap`'s result to the cost model, then read :meth:`report`.
+
+    Device types without a profile are not asked through here; :meth:`report` lists them as
+    estimated when given the device types the plan used.
+    """
+
+    def __init__(self, profiles: Mapping[str, MeasuredProfile]):
+        self.profiles = dict(profiles)
+        self._tally: dict[str, _Tally] = {name: _Tally() for name in self.profiles}
+
+    def wrap(self) -> dict[str, DeviceProfile]:
+        return {name: _Recording(p, self._tally[name]) for name, p in self.profiles.items()}
+
+    def report(self, device_types: Iterable[str] = ()) -> dict:
+        """Plain data for the JSON report: per device type, where its figures came from."""
+        out: dict[str, dict] = {}
+        for name in sorted(set(device_types) | set(self.profiles)):
+            p = self.profiles.get(name)
+            if p is None:
+                out[name] = {"source": "catalog", "profile": None,
+                             "note": "no profile: catalog bf16_tflops x catalog efficiency"}
+                continue
+            t = self._tally[name]
+            if t.measured + t.interpolated and not t.estimated:
+                source = "measured"
+            elif t.measured + t.interpolated:
+                source = "partly measured"
+            else:
+                source = "estimated with measured efficiency" if p.efficiency else "estimated"
+            out[name] = {
+                "source": source,
+                "profile": p.source,
+                "efficiency": p.efficiency,
+                "lookups_measured": t.measured,
+                "lookups_interpolated": t.interpolated,
+                "lookups_estimated": t.estimated,
+                "measured": sorted(f"{k[0]} mbs={k[1]} tp={k[2]}" for k in t.keys_measured),
+                "estimated": sorted(f"{k[0]} mbs={k[1]} tp={k[2]}" for k in t.keys_estimated),
+            }
+        return out
+
+    def summary_lines(self, device_types: Iterable[str] = ()) -> list[str]:
+        """One line per device type for the human summary."""
+        lines = []
+        for name, r in self.report(device_types).items():
+            if r["profile"] is None:
+                lines.append(f"{name}: estimated (catalog datasheet x default efficiency; "
+                             "no --profile given)")
+                continue
+            eff = f", measured efficiency {r['efficiency']:.3f}" if r["efficiency"] else ""
+            lines.append(f"{name}: {r['source']} from {r['profile']} ({r['lookups_measured']} "
+                         f"measured, {r['lookups_interpolated']} interpolated, "
+                         f"{r['lookups_estimated']} estimated lookups{eff})")
+        return lines
+
+
+class _Recording:
+    __slots__ = ("_p", "_t", "device_type")
+
+    def __init__(self, profile: MeasuredProfile, tally: _Tally):
+        self._p, self._t = profile, tally
+        self.device_type = profile.device_type
+
+    @property
+    def efficiency(self) -> float | None:
+        return self._p.efficiency
+
+    def times(self, part: Part, *, model: ModelSpec, micro_batch_size: int,
+              tensor_parallel_size: int) -> tuple[float, float] | None:
+        found = self._p.lookup(part, model=model, micro_batch_size=micro_batch_size,
+                               tensor_parallel_size=tensor_parallel_size)
+        key = (part, micro_batch_size, tensor_parallel_size)
+        if found is None:
+            self._t.estimated += 1
+            self._t.keys_estimated.add(key)
+            return None
+        if found[1]:
+            self._t.interpolated += 1
+        else:
+            self._t.measured += 1
+        self._t.keys_measured.add(key)
+        return found[0]
+
+    def __getattr__(self, name):
+        return getattr(self._p, name)
+
+
+def load_profile(path: str | Path, *, catalog=None) -> MeasuredProfile:
+    """Load ``profile.yaml`` strictly. With ``catalog``, ``device.type`` must be a name it knows
+    (aliases are resolved to the canonical name)."""
+    source = str(path)
+    raw = read_yaml(path)
+    if isinstance(raw, dict) and raw.get("format_version") not in (None, FORMAT_VERSION):
+        raise SchemaError(source, "format_version", raw.get("format_version"),
+                          f"{FORMAT_VERSION} (this megatron-hetero reads profile format "
+                          f"{FORMAT_VERSION}; re-run `megatron-hetero profile`)")
+    data = from_data(ProfileData, raw, source=source)
+    if catalog is not None:
+        canonical = catalog.resolve(data.device.type)
+        if canonical is None:
+            catalog.get(data.device.type, source=source, path="device.type")  # raises
+        data.device.type = canonical
+    return MeasuredProfile(data, source=source)
+
+
+def load_profiles(paths: Iterable[str | Path], *, catalog=None) -> dict[str, MeasuredProfile]:
+    """Profiles by device type; two files for one type is an error."""
+    out: dict[str, MeasuredProfile] = {}
+    for path in paths:
+        p = load_profile(path, catalog=catalog)
+        if p.device_type in out:
+            raise SchemaError(str(path), "device.type", p.device_type,
+                              f"one profile per device type ({out[p.device_type].source} "
+                              "profiles it already)")
+        out[p.device_type] = p
+    return out
+
+
+def save_profile(data: ProfileData, path: str | Path) -> None:
+    write_yaml(data.to_data(), path)
