@@ -1,0 +1,238 @@
+"""Memory emulation: cap each CPU rank's memory to its device's memory, scaled with the model.
+
+What is counted (real bytes, cheaply):
+
+- *static*: the distinct storages of the model's parameters, of their ``main_grad`` buffers
+  (Megatron's DDP grad buffers) and of the optimizer state once it exists (Adam creates it at
+  the first step, as on a GPU) -- :meth:`MemoryMeter.count_static`;
+- *activations*: the storages autograd saves for the backward pass, counted while they are
+  alive through ``torch.autograd.graph.saved_tensors_hooks`` (parameters excluded; views of one
+  storage counted once). In the 1F1B schedule, the micro-batches in flight on a stage keep
+  their saved tensors alive together, so the peak is the real activation peak of that stage.
+
+Not counted: temporaries freed inside an op, pipeline receive buffers that no op saved, and
+allocator fragmentation; on a GPU these are the few percent of headroom a plan must leave anyway.
+
+The cap. A shrunk model needs far less memory than the real one, so the device's memory is
+scaled with the model, rank by rank::
+
+    cap(rank) = device.memory_bytes x estimate(shrunk model, fp32, rank) / estimate(real model, plan precision, rank)
+
+where ``estimate`` is :func:`estimate_rank_bytes` (weights, gradients, optimizer state and the
+activations of the micro-batches in flight on the stage). A rank then fails exactly when the
+measured shrunk need exceeds its share of the card as the real model would use it: a plan that
+would not fit the real card fails in the rehearsal too, with :class:`MemoryCapError` naming the
+rank, the (pipeline, stage) slot, the device, the bytes needed and the cap.
+"""
+
+from __future__ import annotations
+
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator
+
+from ..errors import HeteroError
+from ..hardware.catalog import Catalog, load_catalog
+from ..plan import ModelSpec, Plan
+
+__all__ = ["MemoryCapError", "MemoryMeter", "estimate_rank_bytes", "memory_caps", "stage_params"]
+
+
+class MemoryCapError(HeteroError):
+    """A rank needed more memory than its emulated device has (scaled with the model)."""
+
+    def __init__(self, *, rank: int, pipeline: int, stage: int, device_type: str, needed: float,
+                 cap: float, device_bytes: float, scale: float, what: str):
+        self.rank, self.pipeline, self.stage, self.device_type = rank, pipeline, stage, device_type
+        self.needed, self.cap = needed, cap
+        real_need = needed / scale if scale > 0 else float("inf")
+        super().__init__(
+            f"rank {rank} (pipeline {pipeline}, stage {stage}, {device_type}) ran out of memory "
+            f"{what}: it needed {_mib(needed)} of its {_mib(cap)} cap (the device's "
+            f"{device_bytes / 1e9:.0f} GB scaled by {scale:.3g} with the model; about "
+            f"{real_need / 1e9:.1f} GB on the real card). Give this stage fewer layers or "
+            f"micro-batches in flight, recompute, offload, or a larger device")
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+# -- estimates ------------------------------------------------------------------------------------
+
+_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def stage_params(model: ModelSpec, plan: Plan, stage: int) -> int:
+    """Parameters one tensor-parallel rank of ``stage`` holds."""
+    h, f, tp = model.hidden_size, model.ffn_hidden_size, plan.tensor_model_parallel_size
+    kv = h * model.num_query_groups // model.num_attention_heads
+    attn = h * h + 2 * h * kv + h * h
+    mlp = (3 if model.swiglu else 2) * h * f
+    layer = (attn + mlp) // tp + 2 * h
+    n = plan.layer_split[stage] * layer
+    if stage == 0:
+        n += model.vocab_size * h // tp
+    if stage == plan.pipeline_model_parallel_size - 1:
+        n += h + (model.vocab_size * h // tp if model.untie_embeddings_and_output_weights else 0)
+    return n
+
+
+def estimate_rank_bytes(model: ModelSpec, plan: Plan, pipeline: int, stage: int,
+                        precision: str) -> float:
+    """Bytes one rank of (pipeline, stage) needs: weights, gradients, optimizer state, and the
+    saved activations of the micro-batches the 1F1B schedule keeps in flight there."""
+    w = _BYTES[precision]
+    dp = plan.data_parallel_size if plan.use_distributed_optimizer else 1
+    # weights + fp32 grads; Adam moments (+ fp32 master weights when training in 16 bits)
+    opt = 8 + (4 if w == 2 else 0)
+    static = stage_params(model, plan, stage) * (w + 4 + opt / dp)
+    pipe = plan.pipelines[pipeline]
+    st = pipe.stages[stage]
+    s, b, h, a = model.seq_length, pipe.micro_batch_size, model.hidden_size, model.num_attention_heads
+    tp = plan.tensor_model_parallel_size
+    # Korthikanti et al. (2022), per layer and micro-batch, scaled from 16-bit to `w` bytes
+    per_layer = s * b * h * (34 / tp + 5 * a * s / (h * tp)) * w / 2
+    if st.recompute.granularity == "full":
+        per_layer = s * b * h * w + per_layer / max(st.num_layers, 1)
+    elif st.recompute.granularity == "selective":
+        per_layer = s * b * h * 34 / tp * w / 2
+    in_flight = min(plan.pipeline_model_parallel_size - stage, pipe.num_microbatches)
+    act = per_layer * st.num_layers * in_flight
+    if stage == plan.pipeline_model_parallel_size - 1:
+        act += s * b * model.vocab_size / tp * 4 * 2  # logits and their softmax (fp32)
+    return static + act
+
+
+def memory_caps(real: Plan, shrunk: Plan, catalog: Catalog | None = None,
+                run_precision: str = "fp32") -> dict[int, tuple[float, float, float]]:
+    """For every rank: (cap bytes, device bytes, scale) under the rule in the module docstring."""
+    catalog = catalog or load_catalog()
+    caps = {}
+    for rank in range(real.world_size):
+        slot = real.slot_of_rank(rank)
+        device = catalog.get(real.stage(slot.pipeline, slot.stage).device_type).memory_bytes
+        scale = (estimate_rank_bytes(shrunk.model, shrunk, slot.pipeline, slot.stage, run_precision)
+                 / estimate_rank_bytes(real.model, real, slot.pipeline, slot.stage, real.precision))
+        caps[rank] = (device * scale, device, scale)
+    return caps
+
+
+# -- measurement ----------------------------------------------------------------------------------
+
+def _storage(t) -> tuple[int, int]:
+    st = t.untyped_storage()
+    return st.data_ptr(), st.nbytes()
+
+
+class _Saved:
+    """What autograd keeps instead of a saved tensor; releases its count when autograd drops it."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+@dataclass(kw_only=True)
+class MemoryMeter:
+    """Live-byte accounting of one rank, checked against its cap."""
+
+    rank: int
+    pipeline: int
+    stage: int
+    device_type: str
+    cap: float | None = None
+    """Byte cap (None: measure only)."""
+    device_bytes: float = 0.0
+    scale: float = 1.0
+    static_bytes: int = 0
+    activation_bytes: int = 0
+    """Bytes of saved activations alive now."""
+    peak_bytes: int = 0
+    """Peak of static + activation bytes."""
+    _static_ptrs: set = field(default_factory=set)
+    _live: dict = field(default_factory=dict)  # storage ptr -> [refs, nbytes]
+
+    def count_static(self, model_chunks: Iterable, optimizer=None) -> int:
+        """(Re)count parameters, their ``main_grad``/``grad`` and the optimizer state; checks the
+        cap. Call it before the first step and after each optimizer step."""
+        seen: dict[int, int] = {}
+
+        def add(t) -> None:
+            if t is not None and hasattr(t, "untyped_storage") and t.numel():
+                ptr, n = _storage(t)
+                seen[ptr] = n
+
+        for chunk in model_chunks:
+            for p in chunk.parameters():
+                add(p)
+                add(getattr(p, "main_grad", None))
+                add(p.grad)
+        for t in _optimizer_tensors(optimizer):
+            add(t)
+        self._static_ptrs = set(seen)
+        self.static_bytes = sum(seen.values())
+        self._check("holding weights, gradients and optimizer state")
+        return self.static_bytes
+
+    @contextmanager
+    def saved_activations(self) -> Iterator[None]:
+        """Count what autograd saves for the backward pass inside this block."""
+        import torch
+
+        def pack(t):
+            ptr, n = _storage(t)
+            if ptr == 0 or ptr in self._static_ptrs:
+                return t
+            entry = self._live.get(ptr)
+            if entry is None:
+                self._live[ptr] = [1, n]
+                self.activation_bytes += n
+            else:
+                entry[0] += 1
+            saved = _Saved(t)
+            weakref.finalize(saved, self._release, ptr)
+            self._check("saving activations for the backward pass")
+            return saved
+
+        def unpack(saved):
+            return saved.tensor if isinstance(saved, _Saved) else saved
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+
+    def _release(self, ptr: int) -> None:
+        entry = self._live.get(ptr)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            del self._live[ptr]
+            self.activation_bytes -= entry[1]
+
+    def _check(self, what: str) -> None:
+        total = self.static_bytes + self.activation_bytes
+        self.peak_bytes = max(self.peak_bytes, total)
+        if self.cap is not None and total > self.cap:
+            raise MemoryCapError(rank=self.rank, pipeline=self.pipeline, stage=self.stage,
+                                 device_type=self.device_type, needed=total, cap=self.cap,
+                                 device_bytes=self.device_bytes, scale=self.scale, what=what)
+
+
+def _optimizer_tensors(optimizer) -> Iterator:
+    """Tensors of a torch optimizer's state, through Megatron's wrappers."""
+    if optimizer is None:
+        return
+    for inner in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        opt = getattr(inner, "optimizer", inner)
+        for state in getattr(opt, "state", {}).values():
+            if isinstance(state, dict):
+                for v in state.values():
+                    if hasattr(v, "untyped_storage"):
+                        yield v
+        for group in getattr(inner, "shard_fp32_from_float16_groups", None) or []:
+            yield from group
+        for group in getattr(inner, "fp32_from_float16_groups", None) or []:
+            yield from group

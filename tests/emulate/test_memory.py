@@ -1,0 +1,95 @@
+"""Memory emulation: live saved-activation accounting, the cap and its refusal message."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from megatron_hetero.emulate.memory import (MemoryCapError, MemoryMeter, estimate_rank_bytes,
+                                            memory_caps)
+from megatron_hetero.plan import plan_from_data
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+
+
+def test_activations_counted_while_alive_and_released_after_backward():
+    model = _mlp()
+    meter = MemoryMeter(rank=0, pipeline=0, stage=0, device_type="A100-SXM-80GB")
+    static = meter.count_static([model])
+    assert static == sum(p.numel() * 4 for p in model.parameters())
+    x = torch.randn(32, 64)
+    with meter.saved_activations():
+        loss = model(x).square().sum()
+    held = meter.activation_bytes
+    # at least the hidden activation (32 x 256 fp32) is saved for the backward; never the weights
+    assert held >= 32 * 256 * 4
+    assert held < static + 10 * x.numel() * 4 + 4 * 32 * 256 * 4
+    loss.backward()
+    del loss
+    gc.collect()
+    assert meter.activation_bytes == 0
+    assert meter.peak_bytes == static + held
+    # two micro-batches in flight hold twice the activations
+    with meter.saved_activations():
+        l1 = model(x).square().sum()
+        l2 = model(x + 1).square().sum()
+    assert meter.activation_bytes == 2 * held
+    del l1, l2
+
+
+def test_optimizer_state_counts_once_it_exists():
+    model = _mlp()
+    opt = torch.optim.Adam(model.parameters())
+    meter = MemoryMeter(rank=0, pipeline=0, stage=0, device_type="A100-SXM-80GB")
+    before = meter.count_static([model], opt)
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    after = meter.count_static([model], opt)
+    params = sum(p.numel() for p in model.parameters())
+    assert after - before >= 3 * params * 4  # grads + two Adam moments (+ step counters)
+
+
+def test_cap_refusal_names_rank_stage_device_need_and_cap():
+    model = _mlp()
+    meter = MemoryMeter(rank=3, pipeline=1, stage=1, device_type="V100-SXM2-32GB",
+                        device_bytes=32e9, scale=1e-5)
+    static = meter.count_static([model])
+    meter.cap = static + 1000
+    with pytest.raises(MemoryCapError) as info:
+        with meter.saved_activations():
+            model(torch.randn(32, 64)).sum()
+    msg = str(info.value)
+    assert "rank 3 (pipeline 1, stage 1, V100-SXM2-32GB)" in msg
+    assert "saving activations" in msg and "cap" in msg and "32 GB" in msg
+    meter.cap = static // 2
+    with pytest.raises(MemoryCapError, match="holding weights"):
+        meter.count_static([model])
+
+
+def _plan(hidden, seq, mbs=1, device="V100-SXM2-32GB", vocab=32000):
+    return plan_from_data({
+        "format_version": 1, "precision": "fp16", "global_batch_size": 8 * mbs,
+        "tensor_model_parallel_size": 1,
+        "model": {"name": "t", "num_layers": 8, "hidden_size": hidden, "ffn_hidden_size": 4 * hidden,
+                  "num_attention_heads": 8, "num_query_groups": 8, "vocab_size": vocab,
+                  "seq_length": seq},
+        "pipelines": [{"micro_batch_size": mbs, "num_microbatches": 8, "stages": [
+            {"device_type": "A100-SXM-80GB", "num_layers": 2}, {"device_type": device, "num_layers": 6}]}],
+    })
+
+
+def test_caps_scale_device_memory_with_the_model():
+    real, shrunk = _plan(4096, 4096), _plan(64, 64, vocab=256)
+    caps = memory_caps(real, shrunk)
+    assert set(caps) == {0, 1}
+    for rank, (cap, device, scale) in caps.items():
+        assert 0 < scale < 1e-2 and cap == pytest.approx(device * scale)
+    assert caps[1][1] == 32e9
+    bigger = _plan(4096, 4096, mbs=2)
+    assert estimate_rank_bytes(bigger.model, bigger, 0, 1, "fp16") > estimate_rank_bytes(
+        real.model, real, 0, 1, "fp16")
