@@ -1,0 +1,76 @@
+"""The `megatron-hetero` command line: exit codes and messages (tier 1)."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from megatron_hetero import __version__
+from megatron_hetero.cli import main
+
+from .conftest import EXAMPLE_PLANS, REPO
+
+PLAN = REPO / "examples/llama2/7b/plan.yaml"
+
+
+def test_validate_accepts_every_example(capsys):
+    for plan in EXAMPLE_PLANS:
+        assert main(["validate", str(plan)]) == 0
+        assert "valid plan" in capsys.readouterr().out
+
+
+def test_validate_rejects_with_field_path(tmp_path, capsys):
+    bad = tmp_path / "plan.yaml"
+    bad.write_text(PLAN.read_text().replace("num_microbatches: 58", "num_microbatches: 57"))
+    assert main(["validate", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"megatron-hetero validate: error: {bad}: global_batch_size: found 128")
+    assert err.count("\n") == 1  # one message, no traceback
+
+
+def test_validate_against_inventory(tmp_path, capsys):
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text("groups:\n  - {gpu: A100-SXM-80GB, nodes: 1, gpus_per_node: 8}\n")
+    assert main(["validate", str(PLAN), "--inventory", str(inv)]) == 1
+    assert "V100-SXM2-32GB; expected at most 0" in capsys.readouterr().err
+    inv.write_text(inv.read_text() + "  - {gpu: Tesla V100-SXM2-32GB, nodes: 1, gpus_per_node: 8}\n")
+    assert main(["validate", str(PLAN), "--inventory", str(inv)]) == 0
+
+
+def test_args_prints_one_shell_line(capsys):
+    assert main(["args", str(PLAN)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1
+    argv = shlex.split(out)
+    assert argv[-2:] == ["--hetero-plan", str(PLAN)]
+    assert argv[argv.index("--pipeline-model-parallel-size") + 1] == "2"
+
+
+def test_console_script_version_and_help():
+    exe = [sys.executable, "-m", "megatron_hetero.cli"]
+    out = subprocess.run([*exe, "--version"], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == f"megatron-hetero {__version__}"
+    helptext = subprocess.run([*exe, "--help"], capture_output=True, text=True, check=True).stdout
+    for command in ("validate", "args"):
+        assert command in helptext
+
+
+def test_tuner_side_imports_without_torch():
+    code = ("import sys; sys.modules['torch'] = None; sys.modules['megatron'] = None\n"
+            "import megatron_hetero, megatron_hetero.cli, megatron_hetero.commands\n"
+            "import megatron_hetero.runtime.arguments\n"
+            "for name in ('megatron_hetero.tuner', 'megatron_hetero.simulate', 'megatron_hetero.cost'):\n"
+            "    try:\n"
+            "        __import__(name)\n"
+            "    except ModuleNotFoundError as e:\n"
+            "        if e.name != name: raise\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_unknown_command_is_a_usage_error():
+    with pytest.raises(SystemExit) as info:
+        main(["frobnicate"])
+    assert info.value.code == 2

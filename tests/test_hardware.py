@@ -1,0 +1,105 @@
+"""GPU catalog and inventory schema (tier 1)."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_hetero.errors import SchemaError
+from megatron_hetero.hardware import inventory_from_data, load_catalog, load_inventory
+
+REQUIRED = ["H100-SXM-80GB", "H800-80GB", "H20-96GB", "A100-SXM-80GB", "A100-SXM-40GB", "A800-80GB",
+            "A40-48GB", "A10-24GB", "L40S-48GB", "L4-24GB", "V100-SXM2-32GB", "V100-PCIE-16GB",
+            "T4-16GB", "RTX4090-24GB", "RTX3090-24GB", "MI250X-128GB", "MI300X-192GB",
+            "Ascend910B-64GB"]
+
+
+def test_catalog_has_required_models_with_consistent_figures():
+    catalog = load_catalog()
+    for name in REQUIRED:
+        spec = catalog.get(name)
+        assert spec.name == name
+        # The memory figure is the one the name advertises.
+        assert spec.memory_gb == int(name.rsplit("-", 1)[1].removesuffix("GB"))
+        # Tensor-core rate above the plain fp32 rate on every card in the list.
+        assert spec.bf16_tflops > spec.fp32_tflops
+        assert 0 < spec.efficiency <= 1
+
+
+@pytest.mark.parametrize("reported,canonical", [
+    ("NVIDIA A100-SXM4-80GB", "A100-SXM-80GB"),
+    ("NVIDIA A100-SXM4-40GB", "A100-SXM-40GB"),
+    ("NVIDIA H100 80GB HBM3", "H100-SXM-80GB"),
+    ("Tesla V100-SXM2-32GB", "V100-SXM2-32GB"),
+    ("NVIDIA GeForce RTX 4090", "RTX4090-24GB"),
+    ("AMD Instinct MI300X", "MI300X-192GB"),
+    ("a100-sxm-80gb", "A100-SXM-80GB"),
+])
+def test_aliases_resolve_device_names(reported, canonical):
+    assert load_catalog().resolve(reported) == canonical
+
+
+def test_aliases_are_unambiguous():
+    catalog = load_catalog()
+    for name in catalog.names():
+        for alias in catalog.get(name).aliases:
+            assert catalog.resolve(alias) == name, f"alias {alias!r} of {name} resolves elsewhere"
+
+
+def test_minimal_inventory_needs_only_three_keys():
+    inv = inventory_from_data({"groups": [
+        {"gpu": "NVIDIA A100-SXM4-80GB", "nodes": 2, "gpus_per_node": 8},
+        {"gpu": "V100-SXM2-32GB", "nodes": 1, "gpus_per_node": 4},
+    ]})
+    assert inv.gpu_counts() == {"A100-SXM-80GB": 16, "V100-SXM2-32GB": 4}
+    assert inv.num_gpus == 20
+    assert inv.intra_node_bandwidth(0) == load_catalog().get("A100-SXM-80GB").intra_node_bandwidth_gb_s
+
+
+def test_inventory_overrides_and_custom_gpus():
+    inv = inventory_from_data({
+        "gpus": {
+            "A100-SXM-80GB": {"efficiency": 0.61},
+            "MyNPU-32GB": {"vendor": "Acme", "bf16_tflops": 200, "bf16": True, "fp32_tflops": 50,
+                           "memory_gb": 32, "memory_bandwidth_gb_s": 1000, "intra_node_link": "PCIe5",
+                           "intra_node_bandwidth_gb_s": 64, "efficiency": 0.4,
+                           "aliases": ["Acme NPU"]},
+        },
+        "groups": [{"gpu": "A100-SXM-80GB", "nodes": 1, "gpus_per_node": 8},
+                   {"gpu": "Acme NPU", "nodes": 1, "gpus_per_node": 8,
+                    "intra_node_bandwidth_gb_s": 100, "inter_node_bandwidth_gb_s": 50}],
+        "inter_group_bandwidth_gb_s": 6.25,
+    })
+    assert inv.spec("A100-SXM-80GB").efficiency == 0.61
+    assert inv.spec("A100-SXM-80GB").bf16_tflops == 312.0  # other fields kept
+    assert inv.groups[1].gpu == "MyNPU-32GB"
+    assert inv.intra_node_bandwidth(1) == 100
+    assert inv.inter_node_bandwidth(1) == 50
+    assert load_catalog().resolve("MyNPU-32GB") is None  # the built-in catalog is untouched
+
+
+@pytest.mark.parametrize("data,path,phrase", [
+    ({}, "groups", "missing"),
+    ({"groups": []}, "groups", "at least one group"),
+    ({"groups": [{"gpu": "A100", "nodes": 1}]}, "groups[0].gpus_per_node", "missing"),
+    ({"groups": [{"gpu": "K80", "nodes": 1, "gpus_per_node": 8}]}, "groups[0].gpu", "catalog"),
+    ({"groups": [{"gpu": "A100", "nodes": 0, "gpus_per_node": 8}]}, "groups[0].nodes", "at least 1"),
+    ({"groups": [{"gpu": "A100", "nodes": 2, "gpus_per_node": 8, "hosts": ["n1"]}]},
+     "groups[0].hosts", "one per node"),
+    ({"groups": [{"gpu": "A100", "nodes": 1, "gpus_per_node": 8, "gpu_count": 8}]},
+     "groups[0].gpu_count", "unknown key"),
+    ({"groups": [{"gpu": "A100", "nodes": 1, "gpus_per_node": 8}], "gpus": {"New": {"vendor": "X"}}},
+     "gpus.New.bf16_tflops", "missing"),
+    ({"groups": [{"gpu": "A100", "nodes": 1, "gpus_per_node": 8}],
+      "gpus": {"A100-SXM-80GB": {"efficiency": 1.5}}}, "gpus.A100-SXM-80GB.efficiency", "(0, 1]"),
+])
+def test_bad_inventory_names_the_field(data, path, phrase):
+    with pytest.raises(SchemaError) as info:
+        inventory_from_data(data, source="inv.yaml")
+    assert info.value.path == path
+    assert phrase in str(info.value)
+
+
+def test_load_inventory_file(tmp_path):
+    f = tmp_path / "inventory.yaml"
+    f.write_text("groups:\n  - {gpu: H100-SXM-80GB, nodes: 2, gpus_per_node: 8}\n")
+    assert load_inventory(f).gpu_counts() == {"H100-SXM-80GB": 16}

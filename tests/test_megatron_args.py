@@ -1,0 +1,128 @@
+"""The arguments `args` prints pass Megatron-LM's own parse_args + validate_args (megatron-core
+0.17.1 ships megatron.training) and mean the plan's split, sizes and batches."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import yaml
+
+from megatron_hetero.megatron_args import megatron_args, split_args
+from megatron_hetero.plan import load_plan, plan_from_data
+
+from .conftest import EXAMPLE_PLANS, REPO
+
+BASE = yaml.safe_load((REPO / "examples/llama2/7b/plan.yaml").read_text())
+
+
+def _variant(split, *, tp=1, heads=32, groups=32, micro=(1, 1), counts=(70, 58)):
+    data = copy.deepcopy(BASE)
+    data["tensor_model_parallel_size"] = tp
+    data["model"].update(num_layers=sum(split), num_attention_heads=heads, num_query_groups=groups)
+    proto = data["pipelines"][0]["stages"][0]
+    data["pipelines"] = [
+        {"micro_batch_size": m, "num_microbatches": n,
+         "stages": [dict(copy.deepcopy(proto), num_layers=k, recompute={"granularity": "none"})
+                    for k in split]}
+        for m, n in zip(micro, counts)]
+    data["global_batch_size"] = sum(m * n for m, n in zip(micro, counts))
+    return plan_from_data(data, source="variant")
+
+
+VARIANTS = {
+    "first-last": _variant([14, 18]),
+    "layout-zero-first": _variant([0, 11, 11, 10]),
+    "layout-uneven-middle": _variant([6, 9, 8, 9]),
+    "first-last-3-stage": _variant([5, 9, 9, 9]),
+    "even-uniform-dp": _variant([8, 8, 8, 8], counts=(32, 32)),
+    "gqa-tp2-uneven-mbs": _variant([16, 16], tp=2, heads=64, groups=8, micro=(2, 1), counts=(20, 24)),
+}
+
+
+def test_split_arguments_choose_the_exact_form():
+    assert split_args(VARIANTS["first-last"]) == [
+        "--decoder-first-pipeline-num-layers", "14", "--decoder-last-pipeline-num-layers", "18"]
+    assert split_args(VARIANTS["first-last-3-stage"]) == ["--decoder-first-pipeline-num-layers", "5"]
+    assert split_args(VARIANTS["layout-zero-first"]) == [
+        "--pipeline-model-parallel-layout", "E|t*11|t*11|t*10L"]
+    assert split_args(VARIANTS["even-uniform-dp"]) == []
+    assert "--calculate-per-token-loss" not in megatron_args(VARIANTS["even-uniform-dp"])
+    assert "--calculate-per-token-loss" in megatron_args(VARIANTS["first-last"])
+
+
+_CHECKER = textwrap.dedent("""
+    import contextlib, io, json, os, sys
+    import megatron.training.arguments as margs
+    from megatron.training.arguments import parse_args, validate_args
+    # validate_args asks the GPU's compute capability when TP > 1; this machine has no GPU, so
+    # answer as an H100 would (what the check uses it for is a CUDA_DEVICE_MAX_CONNECTIONS hint).
+    margs.get_device_arch_version = lambda: 9
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+    from megatron_hetero.runtime.arguments import add_hetero_args
+    out = []
+    for case in json.loads(sys.stdin.read()):
+        sys.argv = ["pretrain_gpt.py", *case["argv"]]
+        os.environ["WORLD_SIZE"] = str(case["world_size"])
+        with contextlib.redirect_stdout(io.StringIO()):
+            args = parse_args(extra_args_provider=add_hetero_args)
+            validate_args(args)
+        pp = args.pipeline_model_parallel_size
+        if args.pipeline_model_parallel_layout is not None:
+            layout = args.pipeline_model_parallel_layout
+            if isinstance(layout, str):
+                layout = PipelineParallelLayerLayout(layout, pp)
+            split = [layout.get_num_layers_to_build(vp_stage=0, pp_rank=r) for r in range(pp)]
+        else:
+            first = args.decoder_first_pipeline_num_layers
+            last = args.decoder_last_pipeline_num_layers
+            rest_stages = pp - (first is not None) - (last is not None)
+            rest = args.num_layers - (first or 0) - (last or 0)
+            mid = rest // rest_stages if rest_stages else 0
+            split = [first if first is not None else mid] + [mid] * (pp - 2) + (
+                [last if last is not None else mid] if pp > 1 else [])
+            split = split[:pp]
+        out.append(dict(tp=args.tensor_model_parallel_size, pp=pp, dp=args.data_parallel_size,
+                        split=split, gbs=args.global_batch_size, mbs=args.micro_batch_size,
+                        groups=(args.num_query_groups if args.group_query_attention
+                                else args.num_attention_heads), per_token=args.calculate_per_token_loss,
+                        plan=args.hetero_plan))
+    print("RESULT" + json.dumps(out))
+""")
+
+
+def test_megatron_training_accepts_the_arguments(mcore017_env):
+    cases = {f"example:{p.relative_to(REPO)}": (load_plan(p), str(p)) for p in EXAMPLE_PLANS}
+    cases.update({name: (plan, f"{name}.yaml") for name, plan in VARIANTS.items()})
+    payload = [{"argv": megatron_args(plan, path), "world_size": plan.world_size}
+               for plan, path in cases.values()]
+    proc = subprocess.run([sys.executable, "-c", _CHECKER], input=json.dumps(payload), text=True,
+                          capture_output=True, env=mcore017_env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.split("RESULT", 1)[1])
+    for (name, (plan, path)), got in zip(cases.items(), results):
+        assert got["tp"] == plan.tensor_model_parallel_size, name
+        assert got["pp"] == plan.pipeline_model_parallel_size, name
+        assert got["dp"] == plan.data_parallel_size, name
+        assert got["split"] == plan.layer_split, name
+        assert got["gbs"] == plan.global_batch_size, name
+        assert got["mbs"] == plan.pipelines[0].micro_batch_size, name
+        assert got["groups"] == plan.model.num_query_groups, name
+        assert got["per_token"] == (not plan.uniform_data_parallel), name
+        assert got["plan"] == path, name
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_arguments_are_one_shell_line(name):
+    import shlex
+
+    from megatron_hetero.megatron_args import megatron_args_line
+    plan = VARIANTS[name]
+    line = megatron_args_line(plan, "my plans/plan.yaml")
+    assert shlex.split(line) == megatron_args(plan, "my plans/plan.yaml")
+    assert line.endswith("--hetero-plan 'my plans/plan.yaml'")

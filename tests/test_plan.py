@@ -1,0 +1,236 @@
+"""Plan schema: strict loading, every invariant, round trips (tier 1)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from megatron_hetero.errors import SchemaError
+from megatron_hetero.hardware import inventory_from_data, load_catalog
+from megatron_hetero.plan import (
+    Plan, Slot, check_plan_against_inventory, load_plan, plan_from_data, save_plan,
+)
+
+from .conftest import EXAMPLE_PLANS, REPO
+
+BASE = yaml.safe_load((REPO / "examples/llama2/7b/plan.yaml").read_text())
+
+
+def _mutate(path: str, value):
+    """A deep copy of BASE with the dotted/indexed ``path`` set to ``value`` (or deleted)."""
+    data = copy.deepcopy(BASE)
+    keys = []
+    for part in path.replace("]", "").split("."):
+        name, *idx = part.split("[")
+        keys.append(name)
+        keys.extend(int(i) for i in idx)
+    target = data
+    for k in keys[:-1]:
+        target = target[k]
+    if value is _DELETE:
+        del target[keys[-1]]
+    else:
+        target[keys[-1]] = value
+    return data
+
+
+_DELETE = object()
+
+
+def test_example_plans_load_and_round_trip(tmp_path):
+    assert EXAMPLE_PLANS, "no example plans found"
+    for path in EXAMPLE_PLANS:
+        plan = load_plan(path)
+        out = tmp_path / "plan.yaml"
+        save_plan(plan, out)
+        assert load_plan(out) == plan
+
+
+# (mutation path, new value, field path the error must name, a phrase of the expectation)
+BAD = [
+    ("format_version", 2, "format_version", "one of 1"),
+    ("model.num_layers", "32", "model.num_layers", "an integer"),
+    ("model.hidden_size", True, "model.hidden_size", "an integer"),
+    ("model.seq_length", _DELETE, "model.seq_length", "missing"),
+    ("model.num_query_groups", 5, "model.num_query_groups", "divisor of num_attention_heads"),
+    ("model.hidden_size", 4100, "model.hidden_size", "multiple of num_attention_heads"),
+    ("model.colour", "red", "model.colour", "unknown key"),
+    ("global_batch_size", 127, "global_batch_size", "sum over pipelines"),
+    ("global_batch_size", 0, "global_batch_size", "positive"),
+    ("tensor_model_parallel_size", 3, "tensor_model_parallel_size", "divisor"),
+    ("pipelines", [], "pipelines", "at least one pipeline"),
+    ("pipelines[1].stages[1].num_layers", 17, "pipelines[1].stages[1].num_layers", "as in pipelines[0]"),
+    ("pipelines[0].stages[0].num_layers", 13, "pipelines[1].stages[0].num_layers", "as in pipelines[0]"),
+    ("pipelines[1].num_microbatches", 0, "pipelines[1].num_microbatches", "positive"),
+    ("pipelines[0].micro_batch_size", 1.5, "pipelines[0].micro_batch_size", "an integer"),
+    ("pipelines[0].stages[0].device_type", "Z80", "pipelines[0].stages[0].device_type", "catalog"),
+    ("pipelines[0].stages[0].device_type", "NVIDIA A100-SXM4-80GB",
+     "pipelines[0].stages[0].device_type", "canonical"),
+    ("pipelines[0].stages[0].recompute", {"granularity": "full"},
+     "pipelines[0].stages[0].recompute.method", "uniform"),
+    ("pipelines[0].stages[0].recompute", {"granularity": "partial"},
+     "pipelines[0].stages[0].recompute.granularity", "'selective'"),
+    ("pipelines[0].stages[0].recompute",
+     {"granularity": "full", "method": "block", "num_layers": 15},
+     "pipelines[0].stages[0].recompute.num_layers", "at most the stage's num_layers"),
+    ("pipelines[0].stages[0].recompute", {"granularity": "none", "num_layers": 2},
+     "pipelines[0].stages[0].recompute.num_layers", "nothing"),
+    ("pipelines[0].stages[0].offload", {"optimizer_fraction": 1.5},
+     "pipelines[0].stages[0].offload.optimizer_fraction", "[0, 1]"),
+    ("pipelines[0].stages[0].offload", {"cpu": True}, "pipelines[0].stages[0].offload.cpu", "unknown"),
+    ("precision", "bf16", "precision", "has no bf16"),
+    ("precision", "int8", "precision", "'fp16'"),
+]
+
+
+@pytest.mark.parametrize("mutation,value,field_path,phrase", BAD, ids=[b[0] + "=" + repr(b[1])[:20] for b in BAD])
+def test_bad_plan_names_the_field(mutation, value, field_path, phrase):
+    with pytest.raises(SchemaError) as info:
+        plan_from_data(_mutate(mutation, value), source="plan.yaml")
+    err = info.value
+    assert err.path == field_path
+    assert phrase in str(err)
+    assert str(err).startswith("plan.yaml: " + field_path + ": found ")
+
+
+def test_stage_counts_must_agree():
+    data = copy.deepcopy(BASE)
+    data["pipelines"][1]["stages"].append(copy.deepcopy(data["pipelines"][1]["stages"][1]))
+    with pytest.raises(SchemaError, match=r"pipelines\[1\]\.stages: found 3 stages; expected 2 stages"):
+        plan_from_data(data)
+
+
+def test_layers_must_add_up():
+    data = copy.deepcopy(BASE)
+    for pipe in data["pipelines"]:
+        pipe["stages"][1]["num_layers"] = 10
+    with pytest.raises(SchemaError, match=r"layers adding up to 24; expected layers adding up to "
+                                          r"model.num_layers \(32\)"):
+        plan_from_data(data)
+
+
+def test_middle_stage_needs_a_layer():
+    data = copy.deepcopy(BASE)
+    for pipe in data["pipelines"]:
+        mid = copy.deepcopy(pipe["stages"][0])
+        mid["num_layers"] = 0
+        pipe["stages"].insert(1, mid)
+    with pytest.raises(SchemaError, match=r"pipelines\[0\]\.stages\[1\]\.num_layers"):
+        plan_from_data(data)
+
+
+def test_yaml_syntax_error_and_missing_file(tmp_path):
+    bad = tmp_path / "broken.yaml"
+    bad.write_text("model: [1, 2\n")
+    with pytest.raises(SchemaError, match="broken.yaml: line"):
+        load_plan(bad)
+    with pytest.raises(SchemaError, match="a readable YAML file"):
+        load_plan(tmp_path / "absent.yaml")
+
+
+def _inventory(a100: int, v100: int, per_node: int = 8):
+    groups = [{"gpu": "A100-SXM-80GB", "nodes": 1, "gpus_per_node": a100}] if a100 else []
+    groups += [{"gpu": "V100-SXM2-32GB", "nodes": 1, "gpus_per_node": v100}] if v100 else []
+    return inventory_from_data({"groups": groups}, source="inv.yaml")
+
+
+def test_against_inventory():
+    plan = plan_from_data(BASE)
+    check_plan_against_inventory(plan, _inventory(2, 2))
+    with pytest.raises(SchemaError, match="found 2 GPUs of type V100-SXM2-32GB; expected at most 1"):
+        check_plan_against_inventory(plan, _inventory(8, 1), source="plan.yaml")
+    with pytest.raises(SchemaError, match="at most 0"):
+        check_plan_against_inventory(plan, _inventory(8, 0))
+    wide = _mutate("tensor_model_parallel_size", 4)
+    wide["global_batch_size"] = 128
+    plan4 = plan_from_data(wide)
+    with pytest.raises(SchemaError, match="tensor-parallel group stays inside a node"):
+        check_plan_against_inventory(plan4, inventory_from_data(
+            {"groups": [{"gpu": "A100-SXM-80GB", "nodes": 4, "gpus_per_node": 2},
+                        {"gpu": "V100-SXM2-32GB", "nodes": 4, "gpus_per_node": 2}]}))
+
+
+def test_rank_slots_follow_megatron_order():
+    data = _mutate("tensor_model_parallel_size", 2)
+    plan = plan_from_data(data)
+    tp, dp, pp = 2, plan.data_parallel_size, plan.pipeline_model_parallel_size
+    seen = set()
+    for rank in range(plan.world_size):
+        slot = plan.slot_of_rank(rank)
+        # Megatron's default order tp-cp-ep-dp-pp: tp fastest, then dp, then pp.
+        assert slot == Slot(pipeline=(rank // tp) % dp, stage=rank // (tp * dp), tensor_rank=rank % tp)
+        assert plan.rank_of_slot(slot) == rank
+        seen.add(slot)
+    assert len(seen) == tp * dp * pp
+    assert plan.device_type_of_rank(2) == "A100-SXM-80GB"  # pipeline 1, stage 0
+    assert plan.device_type_of_rank(4) == "V100-SXM2-32GB"  # pipeline 0, stage 1
+
+
+def test_replica_sample_ranges_tile_the_global_batch():
+    plan = plan_from_data(BASE)
+    ranges = [plan.replica_sample_range(d) for d in range(plan.data_parallel_size)]
+    assert ranges == [(0, 70), (70, 58)]
+
+
+# -- property: any plan the code writes loads back equal and valid -------------------------------
+
+_CATALOG = load_catalog()
+_TYPES = sorted(_CATALOG.names())
+
+
+@st.composite
+def plans(draw) -> Plan:
+    heads = draw(st.sampled_from([4, 8, 16, 32]))
+    groups = draw(st.sampled_from([g for g in (1, 2, 4, 8, 16, 32) if heads % g == 0]))
+    tp = draw(st.sampled_from([t for t in (1, 2, 4) if heads % t == 0 and groups % t == 0]))
+    pp = draw(st.integers(1, 5))
+    split = [draw(st.integers(1, 6)) for _ in range(pp)]
+    if pp > 1 and draw(st.booleans()):
+        split[0] = 0  # an embedding-only first stage is legal
+    dp = draw(st.integers(1, 4))
+    types = draw(st.lists(st.sampled_from(_TYPES), min_size=pp, max_size=pp))
+    precision = "bf16" if all(_CATALOG.get(t).bf16 for t in types) else "fp16"
+    pipelines = []
+    for _ in range(dp):
+        stages = []
+        for s in range(pp):
+            kind = draw(st.sampled_from(["none", "selective", "full"]))
+            if kind == "full" and split[s] >= 1:
+                recompute = {"granularity": "full", "method": draw(st.sampled_from(["uniform", "block"])),
+                             "num_layers": draw(st.integers(1, split[s]))}
+            else:
+                recompute = {"granularity": "selective" if kind == "selective" else "none"}
+            stages.append({"device_type": types[s] if draw(st.booleans()) else draw(st.sampled_from(_TYPES)),
+                           "num_layers": split[s], "recompute": recompute,
+                           "offload": {"optimizer_fraction": draw(st.sampled_from([0.0, 0.25, 1.0]))}})
+        pipelines.append({"micro_batch_size": draw(st.integers(1, 4)),
+                          "num_microbatches": draw(st.integers(1, 80)), "stages": stages})
+    if any(not _CATALOG.get(s["device_type"]).bf16 for p in pipelines for s in p["stages"]):
+        precision = "fp16"
+    data = {
+        "format_version": 1,
+        "model": {"name": "m", "num_layers": sum(split), "hidden_size": heads * 64,
+                  "ffn_hidden_size": heads * 172, "num_attention_heads": heads,
+                  "num_query_groups": groups, "vocab_size": 32000, "seq_length": 2048},
+        "global_batch_size": sum(p["micro_batch_size"] * p["num_microbatches"] for p in pipelines),
+        "tensor_model_parallel_size": tp,
+        "pipelines": pipelines,
+        "precision": precision,
+        "use_distributed_optimizer": draw(st.booleans()),
+    }
+    return plan_from_data(data, source="generated")
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(plan=plans())
+def test_written_plans_load_back_equal(plan, tmp_path):
+    out = tmp_path / "plan.yaml"
+    save_plan(plan, out)
+    again = load_plan(out)
+    assert again == plan
+    assert again.world_size == plan.tensor_model_parallel_size * len(plan.layer_split) * len(plan.pipelines)
+    assert sum(plan.device_counts().values()) == plan.world_size
