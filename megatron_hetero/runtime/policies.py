@@ -1,18 +1,121 @@
-"""Per-stage memory policies as megatron-core ``TransformerConfig`` keyword arguments."""
+"""Per-stage memory policies as megatron-core settings of one rank.
+
+Megatron's recompute and offload options are global. Every rank has its own ``args`` and its
+own ``TransformerConfig`` though, so the runtime sets them per rank from the rank's plan stage:
+
+* recompute: ``recompute_granularity`` / ``recompute_method`` / ``recompute_num_layers``;
+* optimizer offload: ``optimizer_cpu_offload`` + ``optimizer_offload_fraction`` (megatron-core's
+  ``HybridDeviceOptimizer``; needs ``--use-precision-aware-optimizer``);
+* activation offload: ``cpu_offloading`` where the installed megatron-core accepts it together
+  with the plan's pipeline parallelism (0.16 and 0.17 refuse PP > 1).
+
+What the installed megatron-core cannot honour is refused at start (:func:`check_supported`),
+never dropped silently.
+"""
 
 from __future__ import annotations
 
-from ..plan import Stage
+from functools import cache
 
-__all__ = ["recompute_kwargs"]
+from ..errors import HeteroError
+from ..plan import Plan, Stage
+
+__all__ = ["recompute_kwargs", "offload_kwargs", "stage_config_kwargs", "stage_args",
+           "check_supported", "PolicyUnsupported", "activation_offload_supported",
+           "optimizer_offload_supported"]
+
+
+class PolicyUnsupported(HeteroError):
+    """The plan asks for a memory policy the installed megatron-core cannot apply."""
 
 
 def recompute_kwargs(stage: Stage) -> dict:
     """TransformerConfig overrides that make one stage recompute as its plan entry says."""
     r = stage.recompute
     if r.granularity == "none":
-        return {"recompute_granularity": None}
+        return {"recompute_granularity": None, "recompute_method": None,
+                "recompute_num_layers": None}
     if r.granularity == "selective":
-        return {"recompute_granularity": "selective"}
+        return {"recompute_granularity": "selective", "recompute_method": None,
+                "recompute_num_layers": None}
     return {"recompute_granularity": "full", "recompute_method": r.method,
             "recompute_num_layers": r.num_layers}
+
+
+def offload_kwargs(stage: Stage) -> dict:
+    """TransformerConfig overrides for activation offload of one stage (PP = 1 only today)."""
+    if not stage.offload.activations:
+        return {}
+    return {"cpu_offloading": True, "cpu_offloading_num_layers": max(stage.num_layers - 1, 0),
+            "cpu_offloading_activations": True, "cpu_offloading_weights": False}
+
+
+def stage_config_kwargs(stage: Stage) -> dict:
+    """Every TransformerConfig field this stage's plan entry sets."""
+    return {**recompute_kwargs(stage), **offload_kwargs(stage)}
+
+
+def stage_args(stage: Stage) -> dict:
+    """Megatron ``args`` attributes this stage's plan entry sets on its ranks (before Megatron's
+    own ``validate_args``, which then checks them as usual)."""
+    out = dict(recompute_kwargs(stage))
+    fraction = stage.offload.optimizer_fraction
+    out["optimizer_cpu_offload"] = fraction > 0
+    out["optimizer_offload_fraction"] = fraction if fraction > 0 else 1.0
+    if stage.offload.activations:
+        out["cpu_offloading"] = True
+    return out
+
+
+@cache
+def activation_offload_supported(pipeline_parallel_size: int) -> bool:
+    """Whether the installed ``TransformerConfig`` accepts ``cpu_offloading`` at this PP size."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    try:
+        TransformerConfig(num_layers=4, hidden_size=8, num_attention_heads=1,
+                          pipeline_model_parallel_size=pipeline_parallel_size,
+                          pipeline_dtype=__import__("torch").float32,
+                          cpu_offloading=True, cpu_offloading_num_layers=1)
+    except (ValueError, AssertionError):
+        return False
+    return True
+
+
+@cache
+def optimizer_offload_supported() -> bool:
+    """Whether megatron-core has its CPU-offload (hybrid device) optimizer."""
+    try:
+        from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def check_supported(plan: Plan, *, source: str = "plan", use_precision_aware_optimizer=None) -> None:
+    """Refuse, with one message naming every offending stage, the policies this megatron-core
+    cannot apply. ``use_precision_aware_optimizer`` (the parsed argument) is checked when given."""
+    problems = []
+    pp = plan.pipeline_model_parallel_size
+    for d, pipe in enumerate(plan.pipelines):
+        for s, stage in enumerate(pipe.stages):
+            where = f"pipelines[{d}].stages[{s}].offload"
+            if stage.offload.activations:
+                if stage.recompute.granularity != "none":
+                    problems.append(f"{where}.activations: megatron-core's cpu_offloading does "
+                                    f"not work together with recompute "
+                                    f"({stage.recompute.granularity}) on the same stage")
+                elif not activation_offload_supported(pp):
+                    problems.append(f"{where}.activations: the installed megatron-core refuses "
+                                    f"activation offload (cpu_offloading) with pipeline "
+                                    f"parallelism (PP={pp})")
+            if stage.offload.optimizer_fraction > 0:
+                if not optimizer_offload_supported():
+                    problems.append(f"{where}.optimizer_fraction: the installed megatron-core "
+                                    f"has no CPU-offload optimizer")
+                elif use_precision_aware_optimizer is False:
+                    problems.append(f"{where}.optimizer_fraction: optimizer offload needs "
+                                    f"--use-precision-aware-optimizer on the command line")
+    if problems:
+        raise PolicyUnsupported(f"{source}: the plan asks for memory policies this Megatron "
+                                f"cannot apply:\n  " + "\n  ".join(problems))

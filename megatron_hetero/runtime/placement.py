@@ -1,0 +1,198 @@
+"""Placement: put every plan slot on a GPU of the type the plan names.
+
+The launcher (srun, torchrun) numbers processes in its own order. Each process reports its
+device type; every rank then computes the same assignment of launcher ranks to Megatron ranks
+(:func:`assign_ranks`) and plays the Megatron rank it was given. Megatron builds its process
+groups from that renumbered rank, so its tensor-, data- and pipeline-parallel groups follow the
+plan without any change to Megatron.
+
+The assignment is pure and deterministic (the same inputs give the same answer on every rank).
+A plan that does not match the devices found raises :class:`PlacementError` with the same
+message on every rank, before any model is built.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+
+from ..errors import HeteroError
+from ..hardware.catalog import Catalog, load_catalog
+from ..plan import Plan
+from .arguments import DEVICE_TYPE_ENV
+
+__all__ = ["RankInfo", "PlacementError", "assign_ranks", "detect_device_type",
+           "exchange_rank_infos", "place_this_rank", "CPU_ENV"]
+
+CPU_ENV = "MEGATRON_HETERO_CPU"
+"""Set to 1 to run on the CPU backend (gloo); the emulated device type is then the plan's."""
+
+_KEY_PREFIX = "megatron_hetero/placement"
+
+
+class PlacementError(HeteroError):
+    """The devices found do not match the plan (raised identically on every rank)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RankInfo:
+    """What one launcher rank reports about itself."""
+
+    launcher_rank: int
+    device_type: str
+    """Canonical catalog name of its device."""
+    host: str = ""
+    local_rank: int = 0
+
+    def to_json(self) -> str:
+        return json.dumps([self.launcher_rank, self.device_type, self.host, self.local_rank])
+
+    @classmethod
+    def from_json(cls, text: str) -> "RankInfo":
+        rank, device, host, local = json.loads(text)
+        return cls(launcher_rank=rank, device_type=device, host=host, local_rank=local)
+
+
+def detect_device_type(*, override: str | None = None, catalog: Catalog | None = None,
+                       emulated: str | None = None, where: str = "",
+                       unknown_ok: bool = False) -> str:
+    """This rank's device type as a canonical catalog name.
+
+    Order: ``override`` (``--hetero-device-type``), then ``$MEGATRON_HETERO_DEVICE_TYPE``, then
+    ``emulated`` (the CPU backend's type), then ``torch.cuda.get_device_name()``. With
+    ``unknown_ok``, a name the catalog does not know comes back as ``"unknown: NAME"`` (so that
+    the other ranks, not only this one, report the mismatch instead of waiting for it).
+    """
+    catalog = catalog or load_catalog()
+    name, how = None, ""
+    if override:
+        name, how = override, "--hetero-device-type"
+    elif os.environ.get(DEVICE_TYPE_ENV):
+        name, how = os.environ[DEVICE_TYPE_ENV], f"${DEVICE_TYPE_ENV}"
+    elif emulated:
+        name, how = emulated, "the CPU backend's emulated device"
+    else:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise PlacementError(
+                f"{where}no CUDA device to detect: set --hetero-device-type or ${DEVICE_TYPE_ENV} "
+                f"to a catalog GPU type, or {CPU_ENV}=1 for the CPU backend")
+        name, how = torch.cuda.get_device_name(), "torch.cuda.get_device_name()"
+    canonical = catalog.resolve(name)
+    if canonical is None and unknown_ok:
+        return f"unknown: {name}"
+    if canonical is None:
+        raise PlacementError(
+            f"{where}device {name!r} (from {how}) is not in the GPU catalog; known types: "
+            + ", ".join(catalog.names())
+            + f". Set --hetero-device-type or ${DEVICE_TYPE_ENV} to one of them.")
+    return canonical
+
+
+def _counts_text(counts: Counter) -> str:
+    return ", ".join(f"{n}x {gpu}" for gpu, n in sorted(counts.items())) or "nothing"
+
+
+def assign_ranks(plan: Plan, infos: list[RankInfo], *, source: str = "plan") -> list[int]:
+    """Megatron rank of every launcher rank (``result[launcher_rank]``).
+
+    Slots are handed out per device type in Megatron rank order, one tensor-parallel group at a
+    time, to that type's launcher ranks sorted by (host, local rank, launcher rank), so that a
+    tensor-parallel group stays on consecutive GPUs of one host where the hosts allow it. When the
+    launcher's own order already matches the plan, it is kept (Megatron rank = launcher rank).
+    """
+    world = plan.world_size
+    found = Counter(i.device_type for i in infos)
+    wanted = plan.device_counts()
+    if len(infos) != world or found != wanted:
+        lines = [f"{source}: the devices found do not match the plan"]
+        lines.append(f"  plan wants {world} ranks: {_counts_text(wanted)}")
+        lines.append(f"  found      {len(infos)} ranks: {_counts_text(found)}")
+        for gpu in sorted(set(found) | set(wanted)):
+            if found[gpu] != wanted[gpu]:
+                ranks = sorted(i.launcher_rank for i in infos if i.device_type == gpu)
+                shown = ", ".join(map(str, ranks[:16])) + (" ..." if len(ranks) > 16 else "")
+                lines.append(f"  {gpu}: plan wants {wanted[gpu]}, found {found[gpu]}"
+                             + (f" (launcher ranks {shown})" if ranks else ""))
+        lines.append(f"  (override a rank's detected type with --hetero-device-type or "
+                     f"${DEVICE_TYPE_ENV})")
+        raise PlacementError("\n".join(lines))
+    by_rank = sorted(infos, key=lambda i: i.launcher_rank)
+    if [i.launcher_rank for i in by_rank] != list(range(world)):
+        raise PlacementError(f"{source}: launcher ranks are not 0..{world - 1}: "
+                             f"{[i.launcher_rank for i in by_rank][:16]}")
+    if all(plan.device_type_of_rank(i.launcher_rank) == i.device_type for i in by_rank):
+        return list(range(world))
+
+    tp = plan.tensor_model_parallel_size
+    pool: dict[str, list[RankInfo]] = defaultdict(list)
+    for info in sorted(infos, key=lambda i: (i.host, i.local_rank, i.launcher_rank)):
+        pool[info.device_type].append(info)
+    taken = Counter()
+    result = [-1] * world
+    for first in range(0, world, tp):  # one tensor-parallel group = tp consecutive Megatron ranks
+        gpu = plan.device_type_of_rank(first)
+        start = taken[gpu]
+        for t, info in enumerate(pool[gpu][start:start + tp]):
+            result[info.launcher_rank] = first + t
+        taken[gpu] += tp
+    assert sorted(result) == list(range(world)), result
+    return result
+
+
+def exchange_rank_infos(mine: RankInfo, world_size: int, store) -> list[RankInfo]:
+    """Every launcher rank's :class:`RankInfo`, through a c10d store (no process group needed)."""
+    generation = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    prefix = f"{_KEY_PREFIX}/{generation}"
+    store.set(f"{prefix}/{mine.launcher_rank}", mine.to_json())
+    keys = [f"{prefix}/{r}" for r in range(world_size)]
+    store.wait(keys)
+    return [RankInfo.from_json(store.get(k).decode()) for k in keys]
+
+
+_HELD_STORE = None  # keeps the rendezvous server alive in the process that hosts it
+
+
+def _launcher_store(launcher_rank: int, world_size: int, timeout_minutes: float):
+    """A c10d TCPStore on MASTER_ADDR:MASTER_PORT, hosted by launcher rank 0 unless torchrun's
+    agent already hosts one. Megatron's own rendezvous then joins the same server as a client."""
+    global _HELD_STORE
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = int(os.environ.get("MASTER_PORT", "29500"))
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(host, port, world_size, is_master=(launcher_rank == 0 and not agent),
+                          timeout=timedelta(minutes=timeout_minutes), multi_tenant=True)
+    if launcher_rank == 0 and not agent:
+        _HELD_STORE = store
+    # The Megatron rank 0 may now be another process: every rank joins the server as a client.
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    return store
+
+
+def place_this_rank(plan: Plan, *, launcher_rank: int, world_size: int, device_type: str,
+                    source: str = "plan", store=None, timeout_minutes: float = 10.0) -> int:
+    """This process's Megatron rank under ``plan``; exchanges device types with every rank."""
+    import socket
+
+    if world_size != plan.world_size:
+        # Every rank sees the same WORLD_SIZE, so every rank raises the same message.
+        wanted = plan.device_counts()
+        raise PlacementError(
+            f"{source}: the plan needs world size {plan.world_size} ({_counts_text(wanted)}; "
+            f"TP={plan.tensor_model_parallel_size} x DP={plan.data_parallel_size} x "
+            f"PP={plan.pipeline_model_parallel_size}); the launcher started {world_size} ranks")
+    mine = RankInfo(launcher_rank=launcher_rank, device_type=device_type,
+                    host=socket.gethostname(), local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+    if world_size == 1:
+        infos = [mine]
+    else:
+        store = store or _launcher_store(launcher_rank, world_size, timeout_minutes)
+        infos = exchange_rank_infos(mine, world_size, store)
+    return assign_ranks(plan, infos, source=source)[launcher_rank]
