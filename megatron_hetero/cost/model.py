@@ -1,0 +1,318 @@
+"""The cost model: seconds and bytes of one pipeline stage on one device type.
+
+Everything comes from the model shape (:mod:`megatron_hetero.models`), the catalog entry of the
+device type (with the inventory's overrides) and, where given, a measured profile:
+
+* compute: FLOPs / (catalog rate x efficiency); the efficiency is the profile's when it has one,
+  else the catalog default. Measured (forward, backward) seconds replace the estimate wherever a
+  profile has them. Precision ``fp32`` uses ``fp32_tflops``, 16-bit precisions ``bf16_tflops``.
+* tensor parallelism: two ring all-reduces of the layer output per layer in forward and two in
+  backward, ``2 (t-1)/t x bytes / bandwidth`` on the slowest intra-node link of the device type
+  (not added to measured layer times, which include them).
+* pipeline sends: one 16-bit ``[s, b, h]`` tensor over the link the two stages share
+  (:mod:`.placement`), plus a fixed latency.
+* data-parallel sync: with the distributed optimizer a reduce-scatter of the gradients plus an
+  all-gather of the 16-bit parameters, else an all-reduce of the gradients, ``(D-1)/D`` ring
+  traffic over the slowest link of the group; then the Adam step, memory-bound
+  (about 30 bytes touched per parameter on the device; offloaded fractions at host bandwidth).
+* memory per rank: 16-bit parameters, main gradients (4 bytes with bf16/fp32, 2 with fp16),
+  Adam state (fp32 master + m + v = 12 bytes, 8 in fp32 training; sharded over data parallelism
+  with the distributed optimizer; minus the offloaded fraction), activations of the micro-batches
+  in flight (stage ``s`` of ``p`` holds ``min(p - s, m)`` in 1F1B), fp32 logits on the last stage,
+  the transient activations of one recomputed chunk, and a fixed workspace reserve (CUDA context,
+  communication buffers, allocator slack).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Literal, Mapping
+
+from .. import models as M
+from ..hardware.inventory import Inventory
+from ..plan import ModelSpec, Offload, Plan, Recompute
+from .placement import Placement, place
+from .profile_protocol import DeviceProfile
+
+__all__ = ["CostModel", "StageTimes", "Memory", "RecomputeKey", "recompute_key"]
+
+RecomputeKey = tuple[str, str | None, int | None]
+"""Hashable form of a :class:`~megatron_hetero.plan.Recompute`: (granularity, method, num_layers)."""
+
+
+def recompute_key(r: Recompute | RecomputeKey) -> RecomputeKey:
+    if isinstance(r, tuple):
+        return r
+    return (r.granularity, r.method, r.num_layers)
+
+
+@dataclass(frozen=True, slots=True)
+class StageTimes:
+    """Seconds of one micro-batch on one stage (compute plus tensor-parallel communication)."""
+
+    forward_s: float
+    backward_s: float
+    """Includes the recompute forward when the stage recomputes."""
+
+    @property
+    def total_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+
+@dataclass(frozen=True, slots=True)
+class Memory:
+    """Bytes one tensor rank of a stage needs at its peak, by kind, and what its device has."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    workspace: float
+    capacity: float
+    """Device memory (catalog ``memory_gb``)."""
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.workspace
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.capacity
+
+    def to_dict(self) -> dict[str, float]:
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
+                "activations": self.activations, "workspace": self.workspace,
+                "total": self.total, "capacity": self.capacity}
+
+
+class CostModel:
+    """Compute, memory and communication costs of a model on an inventory's device types."""
+
+    def __init__(self, model: ModelSpec, inventory: Inventory, *,
+                 profiles: Mapping[str, DeviceProfile] = {},
+                 precision: Literal["bf16", "fp16", "fp32"] = "bf16",
+                 use_distributed_optimizer: bool = True,
+                 flash_attention: bool = True,
+                 overlap_grad_reduce: bool = False,
+                 workspace_gb: float = 2.0,
+                 host_bandwidth_gb_s: float = 20.0,
+                 p2p_latency_s: float = 20e-6):
+        """
+        ``flash_attention``: core attention runs a fused kernel that stores no ``s x s``
+        matrices (Megatron's default with Transformer Engine), so no-recompute activations
+        exclude Korthikanti's ``5as^2b`` term. ``overlap_grad_reduce``: the gradient sync overlaps
+        the last backward (``--overlap-grad-reduce``). ``workspace_gb``: memory reserved per
+        device outside the model. ``host_bandwidth_gb_s``: rate of offloaded optimizer work.
+        """
+        self.model = model
+        self.inventory = inventory
+        self.profiles = dict(profiles)
+        self.precision = precision
+        self.use_distributed_optimizer = use_distributed_optimizer
+        self.flash_attention = flash_attention
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.workspace_bytes = workspace_gb * 1e9
+        self.host_bandwidth = host_bandwidth_gb_s * 1e9
+        self.p2p_latency_s = p2p_latency_s
+        self.param_bytes = 4.0 if precision == "fp32" else 2.0
+        self.grad_bytes = 2.0 if precision == "fp16" else 4.0
+        self.optim_bytes = 8.0 if precision == "fp32" else 12.0
+        # Cached primitives are per instance (the model and inventory are fixed).
+        self.compute_times = lru_cache(maxsize=None)(self._compute_times)
+        self.memory_need = lru_cache(maxsize=None)(self._memory_need)
+
+    # -- device figures -------------------------------------------------------------------------
+    def efficiency(self, device_type: str) -> float:
+        prof = self.profiles.get(device_type)
+        if prof is not None and prof.efficiency is not None:
+            return prof.efficiency
+        return self.inventory.spec(device_type).efficiency
+
+    def flops_rate(self, device_type: str) -> float:
+        """Achievable FLOP/s of one device of this type on transformer layers."""
+        spec = self.inventory.spec(device_type)
+        peak = spec.fp32_tflops if self.precision == "fp32" else spec.bf16_tflops
+        return peak * 1e12 * self.efficiency(device_type)
+
+    def peak_flops(self, device_type: str) -> float:
+        spec = self.inventory.spec(device_type)
+        return (spec.fp32_tflops if self.precision == "fp32" else spec.bf16_tflops) * 1e12
+
+    def capacity(self, device_type: str) -> float:
+        return self.inventory.spec(device_type).memory_bytes
+
+    def intra_node_bandwidth(self, device_type: str) -> float:
+        """Bytes/s of the slowest intra-node link among the groups of this type."""
+        bws = [self.inventory.intra_node_bandwidth(i) for i, g in enumerate(self.inventory.groups)
+               if g.gpu == device_type]
+        return 1e9 * (min(bws) if bws else self.inventory.spec(device_type).intra_node_bandwidth_gb_s)
+
+    def _allreduce(self, nbytes: float, n: int, bandwidth: float) -> float:
+        return 0.0 if n <= 1 else 2.0 * (n - 1) / n * nbytes / bandwidth
+
+    # -- per micro-batch compute ----------------------------------------------------------------
+    def _measured(self, device_type: str, part: str, b: int, tp: int):
+        prof = self.profiles.get(device_type)
+        if prof is None:
+            return None
+        return prof.times(part, model=self.model, micro_batch_size=b, tensor_parallel_size=tp)
+
+    def layer_times(self, device_type: str, b: int, tp: int) -> tuple[float, float]:
+        """(forward, backward) seconds of one transformer layer on one micro-batch, TP included."""
+        got = self._measured(device_type, "layer", b, tp)
+        if got is not None:
+            return got
+        m = self.model
+        fwd = M.layer_forward_flops(m, b) / tp / self.flops_rate(device_type)
+        comm = 2 * self._allreduce(M.layer_input_bytes(m, b), tp, self.intra_node_bandwidth(device_type))
+        return fwd + comm, 2 * fwd + comm
+
+    def embedding_times(self, device_type: str, b: int, tp: int) -> tuple[float, float]:
+        got = self._measured(device_type, "embedding", b, tp)
+        if got is not None:
+            return got
+        comm = self._allreduce(M.layer_input_bytes(self.model, b), tp, self.intra_node_bandwidth(device_type))
+        return comm, 0.0
+
+    def output_times(self, device_type: str, b: int, tp: int) -> tuple[float, float]:
+        got = self._measured(device_type, "output", b, tp)
+        if got is not None:
+            return got
+        fwd = M.output_forward_flops(self.model, b, tp) / tp / self.flops_rate(device_type)
+        return fwd, 2 * fwd
+
+    def _recompute_extra(self, device_type: str, b: int, tp: int, n: int, rk: RecomputeKey) -> float:
+        gran, method, k = rk
+        if gran == "none" or n == 0:
+            return 0.0
+        fwd, _ = self.layer_times(device_type, b, tp)
+        if gran == "selective":
+            share = M.core_attention_forward_flops(self.model, b) / M.layer_forward_flops(self.model, b)
+            return n * fwd * share
+        layers = n if method == "uniform" else min(k, n)
+        return layers * fwd
+
+    def _compute_times(self, device_type: str, num_layers: int, first: bool, last: bool,
+                       micro_batch_size: int, tp: int, recompute: RecomputeKey = ("none", None, None),
+                       activation_offload: bool = False) -> StageTimes:
+        b = micro_batch_size
+        lf, lb = self.layer_times(device_type, b, tp)
+        fwd, bwd = num_layers * lf, num_layers * lb
+        if first:
+            ef, eb = self.embedding_times(device_type, b, tp)
+            fwd, bwd = fwd + ef, bwd + eb
+        if last:
+            of, ob = self.output_times(device_type, b, tp)
+            fwd, bwd = fwd + of, bwd + ob
+        bwd += self._recompute_extra(device_type, b, tp, num_layers, recompute)
+        if activation_offload:
+            moved = self._activations_per_microbatch(num_layers, first, last, b, tp, recompute)
+            fwd += moved / self.host_bandwidth
+            bwd += moved / self.host_bandwidth
+        return StageTimes(fwd, bwd)
+
+    # -- memory ---------------------------------------------------------------------------------
+    def stage_params(self, num_layers: int, first: bool, last: bool, tp: int) -> float:
+        """Parameters one tensor rank of the stage holds."""
+        m = self.model
+        n = num_layers * M.layer_params(m)
+        if first:
+            n += M.embedding_params(m, tp)
+        if last:
+            n += M.output_params(m, tp, single_stage=first)
+        return n / tp
+
+    def _activations_per_microbatch(self, n: int, first: bool, last: bool, b: int, tp: int,
+                                    rk: RecomputeKey) -> float:
+        m, fa = self.model, self.flash_attention
+        gran, method, k = rk
+        if gran == "full":
+            if method == "uniform":
+                out = -(-n // k) * M.layer_input_bytes(m, b)
+            else:
+                kk = min(k, n)
+                out = kk * M.layer_input_bytes(m, b) + (n - kk) * M.layer_activation_bytes(
+                    m, b, tp, "none", flash_attention=fa)
+        else:
+            out = n * M.layer_activation_bytes(m, b, tp, gran, flash_attention=fa)
+        if first:
+            out += b * m.seq_length * m.hidden_size  # embedding dropout mask
+        if last:
+            out += M.layer_input_bytes(m, b) + M.logits_bytes(m, b, tp)  # final norm input, logits
+        return out
+
+    def _memory_need(self, device_type: str, num_layers: int, first: bool, last: bool,
+                     micro_batch_size: int, tp: int, recompute: RecomputeKey, in_flight: int,
+                     data_parallel: int, optimizer_offload: float = 0.0,
+                     activation_offload: bool = False) -> Memory:
+        m, b = self.model, micro_batch_size
+        params = self.stage_params(num_layers, first, last, tp)
+        shard = params / data_parallel if self.use_distributed_optimizer else params
+        per_mb = self._activations_per_microbatch(num_layers, first, last, b, tp, recompute)
+        acts = (1 if activation_offload else in_flight) * per_mb
+        gran, method, k = recompute
+        if gran == "full" and num_layers:
+            chunk = k if method == "uniform" else 1
+            acts += min(chunk, num_layers) * M.layer_activation_bytes(
+                m, b, tp, "none", flash_attention=self.flash_attention)
+        return Memory(params=params * self.param_bytes, grads=params * self.grad_bytes,
+                      optimizer=shard * self.optim_bytes * (1.0 - optimizer_offload),
+                      activations=acts, workspace=self.workspace_bytes,
+                      capacity=self.capacity(device_type))
+
+    # -- data-parallel sync and optimizer -------------------------------------------------------
+    def dp_sync_seconds(self, params_per_rank: float, data_parallel: int, bandwidth_gb_s: float) -> float:
+        """Gradient sync of one rank's parameters over ``data_parallel`` replicas."""
+        d = data_parallel
+        if d <= 1:
+            return 0.0
+        bw = bandwidth_gb_s * 1e9
+        if self.use_distributed_optimizer:
+            return (d - 1) / d * params_per_rank * (self.grad_bytes + self.param_bytes) / bw
+        return 2.0 * (d - 1) / d * params_per_rank * self.grad_bytes / bw
+
+    def optimizer_seconds(self, device_type: str, params_per_rank: float, data_parallel: int,
+                          optimizer_offload: float = 0.0) -> float:
+        shard = params_per_rank / data_parallel if self.use_distributed_optimizer else params_per_rank
+        touched = shard * (self.grad_bytes + 2 * self.optim_bytes + self.param_bytes)
+        dev_bw = self.inventory.spec(device_type).memory_bandwidth_gb_s * 1e9
+        return (1 - optimizer_offload) * touched / dev_bw + optimizer_offload * touched / self.host_bandwidth
+
+    def p2p_seconds(self, micro_batch_size: int, bandwidth_gb_s: float) -> float:
+        """One pipeline send of a micro-batch's activations (or their gradients)."""
+        return self.p2p_latency_s + M.layer_input_bytes(self.model, micro_batch_size) / (bandwidth_gb_s * 1e9)
+
+    # -- plan level -----------------------------------------------------------------------------
+    @staticmethod
+    def _stage_key(plan: Plan, pipeline: int, stage: int):
+        st = plan.stage(pipeline, stage)
+        p = plan.pipeline_model_parallel_size
+        return st, stage == 0, stage == p - 1
+
+    def stage_times(self, plan: Plan, pipeline: int, stage: int) -> StageTimes:
+        """Predicted forward and backward seconds of one micro-batch on (pipeline, stage)."""
+        st, first, last = self._stage_key(plan, pipeline, stage)
+        return self.compute_times(st.device_type, st.num_layers, first, last,
+                                  plan.pipelines[pipeline].micro_batch_size,
+                                  plan.tensor_model_parallel_size, recompute_key(st.recompute),
+                                  st.offload.activations)
+
+    def stage_memory(self, plan: Plan, pipeline: int, stage: int) -> Memory:
+        """Peak memory of one tensor rank of (pipeline, stage)."""
+        st, first, last = self._stage_key(plan, pipeline, stage)
+        pipe = plan.pipelines[pipeline]
+        in_flight = min(plan.pipeline_model_parallel_size - stage, pipe.num_microbatches)
+        return self.memory_need(st.device_type, st.num_layers, first, last, pipe.micro_batch_size,
+                                plan.tensor_model_parallel_size, recompute_key(st.recompute),
+                                in_flight, plan.data_parallel_size, st.offload.optimizer_fraction,
+                                st.offload.activations)
+
+    def placement(self, plan: Plan) -> Placement:
+        return place([[s.device_type for s in p.stages] for p in plan.pipelines],
+                     plan.tensor_model_parallel_size, self.inventory)
+
+    def stage_params_of(self, plan: Plan, stage: int) -> float:
+        p = plan.pipeline_model_parallel_size
+        return self.stage_params(plan.layer_split[stage], stage == 0, stage == p - 1,
+                                 plan.tensor_model_parallel_size)

@@ -1,0 +1,177 @@
+"""Model presets and the per-layer costs of a Llama-style decoder: FLOPs, parameter and
+activation bytes.
+
+Every figure is for one micro-batch of ``b`` sequences of ``s`` tokens, for the whole layer
+(divide by the tensor-parallel size where the text says so). Notation: ``h`` hidden size, ``f``
+FFN hidden size, ``a`` attention heads, ``g`` query groups, ``h_kv = h * g / a`` the key/value
+width, ``V`` the padded vocabulary, ``t`` the tensor-parallel size.
+
+FLOPs (multiply-add = 2 FLOPs), forward of one layer::
+
+    QKV 2bsh(h + 2h_kv) + scores 2bs^2h + context 2bs^2h + projection 2bsh^2
+    + MLP 2bshf * (3 with SwiGLU, 2 without)
+
+Backward is twice the forward. Attention is counted without the causal half (Megatron's and
+PaLM's MFU convention). The output layer costs 2bshV forward and 4bshV backward; the embedding
+lookup costs nothing.
+
+Activation bytes saved per layer for backward (Korthikanti et al. 2022, "Reducing Activation
+Recomputation in Large Transformer Models", Sec. 4, no sequence parallelism), adapted to GQA and
+SwiGLU term by term; 16-bit activations, 1-byte dropout masks::
+
+    replicated on every tensor rank: 2 LayerNorm inputs 4sbh, QKV input 2sbh, MLP input 2sbh,
+                                     two dropout masks 2sbh                     -> 10sbh
+    sharded over t: Q 2sbh, K and V 4sb*h_kv, projection input 2sbh,
+                    MLP: SwiGLU input 4sbf + fc2 input 2sbf (GeLU: 2sbf + 2sbf)
+    core attention (sharded): softmax 2as^2b + dropout mask as^2b + dropout out 2as^2b = 5as^2b
+
+For plain multi-head attention with ``f = 4h`` and no SwiGLU this is Korthikanti's
+``sbh(10 + 24/t + 5as/(ht))``. Selective recompute drops the core-attention term; full recompute
+keeps only the layer input (2sbh). With a fused (flash) attention kernel the core-attention term
+is never stored, so ``none`` costs what ``selective`` does (see :class:`ActivationPolicy`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Literal
+
+from ._schema import from_data, read_yaml
+from .errors import SchemaError
+from .plan import ModelSpec
+
+__all__ = ["PRESETS", "model_preset", "load_model", "padded_vocab_size", "layer_forward_flops",
+           "output_forward_flops", "layer_params", "embedding_params", "output_params",
+           "layer_activation_bytes", "core_attention_forward_flops", "step_model_flops",
+           "layer_input_bytes", "logits_bytes"]
+
+PRESETS: dict[str, ModelSpec] = {
+    "llama2-7b": ModelSpec(name="llama2-7b", num_layers=32, hidden_size=4096, ffn_hidden_size=11008,
+                           num_attention_heads=32, num_query_groups=32, vocab_size=32000,
+                           seq_length=4096),
+    "llama2-13b": ModelSpec(name="llama2-13b", num_layers=40, hidden_size=5120,
+                            ffn_hidden_size=13824, num_attention_heads=40, num_query_groups=40,
+                            vocab_size=32000, seq_length=4096),
+    "llama2-70b": ModelSpec(name="llama2-70b", num_layers=80, hidden_size=8192,
+                            ffn_hidden_size=28672, num_attention_heads=64, num_query_groups=8,
+                            vocab_size=32000, seq_length=4096),
+    "llama3-8b": ModelSpec(name="llama3-8b", num_layers=32, hidden_size=4096, ffn_hidden_size=14336,
+                           num_attention_heads=32, num_query_groups=8, vocab_size=128256,
+                           seq_length=8192),
+    "llama3-70b": ModelSpec(name="llama3-70b", num_layers=80, hidden_size=8192,
+                            ffn_hidden_size=28672, num_attention_heads=64, num_query_groups=8,
+                            vocab_size=128256, seq_length=8192),
+}
+"""Llama presets by name (Megatron argument names; sequence length as published)."""
+
+Policy = Literal["none", "selective", "full"]
+
+
+def model_preset(name: str, *, seq_length: int | None = None) -> ModelSpec:
+    """A copy of preset ``name``, with ``seq_length`` replaced when given."""
+    if name not in PRESETS:
+        raise SchemaError("--model", "", name, "a preset (" + ", ".join(PRESETS)
+                          + ") or a YAML file with the model fields")
+    spec = PRESETS[name]
+    return dataclasses.replace(spec, seq_length=seq_length or spec.seq_length)
+
+
+def load_model(name_or_path: str, *, seq_length: int | None = None) -> ModelSpec:
+    """A preset name, or a YAML file holding the :class:`ModelSpec` fields."""
+    if name_or_path in PRESETS:
+        return model_preset(name_or_path, seq_length=seq_length)
+    path = Path(name_or_path)
+    if not path.is_file():
+        model_preset(name_or_path)  # raises the message listing the presets
+    data = read_yaml(path)
+    if isinstance(data, dict) and seq_length is not None:
+        data = {**data, "seq_length": seq_length}
+    return from_data(ModelSpec, data, source=str(path))
+
+
+def padded_vocab_size(m: ModelSpec, tp: int = 1) -> int:
+    """Megatron pads the vocabulary to a multiple of 128 x TP (--make-vocab-size-divisible-by)."""
+    unit = 128 * tp
+    return -(-m.vocab_size // unit) * unit
+
+
+def _kv(m: ModelSpec) -> int:
+    return m.hidden_size * m.num_query_groups // m.num_attention_heads
+
+
+def core_attention_forward_flops(m: ModelSpec, b: int) -> float:
+    """Scores and context matmuls of one layer's forward (what selective recompute redoes)."""
+    return 4.0 * b * m.seq_length ** 2 * m.hidden_size
+
+
+def layer_forward_flops(m: ModelSpec, b: int) -> float:
+    """Forward FLOPs of one transformer layer for a micro-batch of ``b`` sequences."""
+    s, h, f = m.seq_length, m.hidden_size, m.ffn_hidden_size
+    linear = 2.0 * b * s * h * (h + 2 * _kv(m)) + 2.0 * b * s * h * h
+    mlp = 2.0 * b * s * h * f * (3 if m.swiglu else 2)
+    return linear + mlp + core_attention_forward_flops(m, b)
+
+
+def output_forward_flops(m: ModelSpec, b: int, tp: int = 1) -> float:
+    """Forward FLOPs of the output layer (logits) over the padded vocabulary."""
+    return 2.0 * b * m.seq_length * m.hidden_size * padded_vocab_size(m, tp)
+
+
+def step_model_flops(m: ModelSpec, global_batch_size: int) -> float:
+    """Model FLOPs of one training step (forward + backward, no recompute, unpadded vocab)."""
+    per_seq = m.num_layers * layer_forward_flops(m, 1) + 2.0 * m.seq_length * m.hidden_size * m.vocab_size
+    return 3.0 * per_seq * global_batch_size
+
+
+def layer_params(m: ModelSpec) -> int:
+    """Parameters of one transformer layer (weights, norms and biases)."""
+    h, f, kv = m.hidden_size, m.ffn_hidden_size, _kv(m)
+    n = h * (h + 2 * kv) + h * h + h * f * (3 if m.swiglu else 2)
+    n += 2 * h if m.normalization == "RMSNorm" else 4 * h
+    if m.add_bias_linear:
+        n += (h + 2 * kv) + h + (2 * f if m.swiglu else f) + h
+    return n
+
+
+def embedding_params(m: ModelSpec, tp: int = 1) -> int:
+    """Parameters of the input embedding (and learned positions) on the first stage."""
+    n = padded_vocab_size(m, tp) * m.hidden_size
+    if m.position_embedding_type == "learned_absolute":
+        n += m.seq_length * m.hidden_size
+    return n
+
+
+def output_params(m: ModelSpec, tp: int = 1, *, single_stage: bool = False) -> int:
+    """Parameters on the last stage after the layers: final norm and output layer. With tied
+    embeddings Megatron still keeps a copy of the word embeddings there unless PP = 1."""
+    n = m.hidden_size if m.normalization == "RMSNorm" else 2 * m.hidden_size
+    if m.untie_embeddings_and_output_weights or not single_stage:
+        n += padded_vocab_size(m, tp) * m.hidden_size
+    return n
+
+
+def layer_input_bytes(m: ModelSpec, b: int) -> float:
+    """Bytes of one layer's 16-bit input (a pipeline send, a full-recompute checkpoint)."""
+    return 2.0 * b * m.seq_length * m.hidden_size
+
+
+def layer_activation_bytes(m: ModelSpec, b: int, tp: int, policy: Policy, *,
+                           flash_attention: bool = False) -> float:
+    """Activation bytes one tensor rank keeps for one layer and one micro-batch (module doc)."""
+    s, h, f, a = m.seq_length, m.hidden_size, m.ffn_hidden_size, m.num_attention_heads
+    if policy == "full":
+        return layer_input_bytes(m, b)
+    sbh = s * b * h
+    replicated = 10.0 * sbh
+    mlp = (6.0 if m.swiglu else 4.0) * s * b * f
+    sharded = 2.0 * sbh + 4.0 * s * b * _kv(m) + 2.0 * sbh + mlp
+    total = replicated + sharded / tp
+    if policy == "none" and not flash_attention:
+        total += 5.0 * a * s * s * b / tp
+    return total
+
+
+def logits_bytes(m: ModelSpec, b: int, tp: int) -> float:
+    """fp32 logits one tensor rank keeps for the loss (last stage)."""
+    return 4.0 * b * m.seq_length * padded_vocab_size(m, tp) / tp

@@ -1,0 +1,243 @@
+"""A discrete-event simulator of one training step of a plan under Megatron's 1F1B schedule.
+
+Each pipeline runs non-interleaved 1F1B: stage ``s`` of ``p`` does ``min(p - s - 1, m)`` warm-up
+forwards, then alternates one forward and one backward, then drains its backwards. A forward of
+micro-batch ``i`` on stage ``s`` starts when stage ``s`` is free and the forward of ``i`` on
+stage ``s - 1`` has ended and its activations have crossed the link between the two stages;
+backwards likewise from stage ``s + 1``. Sends run on the link, not on the compute stream.
+
+After its last backward every stage index joins its data-parallel gradient sync (one group per
+stage index across all pipelines): the sync starts when the slowest replica of that stage is
+done (or, with ``overlap_grad_reduce``, when the last replica starts its last backward) and is
+followed by the optimizer step. The step time is the latest end over all ranks.
+
+Per stage: ``busy_s`` compute, ``bubble_s`` waiting inside the schedule (from time 0 to the
+stage's last backward), ``sync_s`` gradient sync and optimizer, ``idle_s`` the rest of the step
+(waiting for slower replicas and stages).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from .cost.model import CostModel, Memory
+from .models import step_model_flops
+from .plan import Plan
+
+__all__ = ["simulate", "SimResult", "StageResult", "Event", "one_f_one_b"]
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One compute or communication interval on one (pipeline, stage)."""
+
+    pipeline: int
+    stage: int
+    kind: str
+    """``F`` forward, ``B`` backward, ``S`` gradient sync, ``O`` optimizer step."""
+    microbatch: int
+    start: float
+    end: float
+
+
+@dataclass(kw_only=True, slots=True)
+class StageResult:
+    pipeline: int
+    stage: int
+    device_type: str
+    num_layers: int
+    forward_s: float
+    """One micro-batch's forward."""
+    backward_s: float
+    busy_s: float
+    bubble_s: float
+    sync_s: float
+    idle_s: float
+    memory: Memory
+
+    def to_dict(self) -> dict:
+        out = {k: getattr(self, k) for k in ("pipeline", "stage", "device_type", "num_layers",
+                                             "forward_s", "backward_s", "busy_s", "bubble_s",
+                                             "sync_s", "idle_s")}
+        out["memory_bytes"] = self.memory.total
+        out["memory_capacity_bytes"] = self.memory.capacity
+        return out
+
+
+@dataclass(kw_only=True, slots=True)
+class SimResult:
+    step_time_s: float
+    stages: list[StageResult]
+    tokens_per_s: float
+    model_flops: float
+    """Model FLOPs of one step (no recompute)."""
+    mfu: float
+    """Model FLOP/s over the summed peak (datasheet) FLOP/s of the plan's GPUs."""
+    fits_memory: bool
+    events: list[Event] = field(default_factory=list)
+
+    def stage(self, pipeline: int, stage: int) -> StageResult:
+        p = 1 + max(s.stage for s in self.stages)
+        return self.stages[pipeline * p + stage]
+
+    def to_dict(self) -> dict:
+        return {"step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
+                "mfu": self.mfu, "model_flops": self.model_flops, "fits_memory": self.fits_memory,
+                "stages": [s.to_dict() for s in self.stages]}
+
+    def timeline_png(self, path, *, max_pipelines: int = 8) -> None:
+        """Gantt chart of the recorded events (the first ``max_pipelines`` pipelines)."""
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        if not self.events:
+            raise ValueError("no events recorded: call simulate(..., record_events=True)")
+        rows = sorted({(e.pipeline, e.stage) for e in self.events if e.pipeline < max_pipelines})
+        index = {r: i for i, r in enumerate(rows)}
+        colors = {"F": "#4C72B0", "B": "#55A868", "S": "#C44E52", "O": "#8172B2"}
+        fig, ax = plt.subplots(figsize=(12, 0.35 * len(rows) + 1.5))
+        for kind, color in colors.items():
+            for r in rows:
+                bars = [(e.start, e.end - e.start) for e in self.events
+                        if e.kind == kind and (e.pipeline, e.stage) == r]
+                if bars:
+                    ax.broken_barh(bars, (index[r] - 0.4, 0.8), facecolors=color,
+                                   edgecolor="white", linewidth=0.2)
+        ax.set_yticks(range(len(rows)))
+        ax.set_yticklabels([f"p{d} s{s} {self.stage(d, s).device_type}" for d, s in rows], fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlabel("seconds")
+        ax.set_title(f"step {self.step_time_s:.3f} s (F forward, B backward, S grad sync, O optimizer)")
+        from matplotlib.patches import Patch
+        ax.legend(handles=[Patch(color=c, label=k) for k, c in colors.items()], loc="upper right",
+                  fontsize=7)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+
+
+def one_f_one_b(fwd: list[float], bwd: list[float], send_f: list[float], send_b: list[float],
+                m: int, *, record: bool = False):
+    """Simulate one pipeline. ``send_f[s]``/``send_b[s]``: seconds over the link between stage
+    ``s`` and ``s + 1``. Returns (finish, busy, last_backward_start, events) per stage, where
+    events is a list of (stage, kind, microbatch, start, end) when ``record``."""
+    p = len(fwd)
+    ops: list[list[tuple[int, int]]] = []  # (0 forward / 1 backward, micro-batch)
+    for s in range(p):
+        warm = min(p - s - 1, m)
+        seq = [(0, i) for i in range(warm)]
+        for i in range(m - warm):
+            seq += [(0, warm + i), (1, i)]
+        seq += [(1, i) for i in range(m - warm, m)]
+        ops.append(seq)
+    fdone = [[-1.0] * m for _ in range(p)]
+    bdone = [[-1.0] * m for _ in range(p)]
+    ptr = [0] * p
+    free = [0.0] * p
+    busy = [0.0] * p
+    last_b_start = [0.0] * p
+    events: list[tuple] = []
+    remaining = sum(len(o) for o in ops)
+    while remaining:
+        progressed = False
+        for s in range(p):
+            seq = ops[s]
+            while ptr[s] < len(seq):
+                kind, i = seq[ptr[s]]
+                if kind == 0:
+                    if s == 0:
+                        ready = 0.0
+                    else:
+                        done = fdone[s - 1][i]
+                        if done < 0:
+                            break
+                        ready = done + send_f[s - 1]
+                    dur = fwd[s]
+                else:
+                    if s == p - 1:
+                        ready = fdone[s][i]
+                    else:
+                        done = bdone[s + 1][i]
+                        if done < 0:
+                            break
+                        ready = done + send_b[s]
+                    dur = bwd[s]
+                start = max(free[s], ready)
+                end = start + dur
+                (fdone if kind == 0 else bdone)[s][i] = end
+                if kind == 1:
+                    last_b_start[s] = start
+                if record:
+                    events.append((s, "FB"[kind], i, start, end))
+                free[s] = end
+                busy[s] += dur
+                ptr[s] += 1
+                remaining -= 1
+                progressed = True
+        assert progressed, "1F1B schedule deadlocked"
+    return free, busy, last_b_start, events
+
+
+def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True) -> SimResult:
+    """Simulate one training step of ``plan`` under ``cost``."""
+    placement = cost.placement(plan)
+    p, D = plan.pipeline_model_parallel_size, plan.data_parallel_size
+    times = [[cost.stage_times(plan, d, s) for s in range(p)] for d in range(D)]
+    cache: dict[tuple, tuple] = {}
+    runs = []
+    for d, pipe in enumerate(plan.pipelines):
+        fwd = [t.forward_s for t in times[d]]
+        bwd = [t.backward_s for t in times[d]]
+        bws = [placement.link_bandwidth(placement.node(d, s), placement.node(d, s + 1))
+               for s in range(p - 1)]
+        sends = [cost.p2p_seconds(pipe.micro_batch_size, bw) for bw in bws]
+        key = (tuple(fwd), tuple(bwd), tuple(sends), pipe.num_microbatches)
+        if key not in cache or record_events:
+            cache[key] = one_f_one_b(fwd, bwd, sends, sends, pipe.num_microbatches, record=record_events)
+        runs.append(cache[key])
+    events: list[Event] = []
+    stage_end: list[list[float]] = [[0.0] * p for _ in range(D)]
+    sync_of: list[list[float]] = [[0.0] * p for _ in range(D)]
+    for s in range(p):
+        params = cost.stage_params_of(plan, s)
+        bw = placement.slowest_bandwidth([placement.node(d, s) for d in range(D)])
+        comm = cost.dp_sync_seconds(params, D, bw)
+        finish = max(runs[d][0][s] for d in range(D))
+        if cost.overlap_grad_reduce:
+            start = max(runs[d][2][s] for d in range(D))
+            sync_end = max(finish, start + comm)
+        else:
+            start, sync_end = finish, finish + comm
+        for d in range(D):
+            st = plan.stage(d, s)
+            opt = cost.optimizer_seconds(st.device_type, params, D, st.offload.optimizer_fraction)
+            stage_end[d][s] = sync_end + opt
+            sync_of[d][s] = (sync_end - max(start, runs[d][0][s])) + opt
+            if record_events:
+                if comm:
+                    events.append(Event(d, s, "S", -1, sync_end - comm, sync_end))
+                events.append(Event(d, s, "O", -1, sync_end, sync_end + opt))
+    step = max(max(row) for row in stage_end)
+    stages: list[StageResult] = []
+    fits = True
+    for d in range(D):
+        finish, busy, _, evs = runs[d]
+        if record_events:
+            events.extend(Event(d, s, k, i, a, b) for s, k, i, a, b in evs)
+        for s in range(p):
+            mem = cost.stage_memory(plan, d, s)
+            fits = fits and mem.fits
+            bubble = finish[s] - busy[s]
+            stages.append(StageResult(
+                pipeline=d, stage=s, device_type=plan.stage(d, s).device_type,
+                num_layers=plan.stage(d, s).num_layers, forward_s=times[d][s].forward_s,
+                backward_s=times[d][s].backward_s, busy_s=busy[s], bubble_s=bubble,
+                sync_s=sync_of[d][s], idle_s=max(0.0, step - busy[s] - bubble - sync_of[d][s]),
+                memory=mem))
+    flops = step_model_flops(plan.model, plan.global_batch_size)
+    peak = sum(n * cost.peak_flops(t) for t, n in plan.device_counts().items())
+    tokens = plan.global_batch_size * plan.model.seq_length
+    events.sort(key=lambda e: (e.pipeline, e.stage, e.start))
+    return SimResult(step_time_s=step, stages=stages, tokens_per_s=tokens / step, model_flops=flops,
+                     mfu=flops / step / peak, fits_memory=fits, events=events)

@@ -1,0 +1,150 @@
+"""The cost model and the 1F1B simulator against cases worked out by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from megatron_hetero import models as M
+from megatron_hetero.cost import CostModel
+from megatron_hetero.hardware.inventory import inventory_from_data
+from megatron_hetero.plan import ModelSpec, plan_from_data
+from megatron_hetero.simulate import one_f_one_b, simulate
+
+TINY = ModelSpec(name="tiny", num_layers=4, hidden_size=64, ffn_hidden_size=128,
+                 num_attention_heads=4, num_query_groups=2, vocab_size=256, seq_length=16)
+
+
+def test_layer_flops_by_hand():
+    # h=64, kv width 32, s=16, b=1, SwiGLU
+    qkv = 2 * 16 * 64 * (64 + 2 * 32)
+    attention = 2 * 16 * 16 * 64 * 2
+    proj = 2 * 16 * 64 * 64
+    mlp = 2 * 16 * 64 * 128 * 3
+    assert M.layer_forward_flops(TINY, 1) == qkv + attention + proj + mlp
+    assert M.layer_forward_flops(TINY, 3) == 3 * (qkv + attention + proj + mlp)
+    assert M.output_forward_flops(TINY, 1) == 2 * 16 * 64 * 256
+
+
+def test_llama2_7b_parameter_count():
+    m = M.model_preset("llama2-7b")
+    total = 32 * M.layer_params(m) + M.embedding_params(m) + M.output_params(m)
+    assert total == 6_738_415_616  # the published Llama-2-7B parameter count
+
+
+@pytest.mark.parametrize("t", [1, 2, 4])
+def test_activation_bytes_match_korthikanti_for_gpt(t):
+    # plain MHA, 4h MLP without SwiGLU: Korthikanti's sbh(10 + 24/t + 5as/(ht))
+    m = ModelSpec(name="gpt", num_layers=2, hidden_size=256, ffn_hidden_size=1024,
+                  num_attention_heads=8, num_query_groups=8, vocab_size=512, seq_length=128,
+                  swiglu=False)
+    s, b, h, a = 128, 2, 256, 8
+    none = M.layer_activation_bytes(m, b, t, "none")
+    assert none == pytest.approx(s * b * h * (10 + 24 / t + 5 * a * s / (h * t)))
+    assert M.layer_activation_bytes(m, b, t, "selective") == pytest.approx(s * b * h * (10 + 24 / t))
+    assert M.layer_activation_bytes(m, b, t, "full") == 2 * s * b * h
+    assert M.layer_activation_bytes(m, b, t, "none", flash_attention=True) == pytest.approx(
+        s * b * h * (10 + 24 / t))
+
+
+def _inventory(gpus=None, **extra):
+    data = {"groups": [{"gpu": "A100-SXM-80GB", "nodes": 2, "gpus_per_node": 4},
+                       {"gpu": "V100-SXM2-32GB", "nodes": 1, "gpus_per_node": 4}]}
+    if gpus:
+        data["gpus"] = gpus
+    data.update(extra)
+    return inventory_from_data(data)
+
+
+def test_compute_time_is_flops_over_rate():
+    inv = _inventory()
+    cost = CostModel(TINY, inv)
+    f, b = cost.layer_times("A100-SXM-80GB", 1, 1)
+    rate = 312e12 * 0.5
+    assert f == pytest.approx(M.layer_forward_flops(TINY, 1) / rate)
+    assert b == pytest.approx(2 * f)
+    st = cost.compute_times("A100-SXM-80GB", 2, False, True, 1, 1, ("full", "uniform", 1))
+    out = M.output_forward_flops(TINY, 1) / rate
+    assert st.forward_s == pytest.approx(2 * f + out)
+    assert st.backward_s == pytest.approx(2 * 2 * f + 2 * out + 2 * f)  # + recompute forward
+
+
+def test_memory_by_hand():
+    inv = _inventory()
+    cost = CostModel(TINY, inv, workspace_gb=0)
+    mem = cost.memory_need("A100-SXM-80GB", 2, True, False, 1, 1, ("none", None, None), 3, 4)
+    params = 2 * M.layer_params(TINY) + 256 * 64
+    assert mem.params == 2 * params and mem.grads == 4 * params
+    assert mem.optimizer == pytest.approx(12 * params / 4)
+    acts = 2 * M.layer_activation_bytes(TINY, 1, 1, "none", flash_attention=True) + 16 * 64
+    assert mem.activations == pytest.approx(3 * acts)
+
+
+def test_two_stage_1f1b_by_hand():
+    # f = 1, b = 2 on both stages, 2 micro-batches, no send time: (p - 1 + m)(f + b) = 9
+    finish, busy, _, _ = one_f_one_b([1, 1], [2, 2], [0], [0], 2)
+    assert finish == [9, 7] and busy == [6, 6]
+    # with 0.5 s sends (worked on paper): stage 1 ends 7.5, stage 0 ends 10
+    finish, _, _, _ = one_f_one_b([1, 1], [2, 2], [0.5], [0.5], 2)
+    assert finish == [10, 7.5]
+    # one stage is a plain loop
+    finish, _, _, _ = one_f_one_b([1], [2], [], [], 5)
+    assert finish == [15]
+
+
+def test_simulate_two_stage_plan_matches_hand_formula():
+    # custom device with a round rate; fp32 all the way, huge links so sends are tiny
+    gpus = {"ROUND": {"vendor": "test", "bf16_tflops": 1.0, "bf16": True, "fp32_tflops": 1.0,
+                      "memory_gb": 1000, "memory_bandwidth_gb_s": 1e6, "intra_node_link": "x",
+                      "intra_node_bandwidth_gb_s": 1e9, "efficiency": 1.0}}
+    inv = inventory_from_data({"groups": [{"gpu": "ROUND", "nodes": 1, "gpus_per_node": 2}],
+                               "gpus": gpus})
+    m = TINY
+    data = {"format_version": 1, "model": {f: getattr(m, f) for f in m.__slots__},
+            "global_batch_size": 3, "tensor_model_parallel_size": 1, "precision": "bf16",
+            "use_distributed_optimizer": False,
+            "pipelines": [{"micro_batch_size": 1, "num_microbatches": 3, "stages": [
+                {"device_type": "ROUND", "num_layers": 2}, {"device_type": "ROUND", "num_layers": 2}]}]}
+    plan = plan_from_data(data, catalog=inv.catalog)
+    cost = CostModel(m, inv, p2p_latency_s=0.0)
+    res = simulate(plan, cost)
+    layer = M.layer_forward_flops(m, 1) / 1e12
+    out = M.output_forward_flops(m, 1) / 1e12
+    f0, f1 = 2 * layer, 2 * layer + out
+    # stage 1 is the bottleneck: F0 on s0, then stage 1 runs 3 x (f1 + b1), then B2 on s0
+    expected = f0 + 3 * (f1 + 2 * f1) + 2 * f0
+    opt = cost.optimizer_seconds("ROUND", cost.stage_params_of(plan, 0), 1)
+    assert res.step_time_s == pytest.approx(expected + opt, rel=1e-6)
+    assert res.stage(0, 1).busy_s == pytest.approx(3 * 3 * f1)
+    assert res.fits_memory
+
+
+def test_placement_keeps_tp_in_a_node_and_pipelines_together():
+    inv = _inventory()
+    cost = CostModel(TINY, inv)
+    stages = [["A100-SXM-80GB", "A100-SXM-80GB", "V100-SXM2-32GB"]] * 2
+    from megatron_hetero.cost import place
+    pl = place(stages, 2, inv)
+    assert pl.node(0, 0) == pl.node(0, 1)  # 4 GPUs per node, TP 2: both A100 stages share one
+    assert pl.node(1, 0) == pl.node(1, 1) != pl.node(0, 0)
+    assert pl.link_bandwidth(pl.node(0, 1), pl.node(0, 2)) == inv.inter_group_bandwidth_gb_s
+    assert pl.slowest_bandwidth([pl.node(0, 0), pl.node(1, 0)]) == inv.inter_node_bandwidth(0)
+    from megatron_hetero.errors import InfeasibleError
+    with pytest.raises(InfeasibleError, match="V100"):
+        place([["V100-SXM2-32GB"]] * 3, 2, inv)
+
+
+def test_profile_times_replace_estimates():
+    class Prof:
+        device_type = "A100-SXM-80GB"
+        efficiency = 0.25
+
+        def times(self, part, *, model, micro_batch_size, tensor_parallel_size):
+            return (0.5, 1.5) if part == "layer" and micro_batch_size == 1 else None
+
+    inv = _inventory()
+    cost = CostModel(TINY, inv, profiles={"A100-SXM-80GB": Prof()})
+    assert cost.layer_times("A100-SXM-80GB", 1, 1) == (0.5, 1.5)
+    f2, _ = cost.layer_times("A100-SXM-80GB", 2, 1)
+    assert f2 == pytest.approx(M.layer_forward_flops(TINY, 2) / (312e12 * 0.25))
