@@ -75,7 +75,10 @@ class Software:
 class Timing:
     """How the times were taken."""
 
-    method: Literal["cuda-events", "synchronize-wall-clock"]
+    method: Literal["cuda-events", "thread-cpu-time", "synchronize-wall-clock"]
+    """``cuda-events``: GPU time between CUDA events. ``thread-cpu-time``: CPU time of the calling
+    thread (CPU runs with one torch thread; immune to other processes on the cores).
+    ``synchronize-wall-clock``: wall-clock time (CPU runs with several threads)."""
     warmup: int
     """Untimed iterations before the timed ones."""
     repeats: int

@@ -1,0 +1,739 @@
+"""``megatron-hetero profile``: measure per-layer costs of real megatron-core modules on this device.
+
+For each tensor-parallel size, the profiler builds a one-layer megatron-core ``GPTModel`` (the
+Transformer Engine layer spec when TE is installed, the local spec otherwise) and times its parts
+one at a time, for each micro-batch size:
+
+- ``embedding``: ``model.embedding`` (word and, if any, position embeddings);
+- ``layer``: ``model.decoder.layers[0]``, with the model's rotary embedding;
+- ``output``: ``model.decoder.final_layernorm``, ``model.output_layer`` and the model's own
+  ``compute_language_model_loss``.
+
+Each part runs ``warmup`` untimed iterations, then ``repeats`` timed ones, forward and backward
+timed separately; the file keeps the median (on a GPU from CUDA events; on CPU from the
+calling thread's CPU time when torch computes on one thread, else from wall-clock time). With TP
+> 1 every rank of the group times the part and the slowest rank's median is kept.
+
+Memory: on a GPU, ``torch.cuda`` allocator figures (bytes allocated by one layer's forward, and
+the peak over its forward and backward). On CPU there is no allocator peak to read; the
+profiler counts the bytes autograd saves for backward through
+``torch.autograd.graph.saved_tensors_hooks`` (each storage once, parameters excluded) and
+reports ``peak_bytes`` as parameters + gradients + those saved bytes.
+
+With more than one rank it also times p2p send/recv between ranks 0 and 1 and an all-reduce over
+all ranks. TP > 1 needs that many processes: the profiler starts them itself (``torch.multiprocessing``
+on the CPU backend, or on the visible GPUs), unless it runs under ``torchrun`` already.
+
+torch and megatron are imported inside the functions, never at module import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Literal
+
+from .cost.profile_file import (
+    BandwidthSample, Communication, DeviceInfo, MemoryFigures, PartTimes, ProfileData,
+    ProfileEntry, Software, Timing, save_profile,
+)
+from .errors import HeteroError
+from .plan import ModelSpec
+
+__all__ = ["ProfileRequest", "run_profile", "layer_flops", "profile_main"]
+
+CPU_DEVICE_TYPE = "CPU"
+
+
+@dataclass(kw_only=True, slots=True)
+class ProfileRequest:
+    """What to measure."""
+
+    model: ModelSpec
+    micro_batch_sizes: list[int]
+    tensor_parallel_sizes: list[int] = field(default_factory=lambda: [1])
+    warmup: int = 2
+    """Untimed iterations per part before the timed ones."""
+    repeats: int = 5
+    """Timed iterations per part; the median is kept."""
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    """``auto``: bf16 on a GPU (fp16 where the catalog says the card has no bf16), fp32 on CPU."""
+    device_type: str | None = None
+    """Catalog name to record; detected from the device name when None (``CPU`` on CPU)."""
+    cpu_threads: int | None = None
+    """torch intra-op threads per CPU rank (None: torch's default)."""
+    bandwidth: bool = True
+    """Measure p2p and all-reduce bandwidth when more than one rank runs."""
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.micro_batch_sizes or min(self.micro_batch_sizes) < 1:
+            raise ValueError(f"micro_batch_sizes: {self.micro_batch_sizes}; expected positive integers")
+        if not self.tensor_parallel_sizes or min(self.tensor_parallel_sizes) < 1:
+            raise ValueError(f"tensor_parallel_sizes: {self.tensor_parallel_sizes}; "
+                             "expected positive integers")
+        for tp in self.tensor_parallel_sizes:
+            m = self.model
+            if m.num_attention_heads % tp or m.num_query_groups % tp:
+                raise HeteroError(
+                    f"--tensor-parallel-sizes: {tp} does not divide the model's attention heads "
+                    f"({m.num_attention_heads}) and query groups ({m.num_query_groups})")
+        if self.warmup < 0 or self.repeats < 1:
+            raise ValueError("warmup must be >= 0 and repeats >= 1")
+
+
+def layer_flops(model: ModelSpec, micro_batch_size: int, tensor_parallel_size: int = 1) -> float:
+    """Model FLOPs of one transformer layer's forward and backward for one micro-batch, per rank
+    of the TP group (matmuls only: 2 FLOPs per multiply-add; backward = 2 x forward)."""
+    try:
+        from .models import layer_flops as _model_layer_flops  # the tuner's formula, when present
+    except ImportError:
+        _model_layer_flops = None
+    if _model_layer_flops is not None:
+        try:
+            fwd, bwd = _model_layer_flops(model, micro_batch_size)
+            return (fwd + bwd) / tensor_parallel_size
+        except TypeError:
+            pass
+    h, s, b = model.hidden_size, model.seq_length, micro_batch_size
+    kv = h * model.num_query_groups // model.num_attention_heads
+    qkv = h * (h + 2 * kv)
+    proj = h * h
+    mlp = (3 if model.swiglu else 2) * h * model.ffn_hidden_size
+    attention = 2 * s * h  # QK^T and AV per token
+    forward = 2 * b * s * (qkv + proj + mlp + attention)
+    return 3 * forward / tensor_parallel_size
+
+
+# --------------------------------------------------------------------------------------------
+# launching
+
+
+def run_profile(request: ProfileRequest, output: str | Path | None = None) -> ProfileData:
+    """Measure, write ``output`` (when given) and return the profile. Starts max(TP) processes
+    unless running under torchrun already (then uses the launched ranks)."""
+    world = max(request.tensor_parallel_sizes)
+    launched = _launched_world()
+    if launched > 1:
+        if launched % world:
+            raise HeteroError(f"torchrun started {launched} ranks; --tensor-parallel-sizes "
+                              f"{request.tensor_parallel_sizes} needs a multiple of {world}")
+        data = _rank_main(int(os.environ["RANK"]), launched, request, None)
+    elif world == 1:
+        data = _rank_main(0, 1, request, None)
+    else:
+        data = _spawn(world, request)
+    if data is not None and output is not None:
+        save_profile(data, output)
+    return data
+
+
+def _launched_world() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
+
+
+def _spawn(world: int, request: ProfileRequest) -> ProfileData:
+    device = _pick_device(request.device)
+    if device == "cpu":
+        from .emulate.spawn import SpawnError, spawn
+        try:
+            results = spawn(_cpu_rank, world, args=(request,), timeout_s=request_timeout(request),
+                            threads_per_rank=request.cpu_threads or 1)
+        except SpawnError as exc:
+            raise HeteroError(f"profiling rank {exc.rank} failed:\n{exc.remote_traceback}") from None
+        return results[0]
+    import torch
+    import torch.multiprocessing as mp
+    if torch.cuda.device_count() < world:
+        raise HeteroError(f"--tensor-parallel-sizes {max(request.tensor_parallel_sizes)} needs "
+                          f"{world} GPUs; this node shows {torch.cuda.device_count()}")
+    with tempfile.TemporaryDirectory(prefix="mh-profile-") as tmp:
+        init = Path(tmp) / "store"
+        result = Path(tmp) / "profile.yaml"
+        mp.start_processes(_cuda_rank, args=(world, request, str(init), str(result)),
+                           nprocs=world, join=True, start_method="spawn")
+        from .cost.profile_file import load_profile
+        return load_profile(result).data
+
+
+def request_timeout(request: ProfileRequest) -> float:
+    """Generous wall-clock limit for a spawned CPU profile."""
+    runs = len(request.micro_batch_sizes) * len(request.tensor_parallel_sizes)
+    return 120.0 + 60.0 * runs * (request.warmup + request.repeats)
+
+
+def _cpu_rank(rank: int, world: int, request: ProfileRequest):
+    return _rank_main(rank, world, request, None)
+
+
+def _cuda_rank(rank: int, world: int, request: ProfileRequest, init: str, result: str) -> None:
+    data = _rank_main(rank, world, request, f"file://{init}")
+    if rank == 0:
+        save_profile(data, result)
+
+
+def _pick_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# --------------------------------------------------------------------------------------------
+# one rank
+
+
+def _rank_main(rank: int, world: int, request: ProfileRequest, init_method: str | None):
+    import torch
+    import torch.distributed as dist
+
+    device = _pick_device(request.device)
+    # Import megatron-core's modules before the CPU backend patches torch.cuda: their
+    # import-time torch.compile decorators trip over the patched functions otherwise.
+    import megatron.core.models.gpt  # noqa: F401
+    import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
+    if device == "cpu":
+        _enable_cpu_backend()
+        if request.cpu_threads:
+            torch.set_num_threads(request.cpu_threads)
+    else:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+    if not dist.is_initialized():
+        backend = "nccl" if device == "cuda" else "gloo"
+        if init_method is None and "MASTER_ADDR" not in os.environ:
+            init_method = f"file://{tempfile.mkdtemp(prefix='mh-profile-')}/store"
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
+
+    from megatron.core import parallel_state
+
+    device_type, precision = _device_type_and_precision(request, device)
+    clock_name, timer = _timer(device)
+    entries: list[ProfileEntry] = []
+    jobs = [(tp, mbs) for tp in request.tensor_parallel_sizes for mbs in request.micro_batch_sizes]
+    with _progress(request.progress and rank == 0, len(jobs) * 3) as advance:
+        for tp in request.tensor_parallel_sizes:
+            parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+            try:
+                parts = _build_parts(request.model, tp, precision, device)
+                for mbs in request.micro_batch_sizes:
+                    entries.append(_measure_entry(parts, request, mbs, tp, timer, device, advance))
+            finally:
+                parallel_state.destroy_model_parallel()
+    comm = _measure_bandwidth(world, device, request) if request.bandwidth and world > 1 else None
+    if rank != 0:
+        dist.barrier()
+        return None
+    dist.barrier()
+    best = _efficiency(entries, device, device_type, precision)
+    return ProfileData(
+        format_version=1,
+        device=_device_info(device, device_type, world),
+        software=_software(),
+        timing=Timing(method=clock_name, warmup=request.warmup, repeats=request.repeats,
+                      layer_spec=_layer_spec_name(device), precision=precision),
+        model=request.model,
+        entries=entries,
+        created=_dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
+        efficiency=best,
+        communication=comm,
+    )
+
+
+def _enable_cpu_backend() -> None:
+    try:
+        from .emulate.cpu_backend import enable_cpu_backend
+    except ImportError as exc:  # pragma: no cover - the backend ships with this package
+        raise HeteroError("profiling on CPU needs megatron_hetero.emulate.cpu_backend "
+                          f"(import failed: {exc})") from None
+    enable_cpu_backend()
+
+
+def _device_type_and_precision(request: ProfileRequest, device: str) -> tuple[str, str]:
+    from .hardware.catalog import load_catalog
+
+    catalog = load_catalog()
+    if device == "cpu":
+        dtype = request.device_type or CPU_DEVICE_TYPE
+        precision = "fp32" if request.precision == "auto" else request.precision
+        return dtype, precision
+    import torch
+    name = torch.cuda.get_device_name()
+    dtype = request.device_type or catalog.resolve(name)
+    if dtype is None:
+        raise HeteroError(f"this GPU reports itself as {name!r}, which the catalog does not know; "
+                          "pass --device-type NAME (a catalog name, or one your inventory adds)")
+    resolved = catalog.resolve(dtype)
+    precision = request.precision
+    if precision == "auto":
+        precision = "bf16" if resolved is None or catalog.get(resolved).bf16 else "fp16"
+    return resolved or dtype, precision
+
+
+def _timer(device: str) -> tuple[str, Callable]:
+    """A function ``timer(fn) -> seconds`` and the name of its method."""
+    import torch
+
+    if device == "cuda":
+        def cuda_timer(fn):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            out = fn()
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end) / 1e3, out
+        return "cuda-events", cuda_timer
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    name = "thread-cpu-time" if clock is time.thread_time else "synchronize-wall-clock"
+
+    def cpu_timer(fn):
+        t0 = clock()
+        out = fn()
+        return clock() - t0, out
+    return name, cpu_timer
+
+
+@dataclass(slots=True)
+class _Parts:
+    model: object
+    rope: object
+    dtype: object
+    device: str
+    tp_group: object
+
+
+def _build_parts(model: ModelSpec, tp: int, precision: str, device: str) -> _Parts:
+    import torch
+    import torch.nn.functional as F
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer import TransformerConfig
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        gated_linear_unit=model.swiglu,
+        activation_func=F.silu if model.swiglu else F.gelu,
+        normalization=model.normalization,
+        add_bias_linear=model.add_bias_linear,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        use_cpu_initialization=device == "cpu",
+        params_dtype=dtype,
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+    )
+    torch.manual_seed(1234)
+    from megatron.core import tensor_parallel
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    gpt = GPTModel(
+        config=config,
+        transformer_layer_spec=_layer_spec(model, device),
+        vocab_size=model.vocab_size,
+        max_sequence_length=model.seq_length,
+        pre_process=True,
+        post_process=True,
+        share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
+        position_embedding_type=model.position_embedding_type,
+    )
+    if device == "cuda":
+        gpt = gpt.cuda()
+    gpt = gpt.to(dtype)
+    rope = getattr(gpt, "rotary_pos_emb", None)
+    rope_emb = rope(model.seq_length) if rope is not None and model.position_embedding_type == "rope" \
+        else None
+    return _Parts(model=gpt, rope=rope_emb, dtype=dtype, device=device,
+                  tp_group=parallel_state.get_tensor_model_parallel_group())
+
+
+def _layer_spec_name(device: str) -> str:
+    from .optional import have_transformer_engine
+    return "transformer_engine" if device == "cuda" and have_transformer_engine() else "local"
+
+
+def _layer_spec(model: ModelSpec, device: str):
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec,
+    )
+    if _layer_spec_name(device) == "transformer_engine":
+        return get_gpt_layer_with_transformer_engine_spec()
+    return get_gpt_layer_local_spec(normalization=model.normalization)
+
+
+def _measure_entry(parts: _Parts, request: ProfileRequest, mbs: int, tp: int, timer, device,
+                   advance) -> ProfileEntry:
+    import torch
+
+    m, gpt = request.model, parts.model
+    s, h = m.seq_length, m.hidden_size
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    gen = torch.Generator(device="cpu").manual_seed(mbs)
+    tokens = torch.randint(0, m.vocab_size, (mbs, s), generator=gen).to(dev)
+    labels = torch.randint(0, m.vocab_size, (mbs, s), generator=gen).to(dev)
+    positions = torch.arange(s, device=dev).unsqueeze(0).expand(mbs, s)
+    hidden = torch.randn(s, mbs, h, generator=gen).to(dev, parts.dtype)
+    layer = gpt.decoder.layers[0]
+
+    def embedding_fwd():
+        return gpt.embedding(input_ids=tokens, position_ids=positions)
+
+    def layer_fwd():
+        x = hidden.detach().requires_grad_()
+        out = layer(x, attention_mask=None, rotary_pos_emb=parts.rope)
+        return out[0] if isinstance(out, tuple) else out
+
+    def output_fwd():
+        x = hidden.detach().requires_grad_()
+        y = gpt.decoder.final_layernorm(x) if gpt.decoder.final_layernorm is not None else x
+        weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights \
+            else None
+        logits, _ = gpt.output_layer(y, weight=weight)
+        return gpt.compute_language_model_loss(labels, logits).sum()
+
+    times = {}
+    for name, fwd in (("embedding", embedding_fwd), ("layer", layer_fwd), ("output", output_fwd)):
+        times[name] = _time_part(fwd, timer, request.warmup, request.repeats, parts.tp_group)
+        advance(f"TP={tp} mbs={mbs} {name}")
+    memory = _measure_memory(layer, layer_fwd, device)
+    flops = layer_flops(m, mbs, tp)
+    layer_t = times["layer"]
+    return ProfileEntry(micro_batch_size=mbs, tensor_parallel_size=tp, layer=layer_t,
+                        embedding=times["embedding"], output=times["output"], memory=memory,
+                        achieved_tflops=round(flops / (layer_t.forward_s + layer_t.backward_s) / 1e12, 6))
+
+
+def _time_part(fwd, timer, warmup: int, repeats: int, tp_group) -> PartTimes:
+    import torch
+    import torch.distributed as dist
+
+    fwd_s, bwd_s = [], []
+    for i in range(warmup + repeats):
+        tf, out = timer(fwd)
+        grad = torch.ones_like(out)
+        tb, _ = timer(lambda: torch.autograd.backward(out, grad))
+        del out
+        if i >= warmup:
+            fwd_s.append(tf)
+            bwd_s.append(tb)
+    medians = torch.tensor([statistics.median(fwd_s), statistics.median(bwd_s)], dtype=torch.float64)
+    if dist.get_world_size(tp_group) > 1:
+        if torch.cuda.is_available() and dist.get_backend(tp_group) == "nccl":
+            medians = medians.cuda()
+        dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=tp_group)
+    f, b = medians.tolist()
+    return PartTimes(forward_s=_sig(max(f, 1e-9)), backward_s=_sig(max(b, 1e-9)))
+
+
+def _sig(x: float) -> float:
+    return float(f"{x:.6g}")
+
+
+def _measure_memory(layer, layer_fwd, device: str) -> MemoryFigures:
+    import torch
+
+    params = list(layer.parameters())
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out = layer_fwd()
+        torch.cuda.synchronize()
+        act = torch.cuda.memory_allocated() - base - out.numel() * out.element_size()
+        out.backward(torch.ones_like(out))
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        return MemoryFigures(method="cuda-max-memory-allocated", parameter_bytes_per_layer=param_bytes,
+                             activation_bytes_per_layer=max(act, 0), peak_bytes=peak)
+    param_storages = {p.untyped_storage().data_ptr() for p in params}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        if ptr not in param_storages and ptr not in saved:
+            saved[ptr] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = layer_fwd()
+    out.backward(torch.ones_like(out))
+    act = sum(saved.values())
+    return MemoryFigures(method="saved-tensors", parameter_bytes_per_layer=param_bytes,
+                         activation_bytes_per_layer=act, peak_bytes=2 * param_bytes + act)
+
+
+def _measure_bandwidth(world: int, device: str, request: ProfileRequest) -> Communication:
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    sizes = [1 << 20, 16 << 20, 64 << 20] if device == "cuda" else [1 << 18, 1 << 20, 4 << 20]
+    reps = max(request.repeats, 3)
+
+    def wall(fn):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    p2p, allreduce = [], []
+    for nbytes in sizes:
+        buf = torch.ones(nbytes // 4, dtype=torch.float32, device=dev)
+
+        def exchange():
+            if rank == 0:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            elif rank == 1:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+
+        samples = [wall(exchange) for _ in range(reps + 1)][1:]
+        t = statistics.median(samples) / 2  # one direction
+        p2p.append(BandwidthSample(bytes=nbytes, seconds=t, gb_s=round(nbytes / t / 1e9, 4)))
+        dist.barrier()
+        samples = [wall(lambda: dist.all_reduce(buf)) for _ in range(reps + 1)][1:]
+        t = statistics.median(samples)
+        bus = 2 * (world - 1) / world * nbytes
+        allreduce.append(BandwidthSample(bytes=nbytes, seconds=t, gb_s=round(bus / t / 1e9, 4)))
+    return Communication(ranks=world, backend=dist.get_backend(), p2p=p2p, all_reduce=allreduce)
+
+
+def _efficiency(entries: list[ProfileEntry], device: str, device_type: str, precision: str):
+    tp1 = [e.achieved_tflops for e in entries if e.tensor_parallel_size == 1 and e.achieved_tflops]
+    if not tp1:
+        return None
+    if device == "cpu":
+        peak = _cpu_peak_tflops()
+    else:
+        from .hardware.catalog import load_catalog
+        cat = load_catalog()
+        name = cat.resolve(device_type)
+        if name is None:
+            return None
+        spec = cat.get(name)
+        peak = spec.fp32_tflops if precision == "fp32" else spec.bf16_tflops
+    return round(min(max(tp1) / peak, 1.0), 6) if peak else None
+
+
+_CPU_PEAK: list[float] = []
+
+
+def _cpu_peak_tflops() -> float:
+    """Dense fp32 matmul rate of this CPU with torch's current thread count (median of 5)."""
+    if _CPU_PEAK:
+        return _CPU_PEAK[0]
+    import torch
+    n = 512
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    for _ in range(3):
+        a @ b
+    samples = []
+    for _ in range(7):
+        t0 = clock()
+        for _ in range(4):
+            a @ b
+        samples.append((clock() - t0) / 4)
+    _CPU_PEAK.append(2 * n**3 / statistics.median(samples) / 1e12)
+    return _CPU_PEAK[0]
+
+
+def _device_info(device: str, device_type: str, world: int) -> DeviceInfo:
+    import torch
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return DeviceInfo(name=props.name, type=device_type, backend="cuda", ranks=world,
+                          memory_bytes=int(props.total_memory))
+    return DeviceInfo(name=_cpu_name(), type=device_type, backend="cpu", ranks=world,
+                      peak_matmul_tflops=round(_cpu_peak_tflops(), 6),
+                      memory_bytes=_host_memory())
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _host_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _software() -> Software:
+    import torch
+    from importlib.metadata import PackageNotFoundError, version
+
+    from ._version import __version__
+
+    def ver(dist_name):
+        try:
+            return version(dist_name)
+        except PackageNotFoundError:
+            return None
+
+    try:
+        import megatron.core as mc
+        mcore = getattr(mc, "__version__", None) or ver("megatron-core") or "unknown"
+    except ImportError:
+        mcore = "missing"
+    te = ver("transformer-engine") or ver("transformer_engine")
+    return Software(megatron_hetero=__version__, python=platform.python_version(),
+                    torch=str(torch.__version__), megatron_core=str(mcore), transformer_engine=te,
+                    cuda=torch.version.cuda)
+
+
+class _progress:
+    """A rich progress bar (or nothing), yielding ``advance(description)``."""
+
+    def __init__(self, enabled: bool, total: int):
+        self.enabled, self.total = enabled, total
+        self._bar = None
+
+    def __enter__(self):
+        if not self.enabled:
+            return lambda desc: None
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                                   TimeElapsedColumn)
+        self._bar = Progress(TextColumn("profile"), BarColumn(), MofNCompleteColumn(),
+                             TimeElapsedColumn(), TextColumn("{task.description}"),
+                             transient=False, redirect_stdout=False, redirect_stderr=False)
+        self._bar.start()
+        task = self._bar.add_task("", total=self.total)
+        return lambda desc: self._bar.update(task, advance=1, description=desc)
+
+    def __exit__(self, *exc):
+        if self._bar is not None:
+            self._bar.stop()
+        return False
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+
+
+def _int_list(text: str, option: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise HeteroError(f"{option}: {text!r}; expected comma-separated integers such as 1,2,4") \
+            from None
+    if not values or min(values) < 1:
+        raise HeteroError(f"{option}: {text!r}; expected positive integers such as 1,2,4")
+    return sorted(set(values))
+
+
+def resolve_model(name: str, *, seq_length: int | None = None, hidden_size: int | None = None,
+                  num_layers: int | None = None) -> ModelSpec:
+    """A model preset (from the tuner's presets) or a YAML file of ModelSpec fields, optionally
+    shrunk in width to ``hidden_size`` for a CPU run."""
+    from ._schema import from_data, read_yaml
+
+    if Path(name).suffix in (".yaml", ".yml") or Path(name).is_file():
+        model = from_data(ModelSpec, read_yaml(name), source=name)
+    else:
+        model = _preset(name)
+    changes = {}
+    if seq_length is not None:
+        changes["seq_length"] = seq_length
+    if num_layers is not None:
+        changes["num_layers"] = num_layers
+    if changes:
+        model = dataclasses.replace(model, **changes)
+    if hidden_size is not None and hidden_size != model.hidden_size:
+        model = shrink_model(model, hidden_size)
+    return model
+
+
+def _preset(name: str) -> ModelSpec:
+    try:
+        from . import models
+    except ImportError:
+        raise HeteroError(f"--model {name!r}: model presets are not available in this build; "
+                          "give a YAML file of model fields instead") from None
+    for getter in ("get_model", "model_preset", "preset"):
+        fn = getattr(models, getter, None)
+        if fn is not None:
+            return fn(name)
+    presets = getattr(models, "PRESETS", None) or getattr(models, "MODELS", None)
+    if presets is not None and name in presets:
+        return presets[name]
+    raise HeteroError(f"--model {name!r}: not a preset this build knows")
+
+
+def shrink_model(model: ModelSpec, hidden_size: int) -> ModelSpec:
+    """``model`` narrowed to ``hidden_size``: FFN width scaled alike, head and group counts kept
+    where they divide the new width (else halved until they do)."""
+    try:
+        from .emulate.shrink import shrink_model as _theirs  # the rehearsal's rule, when present
+        return _theirs(model, hidden_size)
+    except ImportError:
+        pass
+    heads, groups = model.num_attention_heads, model.num_query_groups
+    while hidden_size % heads:
+        heads //= 2
+        groups = max(1, min(groups, heads))
+    while heads % groups:
+        groups //= 2
+    ffn = max(8, round(model.ffn_hidden_size * hidden_size / model.hidden_size / 8) * 8)
+    return dataclasses.replace(model, hidden_size=hidden_size, ffn_hidden_size=ffn,
+                               num_attention_heads=heads, num_query_groups=groups)
+
+
+def profile_main(args) -> int:
+    """Handler of ``megatron-hetero profile``."""
+    model = resolve_model(args.model, seq_length=args.seq_length, hidden_size=args.hidden_size)
+    if args.vocab_size:
+        model = dataclasses.replace(model, vocab_size=args.vocab_size)
+    request = ProfileRequest(
+        model=model,
+        micro_batch_sizes=_int_list(args.micro_batch_sizes, "--micro-batch-sizes"),
+        tensor_parallel_sizes=_int_list(args.tensor_parallel_sizes, "--tensor-parallel-sizes"),
+        warmup=args.warmup, repeats=args.repeats, device=args.device, precision=args.precision,
+        device_type=args.device_type, cpu_threads=args.cpu_threads,
+        bandwidth=not args.no_bandwidth, progress=not args.quiet,
+    )
+    data = run_profile(request, args.output)
+    if data is None:  # a non-zero torchrun rank
+        return 0
+    eff = f"; layer efficiency {data.efficiency:.3f}" if data.efficiency else ""
+    print(f"{args.output}: profile of {data.device.type} ({data.device.name}) for "
+          f"{model.name} h={model.hidden_size} s={model.seq_length}: {len(data.entries)} "
+          f"entries{eff}", file=sys.stderr if args.output == "-" else sys.stdout)
+    for e in data.entries:
+        print(f"  TP={e.tensor_parallel_size} mbs={e.micro_batch_size}: layer fwd "
+              f"{e.layer.forward_s * 1e3:.3f} ms bwd {e.layer.backward_s * 1e3:.3f} ms; "
+              f"activations {e.memory.activation_bytes_per_layer / 2**20:.2f} MiB/layer")
+    return 0
