@@ -38,6 +38,40 @@ def _add_args(sub) -> None:
     p.set_defaults(handler="megatron_hetero.commands:args_main")
 
 
+def _add_profile(sub) -> None:
+    p = sub.add_parser("profile", help="measure per-layer costs of this device into profile.yaml",
+                       description="Time real megatron-core layers (forward, backward), the "
+                                   "embedding and the output layer with its loss on this device, "
+                                   "per micro-batch size and tensor-parallel size; measure memory "
+                                   "and, with more than one rank, p2p and all-reduce bandwidth. "
+                                   "Feed the file to `tune --profile`. Format: "
+                                   "docs/profile-format.md.")
+    p.add_argument("--model", required=True, metavar="M",
+                   help="model preset (e.g. llama2-7b) or a YAML file of model fields")
+    p.add_argument("--seq-length", type=int, metavar="S", help="sequence length (default: the model's)")
+    p.add_argument("--micro-batch-sizes", default="1", metavar="LIST", help="e.g. 1,2,4 (default 1)")
+    p.add_argument("--tensor-parallel-sizes", default="1", metavar="LIST",
+                   help="e.g. 1,2 (default 1); TP>1 starts that many processes")
+    p.add_argument("--hidden-size", type=int, metavar="H",
+                   help="shrink the model to this width (for a CPU run)")
+    p.add_argument("--vocab-size", type=int, metavar="V", help="override the vocabulary size")
+    p.add_argument("-o", "--output", default="profile.yaml", metavar="FILE",
+                   help="where to write the profile (default profile.yaml)")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                   help="device to profile (default: cuda when available, else cpu)")
+    p.add_argument("--device-type", metavar="NAME",
+                   help="catalog name to record (default: detected; CPU on cpu)")
+    p.add_argument("--precision", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
+                   help="default: bf16 on GPU (fp16 without bf16), fp32 on CPU")
+    p.add_argument("--warmup", type=int, default=2, help="untimed iterations (default 2)")
+    p.add_argument("--repeats", type=int, default=5, help="timed iterations; median kept (default 5)")
+    p.add_argument("--cpu-threads", type=int, default=1, metavar="N",
+                   help="torch threads per CPU rank (default 1, as the rehearsal runs)")
+    p.add_argument("--no-bandwidth", action="store_true", help="skip the p2p/all-reduce figures")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(handler="megatron_hetero.profiler:profile_main")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megatron-hetero",
@@ -51,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_COMMANDS = [_add_validate, _add_args]
+_COMMANDS = [_add_validate, _add_args, _add_profile]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -77,9 +77,9 @@ class ProfileRequest:
 
     def __post_init__(self) -> None:
         if not self.micro_batch_sizes or min(self.micro_batch_sizes) < 1:
-            raise ValueError(f"micro_batch_sizes: {self.micro_batch_sizes}; expected positive integers")
+            raise HeteroError(f"micro_batch_sizes: {self.micro_batch_sizes}; expected positive integers")
         if not self.tensor_parallel_sizes or min(self.tensor_parallel_sizes) < 1:
-            raise ValueError(f"tensor_parallel_sizes: {self.tensor_parallel_sizes}; "
+            raise HeteroError(f"tensor_parallel_sizes: {self.tensor_parallel_sizes}; "
                              "expected positive integers")
         for tp in self.tensor_parallel_sizes:
             m = self.model
@@ -88,7 +88,7 @@ class ProfileRequest:
                     f"--tensor-parallel-sizes: {tp} does not divide the model's attention heads "
                     f"({m.num_attention_heads}) and query groups ({m.num_query_groups})")
         if self.warmup < 0 or self.repeats < 1:
-            raise ValueError("warmup must be >= 0 and repeats >= 1")
+            raise HeteroError(f"--warmup {self.warmup} --repeats {self.repeats}: expected warmup >= 0 and repeats >= 1")
 
 
 def layer_flops(model: ModelSpec, micro_batch_size: int, tensor_parallel_size: int = 1) -> float:
