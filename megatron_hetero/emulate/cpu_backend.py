@@ -1,0 +1,325 @@
+"""CPU execution backend for megatron-core: run real megatron-core on CPU processes over gloo.
+
+Public API
+----------
+``enable_cpu_backend()``
+    Explicit opt-in, once per process, before building Megatron models. Refuses (``RuntimeError``)
+    when CUDA is available, so a GPU run is never changed. Idempotent.
+``cpu_backend_enabled()``
+    Whether this process has enabled it.
+``REDIRECTS``
+    The one table of what the backend redirects and why: ``(module, attribute, reason)`` rows.
+``CPU_PATH_MODULES``
+    The megatron-core modules the supported features execute (the pin test scans them).
+``CudaNotCoveredError``
+    Raised when megatron-core calls a ``torch.cuda`` function the table does not cover.
+
+What it makes work (megatron-core 0.16.x and 0.17.x, torch 2.13 CPU): ``GPTModel`` on the local
+spec, the non-interleaved 1F1B and forward-only schedules, p2p, ``DistributedDataParallel``
+with grad buffers, ``finalize_model_grads`` (per-token loss too), the fp32 optimizer from
+``get_megatron_optimizer`` (torch Adam) with grad clipping, the RNG tracker and TP=2.
+
+How
+---
+Nothing in megatron-core is edited. Three mechanisms, all listed in :data:`REDIRECTS`:
+
+1. A ``TorchFunctionMode`` (:class:`_CudaToCpuMode`) pushed for the rest of the process maps
+   every CUDA device argument (``device="cuda"``, ``device=torch.cuda.current_device()``,
+   ``.cuda()``, ``.to("cuda")``) to the CPU, and makes ``Tensor.type()`` answer the CUDA type
+   name that megatron-core's fp32 checks compare with.
+2. ``torch.cuda`` attributes that megatron-core calls on the CPU path get CPU equivalents
+   (streams and events become no-op objects, the CUDA RNG state becomes the CPU generator's).
+3. megatron-core's own CUDA RNG helpers (``_get_cuda_rng_state``/``_set_cuda_rng_state``) use the
+   CPU generator, so ``model_parallel_cuda_manual_seed`` and ``get_cuda_rng_tracker().fork()``
+   work: the tracker's streams become states of the CPU generator.
+
+Every other public ``torch.cuda`` function becomes a raiser for callers inside ``megatron``: it
+raises :class:`CudaNotCoveredError` naming the megatron function and the ``torch.cuda`` function
+("megatron_hetero CPU backend: megatron.core.x.f called torch.cuda.y, not covered"). Callers
+outside megatron (torch itself) get the original function.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import sys
+import threading
+
+__all__ = ["enable_cpu_backend", "cpu_backend_enabled", "REDIRECTS", "CPU_PATH_MODULES",
+           "CudaNotCoveredError", "SAFE_CUDA_QUERIES"]
+
+
+class CudaNotCoveredError(RuntimeError):
+    """megatron-core reached a ``torch.cuda`` function the CPU backend does not redirect."""
+
+
+#: ``(module, attribute, reason)``: everything the backend redirects. ``torch.cuda`` rows are
+#: global patches of the ``torch.cuda`` namespace; the ``torch`` rows are the device mode.
+REDIRECTS: tuple[tuple[str, str, str], ...] = (
+    ("torch", "device arguments", "a TorchFunctionMode maps device='cuda'/'cuda:N'/int N and "
+     "torch.device('cuda') arguments of every torch function and Tensor method to 'cpu' "
+     "(schedules, p2p, grad buffers, finalize, optimizer found_inf, clip_grads, masks)"),
+    ("torch", "Tensor.cuda", "the device mode returns the tensor itself (already on the CPU)"),
+    ("torch", "Tensor.type", "the device mode answers 'torch.cuda.FloatTensor' for CPU float32 "
+     "tensors, which megatron-core's fp32 optimizer and clip_grads assert"),
+    ("torch.cuda", "current_device", "returns 0; the device mode maps device 0 to the CPU"),
+    ("torch.cuda", "set_device", "no-op: one CPU per process"),
+    ("torch.cuda", "synchronize", "no-op: CPU ops run synchronously"),
+    ("torch.cuda", "empty_cache", "no-op: no caching allocator"),
+    ("torch.cuda", "Stream", "no streams on CPU: an object whose wait/record/synchronize are no-ops"),
+    ("torch.cuda", "Event", "an event whose record/wait/synchronize are no-ops"),
+    ("torch.cuda", "stream", "context manager that does nothing"),
+    ("torch.cuda", "current_stream", "the no-op stream"),
+    ("torch.cuda", "default_stream", "the no-op stream"),
+    ("torch.cuda", "set_stream", "no-op"),
+    ("torch.cuda", "is_current_stream_capturing", "False: no CUDA graphs on CPU"),
+    ("torch.cuda", "get_rng_state", "the CPU generator's state: the 'CUDA' RNG is the CPU one"),
+    ("torch.cuda", "set_rng_state", "sets the CPU generator's state"),
+    ("torch.cuda", "manual_seed", "seeds the CPU generator (RNG tracker add, "
+     "model_parallel_cuda_manual_seed)"),
+    ("torch.cuda.random", "get_rng_state", "as torch.cuda.get_rng_state"),
+    ("torch.cuda.random", "set_rng_state", "as torch.cuda.set_rng_state"),
+    ("torch.cuda.random", "manual_seed", "as torch.cuda.manual_seed"),
+    ("torch.cuda.nvtx", "range_push", "no-op (profiling ranges)"),
+    ("torch.cuda.nvtx", "range_pop", "no-op (profiling ranges)"),
+    ("megatron.core.tensor_parallel.random", "_get_cuda_rng_state",
+     "reads the CPU generator (it indexes torch.cuda.default_generators otherwise)"),
+    ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state",
+     "sets the CPU generator (it indexes torch.cuda.default_generators otherwise)"),
+)
+
+#: ``torch.cuda`` functions that are left as they are: queries that answer correctly on a
+#: machine without CUDA (``is_available`` is False, so megatron takes its CPU branches).
+SAFE_CUDA_QUERIES: frozenset[str] = frozenset({
+    "is_available", "device_count", "is_initialized", "manual_seed_all", "seed", "seed_all",
+    "get_rng_state_all", "set_rng_state_all", "is_bf16_supported", "is_tf32_supported",
+})
+
+#: megatron-core modules that the supported features run (relative to ``megatron.core``);
+#: the pin test scans their source for CUDA uses and checks that each is covered.
+CPU_PATH_MODULES: tuple[str, ...] = (
+    "parallel_state",
+    "utils",
+    "pipeline_parallel.schedules",
+    "pipeline_parallel.p2p_communication",
+    "distributed.distributed_data_parallel",
+    "distributed.param_and_grad_buffer",
+    "distributed.finalize_model_grads",
+    "optimizer",
+    "optimizer.optimizer",
+    "optimizer.clip_grads",
+    "tensor_parallel.random",
+    "tensor_parallel.layers",
+    "tensor_parallel.mappings",
+    "tensor_parallel.utils",
+    "tensor_parallel.cross_entropy",
+    "transformer.transformer_block",
+    "transformer.transformer_layer",
+    "transformer.attention",
+    "transformer.dot_product_attention",
+    "transformer.mlp",
+    "transformer.module",
+    "models.gpt.gpt_model",
+    "models.common.language_module.language_module",
+    "models.common.embeddings.language_model_embedding",
+    "models.common.embeddings.rotary_pos_embedding",
+)
+
+_lock = threading.Lock()
+_enabled = False
+_mode = None
+
+
+def cpu_backend_enabled() -> bool:
+    return _enabled
+
+
+# -- 1. the device mode ---------------------------------------------------------------------------
+def _is_cuda(device) -> bool:
+    import torch
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+def _make_mode():
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    cpu = torch.device("cpu")
+    to_methods = {torch.Tensor.to}
+    type_names = {torch.float32: "torch.cuda.FloatTensor", torch.float16: "torch.cuda.HalfTensor",
+                  torch.bfloat16: "torch.cuda.BFloat16Tensor"}
+
+    class _CudaToCpuMode(TorchFunctionMode):
+        """Maps CUDA device arguments to the CPU (see REDIRECTS)."""
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            dev = kwargs.get("device")
+            if dev is not None and _is_cuda(dev):
+                kwargs = dict(kwargs, device=cpu)
+            if func is torch.Tensor.cuda:
+                return args[0]
+            if func in to_methods and len(args) > 1:
+                a = args[1]
+                if (isinstance(a, (str, torch.device)) and _is_cuda(a)) or (
+                        isinstance(a, int) and not isinstance(a, bool)):
+                    args = (args[0], cpu) + tuple(args[2:])
+            if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+                name = type_names.get(args[0].dtype)
+                if name is not None:
+                    return name
+            return func(*args, **kwargs)
+
+    return _CudaToCpuMode()
+
+
+# -- 2. torch.cuda stand-ins ----------------------------------------------------------------------
+class _NoStream:
+    """Stands in for ``torch.cuda.Stream``/``Event`` on the CPU: every operation is a no-op."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *a, **k): pass
+    def wait_event(self, *a, **k): pass
+    def record_event(self, *a, **k): return _NoStream()
+    def record(self, *a, **k): pass
+    def wait(self, *a, **k): pass
+    def synchronize(self): pass
+    def query(self): return True
+    def elapsed_time(self, other): return 0.0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NO_STREAM = _NoStream()
+
+
+def _cuda_standins() -> dict[tuple[str, str], object]:
+    import torch
+
+    def get_rng_state(device="cuda"):
+        return torch.get_rng_state()
+
+    def set_rng_state(new_state, device="cuda"):
+        torch.set_rng_state(new_state)
+
+    def manual_seed(seed):
+        torch.default_generator.manual_seed(int(seed))
+
+    def _get_cuda_rng_state(device="cuda", clone=False, graph_safe=False):
+        return torch.get_rng_state()
+
+    def _set_cuda_rng_state(new_state, device=-1, graph_safe=False):
+        torch.set_rng_state(new_state)
+
+    nop = lambda *a, **k: None  # noqa: E731
+    return {
+        ("torch.cuda", "current_device"): lambda: 0,
+        ("torch.cuda", "set_device"): nop,
+        ("torch.cuda", "synchronize"): nop,
+        ("torch.cuda", "empty_cache"): nop,
+        ("torch.cuda", "Stream"): _NoStream,
+        ("torch.cuda", "Event"): _NoStream,
+        ("torch.cuda", "stream"): lambda s=None: contextlib.nullcontext(),
+        ("torch.cuda", "current_stream"): lambda device=None: _NO_STREAM,
+        ("torch.cuda", "default_stream"): lambda device=None: _NO_STREAM,
+        ("torch.cuda", "set_stream"): nop,
+        ("torch.cuda", "is_current_stream_capturing"): lambda: False,
+        ("torch.cuda", "get_rng_state"): get_rng_state,
+        ("torch.cuda", "set_rng_state"): set_rng_state,
+        ("torch.cuda", "manual_seed"): manual_seed,
+        ("torch.cuda.random", "get_rng_state"): get_rng_state,
+        ("torch.cuda.random", "set_rng_state"): set_rng_state,
+        ("torch.cuda.random", "manual_seed"): manual_seed,
+        ("torch.cuda.nvtx", "range_push"): nop,
+        ("torch.cuda.nvtx", "range_pop"): nop,
+        ("megatron.core.tensor_parallel.random", "_get_cuda_rng_state"): _get_cuda_rng_state,
+        ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state"): _set_cuda_rng_state,
+    }
+
+
+def _raiser(name: str, original):
+    def raiser(*args, **kwargs):
+        frame = sys._getframe(1)
+        module = frame.f_globals.get("__name__", "?")
+        if module.split(".")[0] != "megatron":
+            return original(*args, **kwargs)
+        raise CudaNotCoveredError(
+            f"megatron_hetero CPU backend: {module}.{frame.f_code.co_name} called "
+            f"torch.cuda.{name}, not covered (see megatron_hetero.emulate.cpu_backend.REDIRECTS)")
+
+    raiser.__name__ = name
+    raiser.__wrapped__ = original
+    return raiser
+
+
+def _install_raisers() -> None:
+    import torch
+
+    covered = {attr for mod, attr, _ in REDIRECTS if mod == "torch.cuda"}
+    for name, value in list(vars(torch.cuda).items()):
+        if (name.startswith("_") or name in covered or name in SAFE_CUDA_QUERIES
+                or not inspect.isfunction(value)):
+            continue
+        setattr(torch.cuda, name, _raiser(name, value))
+
+
+def _distinct(fn, name):
+    """A fresh function object per redirect: torch.compile's rule map rejects one object that
+    appears under two ``torch.cuda`` names with different rules."""
+    def standin(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    standin.__name__ = standin.__qualname__ = name
+    return standin
+
+
+def _build_dynamo_rules() -> None:
+    """Build torch.compile's (cached) map of torch functions before ``torch.cuda`` is patched,
+    so megatron-core modules that decorate with ``torch.compile`` at import still import."""
+    try:
+        from torch._dynamo import trace_rules
+        trace_rules.get_torch_obj_rule_map()
+    except Exception:  # noqa: BLE001 - an optional cache warm-up; compile is not on the CPU path
+        pass
+
+
+# -- enable ---------------------------------------------------------------------------------------
+def enable_cpu_backend() -> None:
+    """Make megatron-core run on this process's CPU (see the module docstring). Call it before
+    building models; calling it again does nothing. Raises ``RuntimeError`` when CUDA is
+    available: a GPU run must never be changed."""
+    global _enabled, _mode
+    import torch
+
+    with _lock:
+        if _enabled:
+            return
+        if torch.cuda.is_available():
+            raise RuntimeError("megatron_hetero CPU backend refused: CUDA is available in this "
+                               "process, and the backend must never change a GPU run")
+        import megatron.core.tensor_parallel.random  # noqa: F401  (patched below)
+
+        keys = {(m, a) for m, a, _ in REDIRECTS if not m == "torch"}
+        standins = _cuda_standins()
+        assert keys == set(standins), keys ^ set(standins)
+        _build_dynamo_rules()
+        for (module, attr), value in standins.items():
+            if inspect.isfunction(value):
+                value = _distinct(value, attr)
+            setattr(importlib.import_module(module), attr, value)
+        _install_raisers()
+        _mode = _make_mode()
+        _mode.__enter__()  # stays pushed for the rest of the process (this thread)
+        _enabled = True

@@ -1,0 +1,483 @@
+"""A mini trainer: real megatron-core training of a plan on CPU processes.
+
+It is the execution engine of the equivalence tests, of ``rehearse``, of the runtime hooks'
+multi-process tests and of the profiler. Each process plays one Megatron rank of a
+:class:`~megatron_hetero.plan.Plan` (usually shrunk with :func:`shrink_model`).
+
+Public API
+----------
+``TrainConfig``
+    Steps, seed, optimizer settings, timeouts.
+``RankHooks``
+    Hook points of one rank: ``compute(kind)`` is a context manager wrapped around every
+    forward (``kind="forward"``) and backward (``"backward"``) micro-batch step of that rank
+    (the real work only: no communication inside; speed emulation measures and sleeps there);
+    ``on_step_end(step, wall_s)``; ``report()`` whose value comes back in ``RankResult.extra``.
+``train_rank(plan, rank, config, hooks=None) -> RankResult``
+    Run inside a process of a gloo group of ``plan.world_size`` (see :mod:`.spawn`); enables
+    the CPU backend, builds megatron-core's parallel state (TP, PP, DP from the plan; the
+    plan's own pipeline layout), a ``GPTModel`` (local spec, fp32, CPU initialization, this
+    stage's recompute from its plan entry), Megatron's DDP, ``get_megatron_optimizer`` (Adam,
+    grad clipping) and runs ``config.steps`` steps of Megatron's own schedule.
+``train_plan(plan, config, hooks_factory=None) -> TrainResult``
+    Spawns ``plan.world_size`` CPU processes running :func:`train_rank` and merges their
+    results: the global loss per step, every parameter under a layout-independent name, and the
+    wall time per step of each rank. ``hooks_factory(plan, rank) -> RankHooks`` is called in
+    each rank (it must be importable by name, e.g. a module-level function or a
+    ``functools.partial`` of one).
+``reference_plan(plan) -> Plan``
+    The same model and global batch on one process: one stage, one pipeline. Comparing
+    ``train_plan(plan)`` with ``train_plan(reference_plan(plan))`` is the equivalence check.
+``shrink_model(plan, ...) -> Plan``
+    The plan with a model narrow enough for CPUs: same layer count and split, same pipelines.
+``compare_results(a, b, rtol, atol) -> str | None``
+    The first step or tensor where two results diverge, or None.
+
+Training semantics
+------------------
+Each step, data-parallel replica ``d`` runs its own pipeline's ``num_microbatches`` micro-batches
+of its own ``micro_batch_size`` over its share of the global batch
+(``Plan.replica_sample_range(d)``). Sample ``i`` (global index ``step * global_batch_size +
+position``) is ``seq_length + 1`` tokens drawn from a generator seeded with ``(seed, i)``.
+``calculate_per_token_loss`` makes the loss a sum, and ``finalize_model_grads`` divides the
+gradients by the tokens of the whole global batch, so uneven replicas are exact. The global
+loss of a step is sum of token losses / tokens, over all replicas. Parameters are initialized
+from a generator seeded by their layout-independent name, so any plan of the same model starts
+from the same weights.
+
+Layout-independent names: ``decoder.layers.<global layer index>.<rest>``, the embedding, the
+final norm and the output layer under their megatron-core names; tensor-parallel shards are
+gathered (fused SwiGLU ``linear_fc1`` shards are un-interleaved as gate and up halves).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager
+
+from ..plan import ModelSpec, Pipeline, Plan, Stage
+
+__all__ = ["TrainConfig", "RankHooks", "RankResult", "TrainResult", "train_rank", "train_plan",
+           "reference_plan", "shrink_model", "compare_results", "sample_tokens"]
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """How the mini trainer trains (the model and batch come from the plan)."""
+
+    steps: int = 3
+    """Optimizer steps to run."""
+    seed: int = 1234
+    """Seed of the synthetic data and of the parameter initialization."""
+    lr: float = 1e-3
+    """Adam learning rate (constant)."""
+    weight_decay: float = 0.01
+    clip_grad: float = 1.0
+    """Global gradient-norm clipping threshold (0 disables)."""
+    init_std: float = 0.02
+    """Standard deviation of the initial weight matrices."""
+    gather_params: bool = True
+    """Return the final parameters (TP shards gathered in ``train_plan``)."""
+    threads_per_rank: int = 1
+    """torch intra-op threads of each rank process."""
+    timeout_s: float = 300.0
+    """Hard timeout of ``train_plan``'s processes."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"steps must be positive, got {self.steps}")
+
+
+@dataclass(kw_only=True, slots=True)
+class RankHooks:
+    """Hook points of one rank (all optional)."""
+
+    compute: Callable[[str], ContextManager] | None = None
+    """``compute(kind)`` wraps each forward (``"forward"``) and backward (``"backward"``)
+    micro-batch step of this rank: real compute only, no communication inside."""
+    on_step_end: Callable[[int, float], None] | None = None
+    """Called after each step with the step index and this rank's wall seconds for it."""
+    report: Callable[[], Any] | None = None
+    """Its value at the end comes back as ``RankResult.extra``."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RankResult:
+    """What one rank returns."""
+
+    rank: int
+    pipeline: int
+    stage: int
+    tensor_rank: int
+    losses: list[float]
+    """Global loss per step (every rank gets it)."""
+    step_times: list[float]
+    """Wall seconds of each step on this rank."""
+    params: dict[str, tuple[Any, int | None, bool]] = field(default_factory=dict)
+    """Local parameters: name -> (tensor, tensor-parallel partition dim or None, is fused GLU)."""
+    extra: Any = None
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainResult:
+    """What :func:`train_plan` returns."""
+
+    losses: list[float]
+    params: dict[str, Any]
+    """Full parameters under layout-independent names (from data-parallel replica 0)."""
+    step_times: dict[int, list[float]]
+    """Wall seconds per step, per rank."""
+    ranks: list[RankResult]
+
+
+# -- plans ------------------------------------------------------------------------------------------
+def reference_plan(plan: Plan) -> Plan:
+    """One stage, one pipeline, TP=1: the same model and global batch on one process."""
+    mbs = math.gcd(*(p.micro_batch_size for p in plan.pipelines))
+    first = plan.pipelines[0].stages[0]
+    stage = Stage(device_type=first.device_type, num_layers=plan.model.num_layers)
+    return dataclasses.replace(
+        plan, tensor_model_parallel_size=1, prediction=None,
+        pipelines=[Pipeline(micro_batch_size=mbs, num_microbatches=plan.global_batch_size // mbs,
+                            stages=[stage])])
+
+
+def shrink_model(plan: Plan, *, hidden_size: int = 64, num_attention_heads: int = 4,
+                 ffn_hidden_size: int | None = None, vocab_size: int = 128,
+                 seq_length: int = 16) -> Plan:
+    """The plan with a small model: same layer count and split, same pipelines and batch."""
+    tp = plan.tensor_model_parallel_size
+    m = plan.model
+    groups = num_attention_heads if m.num_query_groups == m.num_attention_heads else tp
+    model = ModelSpec(name=f"{m.name}-shrunk", num_layers=m.num_layers, hidden_size=hidden_size,
+                      ffn_hidden_size=ffn_hidden_size or 2 * hidden_size,
+                      num_attention_heads=num_attention_heads, num_query_groups=groups,
+                      vocab_size=vocab_size, seq_length=seq_length, swiglu=m.swiglu,
+                      normalization=m.normalization,
+                      position_embedding_type=m.position_embedding_type,
+                      untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
+                      add_bias_linear=m.add_bias_linear)
+    return dataclasses.replace(plan, model=model, precision="fp32")
+
+
+# -- data -------------------------------------------------------------------------------------------
+def sample_tokens(index: int, seed: int, seq_length: int, vocab_size: int):
+    """Sample ``index`` of the synthetic dataset: ``seq_length + 1`` token ids."""
+    import torch
+    g = torch.Generator().manual_seed(seed * 1_000_003 + index)
+    return torch.randint(0, vocab_size, (seq_length + 1,), generator=g)
+
+
+def _micro_batches(plan: Plan, pipeline: int, step: int, seed: int):
+    import torch
+    m = plan.model
+    offset, _ = plan.replica_sample_range(pipeline)
+    pipe = plan.pipelines[pipeline]
+    base = step * plan.global_batch_size + offset
+    for k in range(pipe.num_microbatches):
+        rows = [sample_tokens(base + k * pipe.micro_batch_size + j, seed, m.seq_length,
+                              m.vocab_size) for j in range(pipe.micro_batch_size)]
+        tokens = torch.stack(rows)
+        yield {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
+               "loss_mask": torch.ones(len(rows), m.seq_length),
+               "position_ids": torch.arange(m.seq_length).unsqueeze(0).expand(len(rows), -1)}
+
+
+# -- model ------------------------------------------------------------------------------------------
+def _transformer_config(plan: Plan, stage: Stage):
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from ..runtime.policies import recompute_kwargs
+
+    m = plan.model
+    pp = plan.pipeline_model_parallel_size
+    kwargs = dict(
+        num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
+        num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
+        gated_linear_unit=m.swiglu, activation_func=F.silu if m.swiglu else F.gelu,
+        normalization=m.normalization, add_bias_linear=m.add_bias_linear,
+        tensor_model_parallel_size=plan.tensor_model_parallel_size,
+        pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
+        params_dtype=torch.float32, use_cpu_initialization=True, perform_initialization=True,
+        hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False,
+        masked_softmax_fusion=False, apply_rope_fusion=False, bias_activation_fusion=False,
+        gradient_accumulation_fusion=False, persist_layer_norm=False,
+        calculate_per_token_loss=True, sequence_parallel=False,
+    )
+    if pp > 1:
+        kwargs["pipeline_model_parallel_layout"] = plan.layout()
+    kwargs.update(recompute_kwargs(stage))
+    return TransformerConfig(**kwargs)
+
+
+def _canonical_names(model, tied_last_stage: bool) -> dict[str, str]:
+    """Local parameter name -> layout-independent name."""
+    names = {}
+    layers = model.decoder.layers if hasattr(model, "decoder") else []
+    for name, _ in model.named_parameters():
+        canon = name
+        if name.startswith("decoder.layers."):
+            local, rest = name[len("decoder.layers."):].split(".", 1)
+            canon = f"decoder.layers.{layers[int(local)].layer_number - 1}.{rest}"
+        elif name == "output_layer.weight" and tied_last_stage:
+            canon = "embedding.word_embeddings.weight"
+        names[name] = canon
+    return names
+
+
+def _is_glu(name: str, plan: Plan) -> bool:
+    return plan.model.swiglu and ".mlp.linear_fc1." in name
+
+
+def _full_shape(param, tp: int) -> list[int]:
+    shape = list(param.shape)
+    if getattr(param, "tensor_model_parallel", False):
+        shape[param.partition_dim] *= tp
+    return shape
+
+
+def _shard(full, param, tp: int, tp_rank: int, glu: bool):
+    if not getattr(param, "tensor_model_parallel", False) or tp == 1:
+        return full
+    dim = param.partition_dim
+    if glu:
+        assert dim == 0
+        halves = full.view(2, full.shape[0] // 2, *full.shape[1:])
+        return halves.chunk(tp, dim=1)[tp_rank].reshape(-1, *full.shape[1:])
+    return full.chunk(tp, dim=dim)[tp_rank]
+
+
+def _init_params(model, plan: Plan, seed: int, std: float, tp_rank: int, tied_last: bool):
+    import torch
+    names = _canonical_names(model, tied_last)
+    tp = plan.tensor_model_parallel_size
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            canon = names[name]
+            g = torch.Generator().manual_seed(seed * 7919 + zlib.crc32(canon.encode()))
+            shape = _full_shape(param, tp)
+            if canon.endswith("bias"):
+                full = 0.01 * torch.randn(shape, generator=g)
+            elif len(shape) == 1:
+                full = 1.0 + 0.1 * torch.randn(shape, generator=g)
+            else:
+                full = std * torch.randn(shape, generator=g)
+            param.copy_(_shard(full, param, tp, tp_rank, _is_glu(canon, plan)))
+
+
+# -- one rank ---------------------------------------------------------------------------------------
+_backward_wrapper: list[Callable[[str], ContextManager] | None] = [None]
+
+
+def _install_backward_hook() -> None:
+    """Wrap megatron-core's ``schedules.backward_step`` once so RankHooks.compute sees it."""
+    from megatron.core.pipeline_parallel import schedules
+    if getattr(schedules.backward_step, "_hetero_wrapped", False):
+        return
+    original = schedules.backward_step
+
+    @functools.wraps(original)
+    def backward_step(*args, **kwargs):
+        hook = _backward_wrapper[0]
+        with hook("backward") if hook else contextlib.nullcontext():
+            return original(*args, **kwargs)
+
+    backward_step._hetero_wrapped = True
+    schedules.backward_step = backward_step
+
+
+def train_rank(plan: Plan, rank: int, config: TrainConfig | None = None,
+               hooks: RankHooks | None = None) -> RankResult:
+    """Train ``plan`` as Megatron rank ``rank`` (see the module docstring). The default gloo
+    process group of ``plan.world_size`` ranks must be initialized."""
+    import torch
+    import torch.distributed as dist
+
+    from .cpu_backend import enable_cpu_backend
+
+    config = config or TrainConfig()
+    hooks = hooks or RankHooks()
+    enable_cpu_backend()
+    if dist.get_world_size() != plan.world_size:
+        raise ValueError(f"the process group has {dist.get_world_size()} ranks; the plan needs "
+                         f"{plan.world_size}")
+
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    slot = plan.slot_of_rank(rank)
+    stage = plan.stage(slot.pipeline, slot.stage)
+    pipe = plan.pipelines[slot.pipeline]
+    m = plan.model
+    ps.initialize_model_parallel(tensor_model_parallel_size=plan.tensor_model_parallel_size,
+                                 pipeline_model_parallel_size=plan.pipeline_model_parallel_size)
+    try:
+        assert ps.get_data_parallel_rank() == slot.pipeline, "Megatron rank order is not tp-dp-pp"
+        assert ps.get_pipeline_model_parallel_rank() == slot.stage
+        tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
+        tconf = _transformer_config(plan, stage)
+        pre, post = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+        tied = not m.untie_embeddings_and_output_weights
+        model = GPTModel(config=tconf,
+                         transformer_layer_spec=get_gpt_layer_local_spec(
+                             normalization=m.normalization),
+                         vocab_size=m.vocab_size, max_sequence_length=m.seq_length,
+                         pre_process=pre, post_process=post,
+                         share_embeddings_and_output_weights=tied,
+                         position_embedding_type=m.position_embedding_type)
+        _init_params(model, plan, config.seed, config.init_std, slot.tensor_rank,
+                     tied and post and not pre)
+        ddp = DistributedDataParallel(
+            config=tconf,
+            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                     overlap_grad_reduce=False,
+                                                     use_distributed_optimizer=False),
+            module=model)
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=config.lr, weight_decay=config.weight_decay,
+                            clip_grad=config.clip_grad, bf16=False, fp16=False,
+                            params_dtype=torch.float32, use_distributed_optimizer=False),
+            [ddp])
+        tconf.finalize_model_grads_func = finalize_model_grads
+        tconf.grad_scale_func = optimizer.scale_loss
+        tconf.no_sync_func = ddp.no_sync
+        _install_backward_hook()
+        forward_backward = get_forward_backward_func()
+
+        def loss_func(loss_mask, output_tensor):
+            losses = output_tensor.float().view(-1)
+            mask = loss_mask.view(-1).float()
+            loss = torch.sum(losses * mask)
+            tokens = mask.sum().to(torch.int)
+            return loss, tokens, {"lm loss": torch.cat([loss.detach().view(1),
+                                                         tokens.float().view(1)])}
+
+        def forward_step(data_iterator, model_chunk):
+            batch = next(data_iterator)
+            ctx = hooks.compute("forward") if hooks.compute else contextlib.nullcontext()
+            with ctx:
+                out = model_chunk(batch["tokens"], batch["position_ids"], None,
+                                  labels=batch["labels"])
+            return out, functools.partial(loss_func, batch["loss_mask"])
+
+        losses, times = [], []
+        _backward_wrapper[0] = hooks.compute
+        for step in range(config.steps):
+            t0 = time.perf_counter()
+            ddp.zero_grad_buffer()
+            optimizer.zero_grad()
+            reduced = forward_backward(
+                forward_step_func=forward_step,
+                data_iterator=_micro_batches(plan, slot.pipeline, step, config.seed),
+                model=[ddp], num_microbatches=pipe.num_microbatches,
+                seq_length=m.seq_length, micro_batch_size=pipe.micro_batch_size,
+                forward_only=False)
+            ok, _grad_norm, _zeros = optimizer.step()
+            assert ok, "the fp32 optimizer step reported failure"
+            totals = torch.zeros(2, dtype=torch.float64)
+            if post and slot.tensor_rank == 0:
+                for item in reduced:
+                    totals += item["lm loss"].double()
+            dist.all_reduce(totals)
+            losses.append(float(totals[0] / totals[1]))
+            times.append(time.perf_counter() - t0)
+            if hooks.on_step_end:
+                hooks.on_step_end(step, times[-1])
+        _backward_wrapper[0] = None
+
+        params = {}
+        if config.gather_params:
+            names = _canonical_names(model, tied and post and not pre)
+            for name, p in model.named_parameters():
+                if tied and post and not pre and name == "output_layer.weight":
+                    continue  # the last stage's copy of the shared embedding
+                dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
+                params[names[name]] = (p.detach().clone(), dim, _is_glu(name, plan))
+        return RankResult(rank=rank, pipeline=slot.pipeline, stage=slot.stage,
+                          tensor_rank=slot.tensor_rank, losses=losses, step_times=times,
+                          params=params, extra=hooks.report() if hooks.report else None)
+    finally:
+        _backward_wrapper[0] = None
+        ps.destroy_model_parallel()
+
+
+def _rank_entry(rank: int, world_size: int, plan: Plan, config: TrainConfig,
+                hooks_factory) -> RankResult:
+    hooks = hooks_factory(plan, rank) if hooks_factory else None
+    return train_rank(plan, rank, config, hooks)
+
+
+def _merge_params(plan: Plan, ranks: list[RankResult]) -> dict[str, Any]:
+    import torch
+    tp = plan.tensor_model_parallel_size
+    merged: dict[str, Any] = {}
+    by_name: dict[str, dict[int, tuple]] = {}
+    for r in ranks:
+        if r.pipeline != 0:
+            continue
+        for name, (tensor, dim, glu) in r.params.items():
+            by_name.setdefault(name, {})[r.tensor_rank] = (tensor, dim, glu)
+    for name, shards in by_name.items():
+        tensor, dim, glu = shards[0]
+        if dim is None or tp == 1:
+            merged[name] = tensor
+        elif glu:
+            halves = [shards[t][0].view(2, -1, *tensor.shape[1:]) for t in range(tp)]
+            full = torch.cat(halves, dim=1)
+            merged[name] = full.reshape(-1, *tensor.shape[1:])
+        else:
+            merged[name] = torch.cat([shards[t][0] for t in range(tp)], dim=dim)
+    return merged
+
+
+def train_plan(plan: Plan, config: TrainConfig | None = None,
+               hooks_factory: Callable[[Plan, int], RankHooks] | None = None,
+               env: dict[str, str] | None = None) -> TrainResult:
+    """Train ``plan`` on ``plan.world_size`` CPU processes and merge what they return."""
+    from .spawn import spawn
+
+    config = config or TrainConfig()
+    ranks = spawn(_rank_entry, plan.world_size, args=(plan, config, hooks_factory),
+                  timeout_s=config.timeout_s, threads_per_rank=config.threads_per_rank, env=env)
+    params = _merge_params(plan, ranks) if config.gather_params else {}
+    return TrainResult(losses=ranks[0].losses, params=params,
+                       step_times={r.rank: r.step_times for r in ranks}, ranks=ranks)
+
+
+def compare_results(result: TrainResult, reference: TrainResult, *, rtol: float = 1e-5,
+                    atol: float = 0.0) -> str | None:
+    """The first divergence between two results (losses by step, then parameters by name), as
+    a sentence; None when they agree within ``|a - b| <= atol + rtol * |b|``."""
+    import torch
+    for step, (a, b) in enumerate(zip(result.losses, reference.losses)):
+        if not abs(a - b) <= atol + rtol * abs(b):
+            return f"step {step}: loss {a!r} vs reference {b!r}"
+    if len(result.losses) != len(reference.losses):
+        return f"{len(result.losses)} steps vs reference {len(reference.losses)}"
+    if set(result.params) != set(reference.params):
+        return (f"parameter names differ: only in result {sorted(set(result.params) - set(reference.params))}, "
+                f"only in reference {sorted(set(reference.params) - set(result.params))}")
+    for name in sorted(reference.params):
+        a, b = result.params[name], reference.params[name]
+        if a.shape != b.shape:
+            return f"parameter {name}: shape {tuple(a.shape)} vs reference {tuple(b.shape)}"
+        if not torch.allclose(a, b, rtol=rtol, atol=atol):
+            diff = (a - b).abs()
+            i = int(diff.argmax())
+            return (f"parameter {name}: max |diff| {float(diff.max()):.3g} at flat index {i} "
+                    f"({float(a.flatten()[i])!r} vs reference {float(b.flatten()[i])!r})")
+    return None
