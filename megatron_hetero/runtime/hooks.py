@@ -1,0 +1,320 @@
+"""Hooks that apply ``--hetero-plan`` inside an unchanged Megatron-LM training script.
+
+:func:`install` wraps five of Megatron-LM's own functions (rebinding every module-level name
+that refers to them, so ``from megatron.training.arguments import validate_args`` done before or
+after installing sees the wrapper). Nothing of Megatron is copied; each wrapper calls the
+original:
+
+``megatron.training.arguments.parse_args``
+    adds ``--hetero-plan`` / ``--hetero-device-type`` to the script's ``extra_args_provider``.
+``megatron.training.arguments.validate_args``
+    before Megatron's own checks: checks the command line against the plan and fills in what the
+    plan implies (:mod:`.plan_args`), refuses policies this megatron-core cannot apply,
+    places this process (:mod:`.placement`: ``args.rank`` becomes its Megatron rank, so
+    Megatron's process groups follow the plan), and sets this rank's stage policies
+    (recompute, optimizer offload) on its own ``args``.
+``megatron.training.arguments.core_transformer_config_from_args``
+    this rank's stage policies on its own ``TransformerConfig``.
+``megatron.training.training.get_forward_backward_func``
+    (uneven plans) runs this replica's ``num_microbatches`` x ``micro_batch_size`` in every
+    step while Megatron's step accounting keeps counting the global batch.
+``megatron.training.training.build_pretraining_data_loader``
+    (uneven plans) reads this replica's share of every global batch (:mod:`.sampler`).
+
+With no ``--hetero-plan`` on the command line every wrapper calls straight through.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import sys
+from dataclasses import dataclass
+
+from ..errors import HeteroError
+from ..plan import Plan, Slot, Stage, load_plan
+from . import plan_args, policies
+from .arguments import add_hetero_args
+from .placement import CPU_ENV, detect_device_type, place_this_rank
+
+__all__ = ["install", "installed", "RankState", "state", "reset"]
+
+_MARK = "_megatron_hetero_wrapper"
+
+
+@dataclass(kw_only=True, slots=True)
+class RankState:
+    """What the hooks decided for this process."""
+
+    plan: Plan
+    plan_path: str
+    launcher_rank: int
+    megatron_rank: int
+    device_type: str
+    slot: Slot
+    virtual_num_microbatches: int | None = None
+    """Megatron's own (global-accounting) micro-batch count; set after ``validate_args``."""
+    args: object = None
+
+    @property
+    def stage(self) -> Stage:
+        return self.plan.stage(self.slot.pipeline, self.slot.stage)
+
+    @property
+    def pipeline(self):
+        return self.plan.pipelines[self.slot.pipeline]
+
+    def describe(self) -> str:
+        s, p = self.stage, self.pipeline
+        rec = s.recompute.granularity + (f"/{s.recompute.method}/{s.recompute.num_layers}"
+                                         if s.recompute.granularity == "full" else "")
+        return (f"megatron-hetero: launcher rank {self.launcher_rank} ({self.device_type}) -> "
+                f"Megatron rank {self.megatron_rank}: pipeline {self.slot.pipeline} stage "
+                f"{self.slot.stage} tp {self.slot.tensor_rank}; {s.num_layers} layers; "
+                f"{p.num_microbatches} micro-batches of {p.micro_batch_size}; recompute {rec}; "
+                f"optimizer offload {s.offload.optimizer_fraction:g}")
+
+
+_state: RankState | None = None
+
+
+def state() -> RankState | None:
+    """This process's placement and plan, once ``validate_args`` ran with ``--hetero-plan``."""
+    return _state
+
+
+def reset() -> None:
+    """Forget this process's state (tests)."""
+    global _state
+    _state = None
+
+
+# -- the wrappers ------------------------------------------------------------------------------
+
+def _with_hetero_args(provider):
+    def provide(parser):
+        if provider is not None:
+            parser = provider(parser)
+        if "--hetero-plan" not in parser._option_string_actions:
+            parser = add_hetero_args(parser)
+        return parser
+    return provide
+
+
+def _wrap_parse_args(original):
+    @functools.wraps(original)
+    def parse_args(extra_args_provider=None, *a, **kw):
+        return original(_with_hetero_args(extra_args_provider), *a, **kw)
+    return parse_args
+
+
+def _emulated_device(plan: Plan, launcher_rank: int) -> str | None:
+    """On the CPU backend, a rank with no override plays the plan's type of its own rank."""
+    if os.environ.get(CPU_ENV, "") not in ("", "0"):
+        return plan.device_type_of_rank(launcher_rank) if launcher_rank < plan.world_size else None
+    return None
+
+
+def before_validate(args, argv=None) -> RankState | None:
+    """Apply the plan to this rank's parsed ``args`` (see the module docstring)."""
+    global _state
+    path = getattr(args, "hetero_plan", None)
+    if not path:
+        return None
+    plan = load_plan(path)
+    argv = sys.argv[1:] if argv is None else argv
+    plan_args.check_and_apply(args, plan, argv, source=path)
+    policies.check_supported(plan, source=path, use_precision_aware_optimizer=getattr(
+        args, "use_precision_aware_optimizer", None))
+    launcher_rank, world = int(args.rank), int(args.world_size)
+    device = detect_device_type(override=getattr(args, "hetero_device_type", None),
+                                emulated=_emulated_device(plan, launcher_rank),
+                                where=f"launcher rank {launcher_rank}: ", unknown_ok=True)
+    megatron_rank = place_this_rank(plan, launcher_rank=launcher_rank, world_size=world,
+                                    device_type=device, source=path,
+                                    timeout_minutes=getattr(args, "distributed_timeout_minutes", 10))
+    args.rank = megatron_rank
+    os.environ["RANK"] = str(megatron_rank)
+    slot = plan.slot_of_rank(megatron_rank)
+    st = RankState(plan=plan, plan_path=path, launcher_rank=launcher_rank,
+                   megatron_rank=megatron_rank, device_type=device, slot=slot, args=args)
+    for key, value in policies.stage_args(st.stage).items():
+        if hasattr(args, key) or key.startswith("recompute_"):
+            setattr(args, key, value)
+    _state = st
+    return st
+
+
+def after_validate(args) -> None:
+    st = _state
+    if st is None:
+        return
+    plan = st.plan
+    if args.data_parallel_size != plan.data_parallel_size:
+        raise HeteroError(f"{st.plan_path}: Megatron computed data-parallel size "
+                          f"{args.data_parallel_size}; the plan has {plan.data_parallel_size} "
+                          f"pipelines")
+    st.virtual_num_microbatches = plan.global_batch_size // (
+        args.micro_batch_size * args.data_parallel_size)
+    if not plan.uniform_data_parallel and getattr(args, "dataloader_type", "single") not in (
+            "single", None):
+        raise HeteroError(f"{st.plan_path}: an uneven plan reads each replica's share of every "
+                          f"global batch in order; --dataloader-type {args.dataloader_type} is "
+                          f"not supported with it (use single)")
+    if os.environ.get("MEGATRON_HETERO_VERBOSE") or st.megatron_rank == 0:
+        print(st.describe(), flush=True)
+
+
+def _wrap_validate_args(original):
+    @functools.wraps(original)
+    def validate_args(args, *a, **kw):
+        before_validate(args)
+        result = original(args, *a, **kw)
+        after_validate(args)
+        return result
+    return validate_args
+
+
+def apply_stage_config(config) -> object:
+    """This rank's stage policies on a ``TransformerConfig`` (returned, changed in place)."""
+    st = _state
+    if st is None:
+        return config
+    for key, value in policies.stage_config_kwargs(st.stage).items():
+        setattr(config, key, value)
+    return config
+
+
+def _wrap_config(original):
+    @functools.wraps(original)
+    def core_transformer_config_from_args(*a, **kw):
+        return apply_stage_config(original(*a, **kw))
+    return core_transformer_config_from_args
+
+
+def replica_forward_backward(fb):
+    """Wrap a schedule so that it runs this replica's micro-batches when called with Megatron's
+    global-accounting count (training and evaluation steps both are)."""
+    st = _state
+
+    @functools.wraps(fb)
+    def forward_backward(*a, **kw):
+        if st is None or kw.get("num_microbatches") != st.virtual_num_microbatches:
+            return fb(*a, **kw)
+        pipe = st.pipeline
+        kw["num_microbatches"] = pipe.num_microbatches
+        kw["micro_batch_size"] = pipe.micro_batch_size
+        args, saved = st.args, st.args.micro_batch_size
+        args.micro_batch_size = pipe.micro_batch_size  # get_batch_on_this_tp_rank reads it
+        try:
+            return fb(*a, **kw)
+        finally:
+            args.micro_batch_size = saved
+    return forward_backward
+
+
+def _uneven() -> bool:
+    return _state is not None and not _state.plan.uniform_data_parallel
+
+
+def _wrap_get_fb(original):
+    @functools.wraps(original)
+    def get_forward_backward_func(*a, **kw):
+        fb = original(*a, **kw)
+        return replica_forward_backward(fb) if _uneven() else fb
+    return get_forward_backward_func
+
+
+def build_replica_data_loader(dataset, consumed_samples, *, num_workers: int = 0):
+    """A DataLoader reading this replica's share of every global batch of ``dataset``."""
+    import torch
+
+    from .sampler import sampler_for_replica
+
+    st = _state
+    assert st is not None
+    sampler = sampler_for_replica(st.plan, st.slot.pipeline, total_samples=len(dataset),
+                                  consumed_samples=consumed_samples)
+    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
+                                       pin_memory=torch.cuda.is_available(),
+                                       persistent_workers=num_workers > 0)
+
+
+def _wrap_loader(original):
+    @functools.wraps(original)
+    def build_pretraining_data_loader(dataset, consumed_samples, *a, **kw):
+        if dataset is None or not _uneven():
+            return original(dataset, consumed_samples, *a, **kw)
+        from megatron.core import parallel_state
+
+        dp_rank = parallel_state.get_data_parallel_rank()
+        if dp_rank != _state.slot.pipeline:
+            raise AssertionError(f"data-parallel rank {dp_rank} != plan pipeline "
+                                 f"{_state.slot.pipeline}")
+        return build_replica_data_loader(dataset, consumed_samples,
+                                         num_workers=getattr(_state.args, "num_workers", 0))
+    return build_pretraining_data_loader
+
+
+# -- installation ------------------------------------------------------------------------------
+
+_TARGETS = (
+    ("megatron.training.arguments", "parse_args", _wrap_parse_args),
+    ("megatron.training.arguments", "validate_args", _wrap_validate_args),
+    ("megatron.training.arguments", "core_transformer_config_from_args", _wrap_config),
+    ("megatron.training.training", "get_forward_backward_func", _wrap_get_fb),
+    ("megatron.training.training", "build_pretraining_data_loader", _wrap_loader),
+)
+
+
+def _rebind(module_name: str, attr: str, make) -> None:
+    module = importlib.import_module(module_name)
+    original = getattr(module, attr)
+    if getattr(original, _MARK, False):
+        return
+    wrapper = make(original)
+    setattr(wrapper, _MARK, True)
+    for mod in list(sys.modules.values()):
+        try:
+            if mod is not None and mod.__dict__.get(attr) is original:
+                setattr(mod, attr, wrapper)
+        except (AttributeError, TypeError):
+            continue
+
+
+def installed() -> bool:
+    try:
+        module = sys.modules["megatron.training.arguments"]
+    except KeyError:
+        return False
+    return getattr(getattr(module, "validate_args", None), _MARK, False)
+
+
+def install() -> None:
+    """Install the hooks (idempotent). Needs Megatron-LM's ``megatron.training``."""
+    try:
+        importlib.import_module("megatron.training")
+    except ImportError as exc:
+        raise HeteroError(f"megatron-hetero hooks need Megatron-LM's megatron.training "
+                          f"(megatron-core >= 0.17 ships it, or put Megatron-LM on PYTHONPATH): "
+                          f"{exc}") from exc
+    for module_name, attr, make in _TARGETS:
+        _rebind(module_name, attr, make)
+    _install_excepthook()
+
+
+def _install_excepthook() -> None:
+    """A plan mistake ends the job with its one-line message, not a traceback."""
+    previous = sys.excepthook
+    if getattr(previous, _MARK, False):
+        return
+
+    def excepthook(kind, value, tb):
+        if isinstance(value, HeteroError):
+            print(f"megatron-hetero: error: {value}", file=sys.stderr, flush=True)
+            return
+        previous(kind, value, tb)
+
+    setattr(excepthook, _MARK, True)
+    sys.excepthook = excepthook

@@ -1,0 +1,37 @@
+"""Small plans for the runtime tests (built as data, checked by the real plan loader)."""
+
+from __future__ import annotations
+
+from megatron_hetero.plan import Plan, plan_from_data
+
+A100, V100, H100 = "A100-SXM-80GB", "V100-SXM2-32GB", "H100-SXM-80GB"
+
+
+def make_plan(*, split=(1, 1), devices=None, replicas=((1, 1),), tp=1, recompute=None,
+              offload=None, hidden=16, heads=4, vocab=128, seq=8, precision="fp32") -> Plan:
+    """``replicas``: (micro_batch_size, num_microbatches) per pipeline; ``devices[d][s]``,
+    ``recompute[s]`` and ``offload[s]`` per stage (recompute/offload the same in every pipeline)."""
+    devices = devices or [[A100] * len(split) for _ in replicas]
+    pipelines = []
+    for d, (mbs, n) in enumerate(replicas):
+        stages = []
+        for s, k in enumerate(split):
+            stage = {"device_type": devices[d][s], "num_layers": k}
+            if recompute and recompute[s]:
+                stage["recompute"] = recompute[s]
+            if offload and offload[s]:
+                stage["offload"] = offload[s]
+            stages.append(stage)
+        pipelines.append({"micro_batch_size": mbs, "num_microbatches": n, "stages": stages})
+    data = {
+        "format_version": 1,
+        "model": {"name": "tiny", "num_layers": sum(split), "hidden_size": hidden,
+                  "ffn_hidden_size": 4 * hidden, "num_attention_heads": heads,
+                  "num_query_groups": heads, "vocab_size": vocab, "seq_length": seq},
+        "global_batch_size": sum(m * n for m, n in replicas),
+        "precision": precision,
+        "tensor_model_parallel_size": tp,
+        "use_distributed_optimizer": False,
+        "pipelines": pipelines,
+    }
+    return plan_from_data(data, source="test-plan")

@@ -1,0 +1,68 @@
+"""Uneven-DP sampler: every sample of every full global batch is read exactly once, by the
+replica whose share holds it, and a resumed sampler lands on the same samples."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_hetero.runtime.sampler import HeteroBatchSampler, sampler_for_replica
+
+from .plans import make_plan
+
+replicas_st = st.lists(st.tuples(st.integers(1, 4), st.integers(1, 5)), min_size=1, max_size=5)
+
+
+def _all(plan, total, consumed=0):
+    return [list(sampler_for_replica(plan, d, total_samples=total, consumed_samples=consumed))
+            for d in range(plan.data_parallel_size)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(replicas=replicas_st, batches=st.integers(0, 6), tail=st.integers(0, 50))
+def test_every_sample_read_exactly_once(replicas, batches, tail):
+    plan = make_plan(replicas=replicas)
+    g = plan.global_batch_size
+    total = batches * g + min(tail, g - 1)  # a partial last global batch is not read
+    per_replica = _all(plan, total)
+    read = [i for batches_d in per_replica for mb in batches_d for i in mb]
+    assert sorted(read) == list(range(batches * g))
+    for d, (mbs, n) in enumerate(replicas):
+        assert all(len(mb) == mbs for mb in per_replica[d])
+        assert len(per_replica[d]) == batches * n == len(
+            sampler_for_replica(plan, d, total_samples=total, consumed_samples=0))
+        # global batch k of replica d is its own slice of [k*g, (k+1)*g)
+        offset, count = plan.replica_sample_range(d)
+        for k in range(batches):
+            got = [i for mb in per_replica[d][k * n:(k + 1) * n] for i in mb]
+            assert got == list(range(k * g + offset, k * g + offset + count))
+
+
+@settings(max_examples=100, deadline=None)
+@given(replicas=replicas_st, batches=st.integers(1, 6), done=st.integers(0, 6))
+def test_resume_lands_on_the_same_samples(replicas, batches, done):
+    plan = make_plan(replicas=replicas)
+    g = plan.global_batch_size
+    done = min(done, batches)
+    fresh = _all(plan, batches * g)
+    resumed = _all(plan, batches * g, consumed=done * g)
+    for d, (_, n) in enumerate(replicas):
+        assert resumed[d] == fresh[d][done * n:]
+
+
+def test_replicas_take_consecutive_shares():
+    plan = make_plan(replicas=[(2, 3), (2, 3)])
+    a, b = _all(plan, 24)
+    assert a[:3] == [[0, 1], [2, 3], [4, 5]] and b[:3] == [[6, 7], [8, 9], [10, 11]]
+
+
+def test_bad_resume_point_is_refused():
+    plan = make_plan(replicas=[(1, 3), (1, 1)])
+    with pytest.raises(ValueError, match="multiple of the global batch size"):
+        sampler_for_replica(plan, 0, total_samples=100, consumed_samples=6)
+    with pytest.raises(ValueError, match="does not fit"):
+        HeteroBatchSampler(total_samples=10, consumed_samples=0, global_batch_size=4, offset=3,
+                           micro_batch_size=1, num_microbatches=2)
