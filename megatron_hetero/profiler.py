@@ -92,26 +92,11 @@ class ProfileRequest:
 
 
 def layer_flops(model: ModelSpec, micro_batch_size: int, tensor_parallel_size: int = 1) -> float:
-    """Model FLOPs of one transformer layer's forward and backward for one micro-batch, per rank
-    of the TP group (matmuls only: 2 FLOPs per multiply-add; backward = 2 x forward)."""
-    try:
-        from .models import layer_flops as _model_layer_flops  # the tuner's formula, when present
-    except ImportError:
-        _model_layer_flops = None
-    if _model_layer_flops is not None:
-        try:
-            fwd, bwd = _model_layer_flops(model, micro_batch_size)
-            return (fwd + bwd) / tensor_parallel_size
-        except TypeError:
-            pass
-    h, s, b = model.hidden_size, model.seq_length, micro_batch_size
-    kv = h * model.num_query_groups // model.num_attention_heads
-    qkv = h * (h + 2 * kv)
-    proj = h * h
-    mlp = (3 if model.swiglu else 2) * h * model.ffn_hidden_size
-    attention = 2 * s * h  # QK^T and AV per token
-    forward = 2 * b * s * (qkv + proj + mlp + attention)
-    return 3 * forward / tensor_parallel_size
+    """Model FLOPs of one transformer layer's forward and backward (backward = 2 x forward) for
+    one micro-batch, per rank of the TP group: the tuner's own formula
+    (:func:`megatron_hetero.models.layer_forward_flops`)."""
+    from .models import layer_forward_flops
+    return 3.0 * layer_forward_flops(model, micro_batch_size) / tensor_parallel_size
 
 
 # --------------------------------------------------------------------------------------------
@@ -216,7 +201,7 @@ def _rank_main(rank: int, world: int, request: ProfileRequest, init_method: str 
     from megatron.core import parallel_state
 
     device_type, precision = _device_type_and_precision(request, device)
-    clock_name, timer = _timer(device)
+    clock_name, timer = _timer(device, 1)
     entries: list[ProfileEntry] = []
     jobs = [(tp, mbs) for tp in request.tensor_parallel_sizes for mbs in request.micro_batch_sizes]
     with _progress(request.progress and rank == 0, len(jobs) * 3) as advance:
@@ -224,8 +209,12 @@ def _rank_main(rank: int, world: int, request: ProfileRequest, init_method: str 
             parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
             try:
                 parts = _build_parts(request.model, tp, precision, device)
+                tp_clock, tp_timer = _timer(device, tp)
                 for mbs in request.micro_batch_sizes:
-                    entries.append(_measure_entry(parts, request, mbs, tp, timer, device, advance))
+                    entry = _measure_entry(parts, request, mbs, tp, tp_timer, device, advance)
+                    if tp_clock != clock_name:
+                        entry.clock = tp_clock
+                    entries.append(entry)
             finally:
                 parallel_state.destroy_model_parallel()
     comm = _measure_bandwidth(world, device, request) if request.bandwidth and world > 1 else None
@@ -278,8 +267,10 @@ def _device_type_and_precision(request: ProfileRequest, device: str) -> tuple[st
     return resolved or dtype, precision
 
 
-def _timer(device: str) -> tuple[str, Callable]:
-    """A function ``timer(fn) -> seconds`` and the name of its method."""
+def _timer(device: str, tp: int) -> tuple[str, Callable]:
+    """A function ``timer(fn) -> (seconds, fn())`` and the name of its method. On CPU: the
+    thread's CPU time with one torch thread and TP=1, else wall clock (TP > 1 waits for gloo
+    all-reduces, which CPU time would not count)."""
     import torch
 
     if device == "cuda":
@@ -292,7 +283,7 @@ def _timer(device: str) -> tuple[str, Callable]:
             torch.cuda.synchronize()
             return start.elapsed_time(end) / 1e3, out
         return "cuda-events", cuda_timer
-    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    clock = time.thread_time if torch.get_num_threads() == 1 and tp == 1 else time.perf_counter
     name = "thread-cpu-time" if clock is time.thread_time else "synchronize-wall-clock"
 
     def cpu_timer(fn):
@@ -655,61 +646,20 @@ def _int_list(text: str, option: str) -> list[int]:
     return sorted(set(values))
 
 
-def resolve_model(name: str, *, seq_length: int | None = None, hidden_size: int | None = None,
-                  num_layers: int | None = None) -> ModelSpec:
-    """A model preset (from the tuner's presets) or a YAML file of ModelSpec fields, optionally
-    shrunk in width to ``hidden_size`` for a CPU run."""
-    from ._schema import from_data, read_yaml
+def resolve_model(name: str, *, seq_length: int | None = None,
+                  hidden_size: int | None = None) -> ModelSpec:
+    """A model preset or a YAML file of ModelSpec fields (:func:`megatron_hetero.models.load_model`),
+    optionally shrunk in width to ``hidden_size`` by the rehearsal's rule (so that a CPU profile
+    and a CPU rehearsal of the same model have the same shape)."""
+    from .models import load_model
 
-    if Path(name).suffix in (".yaml", ".yml") or Path(name).is_file():
-        model = from_data(ModelSpec, read_yaml(name), source=name)
-    else:
-        model = _preset(name)
-    changes = {}
-    if seq_length is not None:
-        changes["seq_length"] = seq_length
-    if num_layers is not None:
-        changes["num_layers"] = num_layers
-    if changes:
-        model = dataclasses.replace(model, **changes)
-    if hidden_size is not None and hidden_size != model.hidden_size:
+    model = load_model(name, seq_length=seq_length)
+    if hidden_size is not None and hidden_size < model.hidden_size:
+        from .emulate.rehearse import shrink_model
         model = shrink_model(model, hidden_size)
+        if seq_length is not None:
+            model = dataclasses.replace(model, seq_length=seq_length)
     return model
-
-
-def _preset(name: str) -> ModelSpec:
-    try:
-        from . import models
-    except ImportError:
-        raise HeteroError(f"--model {name!r}: model presets are not available in this build; "
-                          "give a YAML file of model fields instead") from None
-    for getter in ("get_model", "model_preset", "preset"):
-        fn = getattr(models, getter, None)
-        if fn is not None:
-            return fn(name)
-    presets = getattr(models, "PRESETS", None) or getattr(models, "MODELS", None)
-    if presets is not None and name in presets:
-        return presets[name]
-    raise HeteroError(f"--model {name!r}: not a preset this build knows")
-
-
-def shrink_model(model: ModelSpec, hidden_size: int) -> ModelSpec:
-    """``model`` narrowed to ``hidden_size``: FFN width scaled alike, head and group counts kept
-    where they divide the new width (else halved until they do)."""
-    try:
-        from .emulate.shrink import shrink_model as _theirs  # the rehearsal's rule, when present
-        return _theirs(model, hidden_size)
-    except ImportError:
-        pass
-    heads, groups = model.num_attention_heads, model.num_query_groups
-    while hidden_size % heads:
-        heads //= 2
-        groups = max(1, min(groups, heads))
-    while heads % groups:
-        groups //= 2
-    ffn = max(8, round(model.ffn_hidden_size * hidden_size / model.hidden_size / 8) * 8)
-    return dataclasses.replace(model, hidden_size=hidden_size, ffn_hidden_size=ffn,
-                               num_attention_heads=heads, num_query_groups=groups)
 
 
 def profile_main(args) -> int:

@@ -25,7 +25,7 @@ from .profile_protocol import DeviceProfile, Part
 
 __all__ = ["FORMAT_VERSION", "DeviceInfo", "Software", "Timing", "PartTimes", "MemoryFigures",
            "ProfileEntry", "BandwidthSample", "Communication", "ProfileData", "MeasuredProfile",
-           "ProfileUsage", "load_profile", "load_profiles", "save_profile", "shape_matches",
+           "ProfileUsage", "inventory_entry", "load_profile", "load_profiles", "save_profile", "shape_matches",
            "LAYER_SHAPE_FIELDS", "VOCAB_SHAPE_FIELDS"]
 
 FORMAT_VERSION = 1
@@ -136,6 +136,10 @@ class ProfileEntry:
     memory: MemoryFigures
     achieved_tflops: float | None = None
     """Model FLOPs of one layer's forward and backward over its measured time, per rank."""
+    clock: Literal["cuda-events", "thread-cpu-time", "synchronize-wall-clock"] | None = None
+    """How this entry was timed when it differs from ``timing.method`` (a CPU run times TP > 1
+    by wall clock, so that the tensor-parallel communication, which the CPU-time clock does not
+    see, is included as it is on a GPU)."""
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1:
@@ -398,6 +402,24 @@ def load_profiles(paths: Iterable[str | Path], *, catalog=None) -> dict[str, Mea
                               "profiles it already)")
         out[p.device_type] = p
     return out
+
+
+def inventory_entry(data: ProfileData) -> dict:
+    """A ``gpus:`` entry for an inventory, made of what a CPU profile measured, so that the
+    tuner can plan with ``device.type`` (``CPU``) as a device: peak = the measured matmul rate,
+    efficiency = the measured layer efficiency, memory = host memory, links = the measured p2p
+    bandwidth (1 GB/s when not measured)."""
+    dev = data.device
+    if dev.peak_matmul_tflops is None:
+        raise SchemaError("<profile>", "device.peak_matmul_tflops", None,
+                          "a measured matmul rate (only CPU profiles record one)")
+    p2p = max((s.gb_s for s in data.communication.p2p), default=1.0) if data.communication else 1.0
+    return {"vendor": "CPU", "bf16_tflops": dev.peak_matmul_tflops, "bf16": True,
+            "fp32_tflops": dev.peak_matmul_tflops,
+            "memory_gb": round((dev.memory_bytes or 8e9) / 1e9, 3),
+            "memory_bandwidth_gb_s": 10.0, "intra_node_link": "host memory (gloo)",
+            "intra_node_bandwidth_gb_s": p2p, "efficiency": data.efficiency or 0.5,
+            "notes": f"measured by megatron-hetero profile on {dev.name} at {data.created}"}
 
 
 def save_profile(data: ProfileData, path: str | Path) -> None:

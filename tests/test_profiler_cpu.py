@@ -1,0 +1,98 @@
+"""`megatron-hetero profile` on the CPU backend for a tiny model, fed to the tuner's cost model
+(tier 3: real megatron-core in subprocesses; TP=2 runs on 2 gloo processes)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from megatron_hetero.cost.profile_file import (
+    ProfileUsage, inventory_entry, load_profile,
+)
+from megatron_hetero.plan import ModelSpec
+
+pytestmark = pytest.mark.slow
+
+TINY = """\
+name: tiny
+num_layers: 4
+hidden_size: 64
+ffn_hidden_size: 176
+num_attention_heads: 4
+num_query_groups: 4
+vocab_size: 256
+seq_length: 32
+"""
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("profile")
+    (tmp / "tiny.yaml").write_text(TINY)
+    out = tmp / "cpu-profile.yaml"
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_hetero.cli", "profile", "--model", str(tmp / "tiny.yaml"),
+         "--micro-batch-sizes", "1,2", "--tensor-parallel-sizes", "1,2", "--warmup", "1",
+         "--repeats", "3", "-q", "-o", str(out)],
+        capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return tmp, out
+
+
+def _inventory(tmp, profile):
+    import yaml
+    inv = {"groups": [{"gpu": "CPU", "nodes": 1, "gpus_per_node": 4}],
+           "gpus": {"CPU": inventory_entry(profile.data)}}
+    path = tmp / "inventory.yaml"
+    path.write_text(yaml.safe_dump(inv))
+    return path
+
+
+def test_profile_file_contents(profiled):
+    _, out = profiled
+    p = load_profile(out)
+    d = p.data
+    assert d.device.backend == "cpu" and d.device.type == "CPU" and d.device.ranks == 2
+    assert d.software.megatron_core and d.software.torch
+    assert d.timing.layer_spec == "local"
+    assert sorted((e.tensor_parallel_size, e.micro_batch_size) for e in d.entries) == \
+        [(1, 1), (1, 2), (2, 1), (2, 2)]
+    by = {(e.tensor_parallel_size, e.micro_batch_size): e for e in d.entries}
+    # saved activations scale with the micro-batch; TP=2 halves the split weights of a layer
+    act1, act2 = (by[(1, b)].memory.activation_bytes_per_layer for b in (1, 2))
+    assert 1.8 <= act2 / act1 <= 2.2
+    p1, p2 = by[(1, 1)].memory.parameter_bytes_per_layer, by[(2, 1)].memory.parameter_bytes_per_layer
+    assert 0.45 <= p2 / p1 <= 0.6
+    assert by[(2, 1)].clock == "synchronize-wall-clock"  # TP=2 waits for gloo: wall clock
+    assert d.communication is not None and d.communication.ranks == 2
+    assert all(s.gb_s > 0 for s in d.communication.p2p + d.communication.all_reduce)
+    assert d.efficiency is not None and 0 < d.efficiency <= 1
+
+
+def test_cost_model_uses_measured_figures(profiled):
+    from megatron_hetero.cost.model import CostModel
+    from megatron_hetero.hardware.inventory import load_inventory
+
+    tmp, out = profiled
+    p = load_profile(out)
+    inventory = load_inventory(_inventory(tmp, p))
+    model = ModelSpec(name="tiny-deeper", num_layers=12, hidden_size=64, ffn_hidden_size=176,
+                      num_attention_heads=4, num_query_groups=4, vocab_size=256, seq_length=32)
+    usage = ProfileUsage({"CPU": p})
+    cost = CostModel(model, inventory, profiles=usage.wrap(), precision="fp32")
+    entry = next(e for e in p.data.entries if (e.tensor_parallel_size, e.micro_batch_size) == (1, 2))
+    assert cost.layer_times("CPU", 2, 1) == pytest.approx((entry.layer.forward_s,
+                                                           entry.layer.backward_s))
+    assert cost.output_times("CPU", 2, 1) == pytest.approx((entry.output.forward_s,
+                                                            entry.output.backward_s))
+    cost.layer_times("CPU", 8, 1)  # not measured: analytic, at the measured efficiency
+    report = usage.report(["CPU"])["CPU"]
+    assert report["lookups_measured"] == 2 and report["lookups_estimated"] == 1
+    assert report["source"] == "partly measured"
+    json.dumps(report)  # the tuner's JSON report embeds it
+    plain = CostModel(model, inventory, precision="fp32")
+    assert plain.layer_times("CPU", 2, 1) != cost.layer_times("CPU", 2, 1)
+    assert plain.efficiency("CPU") == cost.efficiency("CPU") == p.efficiency  # via the inventory entry
