@@ -72,6 +72,27 @@ def _add_profile(sub) -> None:
     p.set_defaults(handler="megatron_hetero.profiler:profile_main")
 
 
+def _add_tune(sub) -> None:
+    p = sub.add_parser("tune", help="search the fastest plan for a model on an inventory",
+                       description="Search parallel sizes, mixed pipelines, the uneven layer "
+                                   "split, per-replica micro-batches and per-stage recompute for "
+                                   "MODEL on INVENTORY; write the plan (with its prediction) and "
+                                   "print it next to plain Megatron's best plan (the baseline).")
+    from .tuner.commands import add_tune_arguments
+    add_tune_arguments(p)
+    p.set_defaults(handler="megatron_hetero.tuner.commands:tune_main")
+
+
+def _add_simulate(sub) -> None:
+    p = sub.add_parser("simulate", help="predict the step time of a plan, stage by stage",
+                       description="Simulate one 1F1B training step of PLAN on INV under the cost "
+                                   "model: step time, tokens/s, MFU, and busy/bubble/sync/idle "
+                                   "time and memory per stage.")
+    from .tuner.commands import add_simulate_arguments
+    add_simulate_arguments(p)
+    p.set_defaults(handler="megatron_hetero.tuner.commands:simulate_main")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megatron-hetero",
@@ -85,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_COMMANDS = [_add_validate, _add_args, _add_profile]
+_COMMANDS = [_add_validate, _add_args, _add_profile, _add_tune, _add_simulate]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,141 @@
+"""Handlers of ``megatron-hetero tune`` and ``megatron-hetero simulate``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..errors import HeteroError
+from ..hardware.inventory import load_inventory
+from ..models import load_model
+from ..plan import check_plan_against_inventory, load_plan, save_plan
+
+__all__ = ["tune_main", "simulate_main", "add_tune_arguments", "add_simulate_arguments"]
+
+
+def add_tune_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("inventory", metavar="INVENTORY", help="inventory.yaml of the GPU pool")
+    p.add_argument("--model", required=True, metavar="M",
+                   help="model preset (llama2-7b, llama2-13b, llama2-70b, llama3-8b, llama3-70b) "
+                        "or a YAML file with the model fields")
+    p.add_argument("--global-batch-size", type=int, required=True, metavar="N")
+    p.add_argument("--seq-length", type=int, metavar="S", help="sequence length (default: the model's)")
+    p.add_argument("-o", "--output", default="plan.yaml", metavar="PLAN",
+                   help="where to write the plan (default plan.yaml)")
+    p.add_argument("--report", metavar="JSON", help="write the JSON report here")
+    p.add_argument("--timeline", metavar="PNG", help="write a Gantt chart of the predicted step")
+    p.add_argument("--profile", action="append", default=[], metavar="FILE",
+                   help="measured profile.yaml of a device type (repeatable)")
+    p.add_argument("--micro-batch-sizes", default="1,2,4,8", metavar="LIST",
+                   help="micro-batch sizes to try (default 1,2,4,8)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no table")
+
+
+def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("plan", metavar="PLAN", help="plan.yaml (tuned or hand-written)")
+    p.add_argument("--inventory", required=True, metavar="INV", help="inventory.yaml the plan runs on")
+    p.add_argument("--timeline", metavar="PNG", help="write a Gantt chart of the step")
+    p.add_argument("--profile", action="append", default=[], metavar="FILE",
+                   help="measured profile.yaml of a device type (repeatable)")
+    p.add_argument("--json", metavar="FILE", help="write the per-stage breakdown as JSON")
+
+
+def _profiles(paths, inventory):
+    if not paths:
+        return {}
+    from ..cost.profile_file import load_profiles
+    return load_profiles(paths, catalog=inventory.catalog)
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(sorted({int(v) for v in text.split(",") if v.strip()}))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise HeteroError(f"--micro-batch-sizes: {text!r}; expected positive integers such as 1,2,4")
+    return values
+
+
+def tune_main(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from .report import plan_table, report_dict, summary_lines
+    from .search import TuneOptions, tune
+
+    if args.global_batch_size < 1:
+        raise HeteroError(f"--global-batch-size: {args.global_batch_size}; expected a positive integer")
+    if args.seq_length is not None and args.seq_length < 1:
+        raise HeteroError(f"--seq-length: {args.seq_length}; expected a positive integer")
+    inventory = load_inventory(args.inventory)
+    model = load_model(args.model, seq_length=args.seq_length)
+    options = TuneOptions(micro_batch_sizes=_sizes(args.micro_batch_sizes),
+                          progress=not args.quiet and sys.stderr.isatty())
+    result = tune(model, inventory, args.global_batch_size,
+                  profiles=_profiles(args.profile, inventory), options=options)
+    save_plan(result.plan, args.output)
+    if args.report:
+        with open(args.report, "w") as f:
+            json.dump(report_dict(result, args.output), f, indent=2)
+    if args.timeline:
+        from ..cost import CostModel
+        from ..simulate import simulate
+        cost = CostModel(model, inventory, profiles=_profiles(args.profile, inventory),
+                         precision=result.plan.precision)
+        simulate(result.plan, cost).timeline_png(args.timeline)
+    console = Console()
+    if not args.quiet:
+        console.print(plan_table(result.plan, result.sim, f"{model.name} on {args.inventory}"))
+    console.print(summary_lines(result.plan, result.sim, "tuned   "), highlight=False)
+    if result.baseline_sim is not None:
+        console.print(summary_lines(result.baseline_plan, result.baseline_sim, "baseline"),
+                      highlight=False)
+        speedup = result.baseline_sim.step_time_s / result.sim.step_time_s
+    else:
+        speedup = float("nan")
+        console.print("baseline: plain Megatron has no plan that fits", highlight=False)
+    eff = result.upper_bound_step_time_s / result.sim.step_time_s
+    console.print(f"upper bound {result.upper_bound_step_time_s:.3f} s; efficiency {eff:.3f}; "
+                  f"speedup over baseline {speedup:.2f}x; searched in {result.search_time_s:.2f} s"
+                  + (" (the baseline plan itself was best)" if result.fell_back_to_baseline else ""),
+                  highlight=False)
+    console.print(f"wrote {args.output}" + (f", {args.report}" if args.report else "")
+                  + (f", {args.timeline}" if args.timeline else ""), highlight=False)
+    return 0
+
+
+def simulate_main(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from ..cost import CostModel
+    from ..simulate import simulate
+    from .report import plan_table, summary_lines
+
+    inventory = load_inventory(args.inventory)
+    plan = load_plan(args.plan, catalog=inventory.catalog)
+    check_plan_against_inventory(plan, inventory, source=args.plan)
+    cost = CostModel(plan.model, inventory, profiles=_profiles(args.profile, inventory),
+                     precision=plan.precision, use_distributed_optimizer=plan.use_distributed_optimizer)
+    sim = simulate(plan, cost, record_events=bool(args.timeline))
+    console = Console()
+    console.print(plan_table(plan, sim, f"{args.plan} on {args.inventory}"))
+    console.print(summary_lines(plan, sim, "predicted"), highlight=False)
+    for s in sim.stages:
+        console.print(f"  pipeline {s.pipeline} stage {s.stage} ({s.device_type}): busy "
+                      f"{s.busy_s:.3f} s, bubble {s.bubble_s:.3f} s, sync {s.sync_s:.3f} s, "
+                      f"idle {s.idle_s:.3f} s, memory {s.memory.total / 1e9:.1f}/"
+                      f"{s.memory.capacity / 1e9:.0f} GB", highlight=False)
+    over = [s for s in sim.stages if not s.memory.fits]
+    if over:
+        s = over[0]
+        console.print(f"[bold red]warning[/]: {len(over)} stage(s) exceed device memory, e.g. "
+                      f"pipeline {s.pipeline} stage {s.stage} ({s.device_type}) needs "
+                      f"{s.memory.total / 1e9:.1f} GB of {s.memory.capacity / 1e9:.0f} GB")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(sim.to_dict(), f, indent=2)
+    if args.timeline:
+        sim.timeline_png(args.timeline)
+        console.print(f"wrote {args.timeline}", highlight=False)
+    return 0

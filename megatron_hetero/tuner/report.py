@@ -1,0 +1,105 @@
+"""Human and JSON summaries of a tuned (or simulated) plan."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from ..megatron_args import megatron_args
+from ..plan import Plan
+from ..simulate import SimResult
+
+__all__ = ["plan_table", "summary_lines", "report_dict"]
+
+
+def _recompute_text(stage) -> str:
+    r = stage.recompute
+    if r.granularity == "full":
+        return f"full {r.method} {r.num_layers}"
+    return r.granularity
+
+
+def _groups(plan: Plan) -> "OrderedDict[tuple, list[int]]":
+    """Pipelines with identical settings, so a 500-pipeline plan prints as a few columns."""
+    groups: OrderedDict[tuple, list[int]] = OrderedDict()
+    for d, pipe in enumerate(plan.pipelines):
+        key = (pipe.micro_batch_size, pipe.num_microbatches,
+               tuple((s.device_type, _recompute_text(s), s.offload.optimizer_fraction) for s in pipe.stages))
+        groups.setdefault(key, []).append(d)
+    return groups
+
+
+def _span(ds: list[int]) -> str:
+    if len(ds) == 1:
+        return f"pipeline {ds[0]}"
+    if ds == list(range(ds[0], ds[-1] + 1)):
+        return f"pipelines {ds[0]}-{ds[-1]} (x{len(ds)})"
+    return f"pipelines {','.join(map(str, ds[:4]))}{',...' if len(ds) > 4 else ''} (x{len(ds)})"
+
+
+def plan_table(plan: Plan, sim: SimResult, title: str):
+    """A rich Table: stages as rows, (groups of identical) pipelines as columns."""
+    from rich.table import Table
+
+    table = Table(title=title, show_lines=True)
+    table.add_column("stage", justify="right")
+    groups = _groups(plan)
+    for key, ds in groups.items():
+        mbs, m, _ = key
+        table.add_column(f"{_span(ds)}\nmicro-batches {m} x {mbs}")
+    for s in range(plan.pipeline_model_parallel_size):
+        row = [f"{s}\n{plan.layer_split[s]} layers"]
+        for ds in groups.values():
+            st = plan.stage(ds[0], s)
+            res = sim.stage(ds[0], s)
+            mem = res.memory
+            row.append(f"{st.device_type}\n{mem.total / 1e9:.1f} / {mem.capacity / 1e9:.0f} GB\n"
+                       f"recompute {_recompute_text(st)}\nbusy {res.busy_s:.2f} s")
+        table.add_row(*row)
+    return table
+
+
+def summary_lines(plan: Plan, sim: SimResult, label: str) -> str:
+    counts = ", ".join(f"{n}x {g}" for g, n in sorted(plan.device_counts().items()))
+    return (f"{label}: step {sim.step_time_s:.3f} s, {sim.tokens_per_s:,.0f} tokens/s, "
+            f"MFU {sim.mfu:.3f}; TP={plan.tensor_model_parallel_size} "
+            f"PP={plan.pipeline_model_parallel_size} DP={plan.data_parallel_size} on {counts}; "
+            f"layers {plan.layer_split}")
+
+
+def report_dict(result, plan_path: str | None) -> dict:
+    """The JSON report of ``tune`` (a :class:`~megatron_hetero.tuner.search.TuneResult`)."""
+    plan, sim = result.plan, result.sim
+    base = result.baseline_sim
+    out = {
+        "predicted_step_time_s": sim.step_time_s,
+        "baseline_step_time_s": base.step_time_s if base else None,
+        "upper_bound_step_time_s": result.upper_bound_step_time_s,
+        "search_time_s": result.search_time_s,
+        "megatron_args": megatron_args(plan, plan_path),
+        "tokens_per_s": sim.tokens_per_s,
+        "mfu": sim.mfu,
+        "efficiency": result.upper_bound_step_time_s / sim.step_time_s,
+        "speedup_over_baseline": (base.step_time_s / sim.step_time_s) if base else None,
+        "fell_back_to_baseline": result.fell_back_to_baseline,
+        "structures_evaluated": result.structures_evaluated,
+        "plan": {"tensor_model_parallel_size": plan.tensor_model_parallel_size,
+                 "pipeline_model_parallel_size": plan.pipeline_model_parallel_size,
+                 "data_parallel_size": plan.data_parallel_size, "layer_split": plan.layer_split,
+                 "num_microbatches": [p.num_microbatches for p in plan.pipelines],
+                 "device_counts": dict(sorted(plan.device_counts().items()))},
+        "stages": [s.to_dict() for s in sim.stages],
+    }
+    if result.baseline_plan is not None:
+        b = result.baseline_plan
+        out["baseline"] = {
+            "tokens_per_s": base.tokens_per_s, "mfu": base.mfu,
+            "tensor_model_parallel_size": b.tensor_model_parallel_size,
+            "pipeline_model_parallel_size": b.pipeline_model_parallel_size,
+            "data_parallel_size": b.data_parallel_size,
+            "micro_batch_size": b.pipelines[0].micro_batch_size,
+            "num_microbatches": b.pipelines[0].num_microbatches,
+            "recompute": _recompute_text(b.pipelines[0].stages[0]),
+            "device_counts": dict(sorted(b.device_counts().items())),
+            "megatron_args": megatron_args(b),
+        }
+    return out

@@ -1,0 +1,433 @@
+"""Plan search over an inventory: parallel sizes, pipeline templates, layer split, micro-batch
+shares and per-stage recompute.
+
+The search space is kept apart from the cost model. A *structure* fixes the tensor-parallel size
+``t``, the stage count ``p``, the micro-batch size and a list of pipeline *templates* (the device
+type of each stage) with how many pipelines follow each:
+
+* homogeneous: for any subset of the device types, as many single-type pipelines of each type as
+  its GPUs allow (uneven data parallelism between types);
+* mixed: every pipeline holds ``k_T`` stages of each type ``T`` of a subset (``k`` near the
+  proportion of that type's GPUs), memory-rich types on the early stages, which hold the most
+  in-flight activations; GPUs left over form homogeneous pipelines of their type.
+
+Each structure gets the layer split from a dynamic program (:func:`.split.min_max_split`) that
+minimises the slowest stage relative to each template's balanced ideal, with each stage's
+cost the time of its cheapest recompute setting that fits memory (full recompute of the fewest
+layers, Megatron's ``block`` method); then micro-batch counts by exact min-max water-filling
+(:func:`.shares.water_fill`). Structures are visited in order of a lower bound on their step
+time and the walk stops once the bound passes the best estimate found. The best few estimates
+are simulated (:func:`megatron_hetero.simulate.simulate`) and the best simulated plan wins.
+
+The baseline is the same walk restricted to what plain Megatron expresses: the same layers on
+every stage, the same micro-batches on every replica, one recompute setting everywhere.
+Everything iterates in sorted order, so the result depends only on the input.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import numpy as np
+
+from .. import models as M
+from ..cost.model import CostModel
+from ..cost.profile_protocol import DeviceProfile
+from ..errors import InfeasibleError
+from ..hardware.inventory import Inventory
+from ..plan import ModelSpec, Pipeline, Plan, Recompute, Stage
+from ..simulate import SimResult, simulate
+from .shares import water_fill
+from .split import min_max_split
+
+__all__ = ["TuneOptions", "TuneResult", "Structure", "tune", "upper_bound_step_time"]
+
+
+@dataclass(kw_only=True, slots=True)
+class TuneOptions:
+    """Knobs of the search."""
+
+    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    """Micro-batch sizes tried (those dividing the global batch)."""
+    max_pipeline_stages: int = 64
+    finalists: int = 4
+    """Best estimates that are simulated before picking the plan."""
+    progress: bool = False
+    """Show a progress bar (rich) while structures are evaluated."""
+    cost_options: dict = field(default_factory=dict)
+    """Extra keyword arguments of :class:`CostModel` (flash_attention, workspace_gb, ...)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Structure:
+    tp: int
+    pp: int
+    mbs: int
+    templates: tuple[tuple[tuple[str, ...], int], ...]
+    """(stage device types, number of pipelines) per template."""
+
+    @property
+    def num_pipelines(self) -> int:
+        return sum(n for _, n in self.templates)
+
+
+@dataclass(slots=True)
+class _Candidate:
+    structure: Structure
+    split: list[int]
+    recompute: list[list[int]]
+    """Layers recomputed (full, block) per template and stage."""
+    microbatches: list[int]
+    """Per pipeline, in template order."""
+    score: float
+    precision: str
+
+
+@dataclass(kw_only=True, slots=True)
+class TuneResult:
+    plan: Plan
+    sim: SimResult
+    baseline_plan: Plan | None
+    baseline_sim: SimResult | None
+    upper_bound_step_time_s: float
+    search_time_s: float
+    structures_evaluated: int
+    fell_back_to_baseline: bool
+
+
+def _recompute(k: int, n: int) -> Recompute:
+    if k == 0:
+        return Recompute()
+    if k >= n:
+        return Recompute(granularity="full", method="uniform", num_layers=1)
+    return Recompute(granularity="full", method="block", num_layers=k)
+
+
+def upper_bound_step_time(model: ModelSpec, inventory: Inventory, global_batch_size: int,
+                          cost: CostModel) -> float:
+    """Model FLOPs of one step over the summed achievable FLOP/s of every GPU in the inventory."""
+    rate = sum(n * cost.flops_rate(gpu) for gpu, n in sorted(inventory.gpu_counts().items()))
+    return M.step_model_flops(model, global_batch_size) / rate
+
+
+class _Search:
+    def __init__(self, model: ModelSpec, inventory: Inventory, gbs: int,
+                 profiles: Mapping[str, DeviceProfile], options: TuneOptions):
+        self.model, self.inv, self.gbs, self.opt = model, inventory, gbs, options
+        self.profiles = profiles
+        self._costs: dict[str, CostModel] = {}
+        self._tables: dict[tuple, tuple] = {}
+        counts = inventory.gpu_counts()
+        spec = inventory.spec
+        # memory-rich first, then faster, then by name
+        self.types = sorted(counts, key=lambda g: (-spec(g).memory_gb, -spec(g).bf16_tflops, g))
+        self.evaluated = 0
+
+    def cost(self, precision: str) -> CostModel:
+        if precision not in self._costs:
+            self._costs[precision] = CostModel(self.model, self.inv, profiles=self.profiles,
+                                               precision=precision, **self.opt.cost_options)
+        return self._costs[precision]
+
+    def precision_for(self, types) -> str:
+        return "bf16" if all(self.inv.spec(t).bf16 for t in types) else "fp16"
+
+    # -- enumeration ----------------------------------------------------------------------------
+    def slots(self, tp: int) -> dict[str, int]:
+        """Tensor-parallel groups of size ``tp`` each type can host (groups stay in a node)."""
+        out: dict[str, int] = {}
+        for g in self.inv.groups:
+            out[g.gpu] = out.get(g.gpu, 0) + g.nodes * (g.gpus_per_node // tp)
+        return {t: n for t, n in out.items() if n > 0}
+
+    def tp_sizes(self) -> list[int]:
+        m = self.model
+        widest = max(g.gpus_per_node for g in self.inv.groups)
+        return [t for t in range(1, widest + 1)
+                if m.num_attention_heads % t == 0 and m.num_query_groups % t == 0]
+
+    def templates(self, tp: int, pp: int) -> list[tuple[tuple[tuple[str, ...], int], ...]]:
+        slots = self.slots(tp)
+        types = [t for t in self.types if t in slots]
+        out = []
+        for r in range(1, len(types) + 1):
+            for subset in itertools.combinations(types, r):
+                homo = tuple(((t,) * pp, slots[t] // pp) for t in subset if slots[t] // pp > 0)
+                if len(homo) == r:
+                    out.append(homo)
+        if pp >= 2:
+            for r in range(2, min(len(types), pp) + 1):
+                for subset in itertools.combinations(types, r):
+                    total = sum(slots[t] for t in subset)
+                    ranges = []
+                    for t in subset:
+                        x = pp * slots[t] / total
+                        ranges.append(range(max(1, math.floor(x) - 1), min(pp, math.ceil(x) + 1) + 1))
+                    for ks in itertools.product(*ranges):
+                        if sum(ks) != pp:
+                            continue
+                        D = min(slots[t] // k for t, k in zip(subset, ks))
+                        if D < 1:
+                            continue
+                        mixed = tuple(t for t, k in zip(subset, ks) for _ in range(k))
+                        tmpl = [(mixed, D)]
+                        for t, k in zip(subset, ks):
+                            left = (slots[t] - D * k) // pp
+                            if left:
+                                tmpl.append(((t,) * pp, left))
+                        out.append(tuple(tmpl))
+        seen, unique = set(), []
+        for t in out:
+            if t not in seen:
+                seen.add(t)
+                unique.append(t)
+        return unique
+
+    def structures(self) -> list[tuple[float, Structure]]:
+        """All structures with their lower bounds, sorted."""
+        m, L = self.model, self.model.num_layers
+        work1 = 3 * (L * M.layer_forward_flops(m, 1) + M.output_forward_flops(m, 1))
+        out = []
+        for tp in self.tp_sizes():
+            for pp in range(1, min(L, self.opt.max_pipeline_stages) + 1):
+                for tmpl in self.templates(tp, pp):
+                    D = sum(n for _, n in tmpl)
+                    prec = self.precision_for({t for types, _ in tmpl for t in types})
+                    cost = self.cost(prec)
+                    rate = sum(n * tp * sum(cost.flops_rate(t) for t in types) for types, n in tmpl)
+                    for mbs in self.opt.micro_batch_sizes:
+                        if self.gbs % mbs:
+                            continue
+                        total = self.gbs // mbs
+                        if total < D:
+                            continue
+                        lb = (total + D * (pp - 1)) * mbs * work1 / rate
+                        out.append((lb, Structure(tp, pp, mbs, tmpl)))
+        out.sort(key=lambda x: (x[0], x[1].tp, x[1].pp, x[1].mbs, x[1].templates))
+        return out
+
+    # -- per-stage tables -----------------------------------------------------------------------
+    def table(self, prec: str, gpu: str, tp: int, mbs: int, first: bool, last: bool,
+              in_flight: int, D: int):
+        """Per layer count n (index 0..L): time with no recompute, layers to recompute so that
+        the stage fits (k > n: cannot), and the time with that recompute."""
+        key = (prec, gpu, tp, mbs, first, last, in_flight, D)
+        got = self._tables.get(key)
+        if got is not None:
+            return got
+        cost, m, L = self.cost(prec), self.model, self.model.num_layers
+        none = ("none", None, None)
+        t1 = cost.compute_times(gpu, 1, first, last, mbs, tp, none).total_s
+        t2 = cost.compute_times(gpu, 2, first, last, mbs, tp, none).total_s
+        m1 = cost.memory_need(gpu, 1, first, last, mbs, tp, none, in_flight, D).total
+        m2 = cost.memory_need(gpu, 2, first, last, mbs, tp, none, in_flight, D).total
+        n = np.arange(L + 1, dtype=float)
+        t_none = t1 + (n - 1) * (t2 - t1)
+        mem_none = m1 + (n - 1) * (m2 - m1)
+        act = M.layer_activation_bytes(m, mbs, tp, "none", flash_attention=cost.flash_attention)
+        saving = in_flight * (act - M.layer_input_bytes(m, mbs))
+        cap = cost.capacity(gpu)
+        over = mem_none + act - cap
+        k = np.where(mem_none <= cap, 0, np.ceil(np.maximum(over, 0) / saving) if saving > 0 else L + 1)
+        k = np.where((k > n) | (k < 0), L + 1, k).astype(np.int64)
+        fwd_layer = cost.layer_times(gpu, mbs, tp)[0]
+        t_fit = np.where(k <= n, t_none + np.minimum(k, n) * fwd_layer, np.inf)
+        t_fit[0] = np.inf
+        got = (t_none, k, t_fit, mem_none, act, saving, cap, fwd_layer)
+        self._tables[key] = got
+        return got
+
+    # -- evaluation -----------------------------------------------------------------------------
+    def evaluate(self, st: Structure, *, baseline: bool) -> _Candidate | None:
+        self.evaluated += 1
+        m, L = self.model, self.model.num_layers
+        p, tp, mbs, D = st.pp, st.tp, st.mbs, st.num_pipelines
+        total = self.gbs // mbs
+        if baseline and (L % p or total % D):
+            return None
+        prec = self.precision_for({t for types, _ in st.templates for t in types})
+        cost = self.cost(prec)
+        tables = [[self.table(prec, types[s], tp, mbs, s == 0, s == p - 1, p - s, D)
+                   for s in range(p)] for types, _ in st.templates]
+        if baseline:
+            n = L // p
+            split = [n] * p
+            kmax = 0
+            for rows in tables:
+                for tb in rows:
+                    kmax = max(kmax, int(tb[1][n]))
+            if kmax > n:
+                return None
+            rec = [[kmax] * p for _ in st.templates]
+        else:
+            norm = []
+            for rows in tables:
+                layer = [tb[0][2] - tb[0][1] for tb in rows]
+                norm.append(1.0 / sum(1.0 / x for x in layer))
+            costs = np.max(np.stack([np.stack([tb[2] for tb in rows]) / w
+                                     for rows, w in zip(tables, norm)]), axis=0)
+            got = min_max_split(costs, L)
+            if got is None:
+                return None
+            _, split = got
+            rec = [[int(tb[1][split[s]]) for s, tb in enumerate(rows)] for rows in tables]
+        fixed, per = [], []
+        for ti, (types, count) in enumerate(st.templates):
+            stage_t = []
+            for s in range(p):
+                k = rec[ti][s]
+                rk = ("none", None, None) if k == 0 else ("full", "block", k)
+                stage_t.append(cost.compute_times(types[s], split[s], s == 0, s == p - 1, mbs, tp, rk).total_s)
+            sends = sum(2 * cost.p2p_seconds(mbs, self._link_estimate(types, s, tp))
+                        for s in range(p - 1))
+            c = max(stage_t)
+            fixed += [sum(stage_t) - c + sends] * count
+            per += [c] * count
+        if baseline:
+            mb = [total // D] * D
+        else:
+            mb = water_fill(fixed, per, total)
+            if mb is None:
+                return None
+        step = max(a + k * c for a, c, k in zip(fixed, per, mb))
+        step += self._sync_estimate(st, split, cost)
+        return _Candidate(st, split, rec, mb, step, prec)
+
+    def _link_estimate(self, types: tuple[str, ...], s: int, tp: int) -> float:
+        a, b = types[s], types[s + 1]
+        if a != b:
+            return self.inv.inter_group_bandwidth_gb_s
+        groups = [i for i, g in enumerate(self.inv.groups) if g.gpu == a]
+        g = self.inv.groups[groups[0]]
+        if types.count(a) * tp <= g.gpus_per_node:
+            return self.inv.intra_node_bandwidth(groups[0])
+        return self.inv.inter_node_bandwidth(groups[0])
+
+    def _sync_estimate(self, st: Structure, split: list[int], cost: CostModel) -> float:
+        D = st.num_pipelines
+        if D == 1:
+            return 0.0
+        worst = 0.0
+        for s in range(st.pp):
+            column = {types[s] for types, _ in st.templates}
+            groups = [i for i, g in enumerate(self.inv.groups) if g.gpu in column]
+            if len(groups) > 1:
+                bw = self.inv.inter_group_bandwidth_gb_s
+            elif D * st.tp <= self.inv.groups[groups[0]].gpus_per_node:
+                bw = self.inv.intra_node_bandwidth(groups[0])
+            else:
+                bw = self.inv.inter_node_bandwidth(groups[0])
+            params = cost.stage_params(split[s], s == 0, s == st.pp - 1, st.tp)
+            worst = max(worst, cost.dp_sync_seconds(params, D, bw))
+        return worst
+
+    # -- plans ----------------------------------------------------------------------------------
+    def to_plan(self, cand: _Candidate) -> Plan:
+        st = cand.structure
+        pipelines = []
+        d = 0
+        for ti, (types, count) in enumerate(st.templates):
+            for _ in range(count):
+                stages = [Stage(device_type=types[s], num_layers=cand.split[s],
+                                recompute=_recompute(cand.recompute[ti][s], cand.split[s]))
+                          for s in range(st.pp)]
+                pipelines.append(Pipeline(micro_batch_size=st.mbs,
+                                          num_microbatches=cand.microbatches[d], stages=stages))
+                d += 1
+        return Plan(format_version=1, model=self.model, global_batch_size=self.gbs,
+                    tensor_model_parallel_size=st.tp, pipelines=pipelines,
+                    precision=cand.precision, use_distributed_optimizer=True)
+
+    def walk(self, structures, *, baseline: bool, tick: Callable[[], None]) -> list[_Candidate]:
+        keep: list[_Candidate] = []
+        k = self.opt.finalists
+        for lb, st in structures:
+            tick()
+            if len(keep) >= k and lb >= keep[-1].score:
+                break
+            cand = self.evaluate(st, baseline=baseline)
+            if cand is None:
+                continue
+            keep.append(cand)
+            keep.sort(key=lambda c: c.score)
+            del keep[k:]
+        return keep
+
+    def best_simulated(self, cands: list[_Candidate]) -> tuple[Plan, SimResult] | None:
+        best = None
+        for cand in cands:
+            plan = self.to_plan(cand)
+            try:
+                sim = simulate(plan, self.cost(cand.precision), record_events=False)
+            except InfeasibleError:
+                continue
+            if not sim.fits_memory:
+                continue
+            if best is None or sim.step_time_s < best[1].step_time_s:
+                best = (plan, sim)
+        return best
+
+    def infeasible_message(self) -> str:
+        parts = []
+        none = ("full", "uniform", 1)
+        for gpu in self.types:
+            cost = self.cost(self.precision_for([gpu]))
+            tp = max(t for t in self.tp_sizes()
+                     if any(g.gpu == gpu and g.gpus_per_node >= t for g in self.inv.groups))
+            n_gpus = self.inv.gpu_counts()[gpu]
+            pp = max(1, min(self.model.num_layers, n_gpus // tp))
+            per = -(-self.model.num_layers // pp)
+            need = cost.memory_need(gpu, per, True, pp == 1, 1, tp, none, pp, max(1, n_gpus // (tp * pp)))
+            parts.append(f"{gpu}: {need.total / 1e9:.1f} GB needed per GPU, {need.capacity / 1e9:.0f} GB "
+                         f"available (all {n_gpus} of them as TP={tp} x PP={pp}, {per} layers per "
+                         "stage, full recompute, micro-batch 1)")
+        return (f"{self.model.name} does not fit on {self.inv.source} under any plan the search "
+                f"covers; the leanest single-type stage needs: " + "; ".join(parts))
+
+
+def tune(model: ModelSpec, inventory: Inventory, global_batch_size: int, *,
+         profiles: Mapping[str, DeviceProfile] = {}, options: TuneOptions | None = None) -> TuneResult:
+    """Search the fastest plan for ``model`` on ``inventory``; see the module docstring."""
+    options = options or TuneOptions()
+    t0 = time.perf_counter()
+    search = _Search(model, inventory, global_batch_size, profiles, options)
+    structures = search.structures()
+    progress = None
+    tick = lambda: None  # noqa: E731
+    if options.progress and len(structures) > 2000:
+        from rich.progress import Progress
+        progress = Progress(transient=True)
+        progress.start()
+        task = progress.add_task("searching plans", total=2 * len(structures))
+        tick = lambda: progress.advance(task)  # noqa: E731
+    try:
+        tuned = search.walk(structures, baseline=False, tick=tick)
+        base = search.walk(structures, baseline=True, tick=tick)
+    finally:
+        if progress is not None:
+            progress.stop()
+    best = search.best_simulated(tuned)
+    base_best = search.best_simulated(base)
+    if best is None and base_best is None:
+        raise InfeasibleError(search.infeasible_message())
+    fell_back = False
+    if best is None or (base_best is not None and base_best[1].step_time_s < best[1].step_time_s):
+        best, fell_back = base_best, True
+    plan, sim = best
+    upper = upper_bound_step_time(model, inventory, global_batch_size,
+                                  search.cost(search.precision_for(search.types)))
+    elapsed = time.perf_counter() - t0
+    plan.prediction = {"step_time_s": round(sim.step_time_s, 6),
+                       "tokens_per_s": round(sim.tokens_per_s, 3), "mfu": round(sim.mfu, 6),
+                       "baseline_step_time_s": round(base_best[1].step_time_s, 6) if base_best else None,
+                       "upper_bound_step_time_s": round(upper, 6)}
+    if plan.prediction["baseline_step_time_s"] is None:
+        del plan.prediction["baseline_step_time_s"]
+    return TuneResult(plan=plan, sim=sim, baseline_plan=base_best[0] if base_best else None,
+                      baseline_sim=base_best[1] if base_best else None,
+                      upper_bound_step_time_s=upper, search_time_s=elapsed,
+                      structures_evaluated=search.evaluated, fell_back_to_baseline=fell_back)
