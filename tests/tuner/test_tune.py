@@ -1,0 +1,129 @@
+"""Properties of the plans `tune` emits, the infeasible error, and the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from megatron_hetero.cli import main
+from megatron_hetero.cost import CostModel
+from megatron_hetero.errors import InfeasibleError
+from megatron_hetero.hardware.inventory import inventory_from_data
+from megatron_hetero.models import PRESETS, model_preset
+from megatron_hetero.plan import ModelSpec, check_plan_against_inventory, plan_from_data
+from megatron_hetero.simulate import simulate
+from megatron_hetero.tuner import tune
+
+GPUS = ["H100-SXM-80GB", "A100-SXM-40GB", "V100-SXM2-32GB", "RTX4090-24GB", "A40-48GB", "T4-16GB"]
+
+SMALL = ModelSpec(name="small", num_layers=8, hidden_size=1024, ffn_hidden_size=2816,
+                  num_attention_heads=8, num_query_groups=4, vocab_size=32000, seq_length=2048)
+
+
+@st.composite
+def inventories(draw):
+    n = draw(st.integers(1, 3))
+    types = draw(st.lists(st.sampled_from(GPUS), min_size=n, max_size=n, unique=True))
+    groups = [{"gpu": t, "nodes": draw(st.integers(1, 2)),
+               "gpus_per_node": draw(st.sampled_from([1, 2, 4, 8]))} for t in types]
+    return inventory_from_data({"groups": groups})
+
+
+def _check_emitted(result, inventory, model, gbs):
+    plan = result.plan
+    # the plan round-trips through the strict loader and fits the inventory
+    again = plan_from_data(plan.to_data(), catalog=inventory.catalog)
+    check_plan_against_inventory(again, inventory)
+    assert again.global_batch_size == gbs and again.model == model
+    cost = CostModel(model, inventory, precision=plan.precision)
+    for d in range(plan.data_parallel_size):
+        for s in range(plan.pipeline_model_parallel_size):
+            mem = cost.stage_memory(plan, d, s)
+            assert mem.total <= mem.capacity, (d, s, mem)
+    sim = simulate(plan, cost, record_events=False)
+    assert sim.step_time_s == pytest.approx(result.sim.step_time_s)
+    if result.baseline_sim is not None:
+        assert result.sim.step_time_s <= result.baseline_sim.step_time_s * (1 + 1e-9)
+    assert result.upper_bound_step_time_s <= result.sim.step_time_s
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(inventories(), st.sampled_from(["small", "llama2-7b", "llama2-13b"]), st.integers(1, 96))
+def test_emitted_plans_validate_and_fit(inventory, name, gbs):
+    model = SMALL if name == "small" else model_preset(name, seq_length=2048)
+    try:
+        result = tune(model, inventory, gbs)
+    except InfeasibleError as exc:
+        text = str(exc)
+        assert "GB needed per GPU" in text and "available" in text
+        for gpu in inventory.gpu_counts():
+            assert gpu in text
+        return
+    _check_emitted(result, inventory, model, gbs)
+
+
+def test_infeasible_names_memory_per_type():
+    inv = inventory_from_data({"groups": [{"gpu": "RTX3090-24GB", "nodes": 1, "gpus_per_node": 2}]})
+    with pytest.raises(InfeasibleError, match=r"RTX3090-24GB: \d+\.\d GB needed per GPU, 24 GB available"):
+        tune(model_preset("llama2-70b"), inv, 8)
+
+
+def test_uneven_data_parallel_follows_speed():
+    # two identical nodes but one type twice as fast: shares follow speed, layers stay shared
+    inv = inventory_from_data({
+        "groups": [{"gpu": "FAST", "nodes": 1, "gpus_per_node": 1},
+                   {"gpu": "SLOW", "nodes": 1, "gpus_per_node": 1}],
+        "gpus": {name: {"vendor": "test", "bf16_tflops": tf, "bf16": True, "fp32_tflops": 1.0,
+                        "memory_gb": 80, "memory_bandwidth_gb_s": 2000, "intra_node_link": "x",
+                        "intra_node_bandwidth_gb_s": 300, "efficiency": 0.5}
+                 for name, tf in (("FAST", 200.0), ("SLOW", 100.0))}})
+    result = tune(SMALL, inv, 96, )
+    plan = result.plan
+    shares = {p.stages[0].device_type: p.samples for p in plan.pipelines}
+    assert plan.pipeline_model_parallel_size == 1 and shares == {"FAST": 64, "SLOW": 32}
+    assert result.baseline_sim.step_time_s > result.sim.step_time_s
+
+
+def test_deterministic():
+    inv = inventory_from_data({"groups": [{"gpu": "A100-SXM-80GB", "nodes": 1, "gpus_per_node": 8},
+                                          {"gpu": "V100-SXM2-32GB", "nodes": 1, "gpus_per_node": 8}]})
+    a = tune(PRESETS["llama2-7b"], inv, 256).plan.to_data()
+    b = tune(PRESETS["llama2-7b"], inv, 256).plan.to_data()
+    assert a == b
+
+
+def test_cli_tune_then_simulate(tmp_path, capsys):
+    plan, report, png = tmp_path / "plan.yaml", tmp_path / "r.json", tmp_path / "t.png"
+    rc = main(["tune", "examples/llama2/7b/inventory.yaml", "--model", "llama2-7b",
+               "--global-batch-size", "128", "--seq-length", "2048", "-o", str(plan),
+               "--report", str(report), "--timeline", str(png), "-q"])
+    assert rc == 0
+    data = json.loads(report.read_text())
+    for key in ("predicted_step_time_s", "baseline_step_time_s", "upper_bound_step_time_s",
+                "search_time_s"):
+        assert data[key] > 0
+    assert isinstance(data["megatron_args"], list) and "--hetero-plan" in data["megatron_args"]
+    assert data["upper_bound_step_time_s"] <= data["predicted_step_time_s"] <= data["baseline_step_time_s"]
+    assert png.stat().st_size > 0
+    capsys.readouterr()
+    assert main(["simulate", str(plan), "--inventory", "examples/llama2/7b/inventory.yaml"]) == 0
+    out = capsys.readouterr().out
+    assert f"{data['predicted_step_time_s']:.3f} s" in out
+
+
+def test_cli_infeasible_is_one_line(capsys):
+    rc = main(["tune", "examples/llama2/7b/inventory.yaml", "--model", "llama2-70b",
+               "--global-batch-size", "1", "-q", "-o", "/dev/null"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_tuner_side_imports_without_torch():
+    import subprocess
+    import sys
+    code = ("import sys; import megatron_hetero.tuner, megatron_hetero.simulate, megatron_hetero.cost;"
+            "from megatron_hetero.cli import build_parser; build_parser();"
+            "assert 'torch' not in sys.modules and 'megatron.core' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
