@@ -93,6 +93,29 @@ def _add_simulate(sub) -> None:
     p.set_defaults(handler="megatron_hetero.tuner.commands:simulate_main")
 
 
+def _add_rehearse(sub) -> None:
+    p = sub.add_parser("rehearse", help="run a plan on CPU processes that play its GPUs",
+                       description="Rehearse PLAN on this machine: one CPU process per rank, each "
+                                   "at its GPU type's relative speed and (scaled) memory, on the "
+                                   "plan's model shrunk in width (same layers and split). Prints "
+                                   "measured step time per pipeline and stage, bubbles, and the "
+                                   "tuner's prediction for the same emulated cluster.")
+    p.add_argument("plan", metavar="PLAN", help="plan.yaml")
+    p.add_argument("--steps", type=int, default=3, metavar="N",
+                   help="training steps; the first is a warm-up (default 3)")
+    p.add_argument("--hidden-size", type=int, default=64, metavar="H",
+                   help="hidden size of the shrunk model (default 64)")
+    p.add_argument("--verify", action="store_true",
+                   help="also train in one process and check losses and final parameters match")
+    p.add_argument("--inventory", metavar="INV", help="inventory.yaml (for custom GPU entries)")
+    p.add_argument("--time-scale", type=float, default=1.0, metavar="X",
+                   help="slow every emulated device by X more (keeps cores free; default 1)")
+    p.add_argument("--no-memory-cap", action="store_true", help="measure memory but do not cap it")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--max-ranks", type=int, default=16, help=argparse.SUPPRESS)
+    p.set_defaults(handler="megatron_hetero.emulate.rehearse:rehearse_main")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megatron-hetero",
@@ -106,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_COMMANDS = [_add_validate, _add_args, _add_profile, _add_tune, _add_simulate]
+_COMMANDS = [_add_validate, _add_args, _add_profile, _add_tune, _add_simulate, _add_rehearse]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
