@@ -96,3 +96,34 @@ def test_cost_model_uses_measured_figures(profiled):
     plain = CostModel(model, inventory, precision="fp32")
     assert plain.layer_times("CPU", 2, 1) != cost.layer_times("CPU", 2, 1)
     assert plain.efficiency("CPU") == cost.efficiency("CPU") == p.efficiency  # via the inventory entry
+
+
+def test_tune_takes_the_profile_and_says_what_was_measured(profiled):
+    import yaml
+
+    tmp, out = profiled
+    p = load_profile(out)
+    inv = _inventory(tmp, p)
+    model = dict(yaml.safe_load(TINY), name="tiny-deeper", num_layers=8)
+    (tmp / "tiny-deeper.yaml").write_text(yaml.safe_dump(model))
+
+    def tune(*extra):
+        report = tmp / f"report{len(extra)}.json"
+        proc = subprocess.run(
+            [sys.executable, "-m", "megatron_hetero.cli", "tune", str(inv), "--model",
+             str(tmp / "tiny-deeper.yaml"), "--global-batch-size", "8", "--micro-batch-sizes",
+             "1,2", "-q", "-o", str(tmp / "plan.yaml"), "--report", str(report), *extra],
+            capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(report.read_text()), proc.stdout
+
+    measured, stdout = tune("--profile", str(out))
+    src = measured["figure_sources"]["CPU"]
+    assert src["profile"] == str(out)
+    assert src["lookups_measured"] + src["lookups_interpolated"] > 0
+    assert src["source"] in ("measured", "partly measured")
+    assert "figures: CPU:" in stdout and "measured" in stdout
+    estimated, stdout = tune()
+    assert estimated["figure_sources"]["CPU"]["source"] == "catalog"
+    assert "no --profile given" in stdout
+    assert measured["predicted_step_time_s"] != estimated["predicted_step_time_s"]

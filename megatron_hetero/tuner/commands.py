@@ -48,6 +48,20 @@ def _profiles(paths, inventory):
     return load_profiles(paths, catalog=inventory.catalog)
 
 
+def _figure_sources(plan, inventory, profiles):
+    """Which figures of ``plan``'s prediction were measured (from ``profiles``) and which were
+    estimated: a :class:`~megatron_hetero.cost.profile_file.ProfileUsage` after simulating it."""
+    from ..cost import CostModel
+    from ..cost.profile_file import ProfileUsage
+    from ..simulate import simulate
+
+    usage = ProfileUsage(profiles)
+    cost = CostModel(plan.model, inventory, profiles=usage.wrap(), precision=plan.precision,
+                     use_distributed_optimizer=plan.use_distributed_optimizer)
+    simulate(plan, cost, record_events=False)
+    return usage
+
+
 def _sizes(text: str) -> tuple[int, ...]:
     try:
         values = tuple(sorted({int(v) for v in text.split(",") if v.strip()}))
@@ -72,22 +86,27 @@ def tune_main(args: argparse.Namespace) -> int:
     model = load_model(args.model, seq_length=args.seq_length)
     options = TuneOptions(micro_batch_sizes=_sizes(args.micro_batch_sizes),
                           progress=not args.quiet and sys.stderr.isatty())
-    result = tune(model, inventory, args.global_batch_size,
-                  profiles=_profiles(args.profile, inventory), options=options)
+    profiles = _profiles(args.profile, inventory)
+    result = tune(model, inventory, args.global_batch_size, profiles=profiles, options=options)
     save_plan(result.plan, args.output)
+    sources = _figure_sources(result.plan, inventory, profiles)
+    used_types = sorted(result.plan.device_counts())
     if args.report:
+        report = report_dict(result, args.output)
+        report["figure_sources"] = sources.report(used_types)
         with open(args.report, "w") as f:
-            json.dump(report_dict(result, args.output), f, indent=2)
+            json.dump(report, f, indent=2)
     if args.timeline:
         from ..cost import CostModel
         from ..simulate import simulate
-        cost = CostModel(model, inventory, profiles=_profiles(args.profile, inventory),
-                         precision=result.plan.precision)
+        cost = CostModel(model, inventory, profiles=profiles, precision=result.plan.precision)
         simulate(result.plan, cost).timeline_png(args.timeline)
     console = Console()
     if not args.quiet:
         console.print(plan_table(result.plan, result.sim, f"{model.name} on {args.inventory}"))
     console.print(summary_lines(result.plan, result.sim, "tuned   "), highlight=False)
+    for line in sources.summary_lines(used_types):
+        console.print(f"figures: {line}", highlight=False, soft_wrap=True)
     if result.baseline_sim is not None:
         console.print(summary_lines(result.baseline_plan, result.baseline_sim, "baseline"),
                       highlight=False)
@@ -115,12 +134,15 @@ def simulate_main(args: argparse.Namespace) -> int:
     inventory = load_inventory(args.inventory)
     plan = load_plan(args.plan, catalog=inventory.catalog)
     check_plan_against_inventory(plan, inventory, source=args.plan)
-    cost = CostModel(plan.model, inventory, profiles=_profiles(args.profile, inventory),
+    profiles = _profiles(args.profile, inventory)
+    cost = CostModel(plan.model, inventory, profiles=profiles,
                      precision=plan.precision, use_distributed_optimizer=plan.use_distributed_optimizer)
     sim = simulate(plan, cost, record_events=bool(args.timeline))
     console = Console()
     console.print(plan_table(plan, sim, f"{args.plan} on {args.inventory}"))
     console.print(summary_lines(plan, sim, "predicted"), highlight=False)
+    for line in _figure_sources(plan, inventory, profiles).summary_lines(sorted(plan.device_counts())):
+        console.print(f"figures: {line}", highlight=False, soft_wrap=True)
     for s in sim.stages:
         console.print(f"  pipeline {s.pipeline} stage {s.stage} ({s.device_type}): busy "
                       f"{s.busy_s:.3f} s, bubble {s.bubble_s:.3f} s, sync {s.sync_s:.3f} s, "
