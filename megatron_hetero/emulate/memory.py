@@ -16,12 +16,13 @@ allocator fragmentation; on a GPU these are the few percent of headroom a plan m
 The cap. A shrunk model needs far less memory than the real one, so the device's memory is
 scaled with the model, rank by rank::
 
-    cap(rank) = device.memory_bytes x estimate(shrunk model, fp32, rank) / estimate(real model, plan precision, rank)
+    cap(rank) = device.memory_bytes x estimate(shrunk model as the CPU runs it, rank)
+                                     / estimate(real model, rank)
 
-where ``estimate`` is :func:`estimate_rank_bytes` (weights, gradients, optimizer state and the
-activations of the micro-batches in flight on the stage). A rank then fails exactly when the
-measured shrunk need exceeds its share of the card as the real model would use it: a plan that
-would not fit the real card fails in the rehearsal too, with :class:`MemoryCapError` naming the
+where ``estimate`` is the tuner's cost model (weights, gradients, optimizer state, the
+activations of the micro-batches in flight on the stage; see :func:`memory_caps`). A rank then
+fails exactly when the measured shrunk need exceeds its share of the card as the real model
+would use it: a plan that would not fit the real card fails in the rehearsal too, with :class:`MemoryCapError` naming the
 rank, the (pipeline, stage) slot, the device, the bytes needed and the cap.
 """
 
@@ -105,16 +106,39 @@ def estimate_rank_bytes(model: ModelSpec, plan: Plan, pipeline: int, stage: int,
     return static + act
 
 
-def memory_caps(real: Plan, shrunk: Plan, catalog: Catalog | None = None,
-                run_precision: str = "fp32") -> dict[int, tuple[float, float, float]]:
-    """For every rank: (cap bytes, device bytes, scale) under the rule in the module docstring."""
+def _cost_model(plan: Plan, catalog: Catalog, **kwargs):
+    from ..cost.model import CostModel
+    from ..hardware.inventory import GPUGroup, Inventory
+
+    inventory = Inventory(groups=[GPUGroup(gpu=d, nodes=1, gpus_per_node=n)
+                                  for d, n in sorted(plan.device_counts().items())],
+                          catalog=catalog, source="<plan devices>")
+    return CostModel(plan.model, inventory, use_distributed_optimizer=plan.use_distributed_optimizer,
+                     **kwargs)
+
+
+def memory_caps(real: Plan, shrunk: Plan, catalog: Catalog | None = None
+                ) -> dict[int, tuple[float, float, float]]:
+    """For every rank: (cap bytes, device bytes, scale) under the rule in the module docstring.
+
+    ``estimate`` is the tuner's cost model (:meth:`CostModel.stage_memory`): for the real plan
+    as the tuner sees it (its precision, fused attention, workspace reserve); for the shrunk
+    model as the CPU ranks run it (fp32 weights, fp32 activations, unfused attention that keeps
+    its score matrices, no workspace).
+    """
     catalog = catalog or load_catalog()
+    real_cost = _cost_model(real, catalog, precision=real.precision)
+    cpu_cost = _cost_model(shrunk, catalog, precision="fp32", flash_attention=False,
+                           workspace_gb=0.0)
     caps = {}
     for rank in range(real.world_size):
         slot = real.slot_of_rank(rank)
         device = catalog.get(real.stage(slot.pipeline, slot.stage).device_type).memory_bytes
-        scale = (estimate_rank_bytes(shrunk.model, shrunk, slot.pipeline, slot.stage, run_precision)
-                 / estimate_rank_bytes(real.model, real, slot.pipeline, slot.stage, real.precision))
+        r = real_cost.stage_memory(real, slot.pipeline, slot.stage)
+        c = cpu_cost.stage_memory(shrunk, slot.pipeline, slot.stage)
+        # the cost model counts 16-bit activations; the CPU ranks keep fp32 ones
+        cpu_need = c.params + c.grads + c.optimizer + 2 * c.activations
+        scale = cpu_need / r.total
         caps[rank] = (device * scale, device, scale)
     return caps
 

@@ -1,0 +1,667 @@
+"""Rehearse a plan on this machine: one CPU process per plan rank, each playing its GPU type.
+
+``megatron-hetero rehearse PLAN`` (see :func:`rehearse_main`):
+
+1. *Shrink* the model in width (:func:`shrink_model`): hidden size, heads, FFN, vocabulary and
+   sequence scale down together (FFN, vocabulary and sequence keep their ratio to the hidden
+   size, so layers, output layer and attention keep their relative costs); the layer count, the
+   layer split, the micro-batch sizes and counts stay as in the plan.
+2. *Refuse* a plan this machine cannot host (:func:`check_host_capacity`): more than
+   :data:`MAX_RANKS` ranks, or more estimated memory than is available.
+3. *Calibrate* in this process what the emulated cluster is made of: the CPU time of one forward
+   and backward of the shrunk layer, embedding and output layer, and the gloo point-to-point
+   bandwidth; the emulated device ``d`` then computes at ``cpu speed / factor(d)``
+   (:mod:`.speed`).
+4. *Run* N steps on the CPU ranks under the speed and memory emulation (:mod:`.speed`,
+   :mod:`.memory`); the first step is a warm-up and is not reported.
+5. *Predict* the same emulated setup with the tuner's cost model and simulator, over an
+   inventory whose custom GPU entries are these emulated devices, and print both side by side.
+
+``--verify`` also trains the same model, data and seed in one process and compares losses and
+final parameters (fp32, rtol 1e-5); it names the first diverging step and tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+from dataclasses import dataclass, field
+
+from ..errors import HeteroError
+from ..hardware.catalog import Catalog, load_catalog
+from ..plan import ModelSpec, Pipeline, Plan, Stage, plan_from_data
+
+__all__ = ["RehearsalConfig", "Calibration", "shrink_model", "shrink_plan", "check_host_capacity",
+           "calibrate", "predict", "MAX_RANKS",
+           "RANK_OVERHEAD_BYTES"]
+
+MAX_RANKS = 16
+"""Most CPU ranks a rehearsal starts on one machine."""
+RANK_OVERHEAD_BYTES = 0.6e9
+"""Host memory of one rank before its model: Python, torch, megatron-core, gloo."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RehearsalConfig:
+    """How to rehearse a plan."""
+
+    steps: int = 3
+    """Training steps; the first is a warm-up and is not reported."""
+    hidden_size: int = 64
+    """Hidden size of the shrunk model (heads, FFN, vocabulary and sequence follow)."""
+    time_scale: float = 1.0
+    """Extra slowdown of every emulated device (see :mod:`.speed`)."""
+    memory_cap: bool = True
+    """Cap each rank's memory to its device's memory scaled with the model (see :mod:`.memory`)."""
+    seed: int = 1234
+    max_ranks: int = MAX_RANKS
+    timeout_s: float = 600.0
+    """Hard limit on the whole multi-process run."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 2:
+            raise ValueError(f"steps must be at least 2 (the first is a warm-up), got {self.steps}")
+        if self.hidden_size < 8:
+            raise ValueError(f"hidden_size must be at least 8, got {self.hidden_size}")
+        if self.time_scale < 1:
+            raise ValueError(f"time_scale must be >= 1, got {self.time_scale}")
+
+
+# -- shrinking ------------------------------------------------------------------------------------
+
+def _round_to(x: float, unit: int) -> int:
+    return max(unit, int(round(x / unit)) * unit)
+
+
+def shrink_model(m: ModelSpec, hidden_size: int, tp: int = 1) -> ModelSpec:
+    """``m`` shrunk in width to ``hidden_size``: heads keep a head size of at least 8 and the
+    model's query-group ratio where they can; FFN, vocabulary and sequence keep their ratio to the
+    hidden size. Layer count and everything else stay. A model no wider than ``hidden_size``
+    is returned unchanged."""
+    if hidden_size >= m.hidden_size:
+        return m
+    h = hidden_size
+    r = h / m.hidden_size
+    gqa = m.num_attention_heads // m.num_query_groups
+    heads = groups = None
+    for n in range(min(m.num_attention_heads, max(h // 8, 1)), 0, -1):
+        if h % n or n % tp:
+            continue
+        g = n // gqa if n % gqa == 0 and (n // gqa) % tp == 0 else n
+        heads, groups = n, g
+        break
+    if heads is None:
+        raise HeteroError(f"--hidden-size {h}: no head count divides it and the "
+                          f"tensor-parallel size {tp}; use a multiple of {8 * tp}")
+    return dataclasses.replace(
+        m, name=f"{m.name}-shrunk-h{h}", hidden_size=h, num_attention_heads=heads,
+        num_query_groups=groups, ffn_hidden_size=_round_to(m.ffn_hidden_size * r, 8 * tp),
+        vocab_size=_round_to(m.vocab_size * r, 16 * tp),
+        seq_length=min(m.seq_length, max(16, _round_to(m.seq_length * r, 8))))
+
+
+def shrink_plan(plan: Plan, hidden_size: int, catalog: Catalog | None = None) -> Plan:
+    """The same plan (devices, layer split, micro-batches, policies) on the shrunk model."""
+    data = plan.to_data()
+    data["model"] = dataclasses.asdict(shrink_model(plan.model, hidden_size,
+                                                    plan.tensor_model_parallel_size))
+    data.pop("prediction", None)
+    return plan_from_data(data, source="<shrunk plan>", catalog=catalog)
+
+
+# -- what this machine can host -------------------------------------------------------------------
+
+def _available_bytes() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+
+
+def check_host_capacity(shrunk: Plan, *, max_ranks: int = MAX_RANKS, source: str = "PLAN") -> float:
+    """Refuse a plan this machine cannot host; returns the estimated host bytes."""
+    from .memory import estimate_rank_bytes
+
+    n = shrunk.world_size
+    hint = ("rehearse a smaller plan (fewer pipelines or stages: the layer split and micro-batch "
+            "shares are what the rehearsal checks), or a lower --hidden-size")
+    if n > max_ranks:
+        raise HeteroError(f"{source}: the plan has {n} ranks; this rehearsal starts at most "
+                          f"{max_ranks} CPU processes on one machine: {hint}")
+    need = n * RANK_OVERHEAD_BYTES
+    for rank in range(n):
+        slot = shrunk.slot_of_rank(rank)
+        need += estimate_rank_bytes(shrunk.model, shrunk, slot.pipeline, slot.stage, "fp32")
+    have = _available_bytes()
+    if need > have:
+        raise HeteroError(f"{source}: rehearsing {n} ranks at hidden size "
+                          f"{shrunk.model.hidden_size} needs about {need / 1e9:.1f} GB of host "
+                          f"memory; {have / 1e9:.1f} GB is available: {hint}")
+    return need
+
+
+# -- calibration of the emulated cluster ----------------------------------------------------------
+
+Part = str  # "layer" | "embedding" | "output"
+
+
+@dataclass(kw_only=True, slots=True)
+class Calibration:
+    """What the CPU achieves on the shrunk model: the base of every emulated device."""
+
+    parts: dict[tuple[str, int], tuple[float, float]] = field(default_factory=dict)
+    """(part, micro-batch size) -> CPU seconds of (forward, backward) of one micro-batch."""
+    layer_flops_per_s: float = 0.0
+    """FLOP/s the CPU achieves on the shrunk layer (forward + backward)."""
+    p2p_latency_s: float = 50e-6
+    """One gloo point-to-point message, one way (measured by the ranks at start)."""
+    bandwidth_gb_s: float = 1.0
+    """gloo point-to-point bandwidth between two ranks of this machine (measured at start)."""
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
+def _ping_pong(rank: int, size_bytes: int, reps: int) -> float:
+    """Seconds of one one-way gloo message of ``size_bytes`` between ranks 0 and 1."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    buf = torch.zeros(max(1, size_bytes // 4))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        if rank == 0:
+            dist.send(buf, 1)
+            dist.recv(buf, 1)
+        else:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
+        times.append((time.perf_counter() - t0) / 2)
+    return min(times)  # the uncontended figure: other processes may share these cores
+
+
+def _calibrate_rank(rank: int, world_size: int, shrunk: Plan, reps: int, seed: int,
+                    meter: bool) -> Calibration | None:
+    """Runs in a 2-rank gloo group: both measure gloo p2p, then rank 0 times the model parts."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    out = Calibration()
+    small, large = 4096, 4 << 20
+    _ping_pong(rank, large, 2)
+    lat = _ping_pong(rank, small, 30)
+    big = _ping_pong(rank, large, 7)
+    out.p2p_latency_s = lat
+    out.bandwidth_gb_s = large / max(big - lat, 1e-7) / 1e9
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank != 0:
+        return None
+    from .spawn import free_port
+    dist.init_process_group("gloo", rank=0, world_size=1,
+                            init_method=f"tcp://127.0.0.1:{free_port()}")
+
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from ..models import layer_forward_flops
+    from . import trainer
+    from .cpu_backend import enable_cpu_backend
+    from .memory import MemoryMeter
+
+    enable_cpu_backend()
+    m = shrunk.model
+    clock = time.thread_time
+    for b in sorted({p.micro_batch_size for p in shrunk.pipelines}):
+        totals = {}
+        for n in (1, 3):
+            plan = dataclasses.replace(
+                shrunk, model=dataclasses.replace(m, num_layers=n), tensor_model_parallel_size=1,
+                global_batch_size=b, pipelines=[Pipeline(
+                    micro_batch_size=b, num_microbatches=1,
+                    stages=[Stage(device_type=shrunk.pipelines[0].stages[0].device_type,
+                                  num_layers=n)])])
+            fw, bw, ef, eb = [], [], [], []
+            ps.initialize_model_parallel(1, 1)
+            try:
+                tensor_parallel.model_parallel_cuda_manual_seed(seed)
+                tconf = trainer._transformer_config(plan, plan.pipelines[0].stages[0])
+                model = GPTModel(config=tconf, transformer_layer_spec=get_gpt_layer_local_spec(
+                                     normalization=m.normalization),
+                                 vocab_size=m.vocab_size, max_sequence_length=m.seq_length,
+                                 pre_process=True, post_process=True,
+                                 share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
+                                 position_embedding_type=m.position_embedding_type)
+                ddp = DistributedDataParallel(
+                    config=tconf, module=model,
+                    ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                             use_distributed_optimizer=False))
+                mm = MemoryMeter(rank=0, pipeline=0, stage=0, device_type="")
+                batch = next(trainer._micro_batches(plan, 0, 0, seed))
+                for _ in range(reps + 2):
+                    ctx = mm.saved_activations() if meter else contextlib.nullcontext()
+                    t0 = clock()
+                    with ctx:
+                        loss = ddp(batch["tokens"], batch["position_ids"], None,
+                                   labels=batch["labels"])
+                    t1 = clock()
+                    loss.sum().backward()
+                    t2 = clock()
+                    del loss
+                    fw.append(t1 - t0)
+                    bw.append(t2 - t1)
+                    if n == 1:
+                        t0 = clock()
+                        with (mm.saved_activations() if meter else contextlib.nullcontext()):
+                            emb = model.embedding(input_ids=batch["tokens"],
+                                                  position_ids=batch["position_ids"])
+                        t1 = clock()
+                        emb.sum().backward()
+                        t2 = clock()
+                        del emb
+                        ef.append(t1 - t0)
+                        eb.append(t2 - t1)
+            finally:
+                ps.destroy_model_parallel()
+            totals[n] = (_median(fw[2:]), _median(bw[2:]))
+            if n == 1:
+                out.parts[("embedding", b)] = (_median(ef[2:]), _median(eb[2:]))
+        lf = max(1e-6, (totals[3][0] - totals[1][0]) / 2)
+        lb = max(1e-6, (totals[3][1] - totals[1][1]) / 2)
+        out.parts[("layer", b)] = (lf, lb)
+        ef_, eb_ = out.parts[("embedding", b)]
+        out.parts[("output", b)] = (max(0.0, totals[1][0] - lf - ef_),
+                                    max(0.0, totals[1][1] - lb - eb_))
+        out.layer_flops_per_s = 3 * layer_forward_flops(m, b) / (lf + lb)
+    return out
+
+
+def calibrate(shrunk: Plan, *, reps: int = 5, seed: int = 1234, meter: bool = True,
+              timeout_s: float = 120.0) -> Calibration:
+    """Measure what the emulated cluster is made of, on two CPU processes: the gloo
+    point-to-point latency and bandwidth between them, and the CPU seconds (thread CPU time, one
+    thread, as the ranks run, under the same activation accounting when ``meter``) of one
+    micro-batch's forward and backward through the shrunk layer (difference of a 1-layer and a
+    3-layer model), embedding and output layer with its loss, at each micro-batch size of the
+    plan."""
+    from .spawn import spawn
+
+    return spawn(_calibrate_rank, 2, args=(shrunk, reps, seed, meter), timeout_s=timeout_s)[0]
+
+# -- prediction of the emulated cluster -----------------------------------------------------------
+
+@dataclass(kw_only=True, slots=True)
+class _EmulatedProfile:
+    """A :class:`~megatron_hetero.cost.profile_protocol.DeviceProfile` of one emulated device:
+    the CPU's calibrated times stretched by the device's factor."""
+
+    device_type: str
+    factor: float
+    calibration: Calibration
+    efficiency: float | None = None
+
+    def times(self, part, *, model, micro_batch_size, tensor_parallel_size):
+        got = self.calibration.parts.get((part, micro_batch_size))
+        if got is None:
+            return None
+        return (got[0] * self.factor / tensor_parallel_size,
+                got[1] * self.factor / tensor_parallel_size)
+
+
+def emulated_name(device_type: str) -> str:
+    return f"CPU-as-{device_type}"
+
+
+def predict(shrunk: Plan, calibration: Calibration, factors: dict[str, float], *,
+            memory_bandwidth_gb_s: float = 5.0):
+    """The tuner's cost model and simulator on the emulated cluster: an inventory whose GPU
+    types are these CPU processes at the emulated speeds (calibrated compute stretched by each
+    device's factor; gloo bandwidth and latency as measured). Returns a ``SimResult``."""
+    from ..cost.model import CostModel
+    from ..hardware.inventory import inventory_from_data
+    from ..simulate import simulate
+
+    bw = calibration.bandwidth_gb_s
+    gpus, groups = {}, []
+    for device, count in sorted(shrunk.device_counts().items()):
+        name = emulated_name(device)
+        flops = calibration.layer_flops_per_s / factors[device] / 1e12
+        gpus[name] = {"vendor": "CPU", "bf16_tflops": flops, "bf16": True, "fp32_tflops": flops,
+                      "memory_gb": 1e3, "memory_bandwidth_gb_s": memory_bandwidth_gb_s,
+                      "intra_node_link": "gloo", "intra_node_bandwidth_gb_s": bw,
+                      "efficiency": 1.0}
+        groups.append({"gpu": name, "nodes": 1, "gpus_per_node": count,
+                       "inter_node_bandwidth_gb_s": bw})
+    inventory = inventory_from_data({"groups": groups, "gpus": gpus,
+                                     "inter_group_bandwidth_gb_s": bw},
+                                    source="<emulated cluster>")
+    data = shrunk.to_data()
+    data["precision"] = "fp32"
+    for pipe in data["pipelines"]:
+        for st in pipe["stages"]:
+            st["device_type"] = emulated_name(st["device_type"])
+    emu = plan_from_data(data, source="<emulated plan>", catalog=inventory.catalog)
+    profiles = {emulated_name(d): _EmulatedProfile(device_type=emulated_name(d), factor=f,
+                                                   calibration=calibration)
+                for d, f in factors.items()}
+    cost = CostModel(emu.model, inventory, profiles=profiles, precision="fp32",
+                     use_distributed_optimizer=shrunk.use_distributed_optimizer,
+                     flash_attention=False, workspace_gb=0.0,
+                     p2p_latency_s=calibration.p2p_latency_s)
+    return simulate(emu, cost, record_events=False)
+
+
+# -- the ranks ------------------------------------------------------------------------------------
+
+_CORRUPT_ENV = "MEGATRON_HETERO_TEST_CORRUPT_PIPELINE"
+"""Test-only hook: when set to ``d``, data-parallel replica ``d`` reads wrong labels from step 1
+on, so that ``--verify`` has a real divergence to catch."""
+
+
+class _RankEmulation:
+    """Speed and memory emulation of one rank, as :class:`~.trainer.RankHooks`."""
+
+    def __init__(self, speed, meter):
+        self.speed, self.meter = speed, meter
+        self.busy: list[float] = []
+        self.cpu: list[float] = []
+        self._last = (0.0, 0.0)
+
+    @contextlib.contextmanager
+    def compute(self, kind: str):
+        ctx = (self.meter.saved_activations() if self.meter is not None and kind == "forward"
+               else contextlib.nullcontext())
+        with self.speed.step(), ctx:
+            yield
+
+    def on_step_end(self, step: int, wall_s: float) -> None:
+        self.busy.append(self.speed.busy_s - self._last[0])
+        self.cpu.append(self.speed.cpu_s - self._last[1])
+        self._last = (self.speed.busy_s, self.speed.cpu_s)
+        if self.meter is not None and self._built is not None:
+            self.meter.count_static(*self._built)  # the optimizer state exists after a step
+
+    _built = None
+
+    def on_built(self, model_chunks, optimizer) -> None:
+        self._built = (model_chunks, optimizer)
+        if self.meter is not None:
+            self.meter.count_static(model_chunks, optimizer)
+
+    def report(self) -> dict:
+        meter = self.meter
+        return {"busy": self.busy, "cpu": self.cpu, "factor": self.speed.factor,
+                "slept_s": self.speed.slept_s,
+                "peak_bytes": meter.peak_bytes if meter else None,
+                "cap_bytes": meter.cap if meter else None}
+
+
+def _patch_optimizer_builder(on_built) -> None:
+    """Let the emulation see the model and optimizer the trainer builds (for the static bytes):
+    wrap ``megatron.core.optimizer.get_megatron_optimizer`` in this rank process."""
+    import megatron.core.optimizer as mopt
+
+    original = getattr(mopt.get_megatron_optimizer, "_hetero_original", mopt.get_megatron_optimizer)
+
+    def get_megatron_optimizer(config, model_chunks, *args, **kwargs):
+        optimizer = original(config, model_chunks, *args, **kwargs)
+        on_built(list(model_chunks), optimizer)
+        return optimizer
+
+    get_megatron_optimizer._hetero_original = original
+    mopt.get_megatron_optimizer = get_megatron_optimizer
+
+
+def _corrupt_pipeline(pipeline: int) -> None:
+    from . import trainer
+
+    original = getattr(trainer._micro_batches, "_hetero_original", trainer._micro_batches)
+
+    def micro_batches(plan, d, step, seed):
+        for batch in original(plan, d, step, seed):
+            if d == pipeline and step >= 1:
+                batch = dict(batch, labels=(batch["labels"] + 1) % plan.model.vocab_size)
+            yield batch
+
+    micro_batches._hetero_original = original
+    trainer._micro_batches = micro_batches
+
+
+def _rank_hooks(plan: Plan, rank: int, *, factors: dict[str, float], time_scale: float,
+                caps: dict[int, tuple[float, float, float]] | None):
+    """``hooks_factory`` of the rehearsal (runs inside each rank process)."""
+    from .memory import MemoryMeter
+    from .speed import SpeedEmulation
+    from .trainer import RankHooks
+
+    slot = plan.slot_of_rank(rank)
+    device = plan.stage(slot.pipeline, slot.stage).device_type
+    speed = SpeedEmulation(slowdown=factors[device] / time_scale, time_scale=time_scale,
+                           device_type=device)
+    meter = None
+    if caps is not None:
+        cap, device_bytes, scale = caps[rank]
+        meter = MemoryMeter(rank=rank, pipeline=slot.pipeline, stage=slot.stage,
+                            device_type=device, cap=cap, device_bytes=device_bytes, scale=scale)
+    emu = _RankEmulation(speed, meter)
+    _patch_optimizer_builder(emu.on_built)
+    corrupt = os.environ.get(_CORRUPT_ENV)
+    if corrupt is not None:
+        _corrupt_pipeline(int(corrupt))
+    return RankHooks(compute=emu.compute, on_step_end=emu.on_step_end, report=emu.report)
+
+
+# -- the rehearsal --------------------------------------------------------------------------------
+
+@dataclass(kw_only=True, slots=True)
+class StageReport:
+    """Measured and predicted figures of one (pipeline, stage), seconds per step."""
+
+    pipeline: int
+    stage: int
+    device_type: str
+    num_layers: int
+    num_microbatches: int
+    factor: float
+    step_s: float
+    busy_s: float
+    """Forward and backward compute, stretched: the emulated device's busy time."""
+    peak_bytes: float | None
+    cap_bytes: float | None
+    predicted_busy_s: float | None = None
+    predicted_idle_s: float | None = None
+    """Predicted bubble, gradient sync, optimizer and waiting for others."""
+
+    @property
+    def idle_s(self) -> float:
+        return max(0.0, self.step_s - self.busy_s)
+
+    @property
+    def bubble_fraction(self) -> float:
+        return self.idle_s / self.step_s if self.step_s else 0.0
+
+
+@dataclass(kw_only=True, slots=True)
+class RehearsalResult:
+    plan: Plan
+    """The shrunk plan that ran."""
+    stages: list[StageReport]
+    step_s: float
+    """Measured step time: the median over the reported steps of the slowest rank."""
+    step_times: list[float]
+    """Per reported step, the slowest rank's wall seconds."""
+    predicted_step_s: float | None
+    losses: list[float]
+    calibration: Calibration
+    verify_message: str | None = None
+    """With ``verify``: None when the run matched the single-process reference, else the first
+    divergence."""
+
+    @property
+    def ratio(self) -> float | None:
+        """Measured over predicted step time."""
+        return self.step_s / self.predicted_step_s if self.predicted_step_s else None
+
+
+def _spawn_failure(exc) -> HeteroError | None:
+    """The user error a rank raised (e.g. MemoryCapError), from its remote traceback."""
+    tb = getattr(exc, "remote_traceback", "") or ""
+    for line in reversed(tb.strip().splitlines()):
+        head, sep, message = line.partition(": ")
+        if sep and head.startswith("megatron_hetero.") and head.rsplit(".", 1)[-1] in (
+                "MemoryCapError", "HeteroError", "SchemaError", "InfeasibleError"):
+            return HeteroError(message)
+    return None
+
+
+def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Catalog | None = None,
+             verify: bool = False, source: str = "PLAN", progress=None) -> RehearsalResult:
+    """Shrink, check, calibrate, run and predict ``plan`` (see the module docstring)."""
+    from .memory import memory_caps
+    from .spawn import SpawnError
+    from .speed import device_slowdowns
+    from .trainer import TrainConfig, compare_results, reference_plan, train_plan
+
+    config = config or RehearsalConfig()
+    catalog = catalog or load_catalog()
+    say = progress or (lambda msg: None)
+    shrunk = shrink_plan(plan, config.hidden_size, catalog)
+    check_host_capacity(shrunk, max_ranks=config.max_ranks, source=source)
+    slowdowns = device_slowdowns(plan, catalog)
+    factors = {d: s * config.time_scale for d, s in slowdowns.items()}
+    caps = memory_caps(plan, shrunk, catalog) if config.memory_cap else None
+
+    say("calibrating the CPU and gloo")
+    calibration = calibrate(shrunk, seed=config.seed, meter=config.memory_cap)
+    say(f"running {config.steps} steps on {shrunk.world_size} CPU ranks")
+    tconf = TrainConfig(steps=config.steps, seed=config.seed, gather_params=verify,
+                        timeout_s=config.timeout_s)
+    hooks = functools.partial(_rank_hooks, factors=factors, time_scale=config.time_scale,
+                              caps=caps)
+    try:
+        result = train_plan(shrunk, tconf, hooks_factory=hooks)
+    except SpawnError as exc:
+        user = _spawn_failure(exc)
+        if user is not None:
+            raise user from None
+        raise
+    verify_message = None
+    if verify:
+        say("training the same model, data and seed in one process")
+        ref = train_plan(reference_plan(shrunk), tconf)
+        verify_message = compare_results(result, ref, rtol=1e-5, atol=1e-7)
+
+    steps = range(1, config.steps)  # step 0 is the warm-up
+    step_times = [max(r.step_times[k] for r in result.ranks) for k in steps]
+    sim = predict(shrunk, calibration, factors)
+    stages = []
+    tp = shrunk.tensor_model_parallel_size
+    for r in result.ranks:
+        if r.tensor_rank != 0:
+            continue
+        extra = r.extra
+        st = shrunk.stage(r.pipeline, r.stage)
+        pred = sim.stage(r.pipeline, r.stage)
+        stages.append(StageReport(
+            pipeline=r.pipeline, stage=r.stage, device_type=st.device_type,
+            num_layers=st.num_layers, num_microbatches=shrunk.pipelines[r.pipeline].num_microbatches,
+            factor=extra["factor"], step_s=_median([r.step_times[k] for k in steps]),
+            busy_s=_median([extra["busy"][k] for k in steps]),
+            peak_bytes=extra["peak_bytes"], cap_bytes=extra["cap_bytes"],
+            predicted_busy_s=pred.busy_s, predicted_idle_s=sim.step_time_s - pred.busy_s))
+    stages.sort(key=lambda s: (s.pipeline, s.stage))
+    del tp
+    return RehearsalResult(plan=shrunk, stages=stages, step_s=_median(step_times),
+                           step_times=step_times, predicted_step_s=sim.step_time_s,
+                           losses=result.losses, calibration=calibration,
+                           verify_message=verify_message)
+
+
+# -- report ---------------------------------------------------------------------------------------
+
+def format_report(result: RehearsalResult, *, source: str = "PLAN", real: ModelSpec | None = None) -> str:
+    """The rehearsal's table: measured and predicted time per pipeline and stage."""
+    m = result.plan.model
+    c = result.calibration
+    n_steps = len(result.step_times)
+    lines = [
+        f"rehearsal of {source}: {real.name if real else m.name}, {m.num_layers} layers "
+        f"{result.plan.layer_split}, shrunk to hidden {m.hidden_size} (heads {m.num_attention_heads}, "
+        f"ffn {m.ffn_hidden_size}, vocab {m.vocab_size}, seq {m.seq_length}); "
+        f"{result.plan.world_size} CPU ranks; {n_steps} measured steps after 1 warm-up",
+        f"calibrated: shrunk layer fwd+bwd "
+        f"{1e3 * sum(next(v for k, v in c.parts.items() if k[0] == 'layer')):.2f} ms of CPU "
+        f"({c.layer_flops_per_s / 1e9:.2f} GFLOP/s); gloo p2p {c.p2p_latency_s * 1e6:.0f} us, "
+        f"{c.bandwidth_gb_s:.2f} GB/s",
+        "",
+        f"{'pipe':>4} {'stage':>5}  {'device':<18} {'layers':>6} {'micro':>5} {'slow':>5}"
+        f" | {'step s':>7} {'busy s':>7} {'idle s':>7} {'bubble':>6}"
+        f" | {'pred busy':>9} {'pred idle':>9} {'bubble':>6} | {'memory peak/cap':>16}",
+    ]
+    for st in result.stages:
+        pred_bubble = (st.predicted_idle_s / result.predicted_step_s
+                       if result.predicted_step_s else float("nan"))
+        mem = ("-" if st.peak_bytes is None else
+               f"{st.peak_bytes / 2**20:.1f}/{st.cap_bytes / 2**20:.1f} MiB" if st.cap_bytes
+               else f"{st.peak_bytes / 2**20:.1f} MiB")
+        lines.append(
+            f"{st.pipeline:>4} {st.stage:>5}  {st.device_type:<18} {st.num_layers:>6} "
+            f"{st.num_microbatches:>5} {st.factor:>4.2f}x"
+            f" | {st.step_s:>7.3f} {st.busy_s:>7.3f} {st.idle_s:>7.3f} {st.bubble_fraction:>6.1%}"
+            f" | {st.predicted_busy_s:>9.3f} {st.predicted_idle_s:>9.3f} {pred_bubble:>6.1%}"
+            f" | {mem:>16}")
+    lines.append("")
+    if result.predicted_step_s:
+        lines.append(f"step time: measured {result.step_s:.3f} s (median of {n_steps}), predicted "
+                     f"{result.predicted_step_s:.3f} s by the tuner's cost model for this emulated "
+                     f"cluster; measured/predicted {result.ratio:.2f}")
+    lines.append("losses: " + ", ".join(f"{x:.4f}" for x in result.losses))
+    return "\n".join(lines)
+
+
+def rehearse_main(args) -> int:
+    """Handler of ``megatron-hetero rehearse``."""
+    import sys
+
+    from ..hardware.inventory import load_inventory
+    from ..plan import check_plan_against_inventory, load_plan
+
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")  # megatron's Apex/TE notices, per rank
+    inventory = load_inventory(args.inventory) if args.inventory else None
+    catalog = inventory.catalog if inventory else None
+    plan = load_plan(args.plan, catalog=catalog)
+    if inventory is not None:
+        check_plan_against_inventory(plan, inventory, source=args.plan)
+    try:
+        config = RehearsalConfig(steps=args.steps, hidden_size=args.hidden_size,
+                                 time_scale=args.time_scale, memory_cap=not args.no_memory_cap,
+                                 seed=args.seed, max_ranks=args.max_ranks)
+    except ValueError as exc:
+        raise HeteroError(str(exc)) from None
+    result = rehearse(plan, config, catalog=catalog, verify=args.verify, source=args.plan,
+                      progress=lambda msg: print(f"[rehearse] {msg}", file=sys.stderr, flush=True))
+    print(format_report(result, source=args.plan, real=plan.model))
+    if args.verify:
+        if result.verify_message is not None:
+            print(f"verify: FAILED: the {plan.world_size}-rank run diverges from the "
+                  f"single-process run: {result.verify_message}")
+            return 1
+        print(f"verify: losses and final parameters match the single-process run "
+              f"(fp32, rtol 1e-5) over {config.steps} steps")
+    return 0
