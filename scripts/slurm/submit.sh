@@ -11,7 +11,7 @@
 #   --no-gres                do not ask for --gpus-per-node (clusters without GPU GRES; CPU CI)
 #   --sbatch ARG             an sbatch option for the whole job (--time=..., --account=...,
 #                            --output=..., --wait); repeatable; given to every component
-#   --dry-run                print the sbatch command instead of running it
+#   --dry-run                print the sbatch command instead of running it (or MH_DRY_RUN=1)
 # MEGATRON ARGS are your own Megatron-LM arguments (data, tokenizer, iterations...).
 #
 # Environment: MEGATRON_LM (or MH_PRETRAIN_SCRIPT), MH_PYTHON (default python3), MH_LAUNCH,
@@ -32,7 +32,7 @@ case $1 in -h|--help) usage; exit 0 ;; esac
 plan=$1; shift
 [[ -f $plan ]] || die "PLAN $plan: no such file"
 
-spec=() sbatch_common=() dry=0
+spec=() sbatch_common=() dry=${MH_DRY_RUN:-0}
 while [[ $# -gt 0 ]]; do
     case $1 in
         --inventory|--partition|--constraint|--gpus-per-node)
