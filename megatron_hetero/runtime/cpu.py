@@ -1,0 +1,131 @@
+"""Run Megatron-LM's own training loop (``megatron.training.pretrain``) on the CPU backend.
+
+``python -m megatron_hetero.launch --cpu`` (or ``MEGATRON_HETERO_CPU=1``) calls
+:func:`prepare_cpu_run` before the training script starts. On top of the emulation package's
+``enable_cpu_backend()`` (megatron-core on CPU over gloo), it adapts the few places where
+Megatron-LM's *training* package insists on a GPU:
+
+* ``initialize_megatron`` asserts CUDA unless ``allow_no_cuda``: it is called with it;
+* ``_initialize_distributed`` builds the model-parallel groups and the RNG tracker only when
+  ``torch.cuda.device_count() > 0``: the process group is made over gloo with this rank's
+  (placed) Megatron rank before it runs, and it sees one device while it runs;
+* the memory report (``torch.cuda.memory_*``) answers zeros;
+* the dataset helpers are compiled only where their Makefile ships (a pip-installed
+  megatron-core has none; synthetic data does not need them).
+
+Nothing here is used on a GPU run; :func:`prepare_cpu_run` refuses when CUDA is available.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import os
+import sys
+
+__all__ = ["prepare_cpu_run", "init_cpu_process_group"]
+
+_MARK = "_megatron_hetero_cpu"
+
+
+@contextlib.contextmanager
+def _one_device():
+    import torch
+
+    saved = torch.cuda.device_count
+    torch.cuda.device_count = lambda: 1
+    try:
+        yield
+    finally:
+        torch.cuda.device_count = saved
+
+
+def init_cpu_process_group(args) -> None:
+    """The default process group over gloo with the (placed) Megatron rank in ``args.rank``."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    args.distributed_backend = "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", rank=args.rank, world_size=args.world_size,
+                                timeout=timedelta(minutes=args.distributed_timeout_minutes))
+
+
+def _rebind(module_name: str, attr: str, make) -> None:
+    module = importlib.import_module(module_name)
+    original = getattr(module, attr)
+    if getattr(original, _MARK, False):
+        return
+    wrapper = make(original)
+    setattr(wrapper, _MARK, True)
+    for mod in list(sys.modules.values()):
+        try:
+            if mod is not None and mod.__dict__.get(attr) is original:
+                setattr(mod, attr, wrapper)
+        except (AttributeError, TypeError):
+            continue
+
+
+def _wrap_initialize_megatron(original):
+    @functools.wraps(original)
+    def initialize_megatron(*a, **kw):
+        kw["allow_no_cuda"] = True
+        return original(*a, **kw)
+    return initialize_megatron
+
+
+def _wrap_initialize_distributed(original):
+    @functools.wraps(original)
+    def _initialize_distributed(*a, **kw):
+        from megatron.training.global_vars import get_args
+
+        init_cpu_process_group(get_args())
+        with _one_device():
+            return original(*a, **kw)
+    return _initialize_distributed
+
+
+def _wrap_set_random_seed(original):
+    @functools.wraps(original)
+    def _set_random_seed(*a, **kw):
+        with _one_device():
+            return original(*a, **kw)
+    return _set_random_seed
+
+
+def _wrap_compile_helpers(original):
+    @functools.wraps(original)
+    def compile_helpers(*a, **kw):
+        import megatron.core.datasets as pkg
+
+        if os.path.exists(os.path.join(os.path.dirname(pkg.__file__), "Makefile")):
+            return original(*a, **kw)
+        return None
+    return compile_helpers
+
+
+def prepare_cpu_run() -> None:
+    """Make ``megatron.training.pretrain`` run on this process's CPU (see the module docstring)."""
+    import torch
+
+    from ..emulate.cpu_backend import enable_cpu_backend
+
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    enable_cpu_backend()
+    for name in ("memory_allocated", "max_memory_allocated", "memory_reserved",
+                 "max_memory_reserved"):
+        setattr(torch.cuda, name, lambda *a, **k: 0)
+    torch.cuda.memory_stats = lambda *a, **k: {}
+    _rebind("megatron.training.initialize", "initialize_megatron", _wrap_initialize_megatron)
+    _rebind("megatron.training.initialize", "_initialize_distributed",
+            _wrap_initialize_distributed)
+    _rebind("megatron.training.initialize", "_set_random_seed", _wrap_set_random_seed)
+    import megatron.core.datasets.utils as dutils
+
+    _rebind("megatron.core.datasets.utils", "compile_helpers", _wrap_compile_helpers)
+    import megatron.training.arguments as margs
+
+    if hasattr(margs, "get_device_arch_version"):
+        margs.get_device_arch_version = lambda: 0  # asked for a TP > 1 performance hint only
