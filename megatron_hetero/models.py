@@ -157,13 +157,15 @@ def layer_input_bytes(m: ModelSpec, b: int) -> float:
 
 
 def layer_activation_bytes(m: ModelSpec, b: int, tp: int, policy: Policy, *,
-                           flash_attention: bool = False) -> float:
-    """Activation bytes one tensor rank keeps for one layer and one micro-batch (module doc)."""
+                           flash_attention: bool = False, sequence_parallel: bool = False) -> float:
+    """Activation bytes one tensor rank keeps for one layer and one micro-batch (module doc).
+    With sequence parallelism the replicated terms (and the full-recompute checkpoint) are
+    sharded over ``tp`` too (Korthikanti's ``sbh(34/t + 5as/(ht))``)."""
     s, h, f, a = m.seq_length, m.hidden_size, m.ffn_hidden_size, m.num_attention_heads
     if policy == "full":
-        return layer_input_bytes(m, b)
+        return layer_input_bytes(m, b) / (tp if sequence_parallel else 1)
     sbh = s * b * h
-    replicated = 10.0 * sbh
+    replicated = 10.0 * sbh / (tp if sequence_parallel else 1)
     mlp = (6.0 if m.swiglu else 4.0) * s * b * f
     sharded = 2.0 * sbh + 4.0 * s * b * _kv(m) + 2.0 * sbh + mlp
     total = replicated + sharded / tp

@@ -93,7 +93,8 @@ class CostModel:
                  profiles: Mapping[str, DeviceProfile] = {},
                  precision: Literal["bf16", "fp16", "fp32"] = "bf16",
                  use_distributed_optimizer: bool = True,
-                 flash_attention: bool = True,
+                 flash_attention: bool | None = None,
+                 sequence_parallel: bool = False,
                  overlap_grad_reduce: bool = False,
                  workspace_gb: float = 2.0,
                  host_bandwidth_gb_s: float = 20.0,
@@ -101,7 +102,10 @@ class CostModel:
         """
         ``flash_attention``: core attention runs a fused kernel that stores no ``s x s``
         matrices (Megatron's default with Transformer Engine), so no-recompute activations
-        exclude Korthikanti's ``5as^2b`` term. ``overlap_grad_reduce``: the gradient sync overlaps
+        exclude Korthikanti's ``5as^2b`` term. ``None``: per device type, where the catalog
+        entry has ``bf16`` (Ampere and later; V100 and T4 run unfused attention).
+        ``sequence_parallel``: ``--sequence-parallel`` with TP > 1 (activations, checkpoints and
+        pipeline sends sharded over the tensor ranks). ``overlap_grad_reduce``: the gradient sync overlaps
         the last backward (``--overlap-grad-reduce``). ``workspace_gb``: memory reserved per
         device outside the model. ``host_bandwidth_gb_s``: rate of offloaded optimizer work.
         """
@@ -111,6 +115,7 @@ class CostModel:
         self.precision = precision
         self.use_distributed_optimizer = use_distributed_optimizer
         self.flash_attention = flash_attention
+        self.sequence_parallel = sequence_parallel
         self.overlap_grad_reduce = overlap_grad_reduce
         self.workspace_bytes = workspace_gb * 1e9
         self.host_bandwidth = host_bandwidth_gb_s * 1e9
@@ -119,34 +124,45 @@ class CostModel:
         self.grad_bytes = 2.0 if precision == "fp16" else 4.0
         self.optim_bytes = 8.0 if precision == "fp32" else 12.0
         # Cached primitives are per instance (the model and inventory are fixed).
+        self._specs: dict = {}
+        self.flops_rate = lru_cache(maxsize=None)(self.flops_rate)
+        self.layer_times = lru_cache(maxsize=None)(self.layer_times)
+        self.intra_node_bandwidth = lru_cache(maxsize=None)(self.intra_node_bandwidth)
         self.compute_times = lru_cache(maxsize=None)(self._compute_times)
         self.memory_need = lru_cache(maxsize=None)(self._memory_need)
 
     # -- device figures -------------------------------------------------------------------------
+    def spec(self, device_type: str):
+        """The catalog entry (with the inventory's overrides) of a device type."""
+        got = self._specs.get(device_type)
+        if got is None:
+            got = self._specs[device_type] = self.inventory.spec(device_type)
+        return got
+
     def efficiency(self, device_type: str) -> float:
         prof = self.profiles.get(device_type)
         if prof is not None and prof.efficiency is not None:
             return prof.efficiency
-        return self.inventory.spec(device_type).efficiency
+        return self.spec(device_type).efficiency
 
     def flops_rate(self, device_type: str) -> float:
         """Achievable FLOP/s of one device of this type on transformer layers."""
-        spec = self.inventory.spec(device_type)
+        spec = self.spec(device_type)
         peak = spec.fp32_tflops if self.precision == "fp32" else spec.bf16_tflops
         return peak * 1e12 * self.efficiency(device_type)
 
     def peak_flops(self, device_type: str) -> float:
-        spec = self.inventory.spec(device_type)
+        spec = self.spec(device_type)
         return (spec.fp32_tflops if self.precision == "fp32" else spec.bf16_tflops) * 1e12
 
     def capacity(self, device_type: str) -> float:
-        return self.inventory.spec(device_type).memory_bytes
+        return self.spec(device_type).memory_bytes
 
     def intra_node_bandwidth(self, device_type: str) -> float:
         """Bytes/s of the slowest intra-node link among the groups of this type."""
         bws = [self.inventory.intra_node_bandwidth(i) for i, g in enumerate(self.inventory.groups)
                if g.gpu == device_type]
-        return 1e9 * (min(bws) if bws else self.inventory.spec(device_type).intra_node_bandwidth_gb_s)
+        return 1e9 * (min(bws) if bws else self.spec(device_type).intra_node_bandwidth_gb_s)
 
     def _allreduce(self, nbytes: float, n: int, bandwidth: float) -> float:
         return 0.0 if n <= 1 else 2.0 * (n - 1) / n * nbytes / bandwidth
@@ -207,7 +223,8 @@ class CostModel:
             fwd, bwd = fwd + of, bwd + ob
         bwd += self._recompute_extra(device_type, b, tp, num_layers, recompute)
         if activation_offload:
-            moved = self._activations_per_microbatch(num_layers, first, last, b, tp, recompute)
+            moved = self._activations_per_microbatch(device_type, num_layers, first, last, b, tp,
+                                                     recompute)
             fwd += moved / self.host_bandwidth
             bwd += moved / self.host_bandwidth
         return StageTimes(fwd, bwd)
@@ -223,23 +240,39 @@ class CostModel:
             n += M.output_params(m, tp, single_stage=first)
         return n / tp
 
-    def _activations_per_microbatch(self, n: int, first: bool, last: bool, b: int, tp: int,
-                                    rk: RecomputeKey) -> float:
-        m, fa = self.model, self.flash_attention
+    def uses_flash_attention(self, device_type: str) -> bool:
+        if self.flash_attention is not None:
+            return self.flash_attention
+        return self.spec(device_type).bf16
+
+    def layer_activation_bytes(self, device_type: str, b: int, tp: int, policy: str) -> float:
+        """Bytes one tensor rank keeps per layer and micro-batch (:mod:`megatron_hetero.models`)."""
+        return M.layer_activation_bytes(self.model, b, tp, policy,
+                                        flash_attention=self.uses_flash_attention(device_type),
+                                        sequence_parallel=self.sequence_parallel and tp > 1)
+
+    def hidden_bytes(self, b: int, tp: int) -> float:
+        """One rank's ``[s, b, h]`` 16-bit tensor: a pipeline send, a full-recompute checkpoint."""
+        sp = tp if self.sequence_parallel and tp > 1 else 1
+        return M.layer_input_bytes(self.model, b) / sp
+
+    def _activations_per_microbatch(self, device_type: str, n: int, first: bool, last: bool,
+                                    b: int, tp: int, rk: RecomputeKey) -> float:
+        m = self.model
         gran, method, k = rk
+        ckpt = self.hidden_bytes(b, tp)
         if gran == "full":
             if method == "uniform":
-                out = -(-n // k) * M.layer_input_bytes(m, b)
+                out = -(-n // k) * ckpt
             else:
                 kk = min(k, n)
-                out = kk * M.layer_input_bytes(m, b) + (n - kk) * M.layer_activation_bytes(
-                    m, b, tp, "none", flash_attention=fa)
+                out = kk * ckpt + (n - kk) * self.layer_activation_bytes(device_type, b, tp, "none")
         else:
-            out = n * M.layer_activation_bytes(m, b, tp, gran, flash_attention=fa)
+            out = n * self.layer_activation_bytes(device_type, b, tp, gran)
         if first:
-            out += b * m.seq_length * m.hidden_size  # embedding dropout mask
+            out += ckpt / 2  # embedding dropout mask (1 byte per element)
         if last:
-            out += M.layer_input_bytes(m, b) + M.logits_bytes(m, b, tp)  # final norm input, logits
+            out += ckpt + M.logits_bytes(m, b, tp)  # final norm input, fp32 logits
         return out
 
     def _memory_need(self, device_type: str, num_layers: int, first: bool, last: bool,
@@ -249,13 +282,13 @@ class CostModel:
         m, b = self.model, micro_batch_size
         params = self.stage_params(num_layers, first, last, tp)
         shard = params / data_parallel if self.use_distributed_optimizer else params
-        per_mb = self._activations_per_microbatch(num_layers, first, last, b, tp, recompute)
+        per_mb = self._activations_per_microbatch(device_type, num_layers, first, last, b, tp,
+                                                  recompute)
         acts = (1 if activation_offload else in_flight) * per_mb
         gran, method, k = recompute
         if gran == "full" and num_layers:
             chunk = k if method == "uniform" else 1
-            acts += min(chunk, num_layers) * M.layer_activation_bytes(
-                m, b, tp, "none", flash_attention=self.flash_attention)
+            acts += min(chunk, num_layers) * self.layer_activation_bytes(device_type, b, tp, "none")
         return Memory(params=params * self.param_bytes, grads=params * self.grad_bytes,
                       optimizer=shard * self.optim_bytes * (1.0 - optimizer_offload),
                       activations=acts, workspace=self.workspace_bytes,
@@ -276,12 +309,12 @@ class CostModel:
                           optimizer_offload: float = 0.0) -> float:
         shard = params_per_rank / data_parallel if self.use_distributed_optimizer else params_per_rank
         touched = shard * (self.grad_bytes + 2 * self.optim_bytes + self.param_bytes)
-        dev_bw = self.inventory.spec(device_type).memory_bandwidth_gb_s * 1e9
+        dev_bw = self.spec(device_type).memory_bandwidth_gb_s * 1e9
         return (1 - optimizer_offload) * touched / dev_bw + optimizer_offload * touched / self.host_bandwidth
 
-    def p2p_seconds(self, micro_batch_size: int, bandwidth_gb_s: float) -> float:
+    def p2p_seconds(self, micro_batch_size: int, bandwidth_gb_s: float, tp: int = 1) -> float:
         """One pipeline send of a micro-batch's activations (or their gradients)."""
-        return self.p2p_latency_s + M.layer_input_bytes(self.model, micro_batch_size) / (bandwidth_gb_s * 1e9)
+        return self.p2p_latency_s + self.hidden_bytes(micro_batch_size, tp) / (bandwidth_gb_s * 1e9)
 
     # -- plan level -----------------------------------------------------------------------------
     @staticmethod

@@ -188,9 +188,12 @@ class _Search:
         return unique
 
     def structures(self) -> list[tuple[float, Structure]]:
-        """All structures with their lower bounds, sorted."""
-        m, L = self.model, self.model.num_layers
-        work1 = 3 * (L * M.layer_forward_flops(m, 1) + M.output_forward_flops(m, 1))
+        """All structures with a lower bound on their step time, sorted by it. The bound: every
+        pipeline perfectly balanced (its per-micro-batch time the whole model's time on its
+        stages' combined speed, TP communication included), fill and drain of ``p - 1``
+        micro-batches each, shares water-filled continuously."""
+        L = self.model.num_layers
+        whole: dict[tuple, float] = {}
         out = []
         for tp in self.tp_sizes():
             for pp in range(1, min(L, self.opt.max_pipeline_stages) + 1):
@@ -198,14 +201,24 @@ class _Search:
                     D = sum(n for _, n in tmpl)
                     prec = self.precision_for({t for types, _ in tmpl for t in types})
                     cost = self.cost(prec)
-                    rate = sum(n * tp * sum(cost.flops_rate(t) for t in types) for types, n in tmpl)
                     for mbs in self.opt.micro_batch_sizes:
                         if self.gbs % mbs:
                             continue
                         total = self.gbs // mbs
                         if total < D:
                             continue
-                        lb = (total + D * (pp - 1)) * mbs * work1 / rate
+                        speed = 0.0  # micro-batches per second over all pipelines
+                        for types, n in tmpl:
+                            rate = 0.0
+                            for t in types:
+                                key = (prec, t, tp, mbs)
+                                w = whole.get(key)
+                                if w is None:
+                                    lf, lb = cost.layer_times(t, mbs, tp)
+                                    w = whole[key] = L * (lf + lb)
+                                rate += 1.0 / w
+                            speed += n * rate
+                        lb = (total + D * (pp - 1)) / speed
                         out.append((lb, Structure(tp, pp, mbs, tmpl)))
         out.sort(key=lambda x: (x[0], x[1].tp, x[1].pp, x[1].mbs, x[1].templates))
         return out
@@ -228,8 +241,8 @@ class _Search:
         n = np.arange(L + 1, dtype=float)
         t_none = t1 + (n - 1) * (t2 - t1)
         mem_none = m1 + (n - 1) * (m2 - m1)
-        act = M.layer_activation_bytes(m, mbs, tp, "none", flash_attention=cost.flash_attention)
-        saving = in_flight * (act - M.layer_input_bytes(m, mbs))
+        act = cost.layer_activation_bytes(gpu, mbs, tp, "none")
+        saving = in_flight * (act - cost.hidden_bytes(mbs, tp))
         cap = cost.capacity(gpu)
         over = mem_none + act - cap
         k = np.where(mem_none <= cap, 0, np.ceil(np.maximum(over, 0) / saving) if saving > 0 else L + 1)
@@ -282,7 +295,7 @@ class _Search:
                 k = rec[ti][s]
                 rk = ("none", None, None) if k == 0 else ("full", "block", k)
                 stage_t.append(cost.compute_times(types[s], split[s], s == 0, s == p - 1, mbs, tp, rk).total_s)
-            sends = sum(2 * cost.p2p_seconds(mbs, self._link_estimate(types, s, tp))
+            sends = sum(2 * cost.p2p_seconds(mbs, self._link_estimate(types, s, tp), tp)
                         for s in range(p - 1))
             c = max(stage_t)
             fixed += [sum(stage_t) - c + sends] * count
