@@ -453,7 +453,7 @@ def _rank_hooks(plan: Plan, rank: int, *, factors: dict[str, float], time_scale:
     slot = plan.slot_of_rank(rank)
     device = plan.stage(slot.pipeline, slot.stage).device_type
     speed = SpeedEmulation(slowdown=factors[device] / time_scale, time_scale=time_scale,
-                           device_type=device)
+                           device_type=device, absorb_contention=True)
     meter = None
     if caps is not None:
         cap, device_bytes, scale = caps[rank]

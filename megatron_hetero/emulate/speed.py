@@ -15,6 +15,12 @@ Sleeping waits; it does not burn a core that the other ranks need.
   more ranks than cores a value above 1 keeps the cores idle part of the time, so that the
   emulated ranks do not steal CPU from each other and step times stay close to the emulated ones.
 
+With ``absorb_contention`` (what the rehearsal uses) the sleep is ``factor x cpu_time`` minus
+the wall time the step already took, so a step that lost time to other processes on the same
+cores sleeps that much less: its duration is ``factor x cpu_time`` whenever the contention
+stayed below the sleep budget, instead of ``wall + (factor - 1) x cpu_time``. Without
+contention both rules sleep the same ``(factor - 1) x cpu_time``.
+
 The emulated device then achieves ``cpu_flops / factor`` FLOP/s, which is what the rehearsal's
 prediction feeds the cost model (see :func:`emulated_flops`).
 """
@@ -70,6 +76,8 @@ class SpeedEmulation:
     """Device this rank plays (for reports)."""
     enabled: bool = True
     """When False, steps are timed but not stretched."""
+    absorb_contention: bool = False
+    """Sleep ``factor x cpu - wall`` instead of ``(factor - 1) x cpu`` (see the module doc)."""
     cpu_s: float = 0.0
     """CPU seconds of real work measured inside the wrapped steps."""
     slept_s: float = 0.0
@@ -101,7 +109,12 @@ class SpeedEmulation:
             yield
         finally:
             cpu = clock() - cpu0
-            extra = (self.factor - 1.0) * cpu if self.enabled else 0.0
+            if not self.enabled:
+                extra = 0.0
+            elif self.absorb_contention:
+                extra = self.factor * cpu - (time.perf_counter() - wall0)
+            else:
+                extra = (self.factor - 1.0) * cpu
             if extra > 0:
                 t = time.perf_counter()
                 time.sleep(extra)

@@ -78,3 +78,18 @@ def test_slowdowns_follow_catalog_achievable_flops():
     assert s[fast] == 1.0
     a, v = catalog.get(fast), catalog.get(slow)
     assert s[slow] == pytest.approx(a.bf16_tflops * a.efficiency / (v.bf16_tflops * v.efficiency))
+
+
+def test_absorb_contention_counts_lost_wall_time_against_the_sleep():
+    """A step that waited (as when another process held the core) sleeps less: its duration is
+    factor x CPU time, not wall + (factor - 1) x CPU time."""
+    emu = SpeedEmulation(slowdown=4.0, absorb_contention=True)
+    with emu.step():
+        _burn(0.02)
+        time.sleep(0.03)  # wall time that is not this step's work
+    assert emu.busy_s == pytest.approx(4.0 * emu.cpu_s, rel=0.1, abs=0.005)
+    plain = SpeedEmulation(slowdown=4.0)
+    with plain.step():
+        _burn(0.02)
+        time.sleep(0.03)
+    assert plain.busy_s >= 0.03 + 4.0 * plain.cpu_s * 0.95
