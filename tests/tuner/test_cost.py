@@ -148,3 +148,37 @@ def test_profile_times_replace_estimates():
     assert cost.layer_times("A100-SXM-80GB", 1, 1) == (0.5, 1.5)
     f2, _ = cost.layer_times("A100-SXM-80GB", 2, 1)
     assert f2 == pytest.approx(M.layer_forward_flops(TINY, 2) / (312e12 * 0.25))
+
+
+def test_flash_attention_follows_bf16_support():
+    # V100 (no bf16) runs unfused attention and stores Korthikanti's 5as^2b term; A100 does not
+    inv = _inventory()
+    cost = CostModel(TINY, inv)
+    s, b, a = 16, 1, 4
+    v100 = cost.layer_activation_bytes("V100-SXM2-32GB", b, 1, "none")
+    a100 = cost.layer_activation_bytes("A100-SXM-80GB", b, 1, "none")
+    assert v100 - a100 == pytest.approx(5 * a * s * s * b)
+    assert CostModel(TINY, inv, flash_attention=True).layer_activation_bytes(
+        "V100-SXM2-32GB", b, 1, "none") == a100
+
+
+def test_sequence_parallel_shards_activations():
+    inv = _inventory()
+    plain, sp = CostModel(TINY, inv), CostModel(TINY, inv, sequence_parallel=True)
+    for policy in ("none", "full"):
+        assert sp.layer_activation_bytes("A100-SXM-80GB", 1, 2, policy) < \
+            plain.layer_activation_bytes("A100-SXM-80GB", 1, 2, policy)
+    # Korthikanti: selective with sequence parallelism is sbh * 34 / t for GPT shapes
+    gpt = ModelSpec(name="gpt", num_layers=2, hidden_size=256, ffn_hidden_size=1024,
+                    num_attention_heads=8, num_query_groups=8, vocab_size=512, seq_length=128,
+                    swiglu=False)
+    assert M.layer_activation_bytes(gpt, 1, 4, "selective", sequence_parallel=True) == \
+        pytest.approx(128 * 256 * 34 / 4)
+
+
+def test_simulate_cli_on_the_hand_written_example(capsys):
+    from megatron_hetero.cli import main
+    rc = main(["simulate", "examples/llama2/7b/plan.yaml", "--inventory",
+               "examples/llama2/7b/inventory.yaml"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "predicted: step" in out and "pipeline 1 stage 1 (V100-SXM2-32GB)" in out
