@@ -61,6 +61,9 @@ REDIRECTS: tuple[tuple[str, str, str], ...] = (
     ("torch", "device arguments", "a TorchFunctionMode maps device='cuda'/'cuda:N'/int N and "
      "torch.device('cuda') arguments of every torch function and Tensor method to 'cpu' "
      "(schedules, p2p, grad buffers, finalize, optimizer found_inf, clip_grads, masks)"),
+    ("torch.autograd.function", "BackwardCFunction.apply", "runs custom autograd Functions' "
+     "backward (megatron's recompute forward among them) under the device mode: the engine "
+     "runs inside the mode's handler of torch.autograd.backward, where the mode is popped"),
     ("torch", "Tensor.cuda", "the device mode returns the tensor itself (already on the CPU)"),
     ("torch", "Tensor.type", "the device mode answers 'torch.cuda.FloatTensor' for CPU float32 "
      "tensors, which megatron-core's fp32 optimizer and clip_grads assert"),
@@ -152,6 +155,7 @@ def _make_mode():
 
     cpu = torch.device("cpu")
     to_methods = {torch.Tensor.to}
+
     type_names = {torch.float32: "torch.cuda.FloatTensor", torch.float16: "torch.cuda.HalfTensor",
                   torch.bfloat16: "torch.cuda.BFloat16Tensor"}
 
@@ -275,6 +279,22 @@ def _install_raisers() -> None:
         setattr(torch.cuda, name, _raiser(name, value))
 
 
+def _patch_backward_apply(mode) -> None:
+    from torch.autograd.function import BackwardCFunction
+    from torch.overrides import _get_current_function_mode_stack
+
+    original = BackwardCFunction.apply
+
+    def apply(self, *args):
+        if mode in _get_current_function_mode_stack():
+            return original(self, *args)
+        with mode:
+            return original(self, *args)
+
+    apply.__wrapped__ = original
+    BackwardCFunction.apply = apply
+
+
 def _distinct(fn, name):
     """A fresh function object per redirect: torch.compile's rule map rejects one object that
     appears under two ``torch.cuda`` names with different rules."""
@@ -311,7 +331,7 @@ def enable_cpu_backend() -> None:
                                "process, and the backend must never change a GPU run")
         import megatron.core.tensor_parallel.random  # noqa: F401  (patched below)
 
-        keys = {(m, a) for m, a, _ in REDIRECTS if not m == "torch"}
+        keys = {(m, a) for m, a, _ in REDIRECTS if m not in ("torch", "torch.autograd.function")}
         standins = _cuda_standins()
         assert keys == set(standins), keys ^ set(standins)
         _build_dynamo_rules()
@@ -321,5 +341,6 @@ def enable_cpu_backend() -> None:
             setattr(importlib.import_module(module), attr, value)
         _install_raisers()
         _mode = _make_mode()
+        _patch_backward_apply(_mode)
         _mode.__enter__()  # stays pushed for the rest of the process (this thread)
         _enabled = True

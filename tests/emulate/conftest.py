@@ -1,0 +1,35 @@
+"""Fixtures of the CPU-backend tests: tiny plans of one tiny model (6 layers, width 32)."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_hetero.plan import Plan, plan_from_data
+
+
+def tiny_plan(split: list[int], pipes: list[tuple[int, int]], *, tp: int = 1,
+              recompute: list[dict | None] | None = None, **model) -> Plan:
+    """A plan of the tiny model: ``split`` layers per stage, ``pipes`` = [(micro_batch_size,
+    num_microbatches)] per data-parallel replica."""
+    def stages():
+        out = []
+        for s, n in enumerate(split):
+            stage = {"device_type": "A100-SXM-80GB", "num_layers": n}
+            if recompute and recompute[s]:
+                stage["recompute"] = recompute[s]
+            out.append(stage)
+        return out
+
+    spec = {"name": "tiny", "num_layers": sum(split), "hidden_size": 32, "ffn_hidden_size": 64,
+            "num_attention_heads": 4, "num_query_groups": 4, "vocab_size": 64, "seq_length": 8}
+    spec.update(model)
+    return plan_from_data({
+        "format_version": 1, "model": spec, "precision": "fp32",
+        "global_batch_size": sum(m * n for m, n in pipes), "tensor_model_parallel_size": tp,
+        "pipelines": [{"micro_batch_size": m, "num_microbatches": n, "stages": stages()}
+                      for m, n in pipes]})
+
+
+@pytest.fixture(scope="session")
+def make_tiny_plan():
+    return tiny_plan
