@@ -51,17 +51,19 @@ if [[ $ACTION == stop ]]; then
 fi
 
 # -- packages ---------------------------------------------------------------------------------
+# The launch-script tests also run shellcheck (not Slurm): CI gets it here in the same step.
 need=()
-for bin in slurmctld slurmd munged sinfo sbatch; do command -v "$bin" >/dev/null || need+=("$bin"); done
+for bin in slurmctld slurmd munged sinfo sbatch shellcheck; do command -v "$bin" >/dev/null || need+=("$bin"); done
 if ((${#need[@]})); then
-    ((INSTALL)) || die "not installed: ${need[*]} (run without --no-install, or apt-get install slurmctld slurmd slurm-client munge)"
+    pkgs=(slurmctld slurmd slurm-client munge shellcheck)
+    ((INSTALL)) || die "not installed: ${need[*]} (run without --no-install, or apt-get install ${pkgs[*]})"
     command -v apt-get >/dev/null || die "missing ${need[*]} and no apt-get to install them"
-    log "installing slurmctld slurmd slurm-client munge"
+    log "installing ${pkgs[*]}"
     export DEBIAN_FRONTEND=noninteractive
-    apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null 2>&1 \
+    apt-get install -y -q --no-install-recommends "${pkgs[@]}" >/dev/null 2>&1 \
         || { apt-get update -q >/dev/null 2>&1 \
-             && apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null; } \
-        || die "apt-get install slurmctld slurmd slurm-client munge failed"
+             && apt-get install -y -q --no-install-recommends "${pkgs[@]}" >/dev/null; } \
+        || die "apt-get install ${pkgs[*]} failed"
 fi
 
 # -- munge --------------------------------------------------------------------------------------

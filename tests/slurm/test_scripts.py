@@ -1,0 +1,134 @@
+"""The launch scripts: bash -n and shellcheck clean, and early, clear failures on bad input."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .conftest import REPO
+
+SCRIPTS = sorted([*REPO.glob("scripts/slurm/*.sh"), *REPO.glob("scripts/slurm/*.sbatch"),
+                  REPO / "scripts" / "launch_torchrun.sh", REPO / "scripts" / "tune.sh",
+                  REPO / ".ci" / "slurm-setup.sh", *REPO.glob("examples/llama2/*/launch.sh")])
+SUBMIT = REPO / "scripts" / "slurm" / "submit.sh"
+BATCH = REPO / "scripts" / "slurm" / "megatron_hetero.sbatch"
+TORCHRUN = REPO / "scripts" / "launch_torchrun.sh"
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "MH_", "MEGATRON_LM"))}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
+    env["MH_PYTHON"] = sys.executable
+    env.update(extra)
+    return env
+
+
+def _run(cmd, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=60,
+                          env=_env(**env), cwd=REPO)
+
+
+def test_every_script_exists_and_parses():
+    assert len(SCRIPTS) >= 8
+    for script in SCRIPTS:
+        assert script.is_file(), script
+        proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+        assert proc.returncode == 0, f"{script}: {proc.stderr}"
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None,
+                    reason="shellcheck not installed (apt-get install shellcheck; .ci/slurm-setup.sh does)")
+def test_shellcheck_clean():
+    proc = subprocess.run(["shellcheck", "--shell=bash", *map(str, SCRIPTS)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_batch_script_needs_slurm_and_plan(plan4):
+    proc = _run(["bash", BATCH])
+    assert proc.returncode == 1 and "not inside a Slurm job" in proc.stderr
+    proc = _run(["bash", BATCH], SLURM_JOB_ID="7")
+    assert proc.returncode == 1 and "MH_PLAN is not set" in proc.stderr
+    proc = _run(["bash", BATCH], SLURM_JOB_ID="7", MH_PLAN=str(plan4))
+    assert proc.returncode == 1 and "MEGATRON_LM is not set" in proc.stderr
+    proc = _run(["bash", BATCH], SLURM_JOB_ID="7", MH_PLAN=str(plan4), MEGATRON_LM="/nonexistent")
+    assert proc.returncode == 1 and "/nonexistent/pretrain_gpt.py: no such file" in proc.stderr
+
+
+def test_batch_script_refuses_a_world_size_mismatch(plan4, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    proc = _run(["bash", BATCH], SLURM_JOB_ID="7", MH_PLAN=str(plan4), MH_PRETRAIN_SCRIPT=str(script),
+                SLURM_HET_SIZE="2", SLURM_NTASKS_HET_GROUP_0="2", SLURM_NTASKS_HET_GROUP_1="1")
+    assert proc.returncode == 1
+    assert "the job has 3 tasks but" in proc.stderr and "needs world size 4" in proc.stderr
+
+
+def test_submit_needs_megatron_and_a_selector(plan4):
+    proc = _run([SUBMIT, plan4, "--gpus-per-node", "2"])
+    assert proc.returncode == 1 and "MEGATRON_LM is not set" in proc.stderr
+    fake = plan4.parent / "Megatron-LM"
+    (fake / "megatron").mkdir(parents=True)
+    (fake / "pretrain_gpt.py").write_text("")
+    proc = _run([SUBMIT, plan4, "--gpus-per-node", "2"], MEGATRON_LM=str(fake))
+    assert proc.returncode == 1 and "nothing selects the nodes" in proc.stderr
+    proc = _run([SUBMIT, plan4, "--gpus-per-node", "2", "--partition", "A100-SXM-80GB=a",
+                 "--constraint", "V100-SXM2-32GB=volta", "--sbatch=--time=5", "--dry-run",
+                 "--", "--train-iters", "2"], MEGATRON_LM=str(fake))
+    assert proc.returncode == 0, proc.stderr
+    line = proc.stdout.strip()
+    assert line.startswith(f"MH_PLAN={plan4} sbatch --time=5 --nodes=1 --ntasks=2")
+    assert "--partition=a --gpus-per-node=2 : --time=5" in line
+    assert line.endswith(f"--constraint=volta --gpus-per-node=2 {BATCH} --train-iters 2")
+
+
+def test_example_launch_scripts_make_an_sbatch_line(tmp_path):
+    fake = tmp_path / "Megatron-LM"
+    (fake / "megatron").mkdir(parents=True)
+    (fake / "pretrain_gpt.py").write_text("")
+    for launch in REPO.glob("examples/llama2/*/launch.sh"):
+        proc = _run([launch], MEGATRON_LM=str(fake), DATA_PATH="/d", TOKENIZER_MODEL="/t",
+                    MH_DRY_RUN="1")
+        assert proc.returncode == 0, f"{launch}: {proc.stderr}"
+        assert " sbatch " in proc.stdout and " : " in proc.stdout and "--tokenizer-model /t" in proc.stdout
+        proc = _run([launch], MEGATRON_LM=str(fake))
+        assert proc.returncode != 0 and "DATA_PATH" in proc.stderr
+
+
+def test_torchrun_launcher_checks_hosts_first(plan4, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    hosts = tmp_path / "hosts"
+    hosts.write_text("h0 A100-SXM-80GB 2\n")
+    proc = _run([TORCHRUN, hosts, plan4], MH_PRETRAIN_SCRIPT=str(script))
+    assert proc.returncode == 1 and "offers 2x A100-SXM-80GB; " in proc.stderr
+    hosts.write_text("h0 A100-SXM-80GB 2\nh1 V100-SXM2-32GB 2\n")
+    proc = _run([TORCHRUN, hosts, plan4], MH_PRETRAIN_SCRIPT=str(script))
+    assert proc.returncode == 1 and "is not in" in proc.stderr and "MH_NODE_RANK" in proc.stderr
+    proc = _run([TORCHRUN, hosts, plan4], MH_PRETRAIN_SCRIPT=str(script), MH_NODE_RANK="2")
+    assert proc.returncode == 1 and "expected 0..1" in proc.stderr
+    proc = _run([TORCHRUN, hosts, plan4])
+    assert proc.returncode == 1 and "MEGATRON_LM is not set" in proc.stderr
+
+
+def test_tune_wrapper_needs_model_and_batch(tmp_path):
+    inv = REPO / "examples" / "llama2" / "7b" / "inventory.yaml"
+    proc = _run([REPO / "scripts" / "tune.sh", inv, tmp_path, "--global-batch-size", "8"])
+    assert proc.returncode == 1 and "missing --model" in proc.stderr
+
+
+def test_tune_wrapper_writes_plan_report_and_args(tmp_path):
+    inv = REPO / "examples" / "llama2" / "7b" / "inventory.yaml"
+    proc = _run([REPO / "scripts" / "tune.sh", inv, tmp_path / "out", "--model", "llama2-7b",
+                 "--global-batch-size", "64", "--quiet"])
+    assert proc.returncode == 0, proc.stderr
+    args = (tmp_path / "out" / "megatron_args.txt").read_text().split()
+    assert args[-2:] == ["--hetero-plan", str(tmp_path / "out" / "plan.yaml")]
+    assert args[args.index("--global-batch-size") + 1] == "64"
+    assert (tmp_path / "out" / "report.json").stat().st_size > 0
