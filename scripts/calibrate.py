@@ -1,0 +1,222 @@
+"""Calibration: measured against predicted step time, with and without a profile of this machine.
+
+1. Profile this machine (``megatron-hetero profile`` on the CPU backend, one torch thread, the
+   calibration model) unless ``--profile`` gives one.
+2. Rehearse each calibration plan (:func:`megatron_hetero.emulate.rehearse.rehearse`: one CPU
+   process per rank running megatron-core, each rank's forward and backward steps stretched to
+   its GPU type's speed relative to the plan's fastest type, times ``--time-scale``). Measured
+   step time: the slowest rank's wall time of the fastest step after the first (other processes
+   on the shared cores only ever add time; the median is kept in the JSON too).
+   The memory cap is off: its saved-tensor accounting costs CPU time the profile does not see.
+3. Predict each rehearsal with the tuner's cost model and simulator on the emulated cluster
+   (:func:`megatron_hetero.emulate.rehearse.predict`), four ways:
+   - ``profile``: the profile's measured per-part times (x each device's factor);
+   - ``rehearsal``: the rehearsal's own in-process calibration (what ``rehearse`` prints);
+   - ``efficiency only``: the analytic FLOP model at the CPU's measured matmul peak x the
+     profile's measured layer efficiency (the tuner's fallback for shapes a profile lacks);
+   - ``no profile``: the analytic FLOP model at the measured matmul peak x 0.5, a typical catalog
+     default efficiency (datasheet figures alone).
+4. Print the table, and with ``--write-docs`` put it in docs/calibration.md between the
+   ``calibration-table`` markers.
+
+Run: ``.venv/bin/python scripts/calibrate.py --write-docs`` (a few minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from megatron_hetero.cost.profile_file import MeasuredProfile, load_profile  # noqa: E402
+from megatron_hetero.plan import ModelSpec, Pipeline, Plan, Stage  # noqa: E402
+
+DOC = REPO / "docs" / "calibration.md"
+BEGIN, END = "<!-- calibration-table:begin -->", "<!-- calibration-table:end -->"
+FAST, SLOW = "A100-SXM-80GB", "A40-48GB"
+NO_PROFILE_EFFICIENCY = 0.5
+MODES = ("profile", "rehearsal", "efficiency only", "no profile")
+
+MODEL = ModelSpec(name="calib-llama", num_layers=6, hidden_size=256, ffn_hidden_size=704,
+                  num_attention_heads=8, num_query_groups=8, vocab_size=2048, seq_length=128)
+"""Narrow enough to rehearse on 2 cores, wide enough that compute outweighs Python overheads;
+``rehearse`` does not shrink it (its hidden size is the rehearsal's)."""
+
+
+def _plan(name: str, pipelines: list[tuple[int, int, list[tuple[str, int]]]]) -> tuple[str, Plan]:
+    pipes = [Pipeline(micro_batch_size=mbs, num_microbatches=n,
+                      stages=[Stage(device_type=d, num_layers=k) for d, k in stages])
+             for mbs, n, stages in pipelines]
+    gbs = sum(p.samples for p in pipes)
+    return name, Plan(format_version=1, model=MODEL, global_batch_size=gbs,
+                      tensor_model_parallel_size=1, pipelines=pipes, use_distributed_optimizer=False)
+
+
+def plans(quick: bool) -> list[tuple[str, Plan]]:
+    out = [
+        _plan(f"1x {FAST}, 6 layers, mbs 2 x 4", [(2, 4, [(FAST, 6)])]),
+        _plan(f"PP=2 {FAST} 4 layers + {SLOW} 2 layers, mbs 1 x 6",
+              [(1, 6, [(FAST, 4), (SLOW, 2)])]),
+        _plan(f"DP=2 {FAST} 3 + {SLOW} 1 micro-batches of 2",
+              [(2, 3, [(FAST, 6)]), (2, 1, [(SLOW, 6)])]),
+        _plan(f"PP=2 x DP=2, split 3:3, {FAST} pipeline 5 / {SLOW} pipeline 2 micro-batches of 1",
+              [(1, 5, [(FAST, 3), (FAST, 3)]), (1, 2, [(SLOW, 3), (SLOW, 3)])]),
+    ]
+    return out[:2] if quick else out
+
+
+def calibration_from(profile: MeasuredProfile | None, shrunk: Plan, base, mode: str):
+    """A rehearsal ``Calibration`` (what ``predict`` stretches per device) built from ``mode``."""
+    from megatron_hetero.emulate.rehearse import Calibration
+    from megatron_hetero.models import layer_forward_flops
+
+    if mode == "rehearsal":
+        return base
+    out = Calibration(p2p_latency_s=base.p2p_latency_s, bandwidth_gb_s=base.bandwidth_gb_s)
+    peak = profile.data.device.peak_matmul_tflops * 1e12
+    if mode == "no profile":
+        out.layer_flops_per_s = peak * NO_PROFILE_EFFICIENCY
+    elif mode == "efficiency only":
+        out.layer_flops_per_s = peak * profile.efficiency
+    else:
+        m = shrunk.model
+        for b in sorted({p.micro_batch_size for p in shrunk.pipelines}):
+            for part in ("layer", "embedding", "output"):
+                got = profile.times(part, model=m, micro_batch_size=b, tensor_parallel_size=1)
+                if got is None:
+                    raise SystemExit(f"{profile.source} has no {part} at micro-batch {b} for "
+                                     f"the shape of {m.name}; re-profile")
+                out.parts[(part, b)] = got
+            lf, lb = out.parts[("layer", b)]
+            out.layer_flops_per_s = 3 * layer_forward_flops(m, b) / (lf + lb)
+    return out
+
+
+def run_plan(plan: Plan, profile: MeasuredProfile, args) -> dict:
+    from megatron_hetero.emulate.rehearse import RehearsalConfig, predict, rehearse
+    from megatron_hetero.emulate.speed import device_slowdowns
+
+    config = RehearsalConfig(steps=args.steps, hidden_size=MODEL.hidden_size,
+                             time_scale=args.time_scale, memory_cap=False)
+    result = rehearse(plan, config)
+    factors = {d: s * args.time_scale for d, s in device_slowdowns(plan).items()}
+    predicted = {mode: predict(result.plan, calibration_from(profile, result.plan,
+                                                              result.calibration, mode),
+                               factors).step_time_s
+                 for mode in MODES}
+    # The least-disturbed step: other processes share this machine's cores, and their
+    # interference only ever adds time.
+    return {"measured_s": min(result.step_times), "median_s": result.step_s,
+            "step_times_s": result.step_times,
+            "predicted_s": predicted, "ranks": result.plan.world_size,
+            "rehearsal_predicted_s": result.predicted_step_s}
+
+
+# -- main -------------------------------------------------------------------------------------
+
+def make_profile(path: Path, mbs: list[int]) -> MeasuredProfile:
+    model_file = path.with_name("calib-model.yaml")
+    model_file.write_text(yaml.safe_dump(dataclasses.asdict(MODEL), sort_keys=False))
+    cmd = [sys.executable, "-m", "megatron_hetero.cli", "profile", "--model", str(model_file),
+           "--micro-batch-sizes", ",".join(map(str, mbs)), "--tensor-parallel-sizes", "1,2",
+           "--repeats", "7", "--cpu-threads", "1", "-o", str(path)]
+    print("$", " ".join(cmd[2:]), flush=True)
+    subprocess.run(cmd, check=True, cwd=REPO)
+    return load_profile(path)
+
+
+def render(rows: list[dict], profile: MeasuredProfile, args) -> str:
+    d = profile.data
+    lines = [
+        f"Measured {dt.datetime.now(dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')} on "
+        f"{d.device.name} ({platform.machine()}, torch {d.software.torch}, megatron-core "
+        f"{d.software.megatron_core}); model `{MODEL.name}` (h={MODEL.hidden_size}, "
+        f"ffn={MODEL.ffn_hidden_size}, heads={MODEL.num_attention_heads}, "
+        f"{MODEL.num_layers} layers, seq {MODEL.seq_length}, vocab {MODEL.vocab_size}, fp32); "
+        f"{FAST} and {SLOW} emulated at their catalog speed ratio, time scale "
+        f"{args.time_scale:g}; {args.steps} rehearsal steps, the fastest after the first "
+        f"counted; load average {args.load} when it started; profile "
+        f"efficiency {d.efficiency:.3f} of a measured {d.device.peak_matmul_tflops * 1e3:.1f} "
+        f"GFLOP/s matmul peak. Predicted columns are seconds per step; errors are "
+        f"(predicted - measured) / measured.",
+        "",
+        "| plan | ranks | measured s | profile | error | rehearsal's calibration | error "
+        "| efficiency only | error | no profile | error |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        cells = [r["plan"], str(r["ranks"]), f"{r['measured_s']:.3f}"]
+        for mode in MODES:
+            p = r["predicted_s"][mode]
+            cells += [f"{p:.3f}", f"{(p - r['measured_s']) / r['measured_s'] * 100:+.1f}%"]
+        lines.append("| " + " | ".join(cells) + " |")
+    worst = max(abs(r["predicted_s"]["profile"] - r["measured_s"]) / r["measured_s"] for r in rows)
+    lines += ["", f"Largest error with the profile: {worst * 100:.1f}% (target: within 10%)."]
+    return "\n".join(lines)
+
+
+def _load() -> str:
+    try:
+        return Path("/proc/loadavg").read_text().split()[0]
+    except OSError:
+        return "unknown"
+
+
+def write_docs(table: str) -> None:
+    text = DOC.read_text()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{DOC}: markers {BEGIN} / {END} not found")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    DOC.write_text(f"{head}{BEGIN}\n{table}\n{END}{tail}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--profile", type=Path, help="use this CPU profile instead of measuring one")
+    ap.add_argument("--keep-profile", type=Path, help="also write the measured profile here")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--time-scale", type=float, default=3.0,
+                    help="slow every emulated device by this much more (keeps 2 cores idle enough)")
+    ap.add_argument("--quick", action="store_true", help="two plans only")
+    ap.add_argument("--json", type=Path, help="write the rows as JSON here")
+    ap.add_argument("--write-docs", action="store_true", help=f"put the table into {DOC}")
+    args = ap.parse_args(argv)
+    args.load = _load()
+
+    todo = plans(args.quick)
+    with tempfile.TemporaryDirectory(prefix="mh-calibrate-") as tmp:
+        if args.profile:
+            profile = load_profile(args.profile)
+        else:
+            mbs = sorted({p.micro_batch_size for _, plan in todo for p in plan.pipelines})
+            path = args.keep_profile or Path(tmp) / "cpu-profile.yaml"
+            profile = make_profile(path, mbs)
+        rows = []
+        for name, plan in todo:
+            row = {"plan": name, **run_plan(plan, profile, args)}
+            rows.append(row)
+            print(f"{name}: measured {row['measured_s']:.3f} s; predicted "
+                  + ", ".join(f"{k} {v:.3f} s" for k, v in row["predicted_s"].items()), flush=True)
+    table = render(rows, profile, args)
+    print(table)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    if args.write_docs:
+        write_docs(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
