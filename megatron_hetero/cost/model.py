@@ -97,7 +97,8 @@ class CostModel:
                  sequence_parallel: bool = False,
                  overlap_grad_reduce: bool = False,
                  workspace_gb: float = 2.0,
-                 host_bandwidth_gb_s: float = 20.0,
+                 host_optimizer_gb_s: float = 5.0,
+                 pcie_bandwidth_gb_s: float = 25.0,
                  p2p_latency_s: float = 20e-6):
         """
         ``flash_attention``: core attention runs a fused kernel that stores no ``s x s``
@@ -107,7 +108,10 @@ class CostModel:
         ``sequence_parallel``: ``--sequence-parallel`` with TP > 1 (activations, checkpoints and
         pipeline sends sharded over the tensor ranks). ``overlap_grad_reduce``: the gradient sync overlaps
         the last backward (``--overlap-grad-reduce``). ``workspace_gb``: memory reserved per
-        device outside the model. ``host_bandwidth_gb_s``: rate of offloaded optimizer work.
+        device outside the model. ``host_optimizer_gb_s``: optimizer state one GPU's share of
+        the host processes per second when offloaded (CPU Adam plus PCIe copies; a node's
+        CPUs serve all its GPUs at once). ``pcie_bandwidth_gb_s``: one GPU's host link, for
+        offloaded activations.
         """
         self.model = model
         self.inventory = inventory
@@ -118,7 +122,8 @@ class CostModel:
         self.sequence_parallel = sequence_parallel
         self.overlap_grad_reduce = overlap_grad_reduce
         self.workspace_bytes = workspace_gb * 1e9
-        self.host_bandwidth = host_bandwidth_gb_s * 1e9
+        self.host_optimizer_rate = host_optimizer_gb_s * 1e9
+        self.pcie_bandwidth = pcie_bandwidth_gb_s * 1e9
         self.p2p_latency_s = p2p_latency_s
         self.param_bytes = 4.0 if precision == "fp32" else 2.0
         self.grad_bytes = 2.0 if precision == "fp16" else 4.0
@@ -225,8 +230,8 @@ class CostModel:
         if activation_offload:
             moved = self._activations_per_microbatch(device_type, num_layers, first, last, b, tp,
                                                      recompute)
-            fwd += moved / self.host_bandwidth
-            bwd += moved / self.host_bandwidth
+            fwd += moved / self.pcie_bandwidth
+            bwd += moved / self.pcie_bandwidth
         return StageTimes(fwd, bwd)
 
     # -- memory ---------------------------------------------------------------------------------
@@ -310,7 +315,7 @@ class CostModel:
         shard = params_per_rank / data_parallel if self.use_distributed_optimizer else params_per_rank
         touched = shard * (self.grad_bytes + 2 * self.optim_bytes + self.param_bytes)
         dev_bw = self.spec(device_type).memory_bandwidth_gb_s * 1e9
-        return (1 - optimizer_offload) * touched / dev_bw + optimizer_offload * touched / self.host_bandwidth
+        return (1 - optimizer_offload) * touched / dev_bw + optimizer_offload * touched / self.host_optimizer_rate
 
     def p2p_seconds(self, micro_batch_size: int, bandwidth_gb_s: float, tp: int = 1) -> float:
         """One pipeline send of a micro-batch's activations (or their gradients)."""

@@ -39,7 +39,7 @@ from ..cost.model import CostModel
 from ..cost.profile_protocol import DeviceProfile
 from ..errors import InfeasibleError
 from ..hardware.inventory import Inventory
-from ..plan import ModelSpec, Pipeline, Plan, Recompute, Stage
+from ..plan import ModelSpec, Offload, Pipeline, Plan, Recompute, Stage
 from ..simulate import SimResult, simulate
 from .shares import water_fill
 from .split import min_max_split
@@ -81,10 +81,29 @@ class _Candidate:
     split: list[int]
     recompute: list[list[int]]
     """Layers recomputed (full, block) per template and stage."""
+    offload: list[list[float]]
+    """Optimizer-state fraction offloaded per template and stage."""
     microbatches: list[int]
     """Per pipeline, in template order."""
     score: float
     precision: str
+
+
+@dataclass(kw_only=True, slots=True)
+class _Table:
+    """Per layer count ``n`` (index 0..L) of one stage position: time per micro-batch without
+    recompute; the cheapest memory policy that fits (``k`` layers of full recompute, ``f``
+    of the optimizer state offloaded; k > n: nothing fits) and its time per micro-batch, with
+    the offload's per-step cost spread over the average micro-batch count; the baseline's
+    (recompute only) choice; the per-step seconds of offloading all of the optimizer."""
+
+    t_none: np.ndarray
+    k: np.ndarray
+    f: np.ndarray
+    t_fit: np.ndarray
+    k_base: np.ndarray
+    t_base: np.ndarray
+    off_step: np.ndarray
 
 
 @dataclass(kw_only=True, slots=True)
@@ -225,39 +244,65 @@ class _Search:
 
     # -- per-stage tables -----------------------------------------------------------------------
     def table(self, prec: str, gpu: str, tp: int, mbs: int, first: bool, last: bool,
-              in_flight: int, D: int):
-        """Per layer count n (index 0..L): time with no recompute, layers to recompute so that
-        the stage fits (k > n: cannot), and the time with that recompute."""
+              in_flight: int, D: int) -> "_Table":
+        """Costs of one stage position for every layer count (memory and time are linear in it)."""
         key = (prec, gpu, tp, mbs, first, last, in_flight, D)
         got = self._tables.get(key)
         if got is not None:
             return got
-        cost, m, L = self.cost(prec), self.model, self.model.num_layers
+        cost, L = self.cost(prec), self.model.num_layers
         none = ("none", None, None)
-        t1 = cost.compute_times(gpu, 1, first, last, mbs, tp, none).total_s
-        t2 = cost.compute_times(gpu, 2, first, last, mbs, tp, none).total_s
-        m1 = cost.memory_need(gpu, 1, first, last, mbs, tp, none, in_flight, D).total
-        m2 = cost.memory_need(gpu, 2, first, last, mbs, tp, none, in_flight, D).total
         n = np.arange(L + 1, dtype=float)
-        t_none = t1 + (n - 1) * (t2 - t1)
-        mem_none = m1 + (n - 1) * (m2 - m1)
+
+        def line(f):
+            a, b = f(1), f(2)
+            return a + (n - 1) * (b - a)
+
+        t_none = line(lambda k: cost.compute_times(gpu, k, first, last, mbs, tp, none).total_s)
+        mems = {k: cost.memory_need(gpu, k, first, last, mbs, tp, none, in_flight, D) for k in (1, 2)}
+        mem_none = line(lambda k: mems[k].total)
+        opt = line(lambda k: mems[k].optimizer)
+        off_step = line(lambda k: cost.optimizer_seconds(gpu, cost.stage_params(k, first, last, tp), D, 1.0)
+                        - cost.optimizer_seconds(gpu, cost.stage_params(k, first, last, tp), D, 0.0))
         act = cost.layer_activation_bytes(gpu, mbs, tp, "none")
         saving = in_flight * (act - cost.hidden_bytes(mbs, tp))
         cap = cost.capacity(gpu)
-        over = mem_none + act - cap
-        k = np.where(mem_none <= cap, 0, np.ceil(np.maximum(over, 0) / saving) if saving > 0 else L + 1)
-        k = np.where((k > n) | (k < 0), L + 1, k).astype(np.int64)
         fwd_layer = cost.layer_times(gpu, mbs, tp)[0]
-        t_fit = np.where(k <= n, t_none + np.minimum(k, n) * fwd_layer, np.inf)
+        m_avg = (self.gbs // mbs) / D
+        big = L + 1
+
+        def layers_to_recompute(excess):
+            """Fewest layers of full recompute that remove ``excess`` bytes (big: impossible)."""
+            k = np.where(excess <= 0, 0, np.ceil(np.maximum(excess, 0) / saving) if saving > 0 else big)
+            return np.where((k > n) | (k < 0), big, k).astype(np.int64)
+
+        # A: recompute only (also the baseline's choice)
+        k_a = np.where(mem_none <= cap, 0, layers_to_recompute(mem_none + act - cap))
+        t_a = np.where(k_a <= n, t_none + np.minimum(k_a, n) * fwd_layer, np.inf)
+        # B: offload part of the optimizer state, in steps of 5 %
+        with np.errstate(divide="ignore", invalid="ignore"):
+            frac = np.where(mem_none <= cap, 0.0, np.ceil((mem_none - cap) * (1 + 1e-9) / opt * 20) / 20)
+        frac = np.where(np.isfinite(frac), frac, 2.0)
+        t_b = np.where(frac <= 1.0, t_none + np.minimum(frac, 1.0) * off_step / m_avg, np.inf)
+        # C: offload all of it and recompute what is still missing
+        k_c = np.where(mem_none - opt <= cap, 0, layers_to_recompute(mem_none - opt + act - cap))
+        t_c = np.where(k_c <= n, t_none + np.minimum(k_c, n) * fwd_layer + off_step / m_avg, np.inf)
+        pick = np.argmin(np.stack([t_a, t_b, t_c]), axis=0)
+        k = np.choose(pick, [k_a, np.zeros_like(k_a), k_c])
+        f = np.choose(pick, [np.zeros_like(frac), np.minimum(frac, 1.0), np.ones_like(frac)])
+        t_fit = np.choose(pick, [t_a, t_b, t_c])
         t_fit[0] = np.inf
-        got = (t_none, k, t_fit, mem_none, act, saving, cap, fwd_layer)
+        t_base = t_a.copy()
+        t_base[0] = np.inf
+        got = _Table(t_none=t_none, k=k, f=f, t_fit=t_fit, k_base=k_a, t_base=t_base,
+                     off_step=off_step)
         self._tables[key] = got
         return got
 
     # -- evaluation -----------------------------------------------------------------------------
-    def evaluate(self, st: Structure, *, baseline: bool) -> _Candidate | None:
+    def evaluate(self, st: Structure, *, baseline: bool, offload: bool = True) -> _Candidate | None:
         self.evaluated += 1
-        m, L = self.model, self.model.num_layers
+        L = self.model.num_layers
         p, tp, mbs, D = st.pp, st.tp, st.mbs, st.num_pipelines
         total = self.gbs // mbs
         if baseline and (L % p or total % D):
@@ -269,32 +314,37 @@ class _Search:
         if baseline:
             n = L // p
             split = [n] * p
-            kmax = 0
-            for rows in tables:
-                for tb in rows:
-                    kmax = max(kmax, int(tb[1][n]))
+            kmax = max(int(tb.k_base[n]) for rows in tables for tb in rows)
             if kmax > n:
                 return None
             rec = [[kmax] * p for _ in st.templates]
+            off = [[0.0] * p for _ in st.templates]
         else:
             norm = []
             for rows in tables:
-                layer = [tb[0][2] - tb[0][1] for tb in rows]
+                layer = [tb.t_none[2] - tb.t_none[1] for tb in rows]
                 norm.append(1.0 / sum(1.0 / x for x in layer))
-            costs = np.max(np.stack([np.stack([tb[2] for tb in rows]) / w
+            costs = np.max(np.stack([np.stack([tb.t_fit if offload else tb.t_base for tb in rows]) / w
                                      for rows, w in zip(tables, norm)]), axis=0)
             got = min_max_split(costs, L)
             if got is None:
                 return None
             _, split = got
-            rec = [[int(tb[1][split[s]]) for s, tb in enumerate(rows)] for rows in tables]
+            if offload:
+                rec = [[int(tb.k[split[s]]) for s, tb in enumerate(rows)] for rows in tables]
+                off = [[float(tb.f[split[s]]) for s, tb in enumerate(rows)] for rows in tables]
+            else:
+                rec = [[int(tb.k_base[split[s]]) for s, tb in enumerate(rows)] for rows in tables]
+                off = [[0.0] * p for _ in tables]
         fixed, per = [], []
+        offload_tail = 0.0
         for ti, (types, count) in enumerate(st.templates):
             stage_t = []
             for s in range(p):
                 k = rec[ti][s]
                 rk = ("none", None, None) if k == 0 else ("full", "block", k)
                 stage_t.append(cost.compute_times(types[s], split[s], s == 0, s == p - 1, mbs, tp, rk).total_s)
+                offload_tail = max(offload_tail, off[ti][s] * float(tables[ti][s].off_step[split[s]]))
             sends = sum(2 * cost.p2p_seconds(mbs, self._link_estimate(types, s, tp), tp)
                         for s in range(p - 1))
             c = max(stage_t)
@@ -307,8 +357,8 @@ class _Search:
             if mb is None:
                 return None
         step = max(a + k * c for a, c, k in zip(fixed, per, mb))
-        step += self._sync_estimate(st, split, cost)
-        return _Candidate(st, split, rec, mb, step, prec)
+        step += self._sync_estimate(st, split, cost) + offload_tail
+        return _Candidate(st, split, rec, off, mb, step, prec)
 
     def _link_estimate(self, types: tuple[str, ...], s: int, tp: int) -> float:
         a, b = types[s], types[s + 1]
@@ -346,7 +396,8 @@ class _Search:
         for ti, (types, count) in enumerate(st.templates):
             for _ in range(count):
                 stages = [Stage(device_type=types[s], num_layers=cand.split[s],
-                                recompute=_recompute(cand.recompute[ti][s], cand.split[s]))
+                                recompute=_recompute(cand.recompute[ti][s], cand.split[s]),
+                                offload=Offload(optimizer_fraction=cand.offload[ti][s]))
                           for s in range(st.pp)]
                 pipelines.append(Pipeline(micro_batch_size=st.mbs,
                                           num_microbatches=cand.microbatches[d], stages=stages))
@@ -366,6 +417,12 @@ class _Search:
             if cand is None:
                 continue
             keep.append(cand)
+            if any(f for row in cand.offload for f in row):
+                # the offload's per-step cost was spread over micro-batches: compare with the
+                # same structure under recompute alone
+                other = self.evaluate(st, baseline=False, offload=False)
+                if other is not None:
+                    keep.append(other)
             keep.sort(key=lambda c: c.score)
             del keep[k:]
         return keep

@@ -113,9 +113,11 @@ def test_cli_tune_then_simulate(tmp_path, capsys):
     assert f"{data['predicted_step_time_s']:.3f} s" in out
 
 
-def test_cli_infeasible_is_one_line(capsys):
-    rc = main(["tune", "examples/llama2/7b/inventory.yaml", "--model", "llama2-70b",
-               "--global-batch-size", "1", "-q", "-o", "/dev/null"])
+def test_cli_infeasible_is_one_line(capsys, tmp_path):
+    inv = tmp_path / "inv.yaml"
+    inv.write_text("groups:\n  - {gpu: RTX3090-24GB, nodes: 1, gpus_per_node: 4}\n")
+    rc = main(["tune", str(inv), "--model", "llama2-70b", "--global-batch-size", "4", "-q",
+               "-o", str(tmp_path / "plan.yaml")])
     err = capsys.readouterr().err
     assert rc == 1 and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
