@@ -106,14 +106,14 @@ def estimate_rank_bytes(model: ModelSpec, plan: Plan, pipeline: int, stage: int,
     return static + act
 
 
-def _cost_model(plan: Plan, catalog: Catalog, **kwargs):
+def _cost_model(plan: Plan, catalog: Catalog, *, use_distributed_optimizer: bool, **kwargs):
     from ..cost.model import CostModel
     from ..hardware.inventory import GPUGroup, Inventory
 
     inventory = Inventory(groups=[GPUGroup(gpu=d, nodes=1, gpus_per_node=n)
                                   for d, n in sorted(plan.device_counts().items())],
                           catalog=catalog, source="<plan devices>")
-    return CostModel(plan.model, inventory, use_distributed_optimizer=plan.use_distributed_optimizer,
+    return CostModel(plan.model, inventory, use_distributed_optimizer=use_distributed_optimizer,
                      **kwargs)
 
 
@@ -124,12 +124,14 @@ def memory_caps(real: Plan, shrunk: Plan, catalog: Catalog | None = None
     ``estimate`` is the tuner's cost model (:meth:`CostModel.stage_memory`): for the real plan
     as the tuner sees it (its precision, fused attention, workspace reserve); for the shrunk
     model as the CPU ranks run it (fp32 weights, fp32 activations, unfused attention that keeps
-    its score matrices, no workspace).
+    its score matrices, no workspace, unsharded optimizer state).
     """
     catalog = catalog or load_catalog()
-    real_cost = _cost_model(real, catalog, precision=real.precision)
+    real_cost = _cost_model(real, catalog, precision=real.precision,
+                            use_distributed_optimizer=real.use_distributed_optimizer)
+    # the CPU ranks keep the whole optimizer state (the mini trainer does not shard it)
     cpu_cost = _cost_model(shrunk, catalog, precision="fp32", flash_attention=False,
-                           workspace_gb=0.0)
+                           workspace_gb=0.0, use_distributed_optimizer=False)
     caps = {}
     for rank in range(real.world_size):
         slot = real.slot_of_rank(rank)

@@ -34,7 +34,8 @@ from ..hardware.catalog import Catalog, load_catalog
 from ..plan import ModelSpec, Pipeline, Plan, Stage, plan_from_data
 
 __all__ = ["RehearsalConfig", "Calibration", "shrink_model", "shrink_plan", "check_host_capacity",
-           "calibrate", "predict", "MAX_RANKS",
+           "calibrate", "predict", "emulated_cluster", "emulated_name", "rehearse",
+           "format_report", "rehearse_main", "RehearsalResult", "StageReport", "MAX_RANKS",
            "RANK_OVERHEAD_BYTES"]
 
 MAX_RANKS = 16
@@ -328,42 +329,55 @@ def emulated_name(device_type: str) -> str:
     return f"CPU-as-{device_type}"
 
 
-def predict(shrunk: Plan, calibration: Calibration, factors: dict[str, float], *,
-            memory_bandwidth_gb_s: float = 5.0):
-    """The tuner's cost model and simulator on the emulated cluster: an inventory whose GPU
-    types are these CPU processes at the emulated speeds (calibrated compute stretched by each
-    device's factor; gloo bandwidth and latency as measured). Returns a ``SimResult``."""
-    from ..cost.model import CostModel
+def emulated_cluster(device_counts: dict[str, int], calibration: Calibration,
+                     factors: dict[str, float], *, memory_bandwidth_gb_s: float = 5.0,
+                     gpus_per_node: int | None = None):
+    """(inventory, profiles, cost-model options) of the emulated cluster: one GPU type
+    ``CPU-as-<device>`` per device type, at the calibrated CPU speed over the device's factor,
+    linked by gloo as measured; ``device_counts`` GPUs of each, ``gpus_per_node`` to a node (all
+    in one node by default; 1 keeps a search from using tensor parallelism)."""
     from ..hardware.inventory import inventory_from_data
-    from ..simulate import simulate
 
     bw = calibration.bandwidth_gb_s
     gpus, groups = {}, []
-    for device, count in sorted(shrunk.device_counts().items()):
+    for device, count in sorted(device_counts.items()):
         name = emulated_name(device)
         flops = calibration.layer_flops_per_s / factors[device] / 1e12
         gpus[name] = {"vendor": "CPU", "bf16_tflops": flops, "bf16": True, "fp32_tflops": flops,
                       "memory_gb": 1e3, "memory_bandwidth_gb_s": memory_bandwidth_gb_s,
                       "intra_node_link": "gloo", "intra_node_bandwidth_gb_s": bw,
                       "efficiency": 1.0}
-        groups.append({"gpu": name, "nodes": 1, "gpus_per_node": count,
+        per = min(gpus_per_node or count, count)
+        groups.append({"gpu": name, "nodes": -(-count // per), "gpus_per_node": per,
                        "inter_node_bandwidth_gb_s": bw})
     inventory = inventory_from_data({"groups": groups, "gpus": gpus,
                                      "inter_group_bandwidth_gb_s": bw},
                                     source="<emulated cluster>")
+    profiles = {emulated_name(d): _EmulatedProfile(device_type=emulated_name(d), factor=f,
+                                                   calibration=calibration)
+                for d, f in factors.items() if d in device_counts}
+    options = {"flash_attention": False, "workspace_gb": 0.0,
+               "p2p_latency_s": calibration.p2p_latency_s}
+    return inventory, profiles, options
+
+
+def predict(shrunk: Plan, calibration: Calibration, factors: dict[str, float]):
+    """The tuner's cost model and simulator on the emulated cluster (:func:`emulated_cluster`)
+    for ``shrunk`` as the CPU ranks run it (fp32). Returns a ``SimResult``."""
+    from ..cost.model import CostModel
+    from ..simulate import simulate
+
+    inventory, profiles, options = emulated_cluster(dict(shrunk.device_counts()), calibration,
+                                                    factors)
     data = shrunk.to_data()
     data["precision"] = "fp32"
     for pipe in data["pipelines"]:
         for st in pipe["stages"]:
             st["device_type"] = emulated_name(st["device_type"])
     emu = plan_from_data(data, source="<emulated plan>", catalog=inventory.catalog)
-    profiles = {emulated_name(d): _EmulatedProfile(device_type=emulated_name(d), factor=f,
-                                                   calibration=calibration)
-                for d, f in factors.items()}
+    # the mini trainer all-reduces gradients and keeps the whole optimizer state on every rank
     cost = CostModel(emu.model, inventory, profiles=profiles, precision="fp32",
-                     use_distributed_optimizer=shrunk.use_distributed_optimizer,
-                     flash_attention=False, workspace_gb=0.0,
-                     p2p_latency_s=calibration.p2p_latency_s)
+                     use_distributed_optimizer=False, **options)
     return simulate(emu, cost, record_events=False)
 
 
@@ -531,7 +545,8 @@ def _spawn_failure(exc) -> HeteroError | None:
 
 
 def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Catalog | None = None,
-             verify: bool = False, source: str = "PLAN", progress=None) -> RehearsalResult:
+             verify: bool = False, source: str = "PLAN", progress=None,
+             calibration: Calibration | None = None) -> RehearsalResult:
     """Shrink, check, calibrate, run and predict ``plan`` (see the module docstring)."""
     from .memory import memory_caps
     from .spawn import SpawnError
@@ -547,8 +562,9 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
     factors = {d: s * config.time_scale for d, s in slowdowns.items()}
     caps = memory_caps(plan, shrunk, catalog) if config.memory_cap else None
 
-    say("calibrating the CPU and gloo")
-    calibration = calibrate(shrunk, seed=config.seed, meter=config.memory_cap)
+    if calibration is None:
+        say("calibrating the CPU and gloo")
+        calibration = calibrate(shrunk, seed=config.seed, meter=config.memory_cap)
     say(f"running {config.steps} steps on {shrunk.world_size} CPU ranks")
     tconf = TrainConfig(steps=config.steps, seed=config.seed, gather_params=verify,
                         timeout_s=config.timeout_s)

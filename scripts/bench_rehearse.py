@@ -1,0 +1,159 @@
+#!/usr/bin/env python
+"""Benchmark: rehearse the best uniform plan and the tuned plan on an emulated 2.5:1 cluster.
+
+Four CPU ranks play two fast and two slow GPUs (custom inventory entries ``Fast-GPU`` and
+``Slow-GPU``, achievable FLOP/s 2.5:1) training a small Llama. In one run the script
+
+1. calibrates the CPU and gloo once (:func:`megatron_hetero.emulate.rehearse.calibrate`);
+2. runs the tuner's search (:func:`megatron_hetero.tuner.search.tune`) on the *emulated* cluster
+   (GPU types = these CPU processes at the emulated speeds), which returns both the tuned plan
+   and the best plan plain Megatron expresses (even layer split, equal micro-batches, one
+   recompute setting): the uniform baseline;
+3. rehearses both plans on the same 4 ranks (same model, steps, time scale, calibration);
+4. prints, for each plan, the measured step time, the tuner's prediction for the emulated
+   cluster, and measured/predicted, then the measured speedup of the tuned plan.
+
+Targets (issue 4): speedup >= 1.3; measured within 15% of predicted.
+
+    .venv/bin/python scripts/bench_rehearse.py [--steps 4] [--time-scale 2] [--gbs 28]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+
+os.environ.setdefault("PYTHONWARNINGS", "ignore")
+
+from megatron_hetero.emulate.rehearse import (RehearsalConfig, calibrate, emulated_cluster,  # noqa: E402
+                                              emulated_name, format_report, rehearse)
+from megatron_hetero.emulate.speed import device_slowdowns  # noqa: E402
+from megatron_hetero.hardware.inventory import inventory_from_data  # noqa: E402
+from megatron_hetero.plan import ModelSpec, Pipeline, Plan, Stage, plan_from_data  # noqa: E402
+
+FAST, SLOW = "Fast-GPU", "Slow-GPU"
+RATIO = 2.5
+
+
+def _gpu(tflops: float) -> dict:
+    return {"vendor": "Emulated", "bf16_tflops": tflops, "bf16": True, "fp32_tflops": tflops / 8,
+            "memory_gb": 80, "memory_bandwidth_gb_s": 2000, "intra_node_link": "NVLink",
+            "intra_node_bandwidth_gb_s": 300, "efficiency": 0.5}
+
+
+def inventory():
+    return inventory_from_data({
+        "gpus": {FAST: _gpu(250.0), SLOW: _gpu(250.0 / RATIO)},
+        "groups": [{"gpu": FAST, "nodes": 1, "gpus_per_node": 2},
+                   {"gpu": SLOW, "nodes": 1, "gpus_per_node": 2}]}, source="<bench inventory>")
+
+
+def small_llama(args) -> ModelSpec:
+    return ModelSpec(name="llama-small", num_layers=args.layers, hidden_size=args.hidden,
+                     ffn_hidden_size=args.hidden * 11 // 4, num_attention_heads=8,
+                     num_query_groups=8, vocab_size=args.vocab, seq_length=args.seq)
+
+
+def _from_emulated(plan: Plan, catalog) -> Plan:
+    """A plan the tuner made for the emulated types, on the real (inventory) types."""
+    back = {emulated_name(d): d for d in (FAST, SLOW)}
+    data = plan.to_data()
+    data["precision"] = "bf16"
+    data.pop("prediction", None)
+    for pipe in data["pipelines"]:
+        for st in pipe["stages"]:
+            st["device_type"] = back[st["device_type"]]
+    return plan_from_data(data, source="<tuned>", catalog=catalog)
+
+
+def _probe_plan(model: ModelSpec, gbs: int) -> Plan:
+    return Plan(format_version=1, model=model, global_batch_size=gbs, tensor_model_parallel_size=1,
+                precision="bf16", pipelines=[Pipeline(micro_batch_size=1, num_microbatches=gbs,
+                                                      stages=[Stage(device_type=FAST,
+                                                                    num_layers=model.num_layers)])])
+
+
+def _describe(plan: Plan) -> str:
+    pipes = "; ".join(
+        f"[{' | '.join(f'{s.device_type} x{s.num_layers}' for s in p.stages)}] "
+        f"{p.num_microbatches}x{p.micro_batch_size}" for p in plan.pipelines)
+    return f"TP={plan.tensor_model_parallel_size} PP={plan.pipeline_model_parallel_size} " \
+           f"DP={plan.data_parallel_size}: {pipes}"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=4, help="steps per plan, first one a warm-up")
+    ap.add_argument("--time-scale", type=float, default=2.0,
+                    help="slow every emulated device by this much more (keeps 2 cores unsaturated)")
+    ap.add_argument("--gbs", type=int, default=28, help="global batch size (sequences)")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--verbose", action="store_true", help="print each rehearsal's full table")
+    args = ap.parse_args(argv)
+
+    from megatron_hetero.tuner.search import TuneOptions, tune
+
+    inv = inventory()
+    model = small_llama(args)
+    probe = _probe_plan(model, args.gbs)
+    config = RehearsalConfig(steps=args.steps, hidden_size=model.hidden_size,
+                             time_scale=args.time_scale)
+    slowdowns = device_slowdowns(dataclasses.replace(probe, pipelines=[Pipeline(
+        micro_batch_size=1, num_microbatches=args.gbs, stages=[
+            Stage(device_type=FAST, num_layers=1), Stage(device_type=SLOW,
+                                                         num_layers=model.num_layers - 1)])]),
+        inv.catalog)
+    factors = {d: s * args.time_scale for d, s in slowdowns.items()}
+    t0 = time.perf_counter()
+    calib = calibrate(probe, seed=config.seed)
+    print(f"calibrated in {time.perf_counter() - t0:.1f} s: layer fwd+bwd "
+          f"{1e3 * sum(calib.parts[('layer', 1)]):.2f} ms CPU, "
+          f"{calib.layer_flops_per_s / 1e9:.2f} GFLOP/s; gloo {calib.p2p_latency_s * 1e6:.0f} us, "
+          f"{calib.bandwidth_gb_s:.2f} GB/s; emulated factors {factors}", flush=True)
+
+    emu_inv, profiles, options = emulated_cluster({FAST: 2, SLOW: 2}, calib, factors,
+                                                gpus_per_node=1)  # no TP on CPU ranks
+    t0 = time.perf_counter()
+    tuned = tune(model, emu_inv, args.gbs, profiles=profiles,
+                 options=TuneOptions(micro_batch_sizes=(1,), cost_options=options))
+    print(f"tuner search on the emulated cluster: {time.perf_counter() - t0:.2f} s", flush=True)
+    if tuned.baseline_plan is None:
+        print("the tuner found no uniform plan", file=sys.stderr)
+        return 1
+    plans = {"uniform": _from_emulated(tuned.baseline_plan, inv.catalog),
+             "tuned": _from_emulated(tuned.plan, inv.catalog)}
+
+    results = {}
+    for label, plan in plans.items():
+        print(f"\n{label} plan: {_describe(plan)}", flush=True)
+        t0 = time.perf_counter()
+        res = rehearse(plan, config, catalog=inv.catalog, calibration=calib, source=label)
+        results[label] = res
+        if args.verbose:
+            print(format_report(res, source=label, real=model))
+        print(f"  measured {res.step_s:.3f} s/step (steps {', '.join(f'{x:.3f}' for x in res.step_times)}), "
+              f"predicted {res.predicted_step_s:.3f} s, measured/predicted {res.ratio:.3f} "
+              f"[{time.perf_counter() - t0:.0f} s]", flush=True)
+
+    u, t = results["uniform"], results["tuned"]
+    speedup = u.step_s / t.step_s
+    predicted_speedup = u.predicted_step_s / t.predicted_step_s
+    print("\nsummary (4 CPU ranks, emulated 2x Fast-GPU + 2x Slow-GPU, 2.5:1)")
+    print(f"  {'plan':<8} {'measured s':>10} {'predicted s':>11} {'meas/pred':>9}")
+    for label, res in results.items():
+        print(f"  {label:<8} {res.step_s:>10.3f} {res.predicted_step_s:>11.3f} {res.ratio:>9.3f}")
+    print(f"  speedup tuned over uniform: measured {speedup:.2f}x, predicted "
+          f"{predicted_speedup:.2f}x (target >= 1.3)")
+    worst = max(abs(r.ratio - 1) for r in results.values())
+    print(f"  worst |measured/predicted - 1|: {worst:.1%} (target <= 15%)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
