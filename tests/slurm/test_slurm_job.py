@@ -1,0 +1,99 @@
+"""Launch through a real Slurm (.ci/slurm-setup.sh: one host playing nodes mh-a100 and mh-v100,
+partitions a100 and v100) and through torchrun: the batch script's heterogeneous job puts each
+GPU type's tasks on its own partition's node, and every rank gets the rank, world size and
+device type the plan expects."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_hetero.plan import load_plan
+
+from .conftest import REPO
+
+SUBMIT = REPO / "scripts" / "slurm" / "submit.sh"
+TORCHRUN = REPO / "scripts" / "launch_torchrun.sh"
+PROBE = Path(__file__).with_name("gloo_probe.py")
+PROBE_LINE = re.compile(r"probe rank=(\d+) world=(\d+) local_rank=(\d+) node=(\S+) device_type=(\S+) "
+                        r"plan_device_type=(\S+) pipeline=(\d+) stage=(\d+) rank_sum=(\d+)")
+A100, V100 = "A100-SXM-80GB", "V100-SXM2-32GB"
+
+
+def launch_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MH_"))}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    env.update(MH_PYTHON=sys.executable, MH_SET_DEVICE_TYPES="1", OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+def sbatch_wait(plan: Path, out: Path, env: dict, *megatron_args: str, timeout: int = 240) -> str:
+    """Submit ``plan`` with scripts/slurm/submit.sh, wait for the job, return its output."""
+    cmd = [str(SUBMIT), str(plan), "--gpus-per-node", "2", "--no-gres",
+           "--partition", f"{A100}=a100", "--partition", f"{V100}=v100",
+           "--sbatch=--wait", f"--sbatch=--output={out}", "--sbatch=--time=5",
+           f"--sbatch=--job-name=mh-test-{os.getpid()}", "--", *megatron_args]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
+                              cwd=out.parent)
+    except subprocess.TimeoutExpired:
+        subprocess.run(["scancel", "--name", f"mh-test-{os.getpid()}"], timeout=30)
+        pytest.fail(f"the Slurm job did not finish in {timeout} s; output so far:\n"
+                    + (out.read_text() if out.exists() else "(none)"))
+    log = out.read_text() if out.exists() else ""
+    assert proc.returncode == 0, f"sbatch exit {proc.returncode}: {proc.stderr}\njob output:\n{log}"
+    return log
+
+
+def probes(log: str) -> dict[int, tuple]:
+    found = {}
+    for m in PROBE_LINE.finditer(log):
+        found[int(m.group(1))] = m.groups()
+    return found
+
+
+def check_probes(found: dict[int, tuple], plan_path: Path, nodes: dict[str, str] | None) -> None:
+    plan = load_plan(plan_path)
+    assert sorted(found) == list(range(plan.world_size))
+    for rank, (_, world, _, node, device, plan_device, pipe, stage, rank_sum) in found.items():
+        slot = plan.slot_of_rank(rank)
+        assert int(world) == plan.world_size and int(rank_sum) == sum(range(plan.world_size))
+        assert (int(pipe), int(stage)) == (slot.pipeline, slot.stage)
+        assert device == plan_device == plan.device_type_of_rank(rank), f"rank {rank}"
+        if nodes is not None:  # each GPU type's tasks ran on its own partition's node
+            assert node == nodes[{A100: "a100", V100: "v100"}[device]], f"rank {rank} on {node}"
+
+
+def test_slurm_hetjob_runs_one_task_per_gpu_on_its_partition(slurm_cluster, plan4, tmp_path):
+    out = tmp_path / "job.out"
+    log = sbatch_wait(plan4, out, launch_env(MH_LAUNCH="patched", MH_PRETRAIN_SCRIPT=str(PROBE)),
+                      "--train-iters", "2")
+    assert "2 component(s), 4 tasks" in log
+    assert "component 0: partition a100" in log and "component 1: partition v100" in log
+    check_probes(probes(log), plan4, slurm_cluster["nodes"])
+
+
+def test_torchrun_launcher_two_hosts(plan4, tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text(f"localhost {A100} 2\nlocalhost {V100} 2\n")
+    env = launch_env(MH_LAUNCH="patched", MH_PRETRAIN_SCRIPT=str(PROBE), MH_MASTER_PORT=str(
+        29000 + os.getpid() % 1000))
+    procs = [subprocess.Popen([str(TORCHRUN), str(hosts), str(plan4), "--", "--train-iters", "2"],
+                              env={**env, "MH_NODE_RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=120)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)
+    check_probes(probes("\n".join(logs)), plan4, None)
