@@ -93,17 +93,17 @@ class SimResult:
 
         if not self.events:
             raise ValueError("no events recorded: call simulate(..., record_events=True)")
-        rows = sorted({(e.pipeline, e.stage) for e in self.events if e.pipeline < max_pipelines})
-        index = {r: i for i, r in enumerate(rows)}
         colors = {"F": "#4C72B0", "B": "#55A868", "S": "#C44E52", "O": "#8172B2"}
+        bars: dict[tuple, list] = {}
+        for e in self.events:
+            if e.pipeline < max_pipelines:
+                bars.setdefault((e.pipeline, e.stage, e.kind), []).append((e.start, e.end - e.start))
+        rows = sorted({(d, s) for d, s, _ in bars})
+        index = {r: i for i, r in enumerate(rows)}
         fig, ax = plt.subplots(figsize=(12, 0.35 * len(rows) + 1.5))
-        for kind, color in colors.items():
-            for r in rows:
-                bars = [(e.start, e.end - e.start) for e in self.events
-                        if e.kind == kind and (e.pipeline, e.stage) == r]
-                if bars:
-                    ax.broken_barh(bars, (index[r] - 0.4, 0.8), facecolors=color,
-                                   edgecolor="white", linewidth=0.2)
+        for (d, s, kind), spans in sorted(bars.items()):
+            ax.broken_barh(spans, (index[(d, s)] - 0.4, 0.8), facecolors=colors[kind],
+                           edgecolor="white", linewidth=0.2)
         ax.set_yticks(range(len(rows)))
         ax.set_yticklabels([f"p{d} s{s} {self.stage(d, s).device_type}" for d, s in rows], fontsize=7)
         ax.invert_yaxis()
