@@ -466,6 +466,10 @@ def tune(model: ModelSpec, inventory: Inventory, global_batch_size: int, *,
     t0 = time.perf_counter()
     search = _Search(model, inventory, global_batch_size, profiles, options)
     structures = search.structures()
+    if not structures:
+        raise InfeasibleError(
+            f"global batch size {global_batch_size}: no micro-batch size among "
+            f"{list(options.micro_batch_sizes)} divides it; expected a multiple of one of them")
     progress = None
     tick = lambda: None  # noqa: E731
     if options.progress and len(structures) > 2000:

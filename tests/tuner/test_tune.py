@@ -129,3 +129,10 @@ def test_tuner_side_imports_without_torch():
             "from megatron_hetero.cli import build_parser; build_parser();"
             "assert 'torch' not in sys.modules and 'megatron.core' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_global_batch_no_micro_batch_divides():
+    from megatron_hetero.tuner import TuneOptions
+    inv = inventory_from_data({"groups": [{"gpu": "A100-SXM-80GB", "nodes": 1, "gpus_per_node": 8}]})
+    with pytest.raises(InfeasibleError, match="global batch size 6"):
+        tune(SMALL, inv, 6, options=TuneOptions(micro_batch_sizes=(4,)))
