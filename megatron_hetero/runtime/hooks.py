@@ -38,9 +38,11 @@ from . import plan_args, policies
 from .arguments import add_hetero_args
 from .placement import CPU_ENV, detect_device_type, place_this_rank
 
-__all__ = ["install", "installed", "RankState", "state", "reset"]
+__all__ = ["install", "installed", "RankState", "state", "reset", "LAUNCHER_RANK_ENV"]
 
 _MARK = "_megatron_hetero_wrapper"
+LAUNCHER_RANK_ENV = "MEGATRON_HETERO_LAUNCHER_RANK"
+"""Set by the hooks to the launcher's rank; ``RANK`` becomes the placed Megatron rank."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -136,6 +138,7 @@ def before_validate(args, argv=None) -> RankState | None:
                                     timeout_minutes=getattr(args, "distributed_timeout_minutes", 10))
     args.rank = megatron_rank
     os.environ["RANK"] = str(megatron_rank)
+    os.environ[LAUNCHER_RANK_ENV] = str(launcher_rank)
     slot = plan.slot_of_rank(megatron_rank)
     st = RankState(plan=plan, plan_path=path, launcher_rank=launcher_rank,
                    megatron_rank=megatron_rank, device_type=device, slot=slot, args=args)

@@ -1,0 +1,82 @@
+"""A pretrain_gpt.py-style script: megatron.training.pretrain, tiny GPT, synthetic data."""
+import json
+import os
+from functools import partial
+
+import torch
+
+from megatron.core.enums import ModelType
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.training import get_args, pretrain
+from megatron.training.arguments import core_transformer_config_from_args
+
+
+class Synthetic(torch.utils.data.Dataset):
+    def __init__(self, n, seq, vocab):
+        self.n, self.seq, self.vocab = n, seq, vocab
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(1000 + i)
+        text = torch.randint(0, self.vocab, (self.seq + 1,), generator=g)
+        return {"tokens": text[:-1], "labels": text[1:], "index": torch.tensor(i),
+                "loss_mask": torch.ones(self.seq), "position_ids": torch.arange(self.seq)}
+
+
+def model_provider(pre_process=True, post_process=True, vp_stage=None, **_):
+    args = get_args()
+    config = core_transformer_config_from_args(args)
+    LOG["recompute"] = config.recompute_granularity
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
+                    vocab_size=args.padded_vocab_size,
+                    max_sequence_length=args.max_position_embeddings,
+                    pre_process=pre_process, post_process=post_process,
+                    share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                    position_embedding_type=args.position_embedding_type, vp_stage=vp_stage)
+    LOG["layer_calls"] = 0
+    for layer in model.decoder.layers:  # a recomputed layer runs forward twice per micro-batch
+        layer.register_forward_hook(lambda *_: LOG.__setitem__("layer_calls",
+                                                                LOG["layer_calls"] + 1))
+    LOG["num_layers"] = len(model.decoder.layers)
+    return model
+
+
+def datasets_provider(num_samples):
+    args = get_args()
+    return Synthetic(64, args.seq_length, 100), None, None
+
+
+LOG = {"indices": [], "losses": []}
+
+
+def loss_func(loss_mask, output_tensor):
+    losses = output_tensor.float().view(-1)
+    loss = torch.sum(losses * loss_mask.view(-1))
+    num_tokens = loss_mask.sum().to(torch.int)
+    LOG["losses"].append([loss.item(), num_tokens.item()])
+    return loss, num_tokens, {"lm loss": torch.cat([loss.detach().view(1), num_tokens.view(1).float()])}
+
+
+def forward_step(data_iterator, model):
+    batch = next(data_iterator) if data_iterator is not None else None
+    if batch is None:  # middle/last pipeline stages without data
+        return model(None, None, attention_mask=None), partial(loss_func, None)
+    LOG["indices"].append(batch["index"].tolist())
+    out = model(batch["tokens"], batch["position_ids"], attention_mask=None, labels=batch["labels"])
+    return out, partial(loss_func, batch["loss_mask"])
+
+
+if __name__ == "__main__":
+    datasets_provider.is_distributed = True
+    pretrain(datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
+             args_defaults={"tokenizer_type": "NullTokenizer"})
+    out = os.environ.get("TINY_LOG")
+    if out:
+        import torch.distributed as dist
+        LOG["rank"] = dist.get_rank()
+        launcher = os.environ.get("MEGATRON_HETERO_LAUNCHER_RANK", os.environ["RANK"])
+        with open(f"{out}.{launcher}", "w") as f:
+            json.dump(LOG, f)

@@ -1,0 +1,64 @@
+"""Run ``python -m megatron_hetero.launch --cpu`` on N local processes (tests, benchmark)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN_SCRIPT = Path(__file__).with_name("data") / "train_tiny.py"
+MCORE017 = Path(sys.prefix) / "mcore017"
+
+# Megatron arguments the tiny script needs on CPU; the plan supplies the model and batches.
+BASE_ARGS = [
+    "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--lr", "1e-3", "--min-lr", "1e-3",
+    "--lr-decay-style", "constant", "--seed", "1234", "--eval-iters", "0",
+    "--eval-interval", "1000", "--log-interval", "1", "--transformer-impl", "local",
+    "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion",
+    "--no-rope-fusion", "--no-persist-layer-norm", "--use-cpu-initialization", "--num-workers", "0",
+    "--no-create-attention-mask-in-dataloader", "--dataloader-type", "single",
+    "--distributed-backend", "gloo", "--attention-dropout", "0", "--hidden-dropout", "0",
+]
+
+
+def launch(nproc: int, plan: str, workdir: Path, *, iters: int = 2, extra=(), env=None,
+           timeout: float = 240, script: Path = TRAIN_SCRIPT, launcher_types=None) -> list:
+    """Start ``nproc`` ranks; returns [(returncode, output, log dict or None)] per launcher rank."""
+    from megatron_hetero.emulate.spawn import free_port
+
+    port = free_port()
+    procs = []
+    for r in range(nproc):
+        e = dict(os.environ)
+        e.update(RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+                 MASTER_PORT=str(port), OMP_NUM_THREADS="1", MEGATRON_HETERO_CPU="1",
+                 TINY_LOG=str(workdir / "log"),
+                 PYTHONPATH=os.pathsep.join([str(MCORE017), str(REPO)]), **(env or {}))
+        if launcher_types:
+            e["MEGATRON_HETERO_DEVICE_TYPE"] = launcher_types[r]
+        cmd = [sys.executable, "-m", "megatron_hetero.launch", str(script), *BASE_ARGS,
+               "--train-iters", str(iters), *extra, "--hetero-plan", plan]
+        out = open(workdir / f"out.{r}", "w")
+        procs.append((subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=e), out))
+    results = []
+    try:
+        for r, (p, out) in enumerate(procs):
+            code = p.wait(timeout=timeout)
+            out.close()
+            log = workdir / f"log.{r}"
+            results.append((code, (workdir / f"out.{r}").read_text(),
+                            json.loads(log.read_text()) if log.exists() else None))
+    finally:
+        for p, _ in procs:
+            if p.poll() is None:
+                p.kill()
+    return results
+
+
+def logged_losses(output: str) -> list[float]:
+    """The ``lm loss`` values Megatron's training log printed."""
+    return [float(line.split("lm loss:")[1].split("|")[0]) for line in output.splitlines()
+            if "lm loss:" in line]

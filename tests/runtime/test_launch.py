@@ -1,0 +1,88 @@
+"""``python -m megatron_hetero.launch --cpu`` runs a pretrain_gpt.py-style script (written for
+these tests: megatron.training.pretrain, tiny GPT, synthetic data) under megatron-core 0.17.1's
+megatron.training, on CPU processes, with the plan applied by the hooks."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_hetero.plan import save_plan
+
+from .launching import launch, logged_losses
+from .plans import A100, V100, make_plan
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def _needs_mcore017(mcore017_env):
+    return mcore017_env
+
+
+def _per_sample(log) -> dict[int, float]:
+    """Loss sum of every sample this rank read in its last step (keyed by dataset index)."""
+    n = len(log["losses"]) // 2  # two steps; the second one runs after an update
+    return {i[0]: loss for i, (loss, _) in zip(log["indices"][n:], log["losses"][n:])}
+
+
+def test_uneven_data_parallel_equals_one_replica(tmp_path):
+    """A 2-replica 3:1 plan trains exactly as one replica running all 4 micro-batches."""
+    uneven, single = tmp_path / "uneven.yaml", tmp_path / "single.yaml"
+    save_plan(make_plan(split=(2,), replicas=[(1, 3), (1, 1)]), uneven)
+    save_plan(make_plan(split=(2,), replicas=[(1, 4)]), single)
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    two = launch(2, str(uneven), tmp_path / "a")
+    one = launch(1, str(single), tmp_path / "b")
+    for code, out, _ in two + one:
+        assert code == 0, out[-3000:]
+    # each replica read exactly its share of every global batch
+    assert [i for [i] in two[0][2]["indices"]] == [0, 1, 2, 4, 5, 6]
+    assert [i for [i] in two[1][2]["indices"]] == [3, 7]
+    assert [i for [i] in one[0][2]["indices"]] == list(range(8))
+    # after one optimizer step the model is the same: every sample's loss matches
+    merged = {**_per_sample(two[0][2]), **_per_sample(two[1][2])}
+    reference = _per_sample(one[0][2])
+    assert merged.keys() == reference.keys()
+    for i, loss in reference.items():
+        assert merged[i] == pytest.approx(loss, rel=1e-5), i
+    # Megatron's own log (the last rank) reports the real totals and the same loss
+    got, want = logged_losses(two[1][1]), logged_losses(one[0][1])
+    assert len(got) == len(want) == 2 and got == pytest.approx(want, rel=1e-5)
+    assert "consumed samples:            8" in two[1][1]
+    assert "global batch size:     4" in two[1][1]
+
+
+def test_stage_specific_recompute_and_placement(tmp_path):
+    """Recompute only on the stage the plan names; launcher ranks in the wrong order are
+    placed on the stage of their device type."""
+    plan = make_plan(split=(1, 1), devices=[[A100, V100]], replicas=[(1, 2)],
+                     recompute=[None, {"granularity": "full", "method": "uniform",
+                                       "num_layers": 1}])
+    path = tmp_path / "plan.yaml"
+    save_plan(plan, path)
+    results = launch(2, str(path), tmp_path, launcher_types=[V100, A100])
+    for code, out, _ in results:
+        assert code == 0, out[-3000:]
+    v100, a100 = results[0][2], results[1][2]
+    assert (v100["rank"], a100["rank"]) == (1, 0)  # launcher 0 (V100) plays stage 1
+    assert v100["recompute"] == "full" and a100["recompute"] is None
+    runs = 2 * 2 * 1  # iterations x micro-batches x layers
+    assert a100["layer_calls"] == runs
+    assert v100["layer_calls"] == 2 * runs  # forward, then again in backward
+
+
+def test_mismatch_and_conflict_stop_with_one_message(tmp_path):
+    plan = make_plan(split=(1, 1), devices=[[A100, V100]], replicas=[(1, 2)])
+    path = tmp_path / "plan.yaml"
+    save_plan(plan, path)
+    results = launch(2, str(path), tmp_path, launcher_types=[A100, A100], timeout=120)
+    messages = {out.split("megatron-hetero: error:", 1)[1] for _, out, _ in results}
+    assert all(code == 1 for code, _, _ in results)
+    assert len(messages) == 1 and f"{V100}: plan wants 1, found 0" in messages.pop()
+    assert all("Traceback" not in out for _, out, _ in results)
+
+    (tmp_path / "c").mkdir()
+    [(code, out, _)] = launch(1, str(path), tmp_path / "c", launcher_types=[A100],
+                              extra=["--pipeline-model-parallel-size", "4"], timeout=120)
+    assert code == 1 and "Traceback" not in out
+    assert "--pipeline-model-parallel-size: the command line has 4; the plan implies 2" in out
