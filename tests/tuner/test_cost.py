@@ -182,3 +182,17 @@ def test_simulate_cli_on_the_hand_written_example(capsys):
                "examples/llama2/7b/inventory.yaml"])
     out = capsys.readouterr().out
     assert rc == 0 and "predicted: step" in out and "pipeline 1 stage 1 (V100-SXM2-32GB)" in out
+
+
+def test_optimizer_offload_trades_memory_for_host_time():
+    inv = _inventory()
+    cost = CostModel(TINY, inv, host_optimizer_gb_s=1.0)
+    args = ("A100-SXM-80GB", 2, False, False, 1, 1, ("none", None, None), 1, 2)
+    full, half = cost.memory_need(*args), cost.memory_need(*args, 0.5)
+    assert half.optimizer == pytest.approx(full.optimizer / 2)
+    assert half.params == full.params and half.activations == full.activations
+    params = cost.stage_params(2, False, False, 1)
+    on_device = cost.optimizer_seconds("A100-SXM-80GB", params, 2, 0.0)
+    on_host = cost.optimizer_seconds("A100-SXM-80GB", params, 2, 1.0)
+    # same bytes touched: the time ratio is device memory bandwidth over the host rate
+    assert on_host / on_device == pytest.approx(2039.0 / 1.0)
