@@ -686,4 +686,11 @@ def profile_main(args) -> int:
         print(f"  TP={e.tensor_parallel_size} mbs={e.micro_batch_size}: layer fwd "
               f"{e.layer.forward_s * 1e3:.3f} ms bwd {e.layer.backward_s * 1e3:.3f} ms; "
               f"activations {e.memory.activation_bytes_per_layer / 2**20:.2f} MiB/layer")
+    if data.device.backend == "cpu":
+        import yaml
+
+        from .cost.profile_file import inventory_entry
+        entry = yaml.safe_dump({data.device.type: inventory_entry(data)}, default_flow_style=True,
+                               width=10_000).strip()
+        print(f"to plan with this CPU, add under the inventory's `gpus:` key: {entry}")
     return 0
