@@ -116,6 +116,17 @@ def _add_rehearse(sub) -> None:
     p.set_defaults(handler="megatron_hetero.emulate.rehearse:rehearse_main")
 
 
+def _add_patch_megatron(sub) -> None:
+    p = sub.add_parser("patch-megatron", help="add --hetero-plan to a Megatron-LM checkout",
+                       description="Apply the patch of PATH's Megatron-LM release line "
+                                   "(patches/<line>/pretrain_gpt.patch), which makes "
+                                   "pretrain_gpt.py accept --hetero-plan PLAN. With --check, only "
+                                   "check that it applies.")
+    p.add_argument("path", metavar="PATH", help="root of the Megatron-LM checkout")
+    p.add_argument("--check", action="store_true", help="check only; change nothing")
+    p.set_defaults(handler="megatron_hetero.runtime.patching:patch_megatron_main")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megatron-hetero",
@@ -129,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_COMMANDS = [_add_validate, _add_args, _add_profile, _add_tune, _add_simulate, _add_rehearse]
+_COMMANDS = [_add_validate, _add_args, _add_profile, _add_tune, _add_simulate, _add_rehearse,
+             _add_patch_megatron]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
