@@ -458,7 +458,8 @@ def _corrupt_pipeline(pipeline: int) -> None:
 
 
 def _rank_hooks(plan: Plan, rank: int, *, factors: dict[str, float], time_scale: float,
-                caps: dict[int, tuple[float, float, float]] | None):
+                caps: dict[int, tuple[float, float, float]] | None,
+                corrupt_pipeline: int | None = None):
     """``hooks_factory`` of the rehearsal (runs inside each rank process)."""
     from .memory import MemoryMeter
     from .speed import SpeedEmulation
@@ -475,9 +476,8 @@ def _rank_hooks(plan: Plan, rank: int, *, factors: dict[str, float], time_scale:
                             device_type=device, cap=cap, device_bytes=device_bytes, scale=scale)
     emu = _RankEmulation(speed, meter)
     _patch_optimizer_builder(emu.on_built)
-    corrupt = os.environ.get(_CORRUPT_ENV)
-    if corrupt is not None:
-        _corrupt_pipeline(int(corrupt))
+    if corrupt_pipeline is not None:
+        _corrupt_pipeline(corrupt_pipeline)
     return RankHooks(compute=emu.compute, on_step_end=emu.on_step_end, report=emu.report)
 
 
@@ -496,6 +496,8 @@ class StageReport:
     step_s: float
     busy_s: float
     """Forward and backward compute, stretched: the emulated device's busy time."""
+    cpu_s: float
+    """CPU seconds of real work inside the busy time."""
     peak_bytes: float | None
     cap_bytes: float | None
     predicted_busy_s: float | None = None
@@ -568,8 +570,9 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
     say(f"running {config.steps} steps on {shrunk.world_size} CPU ranks")
     tconf = TrainConfig(steps=config.steps, seed=config.seed, gather_params=verify,
                         timeout_s=config.timeout_s)
+    corrupt = os.environ.get(_CORRUPT_ENV)
     hooks = functools.partial(_rank_hooks, factors=factors, time_scale=config.time_scale,
-                              caps=caps)
+                              caps=caps, corrupt_pipeline=int(corrupt) if corrupt else None)
     try:
         result = train_plan(shrunk, tconf, hooks_factory=hooks)
     except SpawnError as exc:
@@ -599,6 +602,7 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
             num_layers=st.num_layers, num_microbatches=shrunk.pipelines[r.pipeline].num_microbatches,
             factor=extra["factor"], step_s=_median([r.step_times[k] for k in steps]),
             busy_s=_median([extra["busy"][k] for k in steps]),
+            cpu_s=_median([extra["cpu"][k] for k in steps]),
             peak_bytes=extra["peak_bytes"], cap_bytes=extra["cap_bytes"],
             predicted_busy_s=pred.busy_s, predicted_idle_s=sim.step_time_s - pred.busy_s))
     stages.sort(key=lambda s: (s.pipeline, s.stage))

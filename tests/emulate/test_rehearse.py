@@ -1,0 +1,97 @@
+"""``megatron-hetero rehearse``: shrinking, host limits, the CLI run, --verify and the memory cap."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from megatron_hetero.cli import main
+from megatron_hetero.emulate.rehearse import (_CORRUPT_ENV, check_host_capacity, shrink_model,
+                                              shrink_plan)
+from megatron_hetero.errors import HeteroError
+from megatron_hetero.models import model_preset
+from megatron_hetero.plan import plan_from_data
+
+
+def _plan_data(stages, pipelines=1, micro=2, model=None):
+    model = model or {"name": "tiny", "num_layers": 4, "hidden_size": 256, "ffn_hidden_size": 688,
+                      "num_attention_heads": 8, "num_query_groups": 8, "vocab_size": 1000,
+                      "seq_length": 256}
+    return {"format_version": 1, "model": model, "global_batch_size": pipelines * micro,
+            "precision": "fp16", "tensor_model_parallel_size": 1,
+            "pipelines": [{"micro_batch_size": 1, "num_microbatches": micro,
+                           "stages": [{"device_type": d, "num_layers": n} for d, n in stages]}
+                          for _ in range(pipelines)]}
+
+
+def _write(tmp_path, data, name="plan.yaml"):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+@pytest.mark.parametrize("name", ["llama2-7b", "llama2-70b", "llama3-8b"])
+@pytest.mark.parametrize("hidden,tp", [(64, 1), (32, 1), (64, 2), (128, 4)])
+def test_shrunk_model_is_valid_and_keeps_depth_and_ratios(name, hidden, tp):
+    real = model_preset(name)
+    m = shrink_model(real, hidden, tp)
+    assert m.num_layers == real.num_layers and m.hidden_size == hidden
+    assert hidden % m.num_attention_heads == 0 and m.num_attention_heads % m.num_query_groups == 0
+    assert m.num_attention_heads % tp == 0 and m.num_query_groups % tp == 0
+    assert hidden // m.num_attention_heads >= 8
+    r = hidden / real.hidden_size
+    assert m.ffn_hidden_size == pytest.approx(real.ffn_hidden_size * r, abs=8 * tp)
+    assert m.vocab_size == pytest.approx(real.vocab_size * r, abs=16 * tp)
+
+
+def test_shrunk_plan_keeps_split_devices_and_micro_batches():
+    plan = plan_from_data(_plan_data([("A100-SXM-80GB", 1), ("V100-SXM2-32GB", 3)], pipelines=2))
+    shrunk = shrink_plan(plan, 32)
+    assert shrunk.layer_split == plan.layer_split
+    assert [[s.device_type for s in p.stages] for p in shrunk.pipelines] == \
+        [[s.device_type for s in p.stages] for p in plan.pipelines]
+    assert [p.num_microbatches for p in shrunk.pipelines] == [p.num_microbatches for p in plan.pipelines]
+    assert shrunk.model.hidden_size == 32
+
+
+def test_too_many_ranks_refused_with_a_hint():
+    plan = plan_from_data(_plan_data([("A100-SXM-80GB", 4)], pipelines=17, micro=1))
+    with pytest.raises(HeteroError, match=r"17 ranks.*at most 16.*--hidden-size"):
+        check_host_capacity(shrink_plan(plan, 32))
+
+
+def test_cli_rehearses_a_two_rank_plan(tmp_path, capsys):
+    path = _write(tmp_path, _plan_data([("A100-SXM-80GB", 1), ("V100-SXM2-32GB", 3)]))
+    assert main(["rehearse", path, "--steps", "2", "--hidden-size", "32"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if "-SXM" in line and "|" in line]
+    assert [(r[0], r[1], r[2]) for r in rows] == [("0", "0", "A100-SXM-80GB"),
+                                                  ("0", "1", "V100-SXM2-32GB")]
+    assert rows[0][5] == "1.00x" and float(rows[1][5].rstrip("x")) > 1.5  # the V100 is slower
+    assert "measured/predicted" in out and "losses:" in out
+
+
+def test_verify_names_the_first_diverging_step(tmp_path, capsys, monkeypatch):
+    """Replica 1 reads wrong labels from step 1 on (a test-only hook): --verify must say so."""
+    path = _write(tmp_path, _plan_data([("A100-SXM-80GB", 4)], pipelines=2))
+    monkeypatch.setenv(_CORRUPT_ENV, "1")
+    assert main(["rehearse", path, "--steps", "2", "--hidden-size", "32", "--verify"]) == 1
+    out = capsys.readouterr().out
+    assert "verify: FAILED" in out and "step 1: loss" in out
+    monkeypatch.delenv(_CORRUPT_ENV)
+    assert main(["rehearse", path, "--steps", "2", "--hidden-size", "32", "--verify"]) == 0
+    assert "verify: losses and final parameters match" in capsys.readouterr().out
+
+
+def test_plan_that_does_not_fit_fails_like_the_real_card(tmp_path, capsys):
+    """28 layers of Llama-2 7B on a 16 GB T4 cannot fit (about 6 GB of weights, 12 GB of fp32
+    gradients and Adam state): the rank playing it fails, named with its stage and device."""
+    seven_b = {"name": "llama2-7b", "num_layers": 32, "hidden_size": 4096, "ffn_hidden_size": 11008,
+               "num_attention_heads": 32, "num_query_groups": 32, "vocab_size": 32000,
+               "seq_length": 4096}
+    data = _plan_data([("A100-SXM-80GB", 4), ("T4-16GB", 28)], micro=2, model=seven_b)
+    path = _write(tmp_path, data)
+    assert main(["rehearse", path, "--steps", "2", "--hidden-size", "32"]) == 1
+    err = capsys.readouterr().err
+    assert "rank 1 (pipeline 0, stage 1, T4-16GB) ran out of memory" in err
+    assert "MiB cap" in err
