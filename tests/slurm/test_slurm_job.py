@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -33,22 +34,40 @@ def launch_env(**extra) -> dict:
     return env
 
 
-def sbatch_wait(plan: Path, out: Path, env: dict, *megatron_args: str, timeout: int = 240) -> str:
-    """Submit ``plan`` with scripts/slurm/submit.sh, wait for the job, return its output."""
+def sbatch_wait(plan: Path, out: Path, env: dict, *megatron_args: str, timeout: int = 240,
+                expect_ok: bool = True) -> tuple[str, list[str]]:
+    """Submit ``plan`` with scripts/slurm/submit.sh, wait for the job; return its output and
+    the states of its components.
+
+    Polls ``scontrol`` rather than ``sbatch --wait``, whose polling interval grows to tens of
+    seconds."""
     cmd = [str(SUBMIT), str(plan), "--gpus-per-node", "2", "--no-gres",
            "--partition", f"{A100}=a100", "--partition", f"{V100}=v100",
-           "--sbatch=--wait", f"--sbatch=--output={out}", "--sbatch=--time=5",
-           f"--sbatch=--job-name=mh-test-{os.getpid()}", "--", *megatron_args]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
-                              cwd=out.parent)
-    except subprocess.TimeoutExpired:
-        subprocess.run(["scancel", "--name", f"mh-test-{os.getpid()}"], timeout=30)
-        pytest.fail(f"the Slurm job did not finish in {timeout} s; output so far:\n"
-                    + (out.read_text() if out.exists() else "(none)"))
+           f"--sbatch=--output={out}", "--sbatch=--time=5", "--", *megatron_args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env, cwd=out.parent)
+    assert proc.returncode == 0, f"submit.sh exit {proc.returncode}: {proc.stderr}"
+    job = re.search(r"Submitted batch job (\d+)", proc.stdout)
+    assert job, proc.stdout
+    job = job.group(1)
+    deadline = time.monotonic() + timeout
+    while True:
+        info = subprocess.run(["scontrol", "-o", "show", "job", job], capture_output=True,
+                              text=True, timeout=30).stdout
+        states = re.findall(r"JobState=(\S+)", info)
+        if states and all(s not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING")
+                          for s in states):
+            break
+        if time.monotonic() > deadline:
+            subprocess.run(["scancel", job], timeout=30)
+            pytest.fail(f"Slurm job {job} did not finish in {timeout} s ({states}); output so "
+                        "far:\n" + (out.read_text() if out.exists() else "(none)"))
+        time.sleep(0.5)
     log = out.read_text() if out.exists() else ""
-    assert proc.returncode == 0, f"sbatch exit {proc.returncode}: {proc.stderr}\njob output:\n{log}"
-    return log
+    codes = re.findall(r"ExitCode=(\S+)", info)
+    if expect_ok:
+        assert set(states) == {"COMPLETED"} and set(codes) == {"0:0"}, \
+            f"job {job}: states {states}, exit codes {codes}; job output:\n{log}"
+    return log, states
 
 
 def probes(log: str) -> dict[int, tuple]:
@@ -72,11 +91,22 @@ def check_probes(found: dict[int, tuple], plan_path: Path, nodes: dict[str, str]
 
 def test_slurm_hetjob_runs_one_task_per_gpu_on_its_partition(slurm_cluster, plan4, tmp_path):
     out = tmp_path / "job.out"
-    log = sbatch_wait(plan4, out, launch_env(MH_LAUNCH="patched", MH_PRETRAIN_SCRIPT=str(PROBE)),
-                      "--train-iters", "2")
+    log, _ = sbatch_wait(plan4, out, launch_env(MH_LAUNCH="patched", MH_PRETRAIN_SCRIPT=str(PROBE)),
+                         "--train-iters", "2")
     assert "2 component(s), 4 tasks" in log
     assert "component 0: partition a100" in log and "component 1: partition v100" in log
     check_probes(probes(log), plan4, slurm_cluster["nodes"])
+
+
+def test_slurm_job_fails_when_a_rank_fails(slurm_cluster, plan4, tmp_path):
+    script = tmp_path / "fail_on_rank_2.py"
+    script.write_text("import os, sys, time\n"
+                      "if os.environ['RANK'] == '2':\n    sys.exit(3)\n"
+                      "time.sleep(60)\n")  # the others are killed (srun --kill-on-bad-exit)
+    log, states = sbatch_wait(plan4, tmp_path / "job.out",
+                              launch_env(MH_LAUNCH="patched", MH_PRETRAIN_SCRIPT=str(script)),
+                              expect_ok=False)
+    assert "FAILED" in states, (states, log)
 
 
 def test_torchrun_launcher_two_hosts(plan4, tmp_path):
