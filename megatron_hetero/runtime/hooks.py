@@ -295,13 +295,18 @@ def installed() -> bool:
 
 
 def install() -> None:
-    """Install the hooks (idempotent). Needs Megatron-LM's ``megatron.training``."""
+    """Install the hooks (idempotent). Needs Megatron-LM's ``megatron.training``. With
+    ``MEGATRON_HETERO_CPU=1`` it also prepares the CPU backend (:mod:`.cpu`)."""
     try:
         importlib.import_module("megatron.training")
     except ImportError as exc:
         raise HeteroError(f"megatron-hetero hooks need Megatron-LM's megatron.training "
                           f"(megatron-core >= 0.17 ships it, or put Megatron-LM on PYTHONPATH): "
                           f"{exc}") from exc
+    if os.environ.get(CPU_ENV, "") not in ("", "0"):
+        from .cpu import prepare_cpu_run
+
+        prepare_cpu_run()
     for module_name, attr, make in _TARGETS:
         _rebind(module_name, attr, make)
     _install_excepthook()

@@ -1,0 +1,95 @@
+"""``megatron-hetero patch-megatron``: every release line's patch applies to its own
+pretrain_gpt.py, is recognised once applied, and the patched script takes --hetero-plan."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_hetero.cli import main as cli_main
+from megatron_hetero.runtime.patching import MARKER, PATCHES_DIR
+
+MEGATRON_GIT = Path(os.environ.get("MEGATRON_LM_GIT", "/work/.mirror/NVIDIA+Megatron-LM/repo"))
+LINES = sorted(p.parent.name for p in PATCHES_DIR.glob("*/pretrain_gpt.patch"))
+REFS = {"core_r0.16": "core_v0.16.1", "core_r0.17": "core_v0.17.1", "core_r0.18": "core_v0.18.2",
+        "core_r0.19": "core_v0.19.0", "main": "main"}
+needs_megatron_git = pytest.mark.skipif(
+    not MEGATRON_GIT.is_dir(),
+    reason=f"no Megatron-LM git clone at {MEGATRON_GIT} (set MEGATRON_LM_GIT)")
+
+
+def _old_side(patch: Path) -> str:
+    """The lines a patch expects (its context and removed lines), as a minimal script."""
+    out = []
+    for line in patch.read_text().splitlines(keepends=True)[2:]:
+        if line.startswith((" ", "-")):
+            out.append(line[1:])
+    return "".join(out)
+
+
+def _checkout(tmp: Path, script: str, minor: int) -> Path:
+    (tmp / "megatron" / "core").mkdir(parents=True)
+    (tmp / "megatron" / "core" / "package_info.py").write_text(
+        f"MAJOR = 0\nMINOR = {minor}\nPATCH = 0\n")
+    (tmp / "pretrain_gpt.py").write_text(script)
+    return tmp
+
+
+def test_at_least_the_oldest_and_newest_lines_are_supported():
+    assert {"core_r0.16", "main"} <= set(LINES)
+
+
+@pytest.mark.parametrize("line", LINES)
+def test_patch_applies_checks_and_is_recognised(tmp_path, line, capsys):
+    minor = 99 if line == "main" else int(line.rsplit(".", 1)[1])
+    root = _checkout(tmp_path, _old_side(PATCHES_DIR / line / "pretrain_gpt.patch"), minor)
+    before = (root / "pretrain_gpt.py").read_text()
+    assert cli_main(["patch-megatron", str(root), "--check"]) == 0
+    assert (root / "pretrain_gpt.py").read_text() == before  # --check changes nothing
+    assert cli_main(["patch-megatron", str(root)]) == 0
+    assert MARKER in (root / "pretrain_gpt.py").read_text()
+    assert cli_main(["patch-megatron", str(root)]) == 0
+    assert "already patched" in capsys.readouterr().out
+
+
+def test_unknown_version_and_foreign_script_are_clear_errors(tmp_path, capsys):
+    root = _checkout(tmp_path / "a", "print('not pretrain_gpt')\n", 16)
+    assert cli_main(["patch-megatron", str(root), "--check"]) == 1
+    assert "core_r0.16 patch" in capsys.readouterr().err
+    old = _checkout(tmp_path / "b", "x = 1\n", 9)
+    assert cli_main(["patch-megatron", str(old)]) == 1
+    err = capsys.readouterr().err
+    assert "0.9.0 (core_r0.9) has no patch" in err and "megatron_hetero.launch" in err
+    assert cli_main(["patch-megatron", str(tmp_path / "missing")]) == 1
+
+
+@needs_megatron_git
+@pytest.mark.parametrize("line", LINES)
+def test_patch_applies_to_the_real_release(tmp_path, line):
+    script = subprocess.run(["git", "--git-dir", str(MEGATRON_GIT), "show",
+                             f"{REFS[line]}:pretrain_gpt.py"], capture_output=True, text=True,
+                            check=True).stdout
+    minor = 99 if line == "main" else int(line.rsplit(".", 1)[1])
+    root = _checkout(tmp_path, script, minor)
+    assert cli_main(["patch-megatron", str(root)]) == 0
+    text = (root / "pretrain_gpt.py").read_text()
+    assert text.index(MARKER) > text.index('if __name__ == "__main__":')
+
+
+@needs_megatron_git
+def test_patched_megatron_lm_takes_hetero_plan(tmp_path):
+    """The patched pretrain_gpt.py of a Megatron-LM 0.17.1 checkout lists --hetero-plan."""
+    archive = subprocess.run(["git", "--git-dir", str(MEGATRON_GIT), "archive", "core_v0.17.1"],
+                             capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tmp_path)], input=archive, check=True)
+    assert cli_main(["patch-megatron", str(tmp_path)]) == 0
+    env = dict(os.environ, MEGATRON_HETERO_CPU="1",
+               PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    proc = subprocess.run([sys.executable, "pretrain_gpt.py", "--help"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "--hetero-plan PLAN" in proc.stdout and "--hetero-device-type" in proc.stdout
