@@ -1,0 +1,163 @@
+"""Each hook on its own: the argument check, the policies, the extra-args provider, the
+per-replica schedule wrapper, the replica data loader and the stage config."""
+
+from __future__ import annotations
+
+import argparse
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_hetero.runtime import hooks, plan_args, policies
+from megatron_hetero.runtime.plan_args import ArgumentConflict, check_and_apply
+
+from .plans import A100, V100, make_plan
+
+FULL = {"granularity": "full", "method": "block", "num_layers": 1}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_state():
+    hooks.reset()
+    yield
+    hooks.reset()
+
+
+def _args(**kw):
+    base = dict(pipeline_model_parallel_layout=None, micro_batch_size=None,
+                recompute_granularity=None, recompute_method=None, recompute_num_layers=None)
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def test_plan_fills_what_the_command_line_leaves_out():
+    plan = make_plan(split=(1, 3), replicas=[(2, 3), (1, 2)])  # gbs 8, uneven
+    args = _args(tensor_model_parallel_size=1, lr=0.1)
+    check_and_apply(args, plan, ["--lr", "0.1"])
+    assert args.pipeline_model_parallel_size == 2 and args.num_layers == 4
+    assert (args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers) == (1, 3)
+    assert args.global_batch_size == 8 and args.calculate_per_token_loss is True
+    assert args.micro_batch_size == plan_args.virtual_micro_batch_size(plan) == 2
+    assert args.add_bias_linear is False and args.swiglu is True and args.lr == 0.1
+
+
+def test_layout_given_by_the_user_must_be_the_plans():
+    plan = make_plan(split=(0, 2, 2))
+    args = _args(pipeline_model_parallel_layout="E|t*2|t*2L")
+    check_and_apply(args, plan, ["--pipeline-model-parallel-layout", "E|t*2|t*2L"])
+    with pytest.raises(ArgumentConflict, match="plan implies 'E\\|t\\*2\\|t\\*2L'"):
+        check_and_apply(_args(pipeline_model_parallel_layout="Et|t|ttL"), plan,
+                        ["--pipeline-model-parallel-layout", "Et|t|ttL"])
+
+
+def test_every_conflict_is_listed_once():
+    plan = make_plan(split=(2, 2))
+    args = _args(pipeline_model_parallel_size=8, tensor_model_parallel_size=1, hidden_size=64,
+                 decoder_first_pipeline_num_layers=1, fp16=True, max_position_embeddings=4)
+    with pytest.raises(ArgumentConflict) as err:
+        check_and_apply(args, plan, ["--pipeline-model-parallel-size", "8", "--hidden-size=64",
+                                     "--tensor-model-parallel-size", "1", "--fp16",
+                                     "--decoder-first-pipeline-num-layers", "1",
+                                     "--max-position-embeddings", "4"], source="p.yaml")
+    text = str(err.value)
+    assert text.startswith("p.yaml: the command line contradicts the plan")
+    for flag in ("--pipeline-model-parallel-size", "--hidden-size", "--fp16",
+                 "--decoder-first-pipeline-num-layers", "--max-position-embeddings"):
+        assert text.count(f"  {flag}:") == 1, flag
+    assert "--tensor-model-parallel-size" not in text
+
+
+def test_global_batch_not_divisible_by_replicas_is_refused():
+    plan = make_plan(replicas=[(2, 1), (1, 1)])  # gbs 3 over 2 replicas
+    with pytest.raises(ArgumentConflict, match="not a multiple of the data-parallel size 2"):
+        plan_args.virtual_micro_batch_size(plan)
+
+
+def test_stage_policies_as_args_and_config():
+    plan = make_plan(split=(2, 2), recompute=[FULL, {"granularity": "selective"}],
+                     offload=[{"optimizer_fraction": 0.5}, None])
+    s0, s1 = plan.stage(0, 0), plan.stage(0, 1)
+    assert policies.stage_args(s0) == {"recompute_granularity": "full", "recompute_method": "block",
+                                       "recompute_num_layers": 1, "optimizer_cpu_offload": True,
+                                       "optimizer_offload_fraction": 0.5}
+    assert policies.stage_args(s1)["recompute_granularity"] == "selective"
+    assert policies.stage_args(s1)["optimizer_cpu_offload"] is False
+
+
+def test_unsupported_policies_are_refused_at_start():
+    plan = make_plan(split=(2, 2), offload=[{"activations": True}, {"optimizer_fraction": 0.3}])
+    with pytest.raises(policies.PolicyUnsupported) as err:
+        policies.check_supported(plan, source="p.yaml", use_precision_aware_optimizer=False)
+    text = str(err.value)
+    assert "pipelines[0].stages[0].offload.activations" in text and "PP=2" in text
+    assert "pipelines[0].stages[1].offload.optimizer_fraction" in text
+    assert "--use-precision-aware-optimizer" in text
+    # the same plan with one stage and no recompute: megatron-core accepts activation offload
+    assert policies.activation_offload_supported(1)
+    policies.check_supported(make_plan(split=(2,), offload=[{"activations": True}]))
+
+
+def test_extra_args_provider_adds_the_plugin_arguments_once():
+    calls = []
+
+    def user_provider(parser):
+        calls.append(1)
+        parser.add_argument("--mine", type=int)
+        return parser
+
+    parser = hooks._with_hetero_args(user_provider)(argparse.ArgumentParser())
+    parsed = parser.parse_args(["--mine", "3", "--hetero-plan", "p.yaml"])
+    assert calls == [1] and parsed.mine == 3 and parsed.hetero_plan == "p.yaml"
+    again = hooks._with_hetero_args(hooks._with_hetero_args(None))(argparse.ArgumentParser())
+    assert again.parse_args(["--hetero-device-type", "H100"]).hetero_device_type == "H100"
+
+
+def _state(plan, megatron_rank, args=None):
+    st = hooks.RankState(plan=plan, plan_path="p.yaml", launcher_rank=megatron_rank,
+                         megatron_rank=megatron_rank, device_type=A100,
+                         slot=plan.slot_of_rank(megatron_rank), args=args)
+    hooks._state = st
+    return st
+
+
+def test_schedule_wrapper_runs_this_replicas_micro_batches():
+    plan = make_plan(replicas=[(2, 3), (1, 2)])  # gbs 8, virtual mbs 2, 2 micro-batches
+    args = SimpleNamespace(micro_batch_size=2)
+    st = _state(plan, 1, args)
+    st.virtual_num_microbatches = 2
+    seen = []
+
+    def schedule(**kw):
+        seen.append((kw["num_microbatches"], kw["micro_batch_size"], args.micro_batch_size))
+        return "losses"
+
+    wrapped = hooks.replica_forward_backward(schedule)
+    assert wrapped(num_microbatches=2, micro_batch_size=2, forward_only=False) == "losses"
+    assert seen == [(2, 1, 1)] and args.micro_batch_size == 2  # restored after the step
+    wrapped(num_microbatches=5, micro_batch_size=2)  # not Megatron's step count: untouched
+    assert seen[-1] == (5, 2, 2)
+
+
+def test_replica_loader_reads_its_share():
+    torch = pytest.importorskip("torch")
+    plan = make_plan(replicas=[(2, 1), (1, 2)])  # gbs 4: replica 0 takes 0-1, replica 1 2-3
+    _state(plan, 1, SimpleNamespace(num_workers=0))
+    data = torch.arange(12)
+    loader = hooks.build_replica_data_loader(data, 4)
+    assert [b.tolist() for b in loader] == [[6], [7], [10], [11]]
+
+
+def test_stage_config_hook_sets_exactly_this_stages_recompute():
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    plan = make_plan(split=(2, 2), devices=[[A100, V100]], recompute=[None, FULL])
+    for rank, want in ((0, None), (1, "full")):
+        _state(plan, rank)
+        config = hooks.apply_stage_config(TransformerConfig(num_layers=4, hidden_size=16,
+                                                            num_attention_heads=4))
+        assert config.recompute_granularity == want
+        assert config.recompute_method == ("block" if want else None)
+    hooks.reset()
+    untouched = TransformerConfig(num_layers=4, hidden_size=16, num_attention_heads=4,
+                                  recompute_granularity="selective")
+    assert hooks.apply_stage_config(untouched).recompute_granularity == "selective"
