@@ -12,7 +12,8 @@ Public API
     Hook points of one rank: ``compute(kind)`` is a context manager wrapped around every
     forward (``kind="forward"``) and backward (``"backward"``) micro-batch step of that rank
     (the real work only: no communication inside; speed emulation measures and sleeps there);
-    ``on_step_end(step, wall_s)``; ``report()`` whose value comes back in ``RankResult.extra``.
+    ``on_step_end(step, wall_s)``; ``report()`` whose value comes back in ``RankResult.extra``;
+    ``on_built(model_chunks, optimizer)`` once before the first step.
 ``train_rank(plan, rank, config, hooks=None) -> RankResult``
     Run inside a process of a gloo group of ``plan.world_size`` (see :mod:`.spawn`); enables
     the CPU backend, builds megatron-core's parallel state (TP, PP, DP from the plan; the
@@ -21,7 +22,7 @@ Public API
     grad clipping) and runs ``config.steps`` steps of Megatron's own schedule.
 ``train_plan(plan, config, hooks_factory=None) -> TrainResult``
     Spawns ``plan.world_size`` CPU processes running :func:`train_rank` and merges their
-    results: the global loss per step, every parameter under a layout-independent name, and the
+    results: the global loss per step, the forward-only loss after training, every parameter under a layout-independent name, and the
     wall time per step of each rank. ``hooks_factory(plan, rank) -> RankHooks`` is called in
     each rank (it must be importable by name, e.g. a module-level function or a
     ``functools.partial`` of one).
@@ -84,6 +85,9 @@ class TrainConfig:
     """Standard deviation of the initial weight matrices."""
     gather_params: bool = True
     """Return the final parameters (TP shards gathered in ``train_plan``)."""
+    eval_forward_only: bool = True
+    """After the last step, run Megatron's forward-only schedule on the next global batch and
+    return its loss (``eval_loss``)."""
     threads_per_rank: int = 1
     """torch intra-op threads of each rank process."""
     timeout_s: float = 300.0
@@ -100,11 +104,15 @@ class RankHooks:
 
     compute: Callable[[str], ContextManager] | None = None
     """``compute(kind)`` wraps each forward (``"forward"``) and backward (``"backward"``)
-    micro-batch step of this rank: real compute only, no communication inside."""
+    micro-batch step of this rank during training steps: real compute only, no communication
+    inside (not the forward-only evaluation)."""
     on_step_end: Callable[[int, float], None] | None = None
     """Called after each step with the step index and this rank's wall seconds for it."""
     report: Callable[[], Any] | None = None
     """Its value at the end comes back as ``RankResult.extra``."""
+    on_built: Callable[[list, Any], None] | None = None
+    """Called once with the model chunks (``[DistributedDataParallel]``) and the optimizer,
+    after they are built and before the first step."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -117,6 +125,8 @@ class RankResult:
     tensor_rank: int
     losses: list[float]
     """Global loss per step (every rank gets it)."""
+    eval_loss: float | None = None
+    """Global loss of the forward-only pass after training (``TrainConfig.eval_forward_only``)."""
     step_times: list[float]
     """Wall seconds of each step on this rank."""
     params: dict[str, tuple[Any, int | None, bool]] = field(default_factory=dict)
@@ -129,6 +139,7 @@ class TrainResult:
     """What :func:`train_plan` returns."""
 
     losses: list[float]
+    eval_loss: float | None
     params: dict[str, Any]
     """Full parameters under layout-independent names (from data-parallel replica 0)."""
     step_times: dict[int, list[float]]
@@ -355,6 +366,8 @@ def train_rank(plan: Plan, rank: int, config: TrainConfig | None = None,
         tconf.finalize_model_grads_func = finalize_model_grads
         tconf.grad_scale_func = optimizer.scale_loss
         tconf.no_sync_func = ddp.no_sync
+        if hooks.on_built:
+            hooks.on_built([ddp], optimizer)
         _install_backward_hook()
         forward_backward = get_forward_backward_func()
 
@@ -368,11 +381,26 @@ def train_rank(plan: Plan, rank: int, config: TrainConfig | None = None,
 
         def forward_step(data_iterator, model_chunk):
             batch = next(data_iterator)
-            ctx = hooks.compute("forward") if hooks.compute else contextlib.nullcontext()
+            hook = _backward_wrapper[0]  # the compute hook while training, None in evaluation
+            ctx = hook("forward") if hook else contextlib.nullcontext()
             with ctx:
                 out = model_chunk(batch["tokens"], batch["position_ids"], None,
                                   labels=batch["labels"])
             return out, functools.partial(loss_func, batch["loss_mask"])
+
+        def run(step: int, forward_only: bool) -> float:
+            reduced = forward_backward(
+                forward_step_func=forward_step,
+                data_iterator=_micro_batches(plan, slot.pipeline, step, config.seed),
+                model=[ddp], num_microbatches=pipe.num_microbatches,
+                seq_length=m.seq_length, micro_batch_size=pipe.micro_batch_size,
+                forward_only=forward_only)
+            totals = torch.zeros(2, dtype=torch.float64)
+            if post and slot.tensor_rank == 0:
+                for item in reduced:
+                    totals += item["lm loss"].double()
+            dist.all_reduce(totals)
+            return float(totals[0] / totals[1])
 
         losses, times = [], []
         _backward_wrapper[0] = hooks.compute
@@ -380,24 +408,20 @@ def train_rank(plan: Plan, rank: int, config: TrainConfig | None = None,
             t0 = time.perf_counter()
             ddp.zero_grad_buffer()
             optimizer.zero_grad()
-            reduced = forward_backward(
-                forward_step_func=forward_step,
-                data_iterator=_micro_batches(plan, slot.pipeline, step, config.seed),
-                model=[ddp], num_microbatches=pipe.num_microbatches,
-                seq_length=m.seq_length, micro_batch_size=pipe.micro_batch_size,
-                forward_only=False)
+            loss = run(step, forward_only=False)
             ok, _grad_norm, _zeros = optimizer.step()
             assert ok, "the fp32 optimizer step reported failure"
-            totals = torch.zeros(2, dtype=torch.float64)
-            if post and slot.tensor_rank == 0:
-                for item in reduced:
-                    totals += item["lm loss"].double()
-            dist.all_reduce(totals)
-            losses.append(float(totals[0] / totals[1]))
+            losses.append(loss)
             times.append(time.perf_counter() - t0)
             if hooks.on_step_end:
                 hooks.on_step_end(step, times[-1])
         _backward_wrapper[0] = None
+        eval_loss = None
+        if config.eval_forward_only:
+            ddp.eval()
+            with torch.no_grad():
+                eval_loss = run(config.steps, forward_only=True)
+            ddp.train()
 
         params = {}
         if config.gather_params:
@@ -408,7 +432,8 @@ def train_rank(plan: Plan, rank: int, config: TrainConfig | None = None,
                 dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
                 params[names[name]] = (p.detach().clone(), dim, _is_glu(name, plan))
         return RankResult(rank=rank, pipeline=slot.pipeline, stage=slot.stage,
-                          tensor_rank=slot.tensor_rank, losses=losses, step_times=times,
+                          tensor_rank=slot.tensor_rank, losses=losses, eval_loss=eval_loss,
+                          step_times=times,
                           params=params, extra=hooks.report() if hooks.report else None)
     finally:
         _backward_wrapper[0] = None
@@ -454,7 +479,7 @@ def train_plan(plan: Plan, config: TrainConfig | None = None,
     ranks = spawn(_rank_entry, plan.world_size, args=(plan, config, hooks_factory),
                   timeout_s=config.timeout_s, threads_per_rank=config.threads_per_rank, env=env)
     params = _merge_params(plan, ranks) if config.gather_params else {}
-    return TrainResult(losses=ranks[0].losses, params=params,
+    return TrainResult(losses=ranks[0].losses, eval_loss=ranks[0].eval_loss, params=params,
                        step_times={r.rank: r.step_times for r in ranks}, ranks=ranks)
 
 
@@ -468,6 +493,9 @@ def compare_results(result: TrainResult, reference: TrainResult, *, rtol: float 
             return f"step {step}: loss {a!r} vs reference {b!r}"
     if len(result.losses) != len(reference.losses):
         return f"{len(result.losses)} steps vs reference {len(reference.losses)}"
+    a, b = result.eval_loss, reference.eval_loss
+    if (a is None) != (b is None) or (a is not None and not abs(a - b) <= atol + rtol * abs(b)):
+        return f"forward-only loss after training: {a!r} vs reference {b!r}"
     if set(result.params) != set(reference.params):
         return (f"parameter names differ: only in result {sorted(set(result.params) - set(reference.params))}, "
                 f"only in reference {sorted(set(reference.params) - set(result.params))}")

@@ -51,6 +51,7 @@ def reference():
 
 def test_reference_trains(reference):
     assert len(reference.losses) == CONFIG.steps
+    assert reference.eval_loss is not None  # the forward-only schedule ran
     assert len(set(reference.losses)) == CONFIG.steps  # the model changes between steps
     names = set(reference.params)
     assert {"embedding.word_embeddings.weight", "output_layer.weight",
@@ -73,6 +74,44 @@ def _wrong_share(plan, rank):
 def test_wrong_share_is_caught(reference):
     result = train_plan(PLANS["c_dp2_microbatches_3_1"], CONFIG, hooks_factory=_wrong_share)
     assert compare_results(result, reference, rtol=RTOL, atol=ATOL) is not None
+
+
+def test_tied_embeddings_pp2():
+    """The last stage's copy of a shared embedding is synchronized through the embedding group."""
+    plan = tiny_plan([1, 5], [(1, 4)], untie_embeddings_and_output_weights=False)
+    result, ref = train_plan(plan, CONFIG), train_plan(reference_plan(plan), CONFIG)
+    assert "output_layer.weight" not in ref.params
+    assert compare_results(result, ref, rtol=RTOL, atol=ATOL) is None
+
+
+class _Counter:
+    def __init__(self):
+        self.counts = {"forward": 0, "backward": 0}
+        self.steps = []
+
+    def compute(self, kind):
+        import contextlib
+        self.counts[kind] += 1
+        return contextlib.nullcontext()
+
+
+def _counting_hooks(plan, rank):
+    counter = _Counter()
+    return RankHooks(compute=counter.compute,
+                     on_step_end=lambda step, wall: counter.steps.append((step, wall > 0)),
+                     report=lambda: (counter.counts, counter.steps))
+
+
+def test_hooks_see_every_micro_batch_step():
+    plan = PLANS["d_pp2_dp2"]
+    config = TrainConfig(steps=2, gather_params=False)
+    result = train_plan(plan, config, hooks_factory=_counting_hooks)
+    for r in result.ranks:
+        counts, steps = r.extra
+        n = config.steps * plan.pipelines[r.pipeline].num_microbatches
+        assert counts == {"forward": n, "backward": n}, (r.rank, counts)
+        assert steps == [(0, True), (1, True)]
+        assert len(result.step_times[r.rank]) == config.steps
 
 
 def test_megatron_core_017(mcore017_env):
