@@ -135,6 +135,7 @@ def test_usage_records_measured_and_estimated():
     assert a100["source"] == "partly measured"
     assert report["V100-SXM2-32GB"]["source"] == "catalog"
     assert len(usage.summary_lines(["V100-SXM2-32GB"])) == 2
+    assert usage.report(["V100-SXM2-32GB"])["A100-SXM-80GB"]["source"].startswith("unused")
 
 
 def load_profile_from(data: ProfileData):

@@ -302,14 +302,17 @@ class ProfileUsage:
     def report(self, device_types: Iterable[str] = ()) -> dict:
         """Plain data for the JSON report: per device type, where its figures came from."""
         out: dict[str, dict] = {}
-        for name in sorted(set(device_types) | set(self.profiles)):
+        used = set(device_types)
+        for name in sorted(used | set(self.profiles)):
             p = self.profiles.get(name)
             if p is None:
                 out[name] = {"source": "catalog", "profile": None,
                              "note": "no profile: catalog bf16_tflops x catalog efficiency"}
                 continue
             t = self._tally[name]
-            if t.measured + t.interpolated and not t.estimated:
+            if used and name not in used:
+                source = "unused (the plan has no such device)"
+            elif t.measured + t.interpolated and not t.estimated:
                 source = "measured"
             elif t.measured + t.interpolated:
                 source = "partly measured"
