@@ -5,6 +5,7 @@ device type the plan expects."""
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import subprocess
@@ -89,6 +90,7 @@ def check_probes(found: dict[int, tuple], plan_path: Path, nodes: dict[str, str]
             assert node == nodes[{A100: "a100", V100: "v100"}[device]], f"rank {rank} on {node}"
 
 
+@pytest.mark.slow
 def test_slurm_hetjob_runs_one_task_per_gpu_on_its_partition(slurm_cluster, plan4, tmp_path):
     out = tmp_path / "job.out"
     log, _ = sbatch_wait(plan4, out, launch_env(MH_LAUNCH="patched", MH_PRETRAIN_SCRIPT=str(PROBE)),
@@ -98,6 +100,7 @@ def test_slurm_hetjob_runs_one_task_per_gpu_on_its_partition(slurm_cluster, plan
     check_probes(probes(log), plan4, slurm_cluster["nodes"])
 
 
+@pytest.mark.slow
 def test_slurm_job_fails_when_a_rank_fails(slurm_cluster, plan4, tmp_path):
     script = tmp_path / "fail_on_rank_2.py"
     script.write_text("import os, sys, time\n"
@@ -109,6 +112,7 @@ def test_slurm_job_fails_when_a_rank_fails(slurm_cluster, plan4, tmp_path):
     assert "FAILED" in states, (states, log)
 
 
+@pytest.mark.slow
 def test_torchrun_launcher_two_hosts(plan4, tmp_path):
     hosts = tmp_path / "hosts"
     hosts.write_text(f"localhost {A100} 2\nlocalhost {V100} 2\n")
@@ -127,3 +131,43 @@ def test_torchrun_launcher_two_hosts(plan4, tmp_path):
                 p.kill()
     assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)
     check_probes(probes("\n".join(logs)), plan4, None)
+
+
+SLOT_LINE = re.compile(r"megatron-hetero: launcher rank (\d+) \((\S+)\) -> Megatron rank (\d+): "
+                       r"pipeline (\d+) stage (\d+) tp (\d+)")
+
+
+@pytest.mark.slow
+def test_slurm_trains_tiny_megatron_on_cpu_backend(slurm_cluster, tmp_path, mcore017_env):
+    """The batch script runs `python -m megatron_hetero.launch` on a pretrain_gpt.py-style script
+    (megatron.training 0.17.1, CPU backend) for 2 steps with a 4-rank PP=2 x DP=2 plan whose
+    replicas run 3 and 1 micro-batches and mix GPU types: every rank plays a slot of its device
+    type, and the losses are finite."""
+    from tests.runtime.launching import BASE_ARGS, TRAIN_SCRIPT, logged_losses
+    from tests.runtime.plans import make_plan
+
+    from megatron_hetero.plan import save_plan
+
+    # Stage 0 runs on an A100 in pipeline 0 and on a V100 in pipeline 1: Slurm's task order
+    # (the A100 component first) is not the plan's, so the runtime must move ranks.
+    plan = make_plan(split=(1, 1), devices=[[A100, V100], [V100, A100]], replicas=[(1, 3), (1, 1)])
+    plan_path = tmp_path / "plan.yaml"
+    save_plan(plan, plan_path)
+    env = launch_env(MH_LAUNCH="module", MH_PRETRAIN_SCRIPT=str(TRAIN_SCRIPT),
+                     MEGATRON_HETERO_CPU="1", MEGATRON_HETERO_VERBOSE="1",
+                     TINY_LOG=str(tmp_path / "log"), PYTHONPATH=mcore017_env["PYTHONPATH"])
+    log, _ = sbatch_wait(plan_path, tmp_path / "job.out", env, *BASE_ARGS, "--train-iters", "2",
+                         timeout=420)
+    slots = {int(m.group(3)): m.groups() for m in SLOT_LINE.finditer(log)}
+    assert sorted(slots) == list(range(plan.world_size)), log[-4000:]
+    launchers = set()
+    moved = 0
+    for rank, (launcher, device, _, pipe, stage, tp) in slots.items():
+        slot = plan.slot_of_rank(rank)
+        assert (int(pipe), int(stage), int(tp)) == (slot.pipeline, slot.stage, slot.tensor_rank)
+        assert device == plan.device_type_of_rank(rank), f"Megatron rank {rank} on a {device}"
+        launchers.add(int(launcher))
+        moved += int(launcher) != rank
+    assert launchers == set(range(plan.world_size)) and moved > 0
+    losses = logged_losses(log)
+    assert len(losses) == 2 and all(math.isfinite(x) and x > 0 for x in losses), log[-4000:]
