@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     ap.add_argument("scenarios", nargs="*", help="scenario files (default: all in examples/scenarios)")
     args = ap.parse_args(argv)
     paths = [Path(p) for p in args.scenarios] or sorted(SCENARIOS.glob("*.yaml"))
-    header = (f"{'scenario':34s} {'GPUs':>5s} {'search s':>8s} {'tuned s':>9s} {'baseline s':>10s} "
+    header = (f"{'scenario':34s} {'GPUs':>5s} {'search s':>8s} {'cpu s':>6s} {'tuned s':>9s} {'baseline s':>10s} "
               f"{'bound s':>9s} {'speedup':>7s} {'room':>6s} {'effic.':>6s}  plan")
     print(header)
     print("-" * len(header))
@@ -52,14 +52,16 @@ def main(argv=None) -> int:
         p = r.plan
         base = r.baseline_sim.step_time_s if r.baseline_sim else float("nan")
         pred, bound = r.sim.step_time_s, r.upper_bound_step_time_s
-        print(f"{path.stem:34s} {inventory.num_gpus:5d} {r.search_time_s:8.2f} {pred:9.2f} "
+        print(f"{path.stem:34s} {inventory.num_gpus:5d} {r.search_time_s:8.2f} {r.search_cpu_s:6.2f} {pred:9.2f} "
               f"{base:10.2f} {bound:9.2f} {base / pred:7.2f} {base / bound:6.2f} {bound / pred:6.3f}  "
               f"TP{p.tensor_model_parallel_size} PP{p.pipeline_model_parallel_size} "
               f"DP{p.data_parallel_size} mbs{p.pipelines[0].micro_batch_size} "
               f"GPUs {sum(p.device_counts().values())}"
               + (" (baseline)" if r.fell_back_to_baseline else ""))
         sys.stdout.flush()
-    print("\nspeedup = baseline / tuned; room = baseline / upper bound (the most any plan could "
+    print("\nsearch s: wall clock; cpu s: this process's CPU time (what the search costs when "
+          "the machine is shared).")
+    print("speedup = baseline / tuned; room = baseline / upper bound (the most any plan could "
           "gain); efficiency = upper bound / tuned.")
     return 0
 

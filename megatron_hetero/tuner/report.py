@@ -75,6 +75,7 @@ def report_dict(result, plan_path: str | None) -> dict:
         "baseline_step_time_s": base.step_time_s if base else None,
         "upper_bound_step_time_s": result.upper_bound_step_time_s,
         "search_time_s": result.search_time_s,
+        "search_cpu_s": result.search_cpu_s,
         "megatron_args": megatron_args(plan, plan_path),
         "tokens_per_s": sim.tokens_per_s,
         "mfu": sim.mfu,

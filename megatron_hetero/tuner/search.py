@@ -114,6 +114,8 @@ class TuneResult:
     baseline_sim: SimResult | None
     upper_bound_step_time_s: float
     search_time_s: float
+    search_cpu_s: float
+    """CPU seconds of this process during the search (independent of other load)."""
     structures_evaluated: int
     fell_back_to_baseline: bool
 
@@ -139,7 +141,8 @@ class _Search:
         self.model, self.inv, self.gbs, self.opt = model, inventory, gbs, options
         self.profiles = profiles
         self._costs: dict[str, CostModel] = {}
-        self._tables: dict[tuple, tuple] = {}
+        self._tables: dict[tuple, _Table] = {}
+        self._links: dict[tuple, float] = {}
         counts = inventory.gpu_counts()
         spec = inventory.spec
         # memory-rich first, then faster, then by name
@@ -361,6 +364,13 @@ class _Search:
         return _Candidate(st, split, rec, off, mb, step, prec)
 
     def _link_estimate(self, types: tuple[str, ...], s: int, tp: int) -> float:
+        key = (types[s], types[s + 1], types.count(types[s]) * tp)
+        got = self._links.get(key)
+        if got is None:
+            got = self._links[key] = self._link_estimate_uncached(types, s, tp)
+        return got
+
+    def _link_estimate_uncached(self, types: tuple[str, ...], s: int, tp: int) -> float:
         a, b = types[s], types[s + 1]
         if a != b:
             return self.inv.inter_group_bandwidth_gb_s
@@ -376,14 +386,18 @@ class _Search:
             return 0.0
         worst = 0.0
         for s in range(st.pp):
-            column = {types[s] for types, _ in st.templates}
-            groups = [i for i, g in enumerate(self.inv.groups) if g.gpu in column]
-            if len(groups) > 1:
-                bw = self.inv.inter_group_bandwidth_gb_s
-            elif D * st.tp <= self.inv.groups[groups[0]].gpus_per_node:
-                bw = self.inv.intra_node_bandwidth(groups[0])
-            else:
-                bw = self.inv.inter_node_bandwidth(groups[0])
+            column = frozenset(types[s] for types, _ in st.templates)
+            key = (column, D * st.tp)
+            bw = self._links.get(key)
+            if bw is None:
+                groups = [i for i, g in enumerate(self.inv.groups) if g.gpu in column]
+                if len(groups) > 1:
+                    bw = self.inv.inter_group_bandwidth_gb_s
+                elif D * st.tp <= self.inv.groups[groups[0]].gpus_per_node:
+                    bw = self.inv.intra_node_bandwidth(groups[0])
+                else:
+                    bw = self.inv.inter_node_bandwidth(groups[0])
+                self._links[key] = bw
             params = cost.stage_params(split[s], s == 0, s == st.pp - 1, st.tp)
             worst = max(worst, cost.dp_sync_seconds(params, D, bw))
         return worst
@@ -463,7 +477,7 @@ def tune(model: ModelSpec, inventory: Inventory, global_batch_size: int, *,
          profiles: Mapping[str, DeviceProfile] = {}, options: TuneOptions | None = None) -> TuneResult:
     """Search the fastest plan for ``model`` on ``inventory``; see the module docstring."""
     options = options or TuneOptions()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     search = _Search(model, inventory, global_batch_size, profiles, options)
     structures = search.structures()
     if not structures:
@@ -489,12 +503,13 @@ def tune(model: ModelSpec, inventory: Inventory, global_batch_size: int, *,
     if best is None and base_best is None:
         raise InfeasibleError(search.infeasible_message())
     fell_back = False
-    if best is None or (base_best is not None and base_best[1].step_time_s < best[1].step_time_s):
+    if best is None or (base_best is not None
+                        and base_best[1].step_time_s < best[1].step_time_s * (1 - 1e-9)):
         best, fell_back = base_best, True
     plan, sim = best
     upper = upper_bound_step_time(model, inventory, global_batch_size,
                                   search.cost(search.precision_for(search.types)))
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
     plan.prediction = {"step_time_s": round(sim.step_time_s, 6),
                        "tokens_per_s": round(sim.tokens_per_s, 3), "mfu": round(sim.mfu, 6),
                        "baseline_step_time_s": round(base_best[1].step_time_s, 6) if base_best else None,
@@ -503,5 +518,5 @@ def tune(model: ModelSpec, inventory: Inventory, global_batch_size: int, *,
         del plan.prediction["baseline_step_time_s"]
     return TuneResult(plan=plan, sim=sim, baseline_plan=base_best[0] if base_best else None,
                       baseline_sim=base_best[1] if base_best else None,
-                      upper_bound_step_time_s=upper, search_time_s=elapsed,
+                      upper_bound_step_time_s=upper, search_time_s=elapsed, search_cpu_s=cpu,
                       structures_evaluated=search.evaluated, fell_back_to_baseline=fell_back)

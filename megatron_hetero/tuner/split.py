@@ -12,7 +12,8 @@ def min_max_split(costs: np.ndarray, total: int) -> tuple[float, list[int]] | No
     ``costs[s, n]`` (the cost of stage ``s`` holding ``n`` layers; ``inf`` where it cannot).
 
     ``costs`` has shape ``(p, total + 1)``; column 0 is ignored. Returns (cost, split), or None
-    when no split is finite. Ties go to the split that puts more layers on earlier stages.
+    when no split is finite. Among ties, earlier stages get fewer layers: in 1F1B the first
+    stage finishes last, so its optimizer step (and the embedding's) ends the step.
     """
     p = costs.shape[0]
     if p > total:
@@ -29,11 +30,10 @@ def min_max_split(costs: np.ndarray, total: int) -> tuple[float, list[int]] | No
     for s in range(p):
         cand = np.maximum(best[prev_pos], costs[s, 1:][None, :])
         cand[~valid] = inf
-        # argmin over reversed n: prefer the largest n among ties
-        rev = cand[:, ::-1]
-        pick = rev.argmin(axis=1)
-        choice[s] = total - pick
-        best = rev[np.arange(total + 1), pick]
+        # first argmin: the fewest layers on this stage among ties, so later stages take more
+        pick = cand.argmin(axis=1)
+        choice[s] = pick + 1
+        best = cand[np.arange(total + 1), pick]
     if not np.isfinite(best[total]):
         return None
     split = []
