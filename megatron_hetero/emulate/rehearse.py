@@ -57,6 +57,9 @@ class RehearsalConfig:
     memory_cap: bool = True
     """Cap each rank's memory to its device's memory scaled with the model (see :mod:`.memory`)."""
     seed: int = 1234
+    nice: int = 0
+    """``os.nice`` increment of the rank processes (negative, as root, shields the emulated
+    timing from other work on a busy machine)."""
     max_ranks: int = MAX_RANKS
     timeout_s: float = 600.0
     """Hard limit on the whole multi-process run."""
@@ -166,6 +169,10 @@ class Calibration:
     """gloo point-to-point bandwidth between two ranks of this machine (measured at start)."""
 
 
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
 def _median(xs: list[float]) -> float:
     xs = sorted(xs)
     return xs[len(xs) // 2]
@@ -193,8 +200,9 @@ def _ping_pong(rank: int, size_bytes: int, reps: int) -> float:
 
 
 def _calibrate_rank(rank: int, world_size: int, shrunk: Plan, reps: int, seed: int,
-                    meter: bool) -> Calibration | None:
+                    meter: bool, nice: int = 0) -> Calibration | None:
     """Runs in a 2-rank gloo group: both measure gloo p2p, then rank 0 times the model parts."""
+    _renice(nice)
     import time
 
     import torch
@@ -294,7 +302,7 @@ def _calibrate_rank(rank: int, world_size: int, shrunk: Plan, reps: int, seed: i
 
 
 def calibrate(shrunk: Plan, *, reps: int = 5, seed: int = 1234, meter: bool = True,
-              timeout_s: float = 120.0) -> Calibration:
+              timeout_s: float = 120.0, nice: int = 0) -> Calibration:
     """Measure what the emulated cluster is made of, on two CPU processes: the gloo
     point-to-point latency and bandwidth between them, and the CPU seconds (thread CPU time, one
     thread, as the ranks run, under the same activation accounting when ``meter``) of one
@@ -303,7 +311,8 @@ def calibrate(shrunk: Plan, *, reps: int = 5, seed: int = 1234, meter: bool = Tr
     plan."""
     from .spawn import spawn
 
-    return spawn(_calibrate_rank, 2, args=(shrunk, reps, seed, meter), timeout_s=timeout_s)[0]
+    return spawn(_calibrate_rank, 2, args=(shrunk, reps, seed, meter, nice),
+                 timeout_s=timeout_s)[0]
 
 # -- prediction of the emulated cluster -----------------------------------------------------------
 
@@ -395,6 +404,7 @@ class _RankEmulation:
         self.speed, self.meter = speed, meter
         self.busy: list[float] = []
         self.cpu: list[float] = []
+        self.drift: list[float] = []
         self._last = (0.0, 0.0)
 
     @contextlib.contextmanager
@@ -405,9 +415,13 @@ class _RankEmulation:
             yield
 
     def on_step_end(self, step: int, wall_s: float) -> None:
-        self.busy.append(self.speed.busy_s - self._last[0])
-        self.cpu.append(self.speed.cpu_s - self._last[1])
-        self._last = (self.speed.busy_s, self.speed.cpu_s)
+        sp = self.speed
+        self.busy.append(sp.busy_s - self._last[0])
+        self.cpu.append(sp.cpu_s - self._last[1])
+        self.drift.append(sp.drift_s)
+        if step == 0:
+            sp.drift_s = 0.0  # one-time costs of the warm-up are not carried into the next steps
+        self._last = (sp.busy_s, sp.cpu_s)
         if self.meter is not None and self._built is not None:
             self.meter.count_static(*self._built)  # the optimizer state exists after a step
 
@@ -420,7 +434,8 @@ class _RankEmulation:
 
     def report(self) -> dict:
         meter = self.meter
-        return {"busy": self.busy, "cpu": self.cpu, "factor": self.speed.factor,
+        return {"busy": self.busy, "cpu": self.cpu, "drift": self.drift,
+                "factor": self.speed.factor,
                 "slept_s": self.speed.slept_s,
                 "peak_bytes": meter.peak_bytes if meter else None,
                 "cap_bytes": meter.cap if meter else None}
@@ -457,14 +472,23 @@ def _corrupt_pipeline(pipeline: int) -> None:
     trainer._micro_batches = micro_batches
 
 
+def _renice(nice: int) -> None:
+    if nice:
+        try:
+            os.nice(nice)
+        except OSError:  # lowering the nice value needs privileges; run at the default then
+            pass
+
+
 def _rank_hooks(plan: Plan, rank: int, *, factors: dict[str, float], time_scale: float,
                 caps: dict[int, tuple[float, float, float]] | None,
-                corrupt_pipeline: int | None = None):
+                corrupt_pipeline: int | None = None, nice: int = 0):
     """``hooks_factory`` of the rehearsal (runs inside each rank process)."""
     from .memory import MemoryMeter
     from .speed import SpeedEmulation
     from .trainer import RankHooks
 
+    _renice(nice)
     slot = plan.slot_of_rank(rank)
     device = plan.stage(slot.pipeline, slot.stage).device_type
     speed = SpeedEmulation(slowdown=factors[device] / time_scale, time_scale=time_scale,
@@ -498,6 +522,9 @@ class StageReport:
     """Forward and backward compute, stretched: the emulated device's busy time."""
     cpu_s: float
     """CPU seconds of real work inside the busy time."""
+    drift_s: float = 0.0
+    """Largest lag, at a step's end, of this rank's compute behind its emulated duration (other
+    processes held the cores): emulation error, included in busy_s."""
     peak_bytes: float | None
     cap_bytes: float | None
     predicted_busy_s: float | None = None
@@ -519,7 +546,8 @@ class RehearsalResult:
     """The shrunk plan that ran."""
     stages: list[StageReport]
     step_s: float
-    """Measured step time: the median over the reported steps of the slowest rank."""
+    """Measured step time: the mean over the reported steps of the slowest rank (a rank that fell
+    behind its emulated time in one step makes it up in the next, so the mean is the figure)."""
     step_times: list[float]
     """Per reported step, the slowest rank's wall seconds."""
     predicted_step_s: float | None
@@ -566,13 +594,15 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
 
     if calibration is None:
         say("calibrating the CPU and gloo")
-        calibration = calibrate(shrunk, seed=config.seed, meter=config.memory_cap)
+        calibration = calibrate(shrunk, seed=config.seed, meter=config.memory_cap,
+                                nice=config.nice)
     say(f"running {config.steps} steps on {shrunk.world_size} CPU ranks")
     tconf = TrainConfig(steps=config.steps, seed=config.seed, gather_params=verify,
                         timeout_s=config.timeout_s)
     corrupt = os.environ.get(_CORRUPT_ENV)
     hooks = functools.partial(_rank_hooks, factors=factors, time_scale=config.time_scale,
-                              caps=caps, corrupt_pipeline=int(corrupt) if corrupt else None)
+                              caps=caps, corrupt_pipeline=int(corrupt) if corrupt else None,
+                              nice=config.nice)
     try:
         result = train_plan(shrunk, tconf, hooks_factory=hooks)
     except SpawnError as exc:
@@ -600,14 +630,15 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
         stages.append(StageReport(
             pipeline=r.pipeline, stage=r.stage, device_type=st.device_type,
             num_layers=st.num_layers, num_microbatches=shrunk.pipelines[r.pipeline].num_microbatches,
-            factor=extra["factor"], step_s=_median([r.step_times[k] for k in steps]),
-            busy_s=_median([extra["busy"][k] for k in steps]),
-            cpu_s=_median([extra["cpu"][k] for k in steps]),
+            factor=extra["factor"], step_s=_mean([r.step_times[k] for k in steps]),
+            busy_s=_mean([extra["busy"][k] for k in steps]),
+            cpu_s=_mean([extra["cpu"][k] for k in steps]),
+            drift_s=max(extra["drift"][k] for k in steps),
             peak_bytes=extra["peak_bytes"], cap_bytes=extra["cap_bytes"],
             predicted_busy_s=pred.busy_s, predicted_idle_s=sim.step_time_s - pred.busy_s))
     stages.sort(key=lambda s: (s.pipeline, s.stage))
     del tp
-    return RehearsalResult(plan=shrunk, stages=stages, step_s=_median(step_times),
+    return RehearsalResult(plan=shrunk, stages=stages, step_s=_mean(step_times),
                            step_times=step_times, predicted_step_s=sim.step_time_s,
                            losses=result.losses, calibration=calibration,
                            verify_message=verify_message)
@@ -647,8 +678,15 @@ def format_report(result: RehearsalResult, *, source: str = "PLAN", real: ModelS
             f" | {st.predicted_busy_s:>9.3f} {st.predicted_idle_s:>9.3f} {pred_bubble:>6.1%}"
             f" | {mem:>16}")
     lines.append("")
+    worst = max((st.drift_s for st in result.stages), default=0.0)
+    if worst > 0.02 * result.step_s:
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+        lines.append(f"note: other processes held the cores: a rank's compute ran up to "
+                     f"{worst:.3f} s behind its emulated time at a step's end (load average "
+                     f"{load:.1f} on {os.cpu_count()} cores); measured times are too long by "
+                     f"up to that much")
     if result.predicted_step_s:
-        lines.append(f"step time: measured {result.step_s:.3f} s (median of {n_steps}), predicted "
+        lines.append(f"step time: measured {result.step_s:.3f} s (mean of {n_steps}), predicted "
                      f"{result.predicted_step_s:.3f} s by the tuner's cost model for this emulated "
                      f"cluster; measured/predicted {result.ratio:.2f}")
     lines.append("losses: " + ", ".join(f"{x:.4f}" for x in result.losses))

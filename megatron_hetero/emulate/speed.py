@@ -15,11 +15,14 @@ Sleeping waits; it does not burn a core that the other ranks need.
   more ranks than cores a value above 1 keeps the cores idle part of the time, so that the
   emulated ranks do not steal CPU from each other and step times stay close to the emulated ones.
 
-With ``absorb_contention`` (what the rehearsal uses) the sleep is ``factor x cpu_time`` minus
-the wall time the step already took, so a step that lost time to other processes on the same
-cores sleeps that much less: its duration is ``factor x cpu_time`` whenever the contention
-stayed below the sleep budget, instead of ``wall + (factor - 1) x cpu_time``. Without
-contention both rules sleep the same ``(factor - 1) x cpu_time``.
+With ``absorb_contention`` (what the rehearsal uses) the rank keeps an emulated clock: the
+sleep is ``factor x cpu_time`` minus the wall time the step already took, minus the *drift*
+(how far this rank's compute so far has run behind its emulated duration: time lost to other
+processes beyond a sleep budget, or sleeps that overshot). A step that lost time to other
+processes on the same cores sleeps that much less, and a loss too large for one step's budget is
+made up in the next ones, so the rank's total compute time stays ``factor x`` its CPU time
+instead of ``wall + (factor - 1) x cpu_time``. Without contention both rules sleep the same
+``(factor - 1) x cpu_time``.
 
 The emulated device then achieves ``cpu_flops / factor`` FLOP/s, which is what the rehearsal's
 prediction feeds the cost model (see :func:`emulated_flops`).
@@ -84,6 +87,9 @@ class SpeedEmulation:
     """Seconds actually slept to stretch them (measured, so sleep overshoot is included)."""
     busy_s: float = 0.0
     """Wall seconds spent inside the wrapped steps, sleeps included: this rank's busy time."""
+    drift_s: float = 0.0
+    """With ``absorb_contention``: wall seconds the wrapped steps have taken so far beyond
+    ``factor x`` their CPU time, not yet made up (emulation error; 0 when all is well)."""
     steps: int = 0
     """Wrapped steps so far."""
     clock_name: str = field(default="", init=False)
@@ -112,22 +118,26 @@ class SpeedEmulation:
             if not self.enabled:
                 extra = 0.0
             elif self.absorb_contention:
-                extra = self.factor * cpu - (time.perf_counter() - wall0)
+                extra = self.factor * cpu - (time.perf_counter() - wall0) - self.drift_s
             else:
                 extra = (self.factor - 1.0) * cpu
             if extra > 0:
                 t = time.perf_counter()
                 time.sleep(extra)
                 self.slept_s += time.perf_counter() - t
+            wall = time.perf_counter() - wall0
+            if self.absorb_contention and self.enabled:
+                self.drift_s += wall - self.factor * cpu
             self.cpu_s += cpu
-            self.busy_s += time.perf_counter() - wall0
+            self.busy_s += wall
             self.steps += 1
 
     def reset(self) -> None:
         """Forget the accounting (e.g. after the warm-up step)."""
-        self.cpu_s = self.slept_s = self.busy_s = 0.0
+        self.cpu_s = self.slept_s = self.busy_s = self.drift_s = 0.0
         self.steps = 0
 
     def totals(self) -> dict[str, float]:
         return {"cpu_s": self.cpu_s, "slept_s": self.slept_s, "busy_s": self.busy_s,
+                "drift_s": self.drift_s,
                 "steps": float(self.steps), "factor": self.factor}

@@ -93,3 +93,15 @@ def test_absorb_contention_counts_lost_wall_time_against_the_sleep():
         _burn(0.02)
         time.sleep(0.03)
     assert plain.busy_s >= 0.03 + 4.0 * plain.cpu_s * 0.95
+
+
+def test_time_lost_beyond_one_steps_budget_is_made_up_in_the_next():
+    emu = SpeedEmulation(slowdown=4.0, absorb_contention=True)
+    with emu.step():
+        _burn(0.01)
+        time.sleep(0.1)  # far more than this step's budget of 3 x 0.01 s
+    assert emu.drift_s > 0.05
+    with emu.step():
+        _burn(0.03)
+    assert emu.busy_s == pytest.approx(4.0 * emu.cpu_s, rel=0.1, abs=0.01)
+    assert abs(emu.drift_s) < 0.01
