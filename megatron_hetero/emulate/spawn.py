@@ -14,8 +14,12 @@ Public API
 
 ``fn`` must be importable by name (a module-level function): the processes are started with the
 ``forkserver`` method, whose server imports torch and megatron-core once (``preload``), so each
-rank starts in well under a second instead of re-importing them. Each rank runs torch with
-``threads_per_rank`` intra-op threads (default 1: ranks share this machine's cores).
+rank starts in well under a second instead of re-importing them. The server is started by the
+first call and lives as long as this process: the ``preload`` of later calls is ignored, and
+each rank gets the caller's environment at the time of the call (plus ``env``), not the
+server's. A script that calls ``spawn`` needs the ``if __name__ == "__main__":`` guard. Each
+rank runs torch with ``threads_per_rank`` intra-op threads (default 1: ranks share this
+machine's cores).
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ def free_port() -> int:
 
 
 def _worker(fn, rank, world_size, port, args, kwargs, results, init_pg, threads, env):
+    os.environ.clear()  # the forkserver's environment is the one it started with
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
@@ -108,7 +113,8 @@ def spawn(fn: Callable[..., Any], world_size: int, *, args: Sequence = (),
     port = free_port()
     procs = [ctx.Process(target=_worker, name=f"rank{r}", daemon=True,
                          args=(fn, r, world_size, port, tuple(args), dict(kwargs or {}), results,
-                               init_process_group, threads_per_rank, dict(env or {})))
+                               init_process_group, threads_per_rank,
+                               {**os.environ, **(env or {})}))
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -142,9 +142,22 @@ def _sleep(rank, world_size):
     time.sleep(60)
 
 
+def _env_rank(rank, world_size):
+    import os
+    return os.environ.get("HETERO_SPAWN_TEST"), os.environ.get("HETERO_SPAWN_EXTRA"), \
+        os.environ["RANK"]
+
+
 def test_spawn_returns_values_in_rank_order():
     assert spawn(_all_reduce_rank, 3, args=(2.0,), timeout_s=60) == [
         (0, 3, 12.0), (1, 3, 12.0), (2, 3, 12.0)]
+
+
+def test_spawn_ranks_see_the_callers_environment(monkeypatch):
+    spawn(_env_rank, 1, init_process_group=False)  # the forkserver runs before the variable
+    monkeypatch.setenv("HETERO_SPAWN_TEST", "set later")
+    assert spawn(_env_rank, 2, init_process_group=False, env={"HETERO_SPAWN_EXTRA": "x"}) == [
+        ("set later", "x", "0"), ("set later", "x", "1")]
 
 
 def test_spawn_propagates_first_failure_with_rank_and_traceback():

@@ -37,6 +37,7 @@ PLANS = {
     "c_dp2_microbatches_3_1": tiny_plan([6], [(1, 3), (1, 1)]),
     "d_pp2_dp2": tiny_plan([1, 5], [(1, 3), (1, 1)]),
     "e_tp2": tiny_plan([6], [(1, 4)], tp=2),
+    "f_tp2_pp2_split_2_4": tiny_plan([2, 4], [(1, 4)], tp=2),
 }
 
 
