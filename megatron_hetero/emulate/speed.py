@@ -83,6 +83,8 @@ class SpeedEmulation:
     """Sleep ``factor x cpu - wall`` instead of ``(factor - 1) x cpu`` (see the module doc)."""
     cpu_s: float = 0.0
     """CPU seconds of real work measured inside the wrapped steps."""
+    requested_s: float = 0.0
+    """Seconds of sleep the rule asked for (``slept_s`` adds the sleeps' overshoot)."""
     slept_s: float = 0.0
     """Seconds actually slept to stretch them (measured, so sleep overshoot is included)."""
     busy_s: float = 0.0
@@ -122,6 +124,7 @@ class SpeedEmulation:
             else:
                 extra = (self.factor - 1.0) * cpu
             if extra > 0:
+                self.requested_s += extra
                 t = time.perf_counter()
                 time.sleep(extra)
                 self.slept_s += time.perf_counter() - t
@@ -134,7 +137,7 @@ class SpeedEmulation:
 
     def reset(self) -> None:
         """Forget the accounting (e.g. after the warm-up step)."""
-        self.cpu_s = self.slept_s = self.busy_s = self.drift_s = 0.0
+        self.cpu_s = self.slept_s = self.busy_s = self.drift_s = self.requested_s = 0.0
         self.steps = 0
 
     def totals(self) -> dict[str, float]:
