@@ -1,10 +1,11 @@
 """Where each plan slot sits in the inventory, and which link two slots share.
 
-The plan names device types, not hosts. The mapping here is deterministic: pipelines are taken
-in data-parallel order and stages in pipeline order; each stage's tensor-parallel group goes to
-one node of its device type, preferring (1) the node of the previous stage of the same
-pipeline, (2) a node that pipeline already uses, (3) the first node with room, in inventory
-order (group, node). The launcher orders ranks the same way.
+The plan names device types, not hosts. The mapping here mirrors the runtime's
+(:func:`megatron_hetero.runtime.placement.assign_ranks`): tensor-parallel groups are handed out
+in Megatron rank order (stage by stage, and within a stage pipeline by pipeline), each to the
+next GPUs of its device type, nodes taken in inventory order (group, node). A tensor-parallel
+group never straddles two nodes. So a stage's data-parallel replicas sit side by side, and
+consecutive stages share a node only when a node holds both.
 """
 
 from __future__ import annotations
@@ -60,34 +61,27 @@ class Placement:
 
 def place(stage_types: list[list[str]], tp: int, inventory: Inventory) -> Placement:
     """Place stages (``stage_types[pipeline][stage]`` = device type) on the inventory's nodes."""
-    free: dict[Node, int] = {}
-    by_type: dict[str, list[Node]] = {}
+    nodes_of: dict[str, list[tuple[Node, int]]] = {}
     for gi, g in enumerate(inventory.groups):
         for ni in range(g.nodes):
-            node = Node(gi, ni)
-            free[node] = g.gpus_per_node
-            by_type.setdefault(g.gpu, []).append(node)
-    out: list[list[Node]] = []
-    for d, types in enumerate(stage_types):
-        row: list[Node] = []
-        used: list[Node] = []
-        for s, gpu in enumerate(types):
-            candidates = by_type.get(gpu, [])
-            pick = None
-            if row and row[-1] in candidates and free[row[-1]] >= tp:
-                pick = row[-1]
-            if pick is None:
-                pick = next((n for n in used if n in candidates and free[n] >= tp), None)
-            if pick is None:
-                pick = next((n for n in candidates if free[n] >= tp), None)
-            if pick is None:
-                have = sum(free[n] for n in candidates)
+            nodes_of.setdefault(g.gpu, []).append((Node(gi, ni), g.gpus_per_node))
+    cursor: dict[str, list[int]] = {gpu: [0, 0] for gpu in nodes_of}  # node index, GPUs used
+    D = len(stage_types)
+    p = len(stage_types[0]) if stage_types else 0
+    out: list[list[Node | None]] = [[None] * p for _ in range(D)]
+    for s in range(p):
+        for d in range(D):
+            gpu = stage_types[d][s]
+            nodes = nodes_of.get(gpu, [])
+            cur = cursor.setdefault(gpu, [0, 0])
+            while cur[0] < len(nodes) and nodes[cur[0]][1] - cur[1] < tp:
+                cur[0], cur[1] = cur[0] + 1, 0
+            if cur[0] >= len(nodes):
+                have = sum(n // tp for _, n in nodes) * tp
                 raise InfeasibleError(
                     f"cannot place pipelines[{d}].stages[{s}] ({tp} GPUs of type {gpu} in one "
-                    f"node): {inventory.source} has {have} {gpu} GPUs left, none {tp} in one node")
-            free[pick] -= tp
-            row.append(pick)
-            if pick not in used:
-                used.append(pick)
-        out.append(row)
-    return Placement(inventory, out)
+                    f"node): {inventory.source} holds {have} {gpu} GPUs in whole groups of {tp}, "
+                    "and the plan needs more")
+            out[d][s] = nodes[cur[0]][0]
+            cur[1] += tp
+    return Placement(inventory, out)  # type: ignore[arg-type]

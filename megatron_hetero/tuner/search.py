@@ -348,7 +348,7 @@ class _Search:
                 rk = ("none", None, None) if k == 0 else ("full", "block", k)
                 stage_t.append(cost.compute_times(types[s], split[s], s == 0, s == p - 1, mbs, tp, rk).total_s)
                 offload_tail = max(offload_tail, off[ti][s] * float(tables[ti][s].off_step[split[s]]))
-            sends = sum(2 * cost.p2p_seconds(mbs, self._link_estimate(types, s, tp), tp)
+            sends = sum(2 * cost.p2p_seconds(mbs, self._link_estimate(types, s, tp, D), tp)
                         for s in range(p - 1))
             c = max(stage_t)
             fixed += [sum(stage_t) - c + sends] * count
@@ -363,22 +363,23 @@ class _Search:
         step += self._sync_estimate(st, split, cost) + offload_tail
         return _Candidate(st, split, rec, off, mb, step, prec)
 
-    def _link_estimate(self, types: tuple[str, ...], s: int, tp: int) -> float:
-        key = (types[s], types[s + 1], types.count(types[s]) * tp)
-        got = self._links.get(key)
-        if got is None:
-            got = self._links[key] = self._link_estimate_uncached(types, s, tp)
-        return got
-
-    def _link_estimate_uncached(self, types: tuple[str, ...], s: int, tp: int) -> float:
+    def _link_estimate(self, types: tuple[str, ...], s: int, tp: int, D: int) -> float:
+        """Bandwidth between stages ``s`` and ``s + 1`` under :func:`~megatron_hetero.cost.place`
+        (stage-major filling): the same node when a node holds both stages of all pipelines."""
         a, b = types[s], types[s + 1]
         if a != b:
             return self.inv.inter_group_bandwidth_gb_s
-        groups = [i for i, g in enumerate(self.inv.groups) if g.gpu == a]
-        g = self.inv.groups[groups[0]]
-        if types.count(a) * tp <= g.gpus_per_node:
-            return self.inv.intra_node_bandwidth(groups[0])
-        return self.inv.inter_node_bandwidth(groups[0])
+        key = (a, 2 * D * tp)
+        got = self._links.get(key)
+        if got is None:
+            gi = next(i for i, g in enumerate(self.inv.groups) if g.gpu == a)
+            g = self.inv.groups[gi]
+            if 2 * D * tp <= g.gpus_per_node:
+                got = self.inv.intra_node_bandwidth(gi)
+            else:
+                got = self.inv.inter_node_bandwidth(gi)
+            self._links[key] = got
+        return got
 
     def _sync_estimate(self, st: Structure, split: list[int], cost: CostModel) -> float:
         D = st.num_pipelines

@@ -120,19 +120,25 @@ def test_simulate_two_stage_plan_matches_hand_formula():
     assert res.fits_memory
 
 
-def test_placement_keeps_tp_in_a_node_and_pipelines_together():
-    inv = _inventory()
-    cost = CostModel(TINY, inv)
+def test_placement_follows_megatron_rank_order():
+    inv = _inventory()  # 2 A100 nodes of 4, 1 V100 node of 4
     stages = [["A100-SXM-80GB", "A100-SXM-80GB", "V100-SXM2-32GB"]] * 2
     from megatron_hetero.cost import place
     pl = place(stages, 2, inv)
-    assert pl.node(0, 0) == pl.node(0, 1)  # 4 GPUs per node, TP 2: both A100 stages share one
-    assert pl.node(1, 0) == pl.node(1, 1) != pl.node(0, 0)
+    # stage 0 of both pipelines fills the first A100 node, stage 1 the second
+    assert pl.node(0, 0) == pl.node(1, 0) != pl.node(0, 1) == pl.node(1, 1)
+    assert pl.node(0, 2) == pl.node(1, 2) and pl.node(0, 2).group == 1
+    assert pl.link_bandwidth(pl.node(0, 0), pl.node(0, 1)) == inv.inter_node_bandwidth(0)
     assert pl.link_bandwidth(pl.node(0, 1), pl.node(0, 2)) == inv.inter_group_bandwidth_gb_s
-    assert pl.slowest_bandwidth([pl.node(0, 0), pl.node(1, 0)]) == inv.inter_node_bandwidth(0)
+    assert pl.slowest_bandwidth([pl.node(0, 0), pl.node(1, 0)]) == inv.intra_node_bandwidth(0)
     from megatron_hetero.errors import InfeasibleError
     with pytest.raises(InfeasibleError, match="V100"):
         place([["V100-SXM2-32GB"]] * 3, 2, inv)
+    # a TP group never straddles nodes: 3 groups of 2 do not fit two nodes of 3
+    odd = inventory_from_data({"groups": [{"gpu": "A100-SXM-80GB", "nodes": 2, "gpus_per_node": 3}]})
+    assert len({place([["A100-SXM-80GB"]] * 2, 2, odd).node(d, 0) for d in range(2)}) == 2
+    with pytest.raises(InfeasibleError):
+        place([["A100-SXM-80GB"]] * 3, 2, odd)
 
 
 def test_profile_times_replace_estimates():
