@@ -52,10 +52,37 @@ def test_uneven_data_parallel_equals_one_replica(tmp_path):
     assert "global batch size:     4" in two[1][1]
 
 
+def _grad_norms(output: str) -> list[float]:
+    return [float(line.split("grad norm:")[1].split("|")[0]) for line in output.splitlines()
+            if "grad norm:" in line]
+
+
+def test_uneven_stages_and_data_parallel_equal_one_replica(tmp_path):
+    """Stages of 1 and 2 layers, two replicas 3:1 (4 processes) train exactly as the same
+    stages with one replica running all 4 micro-batches (2 processes)."""
+    uneven, single = tmp_path / "uneven.yaml", tmp_path / "single.yaml"
+    save_plan(make_plan(split=(1, 2), devices=[[A100, V100]] * 2, replicas=[(1, 3), (1, 1)]),
+              uneven)
+    save_plan(make_plan(split=(1, 2), devices=[[A100, V100]], replicas=[(1, 4)]), single)
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    four = launch(4, str(uneven), tmp_path / "a", timeout=400)
+    two = launch(2, str(single), tmp_path / "b", timeout=400)
+    for code, out, _ in four + two:
+        assert code == 0, out[-3000:]
+    assert [log["num_layers"] for _, _, log in four] == [1, 1, 2, 2]  # Megatron order tp-dp-pp
+    last_four = {k: v for _, _, log in four[2:] for k, v in _per_sample(log).items()}
+    last_two = _per_sample(two[1][2])
+    assert last_four.keys() == last_two.keys() == set(range(4, 8))
+    for i, loss in last_two.items():
+        assert last_four[i] == pytest.approx(loss, rel=1e-5), i
+    assert logged_losses(four[3][1]) == pytest.approx(logged_losses(two[1][1]), rel=1e-5)
+    assert _grad_norms(four[3][1]) == pytest.approx(_grad_norms(two[1][1]), rel=1e-4)
+
+
 def test_stage_specific_recompute_and_placement(tmp_path):
     """Recompute only on the stage the plan names; launcher ranks in the wrong order are
     placed on the stage of their device type."""
-    plan = make_plan(split=(1, 1), devices=[[A100, V100]], replicas=[(1, 2)],
+    plan = make_plan(split=(1, 2), devices=[[A100, V100]], replicas=[(1, 2)],
                      recompute=[None, {"granularity": "full", "method": "uniform",
                                        "num_layers": 1}])
     path = tmp_path / "plan.yaml"
@@ -66,9 +93,10 @@ def test_stage_specific_recompute_and_placement(tmp_path):
     v100, a100 = results[0][2], results[1][2]
     assert (v100["rank"], a100["rank"]) == (1, 0)  # launcher 0 (V100) plays stage 1
     assert v100["recompute"] == "full" and a100["recompute"] is None
-    runs = 2 * 2 * 1  # iterations x micro-batches x layers
-    assert a100["layer_calls"] == runs
-    assert v100["layer_calls"] == 2 * runs  # forward, then again in backward
+    assert (a100["num_layers"], v100["num_layers"]) == (1, 2)  # the plan's uneven split
+    runs = 2 * 2  # iterations x micro-batches
+    assert a100["layer_calls"] == runs * 1
+    assert v100["layer_calls"] == 2 * runs * 2  # every layer: forward, then again in backward
 
 
 def test_mismatch_and_conflict_stop_with_one_message(tmp_path):
