@@ -125,11 +125,11 @@ def run_plan(plan: Plan, profile: MeasuredProfile, args) -> dict:
 
 # -- main -------------------------------------------------------------------------------------
 
-def make_profile(path: Path, mbs: list[int]) -> MeasuredProfile:
+def make_profile(path: Path, mbs: list[int], tps: str = "1,2") -> MeasuredProfile:
     model_file = path.with_name("calib-model.yaml")
     model_file.write_text(yaml.safe_dump(dataclasses.asdict(MODEL), sort_keys=False))
     cmd = [sys.executable, "-m", "megatron_hetero.cli", "profile", "--model", str(model_file),
-           "--micro-batch-sizes", ",".join(map(str, mbs)), "--tensor-parallel-sizes", "1,2",
+           "--micro-batch-sizes", ",".join(map(str, mbs)), "--tensor-parallel-sizes", tps,
            "--repeats", "7", "--cpu-threads", "1", "-o", str(path)]
     print("$", " ".join(cmd[2:]), flush=True)
     subprocess.run(cmd, check=True, cwd=REPO)
@@ -148,8 +148,11 @@ def render(rows: list[dict], profile: MeasuredProfile, args) -> str:
         f"{args.time_scale:g}; {args.steps} rehearsal steps, the fastest after the first "
         f"counted; load average {args.load} when it started; profile "
         f"efficiency {d.efficiency:.3f} of a measured {d.device.peak_matmul_tflops * 1e3:.1f} "
-        f"GFLOP/s matmul peak. Predicted columns are seconds per step; errors are "
-        f"(predicted - measured) / measured.",
+        f"GFLOP/s matmul peak"
+        + (" (profiled again right before each plan)" if args.profile_each_plan
+           else " (profiled once, before the first plan)")
+        + ". Predicted columns are seconds per step; errors are (predicted - measured) / "
+          "measured.",
         "",
         "| plan | ranks | measured s | profile | error | rehearsal's calibration | error "
         "| efficiency only | error | no profile | error |",
@@ -190,6 +193,8 @@ def main(argv=None) -> int:
     ap.add_argument("--time-scale", type=float, default=3.0,
                     help="slow every emulated device by this much more (keeps 2 cores idle enough)")
     ap.add_argument("--quick", action="store_true", help="two plans only")
+    ap.add_argument("--profile-each-plan", action="store_true",
+                    help="profile again right before each plan (same load on a shared machine)")
     ap.add_argument("--json", type=Path, help="write the rows as JSON here")
     ap.add_argument("--write-docs", action="store_true", help=f"put the table into {DOC}")
     args = ap.parse_args(argv)
@@ -204,8 +209,12 @@ def main(argv=None) -> int:
             path = args.keep_profile or Path(tmp) / "cpu-profile.yaml"
             profile = make_profile(path, mbs)
         rows = []
-        for name, plan in todo:
-            row = {"plan": name, **run_plan(plan, profile, args)}
+        for i, (name, plan) in enumerate(todo):
+            if args.profile_each_plan and i > 0:
+                mbs = sorted({p.micro_batch_size for p in plan.pipelines})
+                profile = make_profile(Path(tmp) / f"cpu-profile-{i}.yaml", mbs, "1")
+            row = {"plan": name, "profile_efficiency": profile.efficiency,
+                   **run_plan(plan, profile, args)}
             rows.append(row)
             print(f"{name}: measured {row['measured_s']:.3f} s; predicted "
                   + ", ".join(f"{k} {v:.3f} s" for k, v in row["predicted_s"].items()), flush=True)
