@@ -227,10 +227,13 @@ class _Search:
                         if self.gbs % mbs:
                             continue
                         total = self.gbs // mbs
-                        if total < D:
-                            continue
+                        tm, Dm = tmpl, D
+                        if total < D:  # fewer micro-batches than pipelines: use fewer pipelines
+                            tm = tuple((types, n * total // D) for types, n in tmpl
+                                       if n * total // D > 0) or ((tmpl[0][0], 1),)
+                            Dm = sum(n for _, n in tm)
                         speed = 0.0  # micro-batches per second over all pipelines
-                        for types, n in tmpl:
+                        for types, n in tm:
                             rate = 0.0
                             for t in types:
                                 key = (prec, t, tp, mbs)
@@ -240,10 +243,15 @@ class _Search:
                                     w = whole[key] = L * (lf + lb)
                                 rate += 1.0 / w
                             speed += n * rate
-                        lb = (total + D * (pp - 1)) / speed
-                        out.append((lb, Structure(tp, pp, mbs, tmpl)))
+                        lb = (total + Dm * (pp - 1)) / speed
+                        out.append((lb, Structure(tp, pp, mbs, tm)))
         out.sort(key=lambda x: (x[0], x[1].tp, x[1].pp, x[1].mbs, x[1].templates))
-        return out
+        unique, seen = [], set()
+        for item in out:
+            if item[1] not in seen:
+                seen.add(item[1])
+                unique.append(item)
+        return unique
 
     # -- per-stage tables -----------------------------------------------------------------------
     def table(self, prec: str, gpu: str, tp: int, mbs: int, first: bool, last: bool,

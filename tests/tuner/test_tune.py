@@ -136,3 +136,10 @@ def test_global_batch_no_micro_batch_divides():
     inv = inventory_from_data({"groups": [{"gpu": "A100-SXM-80GB", "nodes": 1, "gpus_per_node": 8}]})
     with pytest.raises(InfeasibleError, match="global batch size 6"):
         tune(SMALL, inv, 6, options=TuneOptions(micro_batch_sizes=(4,)))
+
+
+def test_small_global_batch_uses_fewer_pipelines():
+    inv = inventory_from_data({"groups": [{"gpu": "A100-SXM-80GB", "nodes": 2, "gpus_per_node": 8}]})
+    result = tune(SMALL, inv, 2)
+    assert result.plan.data_parallel_size <= 2
+    _check_emitted(result, inv, SMALL, 2)
