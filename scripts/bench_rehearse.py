@@ -149,7 +149,7 @@ def main(argv=None) -> int:
     print(f"calibrated in {time.perf_counter() - t0:.1f} s: layer fwd+bwd "
           f"{1e3 * sum(calib.parts[('layer', 1)]):.2f} ms CPU, "
           f"{calib.layer_flops_per_s / 1e9:.2f} GFLOP/s; gloo {calib.p2p_latency_s * 1e6:.0f} us, "
-          f"{calib.bandwidth_gb_s:.2f} GB/s; emulated factors {factors}", flush=True)
+          f"{calib.bandwidth_gb_s:.2f} GB/s p2p, {calib.allreduce_gb_s:.2f} GB/s all-reduce; optimizer {calib.optimizer_gb_s:.2f} GB/s; emulated factors {factors}", flush=True)
 
     emu_inv, profiles, options = emulated_cluster({FAST: 2, SLOW: 2}, calib, factors,
                                                 gpus_per_node=1)  # no TP on CPU ranks

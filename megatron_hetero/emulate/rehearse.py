@@ -167,6 +167,11 @@ class Calibration:
     """One gloo point-to-point message, one way (measured by the ranks at start)."""
     bandwidth_gb_s: float = 1.0
     """gloo point-to-point bandwidth between two ranks of this machine (measured at start)."""
+    allreduce_gb_s: float = 1.0
+    """Bus bandwidth of a 2-rank gloo all-reduce (bytes / seconds): what gradient sync sees."""
+    optimizer_gb_s: float = 5.0
+    """Bytes the optimizer step touches per second (24 per fp32 Adam parameter, clipping and
+    megatron's bookkeeping included): the emulated devices' memory bandwidth."""
 
 
 def _mean(xs: list[float]) -> float:
@@ -215,6 +220,14 @@ def _calibrate_rank(rank: int, world_size: int, shrunk: Plan, reps: int, seed: i
     big = _ping_pong(rank, large, 7)
     out.p2p_latency_s = lat
     out.bandwidth_gb_s = large / max(big - lat, 1e-7) / 1e9
+    grads = torch.zeros(large // 4)
+    times = []
+    for _ in range(6):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(grads)
+        times.append(time.perf_counter() - t0)
+    out.allreduce_gb_s = large / min(times[1:]) / 1e9
     dist.barrier()
     dist.destroy_process_group()
     if rank != 0:
@@ -228,6 +241,7 @@ def _calibrate_rank(rank: int, world_size: int, shrunk: Plan, reps: int, seed: i
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from ..models import layer_forward_flops
     from . import trainer
@@ -286,6 +300,18 @@ def _calibrate_rank(rank: int, world_size: int, shrunk: Plan, reps: int, seed: i
                         del emb
                         ef.append(t1 - t0)
                         eb.append(t2 - t1)
+                if n == 3:
+                    optimizer = get_megatron_optimizer(
+                        OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=1.0, bf16=False,
+                                        fp16=False, params_dtype=torch.float32,
+                                        use_distributed_optimizer=False), [ddp])
+                    steps = []
+                    for _ in range(reps + 2):
+                        t0 = clock()
+                        optimizer.step()
+                        steps.append(clock() - t0)
+                    params = sum(p.numel() for p in model.parameters())
+                    out.optimizer_gb_s = 24 * params / _median(steps[2:]) / 1e9
             finally:
                 ps.destroy_model_parallel()
             totals[n] = (_median(fw[2:]), _median(bw[2:]))
@@ -339,15 +365,17 @@ def emulated_name(device_type: str) -> str:
 
 
 def emulated_cluster(device_counts: dict[str, int], calibration: Calibration,
-                     factors: dict[str, float], *, memory_bandwidth_gb_s: float = 5.0,
-                     gpus_per_node: int | None = None):
+                     factors: dict[str, float], *, gpus_per_node: int | None = None):
     """(inventory, profiles, cost-model options) of the emulated cluster: one GPU type
     ``CPU-as-<device>`` per device type, at the calibrated CPU speed over the device's factor,
-    linked by gloo as measured; ``device_counts`` GPUs of each, ``gpus_per_node`` to a node (all
-    in one node by default; 1 keeps a search from using tensor parallelism)."""
+    linked by gloo as measured (all-reduce bandwidth; point-to-point latency), optimizer steps at
+    the measured rate; ``device_counts`` GPUs of each, ``gpus_per_node`` to a node (all in one
+    node by default; 1 keeps a search from using tensor parallelism). The optimizer step and
+    the gradient sync are not stretched: the ranks run them at CPU speed."""
     from ..hardware.inventory import inventory_from_data
 
-    bw = calibration.bandwidth_gb_s
+    bw = calibration.allreduce_gb_s
+    memory_bandwidth_gb_s = calibration.optimizer_gb_s
     gpus, groups = {}, []
     for device, count in sorted(device_counts.items()):
         name = emulated_name(device)
@@ -441,22 +469,6 @@ class _RankEmulation:
                 "cap_bytes": meter.cap if meter else None}
 
 
-def _patch_optimizer_builder(on_built) -> None:
-    """Let the emulation see the model and optimizer the trainer builds (for the static bytes):
-    wrap ``megatron.core.optimizer.get_megatron_optimizer`` in this rank process."""
-    import megatron.core.optimizer as mopt
-
-    original = getattr(mopt.get_megatron_optimizer, "_hetero_original", mopt.get_megatron_optimizer)
-
-    def get_megatron_optimizer(config, model_chunks, *args, **kwargs):
-        optimizer = original(config, model_chunks, *args, **kwargs)
-        on_built(list(model_chunks), optimizer)
-        return optimizer
-
-    get_megatron_optimizer._hetero_original = original
-    mopt.get_megatron_optimizer = get_megatron_optimizer
-
-
 def _corrupt_pipeline(pipeline: int) -> None:
     from . import trainer
 
@@ -499,10 +511,10 @@ def _rank_hooks(plan: Plan, rank: int, *, factors: dict[str, float], time_scale:
         meter = MemoryMeter(rank=rank, pipeline=slot.pipeline, stage=slot.stage,
                             device_type=device, cap=cap, device_bytes=device_bytes, scale=scale)
     emu = _RankEmulation(speed, meter)
-    _patch_optimizer_builder(emu.on_built)
     if corrupt_pipeline is not None:
         _corrupt_pipeline(corrupt_pipeline)
-    return RankHooks(compute=emu.compute, on_step_end=emu.on_step_end, report=emu.report)
+    return RankHooks(compute=emu.compute, on_step_end=emu.on_step_end, report=emu.report,
+                     on_built=emu.on_built)
 
 
 # -- the rehearsal --------------------------------------------------------------------------------
@@ -598,7 +610,7 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
                                 nice=config.nice)
     say(f"running {config.steps} steps on {shrunk.world_size} CPU ranks")
     tconf = TrainConfig(steps=config.steps, seed=config.seed, gather_params=verify,
-                        timeout_s=config.timeout_s)
+                        eval_forward_only=verify, timeout_s=config.timeout_s)
     corrupt = os.environ.get(_CORRUPT_ENV)
     hooks = functools.partial(_rank_hooks, factors=factors, time_scale=config.time_scale,
                               caps=caps, corrupt_pipeline=int(corrupt) if corrupt else None,
@@ -659,7 +671,8 @@ def format_report(result: RehearsalResult, *, source: str = "PLAN", real: ModelS
         f"calibrated: shrunk layer fwd+bwd "
         f"{1e3 * sum(next(v for k, v in c.parts.items() if k[0] == 'layer')):.2f} ms of CPU "
         f"({c.layer_flops_per_s / 1e9:.2f} GFLOP/s); gloo p2p {c.p2p_latency_s * 1e6:.0f} us, "
-        f"{c.bandwidth_gb_s:.2f} GB/s",
+        f"{c.bandwidth_gb_s:.2f} GB/s, all-reduce {c.allreduce_gb_s:.2f} GB/s; optimizer "
+        f"{c.optimizer_gb_s:.2f} GB/s",
         "",
         f"{'pipe':>4} {'stage':>5}  {'device':<18} {'layers':>6} {'micro':>5} {'slow':>5}"
         f" | {'step s':>7} {'busy s':>7} {'idle s':>7} {'bubble':>6}"
