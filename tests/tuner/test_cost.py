@@ -202,3 +202,36 @@ def test_optimizer_offload_trades_memory_for_host_time():
     on_host = cost.optimizer_seconds("A100-SXM-80GB", params, 2, 1.0)
     # same bytes touched: the time ratio is device memory bandwidth over the host rate
     assert on_host / on_device == pytest.approx(2039.0 / 1.0)
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 12), st.floats(0.1, 5), st.floats(0.1, 5))
+def test_1f1b_uniform_stages_closed_form(p, m, f, b):
+    finish, busy, _, _ = one_f_one_b([f] * p, [b] * p, [0.0] * (p - 1), [0.0] * (p - 1), m)
+    assert max(finish) == pytest.approx((m + p - 1) * (f + b))
+    assert busy == pytest.approx([m * (f + b)] * p)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.1, 5), st.floats(0.1, 5)), min_size=1, max_size=5),
+       st.integers(1, 10), st.floats(0, 1))
+def test_1f1b_bounds_for_uneven_stages(stages, m, send):
+    p = len(stages)
+    f = [a for a, _ in stages]
+    b = [c for _, c in stages]
+    finish, busy, _, events = one_f_one_b(f, b, [send] * (p - 1), [send] * (p - 1), m, record=True)
+    step = max(finish)
+    # no stage can beat its own work, nor one micro-batch's round trip through every stage
+    assert step >= max(m * (x + y) for x, y in stages) - 1e-9
+    assert step >= sum(f) + sum(b) + 2 * send * (p - 1) - 1e-9
+    # and 1F1B never does worse than running micro-batches one after another
+    assert step <= m * (sum(f) + sum(b) + 2 * send * (p - 1)) + 1e-9
+    # each stage runs one op at a time, F before B of the same micro-batch
+    for s in range(p):
+        mine = sorted((e for e in events if e[0] == s), key=lambda e: e[3])
+        assert all(x[4] <= y[3] + 1e-12 for x, y in zip(mine, mine[1:]))
+        start = {(k, i): a for _, k, i, a, _ in mine}
+        assert all(start[("F", i)] < start[("B", i)] for i in range(m))
