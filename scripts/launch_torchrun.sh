@@ -78,6 +78,9 @@ else
 fi
 read -r master _ _ <<<"${lines[0]}"
 read -r _ device_type nproc <<<"${lines[$node_rank]}"
+# Megatron-LM wants one CUDA work queue per device for its communication overlap (its own
+# example scripts set this too).
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 if [[ ${MH_SET_DEVICE_TYPES:-0} == 1 ]]; then
     export MEGATRON_HETERO_DEVICE_TYPE=$device_type
 fi

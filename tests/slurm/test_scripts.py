@@ -132,3 +132,14 @@ def test_tune_wrapper_writes_plan_report_and_args(tmp_path):
     assert args[-2:] == ["--hetero-plan", str(tmp_path / "out" / "plan.yaml")]
     assert args[args.index("--global-batch-size") + 1] == "64"
     assert (tmp_path / "out" / "report.json").stat().st_size > 0
+
+
+def test_slurm_setup_is_idempotent(slurm_cluster):
+    """A second run on a healthy cluster restarts nothing and rewrites nothing."""
+    if os.geteuid() != 0:
+        pytest.skip(".ci/slurm-setup.sh needs root")
+    proc = subprocess.run(["bash", str(REPO / ".ci" / "slurm-setup.sh"), "--no-install"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "ready:" in proc.stdout
+    assert "starting" not in proc.stdout and "writing" not in proc.stdout, proc.stdout
