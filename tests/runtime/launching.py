@@ -24,9 +24,23 @@ BASE_ARGS = [
 ]
 
 
+# The baseline without the plugin: the same CPU preparation, no hooks, the plan's arguments
+# given explicitly on the command line instead of --hetero-plan.
+_PLAIN = (
+    "import runpy, sys\n"
+    "from megatron_hetero.runtime.cpu import prepare_cpu_run\n"
+    "prepare_cpu_run()\n"
+    "sys.argv = sys.argv[1:]\n"
+    "sys.path.insert(0, __import__('os').path.dirname(sys.argv[0]))\n"
+    "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+)
+
+
 def launch(nproc: int, plan: str, workdir: Path, *, iters: int = 2, extra=(), env=None,
-           timeout: float = 240, script: Path = TRAIN_SCRIPT, launcher_types=None) -> list:
-    """Start ``nproc`` ranks; returns [(returncode, output, log dict or None)] per launcher rank."""
+           timeout: float = 240, script: Path = TRAIN_SCRIPT, launcher_types=None,
+           hooks: bool = True) -> list:
+    """Start ``nproc`` ranks; returns [(returncode, output, log dict or None)] per launcher rank.
+    ``hooks=False`` runs plain Megatron with the plan's implied arguments instead."""
     from megatron_hetero.emulate.spawn import free_port
 
     port = free_port()
@@ -39,8 +53,15 @@ def launch(nproc: int, plan: str, workdir: Path, *, iters: int = 2, extra=(), en
                  PYTHONPATH=os.pathsep.join([str(MCORE017), str(REPO)]), **(env or {}))
         if launcher_types:
             e["MEGATRON_HETERO_DEVICE_TYPE"] = launcher_types[r]
-        cmd = [sys.executable, "-m", "megatron_hetero.launch", str(script), *BASE_ARGS,
-               "--train-iters", str(iters), *extra, "--hetero-plan", plan]
+        if hooks:
+            cmd = [sys.executable, "-m", "megatron_hetero.launch", str(script), *BASE_ARGS,
+                   "--train-iters", str(iters), *extra, "--hetero-plan", plan]
+        else:
+            from megatron_hetero.megatron_args import megatron_args
+            from megatron_hetero.plan import load_plan
+
+            cmd = [sys.executable, "-c", _PLAIN, str(script), *BASE_ARGS, "--train-iters",
+                   str(iters), *extra, *megatron_args(load_plan(plan))]
         out = open(workdir / f"out.{r}", "w")
         procs.append((subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=e), out))
     results = []
@@ -62,3 +83,9 @@ def logged_losses(output: str) -> list[float]:
     """The ``lm loss`` values Megatron's training log printed."""
     return [float(line.split("lm loss:")[1].split("|")[0]) for line in output.splitlines()
             if "lm loss:" in line]
+
+
+def step_times_ms(output: str) -> list[float]:
+    """Megatron's ``elapsed time per iteration (ms)`` values."""
+    return [float(line.split("elapsed time per iteration (ms):")[1].split("|")[0])
+            for line in output.splitlines() if "elapsed time per iteration (ms):" in line]

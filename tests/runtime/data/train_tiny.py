@@ -46,7 +46,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, **_):
 
 def datasets_provider(num_samples):
     args = get_args()
-    return Synthetic(64, args.seq_length, 100), None, None
+    return Synthetic(max(64, num_samples[0]), args.seq_length, 100), None, None
 
 
 LOG = {"indices": [], "losses": []}
