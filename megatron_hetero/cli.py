@@ -112,6 +112,9 @@ def _add_rehearse(sub) -> None:
                    help="slow every emulated device by X more (keeps cores free; default 1)")
     p.add_argument("--no-memory-cap", action="store_true", help="measure memory but do not cap it")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--nice", type=int, default=0, metavar="N",
+                   help="os.nice increment of the CPU ranks (negative, as root, shields the "
+                        "emulated timing on a busy machine)")
     p.add_argument("--max-ranks", type=int, default=16, help=argparse.SUPPRESS)
     p.set_defaults(handler="megatron_hetero.emulate.rehearse:rehearse_main")
 

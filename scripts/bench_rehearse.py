@@ -126,8 +126,9 @@ def main(argv=None) -> int:
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--nice", type=int, default=0,
-                    help="os.nice increment of the CPU ranks (e.g. -10 as root on a busy machine)")
+    ap.add_argument("--nice", type=int, default=-15,
+                    help="os.nice increment of the CPU ranks (default -15: as root, shields the "
+                         "emulated timing from other work; ignored without the privilege)")
     ap.add_argument("--verbose", action="store_true", help="print each rehearsal's full table")
     args = ap.parse_args(argv)
 

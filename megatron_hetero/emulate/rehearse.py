@@ -722,7 +722,7 @@ def rehearse_main(args) -> int:
     try:
         config = RehearsalConfig(steps=args.steps, hidden_size=args.hidden_size,
                                  time_scale=args.time_scale, memory_cap=not args.no_memory_cap,
-                                 seed=args.seed, max_ranks=args.max_ranks)
+                                 seed=args.seed, max_ranks=args.max_ranks, nice=args.nice)
     except ValueError as exc:
         raise HeteroError(str(exc)) from None
     result = rehearse(plan, config, catalog=catalog, verify=args.verify, source=args.plan,
