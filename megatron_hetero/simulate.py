@@ -18,7 +18,7 @@ stage's last backward), ``sync_s`` gradient sync and optimizer, ``idle_s`` the r
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from .cost.model import CostModel, Memory
 from .models import step_model_flops

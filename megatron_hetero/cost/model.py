@@ -31,7 +31,7 @@ from typing import Literal, Mapping
 
 from .. import models as M
 from ..hardware.inventory import Inventory
-from ..plan import ModelSpec, Offload, Plan, Recompute
+from ..plan import ModelSpec, Plan, Recompute
 from .placement import Placement, place
 from .profile_protocol import DeviceProfile
 
