@@ -19,7 +19,9 @@ Public API
     the CPU backend, builds megatron-core's parallel state (TP, PP, DP from the plan; the
     plan's own pipeline layout), a ``GPTModel`` (local spec, fp32, CPU initialization, this
     stage's recompute from its plan entry), Megatron's DDP, ``get_megatron_optimizer`` (Adam,
-    grad clipping) and runs ``config.steps`` steps of Megatron's own schedule.
+    grad clipping; or SGD) and runs ``config.steps`` steps of Megatron's own schedule
+    (1F1B when PP > 1), then one forward-only pass. The plain fp32 optimizer is used whatever
+    ``plan.use_distributed_optimizer`` says, and ``plan.precision`` is ignored (always fp32).
 ``train_plan(plan, config, hooks_factory=None) -> TrainResult``
     Spawns ``plan.world_size`` CPU processes running :func:`train_rank` and merges their
     results: the global loss per step, the forward-only loss after training, every parameter under a layout-independent name, and the

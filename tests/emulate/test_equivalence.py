@@ -2,7 +2,8 @@
 
 The same model, data and seed train for 3 steps under (a) one process, (b) PP=2 split 1:5
 (with full recompute on stage 1), (c) DP=2 with micro-batch counts 3:1, (d) PP=2 x DP=2 with
-both, (e) TP=2. Losses and final parameters must match (a).
+both, (e) TP=2, (f) TP=2 x PP=2, (g) PP=2 with the embedding alone on stage 0. Losses, the
+forward-only loss after training and the final parameters must match (a).
 
 Tolerance: losses within rtol 1e-5. Parameters within rtol 1e-5 plus atol 1e-5 (1% of one Adam
 step, lr 1e-3): the plans sum gradients in different orders (per micro-batch, per replica, per
@@ -38,6 +39,7 @@ PLANS = {
     "d_pp2_dp2": tiny_plan([1, 5], [(1, 3), (1, 1)]),
     "e_tp2": tiny_plan([6], [(1, 4)], tp=2),
     "f_tp2_pp2_split_2_4": tiny_plan([2, 4], [(1, 4)], tp=2),
+    "g_pp2_embedding_alone": tiny_plan([0, 6], [(1, 4)]),
 }
 
 
