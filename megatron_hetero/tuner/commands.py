@@ -29,6 +29,9 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
                    help="measured profile.yaml of a device type (repeatable)")
     p.add_argument("--micro-batch-sizes", default="1,2,4,8", metavar="LIST",
                    help="micro-batch sizes to try (default 1,2,4,8)")
+    p.add_argument("--no-optimizer-offload", action="store_true",
+                   help="fit memory with recompute only (optimizer offload needs megatron-core's "
+                        "CPU-offload optimizer and --use-precision-aware-optimizer)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no table")
 
 
@@ -85,6 +88,7 @@ def tune_main(args: argparse.Namespace) -> int:
     inventory = load_inventory(args.inventory)
     model = load_model(args.model, seq_length=args.seq_length)
     options = TuneOptions(micro_batch_sizes=_sizes(args.micro_batch_sizes),
+                          optimizer_offload=not args.no_optimizer_offload,
                           progress=not args.quiet and sys.stderr.isatty())
     profiles = _profiles(args.profile, inventory)
     result = tune(model, inventory, args.global_batch_size, profiles=profiles, options=options)

@@ -54,6 +54,8 @@ class TuneOptions:
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     """Micro-batch sizes tried (those dividing the global batch)."""
     max_pipeline_stages: int = 64
+    optimizer_offload: bool = True
+    """Let stages offload optimizer state to the host where memory is short (else recompute only)."""
     finalists: int = 4
     """Best estimates that are simulated before picking the plan."""
     progress: bool = False
@@ -436,7 +438,7 @@ class _Search:
             tick()
             if len(keep) >= k and lb >= keep[-1].score:
                 break
-            cand = self.evaluate(st, baseline=baseline)
+            cand = self.evaluate(st, baseline=baseline, offload=self.opt.optimizer_offload)
             if cand is None:
                 continue
             keep.append(cand)

@@ -143,3 +143,13 @@ def test_small_global_batch_uses_fewer_pipelines():
     result = tune(SMALL, inv, 2)
     assert result.plan.data_parallel_size <= 2
     _check_emitted(result, inv, SMALL, 2)
+
+
+def test_no_optimizer_offload_option():
+    from megatron_hetero.tuner import TuneOptions
+    inv = inventory_from_data({"groups": [{"gpu": "A100-SXM-80GB", "nodes": 1, "gpus_per_node": 8},
+                                          {"gpu": "V100-SXM2-32GB", "nodes": 1, "gpus_per_node": 8}]})
+    model = model_preset("llama2-7b")
+    result = tune(model, inv, 512, options=TuneOptions(optimizer_offload=False))
+    assert all(s.offload.optimizer_fraction == 0 for p in result.plan.pipelines for s in p.stages)
+    _check_emitted(result, inv, model, 512)
