@@ -65,6 +65,12 @@ def _figure_sources(plan, inventory, profiles):
     return usage
 
 
+def _short(path: str) -> str:
+    """The last two parts of a path, for table titles."""
+    from pathlib import Path
+    return "/".join(Path(path).parts[-2:])
+
+
 def _sizes(text: str) -> tuple[int, ...]:
     try:
         values = tuple(sorted({int(v) for v in text.split(",") if v.strip()}))
@@ -107,7 +113,7 @@ def tune_main(args: argparse.Namespace) -> int:
         simulate(result.plan, cost).timeline_png(args.timeline)
     console = Console()
     if not args.quiet:
-        console.print(plan_table(result.plan, result.sim, f"{model.name} on {args.inventory}"))
+        console.print(plan_table(result.plan, result.sim, f"{model.name} on {_short(args.inventory)}"))
     console.print(summary_lines(result.plan, result.sim, "tuned   "), highlight=False)
     for line in sources.summary_lines(used_types):
         console.print(f"figures: {line}", highlight=False, soft_wrap=True)
@@ -143,7 +149,7 @@ def simulate_main(args: argparse.Namespace) -> int:
                      precision=plan.precision, use_distributed_optimizer=plan.use_distributed_optimizer)
     sim = simulate(plan, cost, record_events=bool(args.timeline))
     console = Console()
-    console.print(plan_table(plan, sim, f"{args.plan} on {args.inventory}"))
+    console.print(plan_table(plan, sim, f"{_short(args.plan)} on {_short(args.inventory)}"))
     console.print(summary_lines(plan, sim, "predicted"), highlight=False)
     for line in _figure_sources(plan, inventory, profiles).summary_lines(sorted(plan.device_counts())):
         console.print(f"figures: {line}", highlight=False, soft_wrap=True)
