@@ -20,10 +20,11 @@ scaled with the model, rank by rank::
                                      / estimate(real model, rank)
 
 where ``estimate`` is the tuner's cost model (weights, gradients, optimizer state, the
-activations of the micro-batches in flight on the stage; see :func:`memory_caps`). A rank then
-fails exactly when the measured shrunk need exceeds its share of the card as the real model
-would use it: a plan that would not fit the real card fails in the rehearsal too, with :class:`MemoryCapError` naming the
-rank, the (pipeline, stage) slot, the device, the bytes needed and the cap.
+activations of the micro-batches in flight on the stage, in the units the CPU run measures; see
+:func:`memory_caps`). A rank then fails exactly when the measured shrunk need exceeds its share
+of the card as the real model would use it: a plan that would not fit the real card fails in
+the rehearsal too, with :class:`MemoryCapError` naming the rank, the (pipeline, stage) slot, the
+device, the bytes needed and the cap.
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ class MemoryCapError(HeteroError):
         super().__init__(
             f"rank {rank} (pipeline {pipeline}, stage {stage}, {device_type}) ran out of memory "
             f"{what}: it needed {_mib(needed)} of its {_mib(cap)} cap (the device's "
-            f"{device_bytes / 1e9:.0f} GB scaled by {scale:.3g} with the model; about "
-            f"{real_need / 1e9:.1f} GB on the real card). Give this stage fewer layers or "
+            f"{device_bytes / 1e9:.0f} GB scaled by {scale:.3g} with the model: the real card "
+            f"would be past {real_need / 1e9:.1f} GB at that point). Give this stage fewer layers or "
             f"micro-batches in flight, recompute, offload, or a larger device")
 
 
@@ -117,14 +118,17 @@ def _cost_model(plan: Plan, catalog: Catalog, *, use_distributed_optimizer: bool
                      **kwargs)
 
 
-def memory_caps(real: Plan, shrunk: Plan, catalog: Catalog | None = None
-                ) -> dict[int, tuple[float, float, float]]:
+def memory_caps(real: Plan, shrunk: Plan, catalog: Catalog | None = None, *,
+                activation_scale: float = 1.0) -> dict[int, tuple[float, float, float]]:
     """For every rank: (cap bytes, device bytes, scale) under the rule in the module docstring.
 
     ``estimate`` is the tuner's cost model (:meth:`CostModel.stage_memory`): for the real plan
     as the tuner sees it (its precision, fused attention, workspace reserve); for the shrunk
     model as the CPU ranks run it (fp32 weights, fp32 activations, unfused attention that keeps
-    its score matrices, no workspace, unsharded optimizer state).
+    its score matrices, no workspace, unsharded optimizer state), its activations multiplied
+    by ``activation_scale``: the measured over the estimated bytes one shrunk layer saves (the
+    rehearsal's calibration measures it; CPU layers save intermediates fused GPU kernels do not,
+    and the cap must compare like with like).
     """
     catalog = catalog or load_catalog()
     real_cost = _cost_model(real, catalog, precision=real.precision,
@@ -139,7 +143,7 @@ def memory_caps(real: Plan, shrunk: Plan, catalog: Catalog | None = None
         r = real_cost.stage_memory(real, slot.pipeline, slot.stage)
         c = cpu_cost.stage_memory(shrunk, slot.pipeline, slot.stage)
         # the cost model counts 16-bit activations; the CPU ranks keep fp32 ones
-        cpu_need = c.params + c.grads + c.optimizer + 2 * c.activations
+        cpu_need = c.params + c.grads + c.optimizer + 2 * activation_scale * c.activations
         scale = cpu_need / r.total
         caps[rank] = (device * scale, device, scale)
     return caps

@@ -169,6 +169,8 @@ class Calibration:
     """gloo point-to-point bandwidth between two ranks of this machine (measured at start)."""
     allreduce_gb_s: float = 1.0
     """Bus bandwidth of a 2-rank gloo all-reduce (bytes / seconds): what gradient sync sees."""
+    layer_activation_bytes: dict[int, float] = field(default_factory=dict)
+    """Micro-batch size -> bytes one shrunk layer saves for the backward pass, as measured."""
     optimizer_gb_s: float = 5.0
     """Bytes the optimizer step touches per second (24 per fp32 Adam parameter, clipping and
     megatron's bookkeeping included): the emulated devices' memory bandwidth."""
@@ -252,7 +254,7 @@ def _calibrate_rank(rank: int, world_size: int, shrunk: Plan, reps: int, seed: i
     m = shrunk.model
     clock = time.thread_time
     for b in sorted({p.micro_batch_size for p in shrunk.pipelines}):
-        totals = {}
+        totals, acts = {}, {}
         for n in (1, 3):
             plan = dataclasses.replace(
                 shrunk, model=dataclasses.replace(m, num_layers=n), tensor_model_parallel_size=1,
@@ -284,6 +286,7 @@ def _calibrate_rank(rank: int, world_size: int, shrunk: Plan, reps: int, seed: i
                         loss = ddp(batch["tokens"], batch["position_ids"], None,
                                    labels=batch["labels"])
                     t1 = clock()
+                    saved = mm.activation_bytes
                     loss.sum().backward()
                     t2 = clock()
                     del loss
@@ -315,6 +318,7 @@ def _calibrate_rank(rank: int, world_size: int, shrunk: Plan, reps: int, seed: i
             finally:
                 ps.destroy_model_parallel()
             totals[n] = (_median(fw[2:]), _median(bw[2:]))
+            acts[n] = saved
             if n == 1:
                 out.parts[("embedding", b)] = (_median(ef[2:]), _median(eb[2:]))
         lf = max(1e-6, (totals[3][0] - totals[1][0]) / 2)
@@ -324,6 +328,8 @@ def _calibrate_rank(rank: int, world_size: int, shrunk: Plan, reps: int, seed: i
         out.parts[("output", b)] = (max(0.0, totals[1][0] - lf - ef_),
                                     max(0.0, totals[1][1] - lb - eb_))
         out.layer_flops_per_s = 3 * layer_forward_flops(m, b) / (lf + lb)
+        if meter:
+            out.layer_activation_bytes[b] = max(0, acts[3] - acts[1]) / 2
     return out
 
 
@@ -575,6 +581,16 @@ class RehearsalResult:
         return self.step_s / self.predicted_step_s if self.predicted_step_s else None
 
 
+def _activation_scale(shrunk: Plan, calibration: Calibration) -> float:
+    """Measured over estimated (fp32, unfused attention) activation bytes of one shrunk layer."""
+    from ..models import layer_activation_bytes
+
+    ratios = [measured / (2 * layer_activation_bytes(shrunk.model, b, 1, "none",
+                                                     flash_attention=False))
+              for b, measured in calibration.layer_activation_bytes.items() if measured > 0]
+    return max(ratios) if ratios else 1.0
+
+
 def _spawn_failure(exc) -> HeteroError | None:
     """The user error a rank raised (e.g. MemoryCapError), from its remote traceback."""
     tb = getattr(exc, "remote_traceback", "") or ""
@@ -602,12 +618,14 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
     check_host_capacity(shrunk, max_ranks=config.max_ranks, source=source)
     slowdowns = device_slowdowns(plan, catalog)
     factors = {d: s * config.time_scale for d, s in slowdowns.items()}
-    caps = memory_caps(plan, shrunk, catalog) if config.memory_cap else None
-
     if calibration is None:
         say("calibrating the CPU and gloo")
         calibration = calibrate(shrunk, seed=config.seed, meter=config.memory_cap,
                                 nice=config.nice)
+    caps = None
+    if config.memory_cap:
+        caps = memory_caps(plan, shrunk, catalog,
+                           activation_scale=_activation_scale(shrunk, calibration))
     say(f"running {config.steps} steps on {shrunk.world_size} CPU ranks")
     tconf = TrainConfig(steps=config.steps, seed=config.seed, gather_params=verify,
                         eval_forward_only=verify, timeout_s=config.timeout_s)
