@@ -130,6 +130,20 @@ def _recompute(k: int, n: int) -> Recompute:
     return Recompute(granularity="full", method="block", num_layers=k)
 
 
+def _compositions(ranges: list[range], total: int):
+    """Tuples with one value from each range, summing to ``total`` (in lexicographic order)."""
+    if not ranges:
+        if total == 0:
+            yield ()
+        return
+    rest_min = sum(r.start for r in ranges[1:])
+    rest_max = sum(r.stop - 1 for r in ranges[1:])
+    for k in ranges[0]:
+        if rest_min <= total - k <= rest_max:
+            for tail in _compositions(ranges[1:], total - k):
+                yield (k, *tail)
+
+
 def upper_bound_step_time(model: ModelSpec, inventory: Inventory, global_batch_size: int,
                           cost: CostModel) -> float:
     """Model FLOPs of one step over the summed achievable FLOP/s of every GPU in the inventory."""
@@ -145,6 +159,7 @@ class _Search:
         self._costs: dict[str, CostModel] = {}
         self._tables: dict[tuple, _Table] = {}
         self._links: dict[tuple, float] = {}
+        self._precisions: dict[frozenset, str] = {}
         counts = inventory.gpu_counts()
         spec = inventory.spec
         # memory-rich first, then faster, then by name
@@ -158,7 +173,12 @@ class _Search:
         return self._costs[precision]
 
     def precision_for(self, types) -> str:
-        return "bf16" if all(self.inv.spec(t).bf16 for t in types) else "fp16"
+        key = frozenset(types)
+        got = self._precisions.get(key)
+        if got is None:
+            got = self._precisions[key] = (
+                "bf16" if all(self.inv.spec(t).bf16 for t in sorted(key)) else "fp16")
+        return got
 
     # -- enumeration ----------------------------------------------------------------------------
     def slots(self, tp: int) -> dict[str, int]:
@@ -174,36 +194,47 @@ class _Search:
         return [t for t in range(1, widest + 1)
                 if m.num_attention_heads % t == 0 and m.num_query_groups % t == 0]
 
+    def subsets(self, types: list[str]) -> list[tuple[str, ...]]:
+        """Subsets of device types to build pipelines from, in ``types`` order: all of them for
+        up to three types; beyond that every single type and pair, and the fastest-first
+        prefixes (leaving out slow types is what pays; leaving out a fast one rarely does)."""
+        if len(types) <= 3:
+            return [c for r in range(1, len(types) + 1) for c in itertools.combinations(types, r)]
+        rate = self.cost("bf16").flops_rate
+        by_speed = sorted(types, key=lambda t: (-rate(t), types.index(t)))
+        chosen = {c for r in (1, 2) for c in itertools.combinations(types, r)}
+        for r in range(3, len(types) + 1):
+            chosen.add(tuple(t for t in types if t in by_speed[:r]))
+        return sorted(chosen, key=lambda c: (len(c), [types.index(t) for t in c]))
+
     def templates(self, tp: int, pp: int) -> list[tuple[tuple[tuple[str, ...], int], ...]]:
         slots = self.slots(tp)
         types = [t for t in self.types if t in slots]
+        subsets = self.subsets(types)
         out = []
-        for r in range(1, len(types) + 1):
-            for subset in itertools.combinations(types, r):
-                homo = tuple(((t,) * pp, slots[t] // pp) for t in subset if slots[t] // pp > 0)
-                if len(homo) == r:
-                    out.append(homo)
-        if pp >= 2:
-            for r in range(2, min(len(types), pp) + 1):
-                for subset in itertools.combinations(types, r):
-                    total = sum(slots[t] for t in subset)
-                    ranges = []
-                    for t in subset:
-                        x = pp * slots[t] / total
-                        ranges.append(range(max(1, math.floor(x) - 1), min(pp, math.ceil(x) + 1) + 1))
-                    for ks in itertools.product(*ranges):
-                        if sum(ks) != pp:
-                            continue
-                        D = min(slots[t] // k for t, k in zip(subset, ks))
-                        if D < 1:
-                            continue
-                        mixed = tuple(t for t, k in zip(subset, ks) for _ in range(k))
-                        tmpl = [(mixed, D)]
-                        for t, k in zip(subset, ks):
-                            left = (slots[t] - D * k) // pp
-                            if left:
-                                tmpl.append(((t,) * pp, left))
-                        out.append(tuple(tmpl))
+        for subset in subsets:
+            homo = tuple(((t,) * pp, slots[t] // pp) for t in subset if slots[t] // pp > 0)
+            if len(homo) == len(subset):
+                out.append(homo)
+        for subset in subsets:
+            if len(subset) < 2 or len(subset) > pp:
+                continue
+            total = sum(slots[t] for t in subset)
+            ranges = []
+            for t in subset:
+                x = pp * slots[t] / total
+                ranges.append(range(max(1, math.floor(x) - 1), min(pp, math.ceil(x) + 1) + 1))
+            for ks in _compositions(ranges, pp):
+                D = min(slots[t] // k for t, k in zip(subset, ks))
+                if D < 1:
+                    continue
+                mixed = tuple(t for t, k in zip(subset, ks) for _ in range(k))
+                tmpl = [(mixed, D)]
+                for t, k in zip(subset, ks):
+                    left = (slots[t] - D * k) // pp
+                    if left:
+                        tmpl.append(((t,) * pp, left))
+                out.append(tuple(tmpl))
         seen, unique = set(), []
         for t in out:
             if t not in seen:
@@ -505,7 +536,10 @@ def tune(model: ModelSpec, inventory: Inventory, global_batch_size: int, *,
         tick = lambda: progress.advance(task)  # noqa: E731
     try:
         tuned = search.walk(structures, baseline=False, tick=tick)
-        base = search.walk(structures, baseline=True, tick=tick)
+        L = model.num_layers
+        plain = [(lb, st) for lb, st in structures  # what plain Megatron can express at all
+                 if L % st.pp == 0 and (global_batch_size // st.mbs) % st.num_pipelines == 0]
+        base = search.walk(plain, baseline=True, tick=tick)
     finally:
         if progress is not None:
             progress.stop()
