@@ -153,3 +153,13 @@ def test_no_optimizer_offload_option():
     result = tune(model, inv, 512, options=TuneOptions(optimizer_offload=False))
     assert all(s.offload.optimizer_fraction == 0 for p in result.plan.pipelines for s in p.stages)
     _check_emitted(result, inv, model, 512)
+
+
+def test_five_types():
+    groups = [{"gpu": g, "nodes": 1, "gpus_per_node": 4}
+              for g in ("H100-SXM-80GB", "A100-SXM-40GB", "V100-SXM2-32GB", "A40-48GB", "T4-16GB")]
+    inv = inventory_from_data({"groups": groups})
+    model = model_preset("llama2-7b", seq_length=2048)
+    result = tune(model, inv, 64)
+    _check_emitted(result, inv, model, 64)
+    assert "H100-SXM-80GB" in result.plan.device_counts()
