@@ -127,6 +127,7 @@ CPU_PATH_MODULES: tuple[str, ...] = (
     "optimizer",
     "optimizer.optimizer",
     "optimizer.clip_grads",
+    "optimizer.distrib_optimizer",
     "tensor_parallel.random",
     "tensor_parallel.layers",
     "tensor_parallel.mappings",
@@ -410,6 +411,8 @@ def cuda_uses(module: str, source: str | None = None) -> list[CudaUse]:
                 use = chain
             elif node.attr == "is_cuda":
                 use = ".is_cuda"
+            elif node.attr == "cuda" and isinstance(parent, ast.Call) and parent.func is node:
+                use = "Tensor.cuda"
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch.cuda"):
             for alias in node.names:
                 uses.append(CudaUse(module, node.lineno, f"from {node.module} import {alias.name}",
@@ -448,7 +451,7 @@ def is_covered(use: CudaUse) -> bool:
     full = f"megatron.core.{use.module}"
     if (full, use.function) in {(m, a) for m, a, _ in REDIRECTS}:
         return True  # inside a function the backend replaces
-    if use.use in (_DEVICE_LITERAL_OK, "Tensor.type"):
+    if use.use in (_DEVICE_LITERAL_OK, "Tensor.type", "Tensor.cuda"):
         return True  # the device mode
     if use.use.startswith("torch.cuda."):
         rest = use.use[len("torch.cuda."):]

@@ -19,9 +19,9 @@ Public API
     the CPU backend, builds megatron-core's parallel state (TP, PP, DP from the plan; the
     plan's own pipeline layout), a ``GPTModel`` (local spec, fp32, CPU initialization, this
     stage's recompute from its plan entry), Megatron's DDP, ``get_megatron_optimizer`` (Adam,
-    grad clipping; or SGD) and runs ``config.steps`` steps of Megatron's own schedule
-    (1F1B when PP > 1), then one forward-only pass. The plain fp32 optimizer is used whatever
-    ``plan.use_distributed_optimizer`` says, and ``plan.precision`` is ignored (always fp32).
+    grad clipping; or SGD; distributed or not as ``plan.use_distributed_optimizer`` says) and
+    runs ``config.steps`` steps of Megatron's own schedule (1F1B when PP > 1), then one
+    forward-only pass. ``plan.precision`` is ignored: everything is fp32.
 ``train_plan(plan, config, hooks_factory=None) -> TrainResult``
     Spawns ``plan.world_size`` CPU processes running :func:`train_rank` and merges their
     results: the global loss per step, the forward-only loss after training, every parameter under a layout-independent name, and the
@@ -90,6 +90,9 @@ class TrainConfig:
     """Global gradient-norm clipping threshold (0 disables)."""
     init_std: float = 0.02
     """Standard deviation of the initial weight matrices."""
+    use_distributed_optimizer: bool | None = None
+    """Megatron's distributed optimizer (optimizer state sharded over data parallelism); None
+    follows ``plan.use_distributed_optimizer``."""
     gather_params: bool = True
     """Return the final parameters (TP shards gathered in ``train_plan``)."""
     eval_forward_only: bool = True
@@ -158,12 +161,13 @@ class TrainResult:
 
 # -- plans ------------------------------------------------------------------------------------------
 def reference_plan(plan: Plan) -> Plan:
-    """One stage, one pipeline, TP=1: the same model and global batch on one process."""
+    """One stage, one pipeline, TP=1, the plain (not distributed) optimizer: the same model and
+    global batch on one process."""
     mbs = math.gcd(*(p.micro_batch_size for p in plan.pipelines))
     first = plan.pipelines[0].stages[0]
     stage = Stage(device_type=first.device_type, num_layers=plan.model.num_layers)
     return dataclasses.replace(
-        plan, tensor_model_parallel_size=1, prediction=None,
+        plan, tensor_model_parallel_size=1, prediction=None, use_distributed_optimizer=False,
         pipelines=[Pipeline(micro_batch_size=mbs, num_microbatches=plan.global_batch_size // mbs,
                             stages=[stage])])
 
@@ -361,16 +365,18 @@ def train_rank(plan: Plan, rank: int, config: TrainConfig | None = None,
                          position_embedding_type=m.position_embedding_type)
         _init_params(model, plan, config.seed, config.init_std, slot.tensor_rank,
                      tied and post and not pre)
+        dist_opt = (plan.use_distributed_optimizer if config.use_distributed_optimizer is None
+                    else config.use_distributed_optimizer)
         ddp = DistributedDataParallel(
             config=tconf,
             ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                                      overlap_grad_reduce=False,
-                                                     use_distributed_optimizer=False),
+                                                     use_distributed_optimizer=dist_opt),
             module=model)
         optimizer = get_megatron_optimizer(
             OptimizerConfig(optimizer=config.optimizer, lr=config.lr, weight_decay=config.weight_decay,
                             clip_grad=config.clip_grad, bf16=False, fp16=False,
-                            params_dtype=torch.float32, use_distributed_optimizer=False),
+                            params_dtype=torch.float32, use_distributed_optimizer=dist_opt),
             [ddp])
         tconf.finalize_model_grads_func = finalize_model_grads
         tconf.grad_scale_func = optimizer.scale_loss

@@ -8,9 +8,10 @@ from megatron_hetero.plan import Plan, plan_from_data
 
 
 def tiny_plan(split: list[int], pipes: list[tuple[int, int]], *, tp: int = 1,
-              recompute: list[dict | None] | None = None, **model) -> Plan:
+              recompute: list[dict | None] | None = None,
+              use_distributed_optimizer: bool = False, **model) -> Plan:
     """A plan of the tiny model: ``split`` layers per stage, ``pipes`` = [(micro_batch_size,
-    num_microbatches)] per data-parallel replica."""
+    num_microbatches)] per data-parallel replica; ``model`` overrides model fields."""
     def stages():
         out = []
         for s, n in enumerate(split):
@@ -25,6 +26,7 @@ def tiny_plan(split: list[int], pipes: list[tuple[int, int]], *, tp: int = 1,
     spec.update(model)
     return plan_from_data({
         "format_version": 1, "model": spec, "precision": "fp32",
+        "use_distributed_optimizer": use_distributed_optimizer,
         "global_batch_size": sum(m * n for m, n in pipes), "tensor_model_parallel_size": tp,
         "pipelines": [{"micro_batch_size": m, "num_microbatches": n, "stages": stages()}
                       for m, n in pipes]})

@@ -45,12 +45,13 @@ def test_scan_flags_a_new_cuda_path():
             torch.autocast("cuda")                 # a literal outside a device argument
             y = torch.zeros(1, device="cuda")      # mapped by the device mode
             torch.cuda.synchronize()               # redirected
-            return x.to("cuda"), torch.device("cuda:0"), y
+            return x.to("cuda"), torch.device("cuda:0"), y, x.cuda()
     """)
     uses = cuda_uses("new_module", source=source)
     flagged = sorted(u.use for u in uses if not is_covered(u))
     assert flagged == [".is_cuda", "torch.autocast('cuda')", "torch.cuda.memory_reserved"]
     assert all(u.function == "new_feature" for u in uses)
+    assert "Tensor.cuda" in {u.use for u in uses}
 
 
 def test_refuses_when_cuda_is_available(monkeypatch):

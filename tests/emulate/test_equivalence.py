@@ -2,7 +2,8 @@
 
 The same model, data and seed train for 3 steps under (a) one process, (b) PP=2 split 1:5
 (with full recompute on stage 1), (c) DP=2 with micro-batch counts 3:1, (d) PP=2 x DP=2 with
-both, (e) TP=2, (f) TP=2 x PP=2, (g) PP=2 with the embedding alone on stage 0. Losses, the
+both, (e) TP=2, (f) TP=2 x PP=2, (g) PP=2 with the embedding alone on stage 0, (h) (d) with
+Megatron's distributed optimizer (the others use the plain fp32 one). Losses, the
 forward-only loss after training and the final parameters must match (a).
 
 Tolerance: losses within rtol 1e-5. Parameters within rtol 1e-5 plus atol 1e-5 (1% of one Adam
@@ -40,6 +41,8 @@ PLANS = {
     "e_tp2": tiny_plan([6], [(1, 4)], tp=2),
     "f_tp2_pp2_split_2_4": tiny_plan([2, 4], [(1, 4)], tp=2),
     "g_pp2_embedding_alone": tiny_plan([0, 6], [(1, 4)]),
+    "h_pp2_dp2_distributed_optimizer": tiny_plan([1, 5], [(1, 3), (1, 1)],
+                                                 use_distributed_optimizer=True),
 }
 
 
@@ -47,7 +50,7 @@ PLANS = {
 def reference():
     """(a): the same model and global batch on one process."""
     ref = reference_plan(PLANS["b_pp2_split_1_5"])
-    assert ref.world_size == 1
+    assert ref.world_size == 1 and not ref.use_distributed_optimizer
     assert all(reference_plan(p) == ref for p in PLANS.values())
     return train_plan(ref, CONFIG)
 
