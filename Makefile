@@ -8,8 +8,10 @@ venv:
 	@scripts/bootstrap.sh
 
 demo: venv
-	$(MH) validate examples/llama2/7b/plan.yaml
-	$(MH) args examples/llama2/7b/plan.yaml
+	@mkdir -p out
+	$(MH) tune examples/llama2/7b/inventory.yaml --model llama2-7b --global-batch-size 128 \
+	  --seq-length 4096 -o out/plan.yaml --report out/report.json --timeline out/timeline.png
+	$(MH) args out/plan.yaml
 
 test: venv
 	$(VENV)/bin/python -m pytest -q tests
