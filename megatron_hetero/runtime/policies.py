@@ -70,12 +70,13 @@ def stage_args(stage: Stage) -> dict:
 @cache
 def activation_offload_supported(pipeline_parallel_size: int) -> bool:
     """Whether the installed ``TransformerConfig`` accepts ``cpu_offloading`` at this PP size."""
+    import torch
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     try:
         TransformerConfig(num_layers=4, hidden_size=8, num_attention_heads=1,
                           pipeline_model_parallel_size=pipeline_parallel_size,
-                          pipeline_dtype=__import__("torch").float32,
+                          pipeline_dtype=torch.float32,
                           cpu_offloading=True, cpu_offloading_num_layers=1)
     except (ValueError, AssertionError):
         return False

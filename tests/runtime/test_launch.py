@@ -58,10 +58,11 @@ def _grad_norms(output: str) -> list[float]:
 
 
 def test_uneven_stages_and_data_parallel_equal_one_replica(tmp_path):
-    """Stages of 1 and 2 layers, two replicas 3:1 (4 processes) train exactly as the same
-    stages with one replica running all 4 micro-batches (2 processes)."""
+    """Stages of 1 and 2 layers, two replicas with different micro-batch sizes and counts
+    (2 x 1 and 1 x 2; 4 processes) train exactly as the same stages with one replica running
+    4 micro-batches of 1 (2 processes)."""
     uneven, single = tmp_path / "uneven.yaml", tmp_path / "single.yaml"
-    save_plan(make_plan(split=(1, 2), devices=[[A100, V100]] * 2, replicas=[(1, 3), (1, 1)]),
+    save_plan(make_plan(split=(1, 2), devices=[[A100, V100]] * 2, replicas=[(1, 2), (2, 1)]),
               uneven)
     save_plan(make_plan(split=(1, 2), devices=[[A100, V100]], replicas=[(1, 4)]), single)
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
@@ -70,11 +71,13 @@ def test_uneven_stages_and_data_parallel_equal_one_replica(tmp_path):
     for code, out, _ in four + two:
         assert code == 0, out[-3000:]
     assert [log["num_layers"] for _, _, log in four] == [1, 1, 2, 2]  # Megatron order tp-dp-pp
-    last_four = {k: v for _, _, log in four[2:] for k, v in _per_sample(log).items()}
-    last_two = _per_sample(two[1][2])
-    assert last_four.keys() == last_two.keys() == set(range(4, 8))
-    for i, loss in last_two.items():
-        assert last_four[i] == pytest.approx(loss, rel=1e-5), i
+    # replica 0 reads samples 0-1 of each batch as two micro-batches, replica 1 reads 2-3 as one
+    assert four[0][2]["indices"] == [[0], [1], [4], [5]]
+    assert four[1][2]["indices"] == [[2, 3], [6, 7]]
+    # second step (after an update): loss sums of samples 4, 5 and 6+7 match the reference's
+    ref = [loss for loss, _ in two[1][2]["losses"][4:]]
+    got = [loss for loss, _ in four[2][2]["losses"][2:]] + [four[3][2]["losses"][1][0]]
+    assert got == pytest.approx([ref[0], ref[1], ref[2] + ref[3]], rel=1e-5)
     assert logged_losses(four[3][1]) == pytest.approx(logged_losses(two[1][1]), rel=1e-5)
     assert _grad_norms(four[3][1]) == pytest.approx(_grad_norms(two[1][1]), rel=1e-4)
 
