@@ -108,8 +108,9 @@ def _add_rehearse(sub) -> None:
     p.add_argument("--verify", action="store_true",
                    help="also train in one process and check losses and final parameters match")
     p.add_argument("--inventory", metavar="INV", help="inventory.yaml (for custom GPU entries)")
-    p.add_argument("--time-scale", type=float, default=1.0, metavar="X",
-                   help="slow every emulated device by X more (keeps cores free; default 1)")
+    p.add_argument("--time-scale", type=float, default=None, metavar="X",
+                   help="slow every emulated device by X more (keeps cores free; default: the "
+                        "least that keeps the ranks within 70%% of this machine's cores)")
     p.add_argument("--no-memory-cap", action="store_true", help="measure memory but do not cap it")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--nice", type=int, default=0, metavar="N",

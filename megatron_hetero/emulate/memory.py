@@ -119,13 +119,15 @@ def _cost_model(plan: Plan, catalog: Catalog, *, use_distributed_optimizer: bool
 
 
 def memory_caps(real: Plan, shrunk: Plan, catalog: Catalog | None = None, *,
-                activation_scale: float = 1.0) -> dict[int, tuple[float, float, float]]:
+                activation_scale: float = 1.0, cpu_shards_optimizer: bool = False
+                ) -> dict[int, tuple[float, float, float]]:
     """For every rank: (cap bytes, device bytes, scale) under the rule in the module docstring.
 
     ``estimate`` is the tuner's cost model (:meth:`CostModel.stage_memory`): for the real plan
     as the tuner sees it (its precision, fused attention, workspace reserve); for the shrunk
     model as the CPU ranks run it (fp32 weights, fp32 activations, unfused attention that keeps
-    its score matrices, no workspace, unsharded optimizer state), its activations multiplied
+    its score matrices, no workspace, the optimizer state sharded when ``cpu_shards_optimizer``
+    says the CPU ranks run Megatron's distributed optimizer), its activations multiplied
     by ``activation_scale``: the measured over the estimated bytes one shrunk layer saves (the
     rehearsal's calibration measures it; CPU layers save intermediates fused GPU kernels do not,
     and the cap must compare like with like).
@@ -133,9 +135,8 @@ def memory_caps(real: Plan, shrunk: Plan, catalog: Catalog | None = None, *,
     catalog = catalog or load_catalog()
     real_cost = _cost_model(real, catalog, precision=real.precision,
                             use_distributed_optimizer=real.use_distributed_optimizer)
-    # the CPU ranks keep the whole optimizer state (the mini trainer does not shard it)
     cpu_cost = _cost_model(shrunk, catalog, precision="fp32", flash_attention=False,
-                           workspace_gb=0.0, use_distributed_optimizer=False)
+                           workspace_gb=0.0, use_distributed_optimizer=cpu_shards_optimizer)
     caps = {}
     for rank in range(real.world_size):
         slot = real.slot_of_rank(rank)
