@@ -19,7 +19,7 @@ Public API
     the CPU backend, builds megatron-core's parallel state (TP, PP, DP from the plan; the
     plan's own pipeline layout), a ``GPTModel`` (local spec, fp32, CPU initialization, this
     stage's recompute from its plan entry), Megatron's DDP, ``get_megatron_optimizer`` (Adam,
-    grad clipping; or SGD; distributed or not as ``plan.use_distributed_optimizer`` says) and
+    grad clipping; or SGD; distributed when ``config.use_distributed_optimizer`` says) and
     runs ``config.steps`` steps of Megatron's own schedule (1F1B when PP > 1), then one
     forward-only pass. ``plan.precision`` is ignored: everything is fp32.
 ``train_plan(plan, config, hooks_factory=None) -> TrainResult``
@@ -90,9 +90,9 @@ class TrainConfig:
     """Global gradient-norm clipping threshold (0 disables)."""
     init_std: float = 0.02
     """Standard deviation of the initial weight matrices."""
-    use_distributed_optimizer: bool | None = None
-    """Megatron's distributed optimizer (optimizer state sharded over data parallelism); None
-    follows ``plan.use_distributed_optimizer``."""
+    use_distributed_optimizer: bool | None = False
+    """Megatron's distributed optimizer (optimizer state sharded over data parallelism; works
+    on gloo); None follows ``plan.use_distributed_optimizer``. Default: the plain fp32 one."""
     gather_params: bool = True
     """Return the final parameters (TP shards gathered in ``train_plan``)."""
     eval_forward_only: bool = True

@@ -17,6 +17,7 @@ parameters by about a full step and the losses from step 0 (see test_wrong_share
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import textwrap
@@ -66,8 +67,21 @@ def test_reference_trains(reference):
 
 @pytest.mark.parametrize("name", sorted(PLANS))
 def test_plan_matches_one_process(name, reference):
-    result = train_plan(PLANS[name], CONFIG)
+    config = dataclasses.replace(CONFIG, use_distributed_optimizer=None)  # as the plan says
+    result = train_plan(PLANS[name], config, hooks_factory=_optimizer_kinds)
     assert compare_results(result, reference, rtol=RTOL, atol=ATOL) is None
+    distributed = {"DistributedOptimizer" in r.extra for r in result.ranks}
+    assert distributed == {PLANS[name].use_distributed_optimizer}
+
+
+def _optimizer_kinds(plan, rank):
+    kinds = []
+
+    def on_built(chunks, optimizer):
+        for inner in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+            kinds.append(type(inner).__name__)
+
+    return RankHooks(on_built=on_built, report=lambda: kinds)
 
 
 @pytest.mark.parametrize("name", ["d_pp2_dp2", "f_tp2_pp2_split_2_4"])
