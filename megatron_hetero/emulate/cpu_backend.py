@@ -24,11 +24,12 @@ Public API
 What it makes work (megatron-core 0.16.x and 0.17.x, torch 2.13 CPU): ``GPTModel`` on the local
 spec, the non-interleaved 1F1B and forward-only schedules, p2p, ``DistributedDataParallel``
 with grad buffers, ``finalize_model_grads`` (per-token loss too), the fp32 optimizer from
-``get_megatron_optimizer`` (torch Adam) with grad clipping, the RNG tracker and TP=2.
+``get_megatron_optimizer`` (torch Adam or SGD; plain or Megatron's distributed optimizer) with
+grad clipping, activation recompute (full and selective), the RNG tracker and TP=2.
 
 How
 ---
-Nothing in megatron-core is edited. Three mechanisms, all listed in :data:`REDIRECTS`:
+Nothing in megatron-core is edited. Four mechanisms, all listed in :data:`REDIRECTS`:
 
 1. A ``TorchFunctionMode`` (:class:`_CudaToCpuMode`) pushed for the rest of the process maps
    every CUDA device argument (``device="cuda"``, ``device=torch.cuda.current_device()``,
@@ -39,6 +40,9 @@ Nothing in megatron-core is edited. Three mechanisms, all listed in :data:`REDIR
 3. megatron-core's own CUDA RNG helpers (``_get_cuda_rng_state``/``_set_cuda_rng_state``) use the
    CPU generator, so ``model_parallel_cuda_manual_seed`` and ``get_cuda_rng_tracker().fork()``
    work: the tracker's streams become states of the CPU generator.
+4. ``torch.autograd.function.BackwardCFunction.apply`` re-pushes the mode around custom autograd
+   Functions' backward: the engine runs inside the mode's handler of ``torch.autograd.backward``,
+   where a mode is popped, and megatron's recompute runs its forward there.
 
 The mode is thread-local: it covers the thread that called ``enable_cpu_backend`` (CPU autograd
 runs the backward on that thread too). It costs about 2.5 us per torch call.
