@@ -75,6 +75,12 @@ def megatron_args(plan: Plan, plan_path: str | None = None) -> list[str]:
         args.append(f"--{plan.precision}")
     if plan.use_distributed_optimizer:
         args.append("--use-distributed-optimizer")
+    if plan.sequence_parallel:
+        args.append("--sequence-parallel")
+    if plan.offloads_optimizer:
+        # Megatron's hybrid-device optimizer needs this flag; the runtime turns on
+        # --optimizer-cpu-offload with each rank's own fraction.
+        args.append("--use-precision-aware-optimizer")
     if not plan.uniform_data_parallel:
         args.append("--calculate-per-token-loss")
     args += _recompute_args(plan)

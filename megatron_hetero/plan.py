@@ -166,6 +166,8 @@ class Plan:
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
     use_distributed_optimizer: bool = True
     """Shard optimizer state over data parallelism (``--use-distributed-optimizer``)."""
+    sequence_parallel: bool = False
+    """Megatron's ``--sequence-parallel`` (only meaningful with tensor parallelism)."""
     prediction: dict[str, float] | None = None
     """Figures the tuner predicted for this plan (informational; never read back as input)."""
 
@@ -204,6 +206,9 @@ class Plan:
                                   "stage may hold just the embedding or the loss)")
         if len(first) == 1 and first[0].num_layers == 0:
             raise SchemaError("", "pipelines[0].stages[0].num_layers", 0, "at least 1")
+        if self.sequence_parallel and tp == 1:
+            raise SchemaError("", "sequence_parallel", True,
+                              "false when tensor_model_parallel_size is 1")
         samples = sum(p.samples for p in self.pipelines)
         if samples != self.global_batch_size:
             raise SchemaError("", "global_batch_size", self.global_batch_size,
@@ -237,6 +242,11 @@ class Plan:
         replicas take consecutive shares in data-parallel rank order."""
         offset = sum(p.samples for p in self.pipelines[:pipeline])
         return offset, self.pipelines[pipeline].samples
+
+    @property
+    def offloads_optimizer(self) -> bool:
+        """True when some stage keeps part of its optimizer state on the host."""
+        return any(s.offload.optimizer_fraction > 0 for p in self.pipelines for s in p.stages)
 
     def stage(self, pipeline: int, stage: int) -> Stage:
         return self.pipelines[pipeline].stages[stage]

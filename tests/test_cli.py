@@ -13,7 +13,7 @@ from megatron_hetero.cli import main
 
 from .conftest import EXAMPLE_PLANS, REPO
 
-PLAN = REPO / "examples/llama2/7b/plan.yaml"
+PLAN = REPO / "tests/data/plan_a100_v100.yaml"
 
 
 def test_validate_accepts_every_example(capsys):

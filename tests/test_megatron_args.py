@@ -17,18 +17,23 @@ from megatron_hetero.plan import load_plan, plan_from_data
 
 from .conftest import EXAMPLE_PLANS, REPO
 
-BASE = yaml.safe_load((REPO / "examples/llama2/7b/plan.yaml").read_text())
+BASE = yaml.safe_load((REPO / "tests/data/plan_a100_v100.yaml").read_text())
 
 
-def _variant(split, *, tp=1, heads=32, groups=32, micro=(1, 1), counts=(70, 58)):
+def _variant(split, *, tp=1, heads=32, groups=32, micro=(1, 1), counts=(70, 58), sp=False,
+             offload=0.0):
     data = copy.deepcopy(BASE)
     data["tensor_model_parallel_size"] = tp
+    data["sequence_parallel"] = sp
+    data["precision"] = "bf16" if offload else data["precision"]
     data["model"].update(num_layers=sum(split), num_attention_heads=heads, num_query_groups=groups)
     proto = data["pipelines"][0]["stages"][0]
     data["pipelines"] = [
         {"micro_batch_size": m, "num_microbatches": n,
-         "stages": [dict(copy.deepcopy(proto), num_layers=k, recompute={"granularity": "none"})
-                    for k in split]}
+         "stages": [dict(copy.deepcopy(proto), num_layers=k, recompute={"granularity": "none"},
+                         device_type="A100-SXM-80GB",
+                         offload={"optimizer_fraction": offload if s == 0 else 0.0})
+                    for s, k in enumerate(split)]}
         for m, n in zip(micro, counts)]
     data["global_batch_size"] = sum(m * n for m, n in zip(micro, counts))
     return plan_from_data(data, source="variant")
@@ -41,6 +46,8 @@ VARIANTS = {
     "first-last-3-stage": _variant([5, 9, 9, 9]),
     "even-uniform-dp": _variant([8, 8, 8, 8], counts=(32, 32)),
     "gqa-tp2-uneven-mbs": _variant([16, 16], tp=2, heads=64, groups=8, micro=(2, 1), counts=(20, 24)),
+    "sequence-parallel": _variant([16, 16], tp=4, sp=True),
+    "optimizer-offload": _variant([16, 16], offload=0.5),
 }
 
 
@@ -91,7 +98,8 @@ _CHECKER = textwrap.dedent("""
                         split=split, gbs=args.global_batch_size, mbs=args.micro_batch_size,
                         groups=(args.num_query_groups if args.group_query_attention
                                 else args.num_attention_heads), per_token=args.calculate_per_token_loss,
-                        plan=args.hetero_plan))
+                        plan=args.hetero_plan, sp=args.sequence_parallel,
+                        precision_aware=args.use_precision_aware_optimizer))
     print("RESULT" + json.dumps(out))
 """)
 
@@ -115,6 +123,8 @@ def test_megatron_training_accepts_the_arguments(mcore017_env):
         assert got["groups"] == plan.model.num_query_groups, name
         assert got["per_token"] == (not plan.uniform_data_parallel), name
         assert got["plan"] == path, name
+        assert got["sp"] == plan.sequence_parallel, name
+        assert got["precision_aware"] == plan.offloads_optimizer, name
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))

@@ -17,7 +17,7 @@ from megatron_hetero.plan import (
 
 from .conftest import EXAMPLE_PLANS, REPO
 
-BASE = yaml.safe_load((REPO / "examples/llama2/7b/plan.yaml").read_text())
+BASE = yaml.safe_load((REPO / "tests/data/plan_a100_v100.yaml").read_text())
 
 
 def _mutate(path: str, value):
