@@ -22,6 +22,9 @@ BASE_ARGS = [
     "--no-create-attention-mask-in-dataloader", "--dataloader-type", "single",
     "--distributed-backend", "gloo", "--attention-dropout", "0", "--hidden-dropout", "0",
 ]
+# Megatron-LM's own pretrain_gpt.py with its mock GPT dataset.
+PRETRAIN_GPT_ARGS = [a for a in BASE_ARGS if a != "--no-create-attention-mask-in-dataloader"] + [
+    "--mock-data", "--split", "100,0,0"]
 
 
 # The baseline without the plugin: the same CPU preparation, no hooks, the plan's arguments
@@ -38,7 +41,7 @@ _PLAIN = (
 
 def launch(nproc: int, plan: str, workdir: Path, *, iters: int = 2, extra=(), env=None,
            timeout: float = 240, script: Path = TRAIN_SCRIPT, launcher_types=None,
-           hooks: bool = True) -> list:
+           hooks: bool = True, base_args=BASE_ARGS) -> list:
     """Start ``nproc`` ranks; returns [(returncode, output, log dict or None)] per launcher rank.
     ``hooks=False`` runs plain Megatron with the plan's implied arguments instead."""
     from megatron_hetero.emulate.spawn import free_port
@@ -54,13 +57,13 @@ def launch(nproc: int, plan: str, workdir: Path, *, iters: int = 2, extra=(), en
         if launcher_types:
             e["MEGATRON_HETERO_DEVICE_TYPE"] = launcher_types[r]
         if hooks:
-            cmd = [sys.executable, "-m", "megatron_hetero.launch", str(script), *BASE_ARGS,
+            cmd = [sys.executable, "-m", "megatron_hetero.launch", str(script), *base_args,
                    "--train-iters", str(iters), *extra, "--hetero-plan", plan]
         else:
             from megatron_hetero.megatron_args import megatron_args
             from megatron_hetero.plan import load_plan
 
-            cmd = [sys.executable, "-c", _PLAIN, str(script), *BASE_ARGS, "--train-iters",
+            cmd = [sys.executable, "-c", _PLAIN, str(script), *base_args, "--train-iters",
                    str(iters), *extra, *megatron_args(load_plan(plan))]
         out = open(workdir / f"out.{r}", "w")
         procs.append((subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=e), out))

@@ -8,7 +8,11 @@ import pytest
 
 from megatron_hetero.plan import save_plan
 
-from .launching import launch, logged_losses
+import os
+import subprocess
+from pathlib import Path
+
+from .launching import PRETRAIN_GPT_ARGS, launch, logged_losses
 from .plans import A100, V100, make_plan
 
 pytestmark = pytest.mark.slow
@@ -117,3 +121,33 @@ def test_mismatch_and_conflict_stop_with_one_message(tmp_path):
                               extra=["--pipeline-model-parallel-size", "4"], timeout=120)
     assert code == 1 and "Traceback" not in out
     assert "--pipeline-model-parallel-size: the command line has 4; the plan implies 2" in out
+
+
+MEGATRON_GIT = Path(os.environ.get("MEGATRON_LM_GIT", "/work/.mirror/NVIDIA+Megatron-LM/repo"))
+
+
+@pytest.mark.skipif(not MEGATRON_GIT.is_dir(),
+                    reason=f"no Megatron-LM git clone at {MEGATRON_GIT} (set MEGATRON_LM_GIT)")
+def test_unchanged_pretrain_gpt_uneven_data_parallel(tmp_path):
+    """Megatron-LM 0.17.1's own pretrain_gpt.py (unpatched, mock data), run by launch: a
+    2-replica 3:1 plan logs the same losses and grad norms as one replica."""
+    archive = subprocess.run(["git", "--git-dir", str(MEGATRON_GIT), "archive", "core_v0.17.1",
+                              "pretrain_gpt.py", "gpt_builders.py", "model_provider.py",
+                              "megatron/legacy"], capture_output=True, check=True).stdout
+    checkout = tmp_path / "Megatron-LM"
+    checkout.mkdir()
+    subprocess.run(["tar", "-x", "-C", str(checkout)], input=archive, check=True)
+    before = (checkout / "pretrain_gpt.py").read_bytes()
+    uneven, single = tmp_path / "uneven.yaml", tmp_path / "single.yaml"
+    save_plan(make_plan(split=(2,), replicas=[(1, 3), (1, 1)]), uneven)
+    save_plan(make_plan(split=(2,), replicas=[(1, 4)]), single)
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    script = checkout / "pretrain_gpt.py"
+    two = launch(2, str(uneven), tmp_path / "a", script=script, base_args=PRETRAIN_GPT_ARGS)
+    one = launch(1, str(single), tmp_path / "b", script=script, base_args=PRETRAIN_GPT_ARGS)
+    for code, out, _ in two + one:
+        assert code == 0, out[-3000:]
+    assert (checkout / "pretrain_gpt.py").read_bytes() == before
+    assert len(logged_losses(one[0][1])) == 2
+    assert logged_losses(two[1][1]) == pytest.approx(logged_losses(one[0][1]), rel=1e-5)
+    assert _grad_norms(two[1][1]) == pytest.approx(_grad_norms(one[0][1]), rel=1e-4)
