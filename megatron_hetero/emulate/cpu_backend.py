@@ -89,7 +89,8 @@ REDIRECTS: tuple[tuple[str, str, str], ...] = (
     ("torch.cuda", "set_device", "no-op: one CPU per process"),
     ("torch.cuda", "synchronize", "no-op: CPU ops run synchronously"),
     ("torch.cuda", "empty_cache", "no-op: no caching allocator"),
-    ("torch.cuda", "Stream", "no streams on CPU: an object whose wait/record/synchronize are no-ops"),
+    ("torch.cuda", "Stream", "no streams on CPU: an object whose wait/record/synchronize are "
+     "no-ops"),
     ("torch.cuda", "Event", "an event whose record/wait/synchronize are no-ops"),
     ("torch.cuda", "stream", "context manager that does nothing"),
     ("torch.cuda", "current_stream", "the no-op stream"),

@@ -24,7 +24,8 @@ Public API
     forward-only pass. ``plan.precision`` is ignored: everything is fp32.
 ``train_plan(plan, config, hooks_factory=None) -> TrainResult``
     Spawns ``plan.world_size`` CPU processes running :func:`train_rank` and merges their
-    results: the global loss per step, the forward-only loss after training, every parameter under a layout-independent name, and the
+    results: the global loss per step, the forward-only loss after training, every parameter
+    under a layout-independent name, and the
     wall time per step of each rank. ``hooks_factory(plan, rank) -> RankHooks`` is called in
     each rank (it must be importable by name, e.g. a module-level function or a
     ``functools.partial`` of one).
@@ -159,7 +160,7 @@ class TrainResult:
     ranks: list[RankResult]
 
 
-# -- plans ------------------------------------------------------------------------------------------
+# -- plans ----------------------------------------------------------------------------------------
 def reference_plan(plan: Plan) -> Plan:
     """One stage, one pipeline, TP=1, the plain (not distributed) optimizer: the same model and
     global batch on one process."""
@@ -190,7 +191,7 @@ def shrink_model(plan: Plan, *, hidden_size: int = 64, num_attention_heads: int 
     return dataclasses.replace(plan, model=model, precision="fp32")
 
 
-# -- data -------------------------------------------------------------------------------------------
+# -- data -----------------------------------------------------------------------------------------
 def sample_tokens(index: int, seed: int, seq_length: int, vocab_size: int):
     """Sample ``index`` of the synthetic dataset: ``seq_length + 1`` token ids."""
     import torch
@@ -213,7 +214,7 @@ def _micro_batches(plan: Plan, pipeline: int, step: int, seed: int):
                "position_ids": torch.arange(m.seq_length).unsqueeze(0).expand(len(rows), -1)}
 
 
-# -- model ------------------------------------------------------------------------------------------
+# -- model ----------------------------------------------------------------------------------------
 def _transformer_config(plan: Plan, stage: Stage):
     import torch
     import torch.nn.functional as F
@@ -297,7 +298,7 @@ def _init_params(model, plan: Plan, seed: int, std: float, tp_rank: int, tied_la
             param.copy_(_shard(full, param, tp, tp_rank, _is_glu(canon, plan)))
 
 
-# -- one rank ---------------------------------------------------------------------------------------
+# -- one rank -------------------------------------------------------------------------------------
 _backward_wrapper: list[Callable[[str], ContextManager] | None] = [None]
 
 
@@ -374,7 +375,8 @@ def train_rank(plan: Plan, rank: int, config: TrainConfig | None = None,
                                                      use_distributed_optimizer=dist_opt),
             module=model)
         optimizer = get_megatron_optimizer(
-            OptimizerConfig(optimizer=config.optimizer, lr=config.lr, weight_decay=config.weight_decay,
+            OptimizerConfig(optimizer=config.optimizer, lr=config.lr,
+                            weight_decay=config.weight_decay,
                             clip_grad=config.clip_grad, bf16=False, fp16=False,
                             params_dtype=torch.float32, use_distributed_optimizer=dist_opt),
             [ddp])
@@ -512,8 +514,9 @@ def compare_results(result: TrainResult, reference: TrainResult, *, rtol: float 
     if (a is None) != (b is None) or (a is not None and not abs(a - b) <= atol + rtol * abs(b)):
         return f"forward-only loss after training: {a!r} vs reference {b!r}"
     if set(result.params) != set(reference.params):
-        return (f"parameter names differ: only in result {sorted(set(result.params) - set(reference.params))}, "
-                f"only in reference {sorted(set(reference.params) - set(result.params))}")
+        only_a = sorted(set(result.params) - set(reference.params))
+        only_b = sorted(set(reference.params) - set(result.params))
+        return f"parameter names differ: only in result {only_a}, only in reference {only_b}"
     for name in sorted(reference.params):
         a, b = result.params[name], reference.params[name]
         if a.shape != b.shape:

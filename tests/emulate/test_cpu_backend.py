@@ -119,7 +119,8 @@ def test_backend_in_a_rank_process():
     assert out["devices"] == ["cpu"]
     assert out["type"] == "torch.cuda.FloatTensor"
     assert out["tracker_repeats"] and out["tracker_streams_differ"]
-    assert "megatron.core.utils.elapsed called torch.cuda.temperature, not covered" in out["uncovered"]
+    assert ("megatron.core.utils.elapsed called torch.cuda.temperature, not covered"
+            in out["uncovered"])
     assert out["outside"] == "torch error"
 
 

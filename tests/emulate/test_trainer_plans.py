@@ -14,7 +14,8 @@ from .conftest import tiny_plan
 @pytest.mark.parametrize("path", EXAMPLE_PLANS, ids=lambda p: p.parent.name)
 def test_shrink_keeps_split_pipelines_and_ranks(path):
     plan = load_plan(path)
-    small = shrink_model(plan, hidden_size=64, num_attention_heads=4 * plan.tensor_model_parallel_size)
+    heads = 4 * plan.tensor_model_parallel_size
+    small = shrink_model(plan, hidden_size=64, num_attention_heads=heads)
     assert small.layer_split == plan.layer_split
     assert small.world_size == plan.world_size
     assert [(p.micro_batch_size, p.num_microbatches) for p in small.pipelines] == [
