@@ -41,17 +41,16 @@ def main(argv: list[str] | None = None) -> int:
     if not script.is_file():
         print(f"megatron-hetero launch: error: no such training script: {script}", file=sys.stderr)
         return 1
+    # As `python SCRIPT` would: the script's directory first on the path (pretrain_gpt.py
+    # imports its neighbours, and a Megatron-LM checkout's megatron.training lives there).
+    sys.path.insert(0, str(script.resolve().parent))
+    sys.argv = [str(script), *argv[1:]]
     try:
         if cpu:
             os.environ[CPU_ENV] = "1"
-            from .runtime.cpu import prepare_cpu_run
-
-            prepare_cpu_run()
         from .runtime.hooks import install
 
-        install()
-        sys.argv = [str(script), *argv[1:]]
-        sys.path.insert(0, str(script.resolve().parent))  # pretrain_gpt.py imports its neighbours
+        install()  # prepares the CPU backend too when MEGATRON_HETERO_CPU=1
         runpy.run_path(str(script), run_name="__main__")
     except HeteroError as exc:
         print(f"megatron-hetero: error: {exc}", file=sys.stderr, flush=True)

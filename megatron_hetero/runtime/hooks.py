@@ -300,9 +300,11 @@ def install() -> None:
     try:
         importlib.import_module("megatron.training")
     except ImportError as exc:
-        raise HeteroError(f"megatron-hetero hooks need Megatron-LM's megatron.training "
-                          f"(megatron-core >= 0.17 ships it, or put Megatron-LM on PYTHONPATH): "
-                          f"{exc}") from exc
+        if getattr(exc, "name", None) in ("megatron", "megatron.training"):
+            raise HeteroError("megatron-hetero hooks need Megatron-LM's megatron.training "
+                              "(megatron-core >= 0.17 ships it; or run a Megatron-LM checkout's "
+                              "script, or put the checkout on PYTHONPATH)") from exc
+        raise HeteroError(f"importing Megatron-LM's megatron.training failed: {exc}") from exc
     if os.environ.get(CPU_ENV, "") not in ("", "0"):
         from .cpu import prepare_cpu_run
 
