@@ -1,4 +1,13 @@
-"""Runtime hooks that apply a plan inside Megatron-LM.
+"""Runtime hooks that apply a plan inside Megatron-LM (``--hetero-plan plan.yaml``).
 
 Importing this package does not import torch or megatron; the submodules that need them do.
+
+``hooks``       wraps Megatron-LM's own functions (``install()``); the entry point
+``placement``   device detection, rank exchange and the launcher-rank -> Megatron-rank assignment
+``plan_args``   the plan's implied arguments checked against (and filled into) the command line
+``sampler``     each replica's share of every global batch, resumable
+``policies``    per-stage recompute and offload as per-rank settings; refusal of what cannot work
+``cpu``         megatron.training on the CPU backend (``MEGATRON_HETERO_CPU=1``)
+``patching``    ``megatron-hetero patch-megatron``
+``arguments``   ``--hetero-plan`` / ``--hetero-device-type``
 """
