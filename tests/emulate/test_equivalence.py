@@ -106,6 +106,27 @@ def test_wrong_share_is_caught(reference):
     assert compare_results(result, reference, rtol=RTOL, atol=ATOL) is not None
 
 
+def _mean_loss_per_replica(plan, rank):
+    """Megatron's default loss: a mean per replica, then averaged over replicas."""
+    from megatron_hetero.emulate import trainer
+    build = trainer._transformer_config
+
+    def transformer_config(plan, stage):
+        config = build(plan, stage)
+        config.calculate_per_token_loss = False
+        return config
+
+    trainer._transformer_config = transformer_config
+    return RankHooks()
+
+
+def test_uneven_replicas_need_per_token_loss(reference):
+    """Without calculate_per_token_loss, a 3:1 split weighs the lone micro-batch 3x: caught."""
+    result = train_plan(PLANS["c_dp2_microbatches_3_1"], CONFIG,
+                        hooks_factory=_mean_loss_per_replica)
+    assert compare_results(result, reference, rtol=RTOL, atol=ATOL) is not None
+
+
 def test_tied_embeddings_pp2():
     """The last stage's copy of a shared embedding is synchronized through the embedding group."""
     plan = tiny_plan([1, 5], [(1, 4)], untie_embeddings_and_output_weights=False)
