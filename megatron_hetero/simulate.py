@@ -191,8 +191,8 @@ def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True) -> SimR
         bwd = [t.backward_s for t in times[d]]
         bws = [placement.link_bandwidth(placement.node(d, s), placement.node(d, s + 1))
                for s in range(p - 1)]
-        sends = [cost.p2p_seconds(pipe.micro_batch_size, bw, plan.tensor_model_parallel_size)
-                 for bw in bws]
+        sends = [cost.p2p_seconds(pipe.micro_batch_size, bw, plan.tensor_model_parallel_size,
+                                  cost.sequence_parallel_of(plan)) for bw in bws]
         key = (tuple(fwd), tuple(bwd), tuple(sends), pipe.num_microbatches)
         if key not in cache or record_events:
             cache[key] = one_f_one_b(fwd, bwd, sends, sends, pipe.num_microbatches, record=record_events)

@@ -34,8 +34,6 @@ def load_scenario(path: Path):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="only the scenarios marked quick")
-    ap.add_argument("--sequence-parallel", action="store_true",
-                    help="cost plans as if Megatron ran --sequence-parallel with TP > 1")
     ap.add_argument("scenarios", nargs="*", help="scenario files (default: all in examples/scenarios)")
     args = ap.parse_args(argv)
     paths = [Path(p) for p in args.scenarios] or sorted(SCENARIOS.glob("*.yaml"))
@@ -47,8 +45,7 @@ def main(argv=None) -> int:
         inventory, model, gbs, quick = load_scenario(path)
         if args.quick and not quick:
             continue
-        options = TuneOptions(cost_options={"sequence_parallel": True} if args.sequence_parallel else {})
-        r = tune(model, inventory, gbs, options=options)
+        r = tune(model, inventory, gbs, options=TuneOptions())
         p = r.plan
         base = r.baseline_sim.step_time_s if r.baseline_sim else float("nan")
         pred, bound = r.sim.step_time_s, r.upper_bound_step_time_s

@@ -94,7 +94,6 @@ class CostModel:
                  precision: Literal["bf16", "fp16", "fp32"] = "bf16",
                  use_distributed_optimizer: bool = True,
                  flash_attention: bool | None = None,
-                 sequence_parallel: bool = False,
                  overlap_grad_reduce: bool = False,
                  workspace_gb: float = 2.0,
                  host_optimizer_gb_s: float = 5.0,
@@ -105,8 +104,11 @@ class CostModel:
         matrices (Megatron's default with Transformer Engine), so no-recompute activations
         exclude Korthikanti's ``5as^2b`` term. ``None``: per device type, where the catalog
         entry has ``bf16`` (Ampere and later; V100 and T4 run unfused attention).
-        ``sequence_parallel``: ``--sequence-parallel`` with TP > 1 (activations, checkpoints and
-        pipeline sends sharded over the tensor ranks). ``overlap_grad_reduce``: the gradient sync overlaps
+        Sequence parallelism is not a setting of the model: plan-level costs follow each plan's
+        ``sequence_parallel`` flag, and the primitives take it as ``sp`` (activations,
+        checkpoints and pipeline sends sharded over the tensor ranks; the tensor-parallel
+        traffic is the same, an all-gather plus a reduce-scatter in place of each all-reduce).
+        ``overlap_grad_reduce``: the gradient sync overlaps
         the last backward (``--overlap-grad-reduce``). ``workspace_gb``: memory reserved per
         device outside the model. ``host_optimizer_gb_s``: optimizer state one GPU's share of
         the host processes per second when offloaded (CPU Adam plus PCIe copies; a node's
@@ -119,7 +121,6 @@ class CostModel:
         self.precision = precision
         self.use_distributed_optimizer = use_distributed_optimizer
         self.flash_attention = flash_attention
-        self.sequence_parallel = sequence_parallel
         self.overlap_grad_reduce = overlap_grad_reduce
         self.workspace_bytes = workspace_gb * 1e9
         self.host_optimizer_rate = host_optimizer_gb_s * 1e9
@@ -216,7 +217,7 @@ class CostModel:
 
     def _compute_times(self, device_type: str, num_layers: int, first: bool, last: bool,
                        micro_batch_size: int, tp: int, recompute: RecomputeKey = ("none", None, None),
-                       activation_offload: bool = False) -> StageTimes:
+                       activation_offload: bool = False, sp: bool = False) -> StageTimes:
         b = micro_batch_size
         lf, lb = self.layer_times(device_type, b, tp)
         fwd, bwd = num_layers * lf, num_layers * lb
@@ -229,7 +230,7 @@ class CostModel:
         bwd += self._recompute_extra(device_type, b, tp, num_layers, recompute)
         if activation_offload:
             moved = self._activations_per_microbatch(device_type, num_layers, first, last, b, tp,
-                                                     recompute)
+                                                     recompute, sp)
             fwd += moved / self.pcie_bandwidth
             bwd += moved / self.pcie_bandwidth
         return StageTimes(fwd, bwd)
@@ -250,30 +251,32 @@ class CostModel:
             return self.flash_attention
         return self.spec(device_type).bf16
 
-    def layer_activation_bytes(self, device_type: str, b: int, tp: int, policy: str) -> float:
-        """Bytes one tensor rank keeps per layer and micro-batch (:mod:`megatron_hetero.models`)."""
+    def layer_activation_bytes(self, device_type: str, b: int, tp: int, policy: str,
+                               sp: bool = False) -> float:
+        """Bytes one tensor rank keeps per layer and micro-batch (:mod:`megatron_hetero.models`);
+        ``sp``: sequence parallelism (ignored at TP = 1)."""
         return M.layer_activation_bytes(self.model, b, tp, policy,
                                         flash_attention=self.uses_flash_attention(device_type),
-                                        sequence_parallel=self.sequence_parallel and tp > 1)
+                                        sequence_parallel=sp and tp > 1)
 
-    def hidden_bytes(self, b: int, tp: int) -> float:
-        """One rank's ``[s, b, h]`` 16-bit tensor: a pipeline send, a full-recompute checkpoint."""
-        sp = tp if self.sequence_parallel and tp > 1 else 1
-        return M.layer_input_bytes(self.model, b) / sp
+    def hidden_bytes(self, b: int, tp: int, sp: bool = False) -> float:
+        """One rank's ``[s, b, h]`` 16-bit tensor: a pipeline send, a full-recompute checkpoint
+        (``[s/t, b, h]`` with sequence parallelism)."""
+        return M.layer_input_bytes(self.model, b) / (tp if sp and tp > 1 else 1)
 
     def _activations_per_microbatch(self, device_type: str, n: int, first: bool, last: bool,
-                                    b: int, tp: int, rk: RecomputeKey) -> float:
+                                    b: int, tp: int, rk: RecomputeKey, sp: bool = False) -> float:
         m = self.model
         gran, method, k = rk
-        ckpt = self.hidden_bytes(b, tp)
+        ckpt = self.hidden_bytes(b, tp, sp)
         if gran == "full":
             if method == "uniform":
                 out = -(-n // k) * ckpt
             else:
                 kk = min(k, n)
-                out = kk * ckpt + (n - kk) * self.layer_activation_bytes(device_type, b, tp, "none")
+                out = kk * ckpt + (n - kk) * self.layer_activation_bytes(device_type, b, tp, "none", sp)
         else:
-            out = n * self.layer_activation_bytes(device_type, b, tp, gran)
+            out = n * self.layer_activation_bytes(device_type, b, tp, gran, sp)
         if first:
             out += ckpt / 2  # embedding dropout mask (1 byte per element)
         if last:
@@ -283,17 +286,17 @@ class CostModel:
     def _memory_need(self, device_type: str, num_layers: int, first: bool, last: bool,
                      micro_batch_size: int, tp: int, recompute: RecomputeKey, in_flight: int,
                      data_parallel: int, optimizer_offload: float = 0.0,
-                     activation_offload: bool = False) -> Memory:
+                     activation_offload: bool = False, sp: bool = False) -> Memory:
         m, b = self.model, micro_batch_size
         params = self.stage_params(num_layers, first, last, tp)
         shard = params / data_parallel if self.use_distributed_optimizer else params
         per_mb = self._activations_per_microbatch(device_type, num_layers, first, last, b, tp,
-                                                  recompute)
+                                                  recompute, sp)
         acts = (1 if activation_offload else in_flight) * per_mb
         gran, method, k = recompute
         if gran == "full" and num_layers:
             chunk = k if method == "uniform" else 1
-            acts += min(chunk, num_layers) * self.layer_activation_bytes(device_type, b, tp, "none")
+            acts += min(chunk, num_layers) * self.layer_activation_bytes(device_type, b, tp, "none", sp)
         return Memory(params=params * self.param_bytes, grads=params * self.grad_bytes,
                       optimizer=shard * self.optim_bytes * (1.0 - optimizer_offload),
                       activations=acts, workspace=self.workspace_bytes,
@@ -317,11 +320,17 @@ class CostModel:
         dev_bw = self.spec(device_type).memory_bandwidth_gb_s * 1e9
         return (1 - optimizer_offload) * touched / dev_bw + optimizer_offload * touched / self.host_optimizer_rate
 
-    def p2p_seconds(self, micro_batch_size: int, bandwidth_gb_s: float, tp: int = 1) -> float:
+    def p2p_seconds(self, micro_batch_size: int, bandwidth_gb_s: float, tp: int = 1,
+                    sp: bool = False) -> float:
         """One pipeline send of a micro-batch's activations (or their gradients)."""
-        return self.p2p_latency_s + self.hidden_bytes(micro_batch_size, tp) / (bandwidth_gb_s * 1e9)
+        return self.p2p_latency_s + self.hidden_bytes(micro_batch_size, tp, sp) / (bandwidth_gb_s * 1e9)
 
     # -- plan level -----------------------------------------------------------------------------
+    @staticmethod
+    def sequence_parallel_of(plan: Plan) -> bool:
+        """Whether ``plan`` runs Megatron's ``--sequence-parallel`` (its flag, at TP > 1)."""
+        return plan.sequence_parallel and plan.tensor_model_parallel_size > 1
+
     @staticmethod
     def _stage_key(plan: Plan, pipeline: int, stage: int):
         st = plan.stage(pipeline, stage)
@@ -334,7 +343,7 @@ class CostModel:
         return self.compute_times(st.device_type, st.num_layers, first, last,
                                   plan.pipelines[pipeline].micro_batch_size,
                                   plan.tensor_model_parallel_size, recompute_key(st.recompute),
-                                  st.offload.activations)
+                                  st.offload.activations, self.sequence_parallel_of(plan))
 
     def stage_memory(self, plan: Plan, pipeline: int, stage: int) -> Memory:
         """Peak memory of one tensor rank of (pipeline, stage)."""
@@ -344,7 +353,7 @@ class CostModel:
         return self.memory_need(st.device_type, st.num_layers, first, last, pipe.micro_batch_size,
                                 plan.tensor_model_parallel_size, recompute_key(st.recompute),
                                 in_flight, plan.data_parallel_size, st.offload.optimizer_fraction,
-                                st.offload.activations)
+                                st.offload.activations, self.sequence_parallel_of(plan))
 
     def placement(self, plan: Plan) -> Placement:
         return place([[s.device_type for s in p.stages] for p in plan.pipelines],

@@ -296,20 +296,22 @@ class _Search:
             return got
         cost, L = self.cost(prec), self.model.num_layers
         none = ("none", None, None)
+        sp = tp > 1  # Megatron users run TP with --sequence-parallel; the plans say so
         n = np.arange(L + 1, dtype=float)
 
         def line(f):
             a, b = f(1), f(2)
             return a + (n - 1) * (b - a)
 
-        t_none = line(lambda k: cost.compute_times(gpu, k, first, last, mbs, tp, none).total_s)
-        mems = {k: cost.memory_need(gpu, k, first, last, mbs, tp, none, in_flight, D) for k in (1, 2)}
+        t_none = line(lambda k: cost.compute_times(gpu, k, first, last, mbs, tp, none, False, sp).total_s)
+        mems = {k: cost.memory_need(gpu, k, first, last, mbs, tp, none, in_flight, D, 0.0, False, sp)
+                for k in (1, 2)}
         mem_none = line(lambda k: mems[k].total)
         opt = line(lambda k: mems[k].optimizer)
         off_step = line(lambda k: cost.optimizer_seconds(gpu, cost.stage_params(k, first, last, tp), D, 1.0)
                         - cost.optimizer_seconds(gpu, cost.stage_params(k, first, last, tp), D, 0.0))
-        act = cost.layer_activation_bytes(gpu, mbs, tp, "none")
-        saving = in_flight * (act - cost.hidden_bytes(mbs, tp))
+        act = cost.layer_activation_bytes(gpu, mbs, tp, "none", sp)
+        saving = in_flight * (act - cost.hidden_bytes(mbs, tp, sp))
         cap = cost.capacity(gpu)
         fwd_layer = cost.layer_times(gpu, mbs, tp)[0]
         m_avg = (self.gbs // mbs) / D
@@ -387,9 +389,10 @@ class _Search:
             for s in range(p):
                 k = rec[ti][s]
                 rk = ("none", None, None) if k == 0 else ("full", "block", k)
-                stage_t.append(cost.compute_times(types[s], split[s], s == 0, s == p - 1, mbs, tp, rk).total_s)
+                stage_t.append(cost.compute_times(types[s], split[s], s == 0, s == p - 1, mbs, tp, rk,
+                                                  False, tp > 1).total_s)
                 offload_tail = max(offload_tail, off[ti][s] * float(tables[ti][s].off_step[split[s]]))
-            sends = sum(2 * cost.p2p_seconds(mbs, self._link_estimate(types, s, tp, D), tp)
+            sends = sum(2 * cost.p2p_seconds(mbs, self._link_estimate(types, s, tp, D), tp, tp > 1)
                         for s in range(p - 1))
             c = max(stage_t)
             fixed += [sum(stage_t) - c + sends] * count
@@ -460,7 +463,8 @@ class _Search:
                 d += 1
         return Plan(format_version=1, model=self.model, global_batch_size=self.gbs,
                     tensor_model_parallel_size=st.tp, pipelines=pipelines,
-                    precision=cand.precision, use_distributed_optimizer=True)
+                    precision=cand.precision, use_distributed_optimizer=True,
+                    sequence_parallel=st.tp > 1)
 
     def walk(self, structures, *, baseline: bool, tick: Callable[[], None]) -> list[_Candidate]:
         keep: list[_Candidate] = []
@@ -507,7 +511,8 @@ class _Search:
             n_gpus = self.inv.gpu_counts()[gpu]
             pp = max(1, min(self.model.num_layers, n_gpus // tp))
             per = -(-self.model.num_layers // pp)
-            need = cost.memory_need(gpu, per, True, pp == 1, 1, tp, none, pp, max(1, n_gpus // (tp * pp)))
+            need = cost.memory_need(gpu, per, True, pp == 1, 1, tp, none, pp,
+                                    max(1, n_gpus // (tp * pp)), 0.0, False, tp > 1)
             parts.append(f"{gpu}: {need.total / 1e9:.1f} GB needed per GPU, {need.capacity / 1e9:.0f} GB "
                          f"available (all {n_gpus} of them as TP={tp} x PP={pp}, {per} layers per "
                          "stage, full recompute, micro-batch 1)")

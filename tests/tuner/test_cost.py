@@ -168,12 +168,40 @@ def test_flash_attention_follows_bf16_support():
         "V100-SXM2-32GB", b, 1, "none") == a100
 
 
-def test_sequence_parallel_shards_activations():
-    inv = _inventory()
-    plain, sp = CostModel(TINY, inv), CostModel(TINY, inv, sequence_parallel=True)
-    for policy in ("none", "full"):
-        assert sp.layer_activation_bytes("A100-SXM-80GB", 1, 2, policy) < \
-            plain.layer_activation_bytes("A100-SXM-80GB", 1, 2, policy)
+def _tp2_plan(sp: bool):
+    m = TINY
+    data = {"format_version": 1, "model": {f: getattr(m, f) for f in m.__slots__},
+            "global_batch_size": 4, "tensor_model_parallel_size": 2, "sequence_parallel": sp,
+            "pipelines": [{"micro_batch_size": 1, "num_microbatches": 4, "stages": [
+                {"device_type": "A100-SXM-80GB", "num_layers": 2},
+                {"device_type": "A100-SXM-80GB", "num_layers": 2}]}]}
+    return plan_from_data(data)
+
+
+def test_sequence_parallel_follows_the_plan():
+    # one cost model; each plan is costed by its own sequence_parallel flag
+    cost = CostModel(TINY, _inventory(), p2p_latency_s=0.0)
+    plain, sp = _tp2_plan(False), _tp2_plan(True)
+    sbh, t = 16 * 1 * 64, 2
+    # stage 0 holds min(p - s, m) = 2 micro-batches of 2 layers plus the embedding's dropout
+    # mask (1 byte per element: sbh bytes); sequence parallelism shards the 10sbh replicated
+    # bytes per layer and the mask over t
+    saved = 2 * (2 * 10 * sbh + sbh) * (1 - 1 / t)
+    got = cost.stage_memory(plain, 0, 0).activations - cost.stage_memory(sp, 0, 0).activations
+    assert got == pytest.approx(saved)
+    # the same FLOPs and tensor-parallel traffic (all-gather + reduce-scatter = all-reduce)
+    assert cost.stage_times(sp, 0, 1) == cost.stage_times(plain, 0, 1)
+    # pipeline sends carry [s/t, b, h]
+    bw = 100.0
+    assert cost.p2p_seconds(1, bw, 2, True) == pytest.approx(cost.p2p_seconds(1, bw, 2, False) / 2)
+    # and the simulator reads the flag: identical compute, smaller sends, never slower
+    assert simulate(sp, cost).step_time_s <= simulate(plain, cost).step_time_s
+    # at TP = 1 the plan cannot ask for it
+    from megatron_hetero.errors import SchemaError
+    data = _tp2_plan(True).to_data()
+    data["tensor_model_parallel_size"] = 1
+    with pytest.raises(SchemaError, match="sequence_parallel"):
+        plan_from_data(data)
     # Korthikanti: selective with sequence parallelism is sbh * 34 / t for GPT shapes
     gpt = ModelSpec(name="gpt", num_layers=2, hidden_size=256, ffn_hidden_size=1024,
                     num_attention_heads=8, num_query_groups=8, vocab_size=512, seq_length=128,

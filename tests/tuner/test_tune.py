@@ -47,6 +47,14 @@ def _check_emitted(result, inventory, model, gbs):
     if result.baseline_sim is not None:
         assert result.sim.step_time_s <= result.baseline_sim.step_time_s * (1 + 1e-9)
     assert result.upper_bound_step_time_s <= result.sim.step_time_s
+    # tensor parallelism always runs with sequence parallelism, in the plan and in its arguments
+    tp = plan.tensor_model_parallel_size
+    assert plan.sequence_parallel == (tp > 1)
+    from megatron_hetero.megatron_args import megatron_args
+    assert ("--sequence-parallel" in megatron_args(plan)) == (tp > 1)
+    if result.baseline_plan is not None:
+        base = result.baseline_plan
+        assert base.sequence_parallel == (base.tensor_model_parallel_size > 1)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
