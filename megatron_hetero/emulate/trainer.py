@@ -140,6 +140,8 @@ class RankResult:
     """Global loss per step (every rank gets it)."""
     eval_loss: float | None = None
     """Global loss of the forward-only pass after training (``TrainConfig.eval_forward_only``)."""
+    grad_norms: list[float] = field(default_factory=list)
+    """Global gradient norm per step (before clipping), as Megatron's optimizer computes it."""
     step_times: list[float]
     """Wall seconds of each step on this rank."""
     params: dict[str, tuple[Any, int | None, bool]] = field(default_factory=dict)
@@ -299,7 +301,7 @@ def _init_params(model, plan: Plan, seed: int, std: float, tp_rank: int, tied_la
 
 
 # -- one rank -------------------------------------------------------------------------------------
-_backward_wrapper: list[Callable[[str], ContextManager] | None] = [None]
+_compute_hook: list[Callable[[str], ContextManager] | None] = [None]
 
 
 def _install_backward_hook() -> None:
@@ -311,7 +313,7 @@ def _install_backward_hook() -> None:
 
     @functools.wraps(original)
     def backward_step(*args, **kwargs):
-        hook = _backward_wrapper[0]
+        hook = _compute_hook[0]
         with hook("backward") if hook else contextlib.nullcontext():
             return original(*args, **kwargs)
 
@@ -398,7 +400,7 @@ def train_rank(plan: Plan, rank: int, config: TrainConfig | None = None,
 
         def forward_step(data_iterator, model_chunk):
             batch = next(data_iterator)
-            hook = _backward_wrapper[0]  # the compute hook while training, None in evaluation
+            hook = _compute_hook[0]  # RankHooks.compute while training, None in evaluation
             ctx = hook("forward") if hook else contextlib.nullcontext()
             with ctx:
                 out = model_chunk(batch["tokens"], batch["position_ids"], None,
@@ -419,20 +421,21 @@ def train_rank(plan: Plan, rank: int, config: TrainConfig | None = None,
             dist.all_reduce(totals)
             return float(totals[0] / totals[1])
 
-        losses, times = [], []
-        _backward_wrapper[0] = hooks.compute
+        losses, times, grad_norms = [], [], []
+        _compute_hook[0] = hooks.compute
         for step in range(config.steps):
             t0 = time.perf_counter()
             ddp.zero_grad_buffer()
             optimizer.zero_grad()
             loss = run(step, forward_only=False)
-            ok, _grad_norm, _zeros = optimizer.step()
+            ok, grad_norm, _zeros = optimizer.step()
             assert ok, "the fp32 optimizer step reported failure"
             losses.append(loss)
+            grad_norms.append(float(grad_norm))
             times.append(time.perf_counter() - t0)
             if hooks.on_step_end:
                 hooks.on_step_end(step, times[-1])
-        _backward_wrapper[0] = None
+        _compute_hook[0] = None
         eval_loss = None
         if config.eval_forward_only:
             ddp.eval()
@@ -450,10 +453,10 @@ def train_rank(plan: Plan, rank: int, config: TrainConfig | None = None,
                 params[names[name]] = (p.detach().clone(), dim, _is_glu(name, plan))
         return RankResult(rank=rank, pipeline=slot.pipeline, stage=slot.stage,
                           tensor_rank=slot.tensor_rank, losses=losses, eval_loss=eval_loss,
-                          step_times=times,
+                          grad_norms=grad_norms, step_times=times,
                           params=params, extra=hooks.report() if hooks.report else None)
     finally:
-        _backward_wrapper[0] = None
+        _compute_hook[0] = None
         ps.destroy_model_parallel()
 
 

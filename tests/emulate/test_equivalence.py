@@ -70,6 +70,8 @@ def test_plan_matches_one_process(name, reference):
     config = dataclasses.replace(CONFIG, use_distributed_optimizer=None)  # as the plan says
     result = train_plan(PLANS[name], config, hooks_factory=_optimizer_kinds)
     assert compare_results(result, reference, rtol=RTOL, atol=ATOL) is None
+    for r in result.ranks:  # every rank sees the global gradient norm of the reference
+        assert r.grad_norms == pytest.approx(reference.ranks[0].grad_norms, rel=1e-4)
     distributed = {"DistributedOptimizer" in r.extra for r in result.ranks}
     assert distributed == {PLANS[name].use_distributed_optimizer}
 
