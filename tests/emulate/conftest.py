@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 from megatron_hetero.plan import Plan, plan_from_data
 
 
@@ -30,8 +28,3 @@ def tiny_plan(split: list[int], pipes: list[tuple[int, int]], *, tp: int = 1,
         "global_batch_size": sum(m * n for m, n in pipes), "tensor_model_parallel_size": tp,
         "pipelines": [{"micro_batch_size": m, "num_microbatches": n, "stages": stages()}
                       for m, n in pipes]})
-
-
-@pytest.fixture(scope="session")
-def make_tiny_plan():
-    return tiny_plan
