@@ -2,9 +2,9 @@
 
 What is counted (real bytes, cheaply):
 
-- *static*: the distinct storages of the model's parameters, of their ``main_grad`` buffers
-  (Megatron's DDP grad buffers) and of the optimizer state once it exists (Adam creates it at
-  the first step, as on a GPU) -- :meth:`MemoryMeter.count_static`;
+- *static*: the elements of the model's parameters, of their ``main_grad`` views (Megatron's
+  DDP grad buffers, without their bucket padding) and of the optimizer state once it exists,
+  each distinct tensor once -- :meth:`MemoryMeter.count_static`;
 - *activations*: the storages autograd saves for the backward pass, counted while they are
   alive through ``torch.autograd.graph.saved_tensors_hooks`` (parameters excluded; views of one
   storage counted once). In the 1F1B schedule, the micro-batches in flight on a stage keep
@@ -45,16 +45,20 @@ class MemoryCapError(HeteroError):
     """A rank needed more memory than its emulated device has (scaled with the model)."""
 
     def __init__(self, *, rank: int, pipeline: int, stage: int, device_type: str, needed: float,
-                 cap: float, device_bytes: float, scale: float, what: str):
+                 cap: float, device_bytes: float, scale: float, what: str,
+                 static: float | None = None):
         self.rank, self.pipeline, self.stage, self.device_type = rank, pipeline, stage, device_type
         self.needed, self.cap = needed, cap
         real_need = needed / scale if scale > 0 else float("inf")
         super().__init__(
             f"rank {rank} (pipeline {pipeline}, stage {stage}, {device_type}) ran out of memory "
-            f"{what}: it needed {_mib(needed)} of its {_mib(cap)} cap (the device's "
+            f"{what}: it needed {_mib(needed)}"
+            + (f" ({_mib(static)} weights, gradients and optimizer state, "
+               f"{_mib(needed - static)} activations)" if static is not None else "")
+            + f" of its {_mib(cap)} cap (the device's "
             f"{device_bytes / 1e9:.0f} GB scaled by {scale:.3g} with the model: the real card "
-            f"would be past {real_need / 1e9:.1f} GB at that point). Give this stage fewer layers or "
-            f"micro-batches in flight, recompute, offload, or a larger device")
+            f"would be past {real_need / 1e9:.1f} GB at that point). Give this stage fewer layers "
+            f"or micro-batches in flight, recompute, offload, or a larger device")
 
 
 def _mib(n: float) -> str:
@@ -189,12 +193,15 @@ class MemoryMeter:
     def count_static(self, model_chunks: Iterable, optimizer=None) -> int:
         """(Re)count parameters, their ``main_grad``/``grad`` and the optimizer state; checks the
         cap. Call it before the first step and after each optimizer step."""
-        seen: dict[int, int] = {}
+        seen: dict[tuple[int, int], int] = {}
+        storages: set[int] = set()
 
         def add(t) -> None:
+            # the tensor's own elements, not its whole storage: Megatron's contiguous buffers
+            # pad each bucket, which is negligible on a real model and large on a shrunk one
             if t is not None and hasattr(t, "untyped_storage") and t.numel():
-                ptr, n = _storage(t)
-                seen[ptr] = n
+                seen[(t.data_ptr(), t.numel())] = t.numel() * t.element_size()
+                storages.add(_storage(t)[0])
 
         for chunk in model_chunks:
             for p in chunk.parameters():
@@ -203,7 +210,7 @@ class MemoryMeter:
                 add(p.grad)
         for t in _optimizer_tensors(optimizer):
             add(t)
-        self._static_ptrs = set(seen)
+        self._static_ptrs = storages
         self.static_bytes = sum(seen.values())
         self._check("holding weights, gradients and optimizer state")
         return self.static_bytes
@@ -249,7 +256,8 @@ class MemoryMeter:
         if self.cap is not None and total > self.cap:
             raise MemoryCapError(rank=self.rank, pipeline=self.pipeline, stage=self.stage,
                                  device_type=self.device_type, needed=total, cap=self.cap,
-                                 device_bytes=self.device_bytes, scale=self.scale, what=what)
+                                 device_bytes=self.device_bytes, scale=self.scale, what=what,
+                                 static=self.static_bytes)
 
 
 def _optimizer_tensors(optimizer) -> Iterator:

@@ -16,6 +16,9 @@
    :mod:`.memory`); the first step is a warm-up and is not reported.
 5. *Predict* the same emulated setup with the tuner's cost model and simulator, over an
    inventory whose custom GPU entries are these emulated devices, and print both side by side.
+   The CPU's speed drifts between the calibration and the run on a shared machine, so the
+   calibrated compute is rescaled by one factor, the CPU time the ranks' compute measured over
+   what the calibration expected for it (both predictions are reported).
 
 ``--verify`` also trains the same model, data and seed in one process and compares losses and
 final parameters (fp32, rtol 1e-5); it names the first diverging step and tensor.
@@ -481,7 +484,8 @@ class _RankEmulation:
                 "factor": self.speed.factor,
                 "slept_s": self.speed.slept_s,
                 "peak_bytes": meter.peak_bytes if meter else None,
-                "cap_bytes": meter.cap if meter else None}
+                "cap_bytes": meter.cap if meter else None,
+                "static_bytes": meter.static_bytes if meter else None}
 
 
 def _corrupt_pipeline(pipeline: int) -> None:
@@ -508,7 +512,7 @@ def _renice(nice: int) -> None:
 
 
 def _rank_hooks(plan: Plan, rank: int, *, factors: dict[str, float], time_scale: float,
-                caps: dict[int, tuple[float, float, float]] | None,
+                caps: dict[int, tuple[float, float, float]] | None, enforce_caps: bool = True,
                 corrupt_pipeline: int | None = None, nice: int = 0):
     """``hooks_factory`` of the rehearsal (runs inside each rank process)."""
     from .memory import MemoryMeter
@@ -524,7 +528,8 @@ def _rank_hooks(plan: Plan, rank: int, *, factors: dict[str, float], time_scale:
     if caps is not None:
         cap, device_bytes, scale = caps[rank]
         meter = MemoryMeter(rank=rank, pipeline=slot.pipeline, stage=slot.stage,
-                            device_type=device, cap=cap, device_bytes=device_bytes, scale=scale)
+                            device_type=device, cap=cap if enforce_caps else None,
+                            device_bytes=device_bytes, scale=scale)
     emu = _RankEmulation(speed, meter)
     if corrupt_pipeline is not None:
         _corrupt_pipeline(corrupt_pipeline)
@@ -578,6 +583,12 @@ class RehearsalResult:
     step_times: list[float]
     """Per reported step, the slowest rank's wall seconds."""
     predicted_step_s: float | None
+    """The cost model's step time for the emulated cluster, its compute calibrated at start-up
+    and rescaled by the CPU time the ranks measured (``cpu_drift``)."""
+    a_priori_step_s: float | None
+    """The same from the start-up calibration alone."""
+    cpu_drift: float
+    """CPU time the ranks' compute took over what the start-up calibration predicted."""
     losses: list[float]
     calibration: Calibration
     time_scale: float = 1.0
@@ -640,19 +651,16 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
     factors = {d: s * time_scale for d, s in slowdowns.items()}
     if calibration is None:
         say("calibrating the CPU and gloo")
-        calibration = calibrate(shrunk, seed=config.seed, meter=config.memory_cap,
-                                nice=config.nice)
-    caps = None
-    if config.memory_cap:
-        caps = memory_caps(plan, shrunk, catalog,
-                           activation_scale=_activation_scale(shrunk, calibration),
-                           cpu_shards_optimizer=trainer_shards_optimizer(shrunk))
+        calibration = calibrate(shrunk, seed=config.seed, nice=config.nice)
+    caps = memory_caps(plan, shrunk, catalog,
+                       activation_scale=_activation_scale(shrunk, calibration),
+                       cpu_shards_optimizer=trainer_shards_optimizer(shrunk))
     say(f"running {config.steps} steps on {shrunk.world_size} CPU ranks")
     tconf = TrainConfig(steps=config.steps, seed=config.seed, gather_params=verify,
                         eval_forward_only=verify, timeout_s=config.timeout_s)
     corrupt = os.environ.get(_CORRUPT_ENV)
     hooks = functools.partial(_rank_hooks, factors=factors, time_scale=time_scale,
-                              caps=caps, corrupt_pipeline=int(corrupt) if corrupt else None,
+                              caps=caps, enforce_caps=config.memory_cap, corrupt_pipeline=int(corrupt) if corrupt else None,
                               nice=config.nice)
     try:
         result = train_plan(shrunk, tconf, hooks_factory=hooks)
@@ -670,12 +678,20 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
 
     steps = range(1, config.steps)  # step 0 is the warm-up
     step_times = [max(r.step_times[k] for r in result.ranks) for k in steps]
-    sim = predict(shrunk, calibration, factors)
+    a_priori = predict(shrunk, calibration, factors)
+    # The CPU's speed drifts between the start-up calibration and the run (other processes,
+    # caches, frequency): rescale the calibrated compute by the CPU time the ranks measured.
+    leads = [r for r in result.ranks if r.tensor_rank == 0]
+    measured_cpu = sum(_mean([r.extra["cpu"][k] for k in steps]) for r in leads)
+    calibrated_cpu = sum(a_priori.stage(r.pipeline, r.stage).busy_s / r.extra["factor"]
+                         for r in leads)
+    drift = measured_cpu / calibrated_cpu if calibrated_cpu > 0 else 1.0
+    in_run = dataclasses.replace(
+        calibration, layer_flops_per_s=calibration.layer_flops_per_s / drift,
+        parts={k: (f * drift, b * drift) for k, (f, b) in calibration.parts.items()})
+    sim = predict(shrunk, in_run, factors)
     stages = []
-    tp = shrunk.tensor_model_parallel_size
-    for r in result.ranks:
-        if r.tensor_rank != 0:
-            continue
+    for r in leads:
         extra = r.extra
         st = shrunk.stage(r.pipeline, r.stage)
         pred = sim.stage(r.pipeline, r.stage)
@@ -686,12 +702,12 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
             busy_s=_mean([extra["busy"][k] for k in steps]),
             cpu_s=_mean([extra["cpu"][k] for k in steps]),
             drift_s=max(extra["drift"][k] for k in steps),
-            peak_bytes=extra["peak_bytes"], cap_bytes=extra["cap_bytes"],
+            peak_bytes=extra["peak_bytes"], cap_bytes=caps[r.rank][0],
             predicted_busy_s=pred.busy_s, predicted_idle_s=sim.step_time_s - pred.busy_s))
     stages.sort(key=lambda s: (s.pipeline, s.stage))
-    del tp
     return RehearsalResult(plan=shrunk, stages=stages, step_s=_mean(step_times),
                            step_times=step_times, predicted_step_s=sim.step_time_s,
+                           a_priori_step_s=a_priori.step_time_s, cpu_drift=drift,
                            losses=result.losses, calibration=calibration, time_scale=time_scale,
                            verify_message=verify_message)
 
@@ -717,20 +733,20 @@ def format_report(result: RehearsalResult, *, source: str = "PLAN", real: ModelS
         "",
         f"{'pipe':>4} {'stage':>5}  {'device':<18} {'layers':>6} {'micro':>5} {'slow':>6}"
         f" | {'step s':>7} {'busy s':>7} {'idle s':>7} {'bubble':>6}"
-        f" | {'pred busy':>9} {'pred idle':>9} {'bubble':>6} | {'memory peak/cap':>16}",
+        f" | {'pred busy':>9} {'pred idle':>9} {'bubble':>6} | {'memory peak/cap':>17}",
     ]
     for st in result.stages:
         pred_bubble = (st.predicted_idle_s / result.predicted_step_s
                        if result.predicted_step_s else float("nan"))
         mem = ("-" if st.peak_bytes is None else
-               f"{st.peak_bytes / 2**20:.1f}/{st.cap_bytes / 2**20:.1f} MiB" if st.cap_bytes
-               else f"{st.peak_bytes / 2**20:.1f} MiB")
+               f"{st.peak_bytes / 2**20:.2f}/{st.cap_bytes / 2**20:.2f} MiB"
+               + ("!" if st.peak_bytes > st.cap_bytes else ""))
         lines.append(
             f"{st.pipeline:>4} {st.stage:>5}  {st.device_type:<18} {st.num_layers:>6} "
             f"{st.num_microbatches:>5} {st.factor:>5.2f}x"
             f" | {st.step_s:>7.3f} {st.busy_s:>7.3f} {st.idle_s:>7.3f} {st.bubble_fraction:>6.1%}"
             f" | {st.predicted_busy_s:>9.3f} {st.predicted_idle_s:>9.3f} {pred_bubble:>6.1%}"
-            f" | {mem:>16}")
+            f" | {mem:>17}")
     lines.append("")
     worst = max((st.drift_s for st in result.stages), default=0.0)
     if worst > 0.02 * result.step_s:
@@ -743,6 +759,9 @@ def format_report(result: RehearsalResult, *, source: str = "PLAN", real: ModelS
         lines.append(f"step time: measured {result.step_s:.3f} s (mean of {n_steps}), predicted "
                      f"{result.predicted_step_s:.3f} s by the tuner's cost model for this emulated "
                      f"cluster; measured/predicted {result.ratio:.2f}")
+        lines.append(f"  (the ranks' compute took {result.cpu_drift:.2f}x the CPU time the start-up "
+                     f"calibration measured; from that calibration alone the prediction is "
+                     f"{result.a_priori_step_s:.3f} s)")
     lines.append("losses: " + ", ".join(f"{x:.4f}" for x in result.losses))
     return "\n".join(lines)
 
