@@ -1,4 +1,4 @@
-"""Fixtures of the CPU-backend tests: tiny plans of one tiny model (6 layers, width 32)."""
+"""Helpers of the CPU-backend tests: tiny plans of one tiny model (6 layers, width 32)."""
 
 from __future__ import annotations
 

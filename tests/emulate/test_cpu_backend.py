@@ -26,6 +26,7 @@ def test_table_covers_every_cuda_use_of_installed_megatron_core():
         for u in uncovered)
 
 
+@pytest.mark.slow
 def test_table_covers_megatron_core_017(mcore017_env):
     script = ("import megatron.core; from megatron_hetero.emulate.cpu_backend import "
               "uncovered_cuda_uses as u; print(megatron.core.__version__, u())")
@@ -113,6 +114,7 @@ def _backend_checks(rank, world_size):
     return out
 
 
+@pytest.mark.slow
 def test_backend_in_a_rank_process():
     (out,) = spawn(_backend_checks, 1, timeout_s=120)
     assert out["enabled"]
@@ -150,11 +152,13 @@ def _env_rank(rank, world_size):
         os.environ["RANK"]
 
 
+@pytest.mark.slow
 def test_spawn_returns_values_in_rank_order():
     assert spawn(_all_reduce_rank, 3, args=(2.0,), timeout_s=60) == [
         (0, 3, 12.0), (1, 3, 12.0), (2, 3, 12.0)]
 
 
+@pytest.mark.slow
 def test_spawn_ranks_see_the_callers_environment(monkeypatch):
     spawn(_env_rank, 1, init_process_group=False)  # the forkserver runs before the variable
     monkeypatch.setenv("HETERO_SPAWN_TEST", "set later")
@@ -162,6 +166,7 @@ def test_spawn_ranks_see_the_callers_environment(monkeypatch):
         ("set later", "x", "0"), ("set later", "x", "1")]
 
 
+@pytest.mark.slow
 def test_spawn_propagates_first_failure_with_rank_and_traceback():
     t0 = time.monotonic()
     with pytest.raises(SpawnError) as info:
@@ -172,6 +177,7 @@ def test_spawn_propagates_first_failure_with_rank_and_traceback():
     assert time.monotonic() - t0 < 30  # the sleeping rank was killed, not waited for
 
 
+@pytest.mark.slow
 def test_spawn_hard_timeout():
     with pytest.raises(SpawnTimeout) as info:
         spawn(_sleep, 2, timeout_s=2, init_process_group=False)
