@@ -472,6 +472,7 @@ class _RankEmulation:
             self.meter.count_static(*self._built)  # the optimizer state exists after a step
 
     _built = None
+    allreduce_gb_s = None
 
     def on_built(self, model_chunks, optimizer) -> None:
         self._built = (model_chunks, optimizer)
@@ -485,7 +486,8 @@ class _RankEmulation:
                 "slept_s": self.speed.slept_s,
                 "peak_bytes": meter.peak_bytes if meter else None,
                 "cap_bytes": meter.cap if meter else None,
-                "static_bytes": meter.static_bytes if meter else None}
+                "static_bytes": meter.static_bytes if meter else None,
+                "allreduce_gb_s": self.allreduce_gb_s}
 
 
 def _corrupt_pipeline(pipeline: int) -> None:
@@ -501,6 +503,32 @@ def _corrupt_pipeline(pipeline: int) -> None:
 
     micro_batches._hetero_original = original
     trainer._micro_batches = micro_batches
+
+
+def _world_allreduce_gb_s(plan: Plan) -> float:
+    """Bus bandwidth (``2 (n-1)/n x bytes / s``) of an all-reduce of one stage's gradients over
+    every rank of the rehearsal: what gradient sync sees with this many processes on this
+    machine. Runs on every rank before training (a collective of the whole world)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from .. import models as M
+
+    n = dist.get_world_size()
+    if n < 2:
+        return float("inf")
+    params = max(M.layer_params(plan.model) * max(plan.layer_split)
+                 + M.embedding_params(plan.model), 1 << 16)
+    buf = torch.zeros(int(params))
+    times = []
+    for _ in range(4):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(buf)
+        times.append(time.perf_counter() - t0)
+    return 2 * (n - 1) / n * buf.numel() * 4 / min(times[1:]) / 1e9
 
 
 def _renice(nice: int) -> None:
@@ -520,6 +548,7 @@ def _rank_hooks(plan: Plan, rank: int, *, factors: dict[str, float], time_scale:
     from .trainer import RankHooks
 
     _renice(nice)
+    allreduce_gb_s = _world_allreduce_gb_s(plan)
     slot = plan.slot_of_rank(rank)
     device = plan.stage(slot.pipeline, slot.stage).device_type
     speed = SpeedEmulation(slowdown=factors[device] / time_scale, time_scale=time_scale,
@@ -531,6 +560,7 @@ def _rank_hooks(plan: Plan, rank: int, *, factors: dict[str, float], time_scale:
                             device_type=device, cap=cap if enforce_caps else None,
                             device_bytes=device_bytes, scale=scale)
     emu = _RankEmulation(speed, meter)
+    emu.allreduce_gb_s = allreduce_gb_s
     if corrupt_pipeline is not None:
         _corrupt_pipeline(corrupt_pipeline)
     return RankHooks(compute=emu.compute, on_step_end=emu.on_step_end, report=emu.report,
@@ -686,9 +716,13 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
     calibrated_cpu = sum(a_priori.stage(r.pipeline, r.stage).busy_s / r.extra["factor"]
                          for r in leads)
     drift = measured_cpu / calibrated_cpu if calibrated_cpu > 0 else 1.0
+    # ... and take the gloo all-reduce bandwidth the ranks measured among themselves
+    world_bw = min((r.extra["allreduce_gb_s"] for r in result.ranks
+                    if r.extra.get("allreduce_gb_s")), default=calibration.allreduce_gb_s)
     in_run = dataclasses.replace(
         calibration, layer_flops_per_s=calibration.layer_flops_per_s / drift,
-        parts={k: (f * drift, b * drift) for k, (f, b) in calibration.parts.items()})
+        parts={k: (f * drift, b * drift) for k, (f, b) in calibration.parts.items()},
+        allreduce_gb_s=world_bw if world_bw < float("inf") else calibration.allreduce_gb_s)
     sim = predict(shrunk, in_run, factors)
     stages = []
     for r in leads:
