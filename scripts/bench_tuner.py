@@ -24,6 +24,40 @@ from megatron_hetero.tuner import TuneOptions, tune  # noqa: E402
 SCENARIOS = REPO / "examples" / "scenarios"
 
 
+def one_f_one_b_estimate(model, inventory, gbs: int) -> tuple[float, int]:
+    """The best step time a plan of the searched kind can hope for, counting what the upper
+    bound leaves out but such a plan must pay: tensor-parallel all-reduces (Megatron does not
+    overlap them) and the fill and drain of non-interleaved 1F1B. Per TP size ``t``: every
+    TP group of every type at its own per-layer speed (compute plus TP traffic, from the cost
+    model), stages perfectly balanced, micro-batch size 1; the model's 16-bit weights and
+    fp32 gradients must fit in ``p`` stages of the largest card (optimizer state and
+    activations ignored), so at most ``G / p_min`` pipelines over the ``G`` TP groups, each
+    paying ``p - 1`` micro-batch slots of fill and drain. Memory beyond that, whole-layer
+    splits, sends and the data-parallel sync are ignored: an optimistic estimate. Returns
+    (seconds, the TP size that reaches them)."""
+    from megatron_hetero import models as M
+    from megatron_hetero.tuner.search import _Search
+
+    search = _Search(model, inventory, gbs, {}, TuneOptions())
+    cost = search.cost(search.precision_for(search.types))
+    L = model.num_layers
+    out_flops = 3 * 2.0 * model.seq_length * model.hidden_size * model.vocab_size * gbs
+    pure = sum(n * cost.flops_rate(g) for g, n in inventory.gpu_counts().items())
+    weights = (L * M.layer_params(model) + M.embedding_params(model) + M.output_params(model)) * \
+        (cost.param_bytes + cost.grad_bytes)
+    room = max(cost.capacity(g) for g in inventory.gpu_counts()) - cost.workspace_bytes
+    best = (float("inf"), 0)
+    for t in search.tp_sizes():
+        slots = search.slots(t)
+        groups = sum(slots.values())
+        speed = sum(n / (L * sum(cost.layer_times(g, 1, t))) for g, n in slots.items())
+        p_min = min(L, max(1, -(-int(weights) // int(t * room))))
+        fill = groups - groups // p_min  # D (p - 1) with D = G / p pipelines
+        step = (gbs + fill) / speed + out_flops / pure
+        best = min(best, (step, t))
+    return best
+
+
 def load_scenario(path: Path):
     data = read_yaml(path)
     inventory = inventory_from_data(data["inventory"], source=str(path))
@@ -38,7 +72,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     paths = [Path(p) for p in args.scenarios] or sorted(SCENARIOS.glob("*.yaml"))
     header = (f"{'scenario':34s} {'GPUs':>5s} {'search s':>8s} {'cpu s':>6s} {'tuned s':>9s} {'baseline s':>10s} "
-              f"{'bound s':>9s} {'speedup':>7s} {'room':>6s} {'effic.':>6s}  plan")
+              f"{'bound s':>9s} {'speedup':>7s} {'room':>6s} {'effic.':>6s} {'1F1B':>5s}  plan")
     print(header)
     print("-" * len(header))
     for path in paths:
@@ -49,8 +83,9 @@ def main(argv=None) -> int:
         p = r.plan
         base = r.baseline_sim.step_time_s if r.baseline_sim else float("nan")
         pred, bound = r.sim.step_time_s, r.upper_bound_step_time_s
+        ceiling, _ = one_f_one_b_estimate(model, inventory, gbs)
         print(f"{path.stem:34s} {inventory.num_gpus:5d} {r.search_time_s:8.2f} {r.search_cpu_s:6.2f} {pred:9.2f} "
-              f"{base:10.2f} {bound:9.2f} {base / pred:7.2f} {base / bound:6.2f} {bound / pred:6.3f}  "
+              f"{base:10.2f} {bound:9.2f} {base / pred:7.2f} {base / bound:6.2f} {bound / pred:6.3f} {bound / ceiling:5.2f}  "
               f"TP{p.tensor_model_parallel_size} PP{p.pipeline_model_parallel_size} "
               f"DP{p.data_parallel_size} mbs{p.pipelines[0].micro_batch_size} "
               f"GPUs {sum(p.device_counts().values())}"
@@ -59,7 +94,9 @@ def main(argv=None) -> int:
     print("\nsearch s: wall clock; cpu s: this process's CPU time (what the search costs when "
           "the machine is shared).")
     print("speedup = baseline / tuned; room = baseline / upper bound (the most any plan could "
-          "gain); efficiency = upper bound / tuned.")
+          "gain); efficiency = upper bound / tuned; 1F1B = upper bound / the best step a "
+          "non-interleaved 1F1B plan can hope for once TP traffic and fill/drain are paid "
+          "(one_f_one_b_estimate): the efficiency ceiling of this plan space.")
     return 0
 
 

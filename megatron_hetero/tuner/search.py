@@ -207,6 +207,17 @@ class _Search:
             chosen.add(tuple(t for t in types if t in by_speed[:r]))
         return sorted(chosen, key=lambda c: (len(c), [types.index(t) for t in c]))
 
+    @staticmethod
+    def orders(n: int) -> list[tuple[int, ...]]:
+        """Stage orders of the types of a mixed pipeline (indices into the subset, which is
+        memory-rich first): every order for up to three types, else memory-rich first and its
+        reverse. Memory-rich early stages hold the most in-flight micro-batches; but a slow
+        type with few layers per stage can hold them too, and then the fast type's stages
+        on the late positions need less memory (no recompute or offload there)."""
+        if n <= 3:
+            return list(itertools.permutations(range(n)))
+        return [tuple(range(n)), tuple(range(n - 1, -1, -1))]
+
     def templates(self, tp: int, pp: int) -> list[tuple[tuple[tuple[str, ...], int], ...]]:
         slots = self.slots(tp)
         types = [t for t in self.types if t in slots]
@@ -228,13 +239,11 @@ class _Search:
                 D = min(slots[t] // k for t, k in zip(subset, ks))
                 if D < 1:
                     continue
-                mixed = tuple(t for t, k in zip(subset, ks) for _ in range(k))
-                tmpl = [(mixed, D)]
-                for t, k in zip(subset, ks):
-                    left = (slots[t] - D * k) // pp
-                    if left:
-                        tmpl.append(((t,) * pp, left))
-                out.append(tuple(tmpl))
+                left = [((t,) * pp, (slots[t] - D * k) // pp) for t, k in zip(subset, ks)]
+                left = [x for x in left if x[1]]
+                for order in self.orders(len(subset)):
+                    mixed = tuple(subset[i] for i in order for _ in range(ks[i]))
+                    out.append(tuple([(mixed, D)] + left))
         seen, unique = set(), []
         for t in out:
             if t not in seen:
