@@ -82,7 +82,7 @@ class _Candidate:
     structure: Structure
     split: list[int]
     recompute: list[list[int]]
-    """Layers recomputed (full, block) per template and stage."""
+    """Layers recomputed (full, block) per template and stage; ``_SELECTIVE``: selective."""
     offload: list[list[float]]
     """Optimizer-state fraction offloaded per template and stage."""
     microbatches: list[int]
@@ -94,17 +94,23 @@ class _Candidate:
 @dataclass(kw_only=True, slots=True)
 class _Table:
     """Per layer count ``n`` (index 0..L) of one stage position: time per micro-batch without
-    recompute; the cheapest memory policy that fits (``k`` layers of full recompute, ``f``
-    of the optimizer state offloaded; k > n: nothing fits) and its time per micro-batch, with
-    the offload's per-step cost spread over the average micro-batch count; the baseline's
-    (recompute only) choice; the per-step seconds of offloading all of the optimizer."""
+    recompute; the cheapest memory policy that fits (``k`` layers of full recompute or
+    ``_SELECTIVE``, ``f`` of the optimizer state offloaded; k > n: nothing fits) and its time
+    per micro-batch, with the offload's per-step cost spread over the average micro-batch
+    count; the cheapest recompute-only policy; the baseline's choices (full recompute of
+    ``k_base`` layers; whether selective recompute alone fits, and its time); the per-step
+    seconds of offloading all of the optimizer."""
 
     t_none: np.ndarray
     k: np.ndarray
     f: np.ndarray
     t_fit: np.ndarray
+    k_rec: np.ndarray
+    t_rec: np.ndarray
     k_base: np.ndarray
     t_base: np.ndarray
+    sel_fits: np.ndarray
+    t_sel: np.ndarray
     off_step: np.ndarray
 
 
@@ -122,7 +128,20 @@ class TuneResult:
     fell_back_to_baseline: bool
 
 
+_SELECTIVE = -1
+"""Recompute code of a stage that recomputes core attention only (Megatron's ``selective``);
+codes >= 0 are layers of full recompute (``block``; all of them: ``uniform``)."""
+
+
+def _recompute_key(k: int) -> tuple:
+    if k == _SELECTIVE:
+        return ("selective", None, None)
+    return ("none", None, None) if k == 0 else ("full", "block", k)
+
+
 def _recompute(k: int, n: int) -> Recompute:
+    if k == _SELECTIVE:
+        return Recompute(granularity="selective")
     if k == 0:
         return Recompute()
     if k >= n:
@@ -342,15 +361,40 @@ class _Search:
         # C: offload all of it and recompute what is still missing
         k_c = np.where(mem_none - opt <= cap, 0, layers_to_recompute(mem_none - opt + act - cap))
         t_c = np.where(k_c <= n, t_none + np.minimum(k_c, n) * fwd_layer + off_step / m_avg, np.inf)
-        pick = np.argmin(np.stack([t_a, t_b, t_c]), axis=0)
-        k = np.choose(pick, [k_a, np.zeros_like(k_a), k_c])
-        f = np.choose(pick, [np.zeros_like(frac), np.minimum(frac, 1.0), np.ones_like(frac)])
-        t_fit = np.choose(pick, [t_a, t_b, t_c])
+        ks, fs, ts = [k_a, np.zeros_like(k_a), k_c], [np.zeros_like(frac), np.minimum(frac, 1.0),
+                                                      np.ones_like(frac)], [t_a, t_b, t_c]
+        # selective recompute drops the stored s x s attention matrices of an unfused kernel
+        # for a recompute of core attention (with a fused kernel it saves nothing)
+        sel = ("selective", None, None)
+        t_sel = line(lambda k: cost.compute_times(gpu, k, first, last, mbs, tp, sel, False, sp).total_s)
+        flash = cost.uses_flash_attention(gpu)
+        mem_sel = mem_none if flash else line(lambda k: cost.memory_need(
+            gpu, k, first, last, mbs, tp, sel, in_flight, D, 0.0, False, sp).total)
+        sel_fits = mem_sel <= cap
+        if not flash:
+            # D: selective recompute; E: then offload part of the optimizer state
+            with np.errstate(divide="ignore", invalid="ignore"):
+                frac_e = np.where(sel_fits, 0.0, np.ceil((mem_sel - cap) * (1 + 1e-9) / opt * 20) / 20)
+            frac_e = np.where(np.isfinite(frac_e), frac_e, 2.0)
+            t_d = np.where(sel_fits, t_sel, np.inf)
+            t_e = np.where(frac_e <= 1.0, t_sel + np.minimum(frac_e, 1.0) * off_step / m_avg, np.inf)
+            sel_k = np.full_like(k_a, _SELECTIVE)
+            ks, fs, ts = ks + [sel_k, sel_k], fs + [np.zeros_like(frac), np.minimum(frac_e, 1.0)], \
+                ts + [t_d, t_e]
+        pick = np.argmin(np.stack(ts), axis=0)
+        k = np.choose(pick, ks)
+        f = np.choose(pick, fs)
+        t_fit = np.choose(pick, ts)
         t_fit[0] = np.inf
+        rec = [0, 3] if len(ts) > 3 else [0]  # recompute only: A, D
+        pick_r = np.argmin(np.stack([ts[i] for i in rec]), axis=0)
+        k_rec = np.choose(pick_r, [ks[i] for i in rec])
+        t_rec = np.choose(pick_r, [ts[i] for i in rec])
+        t_rec[0] = np.inf
         t_base = t_a.copy()
         t_base[0] = np.inf
-        got = _Table(t_none=t_none, k=k, f=f, t_fit=t_fit, k_base=k_a, t_base=t_base,
-                     off_step=off_step)
+        got = _Table(t_none=t_none, k=k, f=f, t_fit=t_fit, k_rec=k_rec, t_rec=t_rec, k_base=k_a,
+                     t_base=t_base, sel_fits=sel_fits, t_sel=t_sel, off_step=off_step)
         self._tables[key] = got
         return got
 
@@ -369,7 +413,16 @@ class _Search:
         if baseline:
             n = L // p
             split = [n] * p
+            # one recompute setting everywhere: full recompute of the same layers on every
+            # stage, or selective recompute everywhere when that fits (the faster of the two)
             kmax = max(int(tb.k_base[n]) for rows in tables for tb in rows)
+            if kmax and all(bool(tb.sel_fits[n]) for rows in tables for tb in rows):
+                full_t = np.inf if kmax > n else max(
+                    cost.compute_times(types[s], n, s == 0, s == p - 1, mbs, tp, ("full", "block", kmax),
+                                       False, tp > 1).total_s
+                    for types, _ in st.templates for s in range(p))
+                if max(float(tb.t_sel[n]) for rows in tables for tb in rows) < full_t:
+                    kmax = _SELECTIVE
             if kmax > n:
                 return None
             rec = [[kmax] * p for _ in st.templates]
@@ -379,7 +432,7 @@ class _Search:
             for rows in tables:
                 layer = [tb.t_none[2] - tb.t_none[1] for tb in rows]
                 norm.append(1.0 / sum(1.0 / x for x in layer))
-            costs = np.max(np.stack([np.stack([tb.t_fit if offload else tb.t_base for tb in rows]) / w
+            costs = np.max(np.stack([np.stack([tb.t_fit if offload else tb.t_rec for tb in rows]) / w
                                      for rows, w in zip(tables, norm)]), axis=0)
             got = min_max_split(costs, L)
             if got is None:
@@ -389,15 +442,14 @@ class _Search:
                 rec = [[int(tb.k[split[s]]) for s, tb in enumerate(rows)] for rows in tables]
                 off = [[float(tb.f[split[s]]) for s, tb in enumerate(rows)] for rows in tables]
             else:
-                rec = [[int(tb.k_base[split[s]]) for s, tb in enumerate(rows)] for rows in tables]
+                rec = [[int(tb.k_rec[split[s]]) for s, tb in enumerate(rows)] for rows in tables]
                 off = [[0.0] * p for _ in tables]
         fixed, per = [], []
         offload_tail = 0.0
         for ti, (types, count) in enumerate(st.templates):
             stage_t = []
             for s in range(p):
-                k = rec[ti][s]
-                rk = ("none", None, None) if k == 0 else ("full", "block", k)
+                rk = _recompute_key(rec[ti][s])
                 stage_t.append(cost.compute_times(types[s], split[s], s == 0, s == p - 1, mbs, tp, rk,
                                                   False, tp > 1).total_s)
                 offload_tail = max(offload_tail, off[ti][s] * float(tables[ti][s].off_step[split[s]]))

@@ -171,3 +171,31 @@ def test_five_types():
     result = tune(model, inv, 64)
     _check_emitted(result, inv, model, 64)
     assert "H100-SXM-80GB" in result.plan.device_counts()
+
+
+def test_selective_recompute_where_attention_is_unfused():
+    # V100 runs unfused attention: selective recompute drops its stored s x s matrices, and
+    # the tuner takes it where it is the cheapest way to fit
+    import dataclasses
+    from megatron_hetero.plan import Recompute
+    inv = inventory_from_data({"groups": [{"gpu": "A100-SXM-80GB", "nodes": 1, "gpus_per_node": 8},
+                                          {"gpu": "V100-SXM2-32GB", "nodes": 1, "gpus_per_node": 8}]})
+    model = model_preset("llama2-7b")
+    result = tune(model, inv, 512)
+    _check_emitted(result, inv, model, 512)
+    plan = result.plan
+    cost = CostModel(model, inv, precision=plan.precision)
+    chosen = [(d, s) for d, p in enumerate(plan.pipelines) for s, st in enumerate(p.stages)
+              if st.recompute.granularity == "selective"]
+    assert chosen and all(plan.stage(d, s).device_type == "V100-SXM2-32GB" for d, s in chosen)
+    d, s = chosen[0]
+    stage = plan.stage(d, s)
+    # without it the stage (same optimizer offload) does not fit
+    bare = dataclasses.replace(stage, recompute=Recompute())
+    plan.pipelines[d].stages[s] = bare
+    assert not cost.stage_memory(plan, d, s).fits
+    plan.pipelines[d].stages[s] = stage
+    # the baseline keeps one recompute setting on every stage
+    base = result.baseline_plan
+    assert len({(st.recompute.granularity, st.recompute.method, st.recompute.num_layers)
+                for p in base.pipelines for st in p.stages}) == 1
