@@ -452,7 +452,8 @@ class _RankEmulation:
         self.busy: list[float] = []
         self.cpu: list[float] = []
         self.drift: list[float] = []
-        self._last = (0.0, 0.0)
+        self.sync: list[float] = []
+        self._last = (0.0, 0.0, 0.0)
 
     @contextlib.contextmanager
     def compute(self, kind: str):
@@ -468,7 +469,8 @@ class _RankEmulation:
         self.drift.append(sp.drift_s)
         if step == 0:
             sp.drift_s = 0.0  # one-time costs of the warm-up are not carried into the next steps
-        self._last = (sp.busy_s, sp.cpu_s)
+        self.sync.append(self._sync_total - self._last[2])
+        self._last = (sp.busy_s, sp.cpu_s, self._sync_total)
         if self.meter is not None and self._built is not None:
             self.meter.count_static(*self._built)  # the optimizer state exists after a step
 
@@ -479,10 +481,27 @@ class _RankEmulation:
         self._built = (model_chunks, optimizer)
         if self.meter is not None:
             self.meter.count_static(model_chunks, optimizer)
+        # time the gradient sync and the optimizer step (neither is stretched)
+        for chunk in model_chunks:
+            chunk.finish_grad_sync = self._timed(chunk.finish_grad_sync)
+        optimizer.step = self._timed(optimizer.step)
+
+    _sync_total = 0.0
+
+    def _timed(self, fn):
+        import time
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._sync_total += time.perf_counter() - t0
+        return timed
 
     def report(self) -> dict:
         meter = self.meter
-        return {"busy": self.busy, "cpu": self.cpu, "drift": self.drift,
+        return {"busy": self.busy, "cpu": self.cpu, "drift": self.drift, "sync": self.sync,
                 "factor": self.speed.factor,
                 "slept_s": self.speed.slept_s,
                 "peak_bytes": meter.peak_bytes if meter else None,
@@ -590,9 +609,12 @@ class StageReport:
     processes held the cores): emulation error, included in busy_s."""
     peak_bytes: float | None
     cap_bytes: float | None
+    sync_s: float = 0.0
+    """Gradient sync and optimizer step (wall seconds; not stretched)."""
     predicted_busy_s: float | None = None
     predicted_idle_s: float | None = None
     """Predicted bubble, gradient sync, optimizer and waiting for others."""
+    predicted_sync_s: float | None = None
 
     @property
     def idle_s(self) -> float:
@@ -737,8 +759,10 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
             busy_s=_mean([extra["busy"][k] for k in steps]),
             cpu_s=_mean([extra["cpu"][k] for k in steps]),
             drift_s=max(extra["drift"][k] for k in steps),
+            sync_s=_mean([extra["sync"][k] for k in steps]),
             peak_bytes=extra["peak_bytes"], cap_bytes=caps[r.rank][0],
-            predicted_busy_s=pred.busy_s, predicted_idle_s=sim.step_time_s - pred.busy_s))
+            predicted_busy_s=pred.busy_s, predicted_idle_s=sim.step_time_s - pred.busy_s,
+            predicted_sync_s=pred.sync_s))
     stages.sort(key=lambda s: (s.pipeline, s.stage))
     return RehearsalResult(plan=shrunk, stages=stages, step_s=_mean(step_times),
                            step_times=step_times, predicted_step_s=sim.step_time_s,
@@ -767,8 +791,9 @@ def format_report(result: RehearsalResult, *, source: str = "PLAN", real: ModelS
         f"{c.optimizer_gb_s:.2f} GB/s",
         "",
         f"{'pipe':>4} {'stage':>5}  {'device':<18} {'layers':>6} {'micro':>5} {'slow':>6}"
-        f" | {'step s':>7} {'busy s':>7} {'idle s':>7} {'bubble':>6}"
-        f" | {'pred busy':>9} {'pred idle':>9} {'bubble':>6} | {'memory peak/cap':>17}",
+        f" | {'step s':>7} {'busy s':>7} {'idle s':>7} {'bubble':>6} {'sync s':>6}"
+        f" | {'pred busy':>9} {'pred idle':>9} {'bubble':>6} {'sync s':>6}"
+        f" | {'memory peak/cap':>17}",
     ]
     for st in result.stages:
         pred_bubble = (st.predicted_idle_s / result.predicted_step_s
@@ -780,7 +805,9 @@ def format_report(result: RehearsalResult, *, source: str = "PLAN", real: ModelS
             f"{st.pipeline:>4} {st.stage:>5}  {st.device_type:<18} {st.num_layers:>6} "
             f"{st.num_microbatches:>5} {st.factor:>5.2f}x"
             f" | {st.step_s:>7.3f} {st.busy_s:>7.3f} {st.idle_s:>7.3f} {st.bubble_fraction:>6.1%}"
+            f" {st.sync_s:>6.3f}"
             f" | {st.predicted_busy_s:>9.3f} {st.predicted_idle_s:>9.3f} {pred_bubble:>6.1%}"
+            f" {st.predicted_sync_s:>6.3f}"
             f" | {mem:>17}")
     lines.append("")
     worst = max((st.drift_s for st in result.stages), default=0.0)
