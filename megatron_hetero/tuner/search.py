@@ -276,7 +276,7 @@ class _Search:
         stages' combined speed, TP communication included), fill and drain of ``p - 1``
         micro-batches each, shares water-filled continuously."""
         L = self.model.num_layers
-        whole: dict[tuple, float] = {}
+        rates: dict[tuple, float] = {}  # micro-batches per second of one pipeline
         out = []
         for tp in self.tp_sizes():
             for pp in range(1, min(L, self.opt.max_pipeline_stages) + 1):
@@ -295,14 +295,16 @@ class _Search:
                             Dm = sum(n for _, n in tm)
                         speed = 0.0  # micro-batches per second over all pipelines
                         for types, n in tm:
-                            rate = 0.0
-                            for t in types:
-                                key = (prec, t, tp, mbs)
-                                w = whole.get(key)
-                                if w is None:
+                            # the stage order does not change the bound: key by type counts
+                            counts = tuple((t, types.count(t)) for t in sorted(set(types)))
+                            key = (prec, counts, tp, mbs)
+                            rate = rates.get(key)
+                            if rate is None:
+                                rate = 0.0
+                                for t, k in counts:
                                     lf, lb = cost.layer_times(t, mbs, tp)
-                                    w = whole[key] = L * (lf + lb)
-                                rate += 1.0 / w
+                                    rate += k / (L * (lf + lb))
+                                rates[key] = rate
                             speed += n * rate
                         lb = (total + Dm * (pp - 1)) / speed
                         out.append((lb, Structure(tp, pp, mbs, tm)))
