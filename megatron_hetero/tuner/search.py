@@ -8,13 +8,17 @@ type of each stage) with how many pipelines follow each:
 * homogeneous: for any subset of the device types, as many single-type pipelines of each type as
   its GPUs allow (uneven data parallelism between types);
 * mixed: every pipeline holds ``k_T`` stages of each type ``T`` of a subset (``k`` near the
-  proportion of that type's GPUs), memory-rich types on the early stages, which hold the most
-  in-flight activations; GPUs left over form homogeneous pipelines of their type.
+  proportion of that type's GPUs), the types in each stage order (:meth:`_Search.orders`):
+  memory-rich types early, where stages hold the most in-flight activations, or a slow type
+  early with few layers per stage; GPUs left over form homogeneous pipelines of their type.
+
+With TP > 1 every plan, the baseline's too, runs Megatron's sequence parallelism.
 
 Each structure gets the layer split from a dynamic program (:func:`.split.min_max_split`) that
 minimises the slowest stage relative to each template's balanced ideal, with each stage's
-cost the time of its cheapest recompute setting that fits memory (full recompute of the fewest
-layers, Megatron's ``block`` method); then micro-batch counts by exact min-max water-filling
+cost the time of its cheapest memory policy that fits (full recompute of the fewest layers,
+Megatron's ``block`` method; optimizer offload; selective recompute where attention is
+unfused); then micro-batch counts by exact min-max water-filling
 (:func:`.shares.water_fill`). Structures are visited in order of a lower bound on their step
 time and the walk stops once the bound passes the best estimate found. The best few estimates
 are simulated (:func:`megatron_hetero.simulate.simulate`) and the best simulated plan wins.
