@@ -126,28 +126,42 @@ def test_mismatch_and_conflict_stop_with_one_message(tmp_path):
 MEGATRON_GIT = Path(os.environ.get("MEGATRON_LM_GIT", "/work/.mirror/NVIDIA+Megatron-LM/repo"))
 
 
-@pytest.mark.skipif(not MEGATRON_GIT.is_dir(),
-                    reason=f"no Megatron-LM git clone at {MEGATRON_GIT} (set MEGATRON_LM_GIT)")
-def test_unchanged_pretrain_gpt_uneven_data_parallel(tmp_path):
-    """Megatron-LM 0.17.1's own pretrain_gpt.py (unpatched, mock data), run by launch: a
-    2-replica 3:1 plan logs the same losses and grad norms as one replica."""
+needs_megatron_git = pytest.mark.skipif(
+    not MEGATRON_GIT.is_dir(),
+    reason=f"no Megatron-LM git clone at {MEGATRON_GIT} (set MEGATRON_LM_GIT)")
+
+
+def _megatron_lm_checkout(tmp_path) -> Path:
+    """Megatron-LM 0.17.1's scripts (its megatron.core/training come from megatron-core 0.17.1)."""
     archive = subprocess.run(["git", "--git-dir", str(MEGATRON_GIT), "archive", "core_v0.17.1",
                               "pretrain_gpt.py", "gpt_builders.py", "model_provider.py",
                               "megatron/legacy"], capture_output=True, check=True).stdout
     checkout = tmp_path / "Megatron-LM"
     checkout.mkdir()
     subprocess.run(["tar", "-x", "-C", str(checkout)], input=archive, check=True)
+    return checkout
+
+
+@needs_megatron_git
+@pytest.mark.parametrize("tp", [1, 2])
+def test_unchanged_pretrain_gpt_uneven_data_parallel(tmp_path, tp):
+    """Megatron-LM 0.17.1's own pretrain_gpt.py (unpatched, mock data), run by launch: a
+    2-replica 3:1 plan logs the same losses and grad norms as one replica (with TP=2 the
+    replicas' batches go through Megatron's tensor-parallel batch broadcast too)."""
+    checkout = _megatron_lm_checkout(tmp_path)
     before = (checkout / "pretrain_gpt.py").read_bytes()
     uneven, single = tmp_path / "uneven.yaml", tmp_path / "single.yaml"
-    save_plan(make_plan(split=(2,), replicas=[(1, 3), (1, 1)]), uneven)
-    save_plan(make_plan(split=(2,), replicas=[(1, 4)]), single)
+    save_plan(make_plan(split=(2,), tp=tp, replicas=[(1, 3), (1, 1)]), uneven)
+    save_plan(make_plan(split=(2,), tp=tp, replicas=[(1, 4)]), single)
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
     script = checkout / "pretrain_gpt.py"
-    two = launch(2, str(uneven), tmp_path / "a", script=script, base_args=PRETRAIN_GPT_ARGS)
-    one = launch(1, str(single), tmp_path / "b", script=script, base_args=PRETRAIN_GPT_ARGS)
-    for code, out, _ in two + one:
+    many = launch(2 * tp, str(uneven), tmp_path / "a", script=script,
+                  base_args=PRETRAIN_GPT_ARGS, timeout=400)
+    one = launch(tp, str(single), tmp_path / "b", script=script, base_args=PRETRAIN_GPT_ARGS,
+                 timeout=400)
+    for code, out, _ in many + one:
         assert code == 0, out[-3000:]
     assert (checkout / "pretrain_gpt.py").read_bytes() == before
-    assert len(logged_losses(one[0][1])) == 2
-    assert logged_losses(two[1][1]) == pytest.approx(logged_losses(one[0][1]), rel=1e-5)
-    assert _grad_norms(two[1][1]) == pytest.approx(_grad_norms(one[0][1]), rel=1e-4)
+    assert len(logged_losses(one[-1][1])) == 2
+    assert logged_losses(many[-1][1]) == pytest.approx(logged_losses(one[-1][1]), rel=1e-5)
+    assert _grad_norms(many[-1][1]) == pytest.approx(_grad_norms(one[-1][1]), rel=1e-4)
