@@ -38,7 +38,7 @@ from ..errors import HeteroError
 from ..hardware.catalog import Catalog, load_catalog
 from ..plan import ModelSpec, Plan
 
-__all__ = ["MemoryCapError", "MemoryMeter", "estimate_rank_bytes", "memory_caps", "stage_params"]
+__all__ = ["MemoryCapError", "MemoryMeter", "memory_caps", "cpu_rank_bytes"]
 
 
 class MemoryCapError(HeteroError):
@@ -65,51 +65,7 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-# -- estimates ------------------------------------------------------------------------------------
-
-_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-
-
-def stage_params(model: ModelSpec, plan: Plan, stage: int) -> int:
-    """Parameters one tensor-parallel rank of ``stage`` holds."""
-    h, f, tp = model.hidden_size, model.ffn_hidden_size, plan.tensor_model_parallel_size
-    kv = h * model.num_query_groups // model.num_attention_heads
-    attn = h * h + 2 * h * kv + h * h
-    mlp = (3 if model.swiglu else 2) * h * f
-    layer = (attn + mlp) // tp + 2 * h
-    n = plan.layer_split[stage] * layer
-    if stage == 0:
-        n += model.vocab_size * h // tp
-    if stage == plan.pipeline_model_parallel_size - 1:
-        n += h + (model.vocab_size * h // tp if model.untie_embeddings_and_output_weights else 0)
-    return n
-
-
-def estimate_rank_bytes(model: ModelSpec, plan: Plan, pipeline: int, stage: int,
-                        precision: str) -> float:
-    """Bytes one rank of (pipeline, stage) needs: weights, gradients, optimizer state, and the
-    saved activations of the micro-batches the 1F1B schedule keeps in flight there."""
-    w = _BYTES[precision]
-    dp = plan.data_parallel_size if plan.use_distributed_optimizer else 1
-    # weights + fp32 grads; Adam moments (+ fp32 master weights when training in 16 bits)
-    opt = 8 + (4 if w == 2 else 0)
-    static = stage_params(model, plan, stage) * (w + 4 + opt / dp)
-    pipe = plan.pipelines[pipeline]
-    st = pipe.stages[stage]
-    s, b, h, a = model.seq_length, pipe.micro_batch_size, model.hidden_size, model.num_attention_heads
-    tp = plan.tensor_model_parallel_size
-    # Korthikanti et al. (2022), per layer and micro-batch, scaled from 16-bit to `w` bytes
-    per_layer = s * b * h * (34 / tp + 5 * a * s / (h * tp)) * w / 2
-    if st.recompute.granularity == "full":
-        per_layer = s * b * h * w + per_layer / max(st.num_layers, 1)
-    elif st.recompute.granularity == "selective":
-        per_layer = s * b * h * 34 / tp * w / 2
-    in_flight = min(plan.pipeline_model_parallel_size - stage, pipe.num_microbatches)
-    act = per_layer * st.num_layers * in_flight
-    if stage == plan.pipeline_model_parallel_size - 1:
-        act += s * b * model.vocab_size / tp * 4 * 2  # logits and their softmax (fp32)
-    return static + act
-
+# -- caps -----------------------------------------------------------------------------------------
 
 def _cost_model(plan: Plan, catalog: Catalog, *, use_distributed_optimizer: bool, **kwargs):
     from ..cost.model import CostModel
@@ -120,6 +76,19 @@ def _cost_model(plan: Plan, catalog: Catalog, *, use_distributed_optimizer: bool
                           catalog=catalog, source="<plan devices>")
     return CostModel(plan.model, inventory, use_distributed_optimizer=use_distributed_optimizer,
                      **kwargs)
+
+
+def cpu_rank_bytes(shrunk: Plan, catalog: Catalog | None = None, *,
+                   shards_optimizer: bool = False) -> dict[int, float]:
+    """Bytes each CPU rank needs for ``shrunk`` under the cost model (fp32, unfused attention)."""
+    cost = _cost_model(shrunk, catalog or load_catalog(), precision="fp32", flash_attention=False,
+                       workspace_gb=0.0, use_distributed_optimizer=shards_optimizer)
+    out = {}
+    for rank in range(shrunk.world_size):
+        slot = shrunk.slot_of_rank(rank)
+        m = cost.stage_memory(shrunk, slot.pipeline, slot.stage)
+        out[rank] = m.params + m.grads + m.optimizer + 2 * m.activations
+    return out
 
 
 def memory_caps(real: Plan, shrunk: Plan, catalog: Catalog | None = None, *,

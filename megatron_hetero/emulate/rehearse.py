@@ -135,7 +135,7 @@ def _available_bytes() -> float:
 
 def check_host_capacity(shrunk: Plan, *, max_ranks: int = MAX_RANKS, source: str = "PLAN") -> float:
     """Refuse a plan this machine cannot host; returns the estimated host bytes."""
-    from .memory import estimate_rank_bytes
+    from .memory import cpu_rank_bytes
 
     n = shrunk.world_size
     hint = ("rehearse a smaller plan (fewer pipelines or stages: the layer split and micro-batch "
@@ -143,10 +143,7 @@ def check_host_capacity(shrunk: Plan, *, max_ranks: int = MAX_RANKS, source: str
     if n > max_ranks:
         raise HeteroError(f"{source}: the plan has {n} ranks; this rehearsal starts at most "
                           f"{max_ranks} CPU processes on one machine: {hint}")
-    need = n * RANK_OVERHEAD_BYTES
-    for rank in range(n):
-        slot = shrunk.slot_of_rank(rank)
-        need += estimate_rank_bytes(shrunk.model, shrunk, slot.pipeline, slot.stage, "fp32")
+    need = n * RANK_OVERHEAD_BYTES + sum(cpu_rank_bytes(shrunk).values())
     have = _available_bytes()
     if need > have:
         raise HeteroError(f"{source}: rehearsing {n} ranks at hidden size "
@@ -276,7 +273,8 @@ def _calibrate_rank(rank: int, world_size: int, shrunk: Plan, reps: int, seed: i
                                      normalization=m.normalization),
                                  vocab_size=m.vocab_size, max_sequence_length=m.seq_length,
                                  pre_process=True, post_process=True,
-                                 share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
+                                 share_embeddings_and_output_weights=(
+                                     not m.untie_embeddings_and_output_weights),
                                  position_embedding_type=m.position_embedding_type)
                 ddp = DistributedDataParallel(
                     config=tconf, module=model,
@@ -713,7 +711,8 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
                         eval_forward_only=verify, timeout_s=config.timeout_s)
     corrupt = os.environ.get(_CORRUPT_ENV)
     hooks = functools.partial(_rank_hooks, factors=factors, time_scale=time_scale,
-                              caps=caps, enforce_caps=config.memory_cap, corrupt_pipeline=int(corrupt) if corrupt else None,
+                              caps=caps, enforce_caps=config.memory_cap,
+                              corrupt_pipeline=int(corrupt) if corrupt else None,
                               nice=config.nice)
     try:
         result = train_plan(shrunk, tconf, hooks_factory=hooks)
@@ -754,7 +753,8 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
         pred = sim.stage(r.pipeline, r.stage)
         stages.append(StageReport(
             pipeline=r.pipeline, stage=r.stage, device_type=st.device_type,
-            num_layers=st.num_layers, num_microbatches=shrunk.pipelines[r.pipeline].num_microbatches,
+            num_layers=st.num_layers,
+            num_microbatches=shrunk.pipelines[r.pipeline].num_microbatches,
             factor=extra["factor"], step_s=_mean([r.step_times[k] for k in steps]),
             busy_s=_mean([extra["busy"][k] for k in steps]),
             cpu_s=_mean([extra["cpu"][k] for k in steps]),
@@ -773,14 +773,16 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
 
 # -- report ---------------------------------------------------------------------------------------
 
-def format_report(result: RehearsalResult, *, source: str = "PLAN", real: ModelSpec | None = None) -> str:
+def format_report(result: RehearsalResult, *, source: str = "PLAN",
+                  real: ModelSpec | None = None) -> str:
     """The rehearsal's table: measured and predicted time per pipeline and stage."""
     m = result.plan.model
     c = result.calibration
     n_steps = len(result.step_times)
     lines = [
         f"rehearsal of {source}: {real.name if real else m.name}, {m.num_layers} layers "
-        f"{result.plan.layer_split}, shrunk to hidden {m.hidden_size} (heads {m.num_attention_heads}, "
+        f"{result.plan.layer_split}, shrunk to hidden {m.hidden_size} "
+        f"(heads {m.num_attention_heads}, "
         f"ffn {m.ffn_hidden_size}, vocab {m.vocab_size}, seq {m.seq_length}); "
         f"{result.plan.world_size} CPU ranks; {n_steps} measured steps after 1 warm-up; every "
         f"device slowed {result.time_scale:g}x more (time scale)",
@@ -821,9 +823,9 @@ def format_report(result: RehearsalResult, *, source: str = "PLAN", real: ModelS
         lines.append(f"step time: measured {result.step_s:.3f} s (mean of {n_steps}), predicted "
                      f"{result.predicted_step_s:.3f} s by the tuner's cost model for this emulated "
                      f"cluster; measured/predicted {result.ratio:.2f}")
-        lines.append(f"  (the ranks' compute took {result.cpu_drift:.2f}x the CPU time the start-up "
-                     f"calibration measured; from that calibration alone the prediction is "
-                     f"{result.a_priori_step_s:.3f} s)")
+        lines.append(f"  (the ranks' compute took {result.cpu_drift:.2f}x the CPU time the "
+                     f"start-up calibration measured; from that calibration alone the prediction "
+                     f"is {result.a_priori_step_s:.3f} s)")
     lines.append("losses: " + ", ".join(f"{x:.4f}" for x in result.losses))
     return "\n".join(lines)
 

@@ -7,8 +7,9 @@ import gc
 import pytest
 import torch
 
-from megatron_hetero.emulate.memory import (MemoryCapError, MemoryMeter, estimate_rank_bytes,
-                                            memory_caps)
+from megatron_hetero.emulate.memory import (MemoryCapError, MemoryMeter, _cost_model,
+                                            cpu_rank_bytes, memory_caps)
+from megatron_hetero.hardware.catalog import load_catalog
 from megatron_hetero.plan import plan_from_data
 
 
@@ -71,25 +72,39 @@ def test_cap_refusal_names_rank_stage_device_need_and_cap():
         meter.count_static([model])
 
 
-def _plan(hidden, seq, mbs=1, device="V100-SXM2-32GB", vocab=32000):
+def _plan(hidden, seq, layers_on_v100=6, vocab=32000):
+    stages = [{"device_type": "A100-SXM-80GB", "num_layers": 8 - layers_on_v100},
+              {"device_type": "V100-SXM2-32GB", "num_layers": layers_on_v100}]
     return plan_from_data({
-        "format_version": 1, "precision": "fp16", "global_batch_size": 8 * mbs,
+        "format_version": 1, "precision": "fp16", "global_batch_size": 8,
         "tensor_model_parallel_size": 1,
-        "model": {"name": "t", "num_layers": 8, "hidden_size": hidden, "ffn_hidden_size": 4 * hidden,
-                  "num_attention_heads": 8, "num_query_groups": 8, "vocab_size": vocab,
-                  "seq_length": seq},
-        "pipelines": [{"micro_batch_size": mbs, "num_microbatches": 8, "stages": [
-            {"device_type": "A100-SXM-80GB", "num_layers": 2}, {"device_type": device, "num_layers": 6}]}],
+        "model": {"name": "t", "num_layers": 8, "hidden_size": hidden,
+                  "ffn_hidden_size": 4 * hidden, "num_attention_heads": 8, "num_query_groups": 8,
+                  "vocab_size": vocab, "seq_length": seq},
+        "pipelines": [{"micro_batch_size": 1, "num_microbatches": 8, "stages": stages}],
     })
 
 
-def test_caps_scale_device_memory_with_the_model():
-    real, shrunk = _plan(4096, 4096), _plan(64, 64, vocab=256)
+@pytest.mark.parametrize("hidden,seq", [(4096, 4096), (8192, 4096), (8192, 16384), (2048, 2048)])
+def test_shrunk_need_fits_its_cap_exactly_when_the_real_plan_fits(hidden, seq):
+    """With the CPU needing what the cost model says, a rank's verdict is the cost model's
+    verdict on the real card: the cap only rescales the device to the shrunk model."""
+    real, shrunk = _plan(hidden, seq), _plan(64, 64, vocab=256)
     caps = memory_caps(real, shrunk)
+    need = cpu_rank_bytes(shrunk)
+    cost = _cost_model(real, load_catalog(), precision=real.precision,
+                       use_distributed_optimizer=real.use_distributed_optimizer)
     assert set(caps) == {0, 1}
     for rank, (cap, device, scale) in caps.items():
-        assert 0 < scale < 1e-2 and cap == pytest.approx(device * scale)
+        assert 0 < scale < 1 and cap == pytest.approx(device * scale)
+        assert (need[rank] <= cap * (1 + 1e-9)) == cost.stage_memory(real, 0, rank).fits
     assert caps[1][1] == 32e9
-    bigger = _plan(4096, 4096, mbs=2)
-    assert estimate_rank_bytes(bigger.model, bigger, 0, 1, "fp16") > estimate_rank_bytes(
-        real.model, real, 0, 1, "fp16")
+
+
+def test_caps_are_a_share_of_each_rank_device():
+    real, shrunk = _plan(8192, 16384), _plan(64, 64, vocab=256)
+    caps = memory_caps(real, shrunk)
+    assert caps[0][1] == 80e9 and caps[1][1] == 32e9
+    # measured activations twice the estimate: the cap grows so that like is compared with like
+    wider = memory_caps(real, shrunk, activation_scale=2.0)
+    assert all(wider[r][0] > caps[r][0] for r in caps)

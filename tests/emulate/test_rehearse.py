@@ -1,4 +1,4 @@
-"""``megatron-hetero rehearse``: shrinking, host limits, the CLI run, --verify and the memory cap."""
+"""``megatron-hetero rehearse``: shrinking, host limits, the CLI run, --verify, the memory cap."""
 
 from __future__ import annotations
 
@@ -51,7 +51,8 @@ def test_shrunk_plan_keeps_split_devices_and_micro_batches():
     assert shrunk.layer_split == plan.layer_split
     assert [[s.device_type for s in p.stages] for p in shrunk.pipelines] == \
         [[s.device_type for s in p.stages] for p in plan.pipelines]
-    assert [p.num_microbatches for p in shrunk.pipelines] == [p.num_microbatches for p in plan.pipelines]
+    assert [p.num_microbatches for p in shrunk.pipelines] == \
+        [p.num_microbatches for p in plan.pipelines]
     assert shrunk.model.hidden_size == 32
 
 
