@@ -67,6 +67,8 @@ def _add_profile(sub) -> None:
     p.add_argument("--repeats", type=int, default=5, help="timed iterations; median kept (default 5)")
     p.add_argument("--cpu-threads", type=int, default=1, metavar="N",
                    help="torch threads per CPU rank (default 1, as the rehearsal runs)")
+    p.add_argument("--layers", type=int, default=2, metavar="N",
+                   help="layers timed in sequence; figures are per layer (default 2)")
     p.add_argument("--no-bandwidth", action="store_true", help="skip the p2p/all-reduce figures")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(handler="megatron_hetero.profiler:profile_main")

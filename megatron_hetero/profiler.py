@@ -71,6 +71,9 @@ class ProfileRequest:
     """Catalog name to record; detected from the device name when None (``CPU`` on CPU)."""
     cpu_threads: int | None = None
     """torch intra-op threads per CPU rank (None: torch's default)."""
+    layers: int = 2
+    """Transformer layers timed in sequence; per-layer figures are the total over this count,
+    so that each layer meets caches holding the other layer's weights, as in a real stack."""
     bandwidth: bool = True
     """Measure p2p and all-reduce bandwidth when more than one rank runs."""
     progress: bool = True
@@ -87,6 +90,8 @@ class ProfileRequest:
                 raise HeteroError(
                     f"--tensor-parallel-sizes: {tp} does not divide the model's attention heads "
                     f"({m.num_attention_heads}) and query groups ({m.num_query_groups})")
+        if self.layers < 1:
+            raise HeteroError(f"--layers {self.layers}: expected at least 1")
         if self.warmup < 0 or self.repeats < 1:
             raise HeteroError(f"--warmup {self.warmup} --repeats {self.repeats}: expected warmup >= 0 and repeats >= 1")
 
@@ -186,6 +191,7 @@ def _rank_main(rank: int, world: int, request: ProfileRequest, init_method: str 
     # import-time torch.compile decorators trip over the patched functions otherwise.
     import megatron.core.models.gpt  # noqa: F401
     import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
+    import megatron.core.distributed  # noqa: F401
     if device == "cpu":
         _enable_cpu_backend()
         if request.cpu_threads:
@@ -208,7 +214,7 @@ def _rank_main(rank: int, world: int, request: ProfileRequest, init_method: str 
         for tp in request.tensor_parallel_sizes:
             parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
             try:
-                parts = _build_parts(request.model, tp, precision, device)
+                parts = _build_parts(request.model, tp, precision, device, request.layers)
                 tp_clock, tp_timer = _timer(device, tp)
                 for mbs in request.micro_batch_sizes:
                     entry = _measure_entry(parts, request, mbs, tp, tp_timer, device, advance)
@@ -228,7 +234,8 @@ def _rank_main(rank: int, world: int, request: ProfileRequest, init_method: str 
         device=_device_info(device, device_type, world),
         software=_software(),
         timing=Timing(method=clock_name, warmup=request.warmup, repeats=request.repeats,
-                      layer_spec=_layer_spec_name(device), precision=precision),
+                      layer_spec=_layer_spec_name(device), precision=precision,
+                      layers=request.layers),
         model=request.model,
         entries=entries,
         created=_dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
@@ -300,9 +307,11 @@ class _Parts:
     dtype: object
     device: str
     tp_group: object
+    ddp: object
+    """Megatron's DDP around ``model``: kept alive so its gradient hooks stay registered."""
 
 
-def _build_parts(model: ModelSpec, tp: int, precision: str, device: str) -> _Parts:
+def _build_parts(model: ModelSpec, tp: int, precision: str, device: str, layers: int = 1) -> _Parts:
     import torch
     import torch.nn.functional as F
     from megatron.core import parallel_state
@@ -311,7 +320,7 @@ def _build_parts(model: ModelSpec, tp: int, precision: str, device: str) -> _Par
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
     config = TransformerConfig(
-        num_layers=1,
+        num_layers=layers,
         hidden_size=model.hidden_size,
         ffn_hidden_size=model.ffn_hidden_size,
         num_attention_heads=model.num_attention_heads,
@@ -350,11 +359,16 @@ def _build_parts(model: ModelSpec, tp: int, precision: str, device: str) -> _Par
     if device == "cuda":
         gpt = gpt.cuda()
     gpt = gpt.to(dtype)
+    # Training wraps the model in Megatron's DDP, whose hooks accumulate every gradient into
+    # its fp32 buffers during backward: a cost per layer that the profile must include.
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    ddp = DistributedDataParallel(config=config, module=gpt,
+                                  ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True))
     rope = getattr(gpt, "rotary_pos_emb", None)
     rope_emb = rope(model.seq_length) if rope is not None and model.position_embedding_type == "rope" \
         else None
     return _Parts(model=gpt, rope=rope_emb, dtype=dtype, device=device,
-                  tp_group=parallel_state.get_tensor_model_parallel_group())
+                  tp_group=parallel_state.get_tensor_model_parallel_group(), ddp=ddp)
 
 
 def _layer_spec_name(device: str) -> str:
@@ -383,15 +397,17 @@ def _measure_entry(parts: _Parts, request: ProfileRequest, mbs: int, tp: int, ti
     labels = torch.randint(0, m.vocab_size, (mbs, s), generator=gen).to(dev)
     positions = torch.arange(s, device=dev).unsqueeze(0).expand(mbs, s)
     hidden = torch.randn(s, mbs, h, generator=gen).to(dev, parts.dtype)
-    layer = gpt.decoder.layers[0]
+    layers = list(gpt.decoder.layers)
 
     def embedding_fwd():
         return gpt.embedding(input_ids=tokens, position_ids=positions)
 
     def layer_fwd():
         x = hidden.detach().requires_grad_()
-        out = layer(x, attention_mask=None, rotary_pos_emb=parts.rope)
-        return out[0] if isinstance(out, tuple) else out
+        for layer in layers:
+            out = layer(x, attention_mask=None, rotary_pos_emb=parts.rope)
+            x = out[0] if isinstance(out, tuple) else out
+        return x
 
     def output_fwd():
         x = hidden.detach().requires_grad_()
@@ -403,9 +419,10 @@ def _measure_entry(parts: _Parts, request: ProfileRequest, mbs: int, tp: int, ti
 
     times = {}
     for name, fwd in (("embedding", embedding_fwd), ("layer", layer_fwd), ("output", output_fwd)):
-        times[name] = _time_part(fwd, timer, request.warmup, request.repeats, parts.tp_group)
+        times[name] = _time_part(fwd, timer, request.warmup, request.repeats, parts.tp_group,
+                                 per=len(layers) if name == "layer" else 1)
         advance(f"TP={tp} mbs={mbs} {name}")
-    memory = _measure_memory(layer, layer_fwd, device)
+    memory = _measure_memory(layers, layer_fwd, device)
     flops = layer_flops(m, mbs, tp)
     layer_t = times["layer"]
     return ProfileEntry(micro_batch_size=mbs, tensor_parallel_size=tp, layer=layer_t,
@@ -413,7 +430,8 @@ def _measure_entry(parts: _Parts, request: ProfileRequest, mbs: int, tp: int, ti
                         achieved_tflops=round(flops / (layer_t.forward_s + layer_t.backward_s) / 1e12, 6))
 
 
-def _time_part(fwd, timer, warmup: int, repeats: int, tp_group) -> PartTimes:
+def _time_part(fwd, timer, warmup: int, repeats: int, tp_group, per: int = 1) -> PartTimes:
+    """Median forward and backward seconds of ``fwd`` (divided by ``per``), slowest TP rank."""
     import torch
     import torch.distributed as dist
 
@@ -426,7 +444,8 @@ def _time_part(fwd, timer, warmup: int, repeats: int, tp_group) -> PartTimes:
         if i >= warmup:
             fwd_s.append(tf)
             bwd_s.append(tb)
-    medians = torch.tensor([statistics.median(fwd_s), statistics.median(bwd_s)], dtype=torch.float64)
+    medians = torch.tensor([statistics.median(fwd_s) / per, statistics.median(bwd_s) / per],
+                           dtype=torch.float64)
     if dist.get_world_size(tp_group) > 1:
         if torch.cuda.is_available() and dist.get_backend(tp_group) == "nccl":
             medians = medians.cuda()
@@ -439,11 +458,14 @@ def _sig(x: float) -> float:
     return float(f"{x:.6g}")
 
 
-def _measure_memory(layer, layer_fwd, device: str) -> MemoryFigures:
+def _measure_memory(layers, layer_fwd, device: str) -> MemoryFigures:
+    """Memory of one layer: the figures of ``layers`` run in sequence, divided by their count;
+    ``peak_bytes`` is the peak of the whole stack's forward and backward."""
     import torch
 
-    params = list(layer.parameters())
-    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    n = len(layers)
+    params = [p for layer in layers for p in layer.parameters()]
+    param_bytes = sum(p.numel() * p.element_size() for p in params) // n
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -455,7 +477,7 @@ def _measure_memory(layer, layer_fwd, device: str) -> MemoryFigures:
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
         return MemoryFigures(method="cuda-max-memory-allocated", parameter_bytes_per_layer=param_bytes,
-                             activation_bytes_per_layer=max(act, 0), peak_bytes=peak)
+                             activation_bytes_per_layer=max(act, 0) // n, peak_bytes=peak)
     param_storages = {p.untyped_storage().data_ptr() for p in params}
     saved: dict[int, int] = {}
 
@@ -471,7 +493,7 @@ def _measure_memory(layer, layer_fwd, device: str) -> MemoryFigures:
     out.backward(torch.ones_like(out))
     act = sum(saved.values())
     return MemoryFigures(method="saved-tensors", parameter_bytes_per_layer=param_bytes,
-                         activation_bytes_per_layer=act, peak_bytes=2 * param_bytes + act)
+                         activation_bytes_per_layer=act // n, peak_bytes=n * 2 * param_bytes + act)
 
 
 def _measure_bandwidth(world: int, device: str, request: ProfileRequest) -> Communication:
@@ -672,7 +694,7 @@ def profile_main(args) -> int:
         micro_batch_sizes=_int_list(args.micro_batch_sizes, "--micro-batch-sizes"),
         tensor_parallel_sizes=_int_list(args.tensor_parallel_sizes, "--tensor-parallel-sizes"),
         warmup=args.warmup, repeats=args.repeats, device=args.device, precision=args.precision,
-        device_type=args.device_type, cpu_threads=args.cpu_threads,
+        device_type=args.device_type, cpu_threads=args.cpu_threads, layers=args.layers,
         bandwidth=not args.no_bandwidth, progress=not args.quiet,
     )
     data = run_profile(request, args.output)

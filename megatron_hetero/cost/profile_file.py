@@ -85,12 +85,17 @@ class Timing:
     """Timed iterations; every time in the file is their median."""
     layer_spec: Literal["transformer_engine", "local"]
     precision: Literal["bf16", "fp16", "fp32"]
+    layers: int = 1
+    """Transformer layers run in sequence for the ``layer`` figures, which are per layer (the
+    stack's time and bytes over this count; ``memory.peak_bytes`` is the stack's)."""
 
     def __post_init__(self) -> None:
         if self.warmup < 0:
             raise SchemaError("", "warmup", self.warmup, "a non-negative integer")
         if self.repeats < 1:
             raise SchemaError("", "repeats", self.repeats, "a positive integer")
+        if self.layers < 1:
+            raise SchemaError("", "layers", self.layers, "a positive integer")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -119,7 +124,8 @@ class MemoryFigures:
     activation_bytes_per_layer: int
     """Bytes one layer keeps for backward (no recompute)."""
     peak_bytes: int
-    """Peak over one layer's forward and backward, parameters and gradients included."""
+    """Peak over the forward and backward of the ``timing.layers`` timed layers, parameters and
+    gradients included."""
 
 
 @dataclass(kw_only=True, slots=True)
