@@ -7,7 +7,8 @@ own ``TransformerConfig`` though, so the runtime sets them per rank from the ran
 * optimizer offload: ``optimizer_cpu_offload`` + ``optimizer_offload_fraction`` (megatron-core's
   ``HybridDeviceOptimizer``; needs ``--use-precision-aware-optimizer``);
 * activation offload: ``cpu_offloading`` where the installed megatron-core accepts it together
-  with the plan's pipeline parallelism (0.16 and 0.17 refuse PP > 1).
+  with the plan's pipeline parallelism (0.16 and 0.17 refuse PP > 1) and Transformer Engine
+  (which runs it) is installed.
 
 What the installed megatron-core cannot honour is refused at start (:func:`check_supported`),
 never dropped silently.
@@ -18,6 +19,7 @@ from __future__ import annotations
 from functools import cache
 
 from ..errors import HeteroError
+from ..optional import have_transformer_engine
 from ..plan import Plan, Stage
 
 __all__ = ["recompute_kwargs", "offload_kwargs", "stage_config_kwargs", "stage_args",
@@ -110,6 +112,10 @@ def check_supported(plan: Plan, *, source: str = "plan", use_precision_aware_opt
                     problems.append(f"{where}.activations: the installed megatron-core refuses "
                                     f"activation offload (cpu_offloading) with pipeline "
                                     f"parallelism (PP={pp})")
+                elif not have_transformer_engine():
+                    problems.append(f"{where}.activations: megatron-core's activation offload "
+                                    f"(cpu_offloading) runs through Transformer Engine, which is "
+                                    f"not installed")
             if stage.offload.optimizer_fraction > 0:
                 if not optimizer_offload_supported():
                     problems.append(f"{where}.optimizer_fraction: the installed megatron-core "

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from megatron_hetero.optional import have_transformer_engine
 from megatron_hetero.runtime import hooks, plan_args, policies
 from megatron_hetero.runtime.plan_args import ArgumentConflict, check_and_apply
 
@@ -92,9 +93,17 @@ def test_unsupported_policies_are_refused_at_start():
     assert "pipelines[0].stages[0].offload.activations" in text and "PP=2" in text
     assert "pipelines[0].stages[1].offload.optimizer_fraction" in text
     assert "--use-precision-aware-optimizer" in text
-    # the same plan with one stage and no recompute: megatron-core accepts activation offload
+    # one stage: megatron-core's config accepts activation offload; it then needs TE to run
     assert policies.activation_offload_supported(1)
-    policies.check_supported(make_plan(split=(2,), offload=[{"activations": True}]))
+    one_stage = make_plan(split=(2,), offload=[{"activations": True}])
+    if have_transformer_engine():
+        policies.check_supported(one_stage)
+    else:
+        with pytest.raises(policies.PolicyUnsupported, match="Transformer Engine"):
+            policies.check_supported(one_stage)
+    with pytest.raises(policies.PolicyUnsupported, match="together with recompute"):
+        policies.check_supported(make_plan(split=(2,), offload=[{"activations": True}],
+                                           recompute=[FULL]))
 
 
 def test_extra_args_provider_adds_the_plugin_arguments_once():
