@@ -106,6 +106,18 @@ def test_stage_specific_recompute_and_placement(tmp_path):
     assert v100["layer_calls"] == 2 * runs * 2  # every layer: forward, then again in backward
 
 
+def test_layout_split_with_an_embedding_only_first_stage(tmp_path):
+    """A split first/last counts cannot express (0, 3) goes to Megatron as a layout string."""
+    path = tmp_path / "plan.yaml"
+    save_plan(make_plan(split=(0, 3), devices=[[A100, V100]], replicas=[(1, 2)]), path)
+    results = launch(2, str(path), tmp_path)
+    for code, out, _ in results:
+        assert code == 0, out[-3000:]
+    assert "pipeline_model_parallel_layout .................. E|t*3L" in results[0][1]
+    assert [log["num_layers"] for _, _, log in results] == [0, 3]
+    assert len(logged_losses(results[1][1])) == 2
+
+
 def test_mismatch_and_conflict_stop_with_one_message(tmp_path):
     plan = make_plan(split=(1, 1), devices=[[A100, V100]], replicas=[(1, 2)])
     path = tmp_path / "plan.yaml"
