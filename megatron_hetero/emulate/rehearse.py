@@ -370,12 +370,14 @@ class _EmulatedProfile:
 
 
 def trainer_shards_optimizer(plan: Plan) -> bool:
-    """Whether the mini trainer runs ``plan`` with Megatron's distributed optimizer."""
+    """Whether the mini trainer runs ``plan`` with Megatron's distributed optimizer (the CPU
+    ranks then shard the optimizer state; the prediction and the caps must know)."""
     from .trainer import TrainConfig
 
     if "use_distributed_optimizer" not in TrainConfig.__dataclass_fields__:
         return False  # a trainer that always runs the plain optimizer
-    return plan.use_distributed_optimizer
+    choice = TrainConfig().use_distributed_optimizer  # the rehearsal keeps the trainer's default
+    return plan.use_distributed_optimizer if choice is None else bool(choice)
 
 
 def emulated_name(device_type: str) -> str:
