@@ -610,11 +610,13 @@ class StageReport:
     peak_bytes: float | None
     cap_bytes: float | None
     sync_s: float = 0.0
-    """Gradient sync and optimizer step (wall seconds; not stretched)."""
+    """Gradient sync and optimizer step, with the wait there for slower replicas (wall
+    seconds; not stretched)."""
     predicted_busy_s: float | None = None
     predicted_idle_s: float | None = None
     """Predicted bubble, gradient sync, optimizer and waiting for others."""
     predicted_sync_s: float | None = None
+    """The simulator's gradient sync, optimizer step and end-of-step wait for slower ranks."""
 
     @property
     def idle_s(self) -> float:
@@ -764,7 +766,7 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
             sync_s=_mean([extra["sync"][k] for k in steps]),
             peak_bytes=extra["peak_bytes"], cap_bytes=caps[r.rank][0],
             predicted_busy_s=pred.busy_s, predicted_idle_s=sim.step_time_s - pred.busy_s,
-            predicted_sync_s=pred.sync_s))
+            predicted_sync_s=pred.sync_s + pred.idle_s))
     stages.sort(key=lambda s: (s.pipeline, s.stage))
     return RehearsalResult(plan=shrunk, stages=stages, step_s=_mean(step_times),
                            step_times=step_times, predicted_step_s=sim.step_time_s,
