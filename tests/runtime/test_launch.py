@@ -158,8 +158,9 @@ def _megatron_lm_checkout(tmp_path) -> Path:
 @pytest.mark.parametrize("tp", [1, 2])
 def test_unchanged_pretrain_gpt_uneven_data_parallel(tmp_path, tp):
     """Megatron-LM 0.17.1's own pretrain_gpt.py (unpatched, mock data), run by launch: a
-    2-replica 3:1 plan logs the same losses and grad norms as one replica (with TP=2 the
-    replicas' batches go through Megatron's tensor-parallel batch broadcast too)."""
+    2-replica 3:1 plan logs the same training and validation losses and grad norms as one
+    replica (with TP=2 the replicas' batches go through Megatron's tensor-parallel batch
+    broadcast too)."""
     checkout = _megatron_lm_checkout(tmp_path)
     before = (checkout / "pretrain_gpt.py").read_bytes()
     uneven, single = tmp_path / "uneven.yaml", tmp_path / "single.yaml"
@@ -167,13 +168,23 @@ def test_unchanged_pretrain_gpt_uneven_data_parallel(tmp_path, tp):
     save_plan(make_plan(split=(2,), tp=tp, replicas=[(1, 4)]), single)
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
     script = checkout / "pretrain_gpt.py"
+    evaluate = ["--eval-iters", "1", "--eval-interval", "1", "--split", "50,50,0"]
     many = launch(2 * tp, str(uneven), tmp_path / "a", script=script,
-                  base_args=PRETRAIN_GPT_ARGS, timeout=400)
+                  base_args=PRETRAIN_GPT_ARGS, extra=evaluate, timeout=400)
     one = launch(tp, str(single), tmp_path / "b", script=script, base_args=PRETRAIN_GPT_ARGS,
-                 timeout=400)
+                 extra=evaluate, timeout=400)
     for code, out, _ in many + one:
         assert code == 0, out[-3000:]
     assert (checkout / "pretrain_gpt.py").read_bytes() == before
     assert len(logged_losses(one[-1][1])) == 2
     assert logged_losses(many[-1][1]) == pytest.approx(logged_losses(one[-1][1]), rel=1e-5)
     assert _grad_norms(many[-1][1]) == pytest.approx(_grad_norms(one[-1][1]), rel=1e-4)
+    # evaluation runs each replica's share of the validation batches too
+    assert len(_validation_losses(one[-1][1])) >= 2
+    assert _validation_losses(many[-1][1]) == pytest.approx(_validation_losses(one[-1][1]),
+                                                             rel=1e-5)
+
+
+def _validation_losses(output: str) -> list[float]:
+    return [float(line.split("lm loss value:")[1].split("|")[0]) for line in output.splitlines()
+            if "validation loss at" in line and "lm loss value:" in line]
