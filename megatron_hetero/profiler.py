@@ -34,7 +34,6 @@ import datetime as _dt
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -93,7 +92,8 @@ class ProfileRequest:
         if self.layers < 1:
             raise HeteroError(f"--layers {self.layers}: expected at least 1")
         if self.warmup < 0 or self.repeats < 1:
-            raise HeteroError(f"--warmup {self.warmup} --repeats {self.repeats}: expected warmup >= 0 and repeats >= 1")
+            raise HeteroError(f"--warmup {self.warmup} --repeats {self.repeats}: expected "
+                              "warmup >= 0 and repeats >= 1")
 
 
 def layer_flops(model: ModelSpec, micro_batch_size: int, tensor_parallel_size: int = 1) -> float:
@@ -703,7 +703,7 @@ def profile_main(args) -> int:
     eff = f"; layer efficiency {data.efficiency:.3f}" if data.efficiency else ""
     print(f"{args.output}: profile of {data.device.type} ({data.device.name}) for "
           f"{model.name} h={model.hidden_size} s={model.seq_length}: {len(data.entries)} "
-          f"entries{eff}", file=sys.stderr if args.output == "-" else sys.stdout)
+          f"entries{eff}")
     for e in data.entries:
         print(f"  TP={e.tensor_parallel_size} mbs={e.micro_batch_size}: layer fwd "
               f"{e.layer.forward_s * 1e3:.3f} ms bwd {e.layer.backward_s * 1e3:.3f} ms; "

@@ -25,7 +25,8 @@ from .profile_protocol import DeviceProfile, Part
 
 __all__ = ["FORMAT_VERSION", "DeviceInfo", "Software", "Timing", "PartTimes", "MemoryFigures",
            "ProfileEntry", "BandwidthSample", "Communication", "ProfileData", "MeasuredProfile",
-           "ProfileUsage", "inventory_entry", "load_profile", "load_profiles", "save_profile", "shape_matches",
+           "ProfileUsage", "inventory_entry", "load_profile", "load_profiles", "save_profile",
+           "shape_matches",
            "LAYER_SHAPE_FIELDS", "VOCAB_SHAPE_FIELDS"]
 
 FORMAT_VERSION = 1
