@@ -133,7 +133,8 @@ def _available_bytes() -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
 
 
-def check_host_capacity(shrunk: Plan, *, max_ranks: int = MAX_RANKS, source: str = "PLAN") -> float:
+def check_host_capacity(shrunk: Plan, *, max_ranks: int = MAX_RANKS, source: str = "PLAN",
+                        catalog: Catalog | None = None) -> float:
     """Refuse a plan this machine cannot host; returns the estimated host bytes."""
     from .memory import cpu_rank_bytes
 
@@ -143,7 +144,7 @@ def check_host_capacity(shrunk: Plan, *, max_ranks: int = MAX_RANKS, source: str
     if n > max_ranks:
         raise HeteroError(f"{source}: the plan has {n} ranks; this rehearsal starts at most "
                           f"{max_ranks} CPU processes on one machine: {hint}")
-    need = n * RANK_OVERHEAD_BYTES + sum(cpu_rank_bytes(shrunk).values())
+    need = n * RANK_OVERHEAD_BYTES + sum(cpu_rank_bytes(shrunk, catalog).values())
     have = _available_bytes()
     if need > have:
         raise HeteroError(f"{source}: rehearsing {n} ranks at hidden size "
@@ -700,7 +701,7 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
     catalog = catalog or load_catalog()
     say = progress or (lambda msg: None)
     shrunk = shrink_plan(plan, config.hidden_size, catalog)
-    check_host_capacity(shrunk, max_ranks=config.max_ranks, source=source)
+    check_host_capacity(shrunk, max_ranks=config.max_ranks, source=source, catalog=catalog)
     slowdowns = device_slowdowns(plan, catalog)
     time_scale = config.time_scale or auto_time_scale(plan, slowdowns)
     factors = {d: s * time_scale for d, s in slowdowns.items()}

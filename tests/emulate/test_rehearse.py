@@ -62,6 +62,7 @@ def test_too_many_ranks_refused_with_a_hint():
         check_host_capacity(shrink_plan(plan, 32))
 
 
+@pytest.mark.slow
 def test_cli_rehearses_a_two_rank_plan(tmp_path, capsys):
     path = _write(tmp_path, _plan_data([("A100-SXM-80GB", 1), ("V100-SXM2-32GB", 3)]))
     assert main(["rehearse", path, "--steps", "2", "--hidden-size", "32"]) == 0
@@ -75,6 +76,7 @@ def test_cli_rehearses_a_two_rank_plan(tmp_path, capsys):
     assert "measured/predicted" in out and "losses:" in out
 
 
+@pytest.mark.slow
 def test_verify_names_the_first_diverging_step(tmp_path, capsys, monkeypatch):
     """Replica 1 reads wrong labels from step 1 on (a test-only hook): --verify must say so."""
     path = _write(tmp_path, _plan_data([("A100-SXM-80GB", 4)], pipelines=2))
@@ -87,6 +89,7 @@ def test_verify_names_the_first_diverging_step(tmp_path, capsys, monkeypatch):
     assert "verify: losses and final parameters match" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_plan_that_does_not_fit_fails_like_the_real_card(tmp_path, capsys):
     """28 layers of Llama-2 7B on a 16 GB T4 cannot fit (about 6 GB of weights, 12 GB of fp32
     gradients and Adam state): the rank playing it fails, named with its stage and device."""
@@ -99,3 +102,26 @@ def test_plan_that_does_not_fit_fails_like_the_real_card(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "rank 1 (pipeline 0, stage 1, T4-16GB) ran out of memory" in err
     assert "MiB cap" in err
+
+
+@pytest.mark.slow
+def test_custom_inventory_devices_play_at_their_relative_speed(tmp_path, capsys):
+    gpu = {"vendor": "Acme", "bf16": True, "fp32_tflops": 10, "memory_gb": 40,
+           "memory_bandwidth_gb_s": 1000, "intra_node_link": "PCIe4",
+           "intra_node_bandwidth_gb_s": 32, "efficiency": 0.5}
+    inventory = {"gpus": {"Acme-Fast": {**gpu, "bf16_tflops": 250.0},
+                          "Acme-Slow": {**gpu, "bf16_tflops": 100.0}},
+                 "groups": [{"gpu": "Acme-Fast", "nodes": 1, "gpus_per_node": 1},
+                            {"gpu": "Acme-Slow", "nodes": 1, "gpus_per_node": 1}]}
+    inv = _write(tmp_path, inventory, "inventory.yaml")
+    data = _plan_data([("Acme-Fast", 3), ("Acme-Slow", 1)])
+    data["precision"] = "bf16"
+    path = _write(tmp_path, data)
+    assert main(["rehearse", path, "--inventory", inv, "--steps", "2", "--hidden-size", "32"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()
+            if line.split()[2:3] in (["Acme-Fast"], ["Acme-Slow"])]
+    fast, slow = (float(r[5].rstrip("x")) for r in rows)
+    assert slow / fast == pytest.approx(2.5, rel=0.01)
+    # without the inventory the plan's device types are unknown: one clear line, exit 1
+    assert main(["rehearse", path, "--steps", "2"]) == 1
+    assert "Acme-Fast" in capsys.readouterr().err
