@@ -141,3 +141,28 @@ def test_usage_records_measured_and_estimated():
 def load_profile_from(data: ProfileData):
     from megatron_hetero.cost.profile_file import MeasuredProfile
     return MeasuredProfile(data, source="<test>")
+
+
+def test_calibration_script_builds_rehearsal_inputs_from_a_profile():
+    """scripts/calibrate.py feeds the rehearsal's predictor the profile's own figures."""
+    import importlib.util
+    import pathlib
+
+    from megatron_hetero.emulate.rehearse import Calibration
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "calibrate.py"
+    spec = importlib.util.spec_from_file_location("calibrate", path)
+    cal = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cal)
+    data = dataclasses.replace(_profile(), model=cal.MODEL)
+    data.device.peak_matmul_tflops = 0.1
+    prof = load_profile_from(data)
+    _, plan = cal.plans(quick=True)[1]
+    base = Calibration(p2p_latency_s=1e-4, bandwidth_gb_s=2.0)
+    got = cal.calibration_from(prof, plan, base, "profile")
+    assert got.parts[("layer", 1)] == prof.times("layer", model=plan.model, micro_batch_size=1,
+                                                  tensor_parallel_size=1)
+    assert (got.p2p_latency_s, got.bandwidth_gb_s) == (1e-4, 2.0)
+    assert cal.calibration_from(prof, plan, base, "rehearsal") is base
+    eff = cal.calibration_from(prof, plan, base, "efficiency only")
+    assert not eff.parts and eff.layer_flops_per_s == pytest.approx(0.1e12 * 0.4)
