@@ -36,7 +36,7 @@ from typing import Iterable, Iterator
 
 from ..errors import HeteroError
 from ..hardware.catalog import Catalog, load_catalog
-from ..plan import ModelSpec, Plan
+from ..plan import Plan
 
 __all__ = ["MemoryCapError", "MemoryMeter", "memory_caps", "cpu_rank_bytes"]
 

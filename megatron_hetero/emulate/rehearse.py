@@ -8,10 +8,11 @@
    layer split, the micro-batch sizes and counts stay as in the plan.
 2. *Refuse* a plan this machine cannot host (:func:`check_host_capacity`): more than
    :data:`MAX_RANKS` ranks, or more estimated memory than is available.
-3. *Calibrate* in this process what the emulated cluster is made of: the CPU time of one forward
-   and backward of the shrunk layer, embedding and output layer, and the gloo point-to-point
-   bandwidth; the emulated device ``d`` then computes at ``cpu speed / factor(d)``
-   (:mod:`.speed`).
+3. *Calibrate*, on two CPU processes, what the emulated cluster is made of: the CPU time of one
+   forward and backward of the shrunk layer, embedding and output layer, the bytes a layer
+   saves for the backward pass, the optimizer step's rate, and gloo's point-to-point latency and
+   bandwidth and all-reduce bandwidth; the emulated device ``d`` then computes at
+   ``cpu speed / factor(d)`` (:mod:`.speed`).
 4. *Run* N steps on the CPU ranks under the speed and memory emulation (:mod:`.speed`,
    :mod:`.memory`); the first step is a warm-up and is not reported.
 5. *Predict* the same emulated setup with the tuner's cost model and simulator, over an
@@ -154,9 +155,6 @@ def check_host_capacity(shrunk: Plan, *, max_ranks: int = MAX_RANKS, source: str
 
 
 # -- calibration of the emulated cluster ----------------------------------------------------------
-
-Part = str  # "layer" | "embedding" | "output"
-
 
 @dataclass(kw_only=True, slots=True)
 class Calibration:
