@@ -78,12 +78,13 @@ def plans(quick: bool) -> list[tuple[str, Plan]]:
 
 def calibration_from(profile: MeasuredProfile | None, shrunk: Plan, base, mode: str):
     """A rehearsal ``Calibration`` (what ``predict`` stretches per device) built from ``mode``."""
-    from megatron_hetero.emulate.rehearse import Calibration
     from megatron_hetero.models import layer_forward_flops
 
     if mode == "rehearsal":
         return base
-    out = Calibration(p2p_latency_s=base.p2p_latency_s, bandwidth_gb_s=base.bandwidth_gb_s)
+    # Only the compute figures differ between the modes; links and the optimizer's rate stay
+    # what the rehearsal measured at start.
+    out = dataclasses.replace(base, parts={}, layer_flops_per_s=0.0)
     peak = profile.data.device.peak_matmul_tflops * 1e12
     if mode == "no profile":
         out.layer_flops_per_s = peak * NO_PROFILE_EFFICIENCY
