@@ -86,6 +86,33 @@ def test_uneven_stages_and_data_parallel_equal_one_replica(tmp_path):
     assert _grad_norms(four[3][1]) == pytest.approx(_grad_norms(two[1][1]), rel=1e-4)
 
 
+def test_resume_from_a_checkpoint_reads_the_same_samples(tmp_path):
+    """An uneven plan saved after 2 steps and resumed for 2 more reads the next global batches'
+    shares and trains as one replica resumed the same way."""
+    uneven, single = tmp_path / "uneven.yaml", tmp_path / "single.yaml"
+    save_plan(make_plan(split=(2,), replicas=[(1, 3), (1, 1)]), uneven)
+    save_plan(make_plan(split=(2,), replicas=[(1, 4)]), single)
+    losses = {}
+    for name, nproc, plan in (("uneven", 2, uneven), ("single", 1, single)):
+        ckpt = tmp_path / f"ckpt-{name}"
+        save_dir, resume_dir = tmp_path / f"{name}-save", tmp_path / f"{name}-resume"
+        save_dir.mkdir(), resume_dir.mkdir()
+        first = launch(nproc, str(plan), save_dir, iters=2,
+                       extra=["--save", str(ckpt), "--save-interval", "2", "--ckpt-format", "torch"])
+        second = launch(nproc, str(plan), resume_dir, iters=4,
+                        extra=["--load", str(ckpt), "--ckpt-format", "torch",
+                               "--override-opt_param-scheduler"])
+        for code, out, _ in first + second:
+            assert code == 0, out[-3000:]
+        assert "consumed samples:           16" in second[-1][1]
+        losses[name] = logged_losses(second[-1][1])
+        if name == "uneven":
+            assert [i for [i] in second[0][2]["indices"]] == [8, 9, 10, 12, 13, 14]
+            assert [i for [i] in second[1][2]["indices"]] == [11, 15]
+    assert len(losses["single"]) == 2
+    assert losses["uneven"] == pytest.approx(losses["single"], rel=1e-5)
+
+
 def test_stage_specific_recompute_and_placement(tmp_path):
     """Recompute only on the stage the plan names; launcher ranks in the wrong order are
     placed on the stage of their device type."""
