@@ -171,6 +171,7 @@ def reference_plan(plan: Plan) -> Plan:
     stage = Stage(device_type=first.device_type, num_layers=plan.model.num_layers)
     return dataclasses.replace(
         plan, tensor_model_parallel_size=1, prediction=None, use_distributed_optimizer=False,
+        sequence_parallel=False,
         pipelines=[Pipeline(micro_batch_size=mbs, num_microbatches=plan.global_batch_size // mbs,
                             stages=[stage])])
 
