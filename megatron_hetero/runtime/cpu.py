@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import os
-import sys
+
+from ._rebind import rebind
 
 __all__ = ["prepare_cpu_run", "init_cpu_process_group"]
-
-_MARK = "_megatron_hetero_cpu"
 
 
 @contextlib.contextmanager
@@ -51,21 +49,6 @@ def init_cpu_process_group(args) -> None:
     if not dist.is_initialized():
         dist.init_process_group("gloo", rank=args.rank, world_size=args.world_size,
                                 timeout=timedelta(minutes=args.distributed_timeout_minutes))
-
-
-def _rebind(module_name: str, attr: str, make) -> None:
-    module = importlib.import_module(module_name)
-    original = getattr(module, attr)
-    if getattr(original, _MARK, False):
-        return
-    wrapper = make(original)
-    setattr(wrapper, _MARK, True)
-    for mod in list(sys.modules.values()):
-        try:
-            if mod is not None and mod.__dict__.get(attr) is original:
-                setattr(mod, attr, wrapper)
-        except (AttributeError, TypeError):
-            continue
 
 
 def _wrap_initialize_megatron(original):
@@ -118,13 +101,11 @@ def prepare_cpu_run() -> None:
                  "max_memory_reserved"):
         setattr(torch.cuda, name, lambda *a, **k: 0)
     torch.cuda.memory_stats = lambda *a, **k: {}
-    _rebind("megatron.training.initialize", "initialize_megatron", _wrap_initialize_megatron)
-    _rebind("megatron.training.initialize", "_initialize_distributed",
-            _wrap_initialize_distributed)
-    _rebind("megatron.training.initialize", "_set_random_seed", _wrap_set_random_seed)
-    import megatron.core.datasets.utils as dutils
-
-    _rebind("megatron.core.datasets.utils", "compile_helpers", _wrap_compile_helpers)
+    rebind("megatron.training.initialize", "initialize_megatron", _wrap_initialize_megatron)
+    rebind("megatron.training.initialize", "_initialize_distributed",
+           _wrap_initialize_distributed)
+    rebind("megatron.training.initialize", "_set_random_seed", _wrap_set_random_seed)
+    rebind("megatron.core.datasets.utils", "compile_helpers", _wrap_compile_helpers)
     import megatron.training.arguments as margs
 
     if hasattr(margs, "get_device_arch_version"):

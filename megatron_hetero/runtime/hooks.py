@@ -35,12 +35,12 @@ from dataclasses import dataclass
 from ..errors import HeteroError
 from ..plan import Plan, Slot, Stage, load_plan
 from . import plan_args, policies
+from ._rebind import is_wrapper, rebind
 from .arguments import add_hetero_args
 from .placement import CPU_ENV, detect_device_type, place_this_rank
 
 __all__ = ["install", "installed", "RankState", "state", "reset", "LAUNCHER_RANK_ENV"]
 
-_MARK = "_megatron_hetero_wrapper"
 LAUNCHER_RANK_ENV = "MEGATRON_HETERO_LAUNCHER_RANK"
 """Set by the hooks to the launcher's rank; ``RANK`` becomes the placed Megatron rank."""
 
@@ -271,27 +271,12 @@ _TARGETS = (
 )
 
 
-def _rebind(module_name: str, attr: str, make) -> None:
-    module = importlib.import_module(module_name)
-    original = getattr(module, attr)
-    if getattr(original, _MARK, False):
-        return
-    wrapper = make(original)
-    setattr(wrapper, _MARK, True)
-    for mod in list(sys.modules.values()):
-        try:
-            if mod is not None and mod.__dict__.get(attr) is original:
-                setattr(mod, attr, wrapper)
-        except (AttributeError, TypeError):
-            continue
-
-
 def installed() -> bool:
     try:
         module = sys.modules["megatron.training.arguments"]
     except KeyError:
         return False
-    return getattr(getattr(module, "validate_args", None), _MARK, False)
+    return is_wrapper(getattr(module, "validate_args", None))
 
 
 def install() -> None:
@@ -310,14 +295,14 @@ def install() -> None:
 
         prepare_cpu_run()
     for module_name, attr, make in _TARGETS:
-        _rebind(module_name, attr, make)
+        rebind(module_name, attr, make)
     _install_excepthook()
 
 
 def _install_excepthook() -> None:
     """A plan mistake ends the job with its one-line message, not a traceback."""
     previous = sys.excepthook
-    if getattr(previous, _MARK, False):
+    if getattr(previous, "_megatron_hetero_hook", False):
         return
 
     def excepthook(kind, value, tb):
@@ -326,5 +311,5 @@ def _install_excepthook() -> None:
             return
         previous(kind, value, tb)
 
-    setattr(excepthook, _MARK, True)
+    excepthook._megatron_hetero_hook = True
     sys.excepthook = excepthook

@@ -4,7 +4,6 @@ is one clear message; a 1024-rank dry run builds Megatron's groups on the fake b
 from __future__ import annotations
 
 import random
-from collections import Counter
 
 import pytest
 

@@ -3,7 +3,6 @@ replica whose share holds it, and a resumed sampler lands on the same samples.""
 
 from __future__ import annotations
 
-import itertools
 
 import pytest
 from hypothesis import given, settings
