@@ -456,8 +456,8 @@ class _RankEmulation:
 
     @contextlib.contextmanager
     def compute(self, kind: str):
-        ctx = (self.meter.saved_activations() if self.meter is not None and kind == "forward"
-               else contextlib.nullcontext())
+        # backward too: a recomputing stage saves its recomputed activations there
+        ctx = self.meter.saved_activations() if self.meter is not None else contextlib.nullcontext()
         with self.speed.step(), ctx:
             yield
 
