@@ -15,3 +15,9 @@ demo: venv
 
 test: venv
 	$(VENV)/bin/python -m pytest -q tests
+
+# Benchmarks: figures measured side by side in one run each (minutes on 2 cores).
+bench: venv
+	$(VENV)/bin/python scripts/bench_tuner.py
+	$(VENV)/bin/python scripts/bench_rehearse.py
+	$(VENV)/bin/python scripts/bench_runtime_overhead.py
