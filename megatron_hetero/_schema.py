@@ -143,7 +143,8 @@ def _convert(hint: Any, data: Any, source: str, path: str) -> Any:
 
 def _convert_dataclass(cls: type, data: Any, source: str, path: str) -> Any:
     if not isinstance(data, dict):
-        raise SchemaError(source, path, data, _describe(cls))
+        found = Described("an empty document") if data is None and not path else data
+        raise SchemaError(source, path, found, _describe(cls))
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init and not f.metadata.get("internal")}
     unknown = [k for k in data if k not in fields]

@@ -159,6 +159,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except HeteroError as exc:
         print(f"megatron-hetero {args.command}: error: {exc}", file=sys.stderr)
         return 1
+    except OSError as exc:
+        if exc.filename is None:  # not about a path the user gave: a bug, keep the traceback
+            raise
+        print(f"megatron-hetero {args.command}: error: {exc.filename}: {exc.strerror}; expected "
+              "a path this command can read or write", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"megatron-hetero {args.command}: interrupted", file=sys.stderr)
         return 130

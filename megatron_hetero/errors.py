@@ -26,7 +26,8 @@ class SchemaError(HeteroError, ValueError):
         self.path = path or "<root>"
         self.found = found
         self.expected = expected
-        super().__init__(f"{source}: {self.path}: found {_show(found)}; expected {expected}")
+        where = f"{source}: {path}: " if path else f"{source}: "
+        super().__init__(f"{where}found {_show(found)}; expected {expected}")
 
 
 class InfeasibleError(HeteroError):

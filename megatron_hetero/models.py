@@ -74,7 +74,11 @@ def model_preset(name: str, *, seq_length: int | None = None) -> ModelSpec:
         raise SchemaError("--model", "", name, "a preset (" + ", ".join(PRESETS)
                           + ") or a YAML file with the model fields")
     spec = PRESETS[name]
-    return dataclasses.replace(spec, seq_length=seq_length or spec.seq_length)
+    if seq_length is None:
+        return dataclasses.replace(spec)
+    if seq_length < 1:
+        raise SchemaError("--seq-length", "", seq_length, "a positive integer")
+    return dataclasses.replace(spec, seq_length=seq_length)
 
 
 def load_model(name_or_path: str, *, seq_length: int | None = None) -> ModelSpec:

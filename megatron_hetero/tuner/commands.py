@@ -111,7 +111,7 @@ def tune_main(args: argparse.Namespace) -> int:
         from ..simulate import simulate
         cost = CostModel(model, inventory, profiles=profiles, precision=result.plan.precision)
         simulate(result.plan, cost).timeline_png(args.timeline)
-    console = Console()
+    console = Console(soft_wrap=True)  # summary lines stay whole in logs and pipes
     if not args.quiet:
         console.print(plan_table(result.plan, result.sim, f"{model.name} on {_short(args.inventory)}"))
     console.print(summary_lines(result.plan, result.sim, "tuned   "), highlight=False)
@@ -121,12 +121,13 @@ def tune_main(args: argparse.Namespace) -> int:
         console.print(summary_lines(result.baseline_plan, result.baseline_sim, "baseline"),
                       highlight=False)
         speedup = result.baseline_sim.step_time_s / result.sim.step_time_s
+        versus = f"speedup over baseline {speedup:.2f}x"
     else:
-        speedup = float("nan")
+        versus = "no baseline to compare with"
         console.print("baseline: plain Megatron has no plan that fits", highlight=False)
     eff = result.upper_bound_step_time_s / result.sim.step_time_s
     console.print(f"upper bound {result.upper_bound_step_time_s:.3f} s; efficiency {eff:.3f}; "
-                  f"speedup over baseline {speedup:.2f}x; searched in {result.search_time_s:.2f} s"
+                  f"{versus}; searched in {result.search_time_s:.2f} s"
                   + (" (the baseline plan itself was best)" if result.fell_back_to_baseline else ""),
                   highlight=False)
     console.print(f"wrote {args.output}" + (f", {args.report}" if args.report else "")
@@ -148,7 +149,7 @@ def simulate_main(args: argparse.Namespace) -> int:
     cost = CostModel(plan.model, inventory, profiles=profiles,
                      precision=plan.precision, use_distributed_optimizer=plan.use_distributed_optimizer)
     sim = simulate(plan, cost, record_events=bool(args.timeline))
-    console = Console()
+    console = Console(soft_wrap=True)
     console.print(plan_table(plan, sim, f"{_short(args.plan)} on {_short(args.inventory)}"))
     console.print(summary_lines(plan, sim, "predicted"), highlight=False)
     for line in _figure_sources(plan, inventory, profiles).summary_lines(sorted(plan.device_counts())):

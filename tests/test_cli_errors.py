@@ -1,0 +1,107 @@
+"""User mistakes on the command line: one message naming what, where and what was expected, exit
+code 1, no traceback; and what `tune` prints when the pool leaves no baseline (tier 1 unless
+marked)."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_hetero.cli import main
+
+from .conftest import REPO
+
+PLAN = REPO / "tests/data/plan_a100_v100.yaml"
+INVENTORY = REPO / "examples/llama2/7b/inventory.yaml"
+
+
+def _one_line_error(capsys, command: str) -> str:
+    err = capsys.readouterr().err
+    assert err.startswith(f"megatron-hetero {command}: error: ")
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_missing_file_names_it_without_placeholder_path(tmp_path, capsys):
+    missing = tmp_path / "nope.yaml"
+    assert main(["validate", str(missing)]) == 1
+    err = _one_line_error(capsys, "validate")
+    assert f"{missing}: found 'No such file or directory'; expected a readable YAML file" in err
+    assert "<root>" not in err
+
+
+def test_empty_file_is_called_empty(tmp_path, capsys):
+    empty = tmp_path / "plan.yaml"
+    empty.write_text("")
+    assert main(["args", str(empty)]) == 1
+    err = _one_line_error(capsys, "args")
+    assert f"{empty}: found an empty document; expected a mapping (Plan)" in err
+
+
+def test_unknown_model_names_the_option(capsys):
+    assert main(["tune", str(INVENTORY), "--model", "llama9-1b", "--global-batch-size", "8",
+                 "-q", "-o", "/dev/null"]) == 1
+    err = _one_line_error(capsys, "tune")
+    assert "--model: found 'llama9-1b'; expected a preset (llama2-7b" in err
+
+
+def test_tune_output_in_missing_directory_is_one_line(tmp_path, capsys):
+    out = tmp_path / "no-such-dir" / "plan.yaml"
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text("groups:\n  - {gpu: A100-SXM-80GB, nodes: 1, gpus_per_node: 8}\n")
+    assert main(["tune", str(inv), "--model", "llama2-7b", "--global-batch-size", "8", "-q",
+                 "-o", str(out)]) == 1
+    err = _one_line_error(capsys, "tune")
+    assert f"{out}: No such file or directory" in err
+
+
+@pytest.mark.parametrize("command", [["profile", "--model", "llama2-7b", "--device", "cpu"],
+                                     ["tune", str(INVENTORY), "--model", "llama2-7b",
+                                      "--global-batch-size", "8", "-q", "-o", "/dev/null"]])
+def test_zero_sequence_length_is_refused_not_replaced_by_the_default(command, capsys):
+    # `--seq-length 0` used to fall back to the preset's 4096 in `profile` (a silent full-size
+    # run on CPU that takes minutes) instead of being refused.
+    assert main([*command, "--seq-length", "0"]) == 1
+    err = _one_line_error(capsys, command[0])
+    assert "--seq-length" in err and "expected a positive integer" in err
+
+
+def test_tune_without_a_baseline_says_so_instead_of_nan(tmp_path, capsys):
+    # One A100-80GB holds Llama-2 7B only with optimizer offload, which plain Megatron's
+    # baseline does not use: there is no baseline to compare with.
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text("groups:\n  - {gpu: A100-SXM-80GB, nodes: 1, gpus_per_node: 1}\n")
+    assert main(["tune", str(inv), "--model", "llama2-7b", "--global-batch-size", "8", "-q",
+                 "-o", str(tmp_path / "plan.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "baseline: plain Megatron has no plan that fits" in out
+    assert "nan" not in out and "no baseline to compare with" in out
+
+
+def test_tune_summary_lines_are_not_wrapped_when_piped(tmp_path, capsys):
+    assert main(["tune", str(INVENTORY), "--model", "llama2-7b", "--global-batch-size", "16",
+                 "-q", "-o", str(tmp_path / "plan.yaml")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    tuned = next(line for line in lines if line.startswith("tuned"))
+    assert "layers [" in tuned  # the whole summary on its one line, even at 80 columns
+    assert any(line.startswith("upper bound") and "searched in" in line for line in lines)
+
+
+@pytest.mark.slow
+def test_rehearse_calibrates_a_sequence_parallel_plan():
+    # The calibration runs the shrunk model at TP=1; a plan with sequence_parallel (TP > 1, as
+    # every tuned TP>1 example has) used to crash there with "sequence_parallel: found True".
+    from megatron_hetero.emulate.rehearse import calibrate, shrink_plan
+    from megatron_hetero.plan import plan_from_data
+
+    stage = {"device_type": "A100-SXM-80GB", "num_layers": 2}
+    plan = plan_from_data({
+        "format_version": 1, "global_batch_size": 2, "tensor_model_parallel_size": 2,
+        "sequence_parallel": True, "precision": "fp32",
+        "model": {"name": "tiny", "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128,
+                  "num_attention_heads": 4, "num_query_groups": 4, "vocab_size": 128,
+                  "seq_length": 16},
+        "pipelines": [{"micro_batch_size": 1, "num_microbatches": 2, "stages": [stage]}]})
+    shrunk = shrink_plan(plan, 32)
+    assert shrunk.sequence_parallel
+    calibration = calibrate(shrunk, reps=1, meter=False, timeout_s=60)
+    assert calibration.layer_flops_per_s > 0
