@@ -105,3 +105,27 @@ def test_rehearse_calibrates_a_sequence_parallel_plan():
     assert shrunk.sequence_parallel
     calibration = calibrate(shrunk, reps=1, meter=False, timeout_s=60)
     assert calibration.layer_flops_per_s > 0
+
+
+def _fake_megatron(root, script: str):
+    (root / "megatron" / "core").mkdir(parents=True)
+    (root / "megatron" / "core" / "package_info.py").write_text("MAJOR = 0\nMINOR = 16\nPATCH = 1\n")
+    (root / "pretrain_gpt.py").write_text(script)
+    return root
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_patch_that_does_not_apply_is_one_line_and_leaves_the_checkout_alone(tmp_path, capsys,
+                                                                             check):
+    root = _fake_megatron(tmp_path, "print('not the release pretrain_gpt.py')\n")
+    assert main(["patch-megatron", str(root)] + (["--check"] if check else [])) == 1
+    err = _one_line_error(capsys, "patch-megatron")
+    assert "core_r0.16 patch" in err and "does not apply (" in err and "FAILED" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["megatron", "pretrain_gpt.py"]
+    assert (root / "pretrain_gpt.py").read_text() == "print('not the release pretrain_gpt.py')\n"
+
+
+def test_patch_megatron_on_a_plain_directory(tmp_path, capsys):
+    assert main(["patch-megatron", str(tmp_path)]) == 1
+    assert "no pretrain_gpt.py (give the Megatron-LM checkout's root)" in _one_line_error(
+        capsys, "patch-megatron")

@@ -88,10 +88,15 @@ def patch_megatron_main(args: argparse.Namespace) -> int:
     if MARKER in script.read_text():
         print(f"{script}: already patched for megatron-hetero ({line})")
         return 0
-    result = apply_patch(megatron, patch, check=args.check)
+    result = apply_patch(megatron, patch, check=True)  # never leave a half-patched checkout
+    if result.returncode == 0 and not args.check:
+        result = apply_patch(megatron, patch, check=False)
     if result.returncode != 0:
-        raise HeteroError(f"{script}: the {line} patch ({patch}) does not apply:\n"
-                          + (result.stdout + result.stderr).strip())
+        said = "; ".join(x.strip() for x in (result.stdout + result.stderr).splitlines()
+                         if x.strip() and not x.startswith("checking file"))
+        raise HeteroError(f"{script}: the {line} patch ({patch}) does not apply ({said}); "
+                          f"expected that release's unmodified pretrain_gpt.py (or run it "
+                          f"unpatched: python -m megatron_hetero.launch {script} ...)")
     if args.check:
         print(f"{script}: the {line} patch applies cleanly ({patch})")
     else:
