@@ -297,6 +297,9 @@ class _Search:
                             tm = tuple((types, n * total // D) for types, n in tmpl
                                        if n * total // D > 0) or ((tmpl[0][0], 1),)
                             Dm = sum(n for _, n in tm)
+                        if self.gbs % Dm:  # the runtime needs it (Megatron's step accounting)
+                            tm = _divisible_templates(tm, self.gbs)
+                            Dm = sum(n for _, n in tm)
                         speed = 0.0  # micro-batches per second over all pipelines
                         for types, n in tm:
                             # the stage order does not change the bound: key by type counts
@@ -585,6 +588,19 @@ class _Search:
                          "stage, full recompute, micro-batch 1)")
         return (f"{self.model.name} does not fit on {self.inv.source} under any plan the search "
                 f"covers; the leanest single-type stage needs: " + "; ".join(parts))
+
+
+def _divisible_templates(templates, global_batch_size: int):
+    """``templates`` with pipelines dropped, one at a time from the largest group (the last of
+    equals), until their count divides ``global_batch_size``: the runtime runs an uneven plan
+    only when Megatron's step accounting (micro-batch size x DP x micro-batches) can equal the
+    global batch (:func:`megatron_hetero.runtime.plan_args.virtual_micro_batch_size`)."""
+    tm = list(templates)
+    while global_batch_size % sum(n for _, n in tm):
+        i = max(range(len(tm)), key=lambda i: (tm[i][1], i))
+        tm[i] = (tm[i][0], tm[i][1] - 1)
+        tm = [x for x in tm if x[1] > 0]
+    return tuple(tm)
 
 
 def tune(model: ModelSpec, inventory: Inventory, global_batch_size: int, *,
