@@ -3,12 +3,14 @@
 Unknown keys, missing fields and wrong types raise :class:`SchemaError` with the field path.
 A field is optional exactly when its dataclass field has a default. ``bool`` is never accepted
 for ``int``/``float`` and ``int`` is accepted for ``float`` (YAML writes ``2.0`` as ``2.0``, a
-hand-edit may write ``2``).
+hand-edit may write ``2``), as is exponent notation without a dot (``5e1``), which PyYAML reads
+as a string.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from pathlib import Path
@@ -19,6 +21,9 @@ import yaml
 from .errors import Described, SchemaError
 
 __all__ = ["from_data", "to_data", "read_yaml", "write_yaml"]
+
+_YAML12_FLOAT = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)")
+"""Exponent numbers without a dot, which YAML 1.2 reads as floats and PyYAML as strings."""
 
 
 def read_yaml(path: str | Path) -> Any:
@@ -131,6 +136,8 @@ def _convert(hint: Any, data: Any, source: str, path: str) -> Any:
     elif hint is float:
         if isinstance(data, (int, float)) and not isinstance(data, bool):
             return float(data)
+        if isinstance(data, str) and _YAML12_FLOAT.fullmatch(data):
+            return float(data)  # PyYAML (YAML 1.1) reads 5e1 and 1e-3 as strings; YAML 1.2 does not
     elif hint is str:
         if isinstance(data, str):
             return data

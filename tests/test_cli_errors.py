@@ -129,3 +129,16 @@ def test_patch_megatron_on_a_plain_directory(tmp_path, capsys):
     assert main(["patch-megatron", str(tmp_path)]) == 1
     assert "no pretrain_gpt.py (give the Megatron-LM checkout's root)" in _one_line_error(
         capsys, "patch-megatron")
+
+
+def test_exponent_without_a_dot_is_a_number(tmp_path, capsys):
+    # PyYAML reads `5e1` as the string '5e1' (YAML 1.1); it was refused as "expected a number".
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text("groups:\n  - {gpu: A100-SXM-80GB, nodes: 1, gpus_per_node: 8, "
+                   "intra_node_bandwidth_gb_s: 3e2}\n")
+    from megatron_hetero.hardware.inventory import load_inventory
+    assert load_inventory(inv).groups[0].intra_node_bandwidth_gb_s == 300.0
+    inv.write_text(inv.read_text().replace("3e2", "3x2"))
+    assert main(["validate", str(PLAN), "--inventory", str(inv)]) == 1
+    assert "intra_node_bandwidth_gb_s: found '3x2'; expected a number" in _one_line_error(
+        capsys, "validate")
