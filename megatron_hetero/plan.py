@@ -325,8 +325,14 @@ def check_plan_against_inventory(plan: Plan, inventory, *, source: str = "<plan>
             raise SchemaError(source, "pipelines", Described(f"{need} GPUs of type {gpu}"),
                               f"at most {have.get(gpu, 0)} (what {inventory.source} has; it has "
                               + ", ".join(f"{n}x {g}" for g, n in sorted(have.items())) + ")")
+        tp = plan.tensor_model_parallel_size
         widest = max(g.gpus_per_node for g in inventory.groups if g.gpu == gpu)
-        if plan.tensor_model_parallel_size > widest:
-            raise SchemaError(source, "tensor_model_parallel_size", plan.tensor_model_parallel_size,
+        if tp > widest:
+            raise SchemaError(source, "tensor_model_parallel_size", tp,
                               f"at most {widest}, the GPUs per node of type {gpu} in "
                               f"{inventory.source} (a tensor-parallel group stays inside a node)")
+        whole = tp * sum(g.nodes * (g.gpus_per_node // tp) for g in inventory.groups if g.gpu == gpu)
+        if need > whole:
+            raise SchemaError(source, "pipelines", Described(f"{need} GPUs of type {gpu}"),
+                              f"at most {whole}: {inventory.source} holds that many in whole "
+                              f"tensor-parallel groups of {tp} inside a node")

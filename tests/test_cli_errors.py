@@ -142,3 +142,27 @@ def test_exponent_without_a_dot_is_a_number(tmp_path, capsys):
     assert main(["validate", str(PLAN), "--inventory", str(inv)]) == 1
     assert "intra_node_bandwidth_gb_s: found '3x2'; expected a number" in _one_line_error(
         capsys, "validate")
+
+
+def test_validate_counts_gpus_in_whole_tensor_parallel_groups(tmp_path, capsys):
+    # 3 nodes of 3 GPUs hold three TP=2 groups (6 GPUs), not 9 GPUs' worth: `validate
+    # --inventory` used to accept an 8-GPU TP=2 plan that `simulate` and the runtime cannot place.
+    import yaml
+    model = {"name": "small", "num_layers": 4, "hidden_size": 256, "ffn_hidden_size": 688,
+             "num_attention_heads": 8, "num_query_groups": 8, "vocab_size": 1000,
+             "seq_length": 256}
+    stage = {"device_type": "A100-SXM-80GB", "num_layers": 4}
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(yaml.safe_dump({
+        "format_version": 1, "model": model, "global_batch_size": 4,
+        "tensor_model_parallel_size": 2,
+        "pipelines": [{"micro_batch_size": 1, "num_microbatches": 1, "stages": [stage]}] * 4}))
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text("groups:\n  - {gpu: A100-SXM-80GB, nodes: 3, gpus_per_node: 3}\n")
+    for command in ("validate", "simulate"):
+        assert main([command, str(plan), "--inventory", str(inv)]) == 1
+        err = _one_line_error(capsys, command)
+        assert "pipelines: found 8 GPUs of type A100-SXM-80GB; expected at most 6" in err
+        assert "whole tensor-parallel groups of 2" in err
+    inv.write_text("groups:\n  - {gpu: A100-SXM-80GB, nodes: 2, gpus_per_node: 4}\n")
+    assert main(["validate", str(plan), "--inventory", str(inv)]) == 0
