@@ -166,3 +166,16 @@ def test_validate_counts_gpus_in_whole_tensor_parallel_groups(tmp_path, capsys):
         assert "whole tensor-parallel groups of 2" in err
     inv.write_text("groups:\n  - {gpu: A100-SXM-80GB, nodes: 2, gpus_per_node: 4}\n")
     assert main(["validate", str(plan), "--inventory", str(inv)]) == 0
+
+
+@pytest.mark.parametrize("command", [
+    ["simulate", str(REPO / "examples/llama2/7b/plan.yaml"), "--inventory", str(INVENTORY)],
+    ["tune", str(INVENTORY), "--model", "llama2-7b", "--global-batch-size", "8", "-q",
+     "-o", "/dev/null"]])
+def test_timeline_of_a_type_matplotlib_cannot_write_is_refused_first(command, tmp_path, capsys):
+    # Used to end in matplotlib's ValueError traceback, after the search.
+    out = tmp_path / "timeline.txt"
+    assert main([*command, "--timeline", str(out)]) == 1
+    err = _one_line_error(capsys, command[0])
+    assert f"--timeline: '{out}'; expected a file name ending in one of" in err and ".png" in err
+    assert not out.exists()

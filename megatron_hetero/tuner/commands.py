@@ -81,6 +81,19 @@ def _sizes(text: str) -> tuple[int, ...]:
     return values
 
 
+def _check_timeline(path: str | None) -> None:
+    """Refuse, before any work, a --timeline file type matplotlib cannot write."""
+    if not path:
+        return
+    from pathlib import Path
+
+    from matplotlib.backend_bases import FigureCanvasBase
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    if Path(path).suffix.lstrip(".").lower() not in kinds:
+        raise HeteroError(f"--timeline: {path!r}; expected a file name ending in one of "
+                          + ", ".join(f".{k}" for k in sorted(kinds)) + " (e.g. timeline.png)")
+
+
 def tune_main(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -91,6 +104,7 @@ def tune_main(args: argparse.Namespace) -> int:
         raise HeteroError(f"--global-batch-size: {args.global_batch_size}; expected a positive integer")
     if args.seq_length is not None and args.seq_length < 1:
         raise HeteroError(f"--seq-length: {args.seq_length}; expected a positive integer")
+    _check_timeline(args.timeline)
     inventory = load_inventory(args.inventory)
     model = load_model(args.model, seq_length=args.seq_length)
     options = TuneOptions(micro_batch_sizes=_sizes(args.micro_batch_sizes),
@@ -142,6 +156,7 @@ def simulate_main(args: argparse.Namespace) -> int:
     from ..simulate import simulate
     from .report import plan_table, summary_lines
 
+    _check_timeline(args.timeline)
     inventory = load_inventory(args.inventory)
     plan = load_plan(args.plan, catalog=inventory.catalog)
     check_plan_against_inventory(plan, inventory, source=args.plan)
