@@ -35,6 +35,8 @@ def _add_args(sub) -> None:
                                    "shell-ready line ending in --hetero-plan PLAN.")
     p.add_argument("plan", metavar="PLAN", help="plan.yaml")
     p.add_argument("--one-per-line", action="store_true", help="print one argument per line")
+    p.add_argument("--inventory", metavar="INV",
+                   help="inventory.yaml whose `gpus:` entries the plan's device types name")
     p.set_defaults(handler="megatron_hetero.commands:args_main")
 
 

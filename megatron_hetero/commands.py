@@ -25,7 +25,8 @@ def validate_main(args: argparse.Namespace) -> int:
 
 
 def args_main(args: argparse.Namespace) -> int:
-    plan = load_plan(args.plan)
+    inventory = load_inventory(args.inventory) if args.inventory else None
+    plan = load_plan(args.plan, catalog=inventory.catalog if inventory else None)
     if args.one_per_line:
         print("\n".join(megatron_args(plan, args.plan)))
     else:

@@ -29,7 +29,7 @@ plan=$outdir/plan.yaml
 "$PY" -m megatron_hetero.cli tune "$inventory" -o "$plan" --report "$outdir/report.json" "$@" \
     || die "megatron-hetero tune failed"
 "$PY" -m megatron_hetero.cli validate "$plan" --inventory "$inventory" || die "the tuned plan does not fit $inventory"
-"$PY" -m megatron_hetero.cli args "$plan" >"$outdir/megatron_args.txt" || die "megatron-hetero args failed"
+"$PY" -m megatron_hetero.cli args "$plan" --inventory "$inventory" >"$outdir/megatron_args.txt" || die "megatron-hetero args failed"
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 cat <<EOF

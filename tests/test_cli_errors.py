@@ -179,3 +179,21 @@ def test_timeline_of_a_type_matplotlib_cannot_write_is_refused_first(command, tm
     err = _one_line_error(capsys, command[0])
     assert f"--timeline: '{out}'; expected a file name ending in one of" in err and ".png" in err
     assert not out.exists()
+
+
+def test_args_of_a_plan_on_an_inventory_defined_gpu(tmp_path, capsys):
+    # A plan tuned for a GPU added under the inventory's `gpus:` key (as the README shows) could
+    # not be turned into Megatron arguments: `args` had no --inventory and refused the type.
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text(
+        "gpus:\n  MyNPU-32GB: {vendor: Acme, bf16_tflops: 200, bf16: true, fp32_tflops: 50, "
+        "memory_gb: 32, memory_bandwidth_gb_s: 1000, intra_node_link: PCIe5, "
+        "intra_node_bandwidth_gb_s: 64, efficiency: 0.4}\n"
+        "groups:\n  - {gpu: MyNPU-32GB, nodes: 1, gpus_per_node: 8}\n")
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN.read_text().replace("A100-SXM-80GB", "MyNPU-32GB")
+                    .replace("V100-SXM2-32GB", "MyNPU-32GB"))
+    assert main(["args", str(plan)]) == 1
+    assert "found 'MyNPU-32GB'; expected a GPU in the catalog" in _one_line_error(capsys, "args")
+    assert main(["args", str(plan), "--inventory", str(inv)]) == 0
+    assert capsys.readouterr().out.rstrip().endswith(f"--hetero-plan {plan}")
