@@ -439,7 +439,8 @@ class _Search:
         else:
             norm = []
             for rows in tables:
-                layer = [tb.t_none[2] - tb.t_none[1] for tb in rows]
+                j = min(2, L)  # the tables are linear in the layers; a 1-layer model has two rows
+                layer = [tb.t_none[j] - tb.t_none[j - 1] for tb in rows]
                 norm.append(1.0 / sum(1.0 / x for x in layer))
             costs = np.max(np.stack([np.stack([tb.t_fit if offload else tb.t_rec for tb in rows]) / w
                                      for rows, w in zip(tables, norm)]), axis=0)

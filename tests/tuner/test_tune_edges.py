@@ -1,6 +1,6 @@
-"""Plans `tune` emits are plans the runtime accepts (tier 1): an uneven plan needs a global
-batch size divisible by its data-parallel size (Megatron's own step accounting, see
-:func:`megatron_hetero.runtime.plan_args.virtual_micro_batch_size`)."""
+"""Edges of `tune` (tier 1): its plans are plans the runtime accepts (an uneven plan needs a
+global batch size divisible by its data-parallel size: Megatron's own step accounting, see
+:func:`megatron_hetero.runtime.plan_args.virtual_micro_batch_size`); tiny models."""
 
 from __future__ import annotations
 
@@ -43,3 +43,15 @@ def test_any_small_pool_gets_a_plan_the_runtime_accepts(a, b, gbs):
     if b:
         groups.append({"gpu": "V100-SXM2-32GB", "nodes": 1, "gpus_per_node": b})
     _runtime_accepts(tune(SMALL, inventory_from_data({"groups": groups}), gbs).plan)
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_models_of_one_or_two_layers(layers):
+    # A 1-layer model crashed the search (IndexError in the per-layer time of its table).
+    tiny = ModelSpec(name="tiny", num_layers=layers, hidden_size=64, ffn_hidden_size=128,
+                     num_attention_heads=2, num_query_groups=1, vocab_size=100, seq_length=16)
+    inv = inventory_from_data({"groups": [{"gpu": "A100-SXM-80GB", "nodes": 1, "gpus_per_node": 2},
+                                          {"gpu": "V100-SXM2-32GB", "nodes": 1, "gpus_per_node": 2}]})
+    plan = tune(tiny, inv, 4).plan
+    assert sum(plan.layer_split) == layers and plan.pipeline_model_parallel_size <= layers
+    _runtime_accepts(plan)
