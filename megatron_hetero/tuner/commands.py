@@ -127,7 +127,8 @@ def tune_main(args: argparse.Namespace) -> int:
         simulate(result.plan, cost).timeline_png(args.timeline)
     console = Console(soft_wrap=True)  # summary lines stay whole in logs and pipes
     if not args.quiet:
-        console.print(plan_table(result.plan, result.sim, f"{model.name} on {_short(args.inventory)}"))
+        console.print(plan_table(result.plan, result.sim, f"{model.name} on {_short(args.inventory)}"),
+                      soft_wrap=False)
     console.print(summary_lines(result.plan, result.sim, "tuned   "), highlight=False)
     for line in sources.summary_lines(used_types):
         console.print(f"figures: {line}", highlight=False, soft_wrap=True)
@@ -165,7 +166,8 @@ def simulate_main(args: argparse.Namespace) -> int:
                      precision=plan.precision, use_distributed_optimizer=plan.use_distributed_optimizer)
     sim = simulate(plan, cost, record_events=bool(args.timeline))
     console = Console(soft_wrap=True)
-    console.print(plan_table(plan, sim, f"{_short(args.plan)} on {_short(args.inventory)}"))
+    console.print(plan_table(plan, sim, f"{_short(args.plan)} on {_short(args.inventory)}"),
+                  soft_wrap=False)
     console.print(summary_lines(plan, sim, "predicted"), highlight=False)
     for line in _figure_sources(plan, inventory, profiles).summary_lines(sorted(plan.device_counts())):
         console.print(f"figures: {line}", highlight=False, soft_wrap=True)
