@@ -6,6 +6,7 @@ import argparse
 
 from .hardware.inventory import load_inventory
 from .megatron_args import megatron_args, megatron_args_line
+from .errors import SchemaError
 from .plan import check_plan_against_inventory, load_plan
 
 __all__ = ["validate_main", "args_main"]
@@ -16,6 +17,13 @@ def validate_main(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan, catalog=inventory.catalog if inventory else None)
     if inventory is not None:
         check_plan_against_inventory(plan, inventory, source=args.plan)
+    dp = plan.data_parallel_size
+    if not plan.uniform_data_parallel and plan.global_batch_size % dp:
+        # What the runtime refuses at start (runtime.plan_args.virtual_micro_batch_size).
+        raise SchemaError(args.plan, "global_batch_size", plan.global_batch_size,
+                          f"a multiple of the number of pipelines ({dp}) when their micro-batches "
+                          "differ (Megatron's step accounting, micro-batch size x DP x "
+                          "micro-batches, must equal it at run time)")
     counts = ", ".join(f"{n}x {gpu}" for gpu, n in sorted(plan.device_counts().items()))
     print(f"{args.plan}: valid plan for {plan.model.name}: TP={plan.tensor_model_parallel_size} "
           f"PP={plan.pipeline_model_parallel_size} DP={plan.data_parallel_size} "

@@ -197,3 +197,32 @@ def test_args_of_a_plan_on_an_inventory_defined_gpu(tmp_path, capsys):
     assert "found 'MyNPU-32GB'; expected a GPU in the catalog" in _one_line_error(capsys, "args")
     assert main(["args", str(plan), "--inventory", str(inv)]) == 0
     assert capsys.readouterr().out.rstrip().endswith(f"--hetero-plan {plan}")
+
+
+def test_validate_refuses_what_the_runtime_refuses_at_start(tmp_path, capsys):
+    # Uneven micro-batches 43:43:42 over 3 pipelines (global batch 128): a valid plan file, but
+    # the runtime stops every rank at start (Megatron counts micro-batch size x DP x
+    # micro-batches per step); `validate` said "valid plan".
+    import yaml
+
+    from megatron_hetero.plan import load_plan
+    from megatron_hetero.runtime.plan_args import ArgumentConflict, virtual_micro_batch_size
+    model = {"name": "small", "num_layers": 4, "hidden_size": 256, "ffn_hidden_size": 688,
+             "num_attention_heads": 8, "num_query_groups": 8, "vocab_size": 1000,
+             "seq_length": 256}
+    stage = {"device_type": "A100-SXM-80GB", "num_layers": 4}
+    plan = tmp_path / "plan.yaml"
+    data = {"format_version": 1, "model": model, "global_batch_size": 128,
+            "tensor_model_parallel_size": 1,
+            "pipelines": [{"micro_batch_size": 1, "num_microbatches": n, "stages": [stage]}
+                          for n in (43, 43, 42)]}
+    plan.write_text(yaml.safe_dump(data))
+    with pytest.raises(ArgumentConflict):
+        virtual_micro_batch_size(load_plan(plan))
+    assert main(["validate", str(plan)]) == 1
+    assert ("global_batch_size: found 128; expected a multiple of the number of pipelines (3)"
+            in _one_line_error(capsys, "validate"))
+    data["global_batch_size"] = 129
+    data["pipelines"][2]["num_microbatches"] = 43
+    plan.write_text(yaml.safe_dump(data))  # uniform 43:43:43 runs at any global batch
+    assert main(["validate", str(plan)]) == 0
