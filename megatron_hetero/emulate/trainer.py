@@ -2,7 +2,7 @@
 
 It is the execution engine of the equivalence tests, of ``rehearse``, of the runtime hooks'
 multi-process tests and of the profiler. Each process plays one Megatron rank of a
-:class:`~megatron_hetero.plan.Plan` (usually shrunk with :func:`shrink_model`).
+:class:`~megatron_hetero.plan.Plan` (usually shrunk with :func:`with_tiny_model`).
 
 Public API
 ----------
@@ -32,7 +32,7 @@ Public API
 ``reference_plan(plan) -> Plan``
     The same model and global batch on one process: one stage, one pipeline. Comparing
     ``train_plan(plan)`` with ``train_plan(reference_plan(plan))`` is the equivalence check.
-``shrink_model(plan, ...) -> Plan``
+``with_tiny_model(plan, ...) -> Plan`` (explicit tiny sizes; the rehearsal's ``shrink_model`` keeps the model's ratios)
     The plan with a model narrow enough for CPUs: same layer count and split, same pipelines.
 ``compare_results(a, b, rtol, atol) -> str | None``
     The first step or tensor where two results diverge, or None.
@@ -68,7 +68,7 @@ from typing import Any, Callable, ContextManager, Literal
 from ..plan import ModelSpec, Pipeline, Plan, Stage
 
 __all__ = ["TrainConfig", "RankHooks", "RankResult", "TrainResult", "train_rank", "train_plan",
-           "reference_plan", "shrink_model", "compare_results", "sample_tokens"]
+           "reference_plan", "with_tiny_model", "compare_results", "sample_tokens"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -176,7 +176,7 @@ def reference_plan(plan: Plan) -> Plan:
                             stages=[stage])])
 
 
-def shrink_model(plan: Plan, *, hidden_size: int = 64, num_attention_heads: int = 4,
+def with_tiny_model(plan: Plan, *, hidden_size: int = 64, num_attention_heads: int = 4,
                  ffn_hidden_size: int | None = None, vocab_size: int = 128,
                  seq_length: int = 16) -> Plan:
     """The plan with a small model: same layer count and split, same pipelines and batch."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_hetero.emulate.trainer import TrainConfig, reference_plan, sample_tokens, shrink_model
+from megatron_hetero.emulate.trainer import TrainConfig, reference_plan, sample_tokens, with_tiny_model
 from megatron_hetero.plan import load_plan
 
 from ..conftest import EXAMPLE_PLANS
@@ -15,7 +15,7 @@ from .conftest import tiny_plan
 def test_shrink_keeps_split_pipelines_and_ranks(path):
     plan = load_plan(path)
     heads = 4 * plan.tensor_model_parallel_size
-    small = shrink_model(plan, hidden_size=64, num_attention_heads=heads)
+    small = with_tiny_model(plan, hidden_size=64, num_attention_heads=heads)
     assert small.layer_split == plan.layer_split
     assert small.world_size == plan.world_size
     assert [(p.micro_batch_size, p.num_microbatches) for p in small.pipelines] == [
