@@ -13,7 +13,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_hetero", "megatron_hetero.*"]),
-    package_data={"megatron_hetero": ["hardware/*.yaml", "patches/*.patch"]},
+    package_data={"megatron_hetero": ["hardware/*.yaml"]},
     install_requires=[
         "megatron-core>=0.16",
         "torch>=2.4",
