@@ -56,6 +56,11 @@ class ModelSpec:
         if self.hidden_size % self.num_attention_heads:
             raise SchemaError("", "hidden_size", self.hidden_size,
                               f"a multiple of num_attention_heads ({self.num_attention_heads})")
+        head_dim = self.hidden_size // self.num_attention_heads
+        if self.position_embedding_type == "rope" and head_dim % 2:
+            raise SchemaError("", "hidden_size", self.hidden_size,
+                              f"an even size per attention head for rope (hidden_size / "
+                              f"num_attention_heads = {head_dim})")
         if self.num_attention_heads % self.num_query_groups:
             raise SchemaError("", "num_query_groups", self.num_query_groups,
                               f"a divisor of num_attention_heads ({self.num_attention_heads})")

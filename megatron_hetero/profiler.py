@@ -172,9 +172,12 @@ def _cuda_rank(rank: int, world: int, request: ProfileRequest, init: str, result
 
 
 def _pick_device(device: str) -> str:
+    import torch
+    if device == "cuda" and not torch.cuda.is_available():
+        raise HeteroError("--device cuda: this machine has no usable CUDA GPU; expected --device "
+                          "cpu or auto")
     if device != "auto":
         return device
-    import torch
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -687,8 +690,14 @@ def resolve_model(name: str, *, seq_length: int | None = None,
 def profile_main(args) -> int:
     """Handler of ``megatron-hetero profile``."""
     model = resolve_model(args.model, seq_length=args.seq_length, hidden_size=args.hidden_size)
-    if args.vocab_size:
+    if args.vocab_size is not None:
+        if args.vocab_size < 1:
+            raise HeteroError(f"--vocab-size {args.vocab_size}: expected a positive integer")
         model = dataclasses.replace(model, vocab_size=args.vocab_size)
+    if args.output is not None and not Path(args.output).resolve().parent.is_dir():
+        raise HeteroError(f"-o {args.output}: the directory {Path(args.output).parent} does not "
+                          "exist; expected a path in an existing directory")
+    _pick_device(args.device)  # refuse --device cuda without CUDA before starting any rank
     request = ProfileRequest(
         model=model,
         micro_batch_sizes=_int_list(args.micro_batch_sizes, "--micro-batch-sizes"),

@@ -226,3 +226,29 @@ def test_validate_refuses_what_the_runtime_refuses_at_start(tmp_path, capsys):
     data["pipelines"][2]["num_microbatches"] = 43
     plan.write_text(yaml.safe_dump(data))  # uniform 43:43:43 runs at any global batch
     assert main(["validate", str(plan)]) == 0
+
+
+@pytest.mark.parametrize("extra,phrase", [
+    (["--hidden-size", "63"], "--hidden-size 63: no head count divides it into even head sizes"),
+    (["--hidden-size", "64", "--vocab-size", "0"], "--vocab-size 0: expected a positive integer"),
+    (["--hidden-size", "64", "-o", "/nonexistent-dir/p.yaml"], "the directory /nonexistent-dir does not exist"),
+])
+def test_profile_refuses_bad_options_before_measuring(extra, phrase, capsys):
+    argv = ["profile", "--model", "llama2-7b", "--seq-length", "32", *extra]
+    if "-o" not in extra:
+        argv += ["-o", "/tmp/never-written.yaml"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert phrase in err and "Traceback" not in err
+
+
+def test_rope_needs_an_even_head_size():
+    from megatron_hetero.errors import SchemaError
+    from megatron_hetero.plan import ModelSpec
+    with pytest.raises(SchemaError, match="even size per attention head"):
+        ModelSpec(name="m", num_layers=2, hidden_size=36, ffn_hidden_size=64, num_attention_heads=4,
+                  num_query_groups=4, vocab_size=100, seq_length=16)
+    # learned absolute positions have no such need
+    ModelSpec(name="m", num_layers=2, hidden_size=36, ffn_hidden_size=64, num_attention_heads=4,
+              num_query_groups=4, vocab_size=100, seq_length=16,
+              position_embedding_type="learned_absolute")

@@ -97,14 +97,15 @@ def shrink_model(m: ModelSpec, hidden_size: int, tp: int = 1) -> ModelSpec:
     gqa = m.num_attention_heads // m.num_query_groups
     heads = groups = None
     for n in range(min(m.num_attention_heads, max(h // 8, 1)), 0, -1):
-        if h % n or n % tp:
+        if h % n or n % tp or (h // n) % 2:  # rope needs an even size per head
             continue
         g = n // gqa if n % gqa == 0 and (n // gqa) % tp == 0 else n
         heads, groups = n, g
         break
     if heads is None:
-        raise HeteroError(f"--hidden-size {h}: no head count divides it and the "
-                          f"tensor-parallel size {tp}; use a multiple of {8 * tp}")
+        raise HeteroError(f"--hidden-size {h}: no head count divides it into even head sizes "
+                          f"and is divisible by the tensor-parallel size {tp}; use a multiple of "
+                          f"{8 * tp}")
     return dataclasses.replace(
         m, name=f"{m.name}-shrunk-h{h}", hidden_size=h, num_attention_heads=heads,
         num_query_groups=groups, ffn_hidden_size=_round_to(m.ffn_hidden_size * r, 8 * tp),
