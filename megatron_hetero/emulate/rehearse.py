@@ -224,14 +224,7 @@ def _calibrate_rank(rank: int, world_size: int, shrunk: Plan, reps: int, seed: i
     big = _ping_pong(rank, large, 7)
     out.p2p_latency_s = lat
     out.bandwidth_gb_s = large / max(big - lat, 1e-7) / 1e9
-    grads = torch.zeros(large // 4)
-    times = []
-    for _ in range(6):
-        dist.barrier()
-        t0 = time.perf_counter()
-        dist.all_reduce(grads)
-        times.append(time.perf_counter() - t0)
-    out.allreduce_gb_s = large / min(times[1:]) / 1e9
+    out.allreduce_gb_s = large / _all_reduce_seconds(torch.zeros(large // 4), 6) / 1e9
     dist.barrier()
     dist.destroy_process_group()
     if rank != 0:
@@ -530,8 +523,6 @@ def _world_allreduce_gb_s(plan: Plan) -> float:
     """Bus bandwidth (``2 (n-1)/n x bytes / s``) of an all-reduce of one stage's gradients over
     every rank of the rehearsal: what gradient sync sees with this many processes on this
     machine. Runs on every rank before training (a collective of the whole world)."""
-    import time
-
     import torch
     import torch.distributed as dist
 
@@ -543,13 +534,22 @@ def _world_allreduce_gb_s(plan: Plan) -> float:
     params = max(M.layer_params(plan.model) * max(plan.layer_split)
                  + M.embedding_params(plan.model), 1 << 16)
     buf = torch.zeros(int(params))
+    return 2 * (n - 1) / n * buf.numel() * 4 / _all_reduce_seconds(buf, 4) / 1e9
+
+
+def _all_reduce_seconds(buf, tries: int) -> float:
+    """Fastest of ``tries - 1`` timed all-reduces of ``buf`` over the world (the first warms up)."""
+    import time
+
+    import torch.distributed as dist
+
     times = []
-    for _ in range(4):
+    for _ in range(tries):
         dist.barrier()
         t0 = time.perf_counter()
         dist.all_reduce(buf)
         times.append(time.perf_counter() - t0)
-    return 2 * (n - 1) / n * buf.numel() * 4 / min(times[1:]) / 1e9
+    return min(times[1:])
 
 
 def _renice(nice: int) -> None:
