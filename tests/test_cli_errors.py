@@ -252,3 +252,23 @@ def test_rope_needs_an_even_head_size():
     ModelSpec(name="m", num_layers=2, hidden_size=36, ffn_hidden_size=64, num_attention_heads=4,
               num_query_groups=4, vocab_size=100, seq_length=16,
               position_embedding_type="learned_absolute")
+
+
+@pytest.mark.parametrize("sizes, phrase", [
+    ("two", "--tensor-parallel-sizes: 'two'; expected positive integers"),
+    ("0,2", "--tensor-parallel-sizes: '0,2'; expected positive integers"),
+    ("3,5", "tensor-parallel sizes [3, 5]: none divides llama2-7b's 32 attention heads"),
+])
+def test_tune_refuses_tensor_parallel_sizes_it_cannot_use(sizes, phrase, tmp_path, capsys):
+    assert main(["tune", str(INVENTORY), "--model", "llama2-7b", "--global-batch-size", "128",
+                 "--tensor-parallel-sizes", sizes, "-q", "-o", str(tmp_path / "p.yaml")]) == 1
+    assert phrase in _one_line_error(capsys, "tune")
+    assert not (tmp_path / "p.yaml").exists()
+
+
+def test_tune_keeps_to_the_tensor_parallel_sizes_asked_for(tmp_path):
+    import yaml
+    out = tmp_path / "p.yaml"
+    assert main(["tune", str(INVENTORY), "--model", "llama2-7b", "--global-batch-size", "128",
+                 "--tensor-parallel-sizes", "1", "-q", "-o", str(out)]) == 0
+    assert yaml.safe_load(out.read_text())["tensor_model_parallel_size"] == 1

@@ -29,6 +29,9 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
                    help="measured profile.yaml of a device type (repeatable)")
     p.add_argument("--micro-batch-sizes", default="1,2,4,8", metavar="LIST",
                    help="micro-batch sizes to try (default 1,2,4,8)")
+    p.add_argument("--tensor-parallel-sizes", metavar="LIST",
+                   help="tensor-parallel sizes to try (default: every size that divides the "
+                        "attention heads and query groups and fits in a node)")
     p.add_argument("--no-optimizer-offload", action="store_true",
                    help="fit memory with recompute only (optimizer offload needs megatron-core's "
                         "CPU-offload optimizer and --use-precision-aware-optimizer)")
@@ -71,13 +74,13 @@ def _short(path: str) -> str:
     return "/".join(Path(path).parts[-2:])
 
 
-def _sizes(text: str) -> tuple[int, ...]:
+def _sizes(text: str, flag: str = "--micro-batch-sizes") -> tuple[int, ...]:
     try:
         values = tuple(sorted({int(v) for v in text.split(",") if v.strip()}))
     except ValueError:
         values = ()
     if not values or min(values) < 1:
-        raise HeteroError(f"--micro-batch-sizes: {text!r}; expected positive integers such as 1,2,4")
+        raise HeteroError(f"{flag}: {text!r}; expected positive integers such as 1,2,4")
     return values
 
 
@@ -107,7 +110,10 @@ def tune_main(args: argparse.Namespace) -> int:
     _check_timeline(args.timeline)
     inventory = load_inventory(args.inventory)
     model = load_model(args.model, seq_length=args.seq_length)
+    tp_sizes = (None if args.tensor_parallel_sizes is None
+                else _sizes(args.tensor_parallel_sizes, "--tensor-parallel-sizes"))
     options = TuneOptions(micro_batch_sizes=_sizes(args.micro_batch_sizes),
+                          tensor_parallel_sizes=tp_sizes,
                           optimizer_offload=not args.no_optimizer_offload,
                           progress=not args.quiet and sys.stderr.isatty())
     profiles = _profiles(args.profile, inventory)

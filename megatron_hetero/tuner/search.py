@@ -57,6 +57,8 @@ class TuneOptions:
 
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     """Micro-batch sizes tried (those dividing the global batch)."""
+    tensor_parallel_sizes: tuple[int, ...] | None = None
+    """Tensor-parallel sizes tried (None: every size that divides the heads and fits a node)."""
     max_pipeline_stages: int = 64
     optimizer_offload: bool = True
     """Let stages offload optimizer state to the host where memory is short (else recompute only)."""
@@ -214,8 +216,10 @@ class _Search:
     def tp_sizes(self) -> list[int]:
         m = self.model
         widest = max(g.gpus_per_node for g in self.inv.groups)
+        allowed = self.opt.tensor_parallel_sizes
         return [t for t in range(1, widest + 1)
-                if m.num_attention_heads % t == 0 and m.num_query_groups % t == 0]
+                if m.num_attention_heads % t == 0 and m.num_query_groups % t == 0
+                and (allowed is None or t in allowed)]
 
     def subsets(self, types: list[str]) -> list[tuple[str, ...]]:
         """Subsets of device types to build pipelines from, in ``types`` order: all of them for
@@ -610,6 +614,12 @@ def tune(model: ModelSpec, inventory: Inventory, global_batch_size: int, *,
     options = options or TuneOptions()
     t0, c0 = time.perf_counter(), time.process_time()
     search = _Search(model, inventory, global_batch_size, profiles, options)
+    if not search.tp_sizes():
+        m = model
+        raise InfeasibleError(
+            f"tensor-parallel sizes {list(options.tensor_parallel_sizes or ())}: none divides "
+            f"{m.name}'s {m.num_attention_heads} attention heads and {m.num_query_groups} query "
+            f"groups and fits in a node of {inventory.source}")
     structures = search.structures()
     if not structures:
         raise InfeasibleError(
