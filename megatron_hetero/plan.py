@@ -119,10 +119,20 @@ class Stage:
     num_layers: int
     recompute: Recompute = field(default_factory=Recompute)
     offload: Offload = field(default_factory=Offload)
+    chunk_layers: list[int] | None = None
+    """With interleaved pipelining (``Plan.virtual_pipeline_size`` = v > 1): the layers of each
+    of this stage's v model chunks, in chunk order; they add up to ``num_layers``."""
 
     def __post_init__(self) -> None:
         if self.num_layers < 0:
             raise SchemaError("", "num_layers", self.num_layers, "a non-negative integer")
+        if self.chunk_layers is not None:
+            if not self.chunk_layers or min(self.chunk_layers) < 0:
+                raise SchemaError("", "chunk_layers", self.chunk_layers,
+                                  "a list of non-negative layer counts, one per model chunk")
+            if sum(self.chunk_layers) != self.num_layers:
+                raise SchemaError("", "chunk_layers", self.chunk_layers,
+                                  f"counts adding up to num_layers ({self.num_layers})")
         if self.recompute.num_layers is not None and self.recompute.num_layers > max(self.num_layers, 1):
             raise SchemaError("", "recompute.num_layers", self.recompute.num_layers,
                               f"at most the stage's num_layers ({self.num_layers})")
@@ -173,6 +183,10 @@ class Plan:
     """Shard optimizer state over data parallelism (``--use-distributed-optimizer``)."""
     sequence_parallel: bool = False
     """Megatron's ``--sequence-parallel`` (only meaningful with tensor parallelism)."""
+    virtual_pipeline_size: int = 1
+    """Model chunks per pipeline stage (Megatron's interleaved 1F1B schedule when > 1). Every
+    stage then lists ``chunk_layers``; the model runs chunk 0 of stages 0..p-1, then chunk 1 of
+    stages 0..p-1, and so on."""
     prediction: dict[str, float] | None = None
     """Figures the tuner predicted for this plan (informational; never read back as input)."""
 
@@ -214,13 +228,64 @@ class Plan:
         if self.sequence_parallel and tp == 1:
             raise SchemaError("", "sequence_parallel", True,
                               "false when tensor_model_parallel_size is 1")
+        self._check_chunks()
         samples = sum(p.samples for p in self.pipelines)
         if samples != self.global_batch_size:
             raise SchemaError("", "global_batch_size", self.global_batch_size,
                               f"the sum over pipelines of micro_batch_size x num_microbatches "
                               f"({samples})")
 
+    def _check_chunks(self) -> None:
+        v, first = self.virtual_pipeline_size, self.pipelines[0].stages
+        p = len(first)
+        if v < 1:
+            raise SchemaError("", "virtual_pipeline_size", v, "a positive integer")
+        if v == 1:
+            for d, pipe in enumerate(self.pipelines):
+                for s, stage in enumerate(pipe.stages):
+                    if stage.chunk_layers is not None and len(stage.chunk_layers) != 1:
+                        raise SchemaError("", f"pipelines[{d}].stages[{s}].chunk_layers",
+                                          stage.chunk_layers, "absent (virtual_pipeline_size is 1)")
+            return
+        if p == 1:
+            raise SchemaError("", "virtual_pipeline_size", v,
+                              "1 when there is a single pipeline stage (interleaving needs "
+                              "pipeline parallelism)")
+        for d, pipe in enumerate(self.pipelines):
+            for s, stage in enumerate(pipe.stages):
+                path = f"pipelines[{d}].stages[{s}].chunk_layers"
+                if stage.chunk_layers is None or len(stage.chunk_layers) != v:
+                    raise SchemaError("", path, stage.chunk_layers,
+                                      f"a list of {v} layer counts (virtual_pipeline_size is {v})")
+                if stage.chunk_layers != first[s].chunk_layers:
+                    raise SchemaError("", path, stage.chunk_layers,
+                                      f"{first[s].chunk_layers}, as in pipelines[0] (a stage index "
+                                      "has the same chunks in every pipeline)")
+            # Megatron's interleaved schedule runs micro-batches in groups of p
+            # (microbatch_group_size_per_vp_stage defaults to the pipeline size)
+            if pipe.num_microbatches % p:
+                raise SchemaError("", f"pipelines[{d}].num_microbatches", pipe.num_microbatches,
+                                  f"a multiple of the {p} pipeline stages (the interleaved "
+                                  "schedule runs micro-batches in groups of the pipeline size)")
+        chunks = self.virtual_stage_layers
+        for i, n in enumerate(chunks):
+            if n == 0 and 0 < i < len(chunks) - 1:
+                c, s = divmod(i, p)
+                raise SchemaError("", f"pipelines[0].stages[{s}].chunk_layers[{c}]", 0,
+                                  "at least 1 layer (only the first chunk of the first stage and "
+                                  "the last chunk of the last stage may hold just the embedding "
+                                  "or the loss)")
+
     # -- shape -----------------------------------------------------------------------------------
+    @property
+    def virtual_stage_layers(self) -> list[int]:
+        """Layers per virtual pipeline stage in model order (chunk-major: chunk 0 of every stage,
+        then chunk 1, ...); the stage totals when ``virtual_pipeline_size`` is 1."""
+        stages = self.pipelines[0].stages
+        if self.virtual_pipeline_size == 1:
+            return [s.num_layers for s in stages]
+        return [s.chunk_layers[c] for c in range(self.virtual_pipeline_size) for s in stages]
+
     @property
     def pipeline_model_parallel_size(self) -> int:
         return len(self.pipelines[0].stages)
@@ -280,10 +345,12 @@ class Plan:
         return counts
 
     def layout(self) -> str:
-        """Megatron's ``pipeline_model_parallel_layout`` string for this plan's split."""
+        """Megatron's ``pipeline_model_parallel_layout`` string for this plan's split: one segment
+        per virtual pipeline stage, in model order."""
         parts = []
-        last = self.pipeline_model_parallel_size - 1
-        for s, n in enumerate(self.layer_split):
+        split = self.virtual_stage_layers
+        last = len(split) - 1
+        for s, n in enumerate(split):
             body = "" if n == 0 else ("t" if n == 1 else f"t*{n}")
             parts.append(("E" if s == 0 else "") + body + ("L" if s == last else ""))
         return "|".join(parts)

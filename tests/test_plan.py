@@ -234,3 +234,53 @@ def test_written_plans_load_back_equal(plan, tmp_path):
     assert again == plan
     assert again.world_size == plan.tensor_model_parallel_size * len(plan.layer_split) * len(plan.pipelines)
     assert sum(plan.device_counts().values()) == plan.world_size
+
+
+def _interleaved(chunks0, chunks1, v=2):
+    data = copy.deepcopy(BASE)
+    data["virtual_pipeline_size"] = v
+    for pipe in data["pipelines"]:
+        for stage, chunks in zip(pipe["stages"], (chunks0, chunks1)):
+            stage["chunk_layers"] = list(chunks)
+            stage["num_layers"] = sum(chunks)
+    return data
+
+
+def test_interleaved_plan_lays_out_chunks_in_model_order(tmp_path):
+    plan = plan_from_data(_interleaved([6, 8], [10, 8]))
+    assert plan.layer_split == [14, 18]
+    assert plan.virtual_stage_layers == [6, 10, 8, 8]  # chunk 0 of stages 0, 1; then chunk 1
+    assert plan.layout() == "Et*6|t*10|t*8|t*8L"
+    save_plan(plan, tmp_path / "p.yaml")
+    assert load_plan(tmp_path / "p.yaml") == plan
+
+
+@pytest.mark.parametrize("data, field_path, phrase", [
+    (_interleaved([6, 8], [10, 8], v=3), r"stages\[0\]\.chunk_layers", "a list of 3 layer counts"),
+    (_mutate("pipelines[0].stages[0].chunk_layers", [7, 7]), r"stages\[0\]\.chunk_layers",
+     "absent \\(virtual_pipeline_size is 1\\)"),
+    (dict(_interleaved([6, 8], [10, 8]), virtual_pipeline_size=0), "virtual_pipeline_size",
+     "a positive integer"),
+    (_interleaved([14, 0], [10, 8]), r"pipelines\[0\]\.stages\[0\]\.chunk_layers\[1\]",
+     "at least 1 layer"),
+])
+def test_bad_interleaving_names_the_field(data, field_path, phrase):
+    with pytest.raises(SchemaError, match=field_path + ".*" + phrase):
+        plan_from_data(data)
+
+
+def test_interleaving_needs_micro_batches_in_groups_of_the_pipeline_size():
+    data = _interleaved([6, 8], [10, 8])
+    data["pipelines"][0]["num_microbatches"] = 69
+    data["pipelines"][1]["num_microbatches"] = 59
+    with pytest.raises(SchemaError, match=r"pipelines\[0\]\.num_microbatches: found 69; expected a "
+                                          r"multiple of the 2 pipeline stages"):
+        plan_from_data(data)
+
+
+def test_chunks_must_agree_across_pipelines():
+    data = _interleaved([6, 8], [10, 8])
+    data["pipelines"][1]["stages"][0]["chunk_layers"] = [8, 6]
+    with pytest.raises(SchemaError, match=r"pipelines\[1\]\.stages\[0\]\.chunk_layers: found \[8, 6\]; "
+                                          r"expected \[6, 8\], as in pipelines\[0\]"):
+        plan_from_data(data)
