@@ -22,7 +22,10 @@ Public API
     asserts the latter is empty, so a megatron-core upgrade that adds a CUDA path fails it.
 
 What it makes work (megatron-core 0.16.x and 0.17.x, torch 2.13 CPU): ``GPTModel`` on the local
-spec, the non-interleaved 1F1B and forward-only schedules, p2p, ``DistributedDataParallel``
+spec, the 1F1B, interleaved 1F1B (virtual pipeline stages; its CUDA uses are the device-literal
+token counter and the p2p receive buffers, both under the device mode, so it needs no row of its
+own) and forward-only schedules, p2p (batched, and the interleaved schedule's overlapped
+``isend``/``irecv``), ``DistributedDataParallel``
 with grad buffers, ``finalize_model_grads`` (per-token loss too), the fp32 optimizer from
 ``get_megatron_optimizer`` (torch Adam or SGD; plain or Megatron's distributed optimizer) with
 grad clipping, activation recompute (full and selective), the RNG tracker and TP=2.
@@ -126,6 +129,8 @@ CPU_PATH_MODULES: tuple[str, ...] = (
     "utils",
     "pipeline_parallel.schedules",
     "pipeline_parallel.p2p_communication",
+    "pipeline_parallel.utils",  # the interleaved schedule's virtual-stage helpers
+    "transformer.pipeline_parallel_layer_layout",  # the layout parser (virtual stages too)
     "distributed.distributed_data_parallel",
     "distributed.param_and_grad_buffer",
     "distributed.finalize_model_grads",

@@ -164,14 +164,14 @@ class TrainResult:
 
 # -- plans ----------------------------------------------------------------------------------------
 def reference_plan(plan: Plan) -> Plan:
-    """One stage, one pipeline, TP=1, the plain (not distributed) optimizer: the same model and
-    global batch on one process."""
+    """One stage, one pipeline, TP=1, no interleaving, the plain (not distributed) optimizer:
+    the same model and global batch on one process."""
     mbs = math.gcd(*(p.micro_batch_size for p in plan.pipelines))
     first = plan.pipelines[0].stages[0]
     stage = Stage(device_type=first.device_type, num_layers=plan.model.num_layers)
     return dataclasses.replace(
         plan, tensor_model_parallel_size=1, prediction=None, use_distributed_optimizer=False,
-        sequence_parallel=False,
+        sequence_parallel=False, virtual_pipeline_size=1,
         pipelines=[Pipeline(micro_batch_size=mbs, num_microbatches=plan.global_batch_size // mbs,
                             stages=[stage])])
 
@@ -242,6 +242,11 @@ def _transformer_config(plan: Plan, stage: Stage):
     )
     if pp > 1:
         kwargs["pipeline_model_parallel_layout"] = plan.layout()
+    if plan.virtual_pipeline_size > 1:
+        # the interleaved schedule as Megatron-LM's training runs it by default (its
+        # --overlap-p2p-communication; PP=2 needs it: both directions go to one peer)
+        kwargs.update(virtual_pipeline_model_parallel_size=plan.virtual_pipeline_size,
+                      overlap_p2p_comm=True, batch_p2p_comm=False)
     kwargs.update(recompute_kwargs(stage))
     return TransformerConfig(**kwargs)
 
@@ -351,45 +356,55 @@ def train_rank(plan: Plan, rank: int, config: TrainConfig | None = None,
     stage = plan.stage(slot.pipeline, slot.stage)
     pipe = plan.pipelines[slot.pipeline]
     m = plan.model
+    v = plan.virtual_pipeline_size
     ps.initialize_model_parallel(tensor_model_parallel_size=plan.tensor_model_parallel_size,
-                                 pipeline_model_parallel_size=plan.pipeline_model_parallel_size)
+                                 pipeline_model_parallel_size=plan.pipeline_model_parallel_size,
+                                 virtual_pipeline_model_parallel_size=v if v > 1 else None)
     try:
         assert ps.get_data_parallel_rank() == slot.pipeline, "Megatron rank order is not tp-dp-pp"
         assert ps.get_pipeline_model_parallel_rank() == slot.stage
         tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
-        tconf = _transformer_config(plan, stage)
-        pre, post = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+        tconf = _transformer_config(plan, stage)  # one stage: the same policies on every chunk
         tied = not m.untie_embeddings_and_output_weights
-        model = GPTModel(config=tconf,
-                         transformer_layer_spec=get_gpt_layer_local_spec(
-                             normalization=m.normalization),
-                         vocab_size=m.vocab_size, max_sequence_length=m.seq_length,
-                         pre_process=pre, post_process=post,
-                         share_embeddings_and_output_weights=tied,
-                         position_embedding_type=m.position_embedding_type)
-        _init_params(model, plan, config.seed, config.init_std, slot.tensor_rank,
-                     tied and post and not pre)
         dist_opt = (plan.use_distributed_optimizer if config.use_distributed_optimizer is None
                     else config.use_distributed_optimizer)
-        ddp = DistributedDataParallel(
-            config=tconf,
-            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True,
-                                                     overlap_grad_reduce=False,
-                                                     use_distributed_optimizer=dist_opt),
-            module=model)
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                   overlap_grad_reduce=False,
+                                                   use_distributed_optimizer=dist_opt)
+        chunks, models = [], []  # per model chunk: (pre, post) and the GPTModel
+        for vp in range(v):
+            vp_stage = vp if v > 1 else None
+            pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+            post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+            model = GPTModel(config=tconf,
+                             transformer_layer_spec=get_gpt_layer_local_spec(
+                                 normalization=m.normalization),
+                             vocab_size=m.vocab_size, max_sequence_length=m.seq_length,
+                             pre_process=pre, post_process=post,
+                             share_embeddings_and_output_weights=tied,
+                             position_embedding_type=m.position_embedding_type,
+                             **({"vp_stage": vp_stage} if v > 1 else {}))
+            _init_params(model, plan, config.seed, config.init_std, slot.tensor_rank,
+                         tied and post and not pre)
+            chunks.append((pre, post))
+            models.append(model)
+        ddps = [DistributedDataParallel(config=tconf, ddp_config=ddp_config, module=model,
+                                        disable_bucketing=i > 0)
+                for i, model in enumerate(models)]
         optimizer = get_megatron_optimizer(
             OptimizerConfig(optimizer=config.optimizer, lr=config.lr,
                             weight_decay=config.weight_decay,
                             clip_grad=config.clip_grad, bf16=False, fp16=False,
                             params_dtype=torch.float32, use_distributed_optimizer=dist_opt),
-            [ddp])
+            ddps)
         tconf.finalize_model_grads_func = finalize_model_grads
         tconf.grad_scale_func = optimizer.scale_loss
-        tconf.no_sync_func = ddp.no_sync
+        tconf.no_sync_func = [d.no_sync for d in ddps] if v > 1 else ddps[0].no_sync
         if hooks.on_built:
-            hooks.on_built([ddp], optimizer)
+            hooks.on_built(ddps, optimizer)
         _install_backward_hook()
         forward_backward = get_forward_backward_func()
+        last_stage = ps.is_pipeline_last_stage()  # holds the loss (on its last chunk)
 
         def loss_func(loss_mask, output_tensor):
             losses = output_tensor.float().view(-1)
@@ -409,14 +424,16 @@ def train_rank(plan: Plan, rank: int, config: TrainConfig | None = None,
             return out, functools.partial(loss_func, batch["loss_mask"])
 
         def run(step: int, forward_only: bool) -> float:
+            # every chunk reads the replica's micro-batches in order (the interleaved schedule
+            # takes one iterator per chunk)
+            data = [_micro_batches(plan, slot.pipeline, step, config.seed) for _ in ddps]
             reduced = forward_backward(
-                forward_step_func=forward_step,
-                data_iterator=_micro_batches(plan, slot.pipeline, step, config.seed),
-                model=[ddp], num_microbatches=pipe.num_microbatches,
+                forward_step_func=forward_step, data_iterator=data if v > 1 else data[0],
+                model=ddps, num_microbatches=pipe.num_microbatches,
                 seq_length=m.seq_length, micro_batch_size=pipe.micro_batch_size,
                 forward_only=forward_only)
             totals = torch.zeros(2, dtype=torch.float64)
-            if post and slot.tensor_rank == 0:
+            if last_stage and slot.tensor_rank == 0:
                 for item in reduced:
                     totals += item["lm loss"].double()
             dist.all_reduce(totals)
@@ -426,7 +443,8 @@ def train_rank(plan: Plan, rank: int, config: TrainConfig | None = None,
         _compute_hook[0] = hooks.compute
         for step in range(config.steps):
             t0 = time.perf_counter()
-            ddp.zero_grad_buffer()
+            for ddp in ddps:
+                ddp.zero_grad_buffer()
             optimizer.zero_grad()
             loss = run(step, forward_only=False)
             ok, grad_norm, _zeros = optimizer.step()
@@ -439,19 +457,23 @@ def train_rank(plan: Plan, rank: int, config: TrainConfig | None = None,
         _compute_hook[0] = None
         eval_loss = None
         if config.eval_forward_only:
-            ddp.eval()
+            for ddp in ddps:
+                ddp.eval()
             with torch.no_grad():
                 eval_loss = run(config.steps, forward_only=True)
-            ddp.train()
+            for ddp in ddps:
+                ddp.train()
 
         params = {}
         if config.gather_params:
-            names = _canonical_names(model, tied and post and not pre)
-            for name, p in model.named_parameters():
-                if tied and post and not pre and name == "output_layer.weight":
-                    continue  # the last stage's copy of the shared embedding
-                dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
-                params[names[name]] = (p.detach().clone(), dim, _is_glu(name, plan))
+            for model, (pre, post) in zip(models, chunks):
+                tied_copy = tied and post and not pre
+                names = _canonical_names(model, tied_copy)
+                for name, p in model.named_parameters():
+                    if tied_copy and name == "output_layer.weight":
+                        continue  # the last stage's copy of the shared embedding
+                    dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
+                    params[names[name]] = (p.detach().clone(), dim, _is_glu(name, plan))
         return RankResult(rank=rank, pipeline=slot.pipeline, stage=slot.stage,
                           tensor_rank=slot.tensor_rank, losses=losses, eval_loss=eval_loss,
                           grad_norms=grad_norms, step_times=times,

@@ -7,13 +7,20 @@ from megatron_hetero.plan import Plan, plan_from_data
 
 def tiny_plan(split: list[int], pipes: list[tuple[int, int]], *, tp: int = 1,
               recompute: list[dict | None] | None = None,
-              use_distributed_optimizer: bool = False, **model) -> Plan:
+              use_distributed_optimizer: bool = False, chunks: list[list[int]] | None = None,
+              **model) -> Plan:
     """A plan of the tiny model: ``split`` layers per stage, ``pipes`` = [(micro_batch_size,
-    num_microbatches)] per data-parallel replica; ``model`` overrides model fields."""
+    num_microbatches)] per data-parallel replica; ``chunks`` (interleaved plans) the layers of
+    each stage's model chunks (``split`` is then their sums); ``model`` overrides model fields."""
+    if chunks is not None:
+        split = [sum(c) for c in chunks]
+
     def stages():
         out = []
         for s, n in enumerate(split):
             stage = {"device_type": "A100-SXM-80GB", "num_layers": n}
+            if chunks is not None:
+                stage["chunk_layers"] = list(chunks[s])
             if recompute and recompute[s]:
                 stage["recompute"] = recompute[s]
             out.append(stage)
@@ -25,6 +32,7 @@ def tiny_plan(split: list[int], pipes: list[tuple[int, int]], *, tp: int = 1,
     return plan_from_data({
         "format_version": 1, "model": spec, "precision": "fp32",
         "use_distributed_optimizer": use_distributed_optimizer,
+        "virtual_pipeline_size": len(chunks[0]) if chunks else 1,
         "global_batch_size": sum(m * n for m, n in pipes), "tensor_model_parallel_size": tp,
         "pipelines": [{"micro_batch_size": m, "num_microbatches": n, "stages": stages()}
                       for m, n in pipes]})

@@ -26,6 +26,20 @@ def test_table_covers_every_cuda_use_of_installed_megatron_core():
         for u in uncovered)
 
 
+def test_interleaved_schedule_is_scanned_and_covered():
+    """The interleaved (virtual pipeline) schedule's CUDA uses are on the scanned path and
+    covered; its helper modules are scanned too."""
+    assert {"pipeline_parallel.schedules", "pipeline_parallel.p2p_communication",
+            "pipeline_parallel.utils", "transformer.pipeline_parallel_layer_layout"} <= set(
+        CPU_PATH_MODULES)
+    uses = [u for u in cuda_uses("pipeline_parallel.schedules")
+            if u.function == "forward_backward_pipelining_with_interleaving"]
+    assert uses and all(is_covered(u) for u in uses)
+    p2p = [u for u in cuda_uses("pipeline_parallel.p2p_communication")
+           if u.function.startswith("P2PCommunicator.")]
+    assert p2p and all(is_covered(u) for u in p2p)
+
+
 @pytest.mark.slow
 def test_table_covers_megatron_core_017(mcore017_env):
     script = ("import megatron.core; from megatron_hetero.emulate.cpu_backend import "

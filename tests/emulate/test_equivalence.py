@@ -3,8 +3,10 @@
 The same model, data and seed train for 3 steps under (a) one process, (b) PP=2 split 1:5
 (with full recompute on stage 1), (c) DP=2 with micro-batch counts 3:1, (d) PP=2 x DP=2 with
 both, (e) TP=2, (f) TP=2 x PP=2, (g) PP=2 with the embedding alone on stage 0, (h) (d) with
-Megatron's distributed optimizer (the others use the plain fp32 one). Losses, the
-forward-only loss after training and the final parameters must match (a).
+Megatron's distributed optimizer (the others use the plain fp32 one), (i) interleaved
+pipelining: PP=2 with 2 model chunks per stage (chunks 1+1 and 3+1 layers) x DP=2 with
+micro-batch counts 4:2. Losses, the forward-only loss after training and the final parameters
+must match (a).
 
 Tolerance: losses within rtol 1e-5. Parameters within rtol 1e-5 plus atol 1e-5 (1% of one Adam
 step, lr 1e-3): the plans sum gradients in different orders (per micro-batch, per replica, per
@@ -44,7 +46,9 @@ PLANS = {
     "g_pp2_embedding_alone": tiny_plan([0, 6], [(1, 4)]),
     "h_pp2_dp2_distributed_optimizer": tiny_plan([1, 5], [(1, 3), (1, 1)],
                                                  use_distributed_optimizer=True),
+    "i_pp2_vp2_dp2_chunks_1_1_3_1": tiny_plan(None, [(1, 4), (1, 2)], chunks=[[1, 1], [3, 1]]),
 }
+OWN_BATCH = {"i_pp2_vp2_dp2_chunks_1_1_3_1"}  # global batch 6: micro-batch counts are multiples of PP
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +56,23 @@ def reference():
     """(a): the same model and global batch on one process."""
     ref = reference_plan(PLANS["b_pp2_split_1_5"])
     assert ref.world_size == 1 and not ref.use_distributed_optimizer
-    assert all(reference_plan(p) == ref for p in PLANS.values())
+    assert all(reference_plan(p) == ref for n, p in PLANS.items() if n not in OWN_BATCH)
     return train_plan(ref, CONFIG)
+
+
+@pytest.fixture(scope="module")
+def references(reference):
+    """Reference results by reference plan (plans with their own global batch get their own)."""
+    cache = [(reference_plan(PLANS["b_pp2_split_1_5"]), reference)]  # plans are not hashable
+
+    def get(plan):
+        ref = reference_plan(plan)
+        for known, result in cache:
+            if known == ref:
+                return result
+        cache.append((ref, train_plan(ref, CONFIG)))
+        return cache[-1][1]
+    return get
 
 
 def test_reference_trains(reference):
@@ -66,7 +85,8 @@ def test_reference_trains(reference):
 
 
 @pytest.mark.parametrize("name", sorted(PLANS))
-def test_plan_matches_one_process(name, reference):
+def test_plan_matches_one_process(name, references):
+    reference = references(PLANS[name])
     config = dataclasses.replace(CONFIG, use_distributed_optimizer=None)  # as the plan says
     result = train_plan(PLANS[name], config, hooks_factory=_optimizer_kinds)
     assert compare_results(result, reference, rtol=RTOL, atol=ATOL) is None
@@ -186,3 +206,37 @@ def test_megatron_core_017(mcore017_env):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "VERSION 0.17" in out.stdout, out.stdout
     assert "DIFF None" in out.stdout, out.stdout
+
+
+def _chunk_hooks(plan, rank):
+    """Reports each model chunk's global layer numbers and counts the micro-batch steps."""
+    counter, chunks = _Counter(), []
+
+    def on_built(ddps, optimizer):
+        for ddp in ddps:
+            chunks.append([layer.layer_number for layer in ddp.module.decoder.layers])
+
+    return RankHooks(compute=counter.compute, on_built=on_built,
+                     report=lambda: (chunks, counter.counts))
+
+
+def test_interleaved_plan_runs_model_chunks():
+    """(i) really runs the interleaved schedule: every rank holds its stage's 2 chunks with the
+    plan's layers (chunk-major model order) and runs each micro-batch once per chunk."""
+    plan = PLANS["i_pp2_vp2_dp2_chunks_1_1_3_1"]
+    assert plan.layout() == "Et|t*3|t|tL"
+    config = TrainConfig(steps=1, gather_params=False, eval_forward_only=False)
+    result = train_plan(plan, config, hooks_factory=_chunk_hooks)
+    expected = {0: [[1], [5]], 1: [[2, 3, 4], [6]]}  # stage -> layers (1-based) of each chunk
+    for r in result.ranks:
+        chunks, counts = r.extra
+        assert chunks == expected[r.stage], (r.rank, chunks)
+        n = 2 * plan.pipelines[r.pipeline].num_microbatches
+        assert counts == {"forward": n, "backward": n}, (r.rank, counts)
+
+
+def test_interleaved_sgd_matches_to_rounding():
+    config = TrainConfig(steps=2, optimizer="sgd", lr=0.1)
+    plan = PLANS["i_pp2_vp2_dp2_chunks_1_1_3_1"]
+    result, ref = train_plan(plan, config), train_plan(reference_plan(plan), config)
+    assert compare_results(result, ref, rtol=RTOL, atol=1e-7) is None
