@@ -11,6 +11,13 @@ stage index across all pipelines): the sync starts when the slowest replica of t
 done (or, with ``overlap_grad_reduce``, when the last replica starts its last backward) and is
 followed by the optimizer step. The step time is the latest end over all ranks.
 
+With interleaved pipelining (``virtual_pipeline_size`` v > 1) each rank runs its v model
+chunks in Megatron's interleaved order (:func:`megatron_hetero.cost.schedule.rank_order`). The
+forward of (micro-batch ``i``, chunk ``c``) on stage ``s`` waits for (``i``, ``c``) on stage
+``s - 1``, or for (``i``, ``c - 1``) on the last stage when ``s = 0`` (over the link from the
+last stage back to the first); backwards mirror it. Every chunk boundary is a send, so each
+link carries v times the sends of the non-interleaved schedule.
+
 Per stage: ``busy_s`` compute, ``bubble_s`` waiting inside the schedule (from time 0 to the
 stage's last backward), ``sync_s`` gradient sync and optimizer, ``idle_s`` the rest of the step
 (waiting for slower replicas and stages).
@@ -21,10 +28,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .cost.model import CostModel, Memory
+from .cost.schedule import rank_order
 from .models import step_model_flops
 from .plan import Plan
 
-__all__ = ["simulate", "SimResult", "StageResult", "Event", "one_f_one_b"]
+__all__ = ["simulate", "SimResult", "StageResult", "Event", "one_f_one_b", "interleaved_1f1b"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +46,8 @@ class Event:
     microbatch: int
     start: float
     end: float
+    chunk: int = 0
+    """Model chunk of a forward or backward (0 unless the plan interleaves)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -94,10 +104,17 @@ class SimResult:
         if not self.events:
             raise ValueError("no events recorded: call simulate(..., record_events=True)")
         colors = {"F": "#4C72B0", "B": "#55A868", "S": "#C44E52", "O": "#8172B2"}
+        chunks = 1 + max(e.chunk for e in self.events)
+        if chunks > 1:  # one shade per model chunk: darker for later chunks
+            shades = {"F": ("#A1C4E9", "#4C72B0", "#2A4A7F", "#142848"),
+                      "B": ("#A8DDB5", "#55A868", "#2F6B3E", "#17391F")}
+            colors = {f"{k}{c}": shades[k][min(c, 3) if chunks <= 4 else c * 3 // (chunks - 1)]
+                      for k in "FB" for c in range(chunks)} | {"S": colors["S"], "O": colors["O"]}
         bars: dict[tuple, list] = {}
         for e in self.events:
             if e.pipeline < max_pipelines:
-                bars.setdefault((e.pipeline, e.stage, e.kind), []).append((e.start, e.end - e.start))
+                kind = f"{e.kind}{e.chunk}" if chunks > 1 and e.kind in "FB" else e.kind
+                bars.setdefault((e.pipeline, e.stage, kind), []).append((e.start, e.end - e.start))
         rows = sorted({(d, s) for d, s, _ in bars})
         index = {r: i for i, r in enumerate(rows)}
         fig, ax = plt.subplots(figsize=(12, 0.35 * len(rows) + 1.5))
@@ -108,7 +125,8 @@ class SimResult:
         ax.set_yticklabels([f"p{d} s{s} {self.stage(d, s).device_type}" for d, s in rows], fontsize=7)
         ax.invert_yaxis()
         ax.set_xlabel("seconds")
-        ax.set_title(f"step {self.step_time_s:.3f} s (F forward, B backward, S grad sync, O optimizer)")
+        ax.set_title(f"step {self.step_time_s:.3f} s (F forward, B backward, S grad sync, O optimizer"
+                     + (f"; Fc/Bc: model chunk c of {chunks}" if chunks > 1 else "") + ")")
         from matplotlib.patches import Patch
         ax.legend(handles=[Patch(color=c, label=k) for k, c in colors.items()], loc="upper right",
                   fontsize=7)
@@ -179,24 +197,95 @@ def one_f_one_b(fwd: list[float], bwd: list[float], send_f: list[float], send_b:
     return free, busy, last_b_start, events
 
 
+def interleaved_1f1b(fwd: list[list[float]], bwd: list[list[float]], send_f: list[float],
+                     send_b: list[float], m: int, *, record: bool = False):
+    """Simulate one pipeline under the interleaved schedule. ``fwd[s][c]``/``bwd[s][c]``: seconds
+    of chunk ``c`` on stage ``s``; ``send_f[s]``/``send_b[s]``: seconds over the link between
+    stage ``s`` and ``s + 1``, index ``p - 1`` the link from the last stage back to the first.
+    Returns what :func:`one_f_one_b` returns; events are (stage, kind, microbatch, start, end,
+    chunk)."""
+    p, v = len(fwd), len(fwd[0])
+    ops = [rank_order(p, s, m, v) for s in range(p)]
+    fdone = [[[-1.0] * m for _ in range(v)] for _ in range(p)]
+    bdone = [[[-1.0] * m for _ in range(v)] for _ in range(p)]
+    ptr = [0] * p
+    free = [0.0] * p
+    busy = [0.0] * p
+    last_b_start = [0.0] * p
+    events: list[tuple] = []
+    remaining = sum(len(o) for o in ops)
+    while remaining:
+        progressed = False
+        for s in range(p):
+            seq = ops[s]
+            while ptr[s] < len(seq):
+                kind, i, c = seq[ptr[s]]
+                if kind == 0:
+                    if s > 0:
+                        done, link = fdone[s - 1][c][i], send_f[s - 1]
+                    elif c > 0:
+                        done, link = fdone[p - 1][c - 1][i], send_f[p - 1]
+                    else:
+                        done, link = 0.0, 0.0
+                    dur = fwd[s][c]
+                else:
+                    if s < p - 1:
+                        done, link = bdone[s + 1][c][i], send_b[s]
+                    elif c < v - 1:
+                        done, link = bdone[0][c + 1][i], send_b[p - 1]
+                    else:
+                        done, link = fdone[s][c][i], 0.0
+                    dur = bwd[s][c]
+                if done < 0:
+                    break
+                start = max(free[s], done + link)
+                end = start + dur
+                (fdone if kind == 0 else bdone)[s][c][i] = end
+                if kind == 1:
+                    last_b_start[s] = start
+                if record:
+                    events.append((s, "FB"[kind], i, start, end, c))
+                free[s] = end
+                busy[s] += dur
+                ptr[s] += 1
+                remaining -= 1
+                progressed = True
+        assert progressed, "interleaved 1F1B schedule deadlocked"
+    return free, busy, last_b_start, events
+
+
+def _run_pipeline(plan: Plan, cost: CostModel, placement, times, d: int, cache: dict,
+                  record: bool):
+    """Simulate pipeline ``d`` (the non-interleaved or the interleaved schedule)."""
+    p, pipe = plan.pipeline_model_parallel_size, plan.pipelines[d]
+    tp, sp = plan.tensor_model_parallel_size, cost.sequence_parallel_of(plan)
+    links = [(s, s + 1) for s in range(p - 1)]
+    if plan.virtual_pipeline_size > 1:
+        links.append((p - 1, 0))
+    bws = [placement.link_bandwidth(placement.node(d, a), placement.node(d, b)) for a, b in links]
+    sends = [cost.p2p_seconds(pipe.micro_batch_size, bw, tp, sp) for bw in bws]
+    if plan.virtual_pipeline_size == 1:
+        fwd = [t[0].forward_s for t in times[d]]
+        bwd = [t[0].backward_s for t in times[d]]
+        key = (tuple(fwd), tuple(bwd), tuple(sends), pipe.num_microbatches)
+        if key not in cache or record:
+            cache[key] = one_f_one_b(fwd, bwd, sends, sends, pipe.num_microbatches, record=record)
+        return cache[key]
+    fwd = [[c.forward_s for c in t] for t in times[d]]
+    bwd = [[c.backward_s for c in t] for t in times[d]]
+    key = (tuple(map(tuple, fwd)), tuple(map(tuple, bwd)), tuple(sends), pipe.num_microbatches)
+    if key not in cache or record:
+        cache[key] = interleaved_1f1b(fwd, bwd, sends, sends, pipe.num_microbatches, record=record)
+    return cache[key]
+
+
 def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True) -> SimResult:
     """Simulate one training step of ``plan`` under ``cost``."""
     placement = cost.placement(plan)
     p, D = plan.pipeline_model_parallel_size, plan.data_parallel_size
-    times = [[cost.stage_times(plan, d, s) for s in range(p)] for d in range(D)]
+    times = [[cost.chunk_times(plan, d, s) for s in range(p)] for d in range(D)]
     cache: dict[tuple, tuple] = {}
-    runs = []
-    for d, pipe in enumerate(plan.pipelines):
-        fwd = [t.forward_s for t in times[d]]
-        bwd = [t.backward_s for t in times[d]]
-        bws = [placement.link_bandwidth(placement.node(d, s), placement.node(d, s + 1))
-               for s in range(p - 1)]
-        sends = [cost.p2p_seconds(pipe.micro_batch_size, bw, plan.tensor_model_parallel_size,
-                                  cost.sequence_parallel_of(plan)) for bw in bws]
-        key = (tuple(fwd), tuple(bwd), tuple(sends), pipe.num_microbatches)
-        if key not in cache or record_events:
-            cache[key] = one_f_one_b(fwd, bwd, sends, sends, pipe.num_microbatches, record=record_events)
-        runs.append(cache[key])
+    runs = [_run_pipeline(plan, cost, placement, times, d, cache, record_events) for d in range(D)]
     events: list[Event] = []
     stage_end: list[list[float]] = [[0.0] * p for _ in range(D)]
     sync_of: list[list[float]] = [[0.0] * p for _ in range(D)]
@@ -225,15 +314,16 @@ def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True) -> SimR
     for d in range(D):
         finish, busy, _, evs = runs[d]
         if record_events:
-            events.extend(Event(d, s, k, i, a, b) for s, k, i, a, b in evs)
+            events.extend(Event(d, *ev) for ev in evs)
         for s in range(p):
             mem = cost.stage_memory(plan, d, s)
             fits = fits and mem.fits
             bubble = finish[s] - busy[s]
             stages.append(StageResult(
                 pipeline=d, stage=s, device_type=plan.stage(d, s).device_type,
-                num_layers=plan.stage(d, s).num_layers, forward_s=times[d][s].forward_s,
-                backward_s=times[d][s].backward_s, busy_s=busy[s], bubble_s=bubble,
+                num_layers=plan.stage(d, s).num_layers,
+                forward_s=sum(c.forward_s for c in times[d][s]),
+                backward_s=sum(c.backward_s for c in times[d][s]), busy_s=busy[s], bubble_s=bubble,
                 sync_s=sync_of[d][s], idle_s=max(0.0, step - busy[s] - bubble - sync_of[d][s]),
                 memory=mem))
     flops = step_model_flops(plan.model, plan.global_batch_size)

@@ -21,6 +21,13 @@ device type (with the inventory's overrides) and, where given, a measured profil
   in flight (stage ``s`` of ``p`` holds ``min(p - s, m)`` in 1F1B), fp32 logits on the last stage,
   the transient activations of one recomputed chunk, and a fixed workspace reserve (CUDA context,
   communication buffers, allocator slack).
+* interleaved pipelining (``v`` model chunks per stage): each chunk's costs come from its own
+  layers (the embedding on chunk 0 of the first stage, the output layer and loss on chunk
+  ``v - 1`` of the last); a stage's recompute applies to each of its chunks as Megatron applies
+  ``--recompute-*`` to each chunk's block (``block`` recomputes the first ``num_layers`` layers
+  of every chunk); the activations in flight are the peak, over the rank's order of forwards
+  and backwards (:mod:`.schedule`), of the summed activations of the chunks it has run forward
+  and not yet backward.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from ..hardware.inventory import Inventory
 from ..plan import ModelSpec, Plan, Recompute
 from .placement import Placement, place
 from .profile_protocol import DeviceProfile
+from .schedule import peak_in_flight, rank_order
 
 __all__ = ["CostModel", "StageTimes", "Memory", "RecomputeKey", "recompute_key"]
 
@@ -136,6 +144,7 @@ class CostModel:
         self.intra_node_bandwidth = lru_cache(maxsize=None)(self.intra_node_bandwidth)
         self.compute_times = lru_cache(maxsize=None)(self._compute_times)
         self.memory_need = lru_cache(maxsize=None)(self._memory_need)
+        self.chunked_memory_need = lru_cache(maxsize=None)(self._chunked_memory_need)
 
     # -- device figures -------------------------------------------------------------------------
     def spec(self, device_type: str):
@@ -302,6 +311,33 @@ class CostModel:
                       activations=acts, workspace=self.workspace_bytes,
                       capacity=self.capacity(device_type))
 
+    def _chunked_memory_need(self, device_type: str, chunk_layers: tuple[int, ...], first: bool,
+                             last: bool, micro_batch_size: int, tp: int, recompute: RecomputeKey,
+                             pipeline_size: int, stage: int, num_microbatches: int,
+                             data_parallel: int, optimizer_offload: float = 0.0,
+                             activation_offload: bool = False, sp: bool = False) -> Memory:
+        """Peak memory of one tensor rank of stage ``stage`` of ``pipeline_size`` under the
+        interleaved schedule, its model chunks holding ``chunk_layers``."""
+        v, b = len(chunk_layers), micro_batch_size
+        num_layers = sum(chunk_layers)
+        base = self.memory_need(device_type, num_layers, first, last, b, tp, ("none", None, None),
+                                0, data_parallel, optimizer_offload, False, sp)
+        per_chunk = [self._activations_per_microbatch(device_type, n, first and c == 0,
+                                                      last and c == v - 1, b, tp, recompute, sp)
+                     for c, n in enumerate(chunk_layers)]
+        if activation_offload:
+            acts = max(per_chunk)
+        else:
+            order = rank_order(pipeline_size, stage, num_microbatches, v)
+            acts = peak_in_flight(order, per_chunk)
+        gran, method, k = recompute
+        if gran == "full" and num_layers:
+            chunk = k if method == "uniform" else 1
+            acts += min(chunk, max(chunk_layers)) * self.layer_activation_bytes(
+                device_type, b, tp, "none", sp)
+        return Memory(params=base.params, grads=base.grads, optimizer=base.optimizer,
+                      activations=acts, workspace=base.workspace, capacity=base.capacity)
+
     # -- data-parallel sync and optimizer -------------------------------------------------------
     def dp_sync_seconds(self, params_per_rank: float, data_parallel: int, bandwidth_gb_s: float) -> float:
         """Gradient sync of one rank's parameters over ``data_parallel`` replicas."""
@@ -345,10 +381,30 @@ class CostModel:
                                   plan.tensor_model_parallel_size, recompute_key(st.recompute),
                                   st.offload.activations, self.sequence_parallel_of(plan))
 
+    def chunk_times(self, plan: Plan, pipeline: int, stage: int) -> list[StageTimes]:
+        """Forward and backward seconds of one micro-batch on each model chunk of (pipeline,
+        stage), in chunk order; one entry (the stage's) when the plan does not interleave."""
+        v = plan.virtual_pipeline_size
+        if v == 1:
+            return [self.stage_times(plan, pipeline, stage)]
+        st, first, last = self._stage_key(plan, pipeline, stage)
+        return [self.compute_times(st.device_type, n, first and c == 0, last and c == v - 1,
+                                   plan.pipelines[pipeline].micro_batch_size,
+                                   plan.tensor_model_parallel_size, recompute_key(st.recompute),
+                                   st.offload.activations, self.sequence_parallel_of(plan))
+                for c, n in enumerate(st.chunk_layers)]
+
     def stage_memory(self, plan: Plan, pipeline: int, stage: int) -> Memory:
         """Peak memory of one tensor rank of (pipeline, stage)."""
         st, first, last = self._stage_key(plan, pipeline, stage)
         pipe = plan.pipelines[pipeline]
+        if plan.virtual_pipeline_size > 1:
+            return self.chunked_memory_need(
+                st.device_type, tuple(st.chunk_layers), first, last, pipe.micro_batch_size,
+                plan.tensor_model_parallel_size, recompute_key(st.recompute),
+                plan.pipeline_model_parallel_size, stage, pipe.num_microbatches,
+                plan.data_parallel_size, st.offload.optimizer_fraction, st.offload.activations,
+                self.sequence_parallel_of(plan))
         in_flight = min(plan.pipeline_model_parallel_size - stage, pipe.num_microbatches)
         return self.memory_need(st.device_type, st.num_layers, first, last, pipe.micro_batch_size,
                                 plan.tensor_model_parallel_size, recompute_key(st.recompute),

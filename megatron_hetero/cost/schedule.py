@@ -1,0 +1,66 @@
+"""The order in which one pipeline rank runs its forwards and backwards under Megatron's 1F1B
+schedules, and the activations it holds at its peak.
+
+Non-interleaved 1F1B (``v = 1``): rank ``r`` of ``p`` runs ``min(p - r - 1, m)`` warm-up
+forwards, then one forward and one backward in turn, then the remaining backwards.
+
+Interleaved 1F1B (``v > 1`` model chunks per rank; Megatron's
+``forward_backward_pipelining_with_interleaving`` with its default
+``microbatch_group_size_per_vp_stage = p``): the k-th forward runs entry ``k`` of a table that
+takes micro-batches in groups of ``p`` (the last group takes what is left) and, inside a group,
+chunk 0 for each micro-batch of the group, then chunk 1, and so on; the k-th backward runs
+entry ``k`` of the same table with the chunk mirrored (``v - 1 - c``). Rank ``r`` runs
+``(p - r - 1) * 2 + (v - 1) * p`` warm-up forwards (at most all ``m v``), then one forward and
+one backward in turn, then the remaining backwards.
+"""
+
+from __future__ import annotations
+
+__all__ = ["Op", "schedule_table", "rank_order", "warmup_count", "peak_in_flight"]
+
+Op = tuple[int, int, int]
+"""(0 forward / 1 backward, micro-batch, model chunk)."""
+
+
+def schedule_table(m: int, v: int, group: int) -> list[tuple[int, int]]:
+    """(micro-batch, chunk) of the k-th forward, for k in ``0 .. m v - 1``."""
+    out: list[tuple[int, int]] = []
+    start = 0
+    while start < m:
+        stop = m if start + group >= m else start + group
+        out += [(i, c) for c in range(v) for i in range(start, stop)]
+        start = stop
+    return out
+
+
+def warmup_count(p: int, r: int, m: int, v: int = 1, group: int | None = None) -> int:
+    """Forwards rank ``r`` of ``p`` runs before its first backward."""
+    if v == 1:
+        return min(p - r - 1, m)
+    return min((p - r - 1) * 2 + (v - 1) * (p if group is None else group), m * v)
+
+
+def rank_order(p: int, r: int, m: int, v: int = 1, group: int | None = None) -> list[Op]:
+    """The ops of rank ``r`` of ``p`` for ``m`` micro-batches and ``v`` chunks, in run order."""
+    table = schedule_table(m, v, p if group is None else group)
+    fwd = [(0, i, c) for i, c in table]
+    bwd = [(1, i, v - 1 - c) for i, c in table]
+    warm = warmup_count(p, r, m, v, group)
+    out = fwd[:warm]
+    for k in range(len(fwd) - warm):
+        out += [fwd[warm + k], bwd[k]]
+    out += bwd[len(fwd) - warm:]
+    return out
+
+
+def peak_in_flight(order: list[Op], weights: list[float]) -> float:
+    """The largest sum of ``weights[chunk]`` over the forwards whose backward has not yet run
+    (a forward's activations are held from its start to its backward's end)."""
+    held = peak = 0.0
+    for kind, _, c in order:
+        if kind == 0:
+            held += weights[c]
+            peak = max(peak, held)
+        else:
+            held -= weights[c]
+    return peak

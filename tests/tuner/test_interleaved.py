@@ -1,0 +1,204 @@
+"""Interleaved (virtual) pipeline stages: Megatron's order, the simulator and the in-flight
+activations, against cases worked by hand."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from megatron_hetero import models as M
+from megatron_hetero.cost import CostModel
+from megatron_hetero.cost.schedule import peak_in_flight, rank_order, schedule_table, warmup_count
+from megatron_hetero.hardware.inventory import inventory_from_data
+from megatron_hetero.plan import ModelSpec, plan_from_data
+from megatron_hetero.simulate import interleaved_1f1b, one_f_one_b, simulate
+
+TINY = ModelSpec(name="tiny", num_layers=8, hidden_size=64, ffn_hidden_size=128,
+                 num_attention_heads=4, num_query_groups=2, vocab_size=256, seq_length=16)
+ROUND = {"ROUND": {"vendor": "test", "bf16_tflops": 1.0, "bf16": True, "fp32_tflops": 1.0,
+                   "memory_gb": 1000, "memory_bandwidth_gb_s": 1e6, "intra_node_link": "x",
+                   "intra_node_bandwidth_gb_s": 1e9, "efficiency": 1.0}}
+
+
+def test_schedule_table_and_order_by_hand():
+    # Megatron's comment: PP2, group 3, m 5, v 2 -> micro-batches 0 1 2 0 1 2 3 4 3 4
+    assert schedule_table(5, 2, 3) == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1),
+                                       (3, 0), (4, 0), (3, 1), (4, 1)]
+    # p 2, v 2, m 4, rank 0: warm-up (2 - 0 - 1) * 2 + (2 - 1) * 2 = 4 forwards, then 1F1B
+    assert warmup_count(2, 0, 4, 2) == 4 and warmup_count(2, 1, 4, 2) == 2
+    F, B = 0, 1
+    assert rank_order(2, 0, 4, 2) == [
+        (F, 0, 0), (F, 1, 0), (F, 0, 1), (F, 1, 1),
+        (F, 2, 0), (B, 0, 1), (F, 3, 0), (B, 1, 1), (F, 2, 1), (B, 0, 0), (F, 3, 1), (B, 1, 0),
+        (B, 2, 1), (B, 3, 1), (B, 2, 0), (B, 3, 0)]
+    # v = 1 is plain 1F1B: p - r - 1 warm-up forwards
+    assert rank_order(3, 0, 4) == [(F, 0, 0), (F, 1, 0), (F, 2, 0), (B, 0, 0), (F, 3, 0),
+                                   (B, 1, 0), (B, 2, 0), (B, 3, 0)]
+
+
+def test_peak_in_flight_by_hand():
+    # rank 0 above, chunk 0 holding a0 = 3 bytes, chunk 1 a1 = 1: after F(2,0) 3 a0 + 2 a1 = 11,
+    # after F(3,0) 4 a0 + a1 = 13, the peak
+    assert peak_in_flight(rank_order(2, 0, 4, 2), [3.0, 1.0]) == 13.0
+    assert peak_in_flight(rank_order(2, 0, 4, 2), [1.0, 1.0]) == 5.0  # warm-up + 1 chunks
+    # rank 1: F(0,0) F(1,0) F(0,1) -> 2 a0 + a1 = 7; B(0,1) F(1,1) B(1,1) leave 2 a0, then
+    # F(2,0) -> 3 a0 = 9, the peak
+    assert peak_in_flight(rank_order(2, 1, 4, 2), [3.0, 1.0]) == 9.0
+    assert peak_in_flight(rank_order(2, 1, 4, 2), [1.0, 5.0]) == 7.0  # 2 a0 + a1
+    # v = 1: stage s of p holds min(p - s, m) micro-batches
+    assert [peak_in_flight(rank_order(4, s, 8), [1.0]) for s in range(4)] == [4, 3, 2, 1]
+    assert peak_in_flight(rank_order(4, 0, 2), [1.0]) == 2
+
+
+def test_two_stage_interleaved_by_hand():
+    # p 2, v 2, m 2, every chunk f = 1, b = 2, no sends. Stage 0 runs 4 warm-up forwards: F00
+    # 0-1, F10 1-2, F01 2-3 (after F00 on stage 1, 1-2), F11 3-4. Stage 1: F00 1-2, F10 2-3,
+    # F01 3-4, B01 4-6, F11 6-7, B11 7-9, B00 9-11 (after B01 on stage 0, 6-8), B10 11-13.
+    # Stage 0: B01 6-8, B11 9-11, B00 11-13, B10 13-15: the step is 15, the closed form
+    # (m v + p - 1)(f + b) for uniform chunks
+    finish, busy, _, events = interleaved_1f1b([[1, 1], [1, 1]], [[2, 2], [2, 2]], [0, 0], [0, 0], 2,
+                                               record=True)
+    assert max(finish) == 15 and busy == [12, 12]
+    s1 = [(k, i, c, a) for s, k, i, a, _, c in sorted(events, key=lambda e: e[3]) if s == 1]
+    assert s1 == [("F", 0, 0, 1), ("F", 1, 0, 2), ("F", 0, 1, 3), ("B", 0, 1, 4),
+                  ("F", 1, 1, 6), ("B", 1, 1, 7), ("B", 0, 0, 9), ("B", 1, 0, 11)]
+    s0 = [(k, i, c, a) for s, k, i, a, _, c in sorted(events, key=lambda e: e[3]) if s == 0]
+    assert s0[4:] == [("B", 0, 1, 6), ("B", 1, 1, 9), ("B", 0, 0, 11), ("B", 1, 0, 13)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(2, 5), st.integers(2, 4), st.integers(1, 4), st.floats(0.1, 5),
+       st.floats(0.1, 5))
+def test_interleaved_uniform_chunks_closed_form(p, v, groups, f, b):
+    # uniform chunks, no sends: the bubble shrinks v times, (m v + p - 1)(f + b) per chunk
+    m = groups * p
+    finish, busy, _, _ = interleaved_1f1b([[f] * v] * p, [[b] * v] * p, [0.0] * p, [0.0] * p, m)
+    assert max(finish) == pytest.approx((m * v + p - 1) * (f + b))
+    assert busy == pytest.approx([m * v * (f + b)] * p)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.floats(0.1, 5), st.floats(0.1, 5)), min_size=2, max_size=2),
+                min_size=2, max_size=4),
+       st.integers(1, 3), st.floats(0, 1))
+def test_interleaved_dependencies_hold(stages, groups, send):
+    p, v = len(stages), 2
+    m = groups * p
+    f = [[a for a, _ in chunks] for chunks in stages]
+    b = [[c for _, c in chunks] for chunks in stages]
+    finish, busy, _, events = interleaved_1f1b(f, b, [send] * p, [send] * p, m, record=True)
+    end = {(s, k, i, c): e for s, k, i, _, e, c in events}
+    start = {(s, k, i, c): a for s, k, i, a, _, c in events}
+    assert len(events) == 2 * p * v * m
+    for (s, k, i, c), a in start.items():
+        if k == "F" and s > 0:
+            assert a >= end[(s - 1, "F", i, c)] + send - 1e-9
+        if k == "F" and s == 0 and c > 0:
+            assert a >= end[(p - 1, "F", i, c - 1)] + send - 1e-9
+        if k == "B" and s < p - 1:
+            assert a >= end[(s + 1, "B", i, c)] + send - 1e-9
+        if k == "B" and s == p - 1:
+            assert a >= end[(s, "F", i, c)] - 1e-9
+            if c < v - 1:
+                assert a >= end[(0, "B", i, c + 1)] + send - 1e-9
+    # one op at a time per stage; no stage beats its own work
+    for s in range(p):
+        mine = sorted((e for e in events if e[0] == s), key=lambda e: e[3])
+        assert all(x[4] <= y[3] + 1e-12 for x, y in zip(mine, mine[1:]))
+        assert finish[s] >= m * (sum(f[s]) + sum(b[s])) - 1e-9
+
+
+def _plan(chunks, *, m=4, v=2, recompute=None):
+    inv = inventory_from_data({"groups": [{"gpu": "ROUND", "nodes": 1, "gpus_per_node": 2}],
+                               "gpus": copy.deepcopy(ROUND)})
+    stages = [{"device_type": "ROUND", "num_layers": sum(c), "chunk_layers": list(c)}
+              | ({"recompute": recompute} if recompute else {}) for c in chunks]
+    data = {"format_version": 1, "model": {f: getattr(TINY, f) for f in TINY.__slots__},
+            "global_batch_size": m, "tensor_model_parallel_size": 1, "precision": "bf16",
+            "use_distributed_optimizer": False, "virtual_pipeline_size": v,
+            "pipelines": [{"micro_batch_size": 1, "num_microbatches": m, "stages": stages}]}
+    if v == 1:
+        del data["virtual_pipeline_size"]
+        for s in stages:
+            del s["chunk_layers"]
+    return plan_from_data(data, catalog=inv.catalog), inv
+
+
+def test_simulate_interleaved_plan_by_hand():
+    plan, inv = _plan([[2, 2], [2, 2]], m=4)
+    cost = CostModel(TINY, inv, p2p_latency_s=0.0)
+    res = simulate(plan, cost)
+    layer = M.layer_forward_flops(TINY, 1) / 1e12
+    out = M.output_forward_flops(TINY, 1) / 1e12
+    f = [[2 * layer, 2 * layer], [2 * layer, 2 * layer + out]]
+    b = [[2 * x for x in row] for row in f]
+    sends = [cost.p2p_seconds(1, 1e9)] * 2  # every link is in the node
+    finish, busy, _, _ = interleaved_1f1b(f, b, sends, sends, 4)
+    opt = max(cost.optimizer_seconds("ROUND", cost.stage_params_of(plan, s), 1) for s in range(2))
+    assert res.step_time_s == pytest.approx(max(finish) + opt, rel=1e-3)
+    assert res.stage(0, 1).busy_s == pytest.approx(4 * 3 * (4 * layer + out))
+    assert res.stage(0, 1).forward_s == pytest.approx(4 * layer + out)
+    kinds = {(e.kind, e.chunk) for e in res.events}
+    assert {("F", 0), ("F", 1), ("B", 0), ("B", 1), ("O", 0)} <= kinds
+    # interleaving the same layers beats plain 1F1B here (4 micro-batches, 2 stages)
+    flat, _ = _plan([[4], [4]], m=4, v=1)
+    assert res.step_time_s < simulate(flat, cost).step_time_s
+
+
+def test_interleaved_memory_counts_chunks_in_flight():
+    # stage 0 chunk 0 holds 1 layer and the embedding, chunk 1 holds 3 layers; m 4: the peak is
+    # 4 chunk-0 + 1 chunk-1 activations (rank 0 above: after F(3,0)) or 3 + 2
+    plan, inv = _plan([[1, 3], [2, 2]], m=4)
+    cost = CostModel(TINY, inv)
+    layer = cost.layer_activation_bytes("ROUND", 1, 1, "none")
+    emb = cost.hidden_bytes(1, 1) / 2
+    a0, a1 = layer + emb, 3 * layer
+    mem = cost.stage_memory(plan, 0, 0)
+    assert mem.activations == pytest.approx(max(4 * a0 + a1, 3 * a0 + 2 * a1))
+    # the last stage: warm-up 2 chunk-0 forwards, then one chunk at a time, the last chunk with
+    # the final norm input and fp32 logits
+    last = 2 * layer + cost.hidden_bytes(1, 1) + M.logits_bytes(TINY, 1, 1)
+    mem1 = cost.stage_memory(plan, 0, 1)
+    assert mem1.activations == pytest.approx(2 * (2 * layer) + last)
+    # parameters are the stage's, as without interleaving
+    flat, _ = _plan([[4], [4]], m=4, v=1)
+    assert mem.params == pytest.approx(cost.stage_memory(flat, 0, 0).params)
+    # full recompute keeps a checkpoint per chunk and layer group plus one chunk's transient
+    full, _ = _plan([[1, 3], [2, 2]], m=4, recompute={"granularity": "full", "method": "uniform",
+                                                       "num_layers": 1})
+    ckpt = cost.hidden_bytes(1, 1)
+    c0, c1 = ckpt + emb, 3 * ckpt
+    assert cost.stage_memory(full, 0, 0).activations == pytest.approx(
+        max(4 * c0 + c1, 3 * c0 + 2 * c1) + layer)
+
+
+def test_interleaved_recompute_applies_per_chunk():
+    # block recompute of 1 layer recomputes the first layer of each chunk: 2 layers on the stage
+    plan, inv = _plan([[2, 2], [2, 2]], recompute={"granularity": "full", "method": "block",
+                                                   "num_layers": 1})
+    cost = CostModel(TINY, inv)
+    layer_f, _ = cost.layer_times("ROUND", 1, 1)
+    plain, _ = _plan([[2, 2], [2, 2]])
+    extra = simulate(plan, cost).stage(0, 0).backward_s - simulate(plain, cost).stage(0, 0).backward_s
+    assert extra == pytest.approx(2 * layer_f)
+
+
+def test_v1_orders_match_plain_1f1b():
+    # the generic order with v = 1 is the order one_f_one_b runs (same results)
+    for p, m in ((1, 3), (2, 5), (4, 4), (4, 2)):
+        f, b = [1.0 + s for s in range(p)], [2.0] * p
+        plain = one_f_one_b(f, b, [0.1] * (p - 1), [0.1] * (p - 1), m, record=True)[3]
+        for s in range(p):
+            got = [(0 if k == "F" else 1, i, 0) for st_, k, i, _, _ in plain if st_ == s]
+            assert got == rank_order(p, s, m)
+
+
+def test_timeline_png_colours_chunks(tmp_path):
+    pytest.importorskip("matplotlib")
+    plan, inv = _plan([[2, 2], [2, 2]])
+    res = simulate(plan, CostModel(TINY, inv))
+    out = tmp_path / "t.png"
+    res.timeline_png(out)
+    assert out.stat().st_size > 1000
