@@ -218,7 +218,7 @@ def _micro_batches(plan: Plan, pipeline: int, step: int, seed: int):
 
 
 # -- model ----------------------------------------------------------------------------------------
-def _transformer_config(plan: Plan, stage: Stage):
+def _transformer_config(plan: Plan, stage: Stage, chunk: int | None = None):
     import torch
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -247,7 +247,7 @@ def _transformer_config(plan: Plan, stage: Stage):
         # --overlap-p2p-communication; PP=2 needs it: both directions go to one peer)
         kwargs.update(virtual_pipeline_model_parallel_size=plan.virtual_pipeline_size,
                       overlap_p2p_comm=True, batch_p2p_comm=False)
-    kwargs.update(recompute_kwargs(stage))
+    kwargs.update(recompute_kwargs(stage, chunk if plan.virtual_pipeline_size > 1 else None))
     return TransformerConfig(**kwargs)
 
 
@@ -364,15 +364,15 @@ def train_rank(plan: Plan, rank: int, config: TrainConfig | None = None,
         assert ps.get_data_parallel_rank() == slot.pipeline, "Megatron rank order is not tp-dp-pp"
         assert ps.get_pipeline_model_parallel_rank() == slot.stage
         tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
-        tconf = _transformer_config(plan, stage)  # one stage: the same policies on every chunk
         tied = not m.untie_embeddings_and_output_weights
         dist_opt = (plan.use_distributed_optimizer if config.use_distributed_optimizer is None
                     else config.use_distributed_optimizer)
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                                    overlap_grad_reduce=False,
                                                    use_distributed_optimizer=dist_opt)
-        chunks, models = [], []  # per model chunk: (pre, post) and the GPTModel
+        chunks, models, tconfs = [], [], []  # per model chunk: (pre, post), GPTModel, config
         for vp in range(v):
+            tconf = _transformer_config(plan, stage, vp)  # the stage's policies on its chunk
             vp_stage = vp if v > 1 else None
             pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
             post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
@@ -388,18 +388,20 @@ def train_rank(plan: Plan, rank: int, config: TrainConfig | None = None,
                          tied and post and not pre)
             chunks.append((pre, post))
             models.append(model)
+            tconfs.append(tconf)
         ddps = [DistributedDataParallel(config=tconf, ddp_config=ddp_config, module=model,
                                         disable_bucketing=i > 0)
-                for i, model in enumerate(models)]
+                for i, (model, tconf) in enumerate(zip(models, tconfs))]
         optimizer = get_megatron_optimizer(
             OptimizerConfig(optimizer=config.optimizer, lr=config.lr,
                             weight_decay=config.weight_decay,
                             clip_grad=config.clip_grad, bf16=False, fp16=False,
                             params_dtype=torch.float32, use_distributed_optimizer=dist_opt),
             ddps)
-        tconf.finalize_model_grads_func = finalize_model_grads
-        tconf.grad_scale_func = optimizer.scale_loss
-        tconf.no_sync_func = [d.no_sync for d in ddps] if v > 1 else ddps[0].no_sync
+        for tconf in tconfs:  # the schedule reads chunk 0's
+            tconf.finalize_model_grads_func = finalize_model_grads
+            tconf.grad_scale_func = optimizer.scale_loss
+            tconf.no_sync_func = [d.no_sync for d in ddps] if v > 1 else ddps[0].no_sync
         if hooks.on_built:
             hooks.on_built(ddps, optimizer)
         _install_backward_hook()

@@ -10,6 +10,12 @@ own ``TransformerConfig`` though, so the runtime sets them per rank from the ran
   with the plan's pipeline parallelism (0.16 and 0.17 refuse PP > 1) and Transformer Engine
   (which runs it) is installed.
 
+With interleaved pipelining (``Plan.virtual_pipeline_size`` > 1) a rank holds several model
+chunks, each with its own ``TransformerConfig``, and Megatron counts ``recompute_num_layers`` per
+chunk. The plan's numbers stay per stage: ``block`` recompute of n layers covers the stage's
+first n layers in chunk order (chunk 0 first: it keeps the most micro-batches in flight), and
+``uniform`` groups of k layers apply in every chunk (k must divide each chunk's layers).
+
 What the installed megatron-core cannot honour is refused at start (:func:`check_supported`),
 never dropped silently.
 """
@@ -22,7 +28,7 @@ from ..errors import HeteroError
 from ..optional import have_transformer_engine
 from ..plan import Plan, Stage
 
-__all__ = ["recompute_kwargs", "offload_kwargs", "stage_config_kwargs", "stage_args",
+__all__ = ["recompute_kwargs", "chunk_recompute_layers", "offload_kwargs", "stage_config_kwargs", "stage_args",
            "check_supported", "PolicyUnsupported", "activation_offload_supported",
            "optimizer_offload_supported"]
 
@@ -31,17 +37,32 @@ class PolicyUnsupported(HeteroError):
     """The plan asks for a memory policy the installed megatron-core cannot apply."""
 
 
-def recompute_kwargs(stage: Stage) -> dict:
-    """TransformerConfig overrides that make one stage recompute as its plan entry says."""
+_NO_RECOMPUTE = {"recompute_granularity": None, "recompute_method": None,
+                 "recompute_num_layers": None}
+
+
+def chunk_recompute_layers(stage: Stage, chunk: int) -> int:
+    """Layers of model chunk ``chunk`` that a ``block`` recompute of the stage covers."""
+    before = sum(stage.chunk_layers[:chunk])
+    return max(0, min(stage.recompute.num_layers - before, stage.chunk_layers[chunk]))
+
+
+def recompute_kwargs(stage: Stage, chunk: int | None = None) -> dict:
+    """TransformerConfig overrides that make one stage (or its model chunk ``chunk``, for an
+    interleaved plan) recompute as its plan entry says."""
     r = stage.recompute
     if r.granularity == "none":
-        return {"recompute_granularity": None, "recompute_method": None,
-                "recompute_num_layers": None}
+        return dict(_NO_RECOMPUTE)
     if r.granularity == "selective":
         return {"recompute_granularity": "selective", "recompute_method": None,
                 "recompute_num_layers": None}
+    n = r.num_layers
+    if chunk is not None and stage.chunk_layers is not None and r.method == "block":
+        n = chunk_recompute_layers(stage, chunk)
+        if n == 0:
+            return dict(_NO_RECOMPUTE)
     return {"recompute_granularity": "full", "recompute_method": r.method,
-            "recompute_num_layers": r.num_layers}
+            "recompute_num_layers": n}
 
 
 def offload_kwargs(stage: Stage) -> dict:
@@ -52,9 +73,10 @@ def offload_kwargs(stage: Stage) -> dict:
             "cpu_offloading_activations": True, "cpu_offloading_weights": False}
 
 
-def stage_config_kwargs(stage: Stage) -> dict:
-    """Every TransformerConfig field this stage's plan entry sets."""
-    return {**recompute_kwargs(stage), **offload_kwargs(stage)}
+def stage_config_kwargs(stage: Stage, chunk: int | None = None) -> dict:
+    """Every TransformerConfig field this stage's plan entry sets (on its model chunk
+    ``chunk`` for an interleaved plan)."""
+    return {**recompute_kwargs(stage, chunk), **offload_kwargs(stage)}
 
 
 def stage_args(stage: Stage) -> dict:
@@ -102,6 +124,14 @@ def check_supported(plan: Plan, *, source: str = "plan", use_precision_aware_opt
     pp = plan.pipeline_model_parallel_size
     for d, pipe in enumerate(plan.pipelines):
         for s, stage in enumerate(pipe.stages):
+            r = stage.recompute
+            if (r.granularity == "full" and r.method == "uniform" and stage.chunk_layers
+                    and plan.virtual_pipeline_size > 1
+                    and any(n % r.num_layers for n in stage.chunk_layers)):
+                problems.append(f"pipelines[{d}].stages[{s}].recompute.num_layers: uniform "
+                                f"recompute groups of {r.num_layers} layers must divide each "
+                                f"model chunk's layers {stage.chunk_layers} (Megatron recomputes "
+                                f"per chunk); use a divisor or method block")
             where = f"pipelines[{d}].stages[{s}].offload"
             if stage.offload.activations:
                 if stage.recompute.granularity != "none":

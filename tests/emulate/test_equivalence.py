@@ -5,7 +5,7 @@ The same model, data and seed train for 3 steps under (a) one process, (b) PP=2 
 both, (e) TP=2, (f) TP=2 x PP=2, (g) PP=2 with the embedding alone on stage 0, (h) (d) with
 Megatron's distributed optimizer (the others use the plain fp32 one), (i) interleaved
 pipelining: PP=2 with 2 model chunks per stage (chunks 1+1 and 3+1 layers) x DP=2 with
-micro-batch counts 4:2. Losses, the forward-only loss after training and the final parameters
+micro-batch counts 4:2, block recompute of 2 layers on stage 1. Losses, the forward-only loss after training and the final parameters
 must match (a).
 
 Tolerance: losses within rtol 1e-5. Parameters within rtol 1e-5 plus atol 1e-5 (1% of one Adam
@@ -36,6 +36,7 @@ pytestmark = pytest.mark.slow
 RTOL, ATOL = 1e-5, 1e-5
 CONFIG = TrainConfig(steps=3)
 FULL_RECOMPUTE = {"granularity": "full", "method": "uniform", "num_layers": 1}
+BLOCK_RECOMPUTE_2 = {"granularity": "full", "method": "block", "num_layers": 2}
 
 PLANS = {
     "b_pp2_split_1_5": tiny_plan([1, 5], [(1, 4)], recompute=[None, FULL_RECOMPUTE]),
@@ -46,7 +47,8 @@ PLANS = {
     "g_pp2_embedding_alone": tiny_plan([0, 6], [(1, 4)]),
     "h_pp2_dp2_distributed_optimizer": tiny_plan([1, 5], [(1, 3), (1, 1)],
                                                  use_distributed_optimizer=True),
-    "i_pp2_vp2_dp2_chunks_1_1_3_1": tiny_plan(None, [(1, 4), (1, 2)], chunks=[[1, 1], [3, 1]]),
+    "i_pp2_vp2_dp2_chunks_1_1_3_1": tiny_plan(None, [(1, 4), (1, 2)], chunks=[[1, 1], [3, 1]],
+                                              recompute=[None, BLOCK_RECOMPUTE_2]),
 }
 OWN_BATCH = {"i_pp2_vp2_dp2_chunks_1_1_3_1"}  # global batch 6: micro-batch counts are multiples of PP
 
@@ -133,8 +135,8 @@ def _mean_loss_per_replica(plan, rank):
     from megatron_hetero.emulate import trainer
     build = trainer._transformer_config
 
-    def transformer_config(plan, stage):
-        config = build(plan, stage)
+    def transformer_config(plan, stage, chunk=None):
+        config = build(plan, stage, chunk)
         config.calculate_per_token_loss = False
         return config
 
@@ -214,7 +216,9 @@ def _chunk_hooks(plan, rank):
 
     def on_built(ddps, optimizer):
         for ddp in ddps:
-            chunks.append([layer.layer_number for layer in ddp.module.decoder.layers])
+            c = ddp.module.config
+            chunks.append(([layer.layer_number for layer in ddp.module.decoder.layers],
+                           (c.recompute_granularity, c.recompute_num_layers)))
 
     return RankHooks(compute=counter.compute, on_built=on_built,
                      report=lambda: (chunks, counter.counts))
@@ -222,12 +226,14 @@ def _chunk_hooks(plan, rank):
 
 def test_interleaved_plan_runs_model_chunks():
     """(i) really runs the interleaved schedule: every rank holds its stage's 2 chunks with the
-    plan's layers (chunk-major model order) and runs each micro-batch once per chunk."""
+    plan's layers (chunk-major model order) and runs each micro-batch once per chunk; stage 1's
+    block recompute of 2 layers covers 2 of chunk 0's 3 layers and none of chunk 1's."""
     plan = PLANS["i_pp2_vp2_dp2_chunks_1_1_3_1"]
     assert plan.layout() == "Et|t*3|t|tL"
     config = TrainConfig(steps=1, gather_params=False, eval_forward_only=False)
     result = train_plan(plan, config, hooks_factory=_chunk_hooks)
-    expected = {0: [[1], [5]], 1: [[2, 3, 4], [6]]}  # stage -> layers (1-based) of each chunk
+    none = (None, None)  # stage -> (layers (1-based), recompute) of each chunk
+    expected = {0: [([1], none), ([5], none)], 1: [([2, 3, 4], ("full", 2)), ([6], none)]}
     for r in result.ranks:
         chunks, counts = r.extra
         assert chunks == expected[r.stage], (r.rank, chunks)
