@@ -41,7 +41,7 @@ from ..hardware.inventory import Inventory
 from ..plan import ModelSpec, Plan, Recompute
 from .placement import Placement, place
 from .profile_protocol import DeviceProfile
-from .schedule import peak_in_flight, rank_order
+from .schedule import peak_activations
 
 __all__ = ["CostModel", "StageTimes", "Memory", "RecomputeKey", "recompute_key"]
 
@@ -328,8 +328,7 @@ class CostModel:
         if activation_offload:
             acts = max(per_chunk)
         else:
-            order = rank_order(pipeline_size, stage, num_microbatches, v)
-            acts = peak_in_flight(order, per_chunk)
+            acts = peak_activations(pipeline_size, stage, num_microbatches, v, per_chunk)
         gran, method, k = recompute
         if gran == "full" and num_layers:
             chunk = k if method == "uniform" else 1

@@ -16,7 +16,8 @@ one backward in turn, then the remaining backwards.
 
 from __future__ import annotations
 
-__all__ = ["Op", "schedule_table", "rank_order", "warmup_count", "peak_in_flight"]
+__all__ = ["Op", "schedule_table", "rank_order", "warmup_count", "peak_in_flight",
+           "peak_activations"]
 
 Op = tuple[int, int, int]
 """(0 forward / 1 backward, micro-batch, model chunk)."""
@@ -64,3 +65,15 @@ def peak_in_flight(order: list[Op], weights: list[float]) -> float:
         else:
             held -= weights[c]
     return peak
+
+
+def peak_activations(p: int, r: int, m: int, v: int, weights: list[float]) -> float:
+    """:func:`peak_in_flight` of rank ``r``'s order, without listing all ``m`` micro-batches:
+    when ``m`` is a multiple of ``p`` the table repeats every ``p v`` entries, so the chunks held
+    after each steady-state forward repeat too, and the first ``p v`` steady steps (after the
+    warm-up, which only adds) hold every state the whole order reaches."""
+    if m % p == 0:
+        warm = warmup_count(p, r, 10**9, v)
+        enough = p * -(-(warm + p * v + 1) // (p * v))
+        m = min(m, enough)
+    return peak_in_flight(rank_order(p, r, m, v), weights)

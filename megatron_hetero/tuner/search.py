@@ -41,6 +41,7 @@ import numpy as np
 from .. import models as M
 from ..cost.model import CostModel
 from ..cost.profile_protocol import DeviceProfile
+from ..cost.schedule import peak_activations
 from ..errors import InfeasibleError
 from ..hardware.inventory import Inventory
 from ..plan import ModelSpec, Offload, Pipeline, Plan, Recompute, Stage
@@ -60,6 +61,9 @@ class TuneOptions:
     tensor_parallel_sizes: tuple[int, ...] | None = None
     """Tensor-parallel sizes tried (None: every size that divides the heads and fits a node)."""
     max_pipeline_stages: int = 64
+    max_virtual_pipeline_size: int = 4
+    """Model chunks per stage tried: 1 (plain 1F1B) up to this (interleaved 1F1B), where every
+    chunk gets a layer and the micro-batches form whole groups of the pipeline size."""
     optimizer_offload: bool = True
     """Let stages offload optimizer state to the host where memory is short (else recompute only)."""
     finalists: int = 4
@@ -77,6 +81,8 @@ class Structure:
     mbs: int
     templates: tuple[tuple[tuple[str, ...], int], ...]
     """(stage device types, number of pipelines) per template."""
+    vp: int = 1
+    """Model chunks per stage (interleaved 1F1B when > 1)."""
 
     @property
     def num_pipelines(self) -> int:
@@ -153,6 +159,28 @@ def _recompute(k: int, n: int) -> Recompute:
     if k >= n:
         return Recompute(granularity="full", method="uniform", num_layers=1)
     return Recompute(granularity="full", method="block", num_layers=k)
+
+
+def even_chunks(n: int, v: int) -> tuple[int, ...]:
+    """``n`` layers over ``v`` model chunks as evenly as possible, the later chunks taking the
+    remainder (fewer of them are in flight, and the first stage's chunk 0 holds the most)."""
+    q, r = divmod(n, v)
+    return tuple(q + (c >= v - r) for c in range(v))
+
+
+def _per_chunk(k: int, n: int, v: int) -> int:
+    """A stage's recompute code ``k`` (layers of full recompute) rounded up to the same count in
+    each of its ``v`` chunks (Megatron's block recompute counts per chunk), at most ``n``."""
+    if v == 1 or k <= 0 or k > n:
+        return k
+    return min(-(-k // v) * v, n)
+
+
+def _chunk_recompute(k: int, chunks: tuple[int, ...]) -> int:
+    """The per-chunk code of a stage recomputing ``k`` layers over ``chunks``."""
+    if len(chunks) == 1 or k <= 0:
+        return k
+    return -(-k // len(chunks))
 
 
 def _compositions(ranges: list[range], total: int):
@@ -319,7 +347,12 @@ class _Search:
                             speed += n * rate
                         lb = (total + Dm * (pp - 1)) / speed
                         out.append((lb, Structure(tp, pp, mbs, tm)))
-        out.sort(key=lambda x: (x[0], x[1].tp, x[1].pp, x[1].mbs, x[1].templates))
+                        if pp == 1 or total % pp or total // pp < Dm:
+                            continue
+                        for v in range(2, min(self.opt.max_virtual_pipeline_size, L // pp) + 1):
+                            out.append(((total + Dm * (pp - 1) / v) / speed,
+                                        Structure(tp, pp, mbs, tm, v)))
+        out.sort(key=lambda x: (x[0], x[1].tp, x[1].pp, x[1].mbs, x[1].vp, x[1].templates))
         unique, seen = [], set()
         for item in out:
             if item[1] not in seen:
@@ -329,9 +362,13 @@ class _Search:
 
     # -- per-stage tables -----------------------------------------------------------------------
     def table(self, prec: str, gpu: str, tp: int, mbs: int, first: bool, last: bool,
-              in_flight: int, D: int) -> "_Table":
-        """Costs of one stage position for every layer count (memory and time are linear in it)."""
-        key = (prec, gpu, tp, mbs, first, last, in_flight, D)
+              in_flight: float, D: int, vp: int = 1, pp: int = 1, stage: int = 0,
+              m: int = 0) -> "_Table":
+        """Costs of one stage position for every layer count (memory and time are linear in it).
+        With ``vp`` > 1 chunks the stage is stage ``stage`` of ``pp`` running ``m`` micro-batches
+        interleaved, ``in_flight`` its peak chunks in flight over ``vp`` (layers held per layer);
+        memory is exact at multiples of ``vp`` layers (even chunks) and linear between."""
+        key = (prec, gpu, tp, mbs, first, last, in_flight, D, vp, pp, stage, m)
         got = self._tables.get(key)
         if got is not None:
             return got
@@ -340,15 +377,20 @@ class _Search:
         sp = tp > 1  # Megatron users run TP with --sequence-parallel; the plans say so
         n = np.arange(L + 1, dtype=float)
 
-        def line(f):
-            a, b = f(1), f(2)
-            return a + (n - 1) * (b - a)
+        def line(f, unit=1):
+            a, b = f(unit), f(2 * unit)
+            return a + (n - unit) * (b - a) / unit
+
+        def memory(k, rk):
+            if vp == 1:
+                return cost.memory_need(gpu, k, first, last, mbs, tp, rk, in_flight, D, 0.0, False, sp)
+            return cost.chunked_memory_need(gpu, even_chunks(k, vp), first, last, mbs, tp, rk, pp,
+                                            stage, m, D, 0.0, False, sp)
 
         t_none = line(lambda k: cost.compute_times(gpu, k, first, last, mbs, tp, none, False, sp).total_s)
-        mems = {k: cost.memory_need(gpu, k, first, last, mbs, tp, none, in_flight, D, 0.0, False, sp)
-                for k in (1, 2)}
-        mem_none = line(lambda k: mems[k].total)
-        opt = line(lambda k: mems[k].optimizer)
+        mems = {k: memory(k, none) for k in (vp, 2 * vp)}
+        mem_none = line(lambda k: mems[k].total, vp)
+        opt = line(lambda k: mems[k].optimizer, vp)
         off_step = line(lambda k: cost.optimizer_seconds(gpu, cost.stage_params(k, first, last, tp), D, 1.0)
                         - cost.optimizer_seconds(gpu, cost.stage_params(k, first, last, tp), D, 0.0))
         act = cost.layer_activation_bytes(gpu, mbs, tp, "none", sp)
@@ -381,8 +423,7 @@ class _Search:
         sel = ("selective", None, None)
         t_sel = line(lambda k: cost.compute_times(gpu, k, first, last, mbs, tp, sel, False, sp).total_s)
         flash = cost.uses_flash_attention(gpu)
-        mem_sel = mem_none if flash else line(lambda k: cost.memory_need(
-            gpu, k, first, last, mbs, tp, sel, in_flight, D, 0.0, False, sp).total)
+        mem_sel = mem_none if flash else line(lambda k: memory(k, sel).total, vp)
         sel_fits = mem_sel <= cap
         if not flash:
             # D: selective recompute; E: then offload part of the optimizer state
@@ -412,23 +453,36 @@ class _Search:
         return got
 
     # -- evaluation -----------------------------------------------------------------------------
+    def stage_tables(self, st: Structure, prec: str) -> list[list[_Table]]:
+        """The tables of every (template, stage) of a structure."""
+        p, v, D = st.pp, st.vp, st.num_pipelines
+        if v == 1:
+            return [[self.table(prec, types[s], st.tp, st.mbs, s == 0, s == p - 1, p - s, D)
+                     for s in range(p)] for types, _ in st.templates]
+        # the peak is monotone in the micro-batches: count them as the average rounded up
+        m = p * max(1, -(-(self.gbs // st.mbs) // (D * p)))
+        flight = [peak_activations(p, s, m, v, [1.0] * v) / v for s in range(p)]
+        return [[self.table(prec, types[s], st.tp, st.mbs, s == 0, s == p - 1, flight[s], D,
+                            v, p, s, m) for s in range(p)] for types, _ in st.templates]
+
     def evaluate(self, st: Structure, *, baseline: bool, offload: bool = True) -> _Candidate | None:
         self.evaluated += 1
         L = self.model.num_layers
-        p, tp, mbs, D = st.pp, st.tp, st.mbs, st.num_pipelines
+        p, tp, mbs, D, v = st.pp, st.tp, st.mbs, st.num_pipelines, st.vp
         total = self.gbs // mbs
-        if baseline and (L % p or total % D):
+        if baseline and (L % (p * v) or total % D or (v > 1 and (total // D) % p)):
+            return None
+        if v > 1 and (total % p or total // p < D or L < p * v):
             return None
         prec = self.precision_for({t for types, _ in st.templates for t in types})
         cost = self.cost(prec)
-        tables = [[self.table(prec, types[s], tp, mbs, s == 0, s == p - 1, p - s, D)
-                   for s in range(p)] for types, _ in st.templates]
+        tables = self.stage_tables(st, prec)
         if baseline:
             n = L // p
             split = [n] * p
             # one recompute setting everywhere: full recompute of the same layers on every
             # stage, or selective recompute everywhere when that fits (the faster of the two)
-            kmax = max(int(tb.k_base[n]) for rows in tables for tb in rows)
+            kmax = _per_chunk(max(int(tb.k_base[n]) for rows in tables for tb in rows), n, v)
             if kmax and all(bool(tb.sel_fits[n]) for rows in tables for tb in rows):
                 full_t = np.inf if kmax > n else max(
                     cost.compute_times(types[s], n, s == 0, s == p - 1, mbs, tp, ("full", "block", kmax),
@@ -448,15 +502,20 @@ class _Search:
                 norm.append(1.0 / sum(1.0 / x for x in layer))
             costs = np.max(np.stack([np.stack([tb.t_fit if offload else tb.t_rec for tb in rows]) / w
                                      for rows, w in zip(tables, norm)]), axis=0)
+            if v > 1:  # every chunk holds a layer
+                costs = costs.copy()
+                costs[:, :v] = np.inf
             got = min_max_split(costs, L)
             if got is None:
                 return None
             _, split = got
             if offload:
-                rec = [[int(tb.k[split[s]]) for s, tb in enumerate(rows)] for rows in tables]
+                rec = [[_per_chunk(int(tb.k[split[s]]), split[s], v) for s, tb in enumerate(rows)]
+                       for rows in tables]
                 off = [[float(tb.f[split[s]]) for s, tb in enumerate(rows)] for rows in tables]
             else:
-                rec = [[int(tb.k_rec[split[s]]) for s, tb in enumerate(rows)] for rows in tables]
+                rec = [[_per_chunk(int(tb.k_rec[split[s]]), split[s], v) for s, tb in enumerate(rows)]
+                       for rows in tables]
                 off = [[0.0] * p for _ in tables]
         fixed, per = [], []
         offload_tail = 0.0
@@ -470,17 +529,46 @@ class _Search:
             sends = sum(2 * cost.p2p_seconds(mbs, self._link_estimate(types, s, tp, D), tp, tp > 1)
                         for s in range(p - 1))
             c = max(stage_t)
-            fixed += [sum(stage_t) - c + sends] * count
+            if v > 1:  # fill and drain shrink v times; every chunk boundary is a send
+                wrap = 2 * cost.p2p_seconds(mbs, self._link_estimate((types[-1], types[0]), 0, tp, D),
+                                            tp, tp > 1)
+                fixed += [(sum(stage_t) - c) / v + v * sends + (v - 1) * wrap] * count
+            else:
+                fixed += [sum(stage_t) - c + sends] * count
             per += [c] * count
         if baseline:
             mb = [total // D] * D
+        elif v > 1:  # whole groups of p micro-batches (Megatron's interleaved schedule)
+            units = water_fill(fixed, [c * p for c in per], total // p)
+            if units is None:
+                return None
+            mb = [u * p for u in units]
         else:
             mb = water_fill(fixed, per, total)
             if mb is None:
                 return None
+        if v > 1 and not self._chunks_fit(st, cost, split, rec, off, mb):
+            return None
         step = max(a + k * c for a, c, k in zip(fixed, per, mb))
         step += self._sync_estimate(st, split, cost) + offload_tail
         return _Candidate(st, split, rec, off, mb, step, prec)
+
+    def _chunks_fit(self, st: Structure, cost: CostModel, split, rec, off, mb) -> bool:
+        """Exact memory of an interleaved candidate (the tables interpolate between multiples of
+        the chunk count): every (template, stage) at its template's most micro-batches."""
+        p, v, d = st.pp, st.vp, 0
+        for ti, (types, count) in enumerate(st.templates):
+            m = max(mb[d:d + count])
+            d += count
+            for s in range(p):
+                chunks = even_chunks(split[s], v)
+                rk = _recompute_key(_chunk_recompute(rec[ti][s], chunks))
+                mem = cost.chunked_memory_need(types[s], chunks, s == 0, s == p - 1, st.mbs, st.tp,
+                                               rk, p, s, m, st.num_pipelines,
+                                               off[ti][s], False, st.tp > 1)
+                if not mem.fits:
+                    return False
+        return True
 
     def _link_estimate(self, types: tuple[str, ...], s: int, tp: int, D: int) -> float:
         """Bandwidth between stages ``s`` and ``s + 1`` under :func:`~megatron_hetero.cost.place`
@@ -527,19 +615,29 @@ class _Search:
         st = cand.structure
         pipelines = []
         d = 0
+        v = st.vp
+        chunks = [even_chunks(n, v) for n in cand.split]
         for ti, (types, count) in enumerate(st.templates):
             for _ in range(count):
-                stages = [Stage(device_type=types[s], num_layers=cand.split[s],
-                                recompute=_recompute(cand.recompute[ti][s], cand.split[s]),
-                                offload=Offload(optimizer_fraction=cand.offload[ti][s]))
-                          for s in range(st.pp)]
+                if v == 1:
+                    stages = [Stage(device_type=types[s], num_layers=cand.split[s],
+                                    recompute=_recompute(cand.recompute[ti][s], cand.split[s]),
+                                    offload=Offload(optimizer_fraction=cand.offload[ti][s]))
+                              for s in range(st.pp)]
+                else:
+                    stages = [Stage(device_type=types[s], num_layers=cand.split[s],
+                                    recompute=_recompute(_chunk_recompute(cand.recompute[ti][s],
+                                                                          chunks[s]), max(chunks[s])),
+                                    offload=Offload(optimizer_fraction=cand.offload[ti][s]),
+                                    chunk_layers=list(chunks[s]))
+                              for s in range(st.pp)]
                 pipelines.append(Pipeline(micro_batch_size=st.mbs,
                                           num_microbatches=cand.microbatches[d], stages=stages))
                 d += 1
         return Plan(format_version=1, model=self.model, global_batch_size=self.gbs,
                     tensor_model_parallel_size=st.tp, pipelines=pipelines,
                     precision=cand.precision, use_distributed_optimizer=True,
-                    sequence_parallel=st.tp > 1)
+                    sequence_parallel=st.tp > 1, virtual_pipeline_size=v)
 
     def walk(self, structures, *, baseline: bool, tick: Callable[[], None]) -> list[_Candidate]:
         keep: list[_Candidate] = []
@@ -637,7 +735,8 @@ def tune(model: ModelSpec, inventory: Inventory, global_batch_size: int, *,
         tuned = search.walk(structures, baseline=False, tick=tick)
         L = model.num_layers
         plain = [(lb, st) for lb, st in structures  # what plain Megatron can express at all
-                 if L % st.pp == 0 and (global_batch_size // st.mbs) % st.num_pipelines == 0]
+                 if L % (st.pp * st.vp) == 0 and (global_batch_size // st.mbs) % st.num_pipelines == 0
+                 and (st.vp == 1 or (global_batch_size // st.mbs // st.num_pipelines) % st.pp == 0)]
         base = search.walk(plain, baseline=True, tick=tick)
     finally:
         if progress is not None:

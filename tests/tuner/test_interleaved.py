@@ -10,7 +10,8 @@ from hypothesis import given, settings, strategies as st
 
 from megatron_hetero import models as M
 from megatron_hetero.cost import CostModel
-from megatron_hetero.cost.schedule import peak_in_flight, rank_order, schedule_table, warmup_count
+from megatron_hetero.cost.schedule import (peak_activations, peak_in_flight, rank_order,
+                                             schedule_table, warmup_count)
 from megatron_hetero.hardware.inventory import inventory_from_data
 from megatron_hetero.plan import ModelSpec, plan_from_data
 from megatron_hetero.simulate import interleaved_1f1b, one_f_one_b, simulate
@@ -202,3 +203,14 @@ def test_timeline_png_colours_chunks(tmp_path):
     out = tmp_path / "t.png"
     res.timeline_png(out)
     assert out.stat().st_size > 1000
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 4), st.integers(1, 12),
+       st.lists(st.floats(0.0, 10.0), min_size=4, max_size=4))
+def test_peak_activations_shortcut_matches_the_whole_order(p, v, groups, w):
+    weights = w[:v]
+    for m in (groups * p, groups * p + 1):  # whole groups (shortcut) and not
+        for r in range(p):
+            want = peak_in_flight(rank_order(p, r, m, v), weights)
+            assert peak_activations(p, r, m, v, weights) == pytest.approx(want)

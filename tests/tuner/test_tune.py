@@ -214,3 +214,26 @@ def test_type_orders_widen_the_search(monkeypatch):
     assert every.sim.step_time_s < rich_first.sim.step_time_s
     assert every.plan.stage(0, 0).device_type == "A40-48GB"
     _check_emitted(every, inv, model, 512)
+
+
+def test_interleaving_where_the_bubble_dominates():
+    # 8 micro-batches on a 2-stage A100 + V100 pipeline: the fill and drain cost a fifth of the
+    # step without interleaving, so the search splits each stage into model chunks
+    model = ModelSpec(name="small16", num_layers=16, hidden_size=2048, ffn_hidden_size=5504,
+                      num_attention_heads=16, num_query_groups=16, vocab_size=32000,
+                      seq_length=2048)
+    inv = inventory_from_data({"groups": [
+        {"gpu": "A100-SXM-80GB", "nodes": 1, "gpus_per_node": 2},
+        {"gpu": "V100-SXM2-32GB", "nodes": 1, "gpus_per_node": 2}]})
+    from megatron_hetero.tuner import TuneOptions
+    flat = tune(model, inv, 8, options=TuneOptions(max_virtual_pipeline_size=1))
+    result = tune(model, inv, 8)
+    plan = result.plan
+    v, p = plan.virtual_pipeline_size, plan.pipeline_model_parallel_size
+    assert v > 1 and flat.plan.virtual_pipeline_size == 1
+    assert result.sim.step_time_s < flat.sim.step_time_s
+    for stage in plan.pipelines[0].stages:
+        assert len(stage.chunk_layers) == v and sum(stage.chunk_layers) == stage.num_layers
+        assert max(stage.chunk_layers) - min(stage.chunk_layers) <= 1
+    assert all(pipe.num_microbatches % p == 0 for pipe in plan.pipelines)
+    _check_emitted(result, inv, model, 8)
