@@ -16,7 +16,14 @@ __all__ = ["megatron_args", "megatron_args_line", "split_args"]
 
 def split_args(plan: Plan) -> list[str]:
     """Arguments for the uneven layer split: nothing when even, first/last stage counts where
-    they express the split exactly, else ``--pipeline-model-parallel-layout``."""
+    they express the split exactly, else ``--pipeline-model-parallel-layout``.
+
+    An interleaved plan (``virtual_pipeline_size`` v > 1) always gets the layout, one segment
+    per virtual stage (``p v`` of them): Megatron derives its virtual pipeline size from their
+    count, and the layout is exact for any chunks. (``--num-virtual-stages-per-pipeline-rank``
+    would be exact only for equal virtual stages, and cannot be combined with a layout.)"""
+    if plan.virtual_pipeline_size > 1:  # Megatron reads the virtual stages from the layout
+        return ["--pipeline-model-parallel-layout", plan.layout()]
     split = plan.layer_split
     pp = len(split)
     if pp == 1 or len(set(split)) == 1:

@@ -21,8 +21,11 @@ BASE = yaml.safe_load((REPO / "tests/data/plan_a100_v100.yaml").read_text())
 
 
 def _variant(split, *, tp=1, heads=32, groups=32, micro=(1, 1), counts=(70, 58), sp=False,
-             offload=0.0):
+             offload=0.0, chunks=None):
     data = copy.deepcopy(BASE)
+    if chunks is not None:  # interleaved: the layers of each stage's model chunks
+        split = [sum(c) for c in chunks]
+        data["virtual_pipeline_size"] = len(chunks[0])
     data["tensor_model_parallel_size"] = tp
     data["sequence_parallel"] = sp
     data["precision"] = "bf16" if offload else data["precision"]
@@ -33,6 +36,7 @@ def _variant(split, *, tp=1, heads=32, groups=32, micro=(1, 1), counts=(70, 58),
          "stages": [dict(copy.deepcopy(proto), num_layers=k, recompute={"granularity": "none"},
                          device_type="A100-SXM-80GB",
                          offload={"optimizer_fraction": offload if s == 0 else 0.0})
+                    | ({"chunk_layers": list(chunks[s])} if chunks is not None else {})
                     for s, k in enumerate(split)]}
         for m, n in zip(micro, counts)]
     data["global_batch_size"] = sum(m * n for m, n in zip(micro, counts))
@@ -48,6 +52,12 @@ VARIANTS = {
     "gqa-tp2-uneven-mbs": _variant([16, 16], tp=2, heads=64, groups=8, micro=(2, 1), counts=(20, 24)),
     "sequence-parallel": _variant([16, 16], tp=4, sp=True),
     "optimizer-offload": _variant([16, 16], offload=0.5),
+    "interleaved-even": _variant(None, chunks=[[8, 8], [8, 8]], counts=(32, 32)),
+    "interleaved-uneven": _variant(None, chunks=[[7, 9], [8, 8]]),
+    "interleaved-3x3-empty-ends": _variant(None, chunks=[[0, 4, 4], [4, 4, 4], [4, 4, 0]],
+                                           counts=(69, 57)),
+    "interleaved-tp2": _variant(None, tp=2, sp=True, chunks=[[3, 5, 4, 4], [4, 4, 4, 4]],
+                                counts=(64, 64)),
 }
 
 
@@ -58,6 +68,13 @@ def test_split_arguments_choose_the_exact_form():
     assert split_args(VARIANTS["layout-zero-first"]) == [
         "--pipeline-model-parallel-layout", "E|t*11|t*11|t*10L"]
     assert split_args(VARIANTS["even-uniform-dp"]) == []
+    # interleaved: one layout segment per virtual stage, chunk-major
+    assert split_args(VARIANTS["interleaved-uneven"]) == [
+        "--pipeline-model-parallel-layout", "Et*7|t*8|t*9|t*8L"]
+    assert split_args(VARIANTS["interleaved-3x3-empty-ends"]) == [
+        "--pipeline-model-parallel-layout", "E|t*4|t*4|t*4|t*4|t*4|t*4|t*4|L"]
+    assert split_args(VARIANTS["interleaved-even"]) == [
+        "--pipeline-model-parallel-layout", "Et*8|t*8|t*8|t*8L"]
     assert "--calculate-per-token-loss" not in megatron_args(VARIANTS["even-uniform-dp"])
     assert "--calculate-per-token-loss" in megatron_args(VARIANTS["first-last"])
 
@@ -70,6 +87,7 @@ _CHECKER = textwrap.dedent("""
     # answer as an H100 would (what the check uses it for is a CUDA_DEVICE_MAX_CONNECTIONS hint).
     margs.get_device_arch_version = lambda: 9
     os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    from megatron.core.transformer.enums import LayerType
     from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
     from megatron_hetero.runtime.arguments import add_hetero_args
     out = []
@@ -80,11 +98,17 @@ _CHECKER = textwrap.dedent("""
             args = parse_args(extra_args_provider=add_hetero_args)
             validate_args(args)
         pp = args.pipeline_model_parallel_size
+        vpp = args.virtual_pipeline_model_parallel_size or 1
+        chunks = None
         if args.pipeline_model_parallel_layout is not None:
             layout = args.pipeline_model_parallel_layout
             if isinstance(layout, str):
                 layout = PipelineParallelLayerLayout(layout, pp)
-            split = [layout.get_num_layers_to_build(vp_stage=0, pp_rank=r) for r in range(pp)]
+            layout.validate_layer_layout(args.num_layers, None)  # what TransformerConfig checks
+            assert layout.virtual_pipeline_model_parallel_size == vpp
+            chunks = [[layout.layout[r][c].count(LayerType.decoder) for c in range(vpp)]
+                      for r in range(pp)]
+            split = [sum(row) for row in chunks]
         else:
             first = args.decoder_first_pipeline_num_layers
             last = args.decoder_last_pipeline_num_layers
@@ -95,6 +119,7 @@ _CHECKER = textwrap.dedent("""
                 [last if last is not None else mid] if pp > 1 else [])
             split = split[:pp]
         out.append(dict(tp=args.tensor_model_parallel_size, pp=pp, dp=args.data_parallel_size,
+                        vpp=vpp, chunks=chunks,
                         split=split, gbs=args.global_batch_size, mbs=args.micro_batch_size,
                         groups=(args.num_query_groups if args.group_query_attention
                                 else args.num_attention_heads), per_token=args.calculate_per_token_loss,
@@ -118,6 +143,9 @@ def test_megatron_training_accepts_the_arguments(mcore017_env):
         assert got["pp"] == plan.pipeline_model_parallel_size, name
         assert got["dp"] == plan.data_parallel_size, name
         assert got["split"] == plan.layer_split, name
+        assert got["vpp"] == plan.virtual_pipeline_size, name
+        if plan.virtual_pipeline_size > 1:
+            assert got["chunks"] == [s.chunk_layers for s in plan.pipelines[0].stages], name
         assert got["gbs"] == plan.global_batch_size, name
         assert got["mbs"] == plan.pipelines[0].micro_batch_size, name
         assert got["groups"] == plan.model.num_query_groups, name
