@@ -32,7 +32,7 @@ grad clipping, activation recompute (full and selective), the RNG tracker and TP
 
 How
 ---
-Nothing in megatron-core is edited. Four mechanisms, all listed in :data:`REDIRECTS`:
+Nothing in megatron-core is edited. Five mechanisms, all listed in :data:`REDIRECTS`:
 
 1. A ``TorchFunctionMode`` (:class:`_CudaToCpuMode`) pushed for the rest of the process maps
    every CUDA device argument (``device="cuda"``, ``device=torch.cuda.current_device()``,
@@ -46,6 +46,9 @@ Nothing in megatron-core is edited. Four mechanisms, all listed in :data:`REDIRE
 4. ``torch.autograd.function.BackwardCFunction.apply`` re-pushes the mode around custom autograd
    Functions' backward: the engine runs inside the mode's handler of ``torch.autograd.backward``,
    where a mode is popped, and megatron's recompute runs its forward there.
+5. The overlapped p2p (``_p2p_ops``) keeps every send buffer alive until its request is waited:
+   the interleaved schedule frees a pipeline output right after an asynchronous send, a GPU
+   allocator pattern that races on gloo.
 
 The mode is thread-local: it covers the thread that called ``enable_cpu_backend`` (CPU autograd
 runs the backward on that thread too). It costs about 2.5 us per torch call.
@@ -113,6 +116,11 @@ REDIRECTS: tuple[tuple[str, str, str], ...] = (
      "reads the CPU generator (it indexes torch.cuda.default_generators otherwise)"),
     ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state",
      "sets the CPU generator (it indexes torch.cuda.default_generators otherwise)"),
+    ("megatron.core.pipeline_parallel.p2p_communication", "_p2p_ops",
+     "the overlapped p2p of the interleaved schedule: each isend's buffer is kept alive until "
+     "its wait(). Megatron frees a pipeline output's storage right after sending it "
+     "(deallocate_pipeline_outputs), which CUDA's stream-ordered allocator makes safe; gloo "
+     "reads the buffer asynchronously, so the freed storage raced (wrong losses)"),
 )
 
 #: ``torch.cuda`` functions that are left as they are: queries that answer correctly on a
@@ -263,8 +271,40 @@ class _NoStream:
 _NO_STREAM = _NoStream()
 
 
+class _SendKeepAlive:
+    """A send request that holds its buffer's storage until ``wait()`` (see REDIRECTS)."""
+
+    __slots__ = ("_work", "_buffer")
+
+    def __init__(self, work, buffer):
+        self._work, self._buffer = work, buffer
+
+    def wait(self, *args, **kwargs):
+        result = self._work.wait(*args, **kwargs)
+        self._buffer = None
+        return result
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def _keep_send_buffers(original):
+    def _p2p_ops(*, tensor_send_prev=None, tensor_send_next=None, **kwargs):
+        reqs = original(tensor_send_prev=tensor_send_prev, tensor_send_next=tensor_send_next,
+                        **kwargs)
+        for key, tensor in (("send_prev", tensor_send_prev), ("send_next", tensor_send_next)):
+            if key in reqs and tensor is not None:
+                # detach() shares the storage; ``out.data = ...`` later replaces only out's
+                reqs[key] = _SendKeepAlive(reqs[key], tensor.detach())
+        return reqs
+
+    _p2p_ops.__wrapped__ = original
+    return _p2p_ops
+
+
 def _cuda_standins() -> dict[tuple[str, str], object]:
     import torch
+    from megatron.core.pipeline_parallel import p2p_communication
 
     def get_rng_state(device="cuda"):
         return torch.get_rng_state()
@@ -304,6 +344,8 @@ def _cuda_standins() -> dict[tuple[str, str], object]:
         ("torch.cuda.nvtx", "range_pop"): nop,
         ("megatron.core.tensor_parallel.random", "_get_cuda_rng_state"): _get_cuda_rng_state,
         ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state"): _set_cuda_rng_state,
+        ("megatron.core.pipeline_parallel.p2p_communication", "_p2p_ops"):
+            _keep_send_buffers(p2p_communication._p2p_ops),
     }
 
 

@@ -244,9 +244,11 @@ def _transformer_config(plan: Plan, stage: Stage, chunk: int | None = None):
         kwargs["pipeline_model_parallel_layout"] = plan.layout()
     if plan.virtual_pipeline_size > 1:
         # the interleaved schedule as Megatron-LM's training runs it by default (its
-        # --overlap-p2p-communication; PP=2 needs it: both directions go to one peer)
+        # --overlap-p2p-communication, which PP=2 needs: both directions go to one peer; and
+        # pipeline outputs freed right after their asynchronous send)
         kwargs.update(virtual_pipeline_model_parallel_size=plan.virtual_pipeline_size,
-                      overlap_p2p_comm=True, batch_p2p_comm=False)
+                      overlap_p2p_comm=True, batch_p2p_comm=False,
+                      deallocate_pipeline_outputs=True)
     kwargs.update(recompute_kwargs(stage, chunk if plan.virtual_pipeline_size > 1 else None))
     return TransformerConfig(**kwargs)
 

@@ -140,6 +140,47 @@ def test_backend_in_a_rank_process():
     assert out["outside"] == "torch error"
 
 
+def _send_then_free(rank, world_size):
+    """The interleaved schedule's pattern: an overlapped isend, then the output's storage freed
+    (Megatron's deallocate_output_tensor) before the request is waited."""
+    import gc
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron_hetero.emulate.cpu_backend import enable_cpu_backend
+    enable_cpu_backend()
+    from megatron.core.pipeline_parallel import p2p_communication as p2p
+
+    group = dist.new_group([0, 1])
+    if rank == 0:
+        out = torch.arange(4096, dtype=torch.float32)
+        address = out.data_ptr()
+        reqs = p2p._p2p_ops(tensor_send_prev=None, tensor_recv_prev=None, tensor_send_next=out,
+                            tensor_recv_next=None, group=group, prev_pipeline_rank=1,
+                            next_pipeline_rank=1)
+        req = reqs["send_next"]
+        kept = req._buffer.data_ptr() == address
+        out.data = torch.empty((1,))  # what deallocate_output_tensor does
+        gc.collect()
+        junk = [torch.full((4096,), -1.0) for _ in range(64)]  # reuse freed memory if any
+        dist.barrier()
+        req.wait()
+        return kept and req._buffer is None and len(junk) == 64
+    buffer = torch.zeros(4096)
+    dist.barrier()  # rank 0 freed its output before this receive is posted
+    reqs = p2p._p2p_ops(tensor_send_prev=None, tensor_recv_prev=buffer, tensor_send_next=None,
+                        tensor_recv_next=None, group=group, prev_pipeline_rank=0,
+                        next_pipeline_rank=0)
+    reqs["recv_prev"].wait()
+    return torch.equal(buffer, torch.arange(4096, dtype=torch.float32))
+
+
+@pytest.mark.slow
+def test_overlapped_send_keeps_its_buffer_until_waited():
+    assert spawn(_send_then_free, 2, timeout_s=120) == [True, True]
+
+
 # -- spawn ----------------------------------------------------------------------------------------
 def _all_reduce_rank(rank, world_size, scale):
     import torch
