@@ -16,6 +16,8 @@ one backward in turn, then the remaining backwards.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 __all__ = ["Op", "schedule_table", "rank_order", "warmup_count", "peak_in_flight",
            "peak_activations"]
 
@@ -68,12 +70,31 @@ def peak_in_flight(order: list[Op], weights: list[float]) -> float:
 
 
 def peak_activations(p: int, r: int, m: int, v: int, weights: list[float]) -> float:
-    """:func:`peak_in_flight` of rank ``r``'s order, without listing all ``m`` micro-batches:
-    when ``m`` is a multiple of ``p`` the table repeats every ``p v`` entries, so the chunks held
-    after each steady-state forward repeat too, and the first ``p v`` steady steps (after the
-    warm-up, which only adds) hold every state the whole order reaches."""
+    """:func:`peak_in_flight` of rank ``r``'s order for non-negative ``weights``, without walking
+    all ``m`` micro-batches each time: when ``m`` is a multiple of ``p`` the table repeats every
+    ``p v`` entries, so the chunks held after each steady-state forward repeat too, and the
+    first ``p v`` steady steps (after the warm-up, which only adds) reach every state the whole
+    order reaches. The states (chunks held per chunk index) are cached per shape."""
     if m % p == 0:
         warm = warmup_count(p, r, 10**9, v)
         enough = p * -(-(warm + p * v + 1) // (p * v))
         m = min(m, enough)
-    return peak_in_flight(rank_order(p, r, m, v), weights)
+    return max(sum(n * w for n, w in zip(state, weights)) for state in _held_states(p, r, m, v))
+
+
+@lru_cache(maxsize=8192)
+def _held_states(p: int, r: int, m: int, v: int) -> tuple[tuple[int, ...], ...]:
+    """The chunk counts held after each forward of rank ``r``'s order, keeping only those no
+    other state holds at least as much of in every chunk (the candidates for a peak)."""
+    held = [0] * v
+    seen: set[tuple[int, ...]] = set()
+    for kind, _, c in rank_order(p, r, m, v):
+        held[c] += 1 if kind == 0 else -1
+        if kind == 0:
+            seen.add(tuple(held))
+    states = sorted(seen, key=lambda x: (-sum(x), x))
+    kept: list[tuple[int, ...]] = []
+    for x in states:
+        if not any(all(a >= b for a, b in zip(y, x)) for y in kept):
+            kept.append(x)
+    return tuple(kept)

@@ -30,6 +30,7 @@ Everything iterates in sorted order, so the result depends only on the input.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import time
@@ -101,6 +102,9 @@ class _Candidate:
     """Per pipeline, in template order."""
     score: float
     precision: str
+    fill: float = 0.0
+    """The largest fill-and-drain seconds of a pipeline in the estimate (what interleaving
+    divides)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -551,7 +555,7 @@ class _Search:
             return None
         step = max(a + k * c for a, c, k in zip(fixed, per, mb))
         step += self._sync_estimate(st, split, cost) + offload_tail
-        return _Candidate(st, split, rec, off, mb, step, prec)
+        return _Candidate(st, split, rec, off, mb, step, prec, max(fixed))
 
     def _chunks_fit(self, st: Structure, cost: CostModel, split, rec, off, mb) -> bool:
         """Exact memory of an interleaved candidate (the tables interpolate between multiples of
@@ -640,25 +644,59 @@ class _Search:
                     sequence_parallel=st.tp > 1, virtual_pipeline_size=v)
 
     def walk(self, structures, *, baseline: bool, tick: Callable[[], None]) -> list[_Candidate]:
+        """The best estimates (``finalists``) of the structures visited in lower-bound order,
+        plus the best two of every chunk count seen: the estimate of an interleaved pipeline
+        leaves out the bubbles of chunks of unequal length, so each chunk count is simulated."""
         keep: list[_Candidate] = []
+        by_vp: dict[int, list[_Candidate]] = {}
+        visited: dict[Structure, _Candidate | None] = {}
         k = self.opt.finalists
-        for lb, st in structures:
-            tick()
-            if len(keep) >= k and lb >= keep[-1].score:
-                break
-            cand = self.evaluate(st, baseline=baseline, offload=self.opt.optimizer_offload)
+
+        def visit(st: Structure) -> _Candidate | None:
+            """Evaluate ``st`` once and file its candidates; its estimate (None: no plan)."""
+            if st in visited:
+                return visited[st]
+            cand = visited[st] = self.evaluate(st, baseline=baseline,
+                                               offload=self.opt.optimizer_offload)
             if cand is None:
-                continue
-            keep.append(cand)
+                return None
+            new = [cand]
             if any(f for row in cand.offload for f in row):
                 # the offload's per-step cost was spread over micro-batches: compare with the
                 # same structure under recompute alone
                 other = self.evaluate(st, baseline=False, offload=False)
                 if other is not None:
-                    keep.append(other)
+                    new.append(other)
+            keep.extend(new)
             keep.sort(key=lambda c: c.score)
             del keep[k:]
-        return keep
+            best = by_vp.setdefault(st.vp, [])
+            best += new
+            best.sort(key=lambda c: c.score)
+            del best[2:]
+            return cand
+
+        for lb, st in structures:
+            tick()
+            if len(keep) >= k and lb >= keep[-1].score:
+                break
+            if st.vp > 1:
+                # interleaving holds more activations than plain 1F1B on every stage: where the
+                # same structure without it fits nowhere, it does not either; and it can at
+                # best divide that structure's fill and drain by the chunk count
+                # best divide that structure's fill and drain by the chunk count (visited still
+                # when it may be among the best two of its chunk count, which are simulated)
+                flat = visit(dataclasses.replace(st, vp=1))
+                if flat is None:
+                    continue
+                bound = flat.score - flat.fill * (1 - 1 / st.vp)
+                mine = by_vp.get(st.vp, [])
+                if (len(keep) >= k and bound >= keep[-1].score and len(mine) >= 2
+                        and bound >= mine[-1].score):
+                    continue
+            visit(st)
+        chosen = {id(c) for c in keep}
+        return keep + [c for vp in sorted(by_vp) for c in by_vp[vp] if id(c) not in chosen]
 
     def best_simulated(self, cands: list[_Candidate]) -> tuple[Plan, SimResult] | None:
         best = None
