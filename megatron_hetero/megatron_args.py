@@ -84,6 +84,8 @@ def megatron_args(plan: Plan, plan_path: str | None = None) -> list[str]:
         args.append("--use-distributed-optimizer")
     if plan.sequence_parallel:
         args.append("--sequence-parallel")
+    if plan.overlap_grad_reduce:
+        args.append("--overlap-grad-reduce")
     if plan.offloads_optimizer:
         # Megatron's hybrid-device optimizer needs this flag; the runtime turns on
         # --optimizer-cpu-offload with each rank's own fraction.

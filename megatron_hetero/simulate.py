@@ -8,8 +8,9 @@ backwards likewise from stage ``s + 1``. Sends run on the link, not on the compu
 
 After its last backward every stage index joins its data-parallel gradient sync (one group per
 stage index across all pipelines): the sync starts when the slowest replica of that stage is
-done (or, with ``overlap_grad_reduce``, when the last replica starts its last backward) and is
-followed by the optimizer step. The step time is the latest end over all ranks.
+done (or, with ``overlap_grad_reduce``, when the last replica starts its last backward; with
+interleaving, chunk by chunk as each chunk's last backward starts) and is followed by the
+optimizer step. The step time is the latest end over all ranks.
 
 With interleaved pipelining (``virtual_pipeline_size`` v > 1) each rank runs its v model
 chunks in Megatron's interleaved order (:func:`megatron_hetero.cost.schedule.rank_order`). The
@@ -202,8 +203,8 @@ def interleaved_1f1b(fwd: list[list[float]], bwd: list[list[float]], send_f: lis
     """Simulate one pipeline under the interleaved schedule. ``fwd[s][c]``/``bwd[s][c]``: seconds
     of chunk ``c`` on stage ``s``; ``send_f[s]``/``send_b[s]``: seconds over the link between
     stage ``s`` and ``s + 1``, index ``p - 1`` the link from the last stage back to the first.
-    Returns what :func:`one_f_one_b` returns; events are (stage, kind, microbatch, start, end,
-    chunk)."""
+    Returns what :func:`one_f_one_b` returns, except that the last backward's start is per
+    stage and chunk; events are (stage, kind, microbatch, start, end, chunk)."""
     p, v = len(fwd), len(fwd[0])
     ops = [rank_order(p, s, m, v) for s in range(p)]
     fdone = [[[-1.0] * m for _ in range(v)] for _ in range(p)]
@@ -211,7 +212,7 @@ def interleaved_1f1b(fwd: list[list[float]], bwd: list[list[float]], send_f: lis
     ptr = [0] * p
     free = [0.0] * p
     busy = [0.0] * p
-    last_b_start = [0.0] * p
+    last_b_start = [[0.0] * v for _ in range(p)]
     events: list[tuple] = []
     remaining = sum(len(o) for o in ops)
     while remaining:
@@ -242,7 +243,7 @@ def interleaved_1f1b(fwd: list[list[float]], bwd: list[list[float]], send_f: lis
                 end = start + dur
                 (fdone if kind == 0 else bdone)[s][c][i] = end
                 if kind == 1:
-                    last_b_start[s] = start
+                    last_b_start[s][c] = start
                 if record:
                     events.append((s, "FB"[kind], i, start, end, c))
                 free[s] = end
@@ -289,14 +290,25 @@ def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True) -> SimR
     events: list[Event] = []
     stage_end: list[list[float]] = [[0.0] * p for _ in range(D)]
     sync_of: list[list[float]] = [[0.0] * p for _ in range(D)]
+    v = plan.virtual_pipeline_size
     for s in range(p):
         params = cost.stage_params_of(plan, s)
         bw = placement.slowest_bandwidth([placement.node(d, s) for d in range(D)])
         comm = cost.dp_sync_seconds(params, D, bw)
         finish = max(runs[d][0][s] for d in range(D))
-        if cost.overlap_grad_reduce:
-            start = max(runs[d][2][s] for d in range(D))
-            sync_end = max(finish, start + comm)
+        if plan.overlap_grad_reduce or cost.overlap_grad_reduce:
+            # each model chunk's buckets go once its last backward starts on every replica,
+            # one after another on the data-parallel link
+            if v == 1:
+                parts = [(max(runs[d][2][s] for d in range(D)), comm)]
+            else:
+                parts = sorted((max(runs[d][2][s][c] for d in range(D)),
+                                cost.dp_sync_seconds(cost.chunk_params_of(plan, s, c), D, bw))
+                               for c in range(v))
+            start = end = parts[0][0]
+            for ready, seconds in parts:
+                end = max(end, ready) + seconds
+            sync_end = max(finish, end)
         else:
             start, sync_end = finish, finish + comm
         for d in range(D):

@@ -21,8 +21,9 @@ BASE = yaml.safe_load((REPO / "tests/data/plan_a100_v100.yaml").read_text())
 
 
 def _variant(split, *, tp=1, heads=32, groups=32, micro=(1, 1), counts=(70, 58), sp=False,
-             offload=0.0, chunks=None):
+             offload=0.0, chunks=None, overlap=False):
     data = copy.deepcopy(BASE)
+    data["overlap_grad_reduce"] = overlap
     if chunks is not None:  # interleaved: the layers of each stage's model chunks
         split = [sum(c) for c in chunks]
         data["virtual_pipeline_size"] = len(chunks[0])
@@ -57,7 +58,8 @@ VARIANTS = {
     "interleaved-3x3-empty-ends": _variant(None, chunks=[[0, 4, 4], [4, 4, 4], [4, 4, 0]],
                                            counts=(69, 57)),
     "interleaved-tp2": _variant(None, tp=2, sp=True, chunks=[[3, 5, 4, 4], [4, 4, 4, 4]],
-                                counts=(64, 64)),
+                                counts=(64, 64), overlap=True),
+    "overlap-grad-reduce": _variant([14, 18], overlap=True),
 }
 
 
@@ -119,7 +121,7 @@ _CHECKER = textwrap.dedent("""
                 [last if last is not None else mid] if pp > 1 else [])
             split = split[:pp]
         out.append(dict(tp=args.tensor_model_parallel_size, pp=pp, dp=args.data_parallel_size,
-                        vpp=vpp, chunks=chunks,
+                        vpp=vpp, chunks=chunks, overlap=args.overlap_grad_reduce,
                         split=split, gbs=args.global_batch_size, mbs=args.micro_batch_size,
                         groups=(args.num_query_groups if args.group_query_attention
                                 else args.num_attention_heads), per_token=args.calculate_per_token_loss,
@@ -144,6 +146,7 @@ def test_megatron_training_accepts_the_arguments(mcore017_env):
         assert got["dp"] == plan.data_parallel_size, name
         assert got["split"] == plan.layer_split, name
         assert got["vpp"] == plan.virtual_pipeline_size, name
+        assert got["overlap"] == plan.overlap_grad_reduce, name
         if plan.virtual_pipeline_size > 1:
             assert got["chunks"] == [s.chunk_layers for s in plan.pipelines[0].stages], name
         assert got["gbs"] == plan.global_batch_size, name

@@ -284,3 +284,15 @@ def test_chunks_must_agree_across_pipelines():
     with pytest.raises(SchemaError, match=r"pipelines\[1\]\.stages\[0\]\.chunk_layers: found \[8, 6\]; "
                                           r"expected \[6, 8\], as in pipelines\[0\]"):
         plan_from_data(data)
+
+
+def test_overlap_grad_reduce_is_a_strict_flag(tmp_path):
+    data = copy.deepcopy(BASE)
+    assert plan_from_data(data).overlap_grad_reduce is False
+    data["overlap_grad_reduce"] = True
+    plan = plan_from_data(data)
+    save_plan(plan, tmp_path / "p.yaml")
+    assert load_plan(tmp_path / "p.yaml").overlap_grad_reduce is True
+    data["overlap_grad_reduce"] = "yes"
+    with pytest.raises(SchemaError, match="overlap_grad_reduce"):
+        plan_from_data(data)

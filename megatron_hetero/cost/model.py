@@ -414,6 +414,15 @@ class CostModel:
         return place([[s.device_type for s in p.stages] for p in plan.pipelines],
                      plan.tensor_model_parallel_size, self.inventory)
 
+    def chunk_params_of(self, plan: Plan, stage: int, chunk: int) -> float:
+        """Parameters one tensor rank holds in model chunk ``chunk`` of stage ``stage``."""
+        p, v = plan.pipeline_model_parallel_size, plan.virtual_pipeline_size
+        if v == 1:
+            return self.stage_params_of(plan, stage)
+        n = plan.pipelines[0].stages[stage].chunk_layers[chunk]
+        return self.stage_params(n, stage == 0 and chunk == 0, stage == p - 1 and chunk == v - 1,
+                                 plan.tensor_model_parallel_size)
+
     def stage_params_of(self, plan: Plan, stage: int) -> float:
         p = plan.pipeline_model_parallel_size
         return self.stage_params(plan.layer_split[stage], stage == 0, stage == p - 1,

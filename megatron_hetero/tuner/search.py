@@ -67,6 +67,9 @@ class TuneOptions:
     chunk gets a layer and the micro-batches form whole groups of the pipeline size."""
     optimizer_offload: bool = True
     """Let stages offload optimizer state to the host where memory is short (else recompute only)."""
+    overlap_grad_reduce: bool = True
+    """Plans (the baseline's too: plain Megatron has the flag) overlap the data-parallel
+    gradient reduction with the last backward (``--overlap-grad-reduce``)."""
     finalists: int = 4
     """Best estimates that are simulated before picking the plan."""
     progress: bool = False
@@ -165,11 +168,12 @@ def _recompute(k: int, n: int) -> Recompute:
     return Recompute(granularity="full", method="block", num_layers=k)
 
 
-def even_chunks(n: int, v: int) -> tuple[int, ...]:
+def even_chunks(n: int, v: int, early: bool = False) -> tuple[int, ...]:
     """``n`` layers over ``v`` model chunks as evenly as possible, the later chunks taking the
-    remainder (fewer of them are in flight, and the first stage's chunk 0 holds the most)."""
+    remainder (fewer of them are in flight: the least memory), or with ``early`` the earlier
+    ones (the last stage's last chunk, which also runs the output layer, then holds fewer)."""
     q, r = divmod(n, v)
-    return tuple(q + (c >= v - r) for c in range(v))
+    return tuple(q + (c < r if early else c >= v - r) for c in range(v))
 
 
 def _per_chunk(k: int, n: int, v: int) -> int:
@@ -615,12 +619,14 @@ class _Search:
         return worst
 
     # -- plans ----------------------------------------------------------------------------------
-    def to_plan(self, cand: _Candidate) -> Plan:
+    def to_plan(self, cand: _Candidate, early: bool = False) -> Plan:
+        """The plan of a candidate; ``early``: interleaved chunks take the remainder layers
+        first (:func:`even_chunks`)."""
         st = cand.structure
         pipelines = []
         d = 0
         v = st.vp
-        chunks = [even_chunks(n, v) for n in cand.split]
+        chunks = [even_chunks(n, v, early) for n in cand.split]
         for ti, (types, count) in enumerate(st.templates):
             for _ in range(count):
                 if v == 1:
@@ -641,7 +647,8 @@ class _Search:
         return Plan(format_version=1, model=self.model, global_batch_size=self.gbs,
                     tensor_model_parallel_size=st.tp, pipelines=pipelines,
                     precision=cand.precision, use_distributed_optimizer=True,
-                    sequence_parallel=st.tp > 1, virtual_pipeline_size=v)
+                    sequence_parallel=st.tp > 1, virtual_pipeline_size=v,
+                    overlap_grad_reduce=self.opt.overlap_grad_reduce)
 
     def walk(self, structures, *, baseline: bool, tick: Callable[[], None]) -> list[_Candidate]:
         """The best estimates (``finalists``) of the structures visited in lower-bound order,
@@ -701,15 +708,18 @@ class _Search:
     def best_simulated(self, cands: list[_Candidate]) -> tuple[Plan, SimResult] | None:
         best = None
         for cand in cands:
-            plan = self.to_plan(cand)
-            try:
-                sim = simulate(plan, self.cost(cand.precision), record_events=False)
-            except InfeasibleError:
-                continue
-            if not sim.fits_memory:
-                continue
-            if best is None or sim.step_time_s < best[1].step_time_s:
-                best = (plan, sim)
+            # interleaved: the remainder layers on the late chunks (least memory) or the early
+            # ones (a lighter last chunk beside the output layer); the simulator picks
+            for early in ((False, True) if cand.structure.vp > 1 else (False,)):
+                plan = self.to_plan(cand, early)
+                try:
+                    sim = simulate(plan, self.cost(cand.precision), record_events=False)
+                except InfeasibleError:
+                    continue
+                if not sim.fits_memory:
+                    continue
+                if best is None or sim.step_time_s < best[1].step_time_s:
+                    best = (plan, sim)
         return best
 
     def infeasible_message(self) -> str:

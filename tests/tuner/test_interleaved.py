@@ -214,3 +214,38 @@ def test_peak_activations_shortcut_matches_the_whole_order(p, v, groups, w):
         for r in range(p):
             want = peak_in_flight(rank_order(p, r, m, v), weights)
             assert peak_activations(p, r, m, v, weights) == pytest.approx(want)
+
+
+def test_overlap_grad_reduce_sends_each_chunk_after_its_last_backward():
+    # two replicas on a slow node link (1 GB/s) so that the gradient sync matters
+    gpus = copy.deepcopy(ROUND)
+    gpus["ROUND"]["intra_node_bandwidth_gb_s"] = 1.0
+    inv = inventory_from_data({"groups": [{"gpu": "ROUND", "nodes": 1, "gpus_per_node": 4}],
+                               "gpus": gpus})
+    stages = [{"device_type": "ROUND", "num_layers": 4, "chunk_layers": [2, 2]} for _ in range(2)]
+    data = {"format_version": 1, "model": {f: getattr(TINY, f) for f in TINY.__slots__},
+            "global_batch_size": 8, "tensor_model_parallel_size": 1, "precision": "bf16",
+            "use_distributed_optimizer": False, "virtual_pipeline_size": 2,
+            "pipelines": [{"micro_batch_size": 1, "num_microbatches": 4, "stages": stages}] * 2}
+    plain = plan_from_data(data, catalog=inv.catalog)
+    overlapped = plan_from_data(dict(data, overlap_grad_reduce=True), catalog=inv.catalog)
+    cost = CostModel(TINY, inv, p2p_latency_s=0.0)
+    a, b = simulate(plain, cost), simulate(overlapped, cost)
+    layer = M.layer_forward_flops(TINY, 1) / 1e12
+    out = M.output_forward_flops(TINY, 1) / 1e12
+    f = [[2 * layer, 2 * layer], [2 * layer, 2 * layer + out]]
+    bwd = [[2 * x for x in row] for row in f]
+    send = cost.p2p_seconds(1, 1.0)
+    finish, _, last_b, _ = interleaved_1f1b(f, bwd, [send] * 2, [send] * 2, 4)
+    for s in range(2):
+        opt = cost.optimizer_seconds("ROUND", cost.stage_params_of(plain, s), 2)
+        comm = [cost.dp_sync_seconds(cost.chunk_params_of(plain, s, c), 2, 1.0) for c in range(2)]
+        # without overlap: the whole stage's sync after its last backward, then the optimizer
+        opt_end = lambda res: max(e.end for e in res.events if e.stage == s and e.kind == "O")  # noqa: E731
+        assert opt_end(a) == pytest.approx(finish[s] + sum(comm) + opt)
+        # with it: chunk 1 (its last backward comes first) then chunk 0, one after the other
+        assert last_b[s][1] < last_b[s][0]
+        t = last_b[s][1] + comm[1]
+        t = max(t, last_b[s][0]) + comm[0]
+        assert opt_end(b) == pytest.approx(max(finish[s], t) + opt)
+    assert b.step_time_s < a.step_time_s
