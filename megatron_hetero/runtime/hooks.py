@@ -1,6 +1,6 @@
 """Hooks that apply ``--hetero-plan`` inside an unchanged Megatron-LM training script.
 
-:func:`install` wraps five of Megatron-LM's own functions (rebinding every module-level name
+:func:`install` wraps six of Megatron-LM's own functions (rebinding every module-level name
 that refers to them, so ``from megatron.training.arguments import validate_args`` done before or
 after installing sees the wrapper). Nothing of Megatron is copied; each wrapper calls the
 original:
@@ -14,10 +14,16 @@ original:
     Megatron's process groups follow the plan), and sets this rank's stage policies
     (recompute, optimizer offload) on its own ``args``.
 ``megatron.training.arguments.core_transformer_config_from_args``
-    this rank's stage policies on its own ``TransformerConfig``.
+    this rank's stage policies on its own ``TransformerConfig`` (an interleaved plan's model
+    chunks each get theirs: see ``get_model``).
+``megatron.training.training.get_model``
+    notes which model chunk (``vp_stage``) the model provider is building, so the config hook
+    applies the stage's policies to that chunk (:func:`.policies.recompute_kwargs`).
 ``megatron.training.training.get_forward_backward_func``
     (uneven plans) runs this replica's ``num_microbatches`` x ``micro_batch_size`` in every
-    step while Megatron's step accounting keeps counting the global batch.
+    step while Megatron's step accounting keeps counting the global batch (the interleaved
+    schedule too: every replica's count is a multiple of the pipeline size, the schedule's
+    micro-batch group).
 ``megatron.training.training.build_pretraining_data_loader``
     (uneven plans) reads this replica's share of every global batch (:mod:`.sampler`).
 
@@ -71,9 +77,11 @@ class RankState:
         s, p = self.stage, self.pipeline
         rec = s.recompute.granularity + (f"/{s.recompute.method}/{s.recompute.num_layers}"
                                          if s.recompute.granularity == "full" else "")
+        chunks = (f" in chunks {'+'.join(map(str, s.chunk_layers))}"
+                  if self.plan.virtual_pipeline_size > 1 else "")
         return (f"megatron-hetero: launcher rank {self.launcher_rank} ({self.device_type}) -> "
                 f"Megatron rank {self.megatron_rank}: pipeline {self.slot.pipeline} stage "
-                f"{self.slot.stage} tp {self.slot.tensor_rank}; {s.num_layers} layers; "
+                f"{self.slot.stage} tp {self.slot.tensor_rank}; {s.num_layers} layers{chunks}; "
                 f"{p.num_microbatches} micro-batches of {p.micro_batch_size}; recompute {rec}; "
                 f"optimizer offload {s.offload.optimizer_fraction:g}")
 
@@ -179,14 +187,36 @@ def _wrap_validate_args(original):
     return validate_args
 
 
-def apply_stage_config(config) -> object:
-    """This rank's stage policies on a ``TransformerConfig`` (returned, changed in place)."""
+_building_chunk: list[int | None] = [None]  # the vp_stage get_model's provider is building
+
+
+def apply_stage_config(config, chunk: int | None = None) -> object:
+    """This rank's stage policies on a ``TransformerConfig`` (returned, changed in place); for an
+    interleaved plan, on model chunk ``chunk`` (default: the one being built)."""
     st = _state
     if st is None:
         return config
-    for key, value in policies.stage_config_kwargs(st.stage).items():
+    if chunk is None:
+        chunk = _building_chunk[0]
+    if st.plan.virtual_pipeline_size == 1:
+        chunk = None
+    for key, value in policies.stage_config_kwargs(st.stage, chunk).items():
         setattr(config, key, value)
     return config
+
+
+def _wrap_get_model(original):
+    @functools.wraps(original)
+    def get_model(model_provider_func, *a, **kw):
+        @functools.wraps(model_provider_func)
+        def provider(*pa, **pkw):
+            _building_chunk[0] = pkw.get("vp_stage")
+            try:
+                return model_provider_func(*pa, **pkw)
+            finally:
+                _building_chunk[0] = None
+        return original(provider, *a, **kw)
+    return get_model
 
 
 def _wrap_config(original):
@@ -266,6 +296,7 @@ _TARGETS = (
     ("megatron.training.arguments", "parse_args", _wrap_parse_args),
     ("megatron.training.arguments", "validate_args", _wrap_validate_args),
     ("megatron.training.arguments", "core_transformer_config_from_args", _wrap_config),
+    ("megatron.training.training", "get_model", _wrap_get_model),
     ("megatron.training.training", "get_forward_backward_func", _wrap_get_fb),
     ("megatron.training.training", "build_pretraining_data_loader", _wrap_loader),
 )

@@ -6,6 +6,11 @@ arguments: one the user gave with another value is a conflict (one error listing
 conflict); one the user left out is filled in from the plan. Arguments the plan does not govern
 pass through untouched.
 
+An interleaved plan (``virtual_pipeline_size`` v > 1) implies ``--pipeline-model-parallel-layout``
+with p x v segments, from which Megatron takes its virtual pipeline size; the virtual-stage flags
+are accepted only where they say the same, and dropped (Megatron takes one of them and the
+layout).
+
 Per-rank settings (micro-batches, recompute, offload) are not command-line arguments; see
 :mod:`megatron_hetero.runtime.hooks`.
 """
@@ -27,10 +32,10 @@ _STORE_FALSE = {"--disable-bias-linear": "add_bias_linear"}
 _AT_LEAST = {"--max-position-embeddings"}  # the user may allow longer positions than the plan
 _SPLIT_FLAGS = ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
                 "--pipeline-model-parallel-layout")
+_VIRTUAL_FLAGS = ("--num-layers-per-virtual-pipeline-stage",
+                  "--num-virtual-stages-per-pipeline-rank")
 _GOVERNED_ELSEWHERE = {
     # flag the plan governs but does not imply -> why
-    "--num-layers-per-virtual-pipeline-stage": "the plan has no virtual pipeline stages",
-    "--num-virtual-stages-per-pipeline-rank": "the plan has no virtual pipeline stages",
     "--rampup-batch-size": "the plan fixes every replica's micro-batches",
     "--fp16": None, "--bf16": None,  # precision: checked against the plan's
 }
@@ -102,6 +107,31 @@ def virtual_micro_batch_size(plan: Plan) -> int:
         f"needs a global batch size divisible by the number of pipelines")
 
 
+def _check_virtual(args, plan: Plan, given: set[str], conflict) -> None:
+    """Virtual pipeline stages come from the plan (through its layout string). A virtual-stage
+    flag that agrees with the plan is dropped (Megatron takes one of the flag and the layout)."""
+    v, chunks = plan.virtual_pipeline_size, plan.virtual_stage_layers
+    what = (f"virtual_pipeline_size {v} (layout {plan.layout()!r})" if v > 1
+            else "no virtual pipeline stages")
+    for flag in _VIRTUAL_FLAGS:
+        value = getattr(args, _dest(flag), None)
+        if flag not in given or value is None:
+            continue
+        if flag == "--num-virtual-stages-per-pipeline-rank":
+            agrees = value == v
+        else:  # layers per virtual stage: only an even split of chunks says the same
+            agrees = set(chunks) == {value}
+        if agrees:
+            setattr(args, _dest(flag), None)
+        else:
+            conflict(flag, value, f"{what}; leave it out")
+    if (v > 1 and plan.pipeline_model_parallel_size == 2
+            and "--no-overlap-p2p-communication" in given):
+        conflict("--no-overlap-p2p-communication", True,
+                 "overlapped p2p communication (Megatron's interleaved schedule on 2 pipeline "
+                 "stages needs it)")
+
+
 def check_and_apply(args, plan: Plan, argv: Sequence[str], *, source: str = "plan") -> None:
     """Check the parsed Megatron ``args`` (from ``argv``) against ``plan``; fill in what the
     user left out. Raises :class:`ArgumentConflict` listing every conflict."""
@@ -133,6 +163,7 @@ def check_and_apply(args, plan: Plan, argv: Sequence[str], *, source: str = "pla
             f"{source}: the layer split {plan.layer_split} needs --pipeline-model-parallel-layout "
             f"(megatron-core >= 0.13), which this Megatron does not have; it cannot be expressed "
             f"with first/last stage counts")
+    _check_virtual(args, plan, given, conflict)
     for flag, why in _GOVERNED_ELSEWHERE.items():
         if flag in given and why is not None and getattr(args, _dest(flag), None) not in (None, 1):
             conflict(flag, getattr(args, _dest(flag)), f"nothing ({why})")

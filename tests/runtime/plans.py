@@ -8,15 +8,21 @@ A100, V100, H100 = "A100-SXM-80GB", "V100-SXM2-32GB", "H100-SXM-80GB"
 
 
 def make_plan(*, split=(1, 1), devices=None, replicas=((1, 1),), tp=1, recompute=None,
-              offload=None, hidden=16, heads=4, vocab=128, seq=8, precision="fp32") -> Plan:
+              offload=None, hidden=16, heads=4, vocab=128, seq=8, precision="fp32",
+              chunks=None) -> Plan:
     """``replicas``: (micro_batch_size, num_microbatches) per pipeline; ``devices[d][s]``,
-    ``recompute[s]`` and ``offload[s]`` per stage (recompute/offload the same in every pipeline)."""
+    ``recompute[s]`` and ``offload[s]`` per stage (recompute/offload the same in every pipeline);
+    ``chunks[s]``: an interleaved plan's layers per model chunk of stage s (``split`` follows)."""
+    if chunks is not None:
+        split = tuple(sum(c) for c in chunks)
     devices = devices or [[A100] * len(split) for _ in replicas]
     pipelines = []
     for d, (mbs, n) in enumerate(replicas):
         stages = []
         for s, k in enumerate(split):
             stage = {"device_type": devices[d][s], "num_layers": k}
+            if chunks is not None:
+                stage["chunk_layers"] = list(chunks[s])
             if recompute and recompute[s]:
                 stage["recompute"] = recompute[s]
             if offload and offload[s]:
@@ -32,6 +38,7 @@ def make_plan(*, split=(1, 1), devices=None, replicas=((1, 1),), tp=1, recompute
         "precision": precision,
         "tensor_model_parallel_size": tp,
         "use_distributed_optimizer": False,
+        "virtual_pipeline_size": len(chunks[0]) if chunks else 1,
         "pipelines": pipelines,
     }
     return plan_from_data(data, source="test-plan")

@@ -170,3 +170,81 @@ def test_stage_config_hook_sets_exactly_this_stages_recompute():
     untouched = TransformerConfig(num_layers=4, hidden_size=16, num_attention_heads=4,
                                   recompute_granularity="selective")
     assert hooks.apply_stage_config(untouched).recompute_granularity == "selective"
+
+
+# -- interleaved plans (virtual pipeline stages) ---------------------------------------------------
+INTERLEAVED = dict(chunks=[[1, 1], [2, 1]], replicas=[(1, 4), (1, 2)])  # layout Et|t*2|t|tL
+
+
+def test_interleaved_plan_implies_its_layout():
+    plan = make_plan(**INTERLEAVED)
+    args = _args(tensor_model_parallel_size=1)
+    check_and_apply(args, plan, [])
+    assert args.pipeline_model_parallel_layout == "Et|t*2|t|tL"  # p x v segments
+    assert args.pipeline_model_parallel_size == 2 and args.num_layers == 5
+    assert not hasattr(args, "decoder_first_pipeline_num_layers")
+
+
+@pytest.mark.parametrize("argv, agrees", [
+    (["--num-virtual-stages-per-pipeline-rank", "2"], True),
+    (["--num-virtual-stages-per-pipeline-rank", "3"], False),
+    (["--num-layers-per-virtual-pipeline-stage", "1"], False),  # chunks differ: 1,2,1,1
+    (["--no-overlap-p2p-communication"], False),
+])
+def test_virtual_stage_flags_must_agree_with_the_plan(argv, agrees):
+    plan = make_plan(**INTERLEAVED)
+    dest = argv[0][2:].replace("-", "_")
+    value = int(argv[1]) if len(argv) > 1 else False
+    args = _args(**{"overlap_p2p_comm" if dest.startswith("no_") else dest: value})
+    if agrees:
+        check_and_apply(args, plan, argv)
+        assert getattr(args, dest) is None  # the layout carries it (Megatron takes one)
+    else:
+        with pytest.raises(ArgumentConflict, match=argv[0]):
+            check_and_apply(args, plan, argv)
+
+
+def test_virtual_stage_flags_on_a_plan_without_them():
+    even = make_plan(chunks=[[1, 1], [1, 1]], replicas=[(1, 2)])
+    args = _args(num_layers_per_virtual_pipeline_stage=1)
+    check_and_apply(args, even, ["--num-layers-per-virtual-pipeline-stage", "1"])
+    assert args.num_layers_per_virtual_pipeline_stage is None
+    with pytest.raises(ArgumentConflict, match="no virtual pipeline stages"):
+        check_and_apply(_args(num_virtual_stages_per_pipeline_rank=2), make_plan(split=(2, 2)),
+                        ["--num-virtual-stages-per-pipeline-rank", "2"])
+
+
+def test_stage_recompute_on_every_model_chunk():
+    """Block recompute of 3 layers on a stage with chunks 2+2 covers chunk 0 and 1 layer of
+    chunk 1; the get_model hook tells the config hook which chunk is being built."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    block3 = {"granularity": "full", "method": "block", "num_layers": 3}
+    plan = make_plan(chunks=[[1, 1], [2, 2]], replicas=[(1, 2)], recompute=[None, block3])
+    assert [policies.chunk_recompute_layers(plan.stage(0, 1), c) for c in (0, 1)] == [2, 1]
+    built = []
+
+    def provider(pre_process=True, post_process=True, vp_stage=None, config=None, **_):
+        config = hooks.apply_stage_config(TransformerConfig(num_layers=6, hidden_size=16,
+                                                            num_attention_heads=4))
+        built.append((vp_stage, config.recompute_granularity, config.recompute_num_layers))
+
+    def get_model(model_provider_func, model_type=None, wrap_with_ddp=True):
+        for i in range(2):
+            model_provider_func(pre_process=i == 0, post_process=i == 1, vp_stage=i)
+
+    for rank in (0, 1):
+        _state(plan, rank)
+        hooks._wrap_get_model(get_model)(provider)
+    assert built == [(0, None, None), (1, None, None), (0, "full", 2), (1, "full", 1)]
+    assert hooks._building_chunk == [None]
+
+
+def test_uniform_recompute_must_divide_every_chunk():
+    uniform2 = {"granularity": "full", "method": "uniform", "num_layers": 2}
+    policies.check_supported(make_plan(chunks=[[2, 2], [2, 2]], replicas=[(1, 2)],
+                                       recompute=[uniform2, None]))
+    with pytest.raises(policies.PolicyUnsupported,
+                       match=r"pipelines\[0\]\.stages\[1\]\.recompute\.num_layers"):
+        policies.check_supported(make_plan(chunks=[[1, 1], [2, 1]], replicas=[(1, 2)],
+                                           recompute=[None, uniform2]))

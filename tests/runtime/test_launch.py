@@ -145,6 +145,35 @@ def test_layout_split_with_an_embedding_only_first_stage(tmp_path):
     assert len(logged_losses(results[1][1])) == 2
 
 
+def test_interleaved_uneven_plan_equals_one_replica(tmp_path):
+    """An interleaved plan (PP=2, 2 model chunks per stage of 1+1 and 2+1 layers) with two
+    replicas running 4 and 2 micro-batches (4 processes) trains as the same chunks with one
+    replica running all 6 (2 processes): Megatron's interleaved schedule, per-replica counts."""
+    uneven, single = tmp_path / "uneven.yaml", tmp_path / "single.yaml"
+    chunks = [[1, 1], [2, 1]]
+    save_plan(make_plan(chunks=chunks, devices=[[A100, V100]] * 2, replicas=[(1, 4), (1, 2)]),
+              uneven)
+    save_plan(make_plan(chunks=chunks, devices=[[A100, V100]], replicas=[(1, 6)]), single)
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    four = launch(4, str(uneven), tmp_path / "a", timeout=400)
+    two = launch(2, str(single), tmp_path / "b", timeout=400)
+    for code, out, _ in four + two:
+        assert code == 0, out[-3000:]
+    assert "pipeline_model_parallel_layout .................. Et|t*2|t|tL" in four[0][1]
+    # Megatron order tp-dp-pp: each rank built its stage's two chunks (global layer numbers)
+    none = [None, None]
+    assert [log["chunks"] for _, _, log in four] == [[[[1], none], [[4], none]]] * 2 + [
+        [[[2, 3], none], [[5], none]]] * 2
+    # each chunk reads its replica's share of every batch of 6 (replica 0: 0-3, replica 1: 4-5),
+    # in the schedule's order: groups of 2 micro-batches (the pipeline size) per chunk
+    assert four[0][2]["indices"] == [[0], [1], [0], [1], [2], [3], [2], [3],
+                                     [6], [7], [6], [7], [8], [9], [8], [9]]
+    assert four[1][2]["indices"] == [[4], [5], [4], [5], [10], [11], [10], [11]]
+    got, want = logged_losses(four[3][1]), logged_losses(two[1][1])
+    assert len(want) == 2 and got == pytest.approx(want, rel=1e-5)
+    assert _grad_norms(four[3][1]) == pytest.approx(_grad_norms(two[1][1]), rel=1e-4)
+
+
 def test_mismatch_and_conflict_stop_with_one_message(tmp_path):
     plan = make_plan(split=(1, 1), devices=[[A100, V100]], replicas=[(1, 2)])
     path = tmp_path / "plan.yaml"

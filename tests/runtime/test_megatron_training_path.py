@@ -49,8 +49,10 @@ _CHECKER = textwrap.dedent("""
                 "data_parallel_size", "num_layers", "hidden_size", "micro_batch_size",
                 "global_batch_size", "calculate_per_token_loss", "recompute_granularity",
                 "recompute_method", "recompute_num_layers", "decoder_first_pipeline_num_layers",
-                "decoder_last_pipeline_num_layers", "seq_length", "lr"]
+                "decoder_last_pipeline_num_layers", "seq_length", "lr",
+                "virtual_pipeline_model_parallel_size", "overlap_p2p_comm"]
         got = {k: getattr(args, k) for k in keys}
+        got["layout"] = str(args.pipeline_model_parallel_layout)
         st = hooks.state()
         got["slot"] = [st.slot.pipeline, st.slot.stage]
         got["virtual"] = st.virtual_num_microbatches
@@ -124,3 +126,25 @@ def test_conflicts_and_mismatches_are_clear_errors(mcore017_env, plan_file):
     assert "--recompute-granularity" in results[2]["error"]
     assert f"{A100}: plan wants 2, found 1" in results[3]["error"]
     assert "needs world size 4" in results[4]["error"] and "started 5" in results[4]["error"]
+
+
+def test_interleaved_plan_sets_virtual_pipeline_stages(mcore017_env, tmp_path):
+    """Megatron's own validate_args takes the virtual pipeline size from the plan's layout (p x v
+    segments) and keeps overlapped p2p (which its interleaved schedule needs on 2 stages)."""
+    plan = make_plan(chunks=[[1, 1], [2, 1]], devices=[[A100, V100]] * 2,
+                     replicas=[(1, 4), (1, 2)])
+    path = tmp_path / "plan.yaml"
+    save_plan(plan, path)
+    types = [A100, A100, V100, V100]
+    cases = [{"argv": ["--hetero-plan", str(path)], "types": types, "rank": r} for r in range(4)]
+    cases.append({"argv": ["--num-virtual-stages-per-pipeline-rank", "2", "--hetero-plan",
+                           str(path)], "types": types, "rank": 0})
+    cases.append({"argv": ["--no-overlap-p2p-communication", "--hetero-plan", str(path)],
+                  "types": types, "rank": 0})
+    *ranks, agreeing, refused = _run(mcore017_env, cases)
+    for got in ranks + [agreeing]:
+        assert got["virtual_pipeline_model_parallel_size"] == 2
+        assert got["layout"] == "Et|t*2|t|tL" and got["overlap_p2p_comm"] is True
+        assert got["pipeline_model_parallel_size"] == 2 and got["num_layers"] == 5
+        assert got["micro_batch_size"] * 2 * got["virtual"] == 6
+    assert "--no-overlap-p2p-communication" in refused["error"]

@@ -30,21 +30,24 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, **_):
     args = get_args()
     config = core_transformer_config_from_args(args)
     LOG["recompute"] = config.recompute_granularity
+    LOG.setdefault("chunks", []).append(None)  # per model chunk: layers, recompute
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
                     vocab_size=args.padded_vocab_size,
                     max_sequence_length=args.max_position_embeddings,
                     pre_process=pre_process, post_process=post_process,
                     share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                     position_embedding_type=args.position_embedding_type, vp_stage=vp_stage)
-    LOG["layer_calls"] = 0
+    LOG.setdefault("layer_calls", 0)
+    LOG["chunks"][-1] = [[layer.layer_number for layer in model.decoder.layers],
+                         [config.recompute_granularity, config.recompute_num_layers]]
     for layer in model.decoder.layers:  # a recomputed layer runs forward twice per micro-batch
         layer.register_forward_hook(lambda *_: LOG.__setitem__("layer_calls",
                                                                 LOG["layer_calls"] + 1))
-    LOG["num_layers"] = len(model.decoder.layers)
+    LOG["num_layers"] = LOG.get("num_layers", 0) + len(model.decoder.layers)
     return model
 
 
-def datasets_provider(num_samples):
+def datasets_provider(num_samples, vp_stage=None):
     args = get_args()
     return Synthetic(max(64, num_samples[0]), args.seq_length, 100), None, None
 
