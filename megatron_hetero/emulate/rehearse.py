@@ -253,7 +253,7 @@ def _calibrate_rank(rank: int, world_size: int, shrunk: Plan, reps: int, seed: i
         for n in (1, 3):
             plan = dataclasses.replace(
                 shrunk, model=dataclasses.replace(m, num_layers=n), tensor_model_parallel_size=1,
-                sequence_parallel=False,
+                sequence_parallel=False, virtual_pipeline_size=1,
                 global_batch_size=b, pipelines=[Pipeline(
                     micro_batch_size=b, num_microbatches=1,
                     stages=[Stage(device_type=shrunk.pipelines[0].stages[0].device_type,
@@ -784,9 +784,13 @@ def format_report(result: RehearsalResult, *, source: str = "PLAN",
     m = result.plan.model
     c = result.calibration
     n_steps = len(result.step_times)
+    plan = result.plan
+    split = (f"{plan.layer_split}, interleaved: {plan.virtual_pipeline_size} model chunks per "
+             f"stage of {[s.chunk_layers for s in plan.pipelines[0].stages]} layers"
+             if plan.virtual_pipeline_size > 1 else f"{plan.layer_split}")
     lines = [
         f"rehearsal of {source}: {real.name if real else m.name}, {m.num_layers} layers "
-        f"{result.plan.layer_split}, shrunk to hidden {m.hidden_size} "
+        f"{split}, shrunk to hidden {m.hidden_size} "
         f"(heads {m.num_attention_heads}, "
         f"ffn {m.ffn_hidden_size}, vocab {m.vocab_size}, seq {m.seq_length}); "
         f"{result.plan.world_size} CPU ranks; {n_steps} measured steps after 1 warm-up; every "

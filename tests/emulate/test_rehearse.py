@@ -90,6 +90,33 @@ def test_verify_names_the_first_diverging_step(tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.slow
+def test_interleaved_plan_rehearses_and_verifies(tmp_path, capsys):
+    """PP=2 with 2 model chunks per stage (1+1 and 3+1 layers), replicas of 4 and 2
+    micro-batches on different GPU types: the rehearsal runs Megatron's interleaved schedule on
+    4 CPU ranks at each device's speed and --verify matches one process."""
+    data = _plan_data([("A100-SXM-80GB", 2), ("A100-SXM-80GB", 4)], pipelines=2, micro=4)
+    data["virtual_pipeline_size"] = 2
+    data["model"]["num_layers"] = 6
+    slow = data["pipelines"][1]
+    slow["num_microbatches"] = 2
+    data["global_batch_size"] = 6
+    for pipe in data["pipelines"]:
+        for stage, chunks in zip(pipe["stages"], ([1, 1], [3, 1])):
+            stage["chunk_layers"] = chunks
+    for stage in slow["stages"]:
+        stage["device_type"] = "V100-SXM2-32GB"
+    path = _write(tmp_path, data)
+    assert main(["rehearse", path, "--steps", "2", "--hidden-size", "32", "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "interleaved: 2 model chunks per stage of [[1, 1], [3, 1]] layers" in out
+    rows = [line.split() for line in out.splitlines() if "-SXM" in line and "|" in line]
+    assert [(r[0], r[1], r[2], r[4]) for r in rows] == [
+        ("0", "0", "A100-SXM-80GB", "4"), ("0", "1", "A100-SXM-80GB", "4"),
+        ("1", "0", "V100-SXM2-32GB", "2"), ("1", "1", "V100-SXM2-32GB", "2")]
+    assert "verify: losses and final parameters match" in out
+
+
+@pytest.mark.slow
 def test_plan_that_does_not_fit_fails_like_the_real_card(tmp_path, capsys):
     """28 layers of Llama-2 7B on a 16 GB T4 cannot fit (about 6 GB of weights, 12 GB of fp32
     gradients and Adam state): the rank playing it fails, named with its stage and device."""
