@@ -185,8 +185,8 @@ class Plan:
     """Megatron's ``--sequence-parallel`` (only meaningful with tensor parallelism)."""
     overlap_grad_reduce: bool = False
     """Overlap the data-parallel gradient reduction with the last micro-batch's backward
-    (Megatron's ``--overlap-grad-reduce``; with interleaving each model chunk's gradients go as
-    soon as its last backward ends)."""
+    (Megatron's ``--overlap-grad-reduce``; with interleaving each model chunk's gradients go
+    during that chunk's last backward, which for the later chunks comes earlier)."""
     virtual_pipeline_size: int = 1
     """Model chunks per pipeline stage (Megatron's interleaved 1F1B schedule when > 1). Every
     stage then lists ``chunk_layers``; the model runs chunk 0 of stages 0..p-1, then chunk 1 of

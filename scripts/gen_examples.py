@@ -124,6 +124,13 @@ def _recompute(stage) -> str:
     return r.granularity
 
 
+def _layers(stage) -> str:
+    """``6 layers`` or, interleaved, ``6 layers (2+2+2)``: the layers of each model chunk."""
+    if stage.chunk_layers is None or len(stage.chunk_layers) == 1:
+        return f"{stage.num_layers} layers"
+    return f"{stage.num_layers} layers ({'+'.join(map(str, stage.chunk_layers))})"
+
+
 def _pipeline_rows(plan: Plan, report: dict) -> list[str]:
     """One table row per group of identical pipelines: stage by stage device, layers,
     recompute and predicted memory."""
@@ -132,7 +139,7 @@ def _pipeline_rows(plan: Plan, report: dict) -> list[str]:
     groups: list[tuple[tuple, list[int]]] = []
     for d, pipe in enumerate(plan.pipelines):
         key = (pipe.micro_batch_size, pipe.num_microbatches,
-               tuple((s.device_type, s.num_layers, _recompute(s), s.offload.optimizer_fraction,
+               tuple((s.device_type, _layers(s), _recompute(s), s.offload.optimizer_fraction,
                       mem.get((d, i))) for i, s in enumerate(pipe.stages)))
         for k, members in groups:
             if k == key:
@@ -147,7 +154,7 @@ def _pipeline_rows(plan: Plan, report: dict) -> list[str]:
                else ",".join(map(str, members)))
         cells = []
         for gpu, layers, rec, off, m in stages:
-            text = f"{gpu}, {layers} layers, recompute {rec}"
+            text = f"{gpu}, {layers}, recompute {rec}"
             if off:
                 text += f", optimizer offload {off:g}"
             if m and m[0] is not None and m[1]:
@@ -164,10 +171,14 @@ def readme(ex: Example, plan: Plan, report: dict, inventory_text: str) -> str:
     tokens = plan.global_batch_size * plan.model.seq_length
     pool = _gpus(dict(plan.device_counts()))
     tuned_par = (f"TP={plan.tensor_model_parallel_size} PP={plan.pipeline_model_parallel_size} "
-                 f"DP={plan.data_parallel_size}")
+                 f"DP={plan.data_parallel_size}" + (
+                     f", {plan.virtual_pipeline_size} model chunks per stage (interleaved)"
+                     if plan.virtual_pipeline_size > 1 else ""))
     base_par = (f"TP={base.get('tensor_model_parallel_size', '?')} "
                 f"PP={base.get('pipeline_model_parallel_size', '?')} "
-                f"DP={base.get('data_parallel_size', '?')}")
+                f"DP={base.get('data_parallel_size', '?')}" + (
+                    f", {base['virtual_pipeline_size']} model chunks per stage (interleaved)"
+                    if base.get("virtual_pipeline_size", 1) > 1 else ""))
     base_gpus = _gpus(base.get("device_counts", {})) or "?"
     nmb = sorted({p.num_microbatches for p in plan.pipelines})
     sources = sorted({v.get("source", "?") for v in report.get("figure_sources", {}).values()})

@@ -47,7 +47,9 @@ def plan_table(plan: Plan, sim: SimResult, title: str):
         mbs, m, _ = key
         table.add_column(f"{_span(ds)}\nmicro-batches {m} x {mbs}")
     for s in range(plan.pipeline_model_parallel_size):
-        row = [f"{s}\n{plan.layer_split[s]} layers"]
+        chunks = plan.pipelines[0].stages[s].chunk_layers
+        row = [f"{s}\n{plan.layer_split[s]} layers"
+               + (f"\n({'+'.join(map(str, chunks))})" if plan.virtual_pipeline_size > 1 else "")]
         for ds in groups.values():
             st = plan.stage(ds[0], s)
             res = sim.stage(ds[0], s)
@@ -62,8 +64,11 @@ def summary_lines(plan: Plan, sim: SimResult, label: str) -> str:
     counts = ", ".join(f"{n}x {g}" for g, n in sorted(plan.device_counts().items()))
     return (f"{label}: step {sim.step_time_s:.3f} s, {sim.tokens_per_s:,.0f} tokens/s, "
             f"MFU {sim.mfu:.3f}; TP={plan.tensor_model_parallel_size} "
-            f"PP={plan.pipeline_model_parallel_size} DP={plan.data_parallel_size} on {counts}; "
-            f"layers {plan.layer_split}")
+            f"PP={plan.pipeline_model_parallel_size} DP={plan.data_parallel_size}"
+            + (f" VP={plan.virtual_pipeline_size}" if plan.virtual_pipeline_size > 1 else "")
+            + f" on {counts}; layers {plan.layer_split}"
+            + (f" in {plan.virtual_pipeline_size} chunks per stage {plan.virtual_stage_layers}"
+               " (model order)" if plan.virtual_pipeline_size > 1 else ""))
 
 
 def report_dict(result, plan_path: str | None) -> dict:
@@ -86,6 +91,9 @@ def report_dict(result, plan_path: str | None) -> dict:
         "plan": {"tensor_model_parallel_size": plan.tensor_model_parallel_size,
                  "pipeline_model_parallel_size": plan.pipeline_model_parallel_size,
                  "data_parallel_size": plan.data_parallel_size, "layer_split": plan.layer_split,
+                 "virtual_pipeline_size": plan.virtual_pipeline_size,
+                 "virtual_stage_layers": plan.virtual_stage_layers,
+                 "overlap_grad_reduce": plan.overlap_grad_reduce,
                  "num_microbatches": [p.num_microbatches for p in plan.pipelines],
                  "device_counts": dict(sorted(plan.device_counts().items()))},
         "stages": [s.to_dict() for s in sim.stages],
@@ -97,6 +105,7 @@ def report_dict(result, plan_path: str | None) -> dict:
             "tensor_model_parallel_size": b.tensor_model_parallel_size,
             "pipeline_model_parallel_size": b.pipeline_model_parallel_size,
             "data_parallel_size": b.data_parallel_size,
+            "virtual_pipeline_size": b.virtual_pipeline_size,
             "micro_batch_size": b.pipelines[0].micro_batch_size,
             "num_microbatches": b.pipelines[0].num_microbatches,
             "recompute": _recompute_text(b.pipelines[0].stages[0]),
