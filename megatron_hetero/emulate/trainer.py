@@ -18,9 +18,12 @@ Public API
     Run inside a process of a gloo group of ``plan.world_size`` (see :mod:`.spawn`); enables
     the CPU backend, builds megatron-core's parallel state (TP, PP, DP from the plan; the
     plan's own pipeline layout), a ``GPTModel`` (local spec, fp32, CPU initialization, this
-    stage's recompute from its plan entry), Megatron's DDP, ``get_megatron_optimizer`` (Adam,
+    stage's recompute from its plan entry; one model chunk per virtual pipeline stage of an
+    interleaved plan), Megatron's DDP (overlapping the gradient reduction when
+    ``plan.overlap_grad_reduce`` says), ``get_megatron_optimizer`` (Adam,
     grad clipping; or SGD; distributed when ``config.use_distributed_optimizer`` says) and
-    runs ``config.steps`` steps of Megatron's own schedule (1F1B when PP > 1), then one
+    runs ``config.steps`` steps of Megatron's own schedule (1F1B when PP > 1, interleaved 1F1B
+    when the plan has virtual pipeline stages), then one
     forward-only pass. ``plan.precision`` is ignored: everything is fp32.
 ``train_plan(plan, config, hooks_factory=None) -> TrainResult``
     Spawns ``plan.world_size`` CPU processes running :func:`train_rank` and merges their
@@ -164,14 +167,14 @@ class TrainResult:
 
 # -- plans ----------------------------------------------------------------------------------------
 def reference_plan(plan: Plan) -> Plan:
-    """One stage, one pipeline, TP=1, no interleaving, the plain (not distributed) optimizer:
-    the same model and global batch on one process."""
+    """One stage, one pipeline, TP=1, no interleaving, the plain (not distributed) optimizer,
+    no overlapped gradient reduction: the same model and global batch on one process."""
     mbs = math.gcd(*(p.micro_batch_size for p in plan.pipelines))
     first = plan.pipelines[0].stages[0]
     stage = Stage(device_type=first.device_type, num_layers=plan.model.num_layers)
     return dataclasses.replace(
         plan, tensor_model_parallel_size=1, prediction=None, use_distributed_optimizer=False,
-        sequence_parallel=False, virtual_pipeline_size=1,
+        sequence_parallel=False, virtual_pipeline_size=1, overlap_grad_reduce=False,
         pipelines=[Pipeline(micro_batch_size=mbs, num_microbatches=plan.global_batch_size // mbs,
                             stages=[stage])])
 
@@ -369,8 +372,9 @@ def train_rank(plan: Plan, rank: int, config: TrainConfig | None = None,
         tied = not m.untie_embeddings_and_output_weights
         dist_opt = (plan.use_distributed_optimizer if config.use_distributed_optimizer is None
                     else config.use_distributed_optimizer)
+        overlap = plan.overlap_grad_reduce  # gradient reduction during the last backward
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
-                                                   overlap_grad_reduce=False,
+                                                   overlap_grad_reduce=overlap,
                                                    use_distributed_optimizer=dist_opt)
         chunks, models, tconfs = [], [], []  # per model chunk: (pre, post), GPTModel, config
         for vp in range(v):
@@ -404,6 +408,9 @@ def train_rank(plan: Plan, rank: int, config: TrainConfig | None = None,
             tconf.finalize_model_grads_func = finalize_model_grads
             tconf.grad_scale_func = optimizer.scale_loss
             tconf.no_sync_func = [d.no_sync for d in ddps] if v > 1 else ddps[0].no_sync
+            if overlap:  # as Megatron-LM's training sets it (align_grad_reduce)
+                tconf.grad_sync_func = ([d.start_grad_sync for d in ddps] if v > 1
+                                        else ddps[0].start_grad_sync)
         if hooks.on_built:
             hooks.on_built(ddps, optimizer)
         _install_backward_hook()

@@ -8,7 +8,7 @@ from megatron_hetero.plan import Plan, plan_from_data
 def tiny_plan(split: list[int], pipes: list[tuple[int, int]], *, tp: int = 1,
               recompute: list[dict | None] | None = None,
               use_distributed_optimizer: bool = False, chunks: list[list[int]] | None = None,
-              **model) -> Plan:
+              overlap_grad_reduce: bool = False, **model) -> Plan:
     """A plan of the tiny model: ``split`` layers per stage, ``pipes`` = [(micro_batch_size,
     num_microbatches)] per data-parallel replica; ``chunks`` (interleaved plans) the layers of
     each stage's model chunks (``split`` is then their sums); ``model`` overrides model fields."""
@@ -33,6 +33,7 @@ def tiny_plan(split: list[int], pipes: list[tuple[int, int]], *, tp: int = 1,
         "format_version": 1, "model": spec, "precision": "fp32",
         "use_distributed_optimizer": use_distributed_optimizer,
         "virtual_pipeline_size": len(chunks[0]) if chunks else 1,
+        "overlap_grad_reduce": overlap_grad_reduce,
         "global_batch_size": sum(m * n for m, n in pipes), "tensor_model_parallel_size": tp,
         "pipelines": [{"micro_batch_size": m, "num_microbatches": n, "stages": stages()}
                       for m, n in pipes]})

@@ -5,7 +5,8 @@ The same model, data and seed train for 3 steps under (a) one process, (b) PP=2 
 both, (e) TP=2, (f) TP=2 x PP=2, (g) PP=2 with the embedding alone on stage 0, (h) (d) with
 Megatron's distributed optimizer (the others use the plain fp32 one), (i) interleaved
 pipelining: PP=2 with 2 model chunks per stage (chunks 1+1 and 3+1 layers) x DP=2 with
-micro-batch counts 4:2, block recompute of 2 layers on stage 1. Losses, the forward-only loss after training and the final parameters
+micro-batch counts 4:2, block recompute of 2 layers on stage 1, (j) (i) and (k) (d) with
+the gradient reduction overlapped with the last backward (``overlap_grad_reduce``). Losses, the forward-only loss after training and the final parameters
 must match (a).
 
 Tolerance: losses within rtol 1e-5. Parameters within rtol 1e-5 plus atol 1e-5 (1% of one Adam
@@ -49,8 +50,13 @@ PLANS = {
                                                  use_distributed_optimizer=True),
     "i_pp2_vp2_dp2_chunks_1_1_3_1": tiny_plan(None, [(1, 4), (1, 2)], chunks=[[1, 1], [3, 1]],
                                               recompute=[None, BLOCK_RECOMPUTE_2]),
+    "j_i_with_overlapped_grad_reduce": tiny_plan(None, [(1, 4), (1, 2)], chunks=[[1, 1], [3, 1]],
+                                                 overlap_grad_reduce=True),
+    "k_d_with_overlapped_grad_reduce": tiny_plan([1, 5], [(1, 3), (1, 1)],
+                                                 overlap_grad_reduce=True),
 }
-OWN_BATCH = {"i_pp2_vp2_dp2_chunks_1_1_3_1"}  # global batch 6: micro-batch counts are multiples of PP
+# global batch 6: an interleaved plan's micro-batch counts are multiples of PP
+OWN_BATCH = {"i_pp2_vp2_dp2_chunks_1_1_3_1", "j_i_with_overlapped_grad_reduce"}
 
 
 @pytest.fixture(scope="module")
