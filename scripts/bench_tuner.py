@@ -24,10 +24,11 @@ from megatron_hetero.tuner import TuneOptions, tune  # noqa: E402
 SCENARIOS = REPO / "examples" / "scenarios"
 
 
-def one_f_one_b_estimate(model, inventory, gbs: int) -> tuple[float, int]:
+def one_f_one_b_estimate(model, inventory, gbs: int, chunks: int = 1) -> tuple[float, int]:
     """The best step time a plan of the searched kind can hope for, counting what the upper
     bound leaves out but such a plan must pay: tensor-parallel all-reduces (Megatron does not
-    overlap them) and the fill and drain of non-interleaved 1F1B. Per TP size ``t``: every
+    overlap them) and the fill and drain of 1F1B, divided by ``chunks`` (interleaved 1F1B with
+    that many model chunks per stage; memory for it ignored). Per TP size ``t``: every
     TP group of every type at its own per-layer speed (compute plus TP traffic, from the cost
     model), stages perfectly balanced, micro-batch size 1; the model's 16-bit weights and
     fp32 gradients must fit in ``p`` stages of the largest card (optimizer state and
@@ -52,7 +53,7 @@ def one_f_one_b_estimate(model, inventory, gbs: int) -> tuple[float, int]:
         groups = sum(slots.values())
         speed = sum(n / (L * sum(cost.layer_times(g, 1, t))) for g, n in slots.items())
         p_min = min(L, max(1, -(-int(weights) // int(t * room))))
-        fill = groups - groups // p_min  # D (p - 1) with D = G / p pipelines
+        fill = (groups - groups // p_min) / chunks  # D (p - 1) / v with D = G / p pipelines
         step = (gbs + fill) / speed + out_flops / pure
         best = min(best, (step, t))
     return best
@@ -68,35 +69,47 @@ def load_scenario(path: Path):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="only the scenarios marked quick")
+    ap.add_argument("--max-virtual-pipeline-size", type=int, default=None, metavar="V",
+                    help="most model chunks per stage searched (1: no interleaving; default: "
+                         "TuneOptions' default)")
     ap.add_argument("scenarios", nargs="*", help="scenario files (default: all in examples/scenarios)")
     args = ap.parse_args(argv)
     paths = [Path(p) for p in args.scenarios] or sorted(SCENARIOS.glob("*.yaml"))
     header = (f"{'scenario':34s} {'GPUs':>5s} {'search s':>8s} {'cpu s':>6s} {'tuned s':>9s} {'baseline s':>10s} "
-              f"{'bound s':>9s} {'speedup':>7s} {'room':>6s} {'effic.':>6s} {'1F1B':>5s}  plan")
+              f"{'bound s':>9s} {'speedup':>7s} {'room':>6s} {'effic.':>6s} {'1F1B':>5s} {'VPP':>5s}  plan")
     print(header)
     print("-" * len(header))
     for path in paths:
         inventory, model, gbs, quick = load_scenario(path)
         if args.quick and not quick:
             continue
-        r = tune(model, inventory, gbs, options=TuneOptions())
+        options = TuneOptions()
+        if args.max_virtual_pipeline_size is not None:
+            options.max_virtual_pipeline_size = args.max_virtual_pipeline_size
+        r = tune(model, inventory, gbs, options=options)
+        b = r.baseline_plan
         p = r.plan
         base = r.baseline_sim.step_time_s if r.baseline_sim else float("nan")
         pred, bound = r.sim.step_time_s, r.upper_bound_step_time_s
         ceiling, _ = one_f_one_b_estimate(model, inventory, gbs)
+        ceiling_v, _ = one_f_one_b_estimate(model, inventory, gbs, options.max_virtual_pipeline_size)
         print(f"{path.stem:34s} {inventory.num_gpus:5d} {r.search_time_s:8.2f} {r.search_cpu_s:6.2f} {pred:9.2f} "
-              f"{base:10.2f} {bound:9.2f} {base / pred:7.2f} {base / bound:6.2f} {bound / pred:6.3f} {bound / ceiling:5.2f}  "
+              f"{base:10.2f} {bound:9.2f} {base / pred:7.2f} {base / bound:6.2f} {bound / pred:6.3f} {bound / ceiling:5.2f} "
+              f"{bound / ceiling_v:5.2f}  "
               f"TP{p.tensor_model_parallel_size} PP{p.pipeline_model_parallel_size} "
-              f"DP{p.data_parallel_size} mbs{p.pipelines[0].micro_batch_size} "
-              f"GPUs {sum(p.device_counts().values())}"
-              + (" (baseline)" if r.fell_back_to_baseline else ""))
+              f"VP{p.virtual_pipeline_size} DP{p.data_parallel_size} "
+              f"mbs{p.pipelines[0].micro_batch_size} GPUs {sum(p.device_counts().values())}"
+              + (" (baseline)" if r.fell_back_to_baseline else "")
+              + (f"; baseline TP{b.tensor_model_parallel_size} PP{b.pipeline_model_parallel_size} "
+                 f"VP{b.virtual_pipeline_size} DP{b.data_parallel_size}" if b else ""))
         sys.stdout.flush()
     print("\nsearch s: wall clock; cpu s: this process's CPU time (what the search costs when "
           "the machine is shared).")
     print("speedup = baseline / tuned; room = baseline / upper bound (the most any plan could "
           "gain); efficiency = upper bound / tuned; 1F1B = upper bound / the best step a "
           "non-interleaved 1F1B plan can hope for once TP traffic and fill/drain are paid "
-          "(one_f_one_b_estimate): the efficiency ceiling of this plan space.")
+          "(one_f_one_b_estimate); VPP = the same with the fill/drain divided by the largest "
+          f"chunk count searched ({TuneOptions().max_virtual_pipeline_size}; memory ignored).")
     return 0
 
 
