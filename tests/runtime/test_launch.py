@@ -4,6 +4,8 @@ megatron.training, on CPU processes, with the plan applied by the hooks."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from megatron_hetero.plan import save_plan
@@ -147,12 +149,13 @@ def test_layout_split_with_an_embedding_only_first_stage(tmp_path):
 
 def test_interleaved_uneven_plan_equals_one_replica(tmp_path):
     """An interleaved plan (PP=2, 2 model chunks per stage of 1+1 and 2+1 layers) with two
-    replicas running 4 and 2 micro-batches (4 processes) trains as the same chunks with one
-    replica running all 6 (2 processes): Megatron's interleaved schedule, per-replica counts."""
+    replicas running 4 and 2 micro-batches (4 processes) and the gradient reduction overlapped
+    (as the tuner writes plans) trains as the same chunks with one replica running all 6
+    (2 processes): Megatron's interleaved schedule, per-replica counts."""
     uneven, single = tmp_path / "uneven.yaml", tmp_path / "single.yaml"
     chunks = [[1, 1], [2, 1]]
-    save_plan(make_plan(chunks=chunks, devices=[[A100, V100]] * 2, replicas=[(1, 4), (1, 2)]),
-              uneven)
+    plan = make_plan(chunks=chunks, devices=[[A100, V100]] * 2, replicas=[(1, 4), (1, 2)])
+    save_plan(dataclasses.replace(plan, overlap_grad_reduce=True), uneven)
     save_plan(make_plan(chunks=chunks, devices=[[A100, V100]], replicas=[(1, 6)]), single)
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
     four = launch(4, str(uneven), tmp_path / "a", timeout=400)
@@ -160,6 +163,7 @@ def test_interleaved_uneven_plan_equals_one_replica(tmp_path):
     for code, out, _ in four + two:
         assert code == 0, out[-3000:]
     assert "pipeline_model_parallel_layout .................. Et|t*2|t|tL" in four[0][1]
+    assert "overlap_grad_reduce ............................. True" in four[0][1]
     # Megatron order tp-dp-pp: each rank built its stage's two chunks (global layer numbers)
     none = [None, None]
     assert [log["chunks"] for _, _, log in four] == [[[[1], none], [[4], none]]] * 2 + [
