@@ -23,8 +23,17 @@ unfused); then micro-batch counts by exact min-max water-filling
 time and the walk stops once the bound passes the best estimate found. The best few estimates
 are simulated (:func:`megatron_hetero.simulate.simulate`) and the best simulated plan wins.
 
+Every structure with ``p > 1`` is also tried interleaved (Megatron's virtual pipeline stages,
+``v`` = 2 .. ``max_virtual_pipeline_size`` model chunks per stage) where every stage can hold
+``v`` layers and the micro-batches form whole groups of ``p``: its lower bound divides the fill
+and drain by ``v``, its memory tables use the exact in-flight peak of the interleaved order,
+micro-batch shares are water-filled in units of ``p``, each stage's layers go evenly over its
+chunks, and the chosen split's memory is checked exactly. The best two estimates of every chunk
+count are simulated too (the estimate misses the bubbles of unequal chunks).
+
 The baseline is the same walk restricted to what plain Megatron expresses: the same layers on
-every stage, the same micro-batches on every replica, one recompute setting everywhere.
+every stage (and chunk), the same micro-batches on every replica, one recompute setting
+everywhere. Every plan overlaps its gradient reduction (``TuneOptions.overlap_grad_reduce``).
 Everything iterates in sorted order, so the result depends only on the input.
 """
 
