@@ -74,7 +74,9 @@ class Recompute:
     method: Literal["uniform", "block"] | None = None
     """Required with ``full``: how Megatron picks the recomputed layers."""
     num_layers: int | None = None
-    """Required with ``full``: layers per recompute chunk (uniform) or layers recomputed (block)."""
+    """Required with ``full``: layers per recompute chunk (uniform) or layers recomputed (block).
+    With interleaving it counts within each model chunk of the stage, as Megatron applies its
+    ``--recompute-*`` settings to each chunk's block."""
 
     def __post_init__(self) -> None:
         if self.granularity == "full":
