@@ -699,7 +699,6 @@ class _Search:
             if st.vp > 1:
                 # interleaving holds more activations than plain 1F1B on every stage: where the
                 # same structure without it fits nowhere, it does not either; and it can at
-                # best divide that structure's fill and drain by the chunk count
                 # best divide that structure's fill and drain by the chunk count (visited still
                 # when it may be among the best two of its chunk count, which are simulated)
                 flat = visit(dataclasses.replace(st, vp=1))
