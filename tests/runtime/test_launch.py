@@ -248,3 +248,32 @@ def test_unchanged_pretrain_gpt_uneven_data_parallel(tmp_path, tp):
 def _validation_losses(output: str) -> list[float]:
     return [float(line.split("lm loss value:")[1].split("|")[0]) for line in output.splitlines()
             if "validation loss at" in line and "lm loss value:" in line]
+
+
+@needs_megatron_git
+def test_unchanged_pretrain_gpt_interleaved_uneven_plan(tmp_path):
+    """Megatron-LM 0.17.1's own pretrain_gpt.py runs an interleaved plan (PP=2, model chunks of
+    1+1 and 2+1 layers) with replicas of 4 and 2 micro-batches: training and validation losses
+    and grad norms as one replica running all 6 micro-batches through the same chunks."""
+    checkout = _megatron_lm_checkout(tmp_path)
+    uneven, single = tmp_path / "uneven.yaml", tmp_path / "single.yaml"
+    chunks = [[1, 1], [2, 1]]
+    plan = make_plan(chunks=chunks, devices=[[A100, V100]] * 2, replicas=[(1, 4), (1, 2)])
+    save_plan(dataclasses.replace(plan, overlap_grad_reduce=True), uneven)
+    save_plan(make_plan(chunks=chunks, devices=[[A100, V100]], replicas=[(1, 6)]), single)
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    script = checkout / "pretrain_gpt.py"
+    evaluate = ["--eval-iters", "1", "--eval-interval", "1", "--split", "50,50,0"]
+    four = launch(4, str(uneven), tmp_path / "a", script=script, base_args=PRETRAIN_GPT_ARGS,
+                  extra=evaluate, timeout=400)
+    two = launch(2, str(single), tmp_path / "b", script=script, base_args=PRETRAIN_GPT_ARGS,
+                 extra=evaluate, timeout=400)
+    for code, out, _ in four + two:
+        assert code == 0, out[-3000:]
+    assert "virtual_pipeline_model_parallel_size ............ 2" in four[0][1]
+    assert len(logged_losses(two[-1][1])) == 2
+    assert logged_losses(four[-1][1]) == pytest.approx(logged_losses(two[-1][1]), rel=1e-5)
+    assert _grad_norms(four[-1][1]) == pytest.approx(_grad_norms(two[-1][1]), rel=1e-4)
+    assert len(_validation_losses(two[-1][1])) >= 2
+    assert _validation_losses(four[-1][1]) == pytest.approx(_validation_losses(two[-1][1]),
+                                                             rel=1e-5)
