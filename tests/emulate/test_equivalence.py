@@ -195,20 +195,24 @@ def test_hooks_see_every_micro_batch_step():
         assert len(result.step_times[r.rank]) == config.steps
 
 
-def test_megatron_core_017(mcore017_env):
-    """(b) under megatron-core 0.17.1 (a subprocess with PYTHONPATH=.venv/mcore017)."""
+@pytest.mark.parametrize("plan", ["tiny_plan([1, 5], [(1, 4)])",
+                                  "tiny_plan(None, [(1, 4), (1, 2)], chunks=[[1, 1], [3, 1]])"],
+                         ids=["b", "i_interleaved"])
+def test_megatron_core_017(mcore017_env, plan):
+    """(b) and an interleaved plan like (i) under megatron-core 0.17.1 (a subprocess with
+    PYTHONPATH=.venv/mcore017)."""
     script = textwrap.dedent("""
         import megatron.core
         from megatron_hetero.emulate.trainer import (TrainConfig, compare_results,
                                                      reference_plan, train_plan)
         from tests.emulate.conftest import tiny_plan
-        plan = tiny_plan([1, 5], [(1, 4)])
+        plan = %s
         config = TrainConfig(steps=3)
         diff = compare_results(train_plan(plan, config), train_plan(reference_plan(plan), config),
                                rtol=%r, atol=%r)
         print("VERSION", megatron.core.__version__)
         print("DIFF", diff)
-    """ % (RTOL, ATOL))
+    """ % (plan, RTOL, ATOL))
     out = subprocess.run([sys.executable, "-W", "ignore", "-c", script], env=mcore017_env,
                          capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
