@@ -6,7 +6,8 @@ both, (e) TP=2, (f) TP=2 x PP=2, (g) PP=2 with the embedding alone on stage 0, (
 Megatron's distributed optimizer (the others use the plain fp32 one), (i) interleaved
 pipelining: PP=2 with 2 model chunks per stage (chunks 1+1 and 3+1 layers) x DP=2 with
 micro-batch counts 4:2, block recompute of 2 layers on stage 1, (j) (i) and (k) (d) with
-the gradient reduction overlapped with the last backward (``overlap_grad_reduce``). Losses, the forward-only loss after training and the final parameters
+the gradient reduction overlapped with the last backward (``overlap_grad_reduce``), (l) TP=2 x
+interleaved PP=2 whose first chunk holds only the embedding (layout E|t*3|t*2|tL). Losses, the forward-only loss after training and the final parameters
 must match (a).
 
 Tolerance: losses within rtol 1e-5. Parameters within rtol 1e-5 plus atol 1e-5 (1% of one Adam
@@ -54,6 +55,8 @@ PLANS = {
                                                  overlap_grad_reduce=True),
     "k_d_with_overlapped_grad_reduce": tiny_plan([1, 5], [(1, 3), (1, 1)],
                                                  overlap_grad_reduce=True),
+    "l_tp2_pp2_vp2_embedding_alone_first": tiny_plan(None, [(1, 4)], chunks=[[0, 2], [3, 1]],
+                                                     tp=2),
 }
 # global batch 6: an interleaved plan's micro-batch counts are multiples of PP
 OWN_BATCH = {"i_pp2_vp2_dp2_chunks_1_1_3_1", "j_i_with_overlapped_grad_reduce"}
