@@ -72,6 +72,11 @@ def _add_profile(sub) -> None:
     p.add_argument("--layers", type=int, default=2, metavar="N",
                    help="layers timed in sequence; figures are per layer (default 2)")
     p.add_argument("--no-bandwidth", action="store_true", help="skip the p2p/all-reduce figures")
+    p.add_argument("--no-pipeline", action="store_true",
+                   help="skip the 2-stage pipeline measurement (per-micro-batch overhead)")
+    p.add_argument("--idle-factor", type=float, default=0.0, metavar="K",
+                   help="CPU: idle K x each timed step after it, as the rehearsal's speed "
+                        "emulation runs a device K+1 times slower (default 0: back to back)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(handler="megatron_hetero.profiler:profile_main")
 

@@ -41,8 +41,10 @@ from pathlib import Path
 from typing import Callable, Literal
 
 from .cost.profile_file import (
-    BandwidthSample, Communication, DeviceInfo, MemoryFigures, PartTimes, ProfileData,
-    ProfileEntry, Software, Timing, save_profile,
+    FORMAT_VERSION, BandwidthSample, Communication, DeviceInfo, MemoryFigures, PartTimes,
+    PipelineEntry, PipelineFigures, PipelineStageTimes, ProfileData, ProfileEntry, Software,
+    Timing,
+    save_profile,
 )
 from .errors import HeteroError
 from .plan import ModelSpec
@@ -75,6 +77,18 @@ class ProfileRequest:
     so that each layer meets caches holding the other layer's weights, as in a real stack."""
     bandwidth: bool = True
     """Measure p2p and all-reduce bandwidth when more than one rank runs."""
+    pipeline: bool = True
+    """Also run a 2-stage pipeline through Megatron's own 1F1B schedule and record how much
+    longer each stage's forward and backward of a micro-batch take there than the sum of its
+    parts timed alone (:func:`_measure_pipeline`). Needs 2 ranks: on the CPU backend the profiler
+    starts them; on GPUs, 2 visible GPUs or torchrun with at least 2 ranks."""
+    pipeline_microbatches: int = 4
+    """Micro-batches per step of that pipeline (1F1B: warm-up, steady state and cool-down)."""
+    idle_factor: float = 0.0
+    """CPU backend only: after every timed forward or backward, sleep ``idle_factor`` times its
+    duration, as the rehearsal's speed emulation does on a rank that plays a device
+    ``idle_factor + 1`` times slower than the CPU (the CPU then times each step after an idle
+    gap in which other processes may have used the core and its caches). 0: back to back."""
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -91,6 +105,11 @@ class ProfileRequest:
                     f"({m.num_attention_heads}) and query groups ({m.num_query_groups})")
         if self.layers < 1:
             raise HeteroError(f"--layers {self.layers}: expected at least 1")
+        if not self.idle_factor >= 0:
+            raise HeteroError(f"--idle-factor {self.idle_factor}: expected a number >= 0")
+        if self.pipeline_microbatches < 2:
+            raise HeteroError(f"pipeline_microbatches {self.pipeline_microbatches}: expected at "
+                              "least 2 (a 2-stage pipeline)")
         if self.warmup < 0 or self.repeats < 1:
             raise HeteroError(f"--warmup {self.warmup} --repeats {self.repeats}: expected "
                               "warmup >= 0 and repeats >= 1")
@@ -111,7 +130,7 @@ def layer_flops(model: ModelSpec, micro_batch_size: int, tensor_parallel_size: i
 def run_profile(request: ProfileRequest, output: str | Path | None = None) -> ProfileData:
     """Measure, write ``output`` (when given) and return the profile. Starts max(TP) processes
     unless running under torchrun already (then uses the launched ranks)."""
-    world = max(request.tensor_parallel_sizes)
+    world = max(max(request.tensor_parallel_sizes), _pipeline_ranks(request))
     launched = _launched_world()
     if launched > 1:
         if launched % world:
@@ -125,6 +144,18 @@ def run_profile(request: ProfileRequest, output: str | Path | None = None) -> Pr
     if data is not None and output is not None:
         save_profile(data, output)
     return data
+
+
+def _pipeline_ranks(request: ProfileRequest) -> int:
+    """Ranks the pipeline measurement asks for when the profiler starts them: 2 on the CPU
+    backend, 2 on a node with 2 visible GPUs, else 1 (no pipeline figures)."""
+    if not request.pipeline or _launched_world() > 1:
+        return 1
+    device = _pick_device(request.device)
+    if device == "cpu":
+        return 2
+    import torch
+    return 2 if torch.cuda.device_count() >= 2 else 1
 
 
 def _launched_world() -> int:
@@ -210,40 +241,53 @@ def _rank_main(rank: int, world: int, request: ProfileRequest, init_method: str 
     from megatron.core import parallel_state
 
     device_type, precision = _device_type_and_precision(request, device)
-    clock_name, timer = _timer(device, 1)
+    if device != "cpu" and request.idle_factor:
+        raise HeteroError("--idle-factor is for the CPU backend (it reproduces the rehearsal's "
+                          "speed emulation); a GPU is timed back to back")
+    clock_name, timer = _timer(device, 1, request.idle_factor)
     entries: list[ProfileEntry] = []
     jobs = [(tp, mbs) for tp in request.tensor_parallel_sizes for mbs in request.micro_batch_sizes]
-    with _progress(request.progress and rank == 0, len(jobs) * 3) as advance:
+    pipelined = _runs_pipeline(request, world)
+    steps = len(jobs) * 3 + (len(request.micro_batch_sizes) if pipelined else 0)
+    with _progress(request.progress and rank == 0, steps) as advance:
         for tp in request.tensor_parallel_sizes:
             parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
             try:
-                parts = _build_parts(request.model, tp, precision, device, request.layers)
-                tp_clock, tp_timer = _timer(device, tp)
-                for mbs in request.micro_batch_sizes:
-                    entry = _measure_entry(parts, request, mbs, tp, tp_timer, device, advance)
-                    if tp_clock != clock_name:
-                        entry.clock = tp_clock
-                    entries.append(entry)
+                # On CPU the ranks share the cores: only the first TP group times, so that a
+                # TP=1 figure is one process's work alone, as in a 1-rank profile.
+                if device == "cuda" or rank < tp:
+                    parts = _build_parts(request.model, tp, precision, device, request.layers)
+                    tp_clock, tp_timer = _timer(device, tp, request.idle_factor)
+                    for mbs in request.micro_batch_sizes:
+                        entry = _measure_entry(parts, request, mbs, tp, tp_timer, device, advance)
+                        if tp_clock != clock_name:
+                            entry.clock = tp_clock
+                        entries.append(entry)
+                    del parts
             finally:
                 parallel_state.destroy_model_parallel()
-    comm = _measure_bandwidth(world, device, request) if request.bandwidth and world > 1 else None
+        comm = _measure_bandwidth(world, device, request) if request.bandwidth and world > 1 \
+            else None
+        pipeline = (_measure_pipeline(rank, request, precision, device, timer, entries, advance)
+                    if pipelined else None)
     if rank != 0:
         dist.barrier()
         return None
     dist.barrier()
     best = _efficiency(entries, device, device_type, precision)
     return ProfileData(
-        format_version=1,
+        format_version=FORMAT_VERSION,
         device=_device_info(device, device_type, world),
         software=_software(),
         timing=Timing(method=clock_name, warmup=request.warmup, repeats=request.repeats,
                       layer_spec=_layer_spec_name(device), precision=precision,
-                      layers=request.layers),
+                      layers=request.layers, idle_factor=request.idle_factor),
         model=request.model,
         entries=entries,
         created=_dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
         efficiency=best,
         communication=comm,
+        pipeline=pipeline,
     )
 
 
@@ -277,10 +321,11 @@ def _device_type_and_precision(request: ProfileRequest, device: str) -> tuple[st
     return resolved or dtype, precision
 
 
-def _timer(device: str, tp: int) -> tuple[str, Callable]:
+def _timer(device: str, tp: int, idle_factor: float = 0.0) -> tuple[str, Callable]:
     """A function ``timer(fn) -> (seconds, fn())`` and the name of its method. On CPU: the
     thread's CPU time with one torch thread and TP=1, else wall clock (TP > 1 waits for gloo
-    all-reduces, which CPU time would not count)."""
+    all-reduces, which CPU time would not count); with ``idle_factor`` it sleeps that many
+    times the measured seconds after each call (:attr:`ProfileRequest.idle_factor`)."""
     import torch
 
     if device == "cuda":
@@ -299,7 +344,10 @@ def _timer(device: str, tp: int) -> tuple[str, Callable]:
     def cpu_timer(fn):
         t0 = clock()
         out = fn()
-        return clock() - t0, out
+        t = clock() - t0
+        if idle_factor > 0:
+            time.sleep(idle_factor * t)
+        return t, out
     return name, cpu_timer
 
 
@@ -314,15 +362,19 @@ class _Parts:
     """Megatron's DDP around ``model``: kept alive so its gradient hooks stay registered."""
 
 
-def _build_parts(model: ModelSpec, tp: int, precision: str, device: str, layers: int = 1) -> _Parts:
+def _dtype(precision: str):
     import torch
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
+
+
+def _transformer_config(model: ModelSpec, tp: int, precision: str, device: str, layers: int,
+                        pp: int = 1):
     import torch.nn.functional as F
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import TransformerConfig
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
-    config = TransformerConfig(
+    dtype = _dtype(precision)
+    extra = {"pipeline_model_parallel_size": pp, "pipeline_dtype": dtype} if pp > 1 else {}
+    return TransformerConfig(
         num_layers=layers,
         hidden_size=model.hidden_size,
         ffn_hidden_size=model.ffn_hidden_size,
@@ -345,7 +397,17 @@ def _build_parts(model: ModelSpec, tp: int, precision: str, device: str, layers:
         persist_layer_norm=False,
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
+        **extra,
     )
+
+
+def _build_parts(model: ModelSpec, tp: int, precision: str, device: str, layers: int = 1) -> _Parts:
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    dtype = _dtype(precision)
+    config = _transformer_config(model, tp, precision, device, layers)
     torch.manual_seed(1234)
     from megatron.core import tensor_parallel
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
@@ -499,13 +561,159 @@ def _measure_memory(layers, layer_fwd, device: str) -> MemoryFigures:
                          activation_bytes_per_layer=act // n, peak_bytes=n * 2 * param_bytes + act)
 
 
+def _runs_pipeline(request: ProfileRequest, world: int) -> bool:
+    """Whether this run measures the 2-stage pipeline: asked, an even number of ranks (two per
+    pipeline) and TP=1 among the profiled sizes (the parts it is compared with)."""
+    return (request.pipeline and world >= 2 and world % 2 == 0
+            and 1 in request.tensor_parallel_sizes)
+
+
+def _measure_pipeline(rank: int, request: ProfileRequest, precision: str, device: str, timer,
+                      entries: list[ProfileEntry], advance) -> PipelineFigures | None:
+    """Per-micro-batch cost of running inside a pipeline, beyond the parts timed alone.
+
+    Megatron's parallel state with PP=2, TP=1; the ranks of the first data-parallel replica build
+    the two stages of a ``2 x layers`` model (the first with the embedding, the last with the
+    final norm, the output layer and the loss; Megatron's DDP around each) and train them with
+    megatron-core's own non-interleaved 1F1B schedule: its p2p sends and receives, its handling
+    of received tensors and of outputs, ``pipeline_microbatches`` micro-batches a step, ``warmup``
+    untimed and ``repeats`` timed steps. Every forward (the model call) and backward
+    (``schedules.backward_step``) of a micro-batch is timed with the parts' clock. Returned on
+    rank 0, per micro-batch size: each stage's median against the sum of its parts from
+    ``entries`` (TP=1), and their mean difference: the overhead per micro-batch and stage."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    measured = []
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1,
+                                             pipeline_model_parallel_size=2)
+    try:
+        stage = parallel_state.get_pipeline_model_parallel_rank()
+        runner = (_PipelineStage(request, precision, device, stage)
+                  if parallel_state.get_data_parallel_rank() == 0 else None)
+        for mbs in request.micro_batch_sizes:
+            vals = torch.zeros(4, dtype=torch.float64)
+            if runner is not None:
+                vals[2 * stage], vals[2 * stage + 1] = runner.run(mbs, timer)
+            if device == "cuda":
+                vals = vals.cuda()
+            dist.all_reduce(vals)  # each stage fills its own two slots
+            measured.append((mbs, vals.tolist()))
+            advance(f"pipeline mbs={mbs}")
+        del runner
+    finally:
+        parallel_state.destroy_model_parallel()
+    if rank != 0:
+        return None
+    tp1 = {e.micro_batch_size: e for e in entries if e.tensor_parallel_size == 1}
+    n = request.layers
+    rows = []
+    for mbs, (f0, b0, f1, b1) in measured:
+        e = tp1[mbs]
+        first = PipelineStageTimes(
+            forward_s=_sig(f0), backward_s=_sig(b0),
+            parts_forward_s=_sig(e.embedding.forward_s + n * e.layer.forward_s),
+            parts_backward_s=_sig(e.embedding.backward_s + n * e.layer.backward_s))
+        last = PipelineStageTimes(
+            forward_s=_sig(f1), backward_s=_sig(b1),
+            parts_forward_s=_sig(n * e.layer.forward_s + e.output.forward_s),
+            parts_backward_s=_sig(n * e.layer.backward_s + e.output.backward_s))
+        rows.append(PipelineEntry(
+            micro_batch_size=mbs, tensor_parallel_size=1, first=first, last=last,
+            forward_overhead_s=_sig(((f0 - first.parts_forward_s)
+                                     + (f1 - last.parts_forward_s)) / 2),
+            backward_overhead_s=_sig(((b0 - first.parts_backward_s)
+                                      + (b1 - last.parts_backward_s)) / 2)))
+    return PipelineFigures(stages=2, layers_per_stage=n,
+                           microbatches=request.pipeline_microbatches, entries=rows)
+
+
+class _PipelineStage:
+    """One stage of the profiler's 2-stage pipeline (see :func:`_measure_pipeline`)."""
+
+    def __init__(self, request: ProfileRequest, precision: str, device: str, stage: int):
+        import torch
+        from megatron.core import tensor_parallel
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.models.gpt import GPTModel
+
+        m = request.model
+        self.request, self.device, self.model_spec = request, device, m
+        self.dtype = _dtype(precision)
+        config = _transformer_config(m, 1, precision, device, 2 * request.layers, pp=2)
+        torch.manual_seed(1234)
+        tensor_parallel.model_parallel_cuda_manual_seed(1234)
+        gpt = GPTModel(config=config, transformer_layer_spec=_layer_spec(m, device),
+                       vocab_size=m.vocab_size, max_sequence_length=m.seq_length,
+                       pre_process=stage == 0, post_process=stage == 1,
+                       share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
+                       position_embedding_type=m.position_embedding_type)
+        if device == "cuda":
+            gpt = gpt.cuda()
+        gpt = gpt.to(self.dtype)
+        self.ddp = DistributedDataParallel(
+            config=config, module=gpt,
+            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True))
+
+    def run(self, mbs: int, timer) -> tuple[float, float]:
+        """Median (forward, backward) seconds of one micro-batch on this stage."""
+        import torch
+        from megatron.core.pipeline_parallel import schedules
+
+        m, r = self.model_spec, self.request
+        dev = torch.device("cuda", torch.cuda.current_device()) if self.device == "cuda" \
+            else torch.device("cpu")
+        gen = torch.Generator(device="cpu").manual_seed(mbs)
+        tokens = torch.randint(0, m.vocab_size, (mbs, m.seq_length), generator=gen).to(dev)
+        labels = torch.randint(0, m.vocab_size, (mbs, m.seq_length), generator=gen).to(dev)
+        positions = torch.arange(m.seq_length, device=dev).unsqueeze(0).expand(mbs, -1)
+        fwd: list[float] = []
+        bwd: list[float] = []
+
+        def loss_func(output):
+            loss = output.float().sum()
+            return loss, {"loss": loss.detach()}
+
+        def forward_step(data_iterator, model_chunk):
+            next(data_iterator)
+            t, out = timer(lambda: model_chunk(tokens, positions, None, labels=labels))
+            fwd.append(t)
+            return out, loss_func
+
+        original = schedules.backward_step
+
+        def backward_step(*args, **kwargs):
+            t, out = timer(lambda: original(*args, **kwargs))
+            bwd.append(t)
+            return out
+
+        schedules.backward_step = backward_step
+        try:
+            n = r.pipeline_microbatches
+            for i in range(r.warmup + r.repeats):
+                if i == r.warmup:
+                    fwd.clear()
+                    bwd.clear()
+                self.ddp.zero_grad_buffer()
+                schedules.forward_backward_pipelining_without_interleaving(
+                    forward_step_func=forward_step, data_iterator=iter(range(n)),
+                    model=[self.ddp], num_microbatches=n, seq_length=m.seq_length,
+                    micro_batch_size=mbs, forward_only=False)
+        finally:
+            schedules.backward_step = original
+        return statistics.median(fwd), statistics.median(bwd)
+
+
 def _measure_bandwidth(world: int, device: str, request: ProfileRequest) -> Communication:
     import torch
     import torch.distributed as dist
 
     rank = dist.get_rank()
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
-    sizes = [1 << 20, 16 << 20, 64 << 20] if device == "cuda" else [1 << 18, 1 << 20, 4 << 20]
+    # the smallest message gives the per-message latency (alpha); the others the bandwidth
+    sizes = [4096, 1 << 20, 16 << 20, 64 << 20] if device == "cuda" else \
+        [4096, 1 << 18, 1 << 20, 4 << 20]
     reps = max(request.repeats, 3)
 
     def wall(fn):
@@ -537,7 +745,8 @@ def _measure_bandwidth(world: int, device: str, request: ProfileRequest) -> Comm
         t = statistics.median(samples)
         bus = 2 * (world - 1) / world * nbytes
         allreduce.append(BandwidthSample(bytes=nbytes, seconds=t, gb_s=round(bus / t / 1e9, 4)))
-    return Communication(ranks=world, backend=dist.get_backend(), p2p=p2p, all_reduce=allreduce)
+    return Communication(ranks=world, backend=dist.get_backend(), p2p=p2p, all_reduce=allreduce,
+                         p2p_latency_s=_sig(p2p[0].seconds))
 
 
 def _efficiency(entries: list[ProfileEntry], device: str, device_type: str, precision: str):
@@ -704,7 +913,8 @@ def profile_main(args) -> int:
         tensor_parallel_sizes=_int_list(args.tensor_parallel_sizes, "--tensor-parallel-sizes"),
         warmup=args.warmup, repeats=args.repeats, device=args.device, precision=args.precision,
         device_type=args.device_type, cpu_threads=args.cpu_threads, layers=args.layers,
-        bandwidth=not args.no_bandwidth, progress=not args.quiet,
+        bandwidth=not args.no_bandwidth, pipeline=not getattr(args, "no_pipeline", False),
+        idle_factor=getattr(args, "idle_factor", 0.0), progress=not args.quiet,
     )
     data = run_profile(request, args.output)
     if data is None:  # a non-zero torchrun rank

@@ -47,7 +47,10 @@ DOC = REPO / "docs" / "calibration.md"
 BEGIN, END = "<!-- calibration-table:begin -->", "<!-- calibration-table:end -->"
 FAST, SLOW = "A100-SXM-80GB", "A40-48GB"
 NO_PROFILE_EFFICIENCY = 0.5
-MODES = ("profile", "rehearsal", "efficiency only", "no profile")
+MODES = ("profile", "idle-timed profile", "rehearsal", "efficiency only", "no profile")
+PROFILE_MODES = ("profile", "idle-timed profile")
+"""The modes that read a profile's per-part times; the second one's profile times every step
+after an idle gap, as the rehearsal's speed emulation runs its ranks (``--idle-factor``)."""
 
 MODEL = ModelSpec(name="calib-llama", num_layers=6, hidden_size=256, ffn_hidden_size=704,
                   num_attention_heads=8, num_query_groups=8, vocab_size=2048, seq_length=128)
@@ -85,7 +88,7 @@ def calibration_from(profile: MeasuredProfile | None, shrunk: Plan, base, mode: 
         return base
     # Only the compute figures differ between the modes; links and the optimizer's rate stay
     # what the rehearsal measured at start.
-    out = dataclasses.replace(base, parts={}, layer_flops_per_s=0.0)
+    out = dataclasses.replace(base, parts={}, layer_flops_per_s=0.0, pipeline_overhead={})
     peak = profile.data.device.peak_matmul_tflops * 1e12
     if mode == "no profile":
         out.layer_flops_per_s = peak * NO_PROFILE_EFFICIENCY
@@ -100,12 +103,18 @@ def calibration_from(profile: MeasuredProfile | None, shrunk: Plan, base, mode: 
                     raise SystemExit(f"{profile.source} has no {part} at micro-batch {b} for "
                                      f"the shape of {m.name}; re-profile")
                 out.parts[(part, b)] = got
+            over = profile.pipeline_overhead(model=m, micro_batch_size=b, tensor_parallel_size=1)
+            if over is not None:
+                out.pipeline_overhead[b] = over
             lf, lb = out.parts[("layer", b)]
             out.layer_flops_per_s = 3 * layer_forward_flops(m, b) / (lf + lb)
+        comm = profile.data.communication
+        if comm is not None and comm.p2p_latency_s is not None:
+            out.p2p_latency_s = comm.p2p_latency_s
     return out
 
 
-def run_plan(plan: Plan, profile: MeasuredProfile, args) -> dict:
+def run_plan(plan: Plan, profiles: dict[str, MeasuredProfile], args) -> dict:
     from megatron_hetero.emulate.rehearse import RehearsalConfig, predict, rehearse
     from megatron_hetero.emulate.speed import device_slowdowns
 
@@ -113,10 +122,10 @@ def run_plan(plan: Plan, profile: MeasuredProfile, args) -> dict:
                              time_scale=args.time_scale, memory_cap=False)
     result = rehearse(plan, config)
     factors = {d: s * args.time_scale for d, s in device_slowdowns(plan).items()}
-    predicted = {mode: predict(result.plan, calibration_from(profile, result.plan,
-                                                              result.calibration, mode),
-                               factors).step_time_s
-                 for mode in MODES}
+    predicted = {mode: predict(result.plan, calibration_from(
+                     profiles.get(mode, profiles["profile"]), result.plan, result.calibration,
+                     "profile" if mode in PROFILE_MODES else mode), factors).step_time_s
+                 for mode in MODES if mode in profiles or mode not in PROFILE_MODES}
     # The least-disturbed step: other processes share this machine's cores, and their
     # interference only ever adds time.
     return {"measured_s": min(result.step_times), "median_s": result.step_s,
@@ -127,15 +136,27 @@ def run_plan(plan: Plan, profile: MeasuredProfile, args) -> dict:
 
 # -- main -------------------------------------------------------------------------------------
 
-def make_profile(path: Path, mbs: list[int], tps: str = "1,2") -> MeasuredProfile:
+def make_profile(path: Path, mbs: list[int], tps: str = "1,2",
+                 idle_factor: float = 0.0) -> MeasuredProfile:
     model_file = path.with_name("calib-model.yaml")
     model_file.write_text(yaml.safe_dump(dataclasses.asdict(MODEL), sort_keys=False))
     cmd = [sys.executable, "-m", "megatron_hetero.cli", "profile", "--model", str(model_file),
            "--micro-batch-sizes", ",".join(map(str, mbs)), "--tensor-parallel-sizes", tps,
-           "--repeats", "7", "--cpu-threads", "1", "-o", str(path)]
+           "--repeats", "7", "--cpu-threads", "1", "--idle-factor", f"{idle_factor:g}",
+           "-o", str(path)]
     print("$", " ".join(cmd[2:]), flush=True)
     subprocess.run(cmd, check=True, cwd=REPO)
     return load_profile(path)
+
+
+def _overheads(profile: MeasuredProfile, plan: Plan) -> dict:
+    """The profile's measured pipeline overhead per micro-batch size of ``plan`` (for the JSON)."""
+    out = {}
+    for b in sorted({p.micro_batch_size for p in plan.pipelines}):
+        got = profile.pipeline_overhead(model=plan.model, micro_batch_size=b,
+                                        tensor_parallel_size=1)
+        out[b] = None if got is None else list(got)
+    return out
 
 
 def _err(p: float, m: float) -> float:
@@ -144,24 +165,33 @@ def _err(p: float, m: float) -> float:
 
 def combine(runs: list[list[dict]]) -> list[dict]:
     """Per plan: the median over runs of the measured and of each predicted step time (an odd
-    number of runs gives figures that some run produced), and each run's error with the
+    number of runs gives figures that some run produced), and each run's error with each
     profile."""
     out = []
     for per_plan in zip(*runs):
         first = per_plan[0]
+        modes = [m for m in MODES if m in first["predicted_s"]]
         out.append({
             "plan": first["plan"], "ranks": first["ranks"],
             "measured_s": statistics.median(r["measured_s"] for r in per_plan),
             "predicted_s": {mode: statistics.median(r["predicted_s"][mode] for r in per_plan)
-                            for mode in MODES},
-            "profile_errors": [_err(r["predicted_s"]["profile"], r["measured_s"])
-                               for r in per_plan],
+                            for mode in modes},
+            "errors": {mode: [_err(r["predicted_s"][mode], r["measured_s"]) for r in per_plan]
+                       for mode in PROFILE_MODES if mode in modes},
         })
     return out
 
 
+HEADERS = {"profile": "profile", "idle-timed profile": "idle-timed profile",
+           "rehearsal": "rehearsal's calibration", "efficiency only": "efficiency only",
+           "no profile": "no profile"}
+
+
 def render(rows: list[dict], profile: MeasuredProfile, args) -> str:
     d = profile.data
+    modes = [m for m in MODES if m in rows[0]["predicted_s"]]
+    per_run = [m for m in PROFILE_MODES if m in modes]
+    over = d.pipeline.entries if d.pipeline else []
     lines = [
         f"Measured {dt.datetime.now(dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')} on "
         f"{d.device.name} ({platform.machine()}, torch {d.software.torch}, megatron-core "
@@ -175,24 +205,34 @@ def render(rows: list[dict], profile: MeasuredProfile, args) -> str:
         f"GFLOP/s matmul peak"
         + (" (profiled again right before each plan)" if args.profile_each_plan
            else " (profiled once, before the first plan)")
+        + ("; the idle-timed profile sleeps " f"{max(0.0, args.time_scale - 1):g}x each timed "
+           "step after it" if "idle-timed profile" in modes else "")
+        + ("; last profile's pipeline overhead per micro-batch and stage (fwd/bwd): "
+           + ", ".join(f"mbs {e.micro_batch_size} {e.forward_overhead_s * 1e3:+.2f}/"
+                       f"{e.backward_overhead_s * 1e3:+.2f} ms" for e in over) if over else "")
         + ". Predicted columns are seconds per step; errors are (predicted - measured) / "
           "measured.",
         "",
-        "| plan | ranks | measured s | profile | error | rehearsal's calibration | error "
-        "| efficiency only | error | no profile | error | profile error per run |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| plan | ranks | measured s | "
+        + " | ".join(f"{HEADERS[m]} | error" for m in modes)
+        + "".join(f" | {HEADERS[m]} error per run" for m in per_run) + " |",
+        "|---|---:|---:|" + "---:|---:|" * len(modes) + "---|" * len(per_run),
     ]
     for r in rows:
         cells = [r["plan"], str(r["ranks"]), f"{r['measured_s']:.3f}"]
-        for mode in MODES:
+        for mode in modes:
             p = r["predicted_s"][mode]
             cells += [f"{p:.3f}", f"{_err(p, r['measured_s']) * 100:+.1f}%"]
-        cells.append(", ".join(f"{e * 100:+.1f}%" for e in r["profile_errors"]))
+        for mode in per_run:
+            cells.append(", ".join(f"{e * 100:+.1f}%" for e in r["errors"][mode]))
         lines.append("| " + " | ".join(cells) + " |")
-    worst = max(abs(_err(r["predicted_s"]["profile"], r["measured_s"])) for r in rows)
-    every = max(abs(e) for r in rows for e in r["profile_errors"])
-    lines += ["", f"Largest error with the profile: {worst * 100:.1f}% on the medians over "
-              f"{args.runs} run(s), {every * 100:.1f}% in any single run (target: within 10%)."]
+    lines.append("")
+    for mode in per_run:
+        worst = max(abs(_err(r["predicted_s"][mode], r["measured_s"])) for r in rows)
+        every = max(abs(e) for r in rows for e in r["errors"][mode])
+        lines.append(f"Largest error with the {HEADERS[mode]}: {worst * 100:.1f}% on the "
+                     f"medians over {args.runs} run(s), {every * 100:.1f}% in any single run "
+                     "(target: within 10%).")
     return "\n".join(lines)
 
 
@@ -225,28 +265,44 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=1,
                     help="repeat the whole measurement; the table shows medians over the runs "
                          "and each run's error with the profile")
+    ap.add_argument("--no-idle-profile", dest="idle_profile", action="store_false",
+                    help="skip the second profile, timed with idle gaps as the rehearsal runs "
+                         "(--idle-factor = time scale - 1)")
     ap.add_argument("--json", type=Path, help="write every run's rows as JSON here")
     ap.add_argument("--write-docs", action="store_true", help=f"put the table into {DOC}")
     args = ap.parse_args(argv)
     args.load = _load()
 
     todo = plans(args.quick)
+    idle = max(0.0, args.time_scale - 1.0)  # the fastest device's sleep per unit of CPU time
+
+    def profile_all(tag: str, mbs: list[int], tps: str) -> dict[str, MeasuredProfile]:
+        out = {"profile": make_profile(Path(tmp) / f"cpu-profile-{tag}.yaml", mbs, tps)}
+        if args.idle_profile:
+            out["idle-timed profile"] = make_profile(Path(tmp) / f"cpu-profile-{tag}-idle.yaml",
+                                                     mbs, "1", idle)
+        return out
+
     with tempfile.TemporaryDirectory(prefix="mh-calibrate-") as tmp:
         if args.profile:
-            profile = load_profile(args.profile)
+            profiles = {"profile": load_profile(args.profile)}
         else:
             mbs = sorted({p.micro_batch_size for _, plan in todo for p in plan.pipelines})
-            path = args.keep_profile or Path(tmp) / "cpu-profile.yaml"
-            profile = make_profile(path, mbs)
+            profiles = profile_all("first", mbs, "1,2")
+            if args.keep_profile:
+                args.keep_profile.write_text(Path(profiles["profile"].source).read_text())
         runs = []
         for run in range(args.runs):
             rows = []
             for i, (name, plan) in enumerate(todo):
-                if args.profile_each_plan and (i > 0 or run > 0):
+                if args.profile_each_plan and not args.profile and (i > 0 or run > 0):
                     mbs = sorted({p.micro_batch_size for p in plan.pipelines})
-                    profile = make_profile(Path(tmp) / f"cpu-profile-{run}-{i}.yaml", mbs, "1")
+                    profiles = profile_all(f"{run}-{i}", mbs, "1")
+                profile = profiles["profile"]
                 row = {"plan": name, "run": run, "profile_efficiency": profile.efficiency,
-                       **run_plan(plan, profile, args)}
+                       "pipeline_overhead_s": {
+                           k: _overheads(p, plan) for k, p in profiles.items()},
+                       **run_plan(plan, profiles, args)}
                 rows.append(row)
                 print(f"run {run}: {name}: measured {row['measured_s']:.3f} s; predicted "
                       + ", ".join(f"{k} {v:.3f} s" for k, v in row["predicted_s"].items()),

@@ -15,6 +15,7 @@ TINY = ("name: tiny\nnum_layers: 2\nhidden_size: 64\nffn_hidden_size: 176\nnum_a
     (["--micro-batch-sizes", "0"], "--micro-batch-sizes: '0'; expected positive integers"),
     (["--tensor-parallel-sizes", "3"], "--tensor-parallel-sizes: 3 does not divide"),
     (["--repeats", "0"], "--repeats 0"),
+    (["--idle-factor", "-1"], "--idle-factor -1.0: expected a number >= 0"),
 ])
 def test_bad_arguments(tmp_path, capsys, extra, message):
     model = tmp_path / "tiny.yaml"

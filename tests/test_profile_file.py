@@ -9,8 +9,9 @@ import yaml
 
 from megatron_hetero._schema import to_data
 from megatron_hetero.cost.profile_file import (
-    DeviceInfo, MemoryFigures, PartTimes, ProfileData, ProfileEntry, ProfileUsage, Software, Timing,
-    load_profile, load_profiles, save_profile,
+    FORMAT_VERSION, BandwidthSample, Communication, DeviceInfo, MemoryFigures, PartTimes,
+    PipelineEntry, PipelineFigures, PipelineStageTimes, ProfileData, ProfileEntry, ProfileUsage,
+    Software, Timing, load_profile, load_profiles, save_profile,
 )
 from megatron_hetero.cost.profile_protocol import DeviceProfile
 from megatron_hetero.errors import SchemaError
@@ -57,7 +58,7 @@ def test_round_trip(tmp_path):
     (lambda d: d["entries"][0]["layer"].update(forward_s=-1.0), "entries[0].layer.forward_s"),
     (lambda d: d["timing"].update(repeats=0), "timing.repeats"),
     (lambda d: d["entries"].append(d["entries"][0]), "entries[4]"),
-    (lambda d: d.update(format_version=2), "format_version"),
+    (lambda d: d.update(format_version=3), "format_version"),
     (lambda d: d.update(efficiency=1.5), "efficiency"),
     (lambda d: d["device"].update(backend="tpu"), "device.backend"),
 ])
@@ -166,3 +167,156 @@ def test_calibration_script_builds_rehearsal_inputs_from_a_profile():
     assert cal.calibration_from(prof, plan, base, "rehearsal") is base
     eff = cal.calibration_from(prof, plan, base, "efficiency only")
     assert not eff.parts and eff.layer_flops_per_s == pytest.approx(0.1e12 * 0.4)
+
+
+# -- format 2: the pipeline measurement, the p2p latency, idle-timed CPU profiles ----------------
+
+def _stage(f, b, pf, pb):
+    return PipelineStageTimes(forward_s=f, backward_s=b, parts_forward_s=pf, parts_backward_s=pb)
+
+
+def _pipe_entry(mbs: int, fo: float, bo: float) -> PipelineEntry:
+    return PipelineEntry(micro_batch_size=mbs, first=_stage(1e-2 + fo, 2e-2 + bo, 1e-2, 2e-2),
+                         last=_stage(3e-2 + fo, 4e-2 + bo, 3e-2, 4e-2),
+                         forward_overhead_s=fo, backward_overhead_s=bo)
+
+
+def _profile_v2(**kw) -> ProfileData:
+    data = dataclasses.replace(_profile(), format_version=2, **kw)
+    data.timing.idle_factor = 4.0
+    data.communication = Communication(
+        ranks=2, backend="gloo",
+        p2p=[BandwidthSample(bytes=4096, seconds=5e-5, gb_s=0.08),
+             BandwidthSample(bytes=1 << 20, seconds=4e-4, gb_s=2.6)],
+        all_reduce=[BandwidthSample(bytes=1 << 20, seconds=8e-4, gb_s=1.3)],
+        p2p_latency_s=5e-5)
+    data.pipeline = PipelineFigures(stages=2, layers_per_stage=2, microbatches=4, entries=[
+        _pipe_entry(1, 1e-3, 2e-3), _pipe_entry(4, 3e-3, -1e-3)])
+    return data
+
+
+def test_format_2_round_trip_and_format_1_still_read(tmp_path):
+    assert FORMAT_VERSION == 2
+    path = tmp_path / "v2.yaml"
+    data = _profile_v2()
+    save_profile(data, path)
+    loaded = load_profile(path)
+    assert to_data(loaded.data) == to_data(data)
+    assert loaded.data.communication.p2p_latency_s == 5e-5
+    assert loaded.data.timing.idle_factor == 4.0
+    # a format-1 file (no pipeline section, no latency, no idle factor) loads as before
+    old = tmp_path / "v1.yaml"
+    save_profile(_profile(), old)
+    v1 = load_profile(old)
+    assert v1.data.format_version == 1 and v1.data.pipeline is None
+    assert v1.pipeline_overhead(model=MODEL, micro_batch_size=1, tensor_parallel_size=1) is None
+
+
+@pytest.mark.parametrize("edit", [
+    lambda d: d.update(format_version=1),  # format-2 fields in a file that says format 1
+    lambda d: d.update(format_version=3),
+])
+def test_format_version_checked_against_the_fields(tmp_path, edit):
+    data = to_data(_profile_v2())
+    edit(data)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(SchemaError) as err:
+        load_profile(path)
+    assert err.value.path == "format_version"
+    assert str(path) in str(err.value)
+
+
+def test_format_3_asks_to_re_run_the_profiler(tmp_path):
+    data = to_data(_profile())
+    data["format_version"] = 3
+    path = tmp_path / "future.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(SchemaError, match="re-run `megatron-hetero profile`"):
+        load_profile(path)
+
+
+def test_pipeline_overhead_exact_interpolated_clamped_and_missing():
+    p = load_profile_from(_profile_v2())
+    assert p.pipeline_overhead(model=MODEL, micro_batch_size=1, tensor_parallel_size=1) == \
+        pytest.approx((1e-3, 2e-3))
+    # mbs 2 is a third of the way from 1 to 4: forward 1e-3 + (3e-3 - 1e-3) / 3; backward
+    # 2e-3 + (-1e-3 - 2e-3) / 3 = 1e-3
+    assert p.pipeline_overhead(model=MODEL, micro_batch_size=2, tensor_parallel_size=1) == \
+        pytest.approx((1e-3 + 2e-3 / 3, 1e-3))
+    # a negative measurement (scatter) counts as no overhead
+    assert p.pipeline_overhead(model=MODEL, micro_batch_size=4, tensor_parallel_size=1) == \
+        pytest.approx((3e-3, 0.0))
+    # TP > 1 uses the TP=1 figure; outside the measured sizes or another shape: None
+    assert p.pipeline_overhead(model=MODEL, micro_batch_size=1, tensor_parallel_size=2) == \
+        pytest.approx((1e-3, 2e-3))
+    assert p.pipeline_overhead(model=MODEL, micro_batch_size=8, tensor_parallel_size=1) is None
+    wider = dataclasses.replace(MODEL, hidden_size=128)
+    assert p.pipeline_overhead(model=wider, micro_batch_size=1, tensor_parallel_size=1) is None
+
+
+def _cost(profiles=None, **kw):
+    from megatron_hetero.cost.model import CostModel
+    from megatron_hetero.hardware.inventory import inventory_from_data
+
+    inv = inventory_from_data({"groups": [{"gpu": "A100-SXM-80GB", "nodes": 1,
+                                           "gpus_per_node": 8}]}, source="<test>")
+    return CostModel(MODEL, inv, profiles=profiles or {}, **kw)
+
+
+def test_cost_model_adds_the_pipeline_overhead_to_pipeline_stages_only():
+    """Hand-worked: the profile's parts at mbs 1 are layer (1, 2) ms, embedding (0.1, 0.2) ms,
+    output (0.5, 1.0) ms; its pipeline overhead at mbs 1 is (1, 2) ms per micro-batch and
+    stage."""
+    p = load_profile_from(_profile_v2())
+    cost = _cost({"A100-SXM-80GB": p})
+    one = cost.compute_times("A100-SXM-80GB", 2, True, True, 1, 1)  # a single stage: no overhead
+    assert (one.forward_s, one.backward_s) == pytest.approx((2.6e-3, 5.2e-3))
+    first = cost.compute_times("A100-SXM-80GB", 2, True, False, 1, 1)
+    assert (first.forward_s, first.backward_s) == pytest.approx((2.1e-3 + 1e-3, 4.2e-3 + 2e-3))
+    middle = cost.compute_times("A100-SXM-80GB", 3, False, False, 1, 1)
+    assert (middle.forward_s, middle.backward_s) == pytest.approx((4e-3, 8e-3))
+    last = cost.compute_times("A100-SXM-80GB", 2, False, True, 1, 1)
+    assert (last.forward_s, last.backward_s) == pytest.approx((2.5e-3 + 1e-3, 5e-3 + 2e-3))
+
+
+def test_cost_model_overhead_default_without_a_measurement():
+    # a format-1 profile measured no pipeline: the option's default, 0, applies
+    p = load_profile_from(_profile())
+    plain = _cost({"A100-SXM-80GB": p}).compute_times("A100-SXM-80GB", 2, True, False, 1, 1)
+    assert (plain.forward_s, plain.backward_s) == pytest.approx((2.1e-3, 4.2e-3))
+    given = _cost({"A100-SXM-80GB": p}, pipeline_overhead_s=(1e-4, 3e-4))
+    t = given.compute_times("A100-SXM-80GB", 2, True, False, 1, 1)
+    assert (t.forward_s, t.backward_s) == pytest.approx((2.1e-3 + 1e-4, 4.2e-3 + 3e-4))
+    # no profile at all (catalog figures): the same default, and nothing on a single stage
+    est = _cost()
+    a = est.compute_times("A100-SXM-80GB", 2, True, False, 1, 1)
+    b = est.compute_times("A100-SXM-80GB", 2, True, True, 1, 1)
+    assert a.forward_s < b.forward_s  # the output layer, not an overhead, makes the difference
+
+
+def test_calibration_script_carries_the_pipeline_overhead_and_latency():
+    import importlib.util
+    import pathlib
+
+    from megatron_hetero.emulate.rehearse import Calibration, _EmulatedProfile
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "calibrate.py"
+    spec = importlib.util.spec_from_file_location("calibrate", path)
+    cal = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cal)
+    data = dataclasses.replace(_profile_v2(), model=cal.MODEL)
+    data.device.peak_matmul_tflops = 0.1
+    prof = load_profile_from(data)
+    _, plan = cal.plans(quick=True)[1]
+    base = Calibration(p2p_latency_s=1e-4, bandwidth_gb_s=2.0)
+    got = cal.calibration_from(prof, plan, base, "profile")
+    assert got.pipeline_overhead[1] == pytest.approx((1e-3, 2e-3))
+    assert got.p2p_latency_s == 5e-5  # the profile's own alpha
+    assert not base.pipeline_overhead  # the rehearsal's calibration is left alone
+    # the emulated device stretches the overhead by its factor, like the parts
+    emu = _EmulatedProfile(device_type="x", factor=3.0, calibration=got)
+    assert emu.pipeline_overhead(model=plan.model, micro_batch_size=1,
+                                 tensor_parallel_size=1) == pytest.approx((3e-3, 6e-3))
+    assert emu.pipeline_overhead(model=plan.model, micro_batch_size=2,
+                                 tensor_parallel_size=1) is None

@@ -70,6 +70,49 @@ def test_profile_file_contents(profiled):
     assert d.communication is not None and d.communication.ranks == 2
     assert all(s.gb_s > 0 for s in d.communication.p2p + d.communication.all_reduce)
     assert d.efficiency is not None and 0 < d.efficiency <= 1
+    assert d.format_version == 2 and d.timing.idle_factor == 0
+    assert d.communication.p2p_latency_s == pytest.approx(d.communication.p2p[0].seconds, rel=1e-5)
+    assert d.communication.p2p_latency_s > 0
+    assert d.communication.p2p[0].bytes == 4096  # the smallest message gives the latency
+
+
+def test_profile_pipeline_section(profiled):
+    """The 2-stage pipeline ran through Megatron's 1F1B schedule at each micro-batch size; its
+    reference is the sum of the parts of the same file, and the overhead is their difference."""
+    _, out = profiled
+    d = load_profile(out).data
+    pipe = d.pipeline
+    assert pipe is not None and pipe.stages == 2 and pipe.layers_per_stage == d.timing.layers
+    assert pipe.microbatches == 4
+    assert [e.micro_batch_size for e in pipe.entries] == [1, 2]
+    by = {e.micro_batch_size: e for e in d.entries if e.tensor_parallel_size == 1}
+    n = pipe.layers_per_stage
+    for e in pipe.entries:
+        parts = by[e.micro_batch_size]
+        assert e.first.parts_forward_s == pytest.approx(
+            parts.embedding.forward_s + n * parts.layer.forward_s, rel=1e-4)
+        assert e.last.parts_backward_s == pytest.approx(
+            n * parts.layer.backward_s + parts.output.backward_s, rel=1e-4)
+        for st in (e.first, e.last):
+            assert st.forward_s > 0 and st.backward_s > 0
+        assert e.forward_overhead_s == pytest.approx(
+            ((e.first.forward_s - e.first.parts_forward_s)
+             + (e.last.forward_s - e.last.parts_forward_s)) / 2, rel=1e-3, abs=1e-8)
+
+
+def test_idle_timed_profile_records_its_idle_factor(tmp_path):
+    (tmp_path / "tiny.yaml").write_text(TINY)
+    out = tmp_path / "idle.yaml"
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_hetero.cli", "profile", "--model",
+         str(tmp_path / "tiny.yaml"), "--micro-batch-sizes", "1", "--tensor-parallel-sizes", "1",
+         "--warmup", "1", "--repeats", "2", "--no-pipeline", "--no-bandwidth",
+         "--idle-factor", "1.5", "-q", "-o", str(out)],
+        capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    d = load_profile(out).data
+    assert d.timing.idle_factor == 1.5
+    assert d.pipeline is None and d.communication is None and d.device.ranks == 1
 
 
 def test_cost_model_uses_measured_figures(profiled):

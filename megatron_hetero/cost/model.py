@@ -106,7 +106,8 @@ class CostModel:
                  workspace_gb: float = 2.0,
                  host_optimizer_gb_s: float = 5.0,
                  pcie_bandwidth_gb_s: float = 25.0,
-                 p2p_latency_s: float = 20e-6):
+                 p2p_latency_s: float = 20e-6,
+                 pipeline_overhead_s: tuple[float, float] = (0.0, 0.0)):
         """
         ``flash_attention``: core attention runs a fused kernel that stores no ``s x s``
         matrices (Megatron's default with Transformer Engine), so no-recompute activations
@@ -121,7 +122,9 @@ class CostModel:
         device outside the model. ``host_optimizer_gb_s``: optimizer state one GPU's share of
         the host processes per second when offloaded (CPU Adam plus PCIe copies; a node's
         CPUs serve all its GPUs at once). ``pcie_bandwidth_gb_s``: one GPU's host link, for
-        offloaded activations.
+        offloaded activations. ``pipeline_overhead_s``: (forward, backward) seconds a stage of
+        a pipeline pays per micro-batch beyond its parts (schedule, p2p handling) where no
+        profile of the device type measured it (:meth:`pipeline_overhead`); default 0.
         """
         self.model = model
         self.inventory = inventory
@@ -134,6 +137,7 @@ class CostModel:
         self.host_optimizer_rate = host_optimizer_gb_s * 1e9
         self.pcie_bandwidth = pcie_bandwidth_gb_s * 1e9
         self.p2p_latency_s = p2p_latency_s
+        self.pipeline_overhead_s = pipeline_overhead_s
         self.param_bytes = 4.0 if precision == "fp32" else 2.0
         self.grad_bytes = 2.0 if precision == "fp16" else 4.0
         self.optim_bytes = 8.0 if precision == "fp32" else 12.0
@@ -213,6 +217,16 @@ class CostModel:
         fwd = M.output_forward_flops(self.model, b, tp) / tp / self.flops_rate(device_type)
         return fwd, 2 * fwd
 
+    def pipeline_overhead(self, device_type: str, b: int, tp: int) -> tuple[float, float]:
+        """(forward, backward) seconds one pipeline stage pays per micro-batch beyond the sum of
+        its parts: measured by the device type's profile (its 2-stage pipeline run), else the
+        ``pipeline_overhead_s`` option. Added to every stage of a pipeline, not to a single
+        stage."""
+        prof = self.profiles.get(device_type)
+        fn = getattr(prof, "pipeline_overhead", None)
+        got = fn(model=self.model, micro_batch_size=b, tensor_parallel_size=tp) if fn else None
+        return got if got is not None else self.pipeline_overhead_s
+
     def _recompute_extra(self, device_type: str, b: int, tp: int, n: int, rk: RecomputeKey) -> float:
         gran, method, k = rk
         if gran == "none" or n == 0:
@@ -237,6 +251,9 @@ class CostModel:
             of, ob = self.output_times(device_type, b, tp)
             fwd, bwd = fwd + of, bwd + ob
         bwd += self._recompute_extra(device_type, b, tp, num_layers, recompute)
+        if not (first and last):  # a pipeline stage (or an interleaved chunk)
+            pf, pb = self.pipeline_overhead(device_type, b, tp)
+            fwd, bwd = fwd + pf, bwd + pb
         if activation_offload:
             moved = self._activations_per_microbatch(device_type, num_layers, first, last, b, tp,
                                                      recompute, sp)

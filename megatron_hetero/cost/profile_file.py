@@ -1,4 +1,4 @@
-"""The device profile file (``profile.yaml``, ``format_version: 1``) and the cost model's view of it.
+"""The device profile file (``profile.yaml``, ``format_version: 2``) and the cost model's view of it.
 
 ``megatron-hetero profile`` writes one file per device type; ``megatron-hetero tune --profile
 FILE`` reads them back. The format is documented in ``docs/profile-format.md``. Loading is strict
@@ -24,12 +24,15 @@ from ..plan import ModelSpec
 from .profile_protocol import DeviceProfile, Part
 
 __all__ = ["FORMAT_VERSION", "DeviceInfo", "Software", "Timing", "PartTimes", "MemoryFigures",
-           "ProfileEntry", "BandwidthSample", "Communication", "ProfileData", "MeasuredProfile",
+           "ProfileEntry", "BandwidthSample", "Communication", "PipelineStageTimes",
+           "PipelineEntry", "PipelineFigures", "ProfileData", "MeasuredProfile",
            "ProfileUsage", "inventory_entry", "load_profile", "load_profiles", "save_profile",
            "shape_matches",
            "LAYER_SHAPE_FIELDS", "VOCAB_SHAPE_FIELDS"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+"""Format versions :func:`load_profile` reads (1: no ``pipeline`` section)."""
 
 LAYER_SHAPE_FIELDS = ("hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                       "seq_length", "swiglu", "normalization", "add_bias_linear")
@@ -89,6 +92,9 @@ class Timing:
     layers: int = 1
     """Transformer layers run in sequence for the ``layer`` figures, which are per layer (the
     stack's time and bytes over this count; ``memory.peak_bytes`` is the stack's)."""
+    idle_factor: float = 0.0
+    """CPU only (format 2): each timed step was followed by a sleep of this many times its
+    duration, as the rehearsal's speed emulation runs a slower device; 0: back to back."""
 
     def __post_init__(self) -> None:
         if self.warmup < 0:
@@ -97,6 +103,8 @@ class Timing:
             raise SchemaError("", "repeats", self.repeats, "a positive integer")
         if self.layers < 1:
             raise SchemaError("", "layers", self.layers, "a positive integer")
+        if not self.idle_factor >= 0:
+            raise SchemaError("", "idle_factor", self.idle_factor, "a number >= 0")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -175,13 +183,60 @@ class Communication:
     """torch.distributed backend (``nccl``, ``gloo``)."""
     p2p: list[BandwidthSample]
     all_reduce: list[BandwidthSample]
+    p2p_latency_s: float | None = None
+    """One-way time of the smallest p2p message (4 KiB): the fixed cost of a message, the
+    alpha of ``alpha + bytes / bandwidth`` (format 2)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class PipelineStageTimes:
+    """One stage of the profiler's 2-stage pipeline: median seconds of a micro-batch's forward
+    and backward measured inside the running schedule, and the sum of the stage's parts timed
+    alone (``entries``: embedding + layers on the first stage, layers + output on the last)."""
+
+    forward_s: float
+    backward_s: float
+    parts_forward_s: float
+    parts_backward_s: float
+
+
+@dataclass(kw_only=True, slots=True)
+class PipelineEntry:
+    """The pipeline measurement at one micro-batch size."""
+
+    micro_batch_size: int
+    tensor_parallel_size: int = 1
+    first: PipelineStageTimes
+    last: PipelineStageTimes
+    forward_overhead_s: float
+    """Mean over the two stages of (in the pipeline - parts) for a forward: what a pipeline
+    stage pays per micro-batch beyond its parts. May be negative within the measurement's
+    scatter; the cost model counts it from 0 up."""
+    backward_overhead_s: float
+
+    def __post_init__(self) -> None:
+        if self.micro_batch_size < 1:
+            raise SchemaError("", "micro_batch_size", self.micro_batch_size, "a positive integer")
+
+
+@dataclass(kw_only=True, slots=True)
+class PipelineFigures:
+    """A 2-stage pipeline run through megatron-core's own 1F1B schedule (format 2; only when
+    the profiler ran with at least 2 ranks)."""
+
+    stages: int
+    layers_per_stage: int
+    """Transformer layers of each stage (``timing.layers``)."""
+    microbatches: int
+    """Micro-batches per step."""
+    entries: list[PipelineEntry]
 
 
 @dataclass(kw_only=True, slots=True)
 class ProfileData:
     """The whole ``profile.yaml``."""
 
-    format_version: Literal[1]
+    format_version: Literal[1, 2]
     device: DeviceInfo
     software: Software
     timing: Timing
@@ -194,8 +249,17 @@ class ProfileData:
     """Fraction of the catalog's ``bf16_tflops`` (or of ``device.peak_matmul_tflops`` for a CPU)
     one transformer layer achieved at TP=1, best micro-batch size."""
     communication: Communication | None = None
+    pipeline: PipelineFigures | None = None
+    """Format 2: the pipeline measurement (:class:`PipelineFigures`)."""
 
     def __post_init__(self) -> None:
+        if self.format_version == 1 and (
+                self.pipeline is not None or self.timing.idle_factor
+                or (self.communication is not None
+                    and self.communication.p2p_latency_s is not None)):
+            raise SchemaError("", "format_version", 1,
+                              "2 (the file has format-2 fields: pipeline, "
+                              "timing.idle_factor or communication.p2p_latency_s)")
         if not self.entries:
             raise SchemaError("", "entries", self.entries, "at least one measurement")
         seen: dict[tuple[int, int], int] = {}
@@ -267,6 +331,33 @@ class MeasuredProfile:
         a, b = getattr(lo, part), getattr(hi, part)
         return ((a.forward_s + w * (b.forward_s - a.forward_s),
                  a.backward_s + w * (b.backward_s - a.backward_s)), True)
+
+    def pipeline_overhead(self, *, model: ModelSpec, micro_batch_size: int,
+                          tensor_parallel_size: int) -> tuple[float, float] | None:
+        """Measured (forward, backward) seconds a pipeline stage pays per micro-batch beyond its
+        parts (``pipeline`` entries; negative scatter counted as 0), for the profiled shape at
+        TP=1: exact, or interpolated linearly between two measured micro-batch sizes; None
+        otherwise (format 1, no pipeline measured, another shape or micro-batch size). At
+        TP > 1 the TP=1 figure is used: the schedule's work per micro-batch does not shrink
+        with the tensor-parallel size."""
+        pipe = self.data.pipeline
+        if pipe is None or not shape_matches(self.data.model, model, "output"):
+            return None
+        rows = sorted((e for e in pipe.entries if e.tensor_parallel_size == 1),
+                      key=lambda e: e.micro_batch_size)
+        b = micro_batch_size
+        for e in rows:
+            if e.micro_batch_size == b:
+                return max(0.0, e.forward_overhead_s), max(0.0, e.backward_overhead_s)
+        below = [e for e in rows if e.micro_batch_size < b]
+        above = [e for e in rows if e.micro_batch_size > b]
+        if not below or not above:
+            return None
+        lo, hi = below[-1], above[0]
+        w = (b - lo.micro_batch_size) / (hi.micro_batch_size - lo.micro_batch_size)
+        f = lo.forward_overhead_s + w * (hi.forward_overhead_s - lo.forward_overhead_s)
+        k = lo.backward_overhead_s + w * (hi.backward_overhead_s - lo.backward_overhead_s)
+        return max(0.0, f), max(0.0, k)
 
     def memory(self, *, model: ModelSpec, micro_batch_size: int,
                tensor_parallel_size: int) -> MemoryFigures | None:
@@ -388,10 +479,12 @@ def load_profile(path: str | Path, *, catalog=None) -> MeasuredProfile:
     (aliases are resolved to the canonical name)."""
     source = str(path)
     raw = read_yaml(path)
-    if isinstance(raw, dict) and raw.get("format_version") not in (None, FORMAT_VERSION):
+    if isinstance(raw, dict) and raw.get("format_version") not in (None, *READABLE_VERSIONS):
         raise SchemaError(source, "format_version", raw.get("format_version"),
-                          f"{FORMAT_VERSION} (this megatron-hetero reads profile format "
-                          f"{FORMAT_VERSION}; re-run `megatron-hetero profile`)")
+                          f"one of {', '.join(map(str, READABLE_VERSIONS))} (this "
+                          "megatron-hetero reads profile formats "
+                          f"{', '.join(map(str, READABLE_VERSIONS))}; re-run "
+                          "`megatron-hetero profile`)")
     data = from_data(ProfileData, raw, source=source)
     if catalog is not None:
         canonical = catalog.resolve(data.device.type)

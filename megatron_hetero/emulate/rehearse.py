@@ -176,6 +176,9 @@ class Calibration:
     optimizer_gb_s: float = 5.0
     """Bytes the optimizer step touches per second (24 per fp32 Adam parameter, clipping and
     megatron's bookkeeping included): the emulated devices' memory bandwidth."""
+    pipeline_overhead: dict[int, tuple[float, float]] = field(default_factory=dict)
+    """Micro-batch size -> CPU seconds of (forward, backward) a pipeline stage pays per
+    micro-batch beyond its parts (a profile's ``pipeline`` figures); empty: none measured."""
 
 
 def _mean(xs: list[float]) -> float:
@@ -361,6 +364,12 @@ class _EmulatedProfile:
             return None
         return (got[0] * self.factor / tensor_parallel_size,
                 got[1] * self.factor / tensor_parallel_size)
+
+    def pipeline_overhead(self, *, model, micro_batch_size, tensor_parallel_size):
+        got = self.calibration.pipeline_overhead.get(micro_batch_size)
+        if got is None:
+            return None
+        return (max(0.0, got[0]) * self.factor, max(0.0, got[1]) * self.factor)
 
 
 def trainer_shards_optimizer(plan: Plan) -> bool:
