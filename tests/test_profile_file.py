@@ -320,3 +320,48 @@ def test_calibration_script_carries_the_pipeline_overhead_and_latency():
                                  tensor_parallel_size=1) == pytest.approx((3e-3, 6e-3))
     assert emu.pipeline_overhead(model=plan.model, micro_batch_size=2,
                                  tensor_parallel_size=1) is None
+
+
+def test_rehearsal_times_its_parts_with_the_fastest_devices_idle_gaps(monkeypatch):
+    """``rehearse`` calibrates the CPU the way its ranks run: every step followed by the sleep of
+    the fastest emulated device, factor - 1 times the step (time scale 3 x slowdown 1 -> 2)."""
+    import importlib.util
+    import pathlib
+
+    from megatron_hetero.emulate import rehearse as R
+
+    asked = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_calibrate(shrunk, **kw):
+        asked.update(kw)
+        raise Stop
+
+    monkeypatch.setattr(R, "calibrate", fake_calibrate)
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "calibrate.py"
+    spec = importlib.util.spec_from_file_location("calibrate", path)
+    cal = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cal)
+    _, plan = cal.plans(quick=True)[1]  # A100 and A40: slowdowns 1 and 2.32
+    with pytest.raises(Stop):
+        R.rehearse(plan, R.RehearsalConfig(hidden_size=256, time_scale=3.0))
+    assert asked["idle_factor"] == pytest.approx(2.0)
+    asked.clear()
+    with pytest.raises(Stop):
+        R.rehearse(plan, R.RehearsalConfig(hidden_size=256, time_scale=1.0))
+    assert asked["idle_factor"] == 0.0  # the fastest device runs back to back at factor 1
+
+
+def test_idle_sleeps_the_factor_times_the_step(monkeypatch):
+    import time
+
+    from megatron_hetero.emulate.rehearse import _idle
+
+    slept = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    _idle(4.0, 0.01)
+    _idle(0.0, 0.01)
+    _idle(4.0, 0.0)
+    assert slept == [pytest.approx(0.04)]

@@ -212,7 +212,7 @@ def _ping_pong(rank: int, size_bytes: int, reps: int) -> float:
 
 
 def _calibrate_rank(rank: int, world_size: int, shrunk: Plan, reps: int, seed: int,
-                    meter: bool, nice: int = 0) -> Calibration | None:
+                    meter: bool, nice: int = 0, idle_factor: float = 0.0) -> Calibration | None:
     """Runs in a 2-rank gloo group: both measure gloo p2p, then rank 0 times the model parts."""
     _renice(nice)
     import time
@@ -286,9 +286,11 @@ def _calibrate_rank(rank: int, world_size: int, shrunk: Plan, reps: int, seed: i
                         loss = ddp(batch["tokens"], batch["position_ids"], None,
                                    labels=batch["labels"])
                     t1 = clock()
+                    _idle(idle_factor, t1 - t0)  # thread CPU time does not run while asleep
                     saved = mm.activation_bytes
                     loss.sum().backward()
                     t2 = clock()
+                    _idle(idle_factor, t2 - t1)
                     del loss
                     fw.append(t1 - t0)
                     bw.append(t2 - t1)
@@ -298,8 +300,10 @@ def _calibrate_rank(rank: int, world_size: int, shrunk: Plan, reps: int, seed: i
                             emb = model.embedding(input_ids=batch["tokens"],
                                                   position_ids=batch["position_ids"])
                         t1 = clock()
+                        _idle(idle_factor, t1 - t0)
                         emb.sum().backward()
                         t2 = clock()
+                        _idle(idle_factor, t2 - t1)
                         del emb
                         ef.append(t1 - t0)
                         eb.append(t2 - t1)
@@ -333,17 +337,25 @@ def _calibrate_rank(rank: int, world_size: int, shrunk: Plan, reps: int, seed: i
     return out
 
 
+def _idle(idle_factor: float, seconds: float) -> None:
+    if idle_factor > 0 and seconds > 0:
+        import time
+        time.sleep(idle_factor * seconds)
+
+
 def calibrate(shrunk: Plan, *, reps: int = 5, seed: int = 1234, meter: bool = True,
-              timeout_s: float = 120.0, nice: int = 0) -> Calibration:
+              timeout_s: float = 120.0, nice: int = 0, idle_factor: float = 0.0) -> Calibration:
     """Measure what the emulated cluster is made of, on two CPU processes: the gloo
     point-to-point latency and bandwidth between them, and the CPU seconds (thread CPU time, one
     thread, as the ranks run, under the same activation accounting when ``meter``) of one
     micro-batch's forward and backward through the shrunk layer (difference of a 1-layer and a
     3-layer model), embedding and output layer with its loss, at each micro-batch size of the
-    plan."""
+    plan. ``idle_factor``: sleep that many times each timed step after it, as the speed
+    emulation does (a CPU step that follows an idle gap takes more CPU time than one run back
+    to back; see docs/calibration.md)."""
     from .spawn import spawn
 
-    return spawn(_calibrate_rank, 2, args=(shrunk, reps, seed, meter, nice),
+    return spawn(_calibrate_rank, 2, args=(shrunk, reps, seed, meter, nice, idle_factor),
                  timeout_s=timeout_s)[0]
 
 # -- prediction of the emulated cluster -----------------------------------------------------------
@@ -716,7 +728,10 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
     factors = {d: s * time_scale for d, s in slowdowns.items()}
     if calibration is None:
         say("calibrating the CPU and gloo")
-        calibration = calibrate(shrunk, seed=config.seed, nice=config.nice)
+        # time the parts as the ranks run them: each step followed by the sleep of the
+        # fastest emulated device (factor - 1 times the step; none at factor 1)
+        calibration = calibrate(shrunk, seed=config.seed, nice=config.nice,
+                                idle_factor=max(0.0, min(factors.values()) - 1.0))
     caps = memory_caps(plan, shrunk, catalog,
                        activation_scale=_activation_scale(shrunk, calibration),
                        cpu_shards_optimizer=trainer_shards_optimizer(shrunk))
