@@ -151,12 +151,15 @@ def test_interleaved_uneven_plan_equals_one_replica(tmp_path):
     """An interleaved plan (PP=2, 2 model chunks per stage of 1+1 and 2+1 layers) with two
     replicas running 4 and 2 micro-batches (4 processes) and the gradient reduction overlapped
     (as the tuner writes plans) trains as the same chunks with one replica running all 6
-    (2 processes): Megatron's interleaved schedule, per-replica counts."""
+    (2 processes): Megatron's interleaved schedule, per-replica counts, per-chunk recompute."""
     uneven, single = tmp_path / "uneven.yaml", tmp_path / "single.yaml"
     chunks = [[1, 1], [2, 1]]
-    plan = make_plan(chunks=chunks, devices=[[A100, V100]] * 2, replicas=[(1, 4), (1, 2)])
+    recompute = [None, {"granularity": "full", "method": "block", "num_layers": 2}]
+    plan = make_plan(chunks=chunks, devices=[[A100, V100]] * 2, replicas=[(1, 4), (1, 2)],
+                     recompute=recompute)
     save_plan(dataclasses.replace(plan, overlap_grad_reduce=True), uneven)
-    save_plan(make_plan(chunks=chunks, devices=[[A100, V100]], replicas=[(1, 6)]), single)
+    save_plan(make_plan(chunks=chunks, devices=[[A100, V100]], replicas=[(1, 6)],
+                        recompute=recompute), single)
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
     four = launch(4, str(uneven), tmp_path / "a", timeout=400)
     two = launch(2, str(single), tmp_path / "b", timeout=400)
@@ -164,10 +167,11 @@ def test_interleaved_uneven_plan_equals_one_replica(tmp_path):
         assert code == 0, out[-3000:]
     assert "pipeline_model_parallel_layout .................. Et|t*2|t|tL" in four[0][1]
     assert "overlap_grad_reduce ............................. True" in four[0][1]
-    # Megatron order tp-dp-pp: each rank built its stage's two chunks (global layer numbers)
+    # Megatron order tp-dp-pp: each rank built its stage's two chunks (global layer numbers);
+    # stage 1's block recompute of 2 layers covers chunk 0's two layers, none of chunk 1's
     none = [None, None]
     assert [log["chunks"] for _, _, log in four] == [[[[1], none], [[4], none]]] * 2 + [
-        [[[2, 3], none], [[5], none]]] * 2
+        [[[2, 3], ["full", 2]], [[5], none]]] * 2
     # each chunk reads its replica's share of every batch of 6 (replica 0: 0-3, replica 1: 4-5),
     # in the schedule's order: groups of 2 micro-batches (the pipeline size) per chunk
     assert four[0][2]["indices"] == [[0], [1], [0], [1], [2], [3], [2], [3],
