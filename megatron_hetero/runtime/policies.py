@@ -28,8 +28,8 @@ from ..errors import HeteroError
 from ..optional import have_transformer_engine
 from ..plan import Plan, Stage
 
-__all__ = ["recompute_kwargs", "chunk_recompute_layers", "offload_kwargs", "stage_config_kwargs", "stage_args",
-           "check_supported", "PolicyUnsupported", "activation_offload_supported",
+__all__ = ["recompute_kwargs", "chunk_recompute_layers", "offload_kwargs", "stage_config_kwargs",
+           "stage_args", "check_supported", "PolicyUnsupported", "activation_offload_supported",
            "optimizer_offload_supported"]
 
 

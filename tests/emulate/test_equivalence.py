@@ -7,8 +7,8 @@ Megatron's distributed optimizer (the others use the plain fp32 one), (i) interl
 pipelining: PP=2 with 2 model chunks per stage (chunks 1+1 and 3+1 layers) x DP=2 with
 micro-batch counts 4:2, block recompute of 2 layers on stage 1, (j) (i) and (k) (d) with
 the gradient reduction overlapped with the last backward (``overlap_grad_reduce``), (l) TP=2 x
-interleaved PP=2 whose first chunk holds only the embedding (layout E|t*3|t*2|tL). Losses, the forward-only loss after training and the final parameters
-must match (a).
+interleaved PP=2 whose first chunk holds only the embedding (layout E|t*3|t*2|tL). Losses, the
+forward-only loss after training and the final parameters must match (a).
 
 Tolerance: losses within rtol 1e-5. Parameters within rtol 1e-5 plus atol 1e-5 (1% of one Adam
 step, lr 1e-3): the plans sum gradients in different orders (per micro-batch, per replica, per
