@@ -47,6 +47,9 @@ def _recompute_args(plan: Plan) -> list[str]:
     granularity, method, num_layers = policies.pop()
     if granularity == "none":
         return []
+    if method == "block" and plan.virtual_pipeline_size > 1:
+        return []  # Megatron would count it per model chunk; the runtime applies the plan's
+
     out = ["--recompute-granularity", granularity]
     if granularity == "full":
         out += ["--recompute-method", method, "--recompute-num-layers", str(num_layers)]

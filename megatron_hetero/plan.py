@@ -75,8 +75,9 @@ class Recompute:
     """Required with ``full``: how Megatron picks the recomputed layers."""
     num_layers: int | None = None
     """Required with ``full``: layers per recompute chunk (uniform) or layers recomputed (block).
-    With interleaving it counts within each model chunk of the stage, as Megatron applies its
-    ``--recompute-*`` settings to each chunk's block."""
+    With interleaving the counts stay per stage: ``block`` covers the stage's first
+    ``num_layers`` layers in chunk order (chunk 0 first); ``uniform`` groups apply in every
+    chunk (the runtime needs ``num_layers`` to divide each chunk's layers)."""
 
     def __post_init__(self) -> None:
         if self.granularity == "full":

@@ -167,3 +167,19 @@ def test_arguments_are_one_shell_line(name):
     line = megatron_args_line(plan, "my plans/plan.yaml")
     assert shlex.split(line) == megatron_args(plan, "my plans/plan.yaml")
     assert line.endswith("--hetero-plan 'my plans/plan.yaml'")
+
+
+def test_interleaved_block_recompute_stays_with_the_runtime():
+    # Megatron counts --recompute-num-layers per model chunk, the plan per stage (its first
+    # layers in chunk order): only the runtime may apply it; uniform means the same in both
+    data = VARIANTS["interleaved-uneven"].to_data()
+    for pipe in data["pipelines"]:
+        for stage in pipe["stages"]:
+            stage["recompute"] = {"granularity": "full", "method": "block", "num_layers": 3}
+    args = megatron_args(plan_from_data(data))
+    assert "--recompute-granularity" not in args and "--recompute-num-layers" not in args
+    for pipe in data["pipelines"]:
+        for stage in pipe["stages"]:
+            stage["recompute"] = {"granularity": "full", "method": "uniform", "num_layers": 1}
+    args = megatron_args(plan_from_data(data))
+    assert args[args.index("--recompute-method") + 1] == "uniform"

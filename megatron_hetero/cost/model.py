@@ -23,9 +23,9 @@ device type (with the inventory's overrides) and, where given, a measured profil
   communication buffers, allocator slack).
 * interleaved pipelining (``v`` model chunks per stage): each chunk's costs come from its own
   layers (the embedding on chunk 0 of the first stage, the output layer and loss on chunk
-  ``v - 1`` of the last); a stage's recompute applies to each of its chunks as Megatron applies
-  ``--recompute-*`` to each chunk's block (``block`` recomputes the first ``num_layers`` layers
-  of every chunk); the activations in flight are the peak, over the rank's order of forwards
+  ``v - 1`` of the last); a stage's ``block`` recompute of ``k`` layers covers its first ``k``
+  layers in chunk order, ``uniform`` and ``selective`` apply in every chunk (as the runtime sets
+  each chunk's config); the activations in flight are the peak, over the rank's order of forwards
   and backwards (:mod:`.schedule`), of the summed activations of the chunks it has run forward
   and not yet backward.
 """
@@ -43,7 +43,8 @@ from .placement import Placement, place
 from .profile_protocol import DeviceProfile
 from .schedule import peak_activations
 
-__all__ = ["CostModel", "StageTimes", "Memory", "RecomputeKey", "recompute_key"]
+__all__ = ["CostModel", "StageTimes", "Memory", "RecomputeKey", "recompute_key",
+           "chunk_recompute_keys"]
 
 RecomputeKey = tuple[str, str | None, int | None]
 """Hashable form of a :class:`~megatron_hetero.plan.Recompute`: (granularity, method, num_layers)."""
@@ -53,6 +54,23 @@ def recompute_key(r: Recompute | RecomputeKey) -> RecomputeKey:
     if isinstance(r, tuple):
         return r
     return (r.granularity, r.method, r.num_layers)
+
+
+def chunk_recompute_keys(r: RecomputeKey, chunk_layers) -> list[RecomputeKey]:
+    """The recompute of each model chunk of an interleaved stage: ``block`` recompute of ``k``
+    layers covers the stage's first ``k`` layers in chunk order (chunk 0 first), as the runtime
+    applies it (:func:`megatron_hetero.runtime.policies.chunk_recompute_layers`); ``uniform``
+    and ``selective`` apply in every chunk."""
+    gran, method, k = r
+    if gran != "full" or method != "block":
+        return [r] * len(chunk_layers)
+    out: list[RecomputeKey] = []
+    before = 0
+    for n in chunk_layers:
+        kc = max(0, min(k - before, n))
+        before += n
+        out.append(("full", "block", kc) if kc else ("none", None, None))
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -339,18 +357,19 @@ class CostModel:
         num_layers = sum(chunk_layers)
         base = self.memory_need(device_type, num_layers, first, last, b, tp, ("none", None, None),
                                 0, data_parallel, optimizer_offload, False, sp)
+        keys = chunk_recompute_keys(recompute, chunk_layers)
         per_chunk = [self._activations_per_microbatch(device_type, n, first and c == 0,
-                                                      last and c == v - 1, b, tp, recompute, sp)
+                                                      last and c == v - 1, b, tp, keys[c], sp)
                      for c, n in enumerate(chunk_layers)]
         if activation_offload:
             acts = max(per_chunk)
         else:
             acts = peak_activations(pipeline_size, stage, num_microbatches, v, per_chunk)
-        gran, method, k = recompute
-        if gran == "full" and num_layers:
-            chunk = k if method == "uniform" else 1
-            acts += min(chunk, max(chunk_layers)) * self.layer_activation_bytes(
-                device_type, b, tp, "none", sp)
+        transient = 0
+        for (gran, method, k), n in zip(keys, chunk_layers):
+            if gran == "full" and n:
+                transient = max(transient, min(k if method == "uniform" else 1, n))
+        acts += transient * self.layer_activation_bytes(device_type, b, tp, "none", sp)
         return Memory(params=base.params, grads=base.grads, optimizer=base.optimizer,
                       activations=acts, workspace=base.workspace, capacity=base.capacity)
 
@@ -404,9 +423,10 @@ class CostModel:
         if v == 1:
             return [self.stage_times(plan, pipeline, stage)]
         st, first, last = self._stage_key(plan, pipeline, stage)
+        keys = chunk_recompute_keys(recompute_key(st.recompute), st.chunk_layers)
         return [self.compute_times(st.device_type, n, first and c == 0, last and c == v - 1,
                                    plan.pipelines[pipeline].micro_batch_size,
-                                   plan.tensor_model_parallel_size, recompute_key(st.recompute),
+                                   plan.tensor_model_parallel_size, keys[c],
                                    st.offload.activations, self.sequence_parallel_of(plan))
                 for c, n in enumerate(st.chunk_layers)]
 

@@ -28,7 +28,8 @@ Every structure with ``p > 1`` is also tried interleaved (Megatron's virtual pip
 ``v`` layers and the micro-batches form whole groups of ``p``: its lower bound divides the fill
 and drain by ``v``, its memory tables use the exact in-flight peak of the interleaved order,
 micro-batch shares are water-filled in units of ``p``, each stage's layers go evenly over its
-chunks, and the chosen split's memory is checked exactly. The best two estimates of every chunk
+chunks, a stage's ``block`` recompute covers its first layers in chunk order (the plan's
+semantics), and the chosen split's memory is checked exactly. The best two estimates of every chunk
 count are simulated too (the estimate misses the bubbles of unequal chunks).
 
 The baseline is the same walk restricted to what plain Megatron expresses: the same layers on
@@ -186,18 +187,14 @@ def even_chunks(n: int, v: int, early: bool = False) -> tuple[int, ...]:
 
 
 def _per_chunk(k: int, n: int, v: int) -> int:
-    """A stage's recompute code ``k`` (layers of full recompute) rounded up to the same count in
-    each of its ``v`` chunks (Megatron's block recompute counts per chunk), at most ``n``."""
+    """The baseline's recompute code ``k`` (layers of full recompute on a stage of ``n``)
+    rounded up to the same count in each of ``v`` equal chunks: plain Megatron counts
+    ``--recompute-num-layers`` per chunk. (The plan's ``block`` covers the stage's first ``k``
+    layers in chunk order, which saves at least as much memory for the same work, so the
+    baseline is not understated.)"""
     if v == 1 or k <= 0 or k > n:
         return k
     return min(-(-k // v) * v, n)
-
-
-def _chunk_recompute(k: int, chunks: tuple[int, ...]) -> int:
-    """The per-chunk code of a stage recomputing ``k`` layers over ``chunks``."""
-    if len(chunks) == 1 or k <= 0:
-        return k
-    return -(-k // len(chunks))
 
 
 def _compositions(ranges: list[range], total: int):
@@ -527,12 +524,10 @@ class _Search:
                 return None
             _, split = got
             if offload:
-                rec = [[_per_chunk(int(tb.k[split[s]]), split[s], v) for s, tb in enumerate(rows)]
-                       for rows in tables]
+                rec = [[int(tb.k[split[s]]) for s, tb in enumerate(rows)] for rows in tables]
                 off = [[float(tb.f[split[s]]) for s, tb in enumerate(rows)] for rows in tables]
             else:
-                rec = [[_per_chunk(int(tb.k_rec[split[s]]), split[s], v) for s, tb in enumerate(rows)]
-                       for rows in tables]
+                rec = [[int(tb.k_rec[split[s]]) for s, tb in enumerate(rows)] for rows in tables]
                 off = [[0.0] * p for _ in tables]
         fixed, per = [], []
         offload_tail = 0.0
@@ -579,7 +574,7 @@ class _Search:
             d += count
             for s in range(p):
                 chunks = even_chunks(split[s], v)
-                rk = _recompute_key(_chunk_recompute(rec[ti][s], chunks))
+                rk = _recompute_key(rec[ti][s])
                 mem = cost.chunked_memory_need(types[s], chunks, s == 0, s == p - 1, st.mbs, st.tp,
                                                rk, p, s, m, st.num_pipelines,
                                                off[ti][s], False, st.tp > 1)
@@ -638,18 +633,11 @@ class _Search:
         chunks = [even_chunks(n, v, early) for n in cand.split]
         for ti, (types, count) in enumerate(st.templates):
             for _ in range(count):
-                if v == 1:
-                    stages = [Stage(device_type=types[s], num_layers=cand.split[s],
-                                    recompute=_recompute(cand.recompute[ti][s], cand.split[s]),
-                                    offload=Offload(optimizer_fraction=cand.offload[ti][s]))
-                              for s in range(st.pp)]
-                else:
-                    stages = [Stage(device_type=types[s], num_layers=cand.split[s],
-                                    recompute=_recompute(_chunk_recompute(cand.recompute[ti][s],
-                                                                          chunks[s]), max(chunks[s])),
-                                    offload=Offload(optimizer_fraction=cand.offload[ti][s]),
-                                    chunk_layers=list(chunks[s]))
-                              for s in range(st.pp)]
+                stages = [Stage(device_type=types[s], num_layers=cand.split[s],
+                                recompute=_recompute(cand.recompute[ti][s], cand.split[s]),
+                                offload=Offload(optimizer_fraction=cand.offload[ti][s]),
+                                chunk_layers=list(chunks[s]) if v > 1 else None)
+                          for s in range(st.pp)]
                 pipelines.append(Pipeline(micro_batch_size=st.mbs,
                                           num_microbatches=cand.microbatches[d], stages=stages))
                 d += 1

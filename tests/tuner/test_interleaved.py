@@ -175,15 +175,22 @@ def test_interleaved_memory_counts_chunks_in_flight():
         max(4 * c0 + c1, 3 * c0 + 2 * c1) + layer)
 
 
-def test_interleaved_recompute_applies_per_chunk():
-    # block recompute of 1 layer recomputes the first layer of each chunk: 2 layers on the stage
+def test_interleaved_block_recompute_covers_the_first_layers_in_chunk_order():
+    # block 3 on chunks of 2 + 2 layers: all of chunk 0 and the first layer of chunk 1
     plan, inv = _plan([[2, 2], [2, 2]], recompute={"granularity": "full", "method": "block",
-                                                   "num_layers": 1})
+                                                   "num_layers": 3})
     cost = CostModel(TINY, inv)
     layer_f, _ = cost.layer_times("ROUND", 1, 1)
     plain, _ = _plan([[2, 2], [2, 2]])
     extra = simulate(plan, cost).stage(0, 0).backward_s - simulate(plain, cost).stage(0, 0).backward_s
-    assert extra == pytest.approx(2 * layer_f)
+    assert extra == pytest.approx(3 * layer_f)
+    # memory: chunk 0 keeps 2 checkpoints, chunk 1 one checkpoint and one whole layer; rank 0
+    # peaks at 4 chunk-0 + 1 chunk-1 or 3 + 2 (m = 4), plus one layer's recompute transient
+    layer = cost.layer_activation_bytes("ROUND", 1, 1, "none")
+    ckpt, emb = cost.hidden_bytes(1, 1), cost.hidden_bytes(1, 1) / 2
+    a0, a1 = 2 * ckpt + emb, ckpt + layer
+    assert cost.stage_memory(plan, 0, 0).activations == pytest.approx(
+        max(4 * a0 + a1, 3 * a0 + 2 * a1) + layer)
 
 
 def test_v1_orders_match_plain_1f1b():
