@@ -1,7 +1,9 @@
 """Calibration: measured against predicted step time, with and without a profile of this machine.
 
 1. Profile this machine (``megatron-hetero profile`` on the CPU backend, one torch thread, the
-   calibration model) unless ``--profile`` gives one.
+   calibration model, with its 2-stage pipeline measurement) unless ``--profile`` gives one;
+   and, for each emulated device, an idle-timed profile (``--idle-factor``: every timed step
+   followed by a sleep of factor - 1 times it, as that device's rehearsal rank runs).
 2. Rehearse each calibration plan (:func:`megatron_hetero.emulate.rehearse.rehearse`: one CPU
    process per rank running megatron-core, each rank's forward and backward steps stretched to
    its GPU type's speed relative to the plan's fastest type, times ``--time-scale``). Measured
@@ -9,9 +11,12 @@
    on the shared cores only ever add time; the median is kept in the JSON too).
    The memory cap is off: its saved-tensor accounting costs CPU time the profile does not see.
 3. Predict each rehearsal with the tuner's cost model and simulator on the emulated cluster
-   (:func:`megatron_hetero.emulate.rehearse.predict`), four ways:
-   - ``profile``: the profile's measured per-part times (x each device's factor);
-   - ``rehearsal``: the rehearsal's own in-process calibration (what ``rehearse`` prints);
+   (:func:`megatron_hetero.emulate.rehearse.predict`), five ways:
+   - ``profile``: the profile's measured per-part times (x each device's factor), its pipeline
+     overhead on pipeline stages and its p2p latency;
+   - ``idle-timed profile``: the same from each device's idle-timed profile;
+   - ``rehearsal``: the rehearsal's own start-up calibration (what ``rehearse`` prints as the
+     prediction from that calibration alone);
    - ``efficiency only``: the analytic FLOP model at the CPU's measured matmul peak x the
      profile's measured layer efficiency (the tuner's fallback for shapes a profile lacks);
    - ``no profile``: the analytic FLOP model at the measured matmul peak x 0.5, a typical catalog
@@ -19,7 +24,7 @@
 4. Print the table, and with ``--write-docs`` put it in docs/calibration.md between the
    ``calibration-table`` markers.
 
-Run: ``.venv/bin/python scripts/calibrate.py --write-docs`` (a few minutes on 2 cores).
+Run: ``.venv/bin/python scripts/calibrate.py --write-docs`` (about 10 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -49,8 +54,9 @@ FAST, SLOW = "A100-SXM-80GB", "A40-48GB"
 NO_PROFILE_EFFICIENCY = 0.5
 MODES = ("profile", "idle-timed profile", "rehearsal", "efficiency only", "no profile")
 PROFILE_MODES = ("profile", "idle-timed profile")
-"""The modes that read a profile's per-part times; the second one's profile times every step
-after an idle gap, as the rehearsal's speed emulation runs its ranks (``--idle-factor``)."""
+"""The modes that read a profile's per-part times; the second one reads, for each emulated
+device, a profile that times every step followed by that device's idle gap, as the
+rehearsal's speed emulation runs its rank (``--idle-factor``)."""
 
 MODEL = ModelSpec(name="calib-llama", num_layers=6, hidden_size=256, ffn_hidden_size=704,
                   num_attention_heads=8, num_query_groups=8, vocab_size=2048, seq_length=128)
@@ -114,7 +120,17 @@ def calibration_from(profile: MeasuredProfile | None, shrunk: Plan, base, mode: 
     return out
 
 
-def run_plan(plan: Plan, profiles: dict[str, MeasuredProfile], args) -> dict:
+def idle_factors(plan: Plan, time_scale: float) -> dict[str, float]:
+    """Per device type of ``plan``: how many times each step the rehearsal's rank sleeps after
+    it (factor - 1, factor = slowdown x time scale)."""
+    from megatron_hetero.emulate.speed import device_slowdowns
+
+    return {d: round(max(0.0, s * time_scale - 1.0), 3)
+            for d, s in device_slowdowns(plan).items()}
+
+
+def run_plan(plan: Plan, profile: MeasuredProfile, idle_profiles: dict[float, MeasuredProfile],
+             args) -> dict:
     from megatron_hetero.emulate.rehearse import RehearsalConfig, predict, rehearse
     from megatron_hetero.emulate.speed import device_slowdowns
 
@@ -122,10 +138,19 @@ def run_plan(plan: Plan, profiles: dict[str, MeasuredProfile], args) -> dict:
                              time_scale=args.time_scale, memory_cap=False)
     result = rehearse(plan, config)
     factors = {d: s * args.time_scale for d, s in device_slowdowns(plan).items()}
-    predicted = {mode: predict(result.plan, calibration_from(
-                     profiles.get(mode, profiles["profile"]), result.plan, result.calibration,
-                     "profile" if mode in PROFILE_MODES else mode), factors).step_time_s
-                 for mode in MODES if mode in profiles or mode not in PROFILE_MODES}
+    base = result.calibration
+    predicted = {}
+    for mode in MODES:
+        if mode == "rehearsal":  # what rehearse prints from its start-up calibration alone
+            predicted[mode] = result.a_priori_step_s
+        elif mode == "idle-timed profile":
+            if idle_profiles:
+                per_device = {d: calibration_from(idle_profiles[k], result.plan, base, "profile")
+                              for d, k in idle_factors(plan, args.time_scale).items()}
+                predicted[mode] = predict(result.plan, per_device, factors).step_time_s
+        else:
+            predicted[mode] = predict(result.plan, calibration_from(profile, result.plan, base,
+                                                                    mode), factors).step_time_s
     # The least-disturbed step: other processes share this machine's cores, and their
     # interference only ever adds time.
     return {"measured_s": min(result.step_times), "median_s": result.step_s,
@@ -205,8 +230,10 @@ def render(rows: list[dict], profile: MeasuredProfile, args) -> str:
         f"GFLOP/s matmul peak"
         + (" (profiled again right before each plan)" if args.profile_each_plan
            else " (profiled once, before the first plan)")
-        + ("; the idle-timed profile sleeps " f"{max(0.0, args.time_scale - 1):g}x each timed "
-           "step after it" if "idle-timed profile" in modes else "")
+        + ("; the idle-timed profiles sleep after each timed step as the rehearsal's ranks do "
+           f"(factor - 1 times the step: {max(0.0, args.time_scale - 1):g}x for {FAST}, "
+           f"{idle_factors(plans(True)[1][1], args.time_scale)[SLOW]:g}x for {SLOW})"
+           if "idle-timed profile" in modes else "")
         + ("; last profile's pipeline overhead per micro-batch and stage (fwd/bwd): "
            + ", ".join(f"mbs {e.micro_batch_size} {e.forward_overhead_s * 1e3:+.2f}/"
                        f"{e.backward_overhead_s * 1e3:+.2f} ms" for e in over) if over else "")
@@ -266,43 +293,48 @@ def main(argv=None) -> int:
                     help="repeat the whole measurement; the table shows medians over the runs "
                          "and each run's error with the profile")
     ap.add_argument("--no-idle-profile", dest="idle_profile", action="store_false",
-                    help="skip the second profile, timed with idle gaps as the rehearsal runs "
-                         "(--idle-factor = time scale - 1)")
+                    help="skip the idle-timed profiles (one per emulated device: --idle-factor "
+                         "= its factor - 1, as its rehearsal rank sleeps)")
     ap.add_argument("--json", type=Path, help="write every run's rows as JSON here")
     ap.add_argument("--write-docs", action="store_true", help=f"put the table into {DOC}")
     args = ap.parse_args(argv)
     args.load = _load()
 
     todo = plans(args.quick)
-    idle = max(0.0, args.time_scale - 1.0)  # the fastest device's sleep per unit of CPU time
-
-    def profile_all(tag: str, mbs: list[int], tps: str) -> dict[str, MeasuredProfile]:
-        out = {"profile": make_profile(Path(tmp) / f"cpu-profile-{tag}.yaml", mbs, tps)}
-        if args.idle_profile:
-            out["idle-timed profile"] = make_profile(Path(tmp) / f"cpu-profile-{tag}-idle.yaml",
-                                                     mbs, "1", idle)
-        return out
+    mbs = sorted({p.micro_batch_size for _, plan in todo for p in plan.pipelines})
 
     with tempfile.TemporaryDirectory(prefix="mh-calibrate-") as tmp:
+        idle_profiles: dict[float, MeasuredProfile] = {}
+
+        def idle_profiles_for(plan: Plan, tag: str) -> dict[float, MeasuredProfile]:
+            if args.idle_profile:
+                for k in sorted(set(idle_factors(plan, args.time_scale).values())):
+                    if k not in idle_profiles:
+                        idle_profiles[k] = make_profile(
+                            Path(tmp) / f"cpu-profile-{tag}-idle{k:g}.yaml", mbs, "1", k)
+            return idle_profiles
+
         if args.profile:
-            profiles = {"profile": load_profile(args.profile)}
+            profile = load_profile(args.profile)
         else:
-            mbs = sorted({p.micro_batch_size for _, plan in todo for p in plan.pipelines})
-            profiles = profile_all("first", mbs, "1,2")
+            profile = make_profile(Path(tmp) / "cpu-profile-first.yaml", mbs, "1,2")
             if args.keep_profile:
-                args.keep_profile.write_text(Path(profiles["profile"].source).read_text())
+                args.keep_profile.write_text(Path(profile.source).read_text())
         runs = []
         for run in range(args.runs):
             rows = []
             for i, (name, plan) in enumerate(todo):
-                if args.profile_each_plan and not args.profile and (i > 0 or run > 0):
-                    mbs = sorted({p.micro_batch_size for p in plan.pipelines})
-                    profiles = profile_all(f"{run}-{i}", mbs, "1")
-                profile = profiles["profile"]
+                if args.profile_each_plan and (i > 0 or run > 0):
+                    idle_profiles.clear()
+                    if not args.profile:
+                        profile = make_profile(Path(tmp) / f"cpu-profile-{run}-{i}.yaml", mbs,
+                                               "1")
+                idles = idle_profiles_for(plan, f"{run}-{i}")
                 row = {"plan": name, "run": run, "profile_efficiency": profile.efficiency,
                        "pipeline_overhead_s": {
-                           k: _overheads(p, plan) for k, p in profiles.items()},
-                       **run_plan(plan, profiles, args)}
+                           "profile": _overheads(profile, plan),
+                           **{f"idle {k:g}": _overheads(p, plan) for k, p in idles.items()}},
+                       **run_plan(plan, profile, idles, args)}
                 rows.append(row)
                 print(f"run {run}: {name}: measured {row['measured_s']:.3f} s; predicted "
                       + ", ".join(f"{k} {v:.3f} s" for k, v in row["predicted_s"].items()),

@@ -322,36 +322,60 @@ def test_calibration_script_carries_the_pipeline_overhead_and_latency():
                                  tensor_parallel_size=1) is None
 
 
-def test_rehearsal_times_its_parts_with_the_fastest_devices_idle_gaps(monkeypatch):
+def test_rehearsal_times_its_parts_with_each_devices_idle_gaps(monkeypatch):
     """``rehearse`` calibrates the CPU the way its ranks run: every step followed by the sleep of
-    the fastest emulated device, factor - 1 times the step (time scale 3 x slowdown 1 -> 2)."""
+    the device the rank plays, factor - 1 times the step; one calibration per distinct factor,
+    the fastest device first."""
     import importlib.util
     import pathlib
 
     from megatron_hetero.emulate import rehearse as R
+    from megatron_hetero.emulate.speed import device_slowdowns
 
-    asked = {}
+    asked = []
 
     class Stop(Exception):
         pass
 
     def fake_calibrate(shrunk, **kw):
-        asked.update(kw)
-        raise Stop
+        asked.append(kw["idle_factor"])
+        if len(asked) == 2:
+            raise Stop
+        return R.Calibration()
 
     monkeypatch.setattr(R, "calibrate", fake_calibrate)
     path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "calibrate.py"
     spec = importlib.util.spec_from_file_location("calibrate", path)
     cal = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cal)
-    _, plan = cal.plans(quick=True)[1]  # A100 and A40: slowdowns 1 and 2.32
+    _, plan = cal.plans(quick=True)[1]  # A100 and A40
+    slow = device_slowdowns(plan)[cal.SLOW]
+    assert slow > 1 and device_slowdowns(plan)[cal.FAST] == 1
     with pytest.raises(Stop):
         R.rehearse(plan, R.RehearsalConfig(hidden_size=256, time_scale=3.0))
-    assert asked["idle_factor"] == pytest.approx(2.0)
+    assert asked == [pytest.approx(2.0), pytest.approx(3.0 * slow - 1.0, abs=1e-3)]
     asked.clear()
     with pytest.raises(Stop):
         R.rehearse(plan, R.RehearsalConfig(hidden_size=256, time_scale=1.0))
-    assert asked["idle_factor"] == 0.0  # the fastest device runs back to back at factor 1
+    assert asked[0] == 0.0  # the fastest device runs back to back at factor 1
+
+
+def test_predict_takes_one_calibration_per_device():
+    """Each emulated device computes at its own calibration's speed; links are the fastest's."""
+    from megatron_hetero.emulate.rehearse import Calibration, emulated_cluster
+
+    fast = Calibration(layer_flops_per_s=2e9, allreduce_gb_s=1.5,
+                       parts={("layer", 1): (1e-3, 2e-3)})
+    slow = Calibration(layer_flops_per_s=1e9, allreduce_gb_s=0.5,
+                       parts={("layer", 1): (3e-3, 6e-3)})
+    factors = {"A": 2.0, "B": 4.0}
+    inv, profiles, options = emulated_cluster({"A": 1, "B": 1}, {"A": fast, "B": slow}, factors)
+    assert inv.spec("CPU-as-A").bf16_tflops == pytest.approx(2e9 / 2.0 / 1e12)
+    assert inv.spec("CPU-as-B").bf16_tflops == pytest.approx(1e9 / 4.0 / 1e12)
+    assert inv.spec("CPU-as-B").intra_node_bandwidth_gb_s == pytest.approx(1.5)
+    got = profiles["CPU-as-B"].times("layer", model=None, micro_batch_size=1,
+                                     tensor_parallel_size=1)
+    assert got == pytest.approx((12e-3, 24e-3))  # the slow calibration, stretched 4x
 
 
 def test_idle_sleeps_the_factor_times_the_step(monkeypatch):

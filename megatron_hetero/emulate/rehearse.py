@@ -399,22 +399,36 @@ def emulated_name(device_type: str) -> str:
     return f"CPU-as-{device_type}"
 
 
-def emulated_cluster(device_counts: dict[str, int], calibration: Calibration,
+def _per_device(calibration, devices, factors: dict[str, float]) -> tuple[dict, Calibration]:
+    """(device -> Calibration, the fastest device's) from one Calibration for all devices or a
+    mapping with one per device type (each timed with that device's idle gaps)."""
+    if isinstance(calibration, Calibration):
+        per = {d: calibration for d in devices}
+    else:
+        per = {d: calibration[d] for d in devices}
+    fastest = min(per, key=lambda d: (factors[d], d))
+    return per, per[fastest]
+
+
+def emulated_cluster(device_counts: dict[str, int], calibration,
                      factors: dict[str, float], *, gpus_per_node: int | None = None):
     """(inventory, profiles, cost-model options) of the emulated cluster: one GPU type
     ``CPU-as-<device>`` per device type, at the calibrated CPU speed over the device's factor,
     linked by gloo as measured (all-reduce bandwidth; point-to-point latency), optimizer steps at
     the measured rate; ``device_counts`` GPUs of each, ``gpus_per_node`` to a node (all in one
     node by default; 1 keeps a search from using tensor parallelism). The optimizer step and
-    the gradient sync are not stretched: the ranks run them at CPU speed."""
+    the gradient sync are not stretched: the ranks run them at CPU speed. ``calibration``: one
+    :class:`Calibration`, or one per device type (its compute figures are that device's; links
+    and the optimizer's rate are the fastest device's)."""
     from ..hardware.inventory import inventory_from_data
 
+    per_device, calibration = _per_device(calibration, device_counts, factors)
     bw = calibration.allreduce_gb_s
     memory_bandwidth_gb_s = calibration.optimizer_gb_s
     gpus, groups = {}, []
     for device, count in sorted(device_counts.items()):
         name = emulated_name(device)
-        flops = calibration.layer_flops_per_s / factors[device] / 1e12
+        flops = per_device[device].layer_flops_per_s / factors[device] / 1e12
         gpus[name] = {"vendor": "CPU", "bf16_tflops": flops, "bf16": True, "fp32_tflops": flops,
                       "memory_gb": 1e3, "memory_bandwidth_gb_s": memory_bandwidth_gb_s,
                       "intra_node_link": "gloo", "intra_node_bandwidth_gb_s": bw,
@@ -426,16 +440,17 @@ def emulated_cluster(device_counts: dict[str, int], calibration: Calibration,
                                      "inter_group_bandwidth_gb_s": bw},
                                     source="<emulated cluster>")
     profiles = {emulated_name(d): _EmulatedProfile(device_type=emulated_name(d), factor=f,
-                                                   calibration=calibration)
+                                                   calibration=per_device[d])
                 for d, f in factors.items() if d in device_counts}
     options = {"flash_attention": False, "workspace_gb": 0.0,
                "p2p_latency_s": calibration.p2p_latency_s}
     return inventory, profiles, options
 
 
-def predict(shrunk: Plan, calibration: Calibration, factors: dict[str, float]):
+def predict(shrunk: Plan, calibration, factors: dict[str, float]):
     """The tuner's cost model and simulator on the emulated cluster (:func:`emulated_cluster`)
-    for ``shrunk`` as the CPU ranks run it (fp32). Returns a ``SimResult``."""
+    for ``shrunk`` as the CPU ranks run it (fp32); ``calibration``: one :class:`Calibration` or
+    one per device type. Returns a ``SimResult``."""
     from ..cost.model import CostModel
     from ..simulate import simulate
 
@@ -728,10 +743,19 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
     factors = {d: s * time_scale for d, s in slowdowns.items()}
     if calibration is None:
         say("calibrating the CPU and gloo")
-        # time the parts as the ranks run them: each step followed by the sleep of the
-        # fastest emulated device (factor - 1 times the step; none at factor 1)
-        calibration = calibrate(shrunk, seed=config.seed, nice=config.nice,
-                                idle_factor=max(0.0, min(factors.values()) - 1.0))
+        # time the parts as each device's rank runs them: every step followed by that device's
+        # sleep (factor - 1 times the step; none at factor 1): a CPU step that follows an idle
+        # gap takes more CPU time than one run back to back (docs/calibration.md)
+        by_idle: dict[float, Calibration] = {}
+        for d in sorted(factors, key=lambda d: factors[d]):
+            idle = round(max(0.0, factors[d] - 1.0), 3)
+            if idle not in by_idle:
+                by_idle[idle] = calibrate(shrunk, seed=config.seed, nice=config.nice,
+                                          idle_factor=idle)
+        calibrations = {d: by_idle[round(max(0.0, f - 1.0), 3)] for d, f in factors.items()}
+        calibration = calibrations[min(factors, key=lambda d: (factors[d], d))]
+    else:
+        calibrations = calibration
     caps = memory_caps(plan, shrunk, catalog,
                        activation_scale=_activation_scale(shrunk, calibration),
                        cpu_shards_optimizer=trainer_shards_optimizer(shrunk))
@@ -759,7 +783,7 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
 
     steps = range(1, config.steps)  # step 0 is the warm-up
     step_times = [max(r.step_times[k] for r in result.ranks) for k in steps]
-    a_priori = predict(shrunk, calibration, factors)
+    a_priori = predict(shrunk, calibrations, factors)
     # The CPU's speed drifts between the start-up calibration and the run (other processes,
     # caches, frequency): rescale the calibrated compute by the CPU time the ranks measured.
     leads = [r for r in result.ranks if r.tensor_rank == 0]
@@ -770,10 +794,16 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
     # ... and take the gloo all-reduce bandwidth the ranks measured among themselves
     world_bw = min((r.extra["allreduce_gb_s"] for r in result.ranks
                     if r.extra.get("allreduce_gb_s")), default=calibration.allreduce_gb_s)
-    in_run = dataclasses.replace(
-        calibration, layer_flops_per_s=calibration.layer_flops_per_s / drift,
-        parts={k: (f * drift, b * drift) for k, (f, b) in calibration.parts.items()},
-        allreduce_gb_s=world_bw if world_bw < float("inf") else calibration.allreduce_gb_s)
+    def rescaled(c: Calibration) -> Calibration:
+        return dataclasses.replace(
+            c, layer_flops_per_s=c.layer_flops_per_s / drift,
+            parts={k: (f * drift, b * drift) for k, (f, b) in c.parts.items()},
+            pipeline_overhead={k: (f * drift, b * drift)
+                               for k, (f, b) in c.pipeline_overhead.items()},
+            allreduce_gb_s=world_bw if world_bw < float("inf") else c.allreduce_gb_s)
+
+    in_run = (rescaled(calibrations) if isinstance(calibrations, Calibration)
+              else {d: rescaled(c) for d, c in calibrations.items()})
     sim = predict(shrunk, in_run, factors)
     stages = []
     for r in leads:
