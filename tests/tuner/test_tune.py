@@ -237,3 +237,24 @@ def test_interleaving_where_the_bubble_dominates():
         assert max(stage.chunk_layers) - min(stage.chunk_layers) <= 1
     assert all(pipe.num_microbatches % p == 0 for pipe in plan.pipelines)
     _check_emitted(result, inv, model, 8)
+
+
+def test_the_baseline_interleaves_too():
+    # plain Megatron has virtual pipeline stages (uniform split): the baseline searches them,
+    # so the reported speedup is not measured against a handicapped baseline
+    model = ModelSpec(name="small16", num_layers=16, hidden_size=2048, ffn_hidden_size=5504,
+                      num_attention_heads=16, num_query_groups=16, vocab_size=32000,
+                      seq_length=2048)
+    inv = inventory_from_data({"groups": [
+        {"gpu": "RTX4090-24GB", "nodes": 1, "gpus_per_node": 4},
+        {"gpu": "A100-SXM-80GB", "nodes": 1, "gpus_per_node": 1}]})
+    from megatron_hetero.tuner import TuneOptions
+    result = tune(model, inv, 8)
+    flat = tune(model, inv, 8, options=TuneOptions(max_virtual_pipeline_size=1))
+    base = result.baseline_plan
+    p, v = base.pipeline_model_parallel_size, base.virtual_pipeline_size
+    assert v > 1 and len(set(base.virtual_stage_layers)) == 1
+    assert base.uniform_data_parallel and base.pipelines[0].num_microbatches % p == 0
+    assert len({s.recompute.granularity for pipe in base.pipelines for s in pipe.stages}) == 1
+    assert result.baseline_sim.step_time_s < flat.baseline_sim.step_time_s
+    assert result.sim.step_time_s <= result.baseline_sim.step_time_s
