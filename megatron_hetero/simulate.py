@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .cost.model import CostModel, Memory
-from .cost.schedule import rank_order
+from .cost.schedule import rank_order_cached
 from .models import step_model_flops
 from .plan import Plan
 
@@ -206,7 +206,7 @@ def interleaved_1f1b(fwd: list[list[float]], bwd: list[list[float]], send_f: lis
     Returns what :func:`one_f_one_b` returns, except that the last backward's start is per
     stage and chunk; events are (stage, kind, microbatch, start, end, chunk)."""
     p, v = len(fwd), len(fwd[0])
-    ops = [rank_order(p, s, m, v) for s in range(p)]
+    ops = [rank_order_cached(p, s, m, v) for s in range(p)]
     fdone = [[[-1.0] * m for _ in range(v)] for _ in range(p)]
     bdone = [[[-1.0] * m for _ in range(v)] for _ in range(p)]
     ptr = [0] * p

@@ -45,6 +45,13 @@ def warmup_count(p: int, r: int, m: int, v: int = 1, group: int | None = None) -
 
 def rank_order(p: int, r: int, m: int, v: int = 1, group: int | None = None) -> list[Op]:
     """The ops of rank ``r`` of ``p`` for ``m`` micro-batches and ``v`` chunks, in run order."""
+    return list(rank_order_cached(p, r, m, v, group))
+
+
+@lru_cache(maxsize=4096)
+def rank_order_cached(p: int, r: int, m: int, v: int = 1, group: int | None = None) -> tuple[Op, ...]:
+    """:func:`rank_order` as a tuple, computed once per shape (the search simulates many plans
+    of the same shape)."""
     table = schedule_table(m, v, p if group is None else group)
     fwd = [(0, i, c) for i, c in table]
     bwd = [(1, i, v - 1 - c) for i, c in table]
@@ -53,7 +60,7 @@ def rank_order(p: int, r: int, m: int, v: int = 1, group: int | None = None) -> 
     for k in range(len(fwd) - warm):
         out += [fwd[warm + k], bwd[k]]
     out += bwd[len(fwd) - warm:]
-    return out
+    return tuple(out)
 
 
 def peak_in_flight(order: list[Op], weights: list[float]) -> float:
@@ -88,7 +95,7 @@ def _held_states(p: int, r: int, m: int, v: int) -> tuple[tuple[int, ...], ...]:
     other state holds at least as much of in every chunk (the candidates for a peak)."""
     held = [0] * v
     seen: set[tuple[int, ...]] = set()
-    for kind, _, c in rank_order(p, r, m, v):
+    for kind, _, c in rank_order_cached(p, r, m, v):
         held[c] += 1 if kind == 0 else -1
         if kind == 0:
             seen.add(tuple(held))

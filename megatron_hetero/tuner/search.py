@@ -74,7 +74,9 @@ class TuneOptions:
     max_pipeline_stages: int = 64
     max_virtual_pipeline_size: int = 4
     """Model chunks per stage tried: 1 (plain 1F1B) up to this (interleaved 1F1B), where every
-    chunk gets a layer and the micro-batches form whole groups of the pipeline size."""
+    chunk gets a layer and the micro-batches form whole groups of the pipeline size. The
+    baseline (plain Megatron) tries every chunk count its even split allows, more than this
+    too, so that a cap here never makes the baseline look slower than plain Megatron can be."""
     optimizer_offload: bool = True
     """Let stages offload optimizer state to the host where memory is short (else recompute only)."""
     overlap_grad_reduce: bool = True
@@ -363,7 +365,11 @@ class _Search:
                         out.append((lb, Structure(tp, pp, mbs, tm)))
                         if pp == 1 or total % pp or total // pp < Dm:
                             continue
-                        for v in range(2, min(self.opt.max_virtual_pipeline_size, L // pp) + 1):
+                        for v in range(2, L // pp + 1):
+                            # beyond max_virtual_pipeline_size only what plain Megatron can
+                            # express (an even split), so that the baseline is not understated
+                            if v > self.opt.max_virtual_pipeline_size and L % (pp * v):
+                                continue
                             out.append(((total + Dm * (pp - 1) / v) / speed,
                                         Structure(tp, pp, mbs, tm, v)))
         out.sort(key=lambda x: (x[0], x[1].tp, x[1].pp, x[1].mbs, x[1].vp, x[1].templates))
@@ -674,6 +680,8 @@ class _Search:
             keep.extend(new)
             keep.sort(key=lambda c: c.score)
             del keep[k:]
+            if baseline:  # an even split: equal chunks, the estimate has no chunk bubbles to miss
+                return cand
             best = by_vp.setdefault(st.vp, [])
             best += new
             best.sort(key=lambda c: c.score)
@@ -694,8 +702,8 @@ class _Search:
                     continue
                 bound = flat.score - flat.fill * (1 - 1 / st.vp)
                 mine = by_vp.get(st.vp, [])
-                if (len(keep) >= k and bound >= keep[-1].score and len(mine) >= 2
-                        and bound >= mine[-1].score):
+                if (len(keep) >= k and bound >= keep[-1].score
+                        and (baseline or (len(mine) >= 2 and bound >= mine[-1].score))):
                     continue
             visit(st)
         chosen = {id(c) for c in keep}
@@ -776,7 +784,9 @@ def tune(model: ModelSpec, inventory: Inventory, global_batch_size: int, *,
         task = progress.add_task("searching plans", total=2 * len(structures))
         tick = lambda: progress.advance(task)  # noqa: E731
     try:
-        tuned = search.walk(structures, baseline=False, tick=tick)
+        tuned = search.walk([(lb, st) for lb, st in structures
+                             if st.vp <= options.max_virtual_pipeline_size],
+                            baseline=False, tick=tick)
         L = model.num_layers
         plain = [(lb, st) for lb, st in structures  # what plain Megatron can express at all
                  if L % (st.pp * st.vp) == 0 and (global_batch_size // st.mbs) % st.num_pipelines == 0
