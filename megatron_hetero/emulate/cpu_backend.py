@@ -22,10 +22,10 @@ Public API
     asserts the latter is empty, so a megatron-core upgrade that adds a CUDA path fails it.
 
 What it makes work (megatron-core 0.16.x and 0.17.x, torch 2.13 CPU): ``GPTModel`` on the local
-spec, the 1F1B, interleaved 1F1B (virtual pipeline stages; its CUDA uses are the device-literal
-token counter and the p2p receive buffers, both under the device mode, so it needs no row of its
-own) and forward-only schedules, p2p (batched, and the interleaved schedule's overlapped
-``isend``/``irecv``), ``DistributedDataParallel``
+spec, the 1F1B, interleaved 1F1B (virtual pipeline stages: its CUDA uses, the device-literal
+token counter and the p2p receive buffers, fall under the device mode; its overlapped sends need
+mechanism 5 below) and forward-only schedules, p2p (batched, and the interleaved schedule's
+overlapped ``isend``/``irecv``), ``DistributedDataParallel`` (gradient reduction overlapped or not)
 with grad buffers, ``finalize_model_grads`` (per-token loss too), the fp32 optimizer from
 ``get_megatron_optimizer`` (torch Adam or SGD; plain or Megatron's distributed optimizer) with
 grad clipping, activation recompute (full and selective), the RNG tracker and TP=2.

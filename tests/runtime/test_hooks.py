@@ -234,8 +234,9 @@ def test_stage_recompute_on_every_model_chunk():
             model_provider_func(pre_process=i == 0, post_process=i == 1, vp_stage=i)
 
     for rank in (0, 1):
-        _state(plan, rank)
+        st = _state(plan, rank)
         hooks._wrap_get_model(get_model)(provider)
+    assert "4 layers in chunks 2+2;" in st.describe()
     assert built == [(0, None, None), (1, None, None), (0, "full", 2), (1, "full", 1)]
     assert hooks._building_chunk == [None]
 
