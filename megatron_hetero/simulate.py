@@ -140,62 +140,11 @@ def one_f_one_b(fwd: list[float], bwd: list[float], send_f: list[float], send_b:
                 m: int, *, record: bool = False):
     """Simulate one pipeline. ``send_f[s]``/``send_b[s]``: seconds over the link between stage
     ``s`` and ``s + 1``. Returns (finish, busy, last_backward_start, events) per stage, where
-    events is a list of (stage, kind, microbatch, start, end) when ``record``."""
-    p = len(fwd)
-    ops: list[list[tuple[int, int]]] = []  # (0 forward / 1 backward, micro-batch)
-    for s in range(p):
-        warm = min(p - s - 1, m)
-        seq = [(0, i) for i in range(warm)]
-        for i in range(m - warm):
-            seq += [(0, warm + i), (1, i)]
-        seq += [(1, i) for i in range(m - warm, m)]
-        ops.append(seq)
-    fdone = [[-1.0] * m for _ in range(p)]
-    bdone = [[-1.0] * m for _ in range(p)]
-    ptr = [0] * p
-    free = [0.0] * p
-    busy = [0.0] * p
-    last_b_start = [0.0] * p
-    events: list[tuple] = []
-    remaining = sum(len(o) for o in ops)
-    while remaining:
-        progressed = False
-        for s in range(p):
-            seq = ops[s]
-            while ptr[s] < len(seq):
-                kind, i = seq[ptr[s]]
-                if kind == 0:
-                    if s == 0:
-                        ready = 0.0
-                    else:
-                        done = fdone[s - 1][i]
-                        if done < 0:
-                            break
-                        ready = done + send_f[s - 1]
-                    dur = fwd[s]
-                else:
-                    if s == p - 1:
-                        ready = fdone[s][i]
-                    else:
-                        done = bdone[s + 1][i]
-                        if done < 0:
-                            break
-                        ready = done + send_b[s]
-                    dur = bwd[s]
-                start = max(free[s], ready)
-                end = start + dur
-                (fdone if kind == 0 else bdone)[s][i] = end
-                if kind == 1:
-                    last_b_start[s] = start
-                if record:
-                    events.append((s, "FB"[kind], i, start, end))
-                free[s] = end
-                busy[s] += dur
-                ptr[s] += 1
-                remaining -= 1
-                progressed = True
-        assert progressed, "1F1B schedule deadlocked"
-    return free, busy, last_b_start, events
+    events is a list of (stage, kind, microbatch, start, end) when ``record``: the interleaved
+    schedule's simulation with one model chunk per stage (its order is then plain 1F1B)."""
+    free, busy, last_b, events = interleaved_1f1b([[f] for f in fwd], [[b] for b in bwd],
+                                                  send_f, send_b, m, record=record)
+    return free, busy, [x[0] for x in last_b], [e[:5] for e in events]
 
 
 def interleaved_1f1b(fwd: list[list[float]], bwd: list[list[float]], send_f: list[float],
@@ -251,7 +200,7 @@ def interleaved_1f1b(fwd: list[list[float]], bwd: list[list[float]], send_f: lis
                 ptr[s] += 1
                 remaining -= 1
                 progressed = True
-        assert progressed, "interleaved 1F1B schedule deadlocked"
+        assert progressed, "1F1B schedule deadlocked"
     return free, busy, last_b_start, events
 
 

@@ -193,14 +193,25 @@ def test_interleaved_block_recompute_covers_the_first_layers_in_chunk_order():
         max(4 * a0 + a1, 3 * a0 + 2 * a1) + layer)
 
 
-def test_v1_orders_match_plain_1f1b():
-    # the generic order with v = 1 is the order one_f_one_b runs (same results)
+def _plain_1f1b_order(p: int, s: int, m: int) -> list[tuple[int, int]]:
+    """Megatron's non-interleaved 1F1B, written out: min(p - s - 1, m) warm-up forwards, then a
+    forward and a backward in turn, then the remaining backwards."""
+    warm = min(p - s - 1, m)
+    order = [(0, i) for i in range(warm)]
+    for i in range(m - warm):
+        order += [(0, warm + i), (1, i)]
+    return order + [(1, i) for i in range(m - warm, m)]
+
+
+def test_one_f_one_b_runs_plain_1f1b_order():
+    # one_f_one_b is the interleaved simulation with one chunk: it must run plain 1F1B's order
     for p, m in ((1, 3), (2, 5), (4, 4), (4, 2)):
         f, b = [1.0 + s for s in range(p)], [2.0] * p
         plain = one_f_one_b(f, b, [0.1] * (p - 1), [0.1] * (p - 1), m, record=True)[3]
         for s in range(p):
-            got = [(0 if k == "F" else 1, i, 0) for st_, k, i, _, _ in plain if st_ == s]
-            assert got == rank_order(p, s, m)
+            got = [(0 if k == "F" else 1, i) for st_, k, i, _, _ in plain if st_ == s]
+            assert got == _plain_1f1b_order(p, s, m)
+            assert [(k, i) for k, i, _ in rank_order(p, s, m)] == got
 
 
 def test_timeline_png_colours_chunks(tmp_path):
