@@ -12,8 +12,11 @@ setup(
     long_description=Path("README.md").read_text(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["megatron_hetero", "megatron_hetero.*"]),
-    package_data={"megatron_hetero": ["hardware/*.yaml"]},
+    # patches/ (one pretrain_gpt.py patch per Megatron-LM release line) ships inside the package
+    # as megatron_hetero._patches, so that `patch-megatron` works from an installed wheel too
+    packages=find_packages(include=["megatron_hetero", "megatron_hetero.*"]) + ["megatron_hetero._patches"],
+    package_dir={"megatron_hetero._patches": "patches"},
+    package_data={"megatron_hetero": ["hardware/*.yaml"], "megatron_hetero._patches": ["*/*.patch"]},
     install_requires=[
         "megatron-core>=0.16",
         "torch>=2.4",

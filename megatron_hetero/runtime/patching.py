@@ -19,15 +19,23 @@ from ..errors import HeteroError
 __all__ = ["PATCHES_DIR", "release_line", "patch_for", "apply_patch", "patch_megatron_main",
            "MARKER"]
 
-PATCHES_DIR = Path(__file__).resolve().parents[2] / "patches"
+def _patches_dir() -> Path:
+    """``patches/`` of a source checkout, else the copy an installed wheel ships as
+    ``megatron_hetero/_patches`` (setup.py maps one onto the other)."""
+    here = Path(__file__).resolve().parents[1]
+    checkout = here.parent / "patches"
+    return checkout if checkout.is_dir() else here / "_patches"
+
+
+PATCHES_DIR = _patches_dir()
 MARKER = "install_megatron_hetero()"
 """Text the patched script contains (how an already patched checkout is recognised)."""
 
 
 def _lines() -> dict[str, Path]:
     if not PATCHES_DIR.is_dir():
-        raise HeteroError(f"the patches directory {PATCHES_DIR} is missing (patch-megatron needs "
-                          f"a source checkout of megatron-hetero)")
+        raise HeteroError(f"the patches directory {PATCHES_DIR} is missing (reinstall "
+                          f"megatron-hetero: its wheel ships the patches as megatron_hetero/_patches)")
     return {p.parent.name: p for p in sorted(PATCHES_DIR.glob("*/pretrain_gpt.patch"))}
 
 

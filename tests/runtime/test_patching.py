@@ -93,3 +93,28 @@ def test_patched_megatron_lm_takes_hetero_plan(tmp_path):
                           capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "--hetero-plan PLAN" in proc.stdout and "--hetero-device-type" in proc.stdout
+
+
+@pytest.mark.slow
+def test_an_installed_wheel_ships_the_patches(tmp_path):
+    """`patch-megatron` from a wheel install (no source checkout): the wheel carries every
+    release line's patch as megatron_hetero/_patches and the module finds them there."""
+    import shutil
+    repo, src = Path(__file__).resolve().parents[2], tmp_path / "src"
+    # build from a copy: an in-tree build would leave build/ behind in the checkout
+    shutil.copytree(repo, src, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "dist", "*.egg-info", "out", ".hypothesis", ".pytest_cache",
+        "__pycache__"))
+    wheels, target = tmp_path / "wheels", tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                    str(src), "-w", str(wheels)], check=True, capture_output=True, timeout=300)
+    (wheel,) = wheels.glob("megatron_hetero-*.whl")
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target",
+                    str(target), str(wheel)], check=True, capture_output=True, timeout=300)
+    probe = ("from megatron_hetero.runtime.patching import PATCHES_DIR, _lines;"
+             "print(PATCHES_DIR); print(' '.join(sorted(_lines())))")
+    env = dict(os.environ, PYTHONPATH=str(target))
+    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, check=True,
+                         capture_output=True, text=True, timeout=120).stdout.split("\n")
+    assert Path(out[0]) == target / "megatron_hetero" / "_patches"
+    assert out[1].split() == LINES
