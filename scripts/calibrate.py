@@ -9,7 +9,8 @@
    its GPU type's speed relative to the plan's fastest type, times ``--time-scale``). Measured
    step time: the slowest rank's wall time of the fastest step after the first (other processes
    on the shared cores only ever add time; the median is kept in the JSON too).
-   The memory cap is off: its saved-tensor accounting costs CPU time the profile does not see.
+   The memory cap and its saved-tensor accounting are off (``meter_memory=False``): the
+   accounting costs CPU time inside every stretched step that the profile does not see.
 3. Predict each rehearsal with the tuner's cost model and simulator on the emulated cluster
    (:func:`megatron_hetero.emulate.rehearse.predict`), five ways:
    - ``profile``: the profile's measured per-part times (x each device's factor), its pipeline
@@ -135,7 +136,7 @@ def run_plan(plan: Plan, profile: MeasuredProfile, idle_profiles: dict[float, Me
     from megatron_hetero.emulate.speed import device_slowdowns
 
     config = RehearsalConfig(steps=args.steps, hidden_size=MODEL.hidden_size,
-                             time_scale=args.time_scale, memory_cap=False)
+                             time_scale=args.time_scale, memory_cap=False, meter_memory=False)
     result = rehearse(plan, config)
     factors = {d: s * args.time_scale for d, s in device_slowdowns(plan).items()}
     base = result.calibration

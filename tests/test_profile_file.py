@@ -337,8 +337,11 @@ def test_rehearsal_times_its_parts_with_each_devices_idle_gaps(monkeypatch):
     class Stop(Exception):
         pass
 
+    metered = []
+
     def fake_calibrate(shrunk, **kw):
         asked.append(kw["idle_factor"])
+        metered.append(kw["meter"])
         if len(asked) == 2:
             raise Stop
         return R.Calibration()
@@ -358,6 +361,13 @@ def test_rehearsal_times_its_parts_with_each_devices_idle_gaps(monkeypatch):
     with pytest.raises(Stop):
         R.rehearse(plan, R.RehearsalConfig(hidden_size=256, time_scale=1.0))
     assert asked[0] == 0.0  # the fastest device runs back to back at factor 1
+    assert all(metered)  # the ranks count saved activations by default: so does the calibration
+    metered.clear()
+    asked.clear()
+    with pytest.raises(Stop):
+        R.rehearse(plan, R.RehearsalConfig(hidden_size=256, time_scale=1.0, memory_cap=False,
+                                           meter_memory=False))
+    assert metered == [False, False]  # calibration runs: no accounting, in the ranks or here
 
 
 def test_predict_takes_one_calibration_per_device():

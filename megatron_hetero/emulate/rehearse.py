@@ -62,6 +62,10 @@ class RehearsalConfig:
     that keeps the ranks' compute within 70% of this machine's cores (:func:`auto_time_scale`)."""
     memory_cap: bool = True
     """Cap each rank's memory to its device's memory scaled with the model (see :mod:`.memory`)."""
+    meter_memory: bool = True
+    """Count each rank's saved activations (the report's memory peak; needed by the cap). The
+    accounting is Python work inside every stretched step (about 4 us per saved tensor);
+    calibration runs turn it off, with the cap, so that the ranks run only the model."""
     seed: int = 1234
     nice: int = 0
     """``os.nice`` increment of the rank processes (negative, as root, shields the emulated
@@ -751,7 +755,8 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
             idle = round(max(0.0, factors[d] - 1.0), 3)
             if idle not in by_idle:
                 by_idle[idle] = calibrate(shrunk, seed=config.seed, nice=config.nice,
-                                          idle_factor=idle)
+                                          idle_factor=idle,
+                                          meter=config.meter_memory or config.memory_cap)
         calibrations = {d: by_idle[round(max(0.0, f - 1.0), 3)] for d, f in factors.items()}
         calibration = calibrations[min(factors, key=lambda d: (factors[d], d))]
     else:
@@ -763,8 +768,9 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
     tconf = TrainConfig(steps=config.steps, seed=config.seed, gather_params=verify,
                         eval_forward_only=verify, timeout_s=config.timeout_s)
     corrupt = os.environ.get(_CORRUPT_ENV)
+    metered = config.meter_memory or config.memory_cap
     hooks = functools.partial(_rank_hooks, factors=factors, time_scale=time_scale,
-                              caps=caps, enforce_caps=config.memory_cap,
+                              caps=caps if metered else None, enforce_caps=config.memory_cap,
                               corrupt_pipeline=int(corrupt) if corrupt else None,
                               nice=config.nice)
     try:
@@ -902,8 +908,8 @@ def rehearse_main(args) -> int:
 
     os.environ.setdefault("PYTHONWARNINGS", "ignore")  # megatron's Apex/TE notices, per rank
     inventory = load_inventory(args.inventory) if args.inventory else None
-    catalog = inventory.catalog if inventory else None
-    plan = load_plan(args.plan, catalog=catalog)
+    plan = load_plan(args.plan, catalog=inventory.catalog if inventory else None)
+    catalog = plan.catalog  # the built-in (or the inventory's) catalog plus the plan's gpus
     if inventory is not None:
         check_plan_against_inventory(plan, inventory, source=args.plan)
     try:
