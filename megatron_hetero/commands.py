@@ -7,7 +7,7 @@ import argparse
 from .hardware.inventory import load_inventory
 from .megatron_args import megatron_args, megatron_args_line
 from .errors import SchemaError
-from .plan import check_plan_against_inventory, load_plan
+from .plan import check_plan_against_inventory, check_plan_gpus, load_plan
 
 __all__ = ["validate_main", "args_main"]
 
@@ -35,6 +35,8 @@ def validate_main(args: argparse.Namespace) -> int:
 def args_main(args: argparse.Namespace) -> int:
     inventory = load_inventory(args.inventory) if args.inventory else None
     plan = load_plan(args.plan, catalog=inventory.catalog if inventory else None)
+    if inventory is not None:
+        check_plan_gpus(plan, inventory, source=args.plan)
     if args.one_per_line:
         print("\n".join(megatron_args(plan, args.plan)))
     else:

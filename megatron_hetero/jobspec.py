@@ -225,8 +225,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         inventory = load_inventory(args.inventory) if args.inventory else None
-        catalog = inventory.catalog if inventory else load_catalog()
-        plan = load_plan(args.plan, catalog=catalog)
+        plan = load_plan(args.plan, catalog=inventory.catalog if inventory else load_catalog())
+        catalog = plan.catalog  # with the plan's own gpus entries
         if args.what == "world-size":
             print(plan.world_size)
             return 0

@@ -13,6 +13,7 @@ is Megatron rank ``t + T * (d + D * s)``; see :meth:`Plan.slot_of_rank`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,11 +21,11 @@ from typing import Literal
 
 from ._schema import from_data, read_yaml, to_data, write_yaml
 from .errors import Described, SchemaError
-from .hardware.catalog import Catalog, load_catalog
+from .hardware.catalog import Catalog, GPUSpec, load_catalog
 
 __all__ = ["ModelSpec", "Recompute", "Offload", "Stage", "Pipeline", "Plan", "Slot",
            "load_plan", "save_plan", "plan_from_data", "check_plan_against_inventory",
-           "FORMAT_VERSION"]
+           "check_plan_gpus", "embedded_gpus", "FORMAT_VERSION"]
 
 FORMAT_VERSION = 1
 
@@ -194,8 +195,18 @@ class Plan:
     """Model chunks per pipeline stage (Megatron's interleaved 1F1B schedule when > 1). Every
     stage then lists ``chunk_layers``; the model runs chunk 0 of stages 0..p-1, then chunk 1 of
     stages 0..p-1, and so on."""
+    gpus: dict[str, GPUSpec] = field(default_factory=dict)
+    """Full catalog entries (the fields of catalog.yaml) by device type: the types this plan uses
+    that the built-in catalog lacks, and built-in types whose figures the inventory overrode.
+    Loading adds them to the catalog (replacing a built-in entry of the same name), so the
+    runtime, ``rehearse`` and ``args`` know them without the inventory; ``tune`` writes them.
+    Left out of the file when empty."""
     prediction: dict[str, float] | None = None
     """Figures the tuner predicted for this plan (informational; never read back as input)."""
+    catalog: Catalog | None = field(default=None, compare=False, repr=False,
+                                    metadata={"internal": True})
+    """The catalog the plan was checked against on load (the given one plus ``gpus``); None for
+    a plan built in code."""
 
     def __post_init__(self) -> None:
         if self.global_batch_size < 1:
@@ -364,13 +375,21 @@ class Plan:
 
     # -- conversion ------------------------------------------------------------------------------
     def to_data(self) -> dict:
-        return to_data(self)
+        data = to_data(self)
+        if not self.gpus:
+            data.pop("gpus", None)
+        return data
 
 
 def plan_from_data(data: object, *, source: str = "<plan>", catalog: Catalog | None = None) -> Plan:
-    """Build and check a plan from plain data. Device types must be canonical catalog names."""
+    """Build and check a plan from plain data. Device types must be canonical names of
+    ``catalog`` (default: the built-in one) plus the plan's own ``gpus`` entries, which take
+    precedence over ``catalog``'s (see :func:`check_plan_gpus` for the check against an
+    inventory). The result's ``catalog`` is that merged catalog."""
     plan = from_data(Plan, data, source=source)
-    catalog = catalog or load_catalog()
+    catalog = (catalog or load_catalog()).with_entries(plan.gpus, source=source)
+    plan.gpus = {name: catalog.get(name) for name in plan.gpus}
+    plan.catalog = catalog
     for d, pipe in enumerate(plan.pipelines):
         for s, stage in enumerate(pipe.stages):
             path = f"pipelines[{d}].stages[{s}].device_type"
@@ -395,9 +414,44 @@ def save_plan(plan: Plan, path: str | Path) -> None:
     write_yaml(plan.to_data(), path)
 
 
+_COMPARED = [f.name for f in dataclasses.fields(GPUSpec) if f.name not in ("name", "notes")]
+
+
+def check_plan_gpus(plan: Plan, inventory, *, source: str = "<plan>") -> None:
+    """Raise :class:`SchemaError` if an entry of the plan's ``gpus`` differs from the inventory's
+    catalog entry of that name (the plan was tuned with other figures); ``notes`` may differ."""
+    for name, ours in plan.gpus.items():
+        canonical = inventory.catalog.resolve(name)
+        if canonical is None:
+            continue  # a type the inventory does not have: check_plan_against_inventory says so
+        theirs = inventory.catalog.get(canonical)
+        diff = [k for k in _COMPARED if getattr(ours, k) != getattr(theirs, k)]
+        if diff:
+            key = diff[0]
+            raise SchemaError(source, f"gpus.{name}.{key}", getattr(ours, key),
+                              f"{getattr(theirs, key)!r}, as in {inventory.source}'s catalog "
+                              f"entry for {canonical} (the plan was tuned with other figures: "
+                              f"tune again, or make the entries agree)")
+
+
+def embedded_gpus(plan: Plan, catalog: Catalog) -> dict[str, GPUSpec]:
+    """The entries of ``catalog`` (an inventory's) for the plan's device types that differ from
+    the built-in catalog or that it lacks: what a tuned plan carries in ``gpus``."""
+    builtin = load_catalog()
+    out = {}
+    for name in sorted(plan.device_counts()):
+        spec = catalog.get(name)
+        canonical = builtin.resolve(name)
+        if canonical != name or builtin.get(name) != spec:
+            out[name] = spec
+    return out
+
+
 def check_plan_against_inventory(plan: Plan, inventory, *, source: str = "<plan>") -> None:
-    """Raise :class:`SchemaError` if the plan needs more GPUs of a type than the inventory has,
-    or a tensor-parallel group larger than a node of that type."""
+    """Raise :class:`SchemaError` if the plan's ``gpus`` entries differ from the inventory's
+    (:func:`check_plan_gpus`), if it needs more GPUs of a type than the inventory has, or a
+    tensor-parallel group larger than a node of that type."""
+    check_plan_gpus(plan, inventory, source=source)
     have = inventory.gpu_counts()
     for gpu, need in sorted(plan.device_counts().items()):
         if need > have.get(gpu, 0):

@@ -103,3 +103,21 @@ def test_load_inventory_file(tmp_path):
     f = tmp_path / "inventory.yaml"
     f.write_text("groups:\n  - {gpu: H100-SXM-80GB, nodes: 2, gpus_per_node: 8}\n")
     assert load_inventory(f).gpu_counts() == {"H100-SXM-80GB": 16}
+
+
+def test_inventory_gpu_alias_taken_by_another_entry_is_refused():
+    # A custom entry answering to a built-in's reported name would be shadowed by it at run time.
+    npu = {"vendor": "Acme", "bf16_tflops": 200, "bf16": True, "fp32_tflops": 50, "memory_gb": 32,
+           "memory_bandwidth_gb_s": 1000, "intra_node_link": "PCIe5",
+           "intra_node_bandwidth_gb_s": 64, "efficiency": 0.4,
+           "aliases": ["Acme NPU", "NVIDIA H100 80GB HBM3"]}
+    with pytest.raises(SchemaError, match=r"inv\.yaml: gpus\.MyNPU\.aliases\[1\]: found 'NVIDIA "
+                                          r"H100 80GB HBM3'; expected .*H100-SXM-80GB does"):
+        inventory_from_data({"gpus": {"MyNPU": npu},
+                             "groups": [{"gpu": "MyNPU", "nodes": 1, "gpus_per_node": 8}]},
+                            source="inv.yaml")
+    # an override keeps the entry's own aliases
+    inv = inventory_from_data({"gpus": {"H100": {"efficiency": 0.5}},
+                               "groups": [{"gpu": "H100", "nodes": 1, "gpus_per_node": 8}]})
+    assert inv.catalog.resolve("NVIDIA H100 80GB HBM3") == "H100-SXM-80GB"
+    assert inv.spec("H100-SXM-80GB").efficiency == 0.5

@@ -296,3 +296,98 @@ def test_overlap_grad_reduce_is_a_strict_flag(tmp_path):
     data["overlap_grad_reduce"] = "yes"
     with pytest.raises(SchemaError, match="overlap_grad_reduce"):
         plan_from_data(data)
+
+
+# -- the plan's own catalog entries (`gpus:`) ------------------------------------------------------
+
+ACME = {"vendor": "Acme", "bf16_tflops": 200.0, "bf16": True, "fp32_tflops": 50.0,
+        "memory_gb": 64.0, "memory_bandwidth_gb_s": 1000.0, "intra_node_link": "PCIe5",
+        "intra_node_bandwidth_gb_s": 64.0, "efficiency": 0.4, "aliases": ["ACME NPU-9 Pro"]}
+
+
+def _with_gpus(gpus=None, first="Acme-NPU", second="A100-SXM-80GB"):
+    """BASE with its stage-0 type replaced by ``first`` and stage-1 type by ``second``."""
+    data = copy.deepcopy(BASE)
+    for pipe in data["pipelines"]:
+        pipe["stages"][0]["device_type"] = first
+        pipe["stages"][1]["device_type"] = second
+    data["gpus"] = copy.deepcopy(gpus if gpus is not None else
+                                 {"Acme-NPU": ACME,
+                                  "A100-SXM-80GB": {**_spec_data("A100-SXM-80GB"), "efficiency": 0.55}})
+    return data
+
+
+def _spec_data(name):
+    spec = load_catalog().get(name)
+    return {f: getattr(spec, f) for f in ("vendor", "bf16_tflops", "bf16", "fp32_tflops",
+                                          "memory_gb", "memory_bandwidth_gb_s", "intra_node_link",
+                                          "intra_node_bandwidth_gb_s", "efficiency", "aliases")}
+
+
+def test_plan_gpus_round_trip_and_extend_the_catalog(tmp_path):
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(_with_gpus()))
+    plan = load_plan(path)
+    assert plan.gpus["Acme-NPU"].bf16_tflops == 200.0
+    assert plan.catalog.resolve("acme npu-9 pro") == "Acme-NPU"       # by its alias
+    assert plan.catalog.get("A100-SXM-80GB").efficiency == 0.55        # the plan's figure wins
+    assert plan.catalog.get("V100-SXM2-32GB") == load_catalog().get("V100-SXM2-32GB")
+    assert load_catalog().resolve("Acme-NPU") is None                  # built-in untouched
+    out = tmp_path / "again.yaml"
+    save_plan(plan, out)
+    saved = yaml.safe_load(out.read_text())
+    assert saved["gpus"]["Acme-NPU"] == ACME
+    assert list(saved)[-1] == "gpus"  # after the plan's own keys (BASE has no prediction)
+    assert load_plan(out) == plan
+    # and a plan without the key writes none
+    assert "gpus" not in plan_from_data(BASE).to_data()
+
+
+def test_plan_without_the_entry_of_a_custom_type_is_refused():
+    data = _with_gpus({})
+    with pytest.raises(SchemaError, match=r"pipelines\[0\]\.stages\[0\]\.device_type: found "
+                                          r"'Acme-NPU'; expected a GPU in the catalog"):
+        plan_from_data(data, source="plan.yaml")
+
+
+@pytest.mark.parametrize("change,path,phrase", [
+    (lambda g: g["Acme-NPU"].pop("memory_gb"), "gpus.Acme-NPU.memory_gb", "the key is missing"),
+    (lambda g: g["Acme-NPU"].update(efficiency=1.5), "gpus.Acme-NPU.efficiency", "(0, 1]"),
+    (lambda g: g["Acme-NPU"].update(bf16="yes"), "gpus.Acme-NPU.bf16", "true or false"),
+    (lambda g: g["Acme-NPU"].update(speed=3), "gpus.Acme-NPU.speed", "unknown key"),
+    (lambda g: g["Acme-NPU"].update(aliases=["NVIDIA A100-SXM4-80GB"]),
+     "gpus.Acme-NPU.aliases[0]", "A100-SXM-80GB does"),
+    (lambda g: g.update({"NVIDIA A100-SXM4-80GB": g.pop("A100-SXM-80GB")}),
+     "gpus.NVIDIA A100-SXM4-80GB", "canonical name 'A100-SXM-80GB'"),
+    (lambda g: g["Acme-NPU"].update(bf16=False), "precision", "Acme-NPU"),
+])
+def test_bad_plan_gpus_entries_name_the_field(change, path, phrase):
+    data = _with_gpus()
+    data["precision"] = "bf16"  # every type of the plan has bf16 unless `change` says otherwise
+    change(data["gpus"])
+    with pytest.raises(SchemaError) as info:
+        plan_from_data(data, source="plan.yaml")
+    msg = str(info.value)
+    assert msg.startswith(f"plan.yaml: {path}: found "), msg
+    assert phrase in msg, msg
+
+
+def test_plan_gpus_must_agree_with_a_given_inventory():
+    plan = plan_from_data(_with_gpus(), source="plan.yaml")
+    groups = [{"gpu": "Acme-NPU", "nodes": 1, "gpus_per_node": 2},
+              {"gpu": "A100-SXM-80GB", "nodes": 1, "gpus_per_node": 2}]
+    same = inventory_from_data({"gpus": {"Acme-NPU": ACME, "NVIDIA A100-SXM4-80GB": {"efficiency": 0.55}},
+                                "groups": groups}, source="inv.yaml")
+    check_plan_against_inventory(plan, same, source="plan.yaml")
+    again = plan_from_data(plan.to_data(), source="plan.yaml", catalog=same.catalog)
+    assert again == plan
+    changed = inventory_from_data({"gpus": {"Acme-NPU": {**ACME, "bf16_tflops": 250.0},
+                                            "A100-SXM-80GB": {"efficiency": 0.55}},
+                                   "groups": groups}, source="inv.yaml")
+    with pytest.raises(SchemaError, match=r"plan\.yaml: gpus\.Acme-NPU\.bf16_tflops: found 200\.0; "
+                                          r"expected 250\.0, as in inv\.yaml's catalog entry"):
+        check_plan_against_inventory(plan, changed, source="plan.yaml")
+    # the plan's A100 figures are an override the inventory no longer makes
+    plain = inventory_from_data({"gpus": {"Acme-NPU": ACME}, "groups": groups}, source="inv.yaml")
+    with pytest.raises(SchemaError, match=r"gpus\.A100-SXM-80GB\.efficiency: found 0\.55"):
+        check_plan_against_inventory(plan, plain, source="plan.yaml")

@@ -104,20 +104,50 @@ class Catalog:
 
     def with_overrides(self, overrides: Mapping[str, GPUOverride], *, source: str,
                        path: str = "gpus") -> "Catalog":
-        specs = dict(self._specs)
+        """This catalog with an inventory's ``gpus:`` applied: a name the catalog knows (or one
+        of its aliases) overrides the given fields of that entry; another name adds an entry,
+        which must then give every field."""
+        catalog = self
         for name, ov in overrides.items():
             given = {k: v for k, v in dataclasses.asdict(ov).items() if v is not None}
-            canonical = self.resolve(name)
+            canonical = catalog.resolve(name)
             where = f"{path}.{name}"
             if canonical is not None:
-                base = {f.name: getattr(specs[canonical], f.name) for f in dataclasses.fields(GPUSpec)}
+                base = {f.name: getattr(catalog._specs[canonical], f.name)
+                        for f in dataclasses.fields(GPUSpec)}
                 base.update(given)
                 base.pop("name")
-                specs[canonical] = from_data(GPUSpec, base, source=source, path=where)
-                specs[canonical] = dataclasses.replace(specs[canonical], name=canonical)
+                spec = from_data(GPUSpec, base, source=source, path=where)
             else:
                 spec = from_data(GPUSpec, given, source=source, path=where)
-                specs[name] = dataclasses.replace(spec, name=name)
+            catalog = catalog._with(canonical or name, spec, source=source, where=where)
+        return catalog
+
+    def with_entries(self, entries: Mapping[str, GPUSpec], *, source: str,
+                     path: str = "gpus") -> "Catalog":
+        """This catalog with full entries (a plan's ``gpus:``) added or replacing the entry of
+        the same canonical name. A key must be a canonical name: an alias of another entry is
+        refused, as is an alias that another entry already answers to."""
+        catalog = self
+        for name, spec in entries.items():
+            where = f"{path}.{name}"
+            canonical = catalog.resolve(name)
+            if canonical is not None and canonical != name:
+                raise SchemaError(source, where, Described(f"an entry named {name!r}, an alias of "
+                                                           f"{canonical}"),
+                                  f"the canonical name {canonical!r} (to replace that entry) or "
+                                  "a name the catalog does not know (to add one)")
+            catalog = catalog._with(name, spec, source=source, where=where)
+        return catalog
+
+    def _with(self, name: str, spec: GPUSpec, *, source: str, where: str) -> "Catalog":
+        for i, alias in enumerate(spec.aliases):
+            owner = self.resolve(alias)
+            if owner is not None and owner != name:
+                raise SchemaError(source, f"{where}.aliases[{i}]", alias,
+                                  f"a name no other catalog entry answers to ({owner} does)")
+        specs = dict(self._specs)
+        specs[name] = dataclasses.replace(spec, name=name)
         return Catalog(specs)
 
 

@@ -139,6 +139,7 @@ def before_validate(args, argv=None) -> RankState | None:
         args, "use_precision_aware_optimizer", None))
     launcher_rank, world = int(args.rank), int(args.world_size)
     device = detect_device_type(override=getattr(args, "hetero_device_type", None),
+                                catalog=plan.catalog,  # the built-in one plus the plan's gpus
                                 emulated=_emulated_device(plan, launcher_rank),
                                 where=f"launcher rank {launcher_rank}: ", unknown_ok=True)
     megatron_rank = place_this_rank(plan, launcher_rank=launcher_rank, world_size=world,

@@ -64,6 +64,9 @@ def detect_device_type(*, override: str | None = None, catalog: Catalog | None =
     ``emulated`` (the CPU backend's type), then ``torch.cuda.get_device_name()``. With
     ``unknown_ok``, a name the catalog does not know comes back as ``"unknown: NAME"`` (so that
     the other ranks, not only this one, report the mismatch instead of waiting for it).
+    ``catalog`` is the loaded plan's (``plan.catalog``: the built-in catalog plus the plan's
+    ``gpus`` entries, whose ``aliases`` match the names custom devices report); default the
+    built-in one.
     """
     catalog = catalog or load_catalog()
     name, how = None, ""
@@ -88,7 +91,8 @@ def detect_device_type(*, override: str | None = None, catalog: Catalog | None =
         raise PlacementError(
             f"{where}device {name!r} (from {how}) is not in the GPU catalog; known types: "
             + ", ".join(catalog.names())
-            + f". Set --hetero-device-type or ${DEVICE_TYPE_ENV} to one of them.")
+            + f". Set --hetero-device-type or ${DEVICE_TYPE_ENV} to one of them, or add the "
+            "name to the `aliases` of its entry under the plan's `gpus:`.")
     return canonical
 
 

@@ -55,7 +55,7 @@ from ..cost.profile_protocol import DeviceProfile
 from ..cost.schedule import peak_activations
 from ..errors import InfeasibleError
 from ..hardware.inventory import Inventory
-from ..plan import ModelSpec, Offload, Pipeline, Plan, Recompute, Stage
+from ..plan import ModelSpec, Offload, Pipeline, Plan, Recompute, Stage, embedded_gpus
 from ..simulate import SimResult, simulate
 from .shares import water_fill
 from .split import min_max_split
@@ -813,6 +813,7 @@ def tune(model: ModelSpec, inventory: Inventory, global_batch_size: int, *,
                        "upper_bound_step_time_s": round(upper, 6)}
     if plan.prediction["baseline_step_time_s"] is None:
         del plan.prediction["baseline_step_time_s"]
+    plan.gpus = embedded_gpus(plan, inventory.catalog)  # the runtime then knows custom types
     return TuneResult(plan=plan, sim=sim, baseline_plan=base_best[0] if base_best else None,
                       baseline_sim=base_best[1] if base_best else None,
                       upper_bound_step_time_s=upper, search_time_s=elapsed, search_cpu_s=cpu,
