@@ -74,3 +74,52 @@ def test_unknown_command_is_a_usage_error():
     with pytest.raises(SystemExit) as info:
         main(["frobnicate"])
     assert info.value.code == 2
+
+
+ACME_NPU = ("{vendor: Acme, bf16_tflops: 400, bf16: true, fp32_tflops: 60, memory_gb: 64, "
+            "memory_bandwidth_gb_s: 2000, intra_node_link: PCIe5, intra_node_bandwidth_gb_s: 64, "
+            "efficiency: 0.5, aliases: ['ACME NPU-9 Pro']}")
+
+
+def test_tuned_plan_on_a_custom_gpu_carries_it_to_validate_and_args(tmp_path, capsys):
+    import yaml
+
+    from megatron_hetero.hardware import load_inventory
+    from megatron_hetero.plan import load_plan
+
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text(f"gpus:\n  Acme-NPU: {ACME_NPU}\n  NVIDIA A100-SXM4-80GB: {{efficiency: 0.55}}\n"
+                   "groups:\n  - {gpu: ACME NPU-9 Pro, nodes: 1, gpus_per_node: 4}\n"
+                   "  - {gpu: A100-SXM-80GB, nodes: 1, gpus_per_node: 4}\n")
+    model = tmp_path / "model.yaml"
+    model.write_text("{name: small, num_layers: 8, hidden_size: 1024, ffn_hidden_size: 2816, "
+                     "num_attention_heads: 8, num_query_groups: 8, vocab_size: 32000, "
+                     "seq_length: 1024}\n")
+    plan_path = tmp_path / "plan.yaml"
+    assert main(["tune", str(inv), "--model", str(model), "--global-batch-size", "32", "-q",
+                 "-o", str(plan_path)]) == 0
+    capsys.readouterr()
+    data = yaml.safe_load(plan_path.read_text())
+    used = {st["device_type"] for p in data["pipelines"] for st in p["stages"]}
+    assert "Acme-NPU" in used  # the fastest card of the pool
+    # every type of the plan is custom or overridden, so every one is written out in full
+    assert set(data["gpus"]) == used
+    assert data["gpus"]["Acme-NPU"]["bf16_tflops"] == 400
+    catalog = load_inventory(inv).catalog
+    for name in used:  # the inventory's figures, overrides applied (A100: efficiency 0.55)
+        assert load_plan(plan_path).gpus[name] == catalog.get(name)
+    # no inventory needed any more
+    assert main(["validate", str(plan_path)]) == 0
+    assert "valid plan" in capsys.readouterr().out
+    assert main(["args", str(plan_path)]) == 0
+    assert capsys.readouterr().out.rstrip().endswith(f"--hetero-plan {plan_path}")
+    assert load_plan(plan_path).catalog.resolve("acme npu-9 pro") == "Acme-NPU"
+    assert main(["validate", str(plan_path), "--inventory", str(inv)]) == 0
+    capsys.readouterr()
+    # an inventory that changed the card's figures since: one line naming the plan's field
+    inv.write_text(inv.read_text().replace("bf16_tflops: 400", "bf16_tflops: 300"))
+    for command in (["validate"], ["args"]):
+        assert main([*command, str(plan_path), "--inventory", str(inv)]) == 1
+        err = capsys.readouterr().err
+        assert f"{plan_path}: gpus.Acme-NPU.bf16_tflops: found 400.0; expected 300.0" in err
+        assert err.count("\n") == 1

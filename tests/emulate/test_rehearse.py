@@ -132,23 +132,30 @@ def test_plan_that_does_not_fit_fails_like_the_real_card(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_custom_inventory_devices_play_at_their_relative_speed(tmp_path, capsys):
+def test_custom_devices_of_the_plan_play_at_their_relative_speed(tmp_path, capsys):
+    # The plan carries the entries of its custom types (`gpus:`, as `tune` writes them): no
+    # --inventory needed.
     gpu = {"vendor": "Acme", "bf16": True, "fp32_tflops": 10, "memory_gb": 40,
            "memory_bandwidth_gb_s": 1000, "intra_node_link": "PCIe4",
            "intra_node_bandwidth_gb_s": 32, "efficiency": 0.5}
-    inventory = {"gpus": {"Acme-Fast": {**gpu, "bf16_tflops": 250.0},
-                          "Acme-Slow": {**gpu, "bf16_tflops": 100.0}},
-                 "groups": [{"gpu": "Acme-Fast", "nodes": 1, "gpus_per_node": 1},
-                            {"gpu": "Acme-Slow", "nodes": 1, "gpus_per_node": 1}]}
-    inv = _write(tmp_path, inventory, "inventory.yaml")
+    gpus = {"Acme-Fast": {**gpu, "bf16_tflops": 250.0}, "Acme-Slow": {**gpu, "bf16_tflops": 100.0}}
     data = _plan_data([("Acme-Fast", 3), ("Acme-Slow", 1)])
     data["precision"] = "bf16"
+    bare = _write(tmp_path, data, "bare.yaml")
+    data["gpus"] = gpus
     path = _write(tmp_path, data)
-    assert main(["rehearse", path, "--inventory", inv, "--steps", "2", "--hidden-size", "32"]) == 0
+    assert main(["rehearse", path, "--steps", "2", "--hidden-size", "32"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()
             if line.split()[2:3] in (["Acme-Fast"], ["Acme-Slow"])]
     fast, slow = (float(r[5].rstrip("x")) for r in rows)
     assert slow / fast == pytest.approx(2.5, rel=0.01)
-    # without the inventory the plan's device types are unknown: one clear line, exit 1
-    assert main(["rehearse", path, "--steps", "2"]) == 1
-    assert "Acme-Fast" in capsys.readouterr().err
+    # without the entries (a hand-written plan) the types are unknown: one clear line, exit 1
+    assert main(["rehearse", bare, "--steps", "2"]) == 1
+    assert "found 'Acme-Fast'; expected a GPU in the catalog" in capsys.readouterr().err
+    # an inventory whose figures differ from the plan's: refused before any rank starts
+    inventory = {"gpus": {**gpus, "Acme-Slow": {**gpu, "bf16_tflops": 125.0}},
+                 "groups": [{"gpu": "Acme-Fast", "nodes": 1, "gpus_per_node": 1},
+                            {"gpu": "Acme-Slow", "nodes": 1, "gpus_per_node": 1}]}
+    inv = _write(tmp_path, inventory, "inventory.yaml")
+    assert main(["rehearse", path, "--inventory", inv, "--steps", "2"]) == 1
+    assert "gpus.Acme-Slow.bf16_tflops: found 100.0; expected 125.0" in capsys.readouterr().err

@@ -90,6 +90,34 @@ def test_detection_override_and_aliases(monkeypatch):
     assert detect_device_type(unknown_ok=True) == "unknown: Mystery GPU 9000"
 
 
+def test_detection_resolves_an_alias_of_the_plans_own_gpu_entry(monkeypatch):
+    # A custom card named in the plan's `gpus:`: torch reports its own name, one of the entry's
+    # aliases; the plan's catalog (built-in + the plan's entries) maps it to the plan's type.
+    import torch
+
+    from megatron_hetero.plan import plan_from_data
+
+    npu = {"vendor": "Acme", "bf16_tflops": 200.0, "bf16": True, "fp32_tflops": 50.0,
+           "memory_gb": 64.0, "memory_bandwidth_gb_s": 1000.0, "intra_node_link": "PCIe5",
+           "intra_node_bandwidth_gb_s": 64.0, "efficiency": 0.4, "aliases": ["ACME NPU-9 Pro"]}
+    data = make_plan(split=(1, 1), devices=[[A100, A100]]).to_data()
+    data["pipelines"][0]["stages"][1]["device_type"] = "Acme-NPU"
+    data["gpus"] = {"Acme-NPU": npu}
+    plan = plan_from_data(data, source="plan.yaml")
+    monkeypatch.delenv("MEGATRON_HETERO_DEVICE_TYPE", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "ACME NPU-9 Pro")
+    assert detect_device_type(catalog=plan.catalog) == "Acme-NPU"
+    # the built-in catalog does not know it: the rank reports it as unknown
+    assert detect_device_type(unknown_ok=True) == "unknown: ACME NPU-9 Pro"
+    with pytest.raises(PlacementError, match="under the plan's `gpus:`"):
+        detect_device_type()
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")
+    assert detect_device_type(catalog=plan.catalog) == A100
+    # launcher ranks 0 (the NPU) and 1 (the A100) swap into the plan's slots
+    assert assign_ranks(plan, _infos(["Acme-NPU", A100])) == [1, 0]
+
+
 def _run_placement(rank, world, plan_data, types):
     """One launcher rank: report its type, get its Megatron rank, join gloo with it, and say
     which device types its Megatron pipeline group holds."""
