@@ -116,6 +116,13 @@ def test_tuned_plan_on_a_custom_gpu_carries_it_to_validate_and_args(tmp_path, ca
     assert load_plan(plan_path).catalog.resolve("acme npu-9 pro") == "Acme-NPU"
     assert main(["validate", str(plan_path), "--inventory", str(inv)]) == 0
     capsys.readouterr()
+    # the launchers' job spec reads a host file naming the custom type, without the inventory
+    from megatron_hetero import jobspec
+    hosts = tmp_path / "hosts"
+    counts = load_plan(plan_path).device_counts()
+    hosts.write_text("".join(f"node{i} {gpu} {n}\n" for i, (gpu, n) in enumerate(counts.items())))
+    assert jobspec.main([str(plan_path), "--print", "hosts", "--hostfile", str(hosts)]) == 0
+    assert "node0 " in capsys.readouterr().out
     # an inventory that changed the card's figures since: one line naming the plan's field
     inv.write_text(inv.read_text().replace("bf16_tflops: 400", "bf16_tflops: 300"))
     for command in (["validate"], ["args"]):

@@ -99,7 +99,7 @@ class Catalog:
         canonical = self.resolve(name)
         if canonical is None:
             raise SchemaError(source, path, name, "a GPU in the catalog: " + ", ".join(self._specs)
-                              + " (or add it under the inventory's `gpus:` key)")
+                              + " (or add its entry under the inventory's `gpus:` key, or the plan's)")
         return self._specs[canonical]
 
     def with_overrides(self, overrides: Mapping[str, GPUOverride], *, source: str,
