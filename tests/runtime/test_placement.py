@@ -118,6 +118,37 @@ def test_detection_resolves_an_alias_of_the_plans_own_gpu_entry(monkeypatch):
     assert assign_ranks(plan, _infos(["Acme-NPU", A100])) == [1, 0]
 
 
+def test_hooks_detect_a_plan_defined_type_through_the_plans_catalog(tmp_path, monkeypatch):
+    # The runtime's own path: `--hetero-plan` loaded by the hooks, one rank on the CPU backend
+    # emulating the plan's custom type (before, the built-in catalog made it "unknown").
+    from types import SimpleNamespace
+
+    import yaml
+
+    from megatron_hetero.runtime import hooks
+
+    data = make_plan(split=(2,), devices=[[A100]]).to_data()
+    data["pipelines"][0]["stages"][0]["device_type"] = "Acme-NPU"
+    data["gpus"] = {"Acme-NPU": {"vendor": "Acme", "bf16_tflops": 200.0, "bf16": True,
+                                "fp32_tflops": 50.0, "memory_gb": 64.0,
+                                "memory_bandwidth_gb_s": 1000.0, "intra_node_link": "PCIe5",
+                                "intra_node_bandwidth_gb_s": 64.0, "efficiency": 0.4}}
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(data))
+    monkeypatch.delenv("MEGATRON_HETERO_DEVICE_TYPE", raising=False)
+    monkeypatch.setenv("MEGATRON_HETERO_CPU", "1")
+    args = SimpleNamespace(hetero_plan=str(path), rank=0, world_size=1, hetero_device_type=None,
+                           tensor_model_parallel_size=1, pipeline_model_parallel_layout=None,
+                           micro_batch_size=None, recompute_granularity=None,
+                           recompute_method=None, recompute_num_layers=None)
+    hooks.reset()
+    try:
+        state = hooks.before_validate(args, argv=[])
+        assert state.device_type == "Acme-NPU" and state.megatron_rank == 0
+    finally:
+        hooks.reset()
+
+
 def _run_placement(rank, world, plan_data, types):
     """One launcher rank: report its type, get its Megatron rank, join gloo with it, and say
     which device types its Megatron pipeline group holds."""
