@@ -105,7 +105,7 @@ def memory_caps(real: Plan, shrunk: Plan, catalog: Catalog | None = None, *,
     rehearsal's calibration measures it; CPU layers save intermediates fused GPU kernels do not,
     and the cap must compare like with like).
     """
-    catalog = catalog or load_catalog()
+    catalog = catalog or real.catalog or load_catalog()
     real_cost = _cost_model(real, catalog, precision=real.precision,
                             use_distributed_optimizer=real.use_distributed_optimizer)
     cpu_cost = _cost_model(shrunk, catalog, precision="fp32", flash_attention=False,

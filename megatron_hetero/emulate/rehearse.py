@@ -738,7 +738,7 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
     from .trainer import TrainConfig, compare_results, reference_plan, train_plan
 
     config = config or RehearsalConfig()
-    catalog = catalog or load_catalog()
+    catalog = catalog or plan.catalog or load_catalog()
     say = progress or (lambda msg: None)
     shrunk = shrink_plan(plan, config.hidden_size, catalog)
     check_host_capacity(shrunk, max_ranks=config.max_ranks, source=source, catalog=catalog)

@@ -44,7 +44,7 @@ __all__ = ["SpeedEmulation", "device_slowdowns", "emulated_flops", "cpu_clock"]
 def device_slowdowns(plan: Plan, catalog: Catalog | None = None) -> dict[str, float]:
     """Slowdown of every device type in ``plan`` relative to its fastest type (>= 1; the
     fastest type gets exactly 1), from the catalog's achievable FLOP/s."""
-    catalog = catalog or load_catalog()
+    catalog = catalog or plan.catalog or load_catalog()
     flops = {d: catalog.get(d).achievable_flops for d in plan.device_counts()}
     fastest = max(flops.values())
     return {d: fastest / f for d, f in sorted(flops.items())}

@@ -111,3 +111,22 @@ def test_time_lost_beyond_one_steps_budget_is_made_up_in_the_next():
         _burn(0.03)
     assert emu.busy_s - 10.0 * emu.cpu_s == pytest.approx(emu.drift_s, abs=1e-9)
     assert emu.drift_s < lag - 0.05  # the second step slept less to make the lag up
+
+
+def test_slowdowns_of_a_plan_defined_type_come_from_the_plan():
+    """A plan that carries its own catalog entry (``gpus:``) needs no catalog argument."""
+    acme = {"vendor": "Acme", "bf16_tflops": 100.0, "bf16": True, "fp32_tflops": 25.0,
+            "memory_gb": 32, "memory_bandwidth_gb_s": 1000, "intra_node_link": "PCIe4",
+            "intra_node_bandwidth_gb_s": 32, "efficiency": 0.5}
+    fast = "A100-SXM-80GB"
+    plan = plan_from_data({
+        "format_version": 1, "global_batch_size": 4, "tensor_model_parallel_size": 1,
+        "gpus": {"Acme-NPU": acme},
+        "model": {"name": "t", "num_layers": 4, "hidden_size": 64, "ffn_hidden_size": 128,
+                  "num_attention_heads": 4, "num_query_groups": 4, "vocab_size": 128,
+                  "seq_length": 32},
+        "pipelines": [{"micro_batch_size": 1, "num_microbatches": 4, "stages": [
+            {"device_type": fast, "num_layers": 3}, {"device_type": "Acme-NPU", "num_layers": 1}]}],
+    })
+    a = load_catalog().get(fast)
+    assert device_slowdowns(plan)["Acme-NPU"] == pytest.approx(a.achievable_flops / (100e12 * 0.5))
