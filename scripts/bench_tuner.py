@@ -37,10 +37,11 @@ def one_f_one_b_estimate(model, inventory, gbs: int, chunks: int = 1) -> tuple[f
     splits, sends and the data-parallel sync are ignored: an optimistic estimate. Returns
     (seconds, the TP size that reaches them)."""
     from megatron_hetero import models as M
-    from megatron_hetero.tuner.search import _Search
+    from megatron_hetero.tuner import space
+    from megatron_hetero.tuner.problem import Problem
 
-    search = _Search(model, inventory, gbs, {}, TuneOptions())
-    cost = search.cost(search.precision_for(search.types))
+    problem = Problem(model, inventory, gbs, {}, TuneOptions())
+    cost = problem.cost(problem.precision_for(problem.types))
     L = model.num_layers
     out_flops = 3 * 2.0 * model.seq_length * model.hidden_size * model.vocab_size * gbs
     pure = sum(n * cost.flops_rate(g) for g, n in inventory.gpu_counts().items())
@@ -48,8 +49,8 @@ def one_f_one_b_estimate(model, inventory, gbs: int, chunks: int = 1) -> tuple[f
         (cost.param_bytes + cost.grad_bytes)
     room = max(cost.capacity(g) for g in inventory.gpu_counts()) - cost.workspace_bytes
     best = (float("inf"), 0)
-    for t in search.tp_sizes():
-        slots = search.slots(t)
+    for t in space.tp_sizes(problem):
+        slots = space.slots(inventory, t)
         groups = sum(slots.values())
         speed = sum(n / (L * sum(cost.layer_times(g, 1, t))) for g, n in slots.items())
         p_min = min(L, max(1, -(-int(weights) // int(t * room))))

@@ -101,7 +101,8 @@ def tune_main(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from .report import plan_table, report_dict, summary_lines
-    from .search import TuneOptions, tune
+    from .problem import TuneOptions
+    from .search import tune
 
     if args.global_batch_size < 1:
         raise HeteroError(f"--global-batch-size: {args.global_batch_size}; expected a positive integer")

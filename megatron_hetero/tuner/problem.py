@@ -1,0 +1,77 @@
+"""What one search is asked: the model, the inventory, the global batch, the knobs
+(:class:`TuneOptions`), and the cost models of its precisions.
+
+Every plan is bf16 where all its GPUs support it, else fp16 (:meth:`Problem.precision_for`);
+each precision gets one :class:`~megatron_hetero.cost.model.CostModel`, built on first use and
+shared by the search space's lower bounds, the stage tables and the simulator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from ..cost.model import CostModel
+from ..cost.profile_protocol import DeviceProfile
+from ..hardware.inventory import Inventory
+from ..plan import ModelSpec
+
+__all__ = ["TuneOptions", "Problem"]
+
+
+@dataclass(kw_only=True, slots=True)
+class TuneOptions:
+    """Knobs of the search."""
+
+    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    """Micro-batch sizes tried (those dividing the global batch)."""
+    tensor_parallel_sizes: tuple[int, ...] | None = None
+    """Tensor-parallel sizes tried (None: every size that divides the heads and fits a node)."""
+    max_pipeline_stages: int = 64
+    max_virtual_pipeline_size: int = 4
+    """Model chunks per stage tried: 1 (plain 1F1B) up to this (interleaved 1F1B), where every
+    chunk gets a layer and the micro-batches form whole groups of the pipeline size. The
+    baseline (plain Megatron) tries every chunk count its even split allows, more than this
+    too, so that a cap here never makes the baseline look slower than plain Megatron can be."""
+    optimizer_offload: bool = True
+    """Let stages offload optimizer state to the host where memory is short (else recompute only)."""
+    overlap_grad_reduce: bool = True
+    """Plans (the baseline's too: plain Megatron has the flag) overlap the data-parallel
+    gradient reduction with the last backward (``--overlap-grad-reduce``)."""
+    finalists: int = 4
+    """Best estimates that are simulated before picking the plan."""
+    progress: bool = False
+    """Show a progress bar (rich) while structures are evaluated."""
+    cost_options: dict = field(default_factory=dict)
+    """Extra keyword arguments of :class:`CostModel` (flash_attention, workspace_gb, ...)."""
+
+
+class Problem:
+    """The inputs of one search, with its device types in search order and a cost model per
+    precision (both cached)."""
+
+    def __init__(self, model: ModelSpec, inventory: Inventory, global_batch_size: int,
+                 profiles: Mapping[str, DeviceProfile], options: TuneOptions):
+        self.model, self.inv, self.gbs, self.opt = model, inventory, global_batch_size, options
+        self.profiles = profiles
+        self._costs: dict[str, CostModel] = {}
+        self._precisions: dict[frozenset, str] = {}
+        counts = inventory.gpu_counts()
+        spec = inventory.spec
+        # memory-rich first, then faster, then by name
+        self.types = sorted(counts, key=lambda g: (-spec(g).memory_gb, -spec(g).bf16_tflops, g))
+
+    def cost(self, precision: str) -> CostModel:
+        if precision not in self._costs:
+            self._costs[precision] = CostModel(self.model, self.inv, profiles=self.profiles,
+                                               precision=precision, **self.opt.cost_options)
+        return self._costs[precision]
+
+    def precision_for(self, types) -> str:
+        """bf16 when every type in ``types`` supports it, else fp16."""
+        key = frozenset(types)
+        got = self._precisions.get(key)
+        if got is None:
+            got = self._precisions[key] = (
+                "bf16" if all(self.inv.spec(t).bf16 for t in sorted(key)) else "fp16")
+        return got

@@ -1,0 +1,224 @@
+"""The search space: structures (parallel sizes and pipeline templates) with a lower bound on
+their step time, kept apart from the per-stage costs (:mod:`.tables`).
+
+A *structure* fixes the tensor-parallel size ``t``, the stage count ``p``, the micro-batch size
+and a list of pipeline *templates* (the device type of each stage) with how many pipelines
+follow each:
+
+* homogeneous: for any subset of the device types (:func:`subsets`), as many single-type
+  pipelines of each type as its GPUs allow (uneven data parallelism between types);
+* mixed: every pipeline holds ``k_T`` stages of each type ``T`` of a subset (``k`` near the
+  proportion of that type's GPUs), the types in each stage order (:func:`orders`):
+  memory-rich types early, where stages hold the most in-flight activations, or a slow type
+  early with few layers per stage; GPUs left over form homogeneous pipelines of their type.
+
+Every structure with ``p > 1`` is also offered interleaved (Megatron's virtual pipeline stages,
+``v`` = 2 .. ``max_virtual_pipeline_size`` model chunks per stage, and beyond that the chunk
+counts plain Megatron's even split allows) where the micro-batches form whole groups of ``p``;
+its lower bound divides the fill and drain by ``v``. The pipeline count of a structure always
+divides the global batch (:func:`_divisible_templates`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+from .. import models as M
+from ..cost.model import CostModel
+from ..hardware.inventory import Inventory
+from ..plan import ModelSpec
+from .problem import Problem
+
+__all__ = ["Structure", "structures", "templates", "subsets", "orders", "slots", "tp_sizes",
+           "upper_bound_step_time"]
+
+
+@dataclass(frozen=True, slots=True)
+class Structure:
+    tp: int
+    pp: int
+    mbs: int
+    templates: tuple[tuple[tuple[str, ...], int], ...]
+    """(stage device types, number of pipelines) per template."""
+    vp: int = 1
+    """Model chunks per stage (interleaved 1F1B when > 1)."""
+
+    @property
+    def num_pipelines(self) -> int:
+        return sum(n for _, n in self.templates)
+
+
+def upper_bound_step_time(model: ModelSpec, inventory: Inventory, global_batch_size: int,
+                          cost: CostModel) -> float:
+    """Model FLOPs of one step over the summed achievable FLOP/s of every GPU in the inventory."""
+    rate = sum(n * cost.flops_rate(gpu) for gpu, n in sorted(inventory.gpu_counts().items()))
+    return M.step_model_flops(model, global_batch_size) / rate
+
+
+def slots(inventory: Inventory, tp: int) -> dict[str, int]:
+    """Tensor-parallel groups of size ``tp`` each type can host (groups stay in a node)."""
+    out: dict[str, int] = {}
+    for g in inventory.groups:
+        out[g.gpu] = out.get(g.gpu, 0) + g.nodes * (g.gpus_per_node // tp)
+    return {t: n for t, n in out.items() if n > 0}
+
+
+def tp_sizes(problem: Problem) -> list[int]:
+    """Tensor-parallel sizes searched: those dividing the heads and query groups that fit a
+    node (and that ``tensor_parallel_sizes`` allows)."""
+    m = problem.model
+    widest = max(g.gpus_per_node for g in problem.inv.groups)
+    allowed = problem.opt.tensor_parallel_sizes
+    return [t for t in range(1, widest + 1)
+            if m.num_attention_heads % t == 0 and m.num_query_groups % t == 0
+            and (allowed is None or t in allowed)]
+
+
+def subsets(problem: Problem, types: list[str]) -> list[tuple[str, ...]]:
+    """Subsets of device types to build pipelines from, in ``types`` order: all of them for
+    up to three types; beyond that every single type and pair, and the fastest-first
+    prefixes (leaving out slow types is what pays; leaving out a fast one rarely does)."""
+    if len(types) <= 3:
+        return [c for r in range(1, len(types) + 1) for c in itertools.combinations(types, r)]
+    rate = problem.cost("bf16").flops_rate
+    by_speed = sorted(types, key=lambda t: (-rate(t), types.index(t)))
+    chosen = {c for r in (1, 2) for c in itertools.combinations(types, r)}
+    for r in range(3, len(types) + 1):
+        chosen.add(tuple(t for t in types if t in by_speed[:r]))
+    return sorted(chosen, key=lambda c: (len(c), [types.index(t) for t in c]))
+
+
+def orders(n: int) -> list[tuple[int, ...]]:
+    """Stage orders of the types of a mixed pipeline (indices into the subset, which is
+    memory-rich first): every order for up to three types, else memory-rich first and its
+    reverse. Memory-rich early stages hold the most in-flight micro-batches; but a slow
+    type with few layers per stage can hold them too, and then the fast type's stages
+    on the late positions need less memory (no recompute or offload there)."""
+    if n <= 3:
+        return list(itertools.permutations(range(n)))
+    return [tuple(range(n)), tuple(range(n - 1, -1, -1))]
+
+
+def _compositions(ranges: list[range], total: int):
+    """Tuples with one value from each range, summing to ``total`` (in lexicographic order)."""
+    if not ranges:
+        if total == 0:
+            yield ()
+        return
+    rest_min = sum(r.start for r in ranges[1:])
+    rest_max = sum(r.stop - 1 for r in ranges[1:])
+    for k in ranges[0]:
+        if rest_min <= total - k <= rest_max:
+            for tail in _compositions(ranges[1:], total - k):
+                yield (k, *tail)
+
+
+def templates(problem: Problem, tp: int, pp: int) -> list[tuple[tuple[tuple[str, ...], int], ...]]:
+    """The pipeline templates of ``pp`` stages of ``tp`` GPUs each: homogeneous ones per
+    subset of types, then mixed ones (see the module docstring); without repeats."""
+    free = slots(problem.inv, tp)
+    types = [t for t in problem.types if t in free]
+    chosen = subsets(problem, types)
+    out = []
+    for subset in chosen:
+        homo = tuple(((t,) * pp, free[t] // pp) for t in subset if free[t] // pp > 0)
+        if len(homo) == len(subset):
+            out.append(homo)
+    for subset in chosen:
+        if len(subset) < 2 or len(subset) > pp:
+            continue
+        total = sum(free[t] for t in subset)
+        ranges = []
+        for t in subset:
+            x = pp * free[t] / total
+            ranges.append(range(max(1, math.floor(x) - 1), min(pp, math.ceil(x) + 1) + 1))
+        for ks in _compositions(ranges, pp):
+            D = min(free[t] // k for t, k in zip(subset, ks))
+            if D < 1:
+                continue
+            left = [((t,) * pp, (free[t] - D * k) // pp) for t, k in zip(subset, ks)]
+            left = [x for x in left if x[1]]
+            for order in orders(len(subset)):
+                mixed = tuple(subset[i] for i in order for _ in range(ks[i]))
+                out.append(tuple([(mixed, D)] + left))
+    seen, unique = set(), []
+    for t in out:
+        if t not in seen:
+            seen.add(t)
+            unique.append(t)
+    return unique
+
+
+def _divisible_templates(templates, global_batch_size: int):
+    """``templates`` with pipelines dropped, one at a time from the largest group (the last of
+    equals), until their count divides ``global_batch_size``: the runtime runs an uneven plan
+    only when Megatron's step accounting (micro-batch size x DP x micro-batches) can equal the
+    global batch (:func:`megatron_hetero.runtime.plan_args.virtual_micro_batch_size`)."""
+    tm = list(templates)
+    while global_batch_size % sum(n for _, n in tm):
+        i = max(range(len(tm)), key=lambda i: (tm[i][1], i))
+        tm[i] = (tm[i][0], tm[i][1] - 1)
+        tm = [x for x in tm if x[1] > 0]
+    return tuple(tm)
+
+
+def structures(problem: Problem) -> list[tuple[float, Structure]]:
+    """All structures with a lower bound on their step time, sorted by it. The bound: every
+    pipeline perfectly balanced (its per-micro-batch time the whole model's time on its
+    stages' combined speed, TP communication included), fill and drain of ``p - 1``
+    micro-batches each (``(p - 1) / v`` interleaved), shares water-filled continuously."""
+    opt, gbs = problem.opt, problem.gbs
+    L = problem.model.num_layers
+    rates: dict[tuple, float] = {}  # micro-batches per second of one pipeline
+    out = []
+    for tp in tp_sizes(problem):
+        for pp in range(1, min(L, opt.max_pipeline_stages) + 1):
+            for tmpl in templates(problem, tp, pp):
+                D = sum(n for _, n in tmpl)
+                prec = problem.precision_for({t for types, _ in tmpl for t in types})
+                cost = problem.cost(prec)
+                for mbs in opt.micro_batch_sizes:
+                    if gbs % mbs:
+                        continue
+                    total = gbs // mbs
+                    tm, Dm = tmpl, D
+                    if total < D:  # fewer micro-batches than pipelines: use fewer pipelines
+                        tm = tuple((types, n * total // D) for types, n in tmpl
+                                   if n * total // D > 0) or ((tmpl[0][0], 1),)
+                        Dm = sum(n for _, n in tm)
+                    if gbs % Dm:  # the runtime needs it (Megatron's step accounting)
+                        tm = _divisible_templates(tm, gbs)
+                        Dm = sum(n for _, n in tm)
+                    speed = 0.0  # micro-batches per second over all pipelines
+                    for types, n in tm:
+                        # the stage order does not change the bound: key by type counts
+                        counts = tuple((t, types.count(t)) for t in sorted(set(types)))
+                        key = (prec, counts, tp, mbs)
+                        rate = rates.get(key)
+                        if rate is None:
+                            rate = 0.0
+                            for t, k in counts:
+                                lf, lb = cost.layer_times(t, mbs, tp)
+                                rate += k / (L * (lf + lb))
+                            rates[key] = rate
+                        speed += n * rate
+                    lb = (total + Dm * (pp - 1)) / speed
+                    out.append((lb, Structure(tp, pp, mbs, tm)))
+                    if pp == 1 or total % pp or total // pp < Dm:
+                        continue
+                    for v in range(2, L // pp + 1):
+                        # beyond max_virtual_pipeline_size only what plain Megatron can
+                        # express (an even split), so that the baseline is not understated
+                        if v > opt.max_virtual_pipeline_size and L % (pp * v):
+                            continue
+                        out.append(((total + Dm * (pp - 1) / v) / speed,
+                                    Structure(tp, pp, mbs, tm, v)))
+    out.sort(key=lambda x: (x[0], x[1].tp, x[1].pp, x[1].mbs, x[1].vp, x[1].templates))
+    unique, seen = [], set()
+    for item in out:
+        if item[1] not in seen:
+            seen.add(item[1])
+            unique.append(item)
+    return unique
