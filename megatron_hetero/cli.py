@@ -75,8 +75,8 @@ def _add_profile(sub) -> None:
     p.add_argument("--no-pipeline", action="store_true",
                    help="skip the 2-stage pipeline measurement (per-micro-batch overhead)")
     p.add_argument("--idle-factor", type=float, default=0.0, metavar="K",
-                   help="CPU: idle K x each timed step after it, as the rehearsal's speed "
-                        "emulation runs a device K+1 times slower (default 0: back to back)")
+                   help="CPU: also measure what a step costs more after an idle gap of K x its "
+                        "duration, as the rehearsal runs a device K+1 times slower (default 0)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(handler="megatron_hetero.profiler:profile_main")
 

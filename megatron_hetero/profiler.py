@@ -43,7 +43,7 @@ from typing import Callable, Literal
 from .cost.profile_file import (
     FORMAT_VERSION, BandwidthSample, Communication, DeviceInfo, MemoryFigures, PartTimes,
     PipelineEntry, PipelineFigures, PipelineStageTimes, ProfileData, ProfileEntry, Software,
-    Timing,
+    StepPenalty, Timing,
     save_profile,
 )
 from .errors import HeteroError
@@ -85,10 +85,10 @@ class ProfileRequest:
     pipeline_microbatches: int = 4
     """Micro-batches per step of that pipeline (1F1B: warm-up, steady state and cool-down)."""
     idle_factor: float = 0.0
-    """CPU backend only: after every timed forward or backward, sleep ``idle_factor`` times its
-    duration, as the rehearsal's speed emulation does on a rank that plays a device
-    ``idle_factor + 1`` times slower than the CPU (the CPU then times each step after an idle
-    gap in which other processes may have used the core and its caches). 0: back to back."""
+    """CPU backend only: also measure what a step costs more when it follows an idle gap of
+    ``idle_factor`` times its duration, as every step of a rehearsal rank that plays a device
+    ``idle_factor + 1`` times slower than the CPU does (:func:`_time_idle_penalty`; the entries'
+    ``idle_penalty``). The parts themselves are always timed back to back. 0: not measured."""
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -244,7 +244,7 @@ def _rank_main(rank: int, world: int, request: ProfileRequest, init_method: str 
     if device != "cpu" and request.idle_factor:
         raise HeteroError("--idle-factor is for the CPU backend (it reproduces the rehearsal's "
                           "speed emulation); a GPU is timed back to back")
-    clock_name, timer = _timer(device, 1, request.idle_factor)
+    clock_name, timer = _timer(device, 1)
     entries: list[ProfileEntry] = []
     jobs = [(tp, mbs) for tp in request.tensor_parallel_sizes for mbs in request.micro_batch_sizes]
     pipelined = _runs_pipeline(request, world)
@@ -257,7 +257,7 @@ def _rank_main(rank: int, world: int, request: ProfileRequest, init_method: str 
                 # TP=1 figure is one process's work alone, as in a 1-rank profile.
                 if device == "cuda" or rank < tp:
                     parts = _build_parts(request.model, tp, precision, device, request.layers)
-                    tp_clock, tp_timer = _timer(device, tp, request.idle_factor)
+                    tp_clock, tp_timer = _timer(device, tp)
                     for mbs in request.micro_batch_sizes:
                         entry = _measure_entry(parts, request, mbs, tp, tp_timer, device, advance)
                         if tp_clock != clock_name:
@@ -321,11 +321,10 @@ def _device_type_and_precision(request: ProfileRequest, device: str) -> tuple[st
     return resolved or dtype, precision
 
 
-def _timer(device: str, tp: int, idle_factor: float = 0.0) -> tuple[str, Callable]:
+def _timer(device: str, tp: int) -> tuple[str, Callable]:
     """A function ``timer(fn) -> (seconds, fn())`` and the name of its method. On CPU: the
     thread's CPU time with one torch thread and TP=1, else wall clock (TP > 1 waits for gloo
-    all-reduces, which CPU time would not count); with ``idle_factor`` it sleeps that many
-    times the measured seconds after each call (:attr:`ProfileRequest.idle_factor`)."""
+    all-reduces, which CPU time would not count)."""
     import torch
 
     if device == "cuda":
@@ -344,10 +343,7 @@ def _timer(device: str, tp: int, idle_factor: float = 0.0) -> tuple[str, Callabl
     def cpu_timer(fn):
         t0 = clock()
         out = fn()
-        t = clock() - t0
-        if idle_factor > 0:
-            time.sleep(idle_factor * t)
-        return t, out
+        return clock() - t0, out
     return name, cpu_timer
 
 
@@ -487,11 +483,16 @@ def _measure_entry(parts: _Parts, request: ProfileRequest, mbs: int, tp: int, ti
         times[name] = _time_part(fwd, timer, request.warmup, request.repeats, parts.tp_group,
                                  per=len(layers) if name == "layer" else 1)
         advance(f"TP={tp} mbs={mbs} {name}")
+    penalty = None
+    if request.idle_factor > 0 and tp == 1 and device == "cpu":
+        penalty = _time_idle_penalty(layer_fwd, timer, request.warmup, request.repeats,
+                                     request.idle_factor)
     memory = _measure_memory(layers, layer_fwd, device)
     flops = layer_flops(m, mbs, tp)
     layer_t = times["layer"]
     return ProfileEntry(micro_batch_size=mbs, tensor_parallel_size=tp, layer=layer_t,
                         embedding=times["embedding"], output=times["output"], memory=memory,
+                        idle_penalty=penalty,
                         achieved_tflops=round(flops / (layer_t.forward_s + layer_t.backward_s) / 1e12, 6))
 
 
@@ -517,6 +518,42 @@ def _time_part(fwd, timer, warmup: int, repeats: int, tp_group, per: int = 1) ->
         dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=tp_group)
     f, b = medians.tolist()
     return PartTimes(forward_s=_sig(max(f, 1e-9)), backward_s=_sig(max(b, 1e-9)))
+
+
+def _time_idle_penalty(fwd, timer, warmup: int, repeats: int, idle_factor: float) -> StepPenalty:
+    """What one step (forward or backward of the layer stack, as one call) costs more when it
+    follows an idle gap of ``idle_factor`` times its duration than when it follows other work.
+
+    The rehearsal's speed emulation sleeps ``factor - 1`` times each step right after it, so
+    every step of a rank starts after such a gap, in which other processes may use the core and
+    its caches. Each round times, in this order: a forward after a sleep, its backward after a
+    sleep, then a forward and its backward back to back (each right after the previous call's
+    work); the medians' differences are returned, once per step (not per layer)."""
+    import torch
+
+    idle_f, idle_b, warm_f, warm_b = [], [], [], []
+    for i in range(warmup + repeats):
+        tf, out = timer(fwd)
+        time.sleep(idle_factor * tf)
+        tb, _ = timer(lambda o=out: torch.autograd.backward(o, torch.ones_like(o)))
+        del out
+        time.sleep(idle_factor * tb)
+        tf2, out = timer(fwd)  # the forward above, slept after: this one is idle-timed
+        time.sleep(idle_factor * tf2)
+        tb2, _ = timer(lambda o=out: torch.autograd.backward(o, torch.ones_like(o)))
+        del out
+        tf3, out = timer(fwd)  # right after the backward's work: back to back
+        tb3, _ = timer(lambda o=out: torch.autograd.backward(o, torch.ones_like(o)))
+        del out
+        time.sleep(idle_factor * tb3)
+        if i >= warmup:
+            idle_f.append(tf2)
+            idle_b.append(tb2)
+            warm_f.append(tf3)
+            warm_b.append(tb3)
+    return StepPenalty(
+        forward_s=_sig(statistics.median(idle_f) - statistics.median(warm_f)),
+        backward_s=_sig(statistics.median(idle_b) - statistics.median(warm_b)))
 
 
 def _sig(x: float) -> float:

@@ -2,8 +2,9 @@
 
 1. Profile this machine (``megatron-hetero profile`` on the CPU backend, one torch thread, the
    calibration model, with its 2-stage pipeline measurement) unless ``--profile`` gives one;
-   and, for each emulated device, an idle-timed profile (``--idle-factor``: every timed step
-   followed by a sleep of factor - 1 times it, as that device's rehearsal rank runs).
+   and, for each emulated device, one more with ``--idle-factor`` = the device's factor - 1,
+   which also measures what a step costs more after an idle gap of that length (every step of
+   that device's rehearsal rank follows such a gap: its stretch sleep) than back to back.
 2. Rehearse each calibration plan (:func:`megatron_hetero.emulate.rehearse.rehearse`: one CPU
    process per rank running megatron-core, each rank's forward and backward steps stretched to
    its GPU type's speed relative to the plan's fastest type, times ``--time-scale``). Measured
@@ -15,7 +16,8 @@
    (:func:`megatron_hetero.emulate.rehearse.predict`), five ways:
    - ``profile``: the profile's measured per-part times (x each device's factor), its pipeline
      overhead on pipeline stages and its p2p latency;
-   - ``idle-timed profile``: the same from each device's idle-timed profile;
+   - ``profile + idle penalty``: the same from each device's own profile, plus its measured
+     idle penalty once per forward and backward step of every stage;
    - ``rehearsal``: the rehearsal's own start-up calibration (what ``rehearse`` prints as the
      prediction from that calibration alone);
    - ``efficiency only``: the analytic FLOP model at the CPU's measured matmul peak x the
@@ -53,11 +55,10 @@ DOC = REPO / "docs" / "calibration.md"
 BEGIN, END = "<!-- calibration-table:begin -->", "<!-- calibration-table:end -->"
 FAST, SLOW = "A100-SXM-80GB", "A40-48GB"
 NO_PROFILE_EFFICIENCY = 0.5
-MODES = ("profile", "idle-timed profile", "rehearsal", "efficiency only", "no profile")
-PROFILE_MODES = ("profile", "idle-timed profile")
+MODES = ("profile", "profile + idle penalty", "rehearsal", "efficiency only", "no profile")
+PROFILE_MODES = ("profile", "profile + idle penalty")
 """The modes that read a profile's per-part times; the second one reads, for each emulated
-device, a profile that times every step followed by that device's idle gap, as the
-rehearsal's speed emulation runs its rank (``--idle-factor``)."""
+device, the profile taken with that device's ``--idle-factor`` and adds its idle penalty."""
 
 MODEL = ModelSpec(name="calib-llama", num_layers=6, hidden_size=256, ffn_hidden_size=704,
                   num_attention_heads=8, num_query_groups=8, vocab_size=2048, seq_length=128)
@@ -95,7 +96,8 @@ def calibration_from(profile: MeasuredProfile | None, shrunk: Plan, base, mode: 
         return base
     # Only the compute figures differ between the modes; links and the optimizer's rate stay
     # what the rehearsal measured at start.
-    out = dataclasses.replace(base, parts={}, layer_flops_per_s=0.0, pipeline_overhead={})
+    out = dataclasses.replace(base, parts={}, layer_flops_per_s=0.0, pipeline_overhead={},
+                              step_overhead={})
     peak = profile.data.device.peak_matmul_tflops * 1e12
     if mode == "no profile":
         out.layer_flops_per_s = peak * NO_PROFILE_EFFICIENCY
@@ -113,6 +115,9 @@ def calibration_from(profile: MeasuredProfile | None, shrunk: Plan, base, mode: 
             over = profile.pipeline_overhead(model=m, micro_batch_size=b, tensor_parallel_size=1)
             if over is not None:
                 out.pipeline_overhead[b] = over
+            pen = _idle_penalty(profile, b)
+            if pen is not None:
+                out.step_overhead[b] = pen
             lf, lb = out.parts[("layer", b)]
             out.layer_flops_per_s = 3 * layer_forward_flops(m, b) / (lf + lb)
         comm = profile.data.communication
@@ -144,7 +149,7 @@ def run_plan(plan: Plan, profile: MeasuredProfile, idle_profiles: dict[float, Me
     for mode in MODES:
         if mode == "rehearsal":  # what rehearse prints from its start-up calibration alone
             predicted[mode] = result.a_priori_step_s
-        elif mode == "idle-timed profile":
+        elif mode == "profile + idle penalty":
             if idle_profiles:
                 per_device = {d: calibration_from(idle_profiles[k], result.plan, base, "profile")
                               for d, k in idle_factors(plan, args.time_scale).items()}
@@ -175,13 +180,24 @@ def make_profile(path: Path, mbs: list[int], tps: str = "1,2",
     return load_profile(path)
 
 
+def _idle_penalty(profile: MeasuredProfile, b: int) -> tuple[float, float] | None:
+    """The profile's per-step idle penalty at micro-batch size ``b`` (TP=1), if it measured one."""
+    for e in profile.data.entries:
+        if (e.micro_batch_size, e.tensor_parallel_size) == (b, 1) and e.idle_penalty:
+            return e.idle_penalty.forward_s, e.idle_penalty.backward_s
+    return None
+
+
 def _overheads(profile: MeasuredProfile, plan: Plan) -> dict:
-    """The profile's measured pipeline overhead per micro-batch size of ``plan`` (for the JSON)."""
+    """The profile's measured pipeline overhead and idle penalty per micro-batch size of
+    ``plan`` (for the JSON)."""
     out = {}
     for b in sorted({p.micro_batch_size for p in plan.pipelines}):
         got = profile.pipeline_overhead(model=plan.model, micro_batch_size=b,
                                         tensor_parallel_size=1)
-        out[b] = None if got is None else list(got)
+        pen = _idle_penalty(profile, b)
+        out[b] = {"pipeline": None if got is None else list(got),
+                  "idle_penalty": None if pen is None else list(pen)}
     return out
 
 
@@ -208,7 +224,7 @@ def combine(runs: list[list[dict]]) -> list[dict]:
     return out
 
 
-HEADERS = {"profile": "profile", "idle-timed profile": "idle-timed profile",
+HEADERS = {"profile": "profile", "profile + idle penalty": "profile + idle penalty",
            "rehearsal": "rehearsal's calibration", "efficiency only": "efficiency only",
            "no profile": "no profile"}
 
@@ -231,10 +247,10 @@ def render(rows: list[dict], profile: MeasuredProfile, args) -> str:
         f"GFLOP/s matmul peak"
         + (" (profiled again right before each plan)" if args.profile_each_plan
            else " (profiled once, before the first plan)")
-        + ("; the idle-timed profiles sleep after each timed step as the rehearsal's ranks do "
-           f"(factor - 1 times the step: {max(0.0, args.time_scale - 1):g}x for {FAST}, "
+        + ("; idle penalties measured after gaps of factor - 1 times the step "
+           f"({max(0.0, args.time_scale - 1):g}x for {FAST}, "
            f"{idle_factors(plans(True)[1][1], args.time_scale)[SLOW]:g}x for {SLOW})"
-           if "idle-timed profile" in modes else "")
+           if "profile + idle penalty" in modes else "")
         + ("; last profile's pipeline overhead per micro-batch and stage (fwd/bwd): "
            + ", ".join(f"mbs {e.micro_batch_size} {e.forward_overhead_s * 1e3:+.2f}/"
                        f"{e.backward_overhead_s * 1e3:+.2f} ms" for e in over) if over else "")

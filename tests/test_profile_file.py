@@ -11,7 +11,7 @@ from megatron_hetero._schema import to_data
 from megatron_hetero.cost.profile_file import (
     FORMAT_VERSION, BandwidthSample, Communication, DeviceInfo, MemoryFigures, PartTimes,
     PipelineEntry, PipelineFigures, PipelineStageTimes, ProfileData, ProfileEntry, ProfileUsage,
-    Software, Timing, load_profile, load_profiles, save_profile,
+    Software, StepPenalty, Timing, load_profile, load_profiles, save_profile,
 )
 from megatron_hetero.cost.profile_protocol import DeviceProfile
 from megatron_hetero.errors import SchemaError
@@ -192,6 +192,7 @@ def _profile_v2(**kw) -> ProfileData:
         p2p_latency_s=5e-5)
     data.pipeline = PipelineFigures(stages=2, layers_per_stage=2, microbatches=4, entries=[
         _pipe_entry(1, 1e-3, 2e-3), _pipe_entry(4, 3e-3, -1e-3)])
+    data.entries[0].idle_penalty = StepPenalty(forward_s=4e-4, backward_s=-1e-4)
     return data
 
 
@@ -204,6 +205,7 @@ def test_format_2_round_trip_and_format_1_still_read(tmp_path):
     assert to_data(loaded.data) == to_data(data)
     assert loaded.data.communication.p2p_latency_s == 5e-5
     assert loaded.data.timing.idle_factor == 4.0
+    assert loaded.data.entries[0].idle_penalty == StepPenalty(forward_s=4e-4, backward_s=-1e-4)
     # a format-1 file (no pipeline section, no latency, no idle factor) loads as before
     old = tmp_path / "v1.yaml"
     save_profile(_profile(), old)
@@ -214,6 +216,8 @@ def test_format_2_round_trip_and_format_1_still_read(tmp_path):
 
 @pytest.mark.parametrize("edit", [
     lambda d: d.update(format_version=1),  # format-2 fields in a file that says format 1
+    lambda d: (d.update(format_version=1, pipeline=None, communication=None),
+               d["timing"].update(idle_factor=0.0)),  # still: entries[0].idle_penalty
     lambda d: d.update(format_version=3),
 ])
 def test_format_version_checked_against_the_fields(tmp_path, edit):
@@ -312,8 +316,12 @@ def test_calibration_script_carries_the_pipeline_overhead_and_latency():
     base = Calibration(p2p_latency_s=1e-4, bandwidth_gb_s=2.0)
     got = cal.calibration_from(prof, plan, base, "profile")
     assert got.pipeline_overhead[1] == pytest.approx((1e-3, 2e-3))
+    assert got.step_overhead[1] == pytest.approx((4e-4, -1e-4))  # the entry's idle penalty
     assert got.p2p_latency_s == 5e-5  # the profile's own alpha
-    assert not base.pipeline_overhead  # the rehearsal's calibration is left alone
+    assert not base.pipeline_overhead and not base.step_overhead  # left alone
+    emu_step = _EmulatedProfile(device_type="x", factor=3.0, calibration=got).step_overhead(
+        model=plan.model, micro_batch_size=1, tensor_parallel_size=1)
+    assert emu_step == pytest.approx((1.2e-3, 0.0))  # stretched; negative scatter counts as 0
     # the emulated device stretches the overhead by its factor, like the parts
     emu = _EmulatedProfile(device_type="x", factor=3.0, calibration=got)
     assert emu.pipeline_overhead(model=plan.model, micro_batch_size=1,
@@ -399,3 +407,30 @@ def test_idle_sleeps_the_factor_times_the_step(monkeypatch):
     _idle(0.0, 0.01)
     _idle(4.0, 0.0)
     assert slept == [pytest.approx(0.04)]
+
+
+class _StepProfile:
+    """A DeviceProfile with parts of (1, 2) ms per layer and a per-step overhead."""
+
+    device_type = "A100-SXM-80GB"
+    efficiency = None
+
+    def times(self, part, *, model, micro_batch_size, tensor_parallel_size):
+        return {"layer": (1e-3, 2e-3), "embedding": (1e-4, 2e-4), "output": (5e-4, 1e-3)}[part]
+
+    def step_overhead(self, *, model, micro_batch_size, tensor_parallel_size):
+        return (3e-4, 5e-4)
+
+
+def test_cost_model_adds_the_step_overhead_once_per_step_of_every_stage():
+    """Hand-worked: 3 layers on a single stage: 3 x (1, 2) + embedding (0.1, 0.2) + output
+    (0.5, 1.0) ms, plus the step overhead (0.3, 0.5) ms once, not per layer; a middle pipeline
+    stage of 2 layers: (2, 4) + (0.3, 0.5) ms (no pipeline overhead measured: 0)."""
+    cost = _cost({"A100-SXM-80GB": _StepProfile()})
+    one = cost.compute_times("A100-SXM-80GB", 3, True, True, 1, 1)
+    assert (one.forward_s, one.backward_s) == pytest.approx((3.9e-3, 7.7e-3))
+    mid = cost.compute_times("A100-SXM-80GB", 2, False, False, 1, 1)
+    assert (mid.forward_s, mid.backward_s) == pytest.approx((2.3e-3, 4.5e-3))
+    # a measured profile of a GPU has no step overhead: nothing is added
+    assert _cost({"A100-SXM-80GB": load_profile_from(_profile_v2())}).step_overhead(
+        "A100-SXM-80GB", 1, 1) == (0.0, 0.0)

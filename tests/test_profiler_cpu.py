@@ -71,6 +71,7 @@ def test_profile_file_contents(profiled):
     assert all(s.gb_s > 0 for s in d.communication.p2p + d.communication.all_reduce)
     assert d.efficiency is not None and 0 < d.efficiency <= 1
     assert d.format_version == 2 and d.timing.idle_factor == 0
+    assert all(e.idle_penalty is None for e in d.entries)  # not asked for
     assert d.communication.p2p_latency_s == pytest.approx(d.communication.p2p[0].seconds, rel=1e-5)
     assert d.communication.p2p_latency_s > 0
     assert d.communication.p2p[0].bytes == 4096  # the smallest message gives the latency
@@ -100,7 +101,7 @@ def test_profile_pipeline_section(profiled):
              + (e.last.forward_s - e.last.parts_forward_s)) / 2, rel=1e-3, abs=1e-8)
 
 
-def test_idle_timed_profile_records_its_idle_factor(tmp_path):
+def test_idle_factor_measures_the_idle_penalty(tmp_path):
     (tmp_path / "tiny.yaml").write_text(TINY)
     out = tmp_path / "idle.yaml"
     proc = subprocess.run(
@@ -113,6 +114,12 @@ def test_idle_timed_profile_records_its_idle_factor(tmp_path):
     d = load_profile(out).data
     assert d.timing.idle_factor == 1.5
     assert d.pipeline is None and d.communication is None and d.device.ranks == 1
+    (entry,) = d.entries
+    # measured, per step; its sign and size are the machine's (scatter can make it negative)
+    pen = entry.idle_penalty
+    assert pen is not None
+    assert abs(pen.forward_s) < 10 * entry.layer.forward_s * d.timing.layers
+    assert abs(pen.backward_s) < 10 * entry.layer.backward_s * d.timing.layers
 
 
 def test_cost_model_uses_measured_figures(profiled):

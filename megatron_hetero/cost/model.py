@@ -245,6 +245,14 @@ class CostModel:
         got = fn(model=self.model, micro_batch_size=b, tensor_parallel_size=tp) if fn else None
         return got if got is not None else self.pipeline_overhead_s
 
+    def step_overhead(self, device_type: str, b: int, tp: int) -> tuple[float, float]:
+        """(forward, backward) seconds every stage step pays once per micro-batch, whatever its
+        layers: what the device type's profile says (``step_overhead``; the CPU rehearsal's
+        emulated devices pay the CPU's penalty for starting a step after an idle gap), else 0."""
+        fn = getattr(self.profiles.get(device_type), "step_overhead", None)
+        got = fn(model=self.model, micro_batch_size=b, tensor_parallel_size=tp) if fn else None
+        return got if got is not None else (0.0, 0.0)
+
     def _recompute_extra(self, device_type: str, b: int, tp: int, n: int, rk: RecomputeKey) -> float:
         gran, method, k = rk
         if gran == "none" or n == 0:
@@ -269,6 +277,8 @@ class CostModel:
             of, ob = self.output_times(device_type, b, tp)
             fwd, bwd = fwd + of, bwd + ob
         bwd += self._recompute_extra(device_type, b, tp, num_layers, recompute)
+        sf, sb = self.step_overhead(device_type, b, tp)
+        fwd, bwd = fwd + sf, bwd + sb
         if not (first and last):  # a pipeline stage (or an interleaved chunk)
             pf, pb = self.pipeline_overhead(device_type, b, tp)
             fwd, bwd = fwd + pf, bwd + pb

@@ -25,7 +25,7 @@ from .profile_protocol import DeviceProfile, Part
 
 __all__ = ["FORMAT_VERSION", "DeviceInfo", "Software", "Timing", "PartTimes", "MemoryFigures",
            "ProfileEntry", "BandwidthSample", "Communication", "PipelineStageTimes",
-           "PipelineEntry", "PipelineFigures", "ProfileData", "MeasuredProfile",
+           "PipelineEntry", "PipelineFigures", "ProfileData", "MeasuredProfile", "StepPenalty",
            "ProfileUsage", "inventory_entry", "load_profile", "load_profiles", "save_profile",
            "shape_matches",
            "LAYER_SHAPE_FIELDS", "VOCAB_SHAPE_FIELDS"]
@@ -93,8 +93,10 @@ class Timing:
     """Transformer layers run in sequence for the ``layer`` figures, which are per layer (the
     stack's time and bytes over this count; ``memory.peak_bytes`` is the stack's)."""
     idle_factor: float = 0.0
-    """CPU only (format 2): each timed step was followed by a sleep of this many times its
-    duration, as the rehearsal's speed emulation runs a slower device; 0: back to back."""
+    """CPU only (format 2): the idle gap, in multiples of a step, after which the entries'
+    ``idle_penalty`` was measured (as the rehearsal's speed emulation runs a device
+    ``idle_factor + 1`` times slower than the CPU); 0: not measured. The parts are always
+    timed back to back."""
 
     def __post_init__(self) -> None:
         if self.warmup < 0:
@@ -138,6 +140,15 @@ class MemoryFigures:
 
 
 @dataclass(kw_only=True, slots=True)
+class StepPenalty:
+    """Seconds one step (a forward or a backward call) costs more after an idle gap than back to
+    back (format 2; may be negative within the scatter)."""
+
+    forward_s: float
+    backward_s: float
+
+
+@dataclass(kw_only=True, slots=True)
 class ProfileEntry:
     """Measurements at one (micro-batch size, TP size)."""
 
@@ -155,6 +166,10 @@ class ProfileEntry:
     """How this entry was timed when it differs from ``timing.method`` (a CPU run times TP > 1
     by wall clock, so that the tensor-parallel communication, which the CPU-time clock does not
     see, is included as it is on a GPU)."""
+    idle_penalty: StepPenalty | None = None
+    """CPU, TP=1, with ``timing.idle_factor`` > 0 (format 2): what a step of the layer stack
+    costs more after an idle gap of ``idle_factor`` times its duration than back to back (per
+    step, not per layer): what the rehearsal's emulated devices pay on every step."""
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1:
@@ -255,6 +270,7 @@ class ProfileData:
     def __post_init__(self) -> None:
         if self.format_version == 1 and (
                 self.pipeline is not None or self.timing.idle_factor
+                or any(e.idle_penalty is not None for e in self.entries)
                 or (self.communication is not None
                     and self.communication.p2p_latency_s is not None)):
             raise SchemaError("", "format_version", 1,

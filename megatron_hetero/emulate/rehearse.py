@@ -183,6 +183,10 @@ class Calibration:
     pipeline_overhead: dict[int, tuple[float, float]] = field(default_factory=dict)
     """Micro-batch size -> CPU seconds of (forward, backward) a pipeline stage pays per
     micro-batch beyond its parts (a profile's ``pipeline`` figures); empty: none measured."""
+    step_overhead: dict[int, tuple[float, float]] = field(default_factory=dict)
+    """Micro-batch size -> CPU seconds of (forward, backward) every stage step pays once per
+    micro-batch for following an idle gap (the rank's stretch sleep) rather than other work;
+    empty: none measured."""
 
 
 def _mean(xs: list[float]) -> float:
@@ -265,7 +269,7 @@ def _calibrate_rank(rank: int, world_size: int, shrunk: Plan, reps: int, seed: i
                     micro_batch_size=b, num_microbatches=1,
                     stages=[Stage(device_type=shrunk.pipelines[0].stages[0].device_type,
                                   num_layers=n)])])
-            fw, bw, ef, eb = [], [], [], []
+            fw, bw, ef, eb, idle_fw, idle_bw = [], [], [], [], [], []
             ps.initialize_model_parallel(1, 1)
             try:
                 tensor_parallel.model_parallel_cuda_manual_seed(seed)
@@ -290,24 +294,37 @@ def _calibrate_rank(rank: int, world_size: int, shrunk: Plan, reps: int, seed: i
                         loss = ddp(batch["tokens"], batch["position_ids"], None,
                                    labels=batch["labels"])
                     t1 = clock()
-                    _idle(idle_factor, t1 - t0)  # thread CPU time does not run while asleep
                     saved = mm.activation_bytes
                     loss.sum().backward()
                     t2 = clock()
-                    _idle(idle_factor, t2 - t1)
                     del loss
                     fw.append(t1 - t0)
                     bw.append(t2 - t1)
+                    if n == 3 and idle_factor > 0:
+                        # the same step after an idle gap, as a stretched rank runs it; the
+                        # next round's back-to-back step follows this one's work
+                        _idle(idle_factor, t2 - t1)
+                        ctx = mm.saved_activations() if meter else contextlib.nullcontext()
+                        t0 = clock()
+                        with ctx:
+                            loss = ddp(batch["tokens"], batch["position_ids"], None,
+                                       labels=batch["labels"])
+                        t1 = clock()
+                        _idle(idle_factor, t1 - t0)
+                        t1b = clock()
+                        loss.sum().backward()
+                        t2 = clock()
+                        del loss
+                        idle_fw.append(t1 - t0)
+                        idle_bw.append(t2 - t1b)
                     if n == 1:
                         t0 = clock()
                         with (mm.saved_activations() if meter else contextlib.nullcontext()):
                             emb = model.embedding(input_ids=batch["tokens"],
                                                   position_ids=batch["position_ids"])
                         t1 = clock()
-                        _idle(idle_factor, t1 - t0)
                         emb.sum().backward()
                         t2 = clock()
-                        _idle(idle_factor, t2 - t1)
                         del emb
                         ef.append(t1 - t0)
                         eb.append(t2 - t1)
@@ -326,6 +343,9 @@ def _calibrate_rank(rank: int, world_size: int, shrunk: Plan, reps: int, seed: i
             finally:
                 ps.destroy_model_parallel()
             totals[n] = (_median(fw[2:]), _median(bw[2:]))
+            if idle_fw:
+                out.step_overhead[b] = (_median(idle_fw[2:]) - totals[n][0],
+                                        _median(idle_bw[2:]) - totals[n][1])
             acts[n] = saved
             if n == 1:
                 out.parts[("embedding", b)] = (_median(ef[2:]), _median(eb[2:]))
@@ -354,9 +374,10 @@ def calibrate(shrunk: Plan, *, reps: int = 5, seed: int = 1234, meter: bool = Tr
     thread, as the ranks run, under the same activation accounting when ``meter``) of one
     micro-batch's forward and backward through the shrunk layer (difference of a 1-layer and a
     3-layer model), embedding and output layer with its loss, at each micro-batch size of the
-    plan. ``idle_factor``: sleep that many times each timed step after it, as the speed
-    emulation does (a CPU step that follows an idle gap takes more CPU time than one run back
-    to back; see docs/calibration.md)."""
+    plan. ``idle_factor`` > 0: also the CPU seconds a step (the 3-layer model's forward, its
+    backward) costs more after an idle gap of that many times its duration than back to back,
+    as the speed emulation runs every step of a rank (``Calibration.step_overhead``; see
+    docs/calibration.md)."""
     from .spawn import spawn
 
     return spawn(_calibrate_rank, 2, args=(shrunk, reps, seed, meter, nice, idle_factor),
@@ -383,6 +404,12 @@ class _EmulatedProfile:
 
     def pipeline_overhead(self, *, model, micro_batch_size, tensor_parallel_size):
         got = self.calibration.pipeline_overhead.get(micro_batch_size)
+        if got is None:
+            return None
+        return (max(0.0, got[0]) * self.factor, max(0.0, got[1]) * self.factor)
+
+    def step_overhead(self, *, model, micro_batch_size, tensor_parallel_size):
+        got = self.calibration.step_overhead.get(micro_batch_size)
         if got is None:
             return None
         return (max(0.0, got[0]) * self.factor, max(0.0, got[1]) * self.factor)
@@ -747,9 +774,9 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
     factors = {d: s * time_scale for d, s in slowdowns.items()}
     if calibration is None:
         say("calibrating the CPU and gloo")
-        # time the parts as each device's rank runs them: every step followed by that device's
-        # sleep (factor - 1 times the step; none at factor 1): a CPU step that follows an idle
-        # gap takes more CPU time than one run back to back (docs/calibration.md)
+        # each device's rank sleeps factor - 1 times every step after it, and a CPU step that
+        # follows such an idle gap costs more than one run back to back: measure that penalty
+        # per device (none at factor 1; docs/calibration.md)
         by_idle: dict[float, Calibration] = {}
         for d in sorted(factors, key=lambda d: factors[d]):
             idle = round(max(0.0, factors[d] - 1.0), 3)
@@ -806,6 +833,7 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
             parts={k: (f * drift, b * drift) for k, (f, b) in c.parts.items()},
             pipeline_overhead={k: (f * drift, b * drift)
                                for k, (f, b) in c.pipeline_overhead.items()},
+            step_overhead={k: (f * drift, b * drift) for k, (f, b) in c.step_overhead.items()},
             allreduce_gb_s=world_bw if world_bw < float("inf") else c.allreduce_gb_s)
 
     in_run = (rescaled(calibrations) if isinstance(calibrations, Calibration)
