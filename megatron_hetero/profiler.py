@@ -963,7 +963,15 @@ def profile_main(args) -> int:
     for e in data.entries:
         print(f"  TP={e.tensor_parallel_size} mbs={e.micro_batch_size}: layer fwd "
               f"{e.layer.forward_s * 1e3:.3f} ms bwd {e.layer.backward_s * 1e3:.3f} ms; "
-              f"activations {e.memory.activation_bytes_per_layer / 2**20:.2f} MiB/layer")
+              f"activations {e.memory.activation_bytes_per_layer / 2**20:.2f} MiB/layer"
+              + (f"; after an idle gap of {data.timing.idle_factor:g}x a step costs "
+                 f"{e.idle_penalty.forward_s * 1e3:+.3f} / {e.idle_penalty.backward_s * 1e3:+.3f} ms"
+                 if e.idle_penalty else ""))
+    if data.pipeline is not None:
+        for e in data.pipeline.entries:
+            print(f"  2-stage 1F1B pipeline, mbs={e.micro_batch_size}: per micro-batch and stage "
+                  f"{e.forward_overhead_s * 1e3:+.3f} ms fwd, {e.backward_overhead_s * 1e3:+.3f} ms "
+                  f"bwd beyond the parts")
     if data.device.backend == "cpu":
         import yaml
 
