@@ -300,6 +300,22 @@ def shape_matches(profiled: ModelSpec, asked: ModelSpec, part: Part) -> bool:
     return all(getattr(profiled, k) == getattr(asked, k) for k in keys)
 
 
+def _by_micro_batch(rows, micro_batch_size: int, figures):
+    """``(figures(row), False)`` of the row measured at ``micro_batch_size`` (rows sorted by
+    it), ``(interpolated figures, True)`` linearly between the two nearest measured sizes, or
+    None outside them."""
+    for e in rows:
+        if e.micro_batch_size == micro_batch_size:
+            return figures(e), False
+    below = [e for e in rows if e.micro_batch_size < micro_batch_size]
+    above = [e for e in rows if e.micro_batch_size > micro_batch_size]
+    if not below or not above:
+        return None
+    lo, hi = below[-1], above[0]
+    w = (micro_batch_size - lo.micro_batch_size) / (hi.micro_batch_size - lo.micro_batch_size)
+    return tuple(a + w * (b - a) for a, b in zip(figures(lo), figures(hi))), True
+
+
 class MeasuredProfile:
     """A loaded profile, answering the cost model (:class:`DeviceProfile`)."""
 
@@ -334,19 +350,8 @@ class MeasuredProfile:
         entries = self._by_tp.get(tensor_parallel_size)
         if not entries:
             return None
-        for e in entries:
-            if e.micro_batch_size == micro_batch_size:
-                t = getattr(e, part)
-                return (t.forward_s, t.backward_s), False
-        below = [e for e in entries if e.micro_batch_size < micro_batch_size]
-        above = [e for e in entries if e.micro_batch_size > micro_batch_size]
-        if not below or not above:
-            return None
-        lo, hi = below[-1], above[0]
-        w = (micro_batch_size - lo.micro_batch_size) / (hi.micro_batch_size - lo.micro_batch_size)
-        a, b = getattr(lo, part), getattr(hi, part)
-        return ((a.forward_s + w * (b.forward_s - a.forward_s),
-                 a.backward_s + w * (b.backward_s - a.backward_s)), True)
+        return _by_micro_batch(entries, micro_batch_size,
+                               lambda e: (getattr(e, part).forward_s, getattr(e, part).backward_s))
 
     def pipeline_overhead(self, *, model: ModelSpec, micro_batch_size: int,
                           tensor_parallel_size: int) -> tuple[float, float] | None:
@@ -361,19 +366,9 @@ class MeasuredProfile:
             return None
         rows = sorted((e for e in pipe.entries if e.tensor_parallel_size == 1),
                       key=lambda e: e.micro_batch_size)
-        b = micro_batch_size
-        for e in rows:
-            if e.micro_batch_size == b:
-                return max(0.0, e.forward_overhead_s), max(0.0, e.backward_overhead_s)
-        below = [e for e in rows if e.micro_batch_size < b]
-        above = [e for e in rows if e.micro_batch_size > b]
-        if not below or not above:
-            return None
-        lo, hi = below[-1], above[0]
-        w = (b - lo.micro_batch_size) / (hi.micro_batch_size - lo.micro_batch_size)
-        f = lo.forward_overhead_s + w * (hi.forward_overhead_s - lo.forward_overhead_s)
-        k = lo.backward_overhead_s + w * (hi.backward_overhead_s - lo.backward_overhead_s)
-        return max(0.0, f), max(0.0, k)
+        got = _by_micro_batch(rows, micro_batch_size,
+                              lambda e: (e.forward_overhead_s, e.backward_overhead_s))
+        return None if got is None else (max(0.0, got[0][0]), max(0.0, got[0][1]))
 
     def memory(self, *, model: ModelSpec, micro_batch_size: int,
                tensor_parallel_size: int) -> MemoryFigures | None:

@@ -287,36 +287,37 @@ def _calibrate_rank(rank: int, world_size: int, shrunk: Plan, reps: int, seed: i
                                                              use_distributed_optimizer=False))
                 mm = MemoryMeter(rank=0, pipeline=0, stage=0, device_type="")
                 batch = next(trainer._micro_batches(plan, 0, 0, seed))
-                for _ in range(reps + 2):
+
+                def timed_step(idle_after: float | None = None) -> tuple[float, float]:
+                    """(forward, backward) CPU seconds of one micro-batch; with ``idle_after``,
+                    each of the two follows an idle gap as on a stretched rank (the first gap
+                    ``idle_factor`` times ``idle_after``, the second times the forward)."""
+                    if idle_after is not None:
+                        _idle(idle_factor, idle_after)
                     ctx = mm.saved_activations() if meter else contextlib.nullcontext()
                     t0 = clock()
                     with ctx:
                         loss = ddp(batch["tokens"], batch["position_ids"], None,
                                    labels=batch["labels"])
                     t1 = clock()
-                    saved = mm.activation_bytes
+                    if idle_after is not None:
+                        _idle(idle_factor, t1 - t0)
+                    t1b = clock()
                     loss.sum().backward()
                     t2 = clock()
-                    del loss
-                    fw.append(t1 - t0)
-                    bw.append(t2 - t1)
+                    return t1 - t0, t2 - t1b
+
+                for _ in range(reps + 2):
+                    f, k = timed_step()
+                    saved = mm.activation_bytes
+                    fw.append(f)
+                    bw.append(k)
                     if n == 3 and idle_factor > 0:
                         # the same step after an idle gap, as a stretched rank runs it; the
                         # next round's back-to-back step follows this one's work
-                        _idle(idle_factor, t2 - t1)
-                        ctx = mm.saved_activations() if meter else contextlib.nullcontext()
-                        t0 = clock()
-                        with ctx:
-                            loss = ddp(batch["tokens"], batch["position_ids"], None,
-                                       labels=batch["labels"])
-                        t1 = clock()
-                        _idle(idle_factor, t1 - t0)
-                        t1b = clock()
-                        loss.sum().backward()
-                        t2 = clock()
-                        del loss
-                        idle_fw.append(t1 - t0)
-                        idle_bw.append(t2 - t1b)
+                        f, k = timed_step(idle_after=k)
+                        idle_fw.append(f)
+                        idle_bw.append(k)
                     if n == 1:
                         t0 = clock()
                         with (mm.saved_activations() if meter else contextlib.nullcontext()):
