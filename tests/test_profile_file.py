@@ -144,23 +144,34 @@ def load_profile_from(data: ProfileData):
     return MeasuredProfile(data, source="<test>")
 
 
-def test_calibration_script_builds_rehearsal_inputs_from_a_profile():
-    """scripts/calibrate.py feeds the rehearsal's predictor the profile's own figures."""
+def _calibrate_script():
     import importlib.util
     import pathlib
-
-    from megatron_hetero.emulate.rehearse import Calibration
 
     path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "calibrate.py"
     spec = importlib.util.spec_from_file_location("calibrate", path)
     cal = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cal)
-    data = dataclasses.replace(_profile(), model=cal.MODEL)
+    return cal
+
+
+def _calibration_from_script(profile: ProfileData):
+    """What scripts/calibrate.py makes of ``profile`` for its second quick plan:
+    (the script, the profile loaded, the plan, the base calibration, the result)."""
+    from megatron_hetero.emulate.rehearse import Calibration
+
+    cal = _calibrate_script()
+    data = dataclasses.replace(profile, model=cal.MODEL)
     data.device.peak_matmul_tflops = 0.1
     prof = load_profile_from(data)
     _, plan = cal.plans(quick=True)[1]
     base = Calibration(p2p_latency_s=1e-4, bandwidth_gb_s=2.0)
-    got = cal.calibration_from(prof, plan, base, "profile")
+    return cal, prof, plan, base, cal.calibration_from(prof, plan, base, "profile")
+
+
+def test_calibration_script_builds_rehearsal_inputs_from_a_profile():
+    """scripts/calibrate.py feeds the rehearsal's predictor the profile's own figures."""
+    cal, prof, plan, base, got = _calibration_from_script(_profile())
     assert got.parts[("layer", 1)] == prof.times("layer", model=plan.model, micro_batch_size=1,
                                                   tensor_parallel_size=1)
     assert (got.p2p_latency_s, got.bandwidth_gb_s) == (1e-4, 2.0)
@@ -300,21 +311,9 @@ def test_cost_model_overhead_default_without_a_measurement():
 
 
 def test_calibration_script_carries_the_pipeline_overhead_and_latency():
-    import importlib.util
-    import pathlib
+    from megatron_hetero.emulate.rehearse import _EmulatedProfile
 
-    from megatron_hetero.emulate.rehearse import Calibration, _EmulatedProfile
-
-    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "calibrate.py"
-    spec = importlib.util.spec_from_file_location("calibrate", path)
-    cal = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cal)
-    data = dataclasses.replace(_profile_v2(), model=cal.MODEL)
-    data.device.peak_matmul_tflops = 0.1
-    prof = load_profile_from(data)
-    _, plan = cal.plans(quick=True)[1]
-    base = Calibration(p2p_latency_s=1e-4, bandwidth_gb_s=2.0)
-    got = cal.calibration_from(prof, plan, base, "profile")
+    cal, prof, plan, base, got = _calibration_from_script(_profile_v2())
     assert got.pipeline_overhead[1] == pytest.approx((1e-3, 2e-3))
     assert got.step_overhead[1] == pytest.approx((4e-4, -1e-4))  # the entry's idle penalty
     assert got.p2p_latency_s == 5e-5  # the profile's own alpha
