@@ -333,9 +333,6 @@ def test_rehearsal_times_its_parts_with_each_devices_idle_gaps(monkeypatch):
     """``rehearse`` calibrates the CPU the way its ranks run: every step followed by the sleep of
     the device the rank plays, factor - 1 times the step; one calibration per distinct factor,
     the fastest device first."""
-    import importlib.util
-    import pathlib
-
     from megatron_hetero.emulate import rehearse as R
     from megatron_hetero.emulate.speed import device_slowdowns
 
@@ -354,10 +351,7 @@ def test_rehearsal_times_its_parts_with_each_devices_idle_gaps(monkeypatch):
         return R.Calibration()
 
     monkeypatch.setattr(R, "calibrate", fake_calibrate)
-    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "calibrate.py"
-    spec = importlib.util.spec_from_file_location("calibrate", path)
-    cal = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cal)
+    cal = _calibrate_script()
     _, plan = cal.plans(quick=True)[1]  # A100 and A40
     slow = device_slowdowns(plan)[cal.SLOW]
     assert slow > 1 and device_slowdowns(plan)[cal.FAST] == 1
