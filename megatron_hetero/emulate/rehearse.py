@@ -713,6 +713,8 @@ class RehearsalResult:
     """The same from the start-up calibration alone."""
     cpu_drift: float
     """CPU time the ranks' compute took over what the start-up calibration predicted."""
+    cpu_drifts: dict[str, float] = field(default_factory=dict)
+    """The same per device type (what the prediction is rescaled by)."""
     losses: list[float]
     calibration: Calibration
     time_scale: float = 1.0
@@ -820,15 +822,25 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
     a_priori = predict(shrunk, calibrations, factors)
     # The CPU's speed drifts between the start-up calibration and the run (other processes,
     # caches, frequency): rescale the calibrated compute by the CPU time the ranks measured.
+    # Per device type: each type's ranks sleep their own gaps between steps, and the CPU speed
+    # after a gap differs with its length, so one drift for all types over-corrects one and
+    # under-corrects the other (seen: A100 ranks at 1.6x their calibration, V100 ranks at 1.0x).
     leads = [r for r in result.ranks if r.tensor_rank == 0]
-    measured_cpu = sum(_mean([r.extra["cpu"][k] for k in steps]) for r in leads)
-    calibrated_cpu = sum(a_priori.stage(r.pipeline, r.stage).busy_s / r.extra["factor"]
-                         for r in leads)
-    drift = measured_cpu / calibrated_cpu if calibrated_cpu > 0 else 1.0
+    measured_cpu: dict[str, float] = {}
+    calibrated_cpu: dict[str, float] = {}
+    for r in leads:
+        dev = shrunk.stage(r.pipeline, r.stage).device_type
+        measured_cpu[dev] = measured_cpu.get(dev, 0.0) + _mean([r.extra["cpu"][k] for k in steps])
+        calibrated_cpu[dev] = (calibrated_cpu.get(dev, 0.0)
+                               + a_priori.stage(r.pipeline, r.stage).busy_s / r.extra["factor"])
+    drifts = {d: (measured_cpu[d] / calibrated_cpu[d] if calibrated_cpu[d] > 0 else 1.0)
+              for d in measured_cpu}
+    total_cal = sum(calibrated_cpu.values())
+    drift = sum(measured_cpu.values()) / total_cal if total_cal > 0 else 1.0
     # ... and take the gloo all-reduce bandwidth the ranks measured among themselves
     world_bw = min((r.extra["allreduce_gb_s"] for r in result.ranks
                     if r.extra.get("allreduce_gb_s")), default=calibration.allreduce_gb_s)
-    def rescaled(c: Calibration) -> Calibration:
+    def rescaled(c: Calibration, drift: float) -> Calibration:
         return dataclasses.replace(
             c, layer_flops_per_s=c.layer_flops_per_s / drift,
             parts={k: (f * drift, b * drift) for k, (f, b) in c.parts.items()},
@@ -837,8 +849,9 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
             step_overhead={k: (f * drift, b * drift) for k, (f, b) in c.step_overhead.items()},
             allreduce_gb_s=world_bw if world_bw < float("inf") else c.allreduce_gb_s)
 
-    in_run = (rescaled(calibrations) if isinstance(calibrations, Calibration)
-              else {d: rescaled(c) for d, c in calibrations.items()})
+    per_device = (calibrations if not isinstance(calibrations, Calibration)
+                  else {d: calibrations for d in drifts})
+    in_run = {d: rescaled(c, drifts.get(d, drift)) for d, c in per_device.items()}
     sim = predict(shrunk, in_run, factors)
     stages = []
     for r in leads:
@@ -861,6 +874,7 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
     return RehearsalResult(plan=shrunk, stages=stages, step_s=_mean(step_times),
                            step_times=step_times, predicted_step_s=sim.step_time_s,
                            a_priori_step_s=a_priori.step_time_s, cpu_drift=drift,
+                           cpu_drifts=drifts,
                            losses=result.losses, calibration=calibration, time_scale=time_scale,
                            verify_message=verify_message)
 
@@ -921,9 +935,11 @@ def format_report(result: RehearsalResult, *, source: str = "PLAN",
         lines.append(f"step time: measured {result.step_s:.3f} s (mean of {n_steps}), predicted "
                      f"{result.predicted_step_s:.3f} s by the tuner's cost model for this emulated "
                      f"cluster; measured/predicted {result.ratio:.2f}")
+        per = (" (" + ", ".join(f"{d} {x:.2f}x" for d, x in sorted(result.cpu_drifts.items()))
+               + ")" if len(result.cpu_drifts) > 1 else "")
         lines.append(f"  (the ranks' compute took {result.cpu_drift:.2f}x the CPU time the "
-                     f"start-up calibration measured; from that calibration alone the prediction "
-                     f"is {result.a_priori_step_s:.3f} s)")
+                     f"start-up calibration measured{per}; from that calibration alone the "
+                     f"prediction is {result.a_priori_step_s:.3f} s)")
     lines.append("losses: " + ", ".join(f"{x:.4f}" for x in result.losses))
     return "\n".join(lines)
 
