@@ -144,14 +144,17 @@ def test_exponent_without_a_dot_is_a_number(tmp_path, capsys):
         capsys, "validate")
 
 
+SMALL_MODEL = {"name": "small", "num_layers": 4, "hidden_size": 256, "ffn_hidden_size": 688,
+               "num_attention_heads": 8, "num_query_groups": 8, "vocab_size": 1000,
+               "seq_length": 256}
+SMALL_STAGE = {"device_type": "A100-SXM-80GB", "num_layers": 4}
+
+
 def test_validate_counts_gpus_in_whole_tensor_parallel_groups(tmp_path, capsys):
     # 3 nodes of 3 GPUs hold three TP=2 groups (6 GPUs), not 9 GPUs' worth: `validate
     # --inventory` used to accept an 8-GPU TP=2 plan that `simulate` and the runtime cannot place.
     import yaml
-    model = {"name": "small", "num_layers": 4, "hidden_size": 256, "ffn_hidden_size": 688,
-             "num_attention_heads": 8, "num_query_groups": 8, "vocab_size": 1000,
-             "seq_length": 256}
-    stage = {"device_type": "A100-SXM-80GB", "num_layers": 4}
+    model, stage = SMALL_MODEL, SMALL_STAGE
     plan = tmp_path / "plan.yaml"
     plan.write_text(yaml.safe_dump({
         "format_version": 1, "model": model, "global_batch_size": 4,
@@ -207,10 +210,7 @@ def test_validate_refuses_what_the_runtime_refuses_at_start(tmp_path, capsys):
 
     from megatron_hetero.plan import load_plan
     from megatron_hetero.runtime.plan_args import ArgumentConflict, virtual_micro_batch_size
-    model = {"name": "small", "num_layers": 4, "hidden_size": 256, "ffn_hidden_size": 688,
-             "num_attention_heads": 8, "num_query_groups": 8, "vocab_size": 1000,
-             "seq_length": 256}
-    stage = {"device_type": "A100-SXM-80GB", "num_layers": 4}
+    model, stage = SMALL_MODEL, SMALL_STAGE
     plan = tmp_path / "plan.yaml"
     data = {"format_version": 1, "model": model, "global_batch_size": 128,
             "tensor_model_parallel_size": 1,

@@ -216,12 +216,15 @@ def test_type_orders_widen_the_search(monkeypatch):
     _check_emitted(every, inv, model, 512)
 
 
+SMALL16 = ModelSpec(name="small16", num_layers=16, hidden_size=2048, ffn_hidden_size=5504,
+                    num_attention_heads=16, num_query_groups=16, vocab_size=32000, seq_length=2048)
+"""A 16-layer model small enough that 8 micro-batches leave a large pipeline bubble."""
+
+
 def test_interleaving_where_the_bubble_dominates():
     # 8 micro-batches on a 2-stage A100 + V100 pipeline: the fill and drain cost a fifth of the
     # step without interleaving, so the search splits each stage into model chunks
-    model = ModelSpec(name="small16", num_layers=16, hidden_size=2048, ffn_hidden_size=5504,
-                      num_attention_heads=16, num_query_groups=16, vocab_size=32000,
-                      seq_length=2048)
+    model = SMALL16
     inv = inventory_from_data({"groups": [
         {"gpu": "A100-SXM-80GB", "nodes": 1, "gpus_per_node": 2},
         {"gpu": "V100-SXM2-32GB", "nodes": 1, "gpus_per_node": 2}]})
@@ -242,9 +245,7 @@ def test_interleaving_where_the_bubble_dominates():
 def test_the_baseline_interleaves_too():
     # plain Megatron has virtual pipeline stages (uniform split): the baseline searches them,
     # so the reported speedup is not measured against a handicapped baseline
-    model = ModelSpec(name="small16", num_layers=16, hidden_size=2048, ffn_hidden_size=5504,
-                      num_attention_heads=16, num_query_groups=16, vocab_size=32000,
-                      seq_length=2048)
+    model = SMALL16
     inv = inventory_from_data({"groups": [
         {"gpu": "RTX4090-24GB", "nodes": 1, "gpus_per_node": 4},
         {"gpu": "A100-SXM-80GB", "nodes": 1, "gpus_per_node": 1}]})
