@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     ap.add_argument("scenarios", nargs="*", help="scenario files (default: all in examples/scenarios)")
     args = ap.parse_args(argv)
     paths = [Path(p) for p in args.scenarios] or sorted(SCENARIOS.glob("*.yaml"))
-    header = (f"{'scenario':34s} {'GPUs':>5s} {'search s':>8s} {'cpu s':>6s} {'tuned s':>9s} {'baseline s':>10s} "
+    header = (f"{'scenario':34s} {'GPUs':>5s} {'search s':>8s} {'cpu s':>6s} {'tuned s':>9s} {'searched':>8s} {'baseline s':>10s} "
               f"{'bound s':>9s} {'speedup':>7s} {'room':>6s} {'effic.':>6s} {'1F1B':>5s} {'VPP':>5s}  plan")
     print(header)
     print("-" * len(header))
@@ -95,7 +95,7 @@ def main(argv=None) -> int:
         ceiling, _ = one_f_one_b_estimate(model, inventory, gbs)
         ceiling_v, _ = one_f_one_b_estimate(model, inventory, gbs, options.max_virtual_pipeline_size)
         print(f"{path.stem:34s} {inventory.num_gpus:5d} {r.search_time_s:8.2f} {r.search_cpu_s:6.2f} {pred:9.2f} "
-              f"{base:10.2f} {bound:9.2f} {base / pred:7.2f} {base / bound:6.2f} {bound / pred:6.3f} {bound / ceiling:5.2f} "
+              f"{r.searched_step_time_s or float('nan'):8.2f} {base:10.2f} {bound:9.2f} {base / pred:7.2f} {base / bound:6.2f} {bound / pred:6.3f} {bound / ceiling:5.2f} "
               f"{bound / ceiling_v:5.2f}  "
               f"TP{p.tensor_model_parallel_size} PP{p.pipeline_model_parallel_size} "
               f"VP{p.virtual_pipeline_size} DP{p.data_parallel_size} "
@@ -106,6 +106,8 @@ def main(argv=None) -> int:
         sys.stdout.flush()
     print("\nsearch s: wall clock; cpu s: this process's CPU time (what the search costs when "
           "the machine is shared).")
+    print("searched: the structured search's best plan before the local search on the "
+          "simulator (tuned s is after it).")
     print("speedup = baseline / tuned; room = baseline / upper bound (the most any plan could "
           "gain); efficiency = upper bound / tuned; 1F1B = upper bound / the best step a "
           "non-interleaved 1F1B plan can hope for once TP traffic and fill/drain are paid "

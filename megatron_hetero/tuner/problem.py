@@ -40,6 +40,9 @@ class TuneOptions:
     gradient reduction with the last backward (``--overlap-grad-reduce``)."""
     finalists: int = 4
     """Best estimates that are simulated before picking the plan."""
+    refine_rounds: int = 8
+    """Rounds of the local search on the simulator around the best plan (:mod:`.refine`;
+    0: none). Each round simulates every neighbouring layout and keeps the best."""
     progress: bool = False
     """Show a progress bar (rich) while structures are evaluated."""
     cost_options: dict = field(default_factory=dict)

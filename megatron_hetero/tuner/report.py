@@ -88,6 +88,8 @@ def report_dict(result, plan_path: str | None) -> dict:
         "speedup_over_baseline": (base.step_time_s / sim.step_time_s) if base else None,
         "fell_back_to_baseline": result.fell_back_to_baseline,
         "structures_evaluated": result.structures_evaluated,
+        "searched_step_time_s": result.searched_step_time_s,
+        "refine_simulations": result.refine_simulations,
         "plan": {"tensor_model_parallel_size": plan.tensor_model_parallel_size,
                  "pipeline_model_parallel_size": plan.pipeline_model_parallel_size,
                  "data_parallel_size": plan.data_parallel_size, "layer_split": plan.layer_split,

@@ -7,7 +7,8 @@ cost the time of its cheapest memory policy that fits (:mod:`.tables`); then mic
 by exact min-max water-filling (:func:`.shares.water_fill`). Structures are visited in order of
 a lower bound on their step time and the walk stops once the bound passes the best estimate
 found. The best few estimates are simulated (:func:`megatron_hetero.simulate.simulate`) and
-the best simulated plan wins. With TP > 1 every plan, the baseline's too, runs Megatron's
+the best simulated plan wins; a local search on the simulator (:mod:`.refine`) then moves
+layers, chunks and micro-batches one step at a time while that is faster. With TP > 1 every plan, the baseline's too, runs Megatron's
 sequence parallelism.
 
 Interleaved structures (``v`` model chunks per stage) are evaluated where every stage can hold
@@ -40,6 +41,7 @@ from ..plan import ModelSpec, Offload, Pipeline, Plan, Stage, embedded_gpus
 from ..simulate import SimResult, simulate
 from . import space
 from .problem import Problem, TuneOptions
+from .refine import refine
 from .shares import water_fill
 from .space import Structure, upper_bound_step_time
 from .split import min_max_split
@@ -79,6 +81,10 @@ class TuneResult:
     """CPU seconds of this process during the search (independent of other load)."""
     structures_evaluated: int
     fell_back_to_baseline: bool
+    searched_step_time_s: float | None = None
+    """Simulated step of the structured search's best plan, before the local search
+    (:mod:`.refine`); None when it found none."""
+    refine_simulations: int = 0
 
 
 class _Search:
@@ -395,6 +401,16 @@ def tune(model: ModelSpec, inventory: Inventory, global_batch_size: int, *,
         if progress is not None:
             progress.stop()
     best = search.best_simulated(tuned)
+    searched, sims = None, 0
+    if best is not None:
+        searched = best[1].step_time_s
+        if options.refine_rounds > 0:
+            plan0, sim0 = best
+            plan1, sim1, sims = refine(plan0, sim0, problem.cost(plan0.precision),
+                                       max_virtual_pipeline_size=options.max_virtual_pipeline_size,
+                                       optimizer_offload=options.optimizer_offload,
+                                       max_rounds=options.refine_rounds)
+            best = (plan1, sim1)
     base_best = search.best_simulated(base)
     if best is None and base_best is None:
         raise InfeasibleError(_infeasible_message(problem))
@@ -416,5 +432,6 @@ def tune(model: ModelSpec, inventory: Inventory, global_batch_size: int, *,
     return TuneResult(plan=plan, sim=sim, baseline_plan=base_best[0] if base_best else None,
                       baseline_sim=base_best[1] if base_best else None,
                       upper_bound_step_time_s=upper, search_time_s=elapsed, search_cpu_s=cpu,
-                      structures_evaluated=search.evaluated, fell_back_to_baseline=fell_back)
+                      structures_evaluated=search.evaluated, fell_back_to_baseline=fell_back,
+                      searched_step_time_s=searched, refine_simulations=sims)
 
