@@ -178,6 +178,18 @@ def layer_activation_bytes(m: ModelSpec, b: int, tp: int, policy: Policy, *,
     return total
 
 
+def module_input_bytes(m: ModelSpec, b: int, tp: int, *, sequence_parallel: bool = False) -> float:
+    """The part of :func:`layer_activation_bytes` (policy ``none`` or ``selective``) that
+    megatron-core's fine-grained activation offloading moves to the host when it offloads the
+    inputs of ``attn_norm``, ``qkv_linear``, ``core_attn``, ``attn_proj`` and ``mlp_norm``:
+    the two LayerNorm inputs and the QKV input (replicated, 6sbh; sharded with sequence
+    parallelism), Q, K and V and the projection input (sharded over t, 4sbh + 4sb*h_kv). The
+    MLP's own activations and the dropout masks stay."""
+    s, h = m.seq_length, m.hidden_size
+    sbh = s * b * h
+    return 6.0 * sbh / (tp if sequence_parallel else 1) + (4.0 * sbh + 4.0 * s * b * _kv(m)) / tp
+
+
 def logits_bytes(m: ModelSpec, b: int, tp: int) -> float:
     """fp32 logits one tensor rank keeps for the loss (last stage)."""
     return 4.0 * b * m.seq_length * padded_vocab_size(m, tp) / tp

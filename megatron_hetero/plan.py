@@ -103,6 +103,14 @@ class Offload:
     (Megatron's ``--optimizer-cpu-offload --optimizer-offload-fraction``)."""
     activations: bool = False
     """Offload saved activations to host memory (needs a megatron-core that allows it with PP > 1)."""
+    module_inputs: bool = False
+    """Offload the tensors that each layer's attention norm, QKV projection, core attention,
+    attention output projection and MLP norm save for backward (their inputs) to host memory,
+    copied on side streams while the layer computes and fetched back ahead of its backward:
+    megatron-core's fine-grained activation offloading (``--fine-grained-activation-offloading
+    --offload-modules attn_norm qkv_linear core_attn attn_proj mlp_norm``, 0.17 and later,
+    Transformer Engine layers only). Unlike ``activations`` it runs with pipeline parallelism
+    and interleaving. The MLP's own activations stay on the device."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.optimizer_fraction <= 1.0:
@@ -111,7 +119,7 @@ class Offload:
 
     @property
     def any(self) -> bool:
-        return self.optimizer_fraction > 0 or self.activations
+        return self.optimizer_fraction > 0 or self.activations or self.module_inputs
 
 
 @dataclass(kw_only=True, slots=True)
@@ -330,6 +338,11 @@ class Plan:
         replicas take consecutive shares in data-parallel rank order."""
         offset = sum(p.samples for p in self.pipelines[:pipeline])
         return offset, self.pipelines[pipeline].samples
+
+    @property
+    def offloads_module_inputs(self) -> bool:
+        """Whether any stage offloads its layers' module inputs (:class:`Offload`)."""
+        return any(s.offload.module_inputs for p in self.pipelines for s in p.stages)
 
     @property
     def offloads_optimizer(self) -> bool:

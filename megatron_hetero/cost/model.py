@@ -19,6 +19,10 @@ device type (with the inventory's overrides) and, where given, a measured profil
   Adam state (fp32 master + m + v = 12 bytes, 8 in fp32 training; sharded over data parallelism
   with the distributed optimizer; minus the offloaded fraction), activations of the micro-batches
   in flight (stage ``s`` of ``p`` holds ``min(p - s, m)`` in 1F1B), fp32 logits on the last stage,
+  minus the module inputs a stage offloads to the host (fine-grained activation offloading:
+  the LayerNorm and QKV inputs, Q/K/V and the projection input of every layer not recomputed;
+  one layer's worth stays on the device; the copies run on side streams and cost a layer only
+  what its own compute cannot hide at the host link's ``pcie_bandwidth_gb_s``),
   the transient activations of one recomputed chunk, and a fixed workspace reserve (CUDA context,
   communication buffers, allocator slack).
 * interleaved pipelining (``v`` model chunks per stage): each chunk's costs come from its own
@@ -266,10 +270,17 @@ class CostModel:
 
     def _compute_times(self, device_type: str, num_layers: int, first: bool, last: bool,
                        micro_batch_size: int, tp: int, recompute: RecomputeKey = ("none", None, None),
-                       activation_offload: bool = False, sp: bool = False) -> StageTimes:
+                       activation_offload: bool = False, sp: bool = False,
+                       module_inputs: bool = False) -> StageTimes:
         b = micro_batch_size
         lf, lb = self.layer_times(device_type, b, tp)
         fwd, bwd = num_layers * lf, num_layers * lb
+        if module_inputs:
+            # copies on side streams: a layer waits only for what its own compute cannot hide
+            n = num_layers - self._recomputed_layers(num_layers, recompute)
+            moved = self.module_input_bytes(b, tp, sp) / self.pcie_bandwidth
+            fwd += n * max(0.0, moved - lf)
+            bwd += n * max(0.0, moved - lb)
         if first:
             ef, eb = self.embedding_times(device_type, b, tp)
             fwd, bwd = fwd + ef, bwd + eb
@@ -318,35 +329,62 @@ class CostModel:
         (``[s/t, b, h]`` with sequence parallelism)."""
         return M.layer_input_bytes(self.model, b) / (tp if sp and tp > 1 else 1)
 
+    def module_input_bytes(self, b: int, tp: int, sp: bool = False) -> float:
+        """Bytes per layer and micro-batch that fine-grained activation offloading moves to
+        the host (:func:`megatron_hetero.models.module_input_bytes`)."""
+        return M.module_input_bytes(self.model, b, tp, sequence_parallel=sp and tp > 1)
+
+    @staticmethod
+    def _recomputed_layers(n: int, rk: RecomputeKey) -> int:
+        gran, method, k = rk
+        if gran != "full":
+            return 0
+        return n if method == "uniform" else min(k, n)
+
     def _activations_per_microbatch(self, device_type: str, n: int, first: bool, last: bool,
-                                    b: int, tp: int, rk: RecomputeKey, sp: bool = False) -> float:
+                                    b: int, tp: int, rk: RecomputeKey, sp: bool = False,
+                                    module_inputs: bool = False) -> float:
         m = self.model
         gran, method, k = rk
         ckpt = self.hidden_bytes(b, tp, sp)
+        kept = self.layer_activation_bytes(device_type, b, tp, "none" if gran == "full" else gran, sp)
+        if module_inputs:
+            kept -= self.module_input_bytes(b, tp, sp)
         if gran == "full":
             if method == "uniform":
                 out = -(-n // k) * ckpt
             else:
                 kk = min(k, n)
-                out = kk * ckpt + (n - kk) * self.layer_activation_bytes(device_type, b, tp, "none", sp)
+                out = kk * ckpt + (n - kk) * kept
         else:
-            out = n * self.layer_activation_bytes(device_type, b, tp, gran, sp)
+            out = n * kept
         if first:
             out += ckpt / 2  # embedding dropout mask (1 byte per element)
         if last:
             out += ckpt + M.logits_bytes(m, b, tp)  # final norm input, fp32 logits
         return out
 
+    def _module_input_margin(self, n: int, rk: RecomputeKey, b: int, tp: int, sp: bool,
+                             module_inputs: bool) -> float:
+        """What fine-grained offloading keeps on the device after all: megatron-core leaves the
+        last group of each offloaded module in place so that reloading it never stalls the
+        backward, about one layer's module inputs of one micro-batch."""
+        if not module_inputs or n - self._recomputed_layers(n, rk) <= 0:
+            return 0.0
+        return self.module_input_bytes(b, tp, sp)
+
     def _memory_need(self, device_type: str, num_layers: int, first: bool, last: bool,
                      micro_batch_size: int, tp: int, recompute: RecomputeKey, in_flight: int,
                      data_parallel: int, optimizer_offload: float = 0.0,
-                     activation_offload: bool = False, sp: bool = False) -> Memory:
+                     activation_offload: bool = False, sp: bool = False,
+                     module_inputs: bool = False) -> Memory:
         m, b = self.model, micro_batch_size
         params = self.stage_params(num_layers, first, last, tp)
         shard = params / data_parallel if self.use_distributed_optimizer else params
         per_mb = self._activations_per_microbatch(device_type, num_layers, first, last, b, tp,
-                                                  recompute, sp)
+                                                  recompute, sp, module_inputs)
         acts = (1 if activation_offload else in_flight) * per_mb
+        acts += self._module_input_margin(num_layers, recompute, b, tp, sp, module_inputs)
         gran, method, k = recompute
         if gran == "full" and num_layers:
             chunk = k if method == "uniform" else 1
@@ -360,7 +398,8 @@ class CostModel:
                              last: bool, micro_batch_size: int, tp: int, recompute: RecomputeKey,
                              pipeline_size: int, stage: int, num_microbatches: int,
                              data_parallel: int, optimizer_offload: float = 0.0,
-                             activation_offload: bool = False, sp: bool = False) -> Memory:
+                             activation_offload: bool = False, sp: bool = False,
+                             module_inputs: bool = False) -> Memory:
         """Peak memory of one tensor rank of stage ``stage`` of ``pipeline_size`` under the
         interleaved schedule, its model chunks holding ``chunk_layers``."""
         v, b = len(chunk_layers), micro_batch_size
@@ -369,7 +408,8 @@ class CostModel:
                                 0, data_parallel, optimizer_offload, False, sp)
         keys = chunk_recompute_keys(recompute, chunk_layers)
         per_chunk = [self._activations_per_microbatch(device_type, n, first and c == 0,
-                                                      last and c == v - 1, b, tp, keys[c], sp)
+                                                      last and c == v - 1, b, tp, keys[c], sp,
+                                                      module_inputs)
                      for c, n in enumerate(chunk_layers)]
         if activation_offload:
             acts = max(per_chunk)
@@ -380,6 +420,7 @@ class CostModel:
             if gran == "full" and n:
                 transient = max(transient, min(k if method == "uniform" else 1, n))
         acts += transient * self.layer_activation_bytes(device_type, b, tp, "none", sp)
+        acts += self._module_input_margin(num_layers, recompute, b, tp, sp, module_inputs)
         return Memory(params=base.params, grads=base.grads, optimizer=base.optimizer,
                       activations=acts, workspace=base.workspace, capacity=base.capacity)
 
@@ -424,7 +465,8 @@ class CostModel:
         return self.compute_times(st.device_type, st.num_layers, first, last,
                                   plan.pipelines[pipeline].micro_batch_size,
                                   plan.tensor_model_parallel_size, recompute_key(st.recompute),
-                                  st.offload.activations, self.sequence_parallel_of(plan))
+                                  st.offload.activations, self.sequence_parallel_of(plan),
+                                  st.offload.module_inputs)
 
     def chunk_times(self, plan: Plan, pipeline: int, stage: int) -> list[StageTimes]:
         """Forward and backward seconds of one micro-batch on each model chunk of (pipeline,
@@ -437,7 +479,8 @@ class CostModel:
         return [self.compute_times(st.device_type, n, first and c == 0, last and c == v - 1,
                                    plan.pipelines[pipeline].micro_batch_size,
                                    plan.tensor_model_parallel_size, keys[c],
-                                   st.offload.activations, self.sequence_parallel_of(plan))
+                                   st.offload.activations, self.sequence_parallel_of(plan),
+                                   st.offload.module_inputs)
                 for c, n in enumerate(st.chunk_layers)]
 
     def stage_memory(self, plan: Plan, pipeline: int, stage: int) -> Memory:
@@ -450,12 +493,13 @@ class CostModel:
                 plan.tensor_model_parallel_size, recompute_key(st.recompute),
                 plan.pipeline_model_parallel_size, stage, pipe.num_microbatches,
                 plan.data_parallel_size, st.offload.optimizer_fraction, st.offload.activations,
-                self.sequence_parallel_of(plan))
+                self.sequence_parallel_of(plan), st.offload.module_inputs)
         in_flight = min(plan.pipeline_model_parallel_size - stage, pipe.num_microbatches)
         return self.memory_need(st.device_type, st.num_layers, first, last, pipe.micro_batch_size,
                                 plan.tensor_model_parallel_size, recompute_key(st.recompute),
                                 in_flight, plan.data_parallel_size, st.offload.optimizer_fraction,
-                                st.offload.activations, self.sequence_parallel_of(plan))
+                                st.offload.activations, self.sequence_parallel_of(plan),
+                                st.offload.module_inputs)
 
     def placement(self, plan: Plan) -> Placement:
         return place([[s.device_type for s in p.stages] for p in plan.pipelines],

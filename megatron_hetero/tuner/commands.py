@@ -35,6 +35,10 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-optimizer-offload", action="store_true",
                    help="fit memory with recompute only (optimizer offload needs megatron-core's "
                         "CPU-offload optimizer and --use-precision-aware-optimizer)")
+    p.add_argument("--no-activation-offload", action="store_true",
+                   help="never offload the layers' module inputs to the host (megatron-core's "
+                        "fine-grained activation offloading, which needs megatron-core 0.17 or "
+                        "later and Transformer Engine)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no table")
 
 
@@ -116,6 +120,7 @@ def tune_main(args: argparse.Namespace) -> int:
     options = TuneOptions(micro_batch_sizes=_sizes(args.micro_batch_sizes),
                           tensor_parallel_sizes=tp_sizes,
                           optimizer_offload=not args.no_optimizer_offload,
+                          activation_offload=not args.no_activation_offload,
                           progress=not args.quiet and sys.stderr.isatty())
     profiles = _profiles(args.profile, inventory)
     result = tune(model, inventory, args.global_batch_size, profiles=profiles, options=options)

@@ -35,6 +35,10 @@ class TuneOptions:
     too, so that a cap here never makes the baseline look slower than plain Megatron can be."""
     optimizer_offload: bool = True
     """Let stages offload optimizer state to the host where memory is short (else recompute only)."""
+    activation_offload: bool = True
+    """Let stages offload their layers' module inputs to the host where memory is short
+    (megatron-core's fine-grained activation offloading; needs Transformer Engine and
+    megatron-core 0.17 or later at run time)."""
     overlap_grad_reduce: bool = True
     """Plans (the baseline's too: plain Megatron has the flag) overlap the data-parallel
     gradient reduction with the last backward (``--overlap-grad-reduce``)."""

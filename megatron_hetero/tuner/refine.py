@@ -18,8 +18,8 @@ simulator says is faster:
 
 After every move each (pipeline, stage) takes the cheapest memory policy that fits under the
 exact memory model: the fewest layers of ``block`` recompute (or selective recompute where
-attention is unfused), with part or all of the optimizer state offloaded where that is cheaper
-(:class:`_Policies`). Each round simulates every move and keeps the best (best improvement);
+attention is unfused), with or without the layers' module inputs offloaded to the host, with
+part or all of the optimizer state offloaded where that is cheaper (:class:`_Policies`). Each round simulates every move and keeps the best (best improvement);
 the walk stops at a local optimum or after ``max_rounds``. It is deterministic: moves are
 generated in a fixed order and ties keep the earlier one.
 """
@@ -74,14 +74,17 @@ class _Policies:
     the least optimizer offload (steps of 5 %) that makes it fit; the cheapest of those by the
     stage's seconds per step (``m`` micro-batches plus the offloaded optimizer's extra step)."""
 
-    def __init__(self, cost: CostModel, plan: Plan, allow_offload: bool):
+    def __init__(self, cost: CostModel, plan: Plan, allow_offload: bool,
+                 allow_module_inputs: bool = True):
         self.cost, self.allow_offload = cost, allow_offload
+        self.module_inputs = (False, True) if allow_module_inputs else (False,)
         self.tp, self.p, self.D = plan.tensor_model_parallel_size, plan.pipeline_model_parallel_size, \
             plan.data_parallel_size
         self.sp = cost.sequence_parallel_of(plan)
         self._memo: dict[tuple, tuple[int, float] | None] = {}
 
-    def choose(self, gpu: str, chunks: tuple[int, ...], s: int, mbs: int, m: int) -> tuple[int, float] | None:
+    def choose(self, gpu: str, chunks: tuple[int, ...], s: int, mbs: int,
+               m: int) -> tuple[int, float, bool] | None:
         key = (gpu, chunks, s, mbs, m)
         if key in self._memo:
             return self._memo[key]
@@ -90,31 +93,33 @@ class _Policies:
         params = cost.stage_params(n, first, last, tp)
         off_step = cost.optimizer_seconds(gpu, params, D, 1.0) - cost.optimizer_seconds(gpu, params, D, 0.0)
 
-        def need(code: int, f: float):
+        def need(code: int, f: float, mi: bool):
             rk = recompute_code_key(code)
             if len(chunks) > 1:
                 return cost.chunked_memory_need(gpu, chunks, first, last, mbs, tp, rk, p, s, m, D,
-                                                f, False, sp)
-            return cost.memory_need(gpu, n, first, last, mbs, tp, rk, min(p - s, m), D, f, False, sp)
+                                                f, False, sp, mi)
+            return cost.memory_need(gpu, n, first, last, mbs, tp, rk, min(p - s, m), D, f, False,
+                                    sp, mi)
 
         codes = list(range(n + 1))
         if not cost.uses_flash_attention(gpu):
             codes.append(SELECTIVE)
         best = None
-        for code in codes:
-            mem = need(code, 0.0)
-            f = 0.0
-            if not mem.fits:
-                if not self.allow_offload or mem.optimizer <= 0:
-                    continue
-                f = math.ceil((mem.total - mem.capacity) * (1 + 1e-9) / mem.optimizer * 20) / 20
-                if f > 1.0 or not need(code, f).fits:
-                    continue
-            t = m * cost.compute_times(gpu, n, first, last, mbs, tp, recompute_code_key(code),
-                                       False, sp).total_s + f * off_step
-            if best is None or t < best[0] - 1e-12:
-                best = (t, code, f)
-        got = None if best is None else (best[1], best[2])
+        for mi in self.module_inputs:
+            for code in codes:
+                mem = need(code, 0.0, mi)
+                f = 0.0
+                if not mem.fits:
+                    if not self.allow_offload or mem.optimizer <= 0:
+                        continue
+                    f = math.ceil((mem.total - mem.capacity) * (1 + 1e-9) / mem.optimizer * 20) / 20
+                    if f > 1.0 or not need(code, f, mi).fits:
+                        continue
+                t = m * cost.compute_times(gpu, n, first, last, mbs, tp, recompute_code_key(code),
+                                           False, sp, mi).total_s + f * off_step
+                if best is None or t < best[0] - 1e-12:
+                    best = (t, code, f, mi)
+        got = None if best is None else best[1:]
         self._memo[key] = got
         return got
 
@@ -132,11 +137,11 @@ def _build(plan: Plan, lay: Layout, policies: _Policies) -> Plan | None:
             pol = policies.choose(old.device_type, chunks, s, pipe.micro_batch_size, m)
             if pol is None:
                 return None
-            code, f = pol
+            code, f, mi = pol
             n = sum(chunks)
             stages.append(Stage(device_type=old.device_type, num_layers=n,
                                 recompute=recompute_policy(code, n),
-                                offload=Offload(optimizer_fraction=f),
+                                offload=Offload(optimizer_fraction=f, module_inputs=mi),
                                 chunk_layers=list(chunks) if lay.v > 1 else None))
         pipelines.append(Pipeline(micro_batch_size=pipe.micro_batch_size, num_microbatches=m,
                                   stages=stages))
@@ -187,12 +192,12 @@ def _moves(lay: Layout, p: int, max_v: int, sim: SimResult):
                 new[a] -= 1
                 new[b] += 1
                 yield Layout(tuple(new), v, lay.microbatches)
-    # a layer between two chunks of one stage (not neighbours in the sequence)
-    if v > 2:
+    # a layer between two chunks of one stage (``p`` apart in the sequence)
+    if v > 1 and p > 1:
         for s in range(p):
             for ca in range(v):
                 for cb in range(v):
-                    if abs(ca - cb) > 1 or (p == 1 and ca != cb):
+                    if ca != cb:
                         a, b = ca * p + s, cb * p + s
                         if seq[a] > 0:
                             new = seq.copy()
@@ -225,11 +230,13 @@ def _moves(lay: Layout, p: int, max_v: int, sim: SimResult):
 
 
 def refine(plan: Plan, sim: SimResult, cost: CostModel, *, max_virtual_pipeline_size: int,
-           optimizer_offload: bool = True, max_rounds: int = 8) -> tuple[Plan, SimResult, int]:
+           optimizer_offload: bool = True, activation_offload: bool = True,
+           max_rounds: int = 8) -> tuple[Plan, SimResult, int]:
     """Hill-climb from ``plan`` (simulated as ``sim``); returns the best plan found, its
-    simulation and the number of simulations run."""
+    simulation and the number of simulations run. ``optimizer_offload`` and
+    ``activation_offload`` (module inputs) allow those policies."""
     p = plan.pipeline_model_parallel_size
-    policies = _Policies(cost, plan, optimizer_offload)
+    policies = _Policies(cost, plan, optimizer_offload, activation_offload)
     best_plan, best_sim = plan, sim
     lay = layout_of(plan)
     seen = {lay}

@@ -64,6 +64,8 @@ class _Candidate:
     """Per pipeline, in template order."""
     score: float
     precision: str
+    module_inputs: list[list[bool]]
+    """Whether each template's stage offloads its layers' module inputs to the host."""
     fill: float = 0.0
     """The largest fill-and-drain seconds of a pipeline in the estimate (what interleaving
     divides)."""
@@ -124,10 +126,24 @@ class _Search:
                     for types, _ in st.templates for s in range(p))
                 if max(float(tb.t_sel[n]) for rows in tables for tb in rows) < full_t:
                     kmax = SELECTIVE
+            mi_all = False
+            if self.opt.activation_offload:
+                # or module inputs offloaded everywhere (plain Megatron has the flag), with the
+                # fewest layers of recompute that then fit on every stage
+                kmi = per_chunk_recompute(max(int(tb.k_base_mi[n]) for rows in tables for tb in rows), n, v)
+                if kmi <= n:
+                    def slowest(code, mi):
+                        return max(cost.compute_times(types[s], n, s == 0, s == p - 1, mbs, tp,
+                                                      recompute_code_key(code), False, tp > 1,
+                                                      mi).total_s
+                                   for types, _ in st.templates for s in range(p))
+                    if kmax > n or slowest(kmi, True) < slowest(kmax, False):
+                        kmax, mi_all = kmi, True
             if kmax > n:
                 return None
             rec = [[kmax] * p for _ in st.templates]
             off = [[0.0] * p for _ in st.templates]
+            mis = [[mi_all] * p for _ in st.templates]
         else:
             norm = []
             for rows in tables:
@@ -146,9 +162,11 @@ class _Search:
             if offload:
                 rec = [[int(tb.k[split[s]]) for s, tb in enumerate(rows)] for rows in tables]
                 off = [[float(tb.f[split[s]]) for s, tb in enumerate(rows)] for rows in tables]
+                mis = [[bool(tb.mi[split[s]]) for s, tb in enumerate(rows)] for rows in tables]
             else:
                 rec = [[int(tb.k_rec[split[s]]) for s, tb in enumerate(rows)] for rows in tables]
                 off = [[0.0] * p for _ in tables]
+                mis = [[bool(tb.mi_rec[split[s]]) for s, tb in enumerate(rows)] for rows in tables]
         fixed, per = [], []
         offload_tail = 0.0
         for ti, (types, count) in enumerate(st.templates):
@@ -156,7 +174,7 @@ class _Search:
             for s in range(p):
                 rk = recompute_code_key(rec[ti][s])
                 stage_t.append(cost.compute_times(types[s], split[s], s == 0, s == p - 1, mbs, tp, rk,
-                                                  False, tp > 1).total_s)
+                                                  False, tp > 1, mis[ti][s]).total_s)
                 offload_tail = max(offload_tail, off[ti][s] * float(tables[ti][s].off_step[split[s]]))
             sends = sum(2 * cost.p2p_seconds(mbs, self._link_estimate(types, s, tp, D), tp, tp > 1)
                         for s in range(p - 1))
@@ -179,13 +197,13 @@ class _Search:
             mb = water_fill(fixed, per, total)
             if mb is None:
                 return None
-        if v > 1 and not self._chunks_fit(st, cost, split, rec, off, mb):
+        if v > 1 and not self._chunks_fit(st, cost, split, rec, off, mis, mb):
             return None
         step = max(a + k * c for a, c, k in zip(fixed, per, mb))
         step += self._sync_estimate(st, split, cost) + offload_tail
-        return _Candidate(st, split, rec, off, mb, step, prec, max(fixed))
+        return _Candidate(st, split, rec, off, mb, step, prec, mis, max(fixed))
 
-    def _chunks_fit(self, st: Structure, cost: CostModel, split, rec, off, mb) -> bool:
+    def _chunks_fit(self, st: Structure, cost: CostModel, split, rec, off, mis, mb) -> bool:
         """Exact memory of an interleaved candidate (the tables interpolate between multiples of
         the chunk count): every (template, stage) at its template's most micro-batches."""
         p, v, d = st.pp, st.vp, 0
@@ -197,7 +215,7 @@ class _Search:
                 rk = recompute_code_key(rec[ti][s])
                 mem = cost.chunked_memory_need(types[s], chunks, s == 0, s == p - 1, st.mbs, st.tp,
                                                rk, p, s, m, st.num_pipelines,
-                                               off[ti][s], False, st.tp > 1)
+                                               off[ti][s], False, st.tp > 1, mis[ti][s])
                 if not mem.fits:
                     return False
         return True
@@ -255,7 +273,8 @@ class _Search:
             for _ in range(count):
                 stages = [Stage(device_type=types[s], num_layers=cand.split[s],
                                 recompute=recompute_policy(cand.recompute[ti][s], cand.split[s]),
-                                offload=Offload(optimizer_fraction=cand.offload[ti][s]),
+                                offload=Offload(optimizer_fraction=cand.offload[ti][s],
+                                                module_inputs=cand.module_inputs[ti][s]),
                                 chunk_layers=list(chunks[s]) if v > 1 else None)
                           for s in range(st.pp)]
                 pipelines.append(Pipeline(micro_batch_size=st.mbs,
@@ -409,6 +428,7 @@ def tune(model: ModelSpec, inventory: Inventory, global_batch_size: int, *,
             plan1, sim1, sims = refine(plan0, sim0, problem.cost(plan0.precision),
                                        max_virtual_pipeline_size=options.max_virtual_pipeline_size,
                                        optimizer_offload=options.optimizer_offload,
+                                       activation_offload=options.activation_offload,
                                        max_rounds=options.refine_rounds)
             best = (plan1, sim1)
     base_best = search.best_simulated(base)

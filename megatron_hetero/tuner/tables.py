@@ -4,7 +4,10 @@ micro-batch and the cheapest memory policy that fits.
 The policies, cheapest that fits wins: none; full recompute of the fewest layers (Megatron's
 ``block`` method); offloading part of the optimizer state to the host (in steps of 5 %, its
 per-step cost spread over the average micro-batch count); all of it offloaded plus recompute;
-and where attention is unfused, selective recompute, alone or with offload. The baseline's
+where attention is unfused, selective recompute, alone or with offload; and (unless
+``TuneOptions.activation_offload`` is off) offloading each layer's module inputs to the host
+(fine-grained activation offload), alone, with the fewest layers of recompute, or with part
+or all of the optimizer state offloaded. The baseline's
 choices (full recompute only, or selective recompute alone) are kept beside them. Time and
 memory are linear in the layer count, so each table is built from two evaluations.
 
@@ -92,6 +95,14 @@ class StageTable:
     sel_fits: np.ndarray
     t_sel: np.ndarray
     off_step: np.ndarray
+    mi: np.ndarray
+    """Whether the ``t_fit`` policy offloads module inputs (fine-grained activation offload)."""
+    mi_rec: np.ndarray
+    """The same for the ``t_rec`` policy (no optimizer offload)."""
+    k_base_mi: np.ndarray
+    """The baseline's other choice: module inputs offloaded everywhere plus full recompute of
+    ``k_base_mi`` layers (big: nothing fits), at ``t_base_mi``."""
+    t_base_mi: np.ndarray
 
 
 class StageTables:
@@ -121,11 +132,12 @@ class StageTables:
             a, b = f(unit), f(2 * unit)
             return a + (n - unit) * (b - a) / unit
 
-        def memory(k, rk):
+        def memory(k, rk, mi=False):
             if vp == 1:
-                return cost.memory_need(gpu, k, first, last, mbs, tp, rk, in_flight, D, 0.0, False, sp)
+                return cost.memory_need(gpu, k, first, last, mbs, tp, rk, in_flight, D, 0.0, False,
+                                        sp, mi)
             return cost.chunked_memory_need(gpu, even_chunks(k, vp), first, last, mbs, tp, rk, pp,
-                                            stage, m, D, 0.0, False, sp)
+                                            stage, m, D, 0.0, False, sp, mi)
 
         t_none = line(lambda k: cost.compute_times(gpu, k, first, last, mbs, tp, none, False, sp).total_s)
         mems = {k: memory(k, none) for k in (vp, 2 * vp)}
@@ -140,7 +152,7 @@ class StageTables:
         m_avg = (self.problem.gbs // mbs) / D
         big = L + 1
 
-        def layers_to_recompute(excess):
+        def layers_to_recompute(excess, saving=saving):
             """Fewest layers of full recompute that remove ``excess`` bytes (big: impossible)."""
             k = np.where(excess <= 0, 0, np.ceil(np.maximum(excess, 0) / saving) if saving > 0 else big)
             return np.where((k > n) | (k < 0), big, k).astype(np.int64)
@@ -175,20 +187,50 @@ class StageTables:
             sel_k = np.full_like(k_a, SELECTIVE)
             ks, fs, ts = ks + [sel_k, sel_k], fs + [np.zeros_like(frac), np.minimum(frac_e, 1.0)], \
                 ts + [t_d, t_e]
+        no = np.zeros(L + 1, dtype=bool)
+        mis = [no] * len(ts)
+        rec = [0, 3] if len(ts) > 3 else [0]  # no optimizer offload: A, D (and F below)
+        k_f, t_f = np.full_like(k_a, big), np.full_like(t_a, np.inf)
+        if self.problem.opt.activation_offload:
+            # F: module inputs offloaded (fine-grained activation offload), then the fewest
+            # layers of full recompute; G: then part of the optimizer state instead; H: all of
+            # it and recompute what is still missing
+            mems_mi = {k: memory(k, none, True) for k in (vp, 2 * vp)}
+            mem_mi = line(lambda k: mems_mi[k].total, vp)
+            t_mi = line(lambda k: cost.compute_times(gpu, k, first, last, mbs, tp, none, False, sp,
+                                                     True).total_s)
+            kept = act - cost.module_input_bytes(mbs, tp, sp)
+            saving_mi = in_flight * (kept - cost.hidden_bytes(mbs, tp, sp))
+            k_f = np.where(mem_mi <= cap, 0, layers_to_recompute(mem_mi + act - cap, saving_mi))
+            t_f = np.where(k_f <= n, t_mi + np.minimum(k_f, n) * fwd_layer, np.inf)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                frac_g = np.where(mem_mi <= cap, 0.0, np.ceil((mem_mi - cap) * (1 + 1e-9) / opt * 20) / 20)
+            frac_g = np.where(np.isfinite(frac_g), frac_g, 2.0)
+            t_g = np.where(frac_g <= 1.0, t_mi + np.minimum(frac_g, 1.0) * off_step / m_avg, np.inf)
+            k_h = np.where(mem_mi - opt <= cap, 0, layers_to_recompute(mem_mi - opt + act - cap, saving_mi))
+            t_h = np.where(k_h <= n, t_mi + np.minimum(k_h, n) * fwd_layer + off_step / m_avg, np.inf)
+            rec.append(len(ts))
+            ks, fs, ts = ks + [k_f, np.zeros_like(k_a), k_h], \
+                fs + [np.zeros_like(frac), np.minimum(frac_g, 1.0), np.ones_like(frac)], ts + [t_f, t_g, t_h]
+            yes = np.ones(L + 1, dtype=bool)
+            mis = mis + [yes, yes, yes]
         pick = np.argmin(np.stack(ts), axis=0)
         k = np.choose(pick, ks)
         f = np.choose(pick, fs)
         t_fit = np.choose(pick, ts)
+        mi = np.choose(pick, mis)
         t_fit[0] = np.inf
-        rec = [0, 3] if len(ts) > 3 else [0]  # recompute only: A, D
         pick_r = np.argmin(np.stack([ts[i] for i in rec]), axis=0)
         k_rec = np.choose(pick_r, [ks[i] for i in rec])
         t_rec = np.choose(pick_r, [ts[i] for i in rec])
+        mi_rec = np.choose(pick_r, [mis[i] for i in rec])
         t_rec[0] = np.inf
         t_base = t_a.copy()
         t_base[0] = np.inf
+        t_f[0] = np.inf
         got = StageTable(t_none=t_none, k=k, f=f, t_fit=t_fit, k_rec=k_rec, t_rec=t_rec, k_base=k_a,
-                         t_base=t_base, sel_fits=sel_fits, t_sel=t_sel, off_step=off_step)
+                         t_base=t_base, sel_fits=sel_fits, t_sel=t_sel, off_step=off_step,
+                         mi=mi, mi_rec=mi_rec, k_base_mi=k_f, t_base_mi=t_f)
         self._tables[key] = got
         return got
 

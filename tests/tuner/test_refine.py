@@ -105,7 +105,7 @@ def test_a_stage_short_of_memory_gets_the_cheapest_policy_that_fits():
     cost = _cost(model)
     bare = _plan([2, 10], [8, 8], model=model)
     assert not cost.stage_memory(bare, 0, 1).fits
-    built = _build(bare, layout_of(bare), _Policies(cost, bare, True))
+    built = _build(bare, layout_of(bare), _Policies(cost, bare, True, False))
     assert built is not None
     assert all(cost.stage_memory(built, d, s).fits for d in range(2) for s in range(2))
     assert built.pipelines[0].stages[1].recompute.granularity == "selective"
