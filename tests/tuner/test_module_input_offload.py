@@ -1,0 +1,101 @@
+"""Offloading the layers' module inputs to the host (Offload.module_inputs, megatron-core's
+fine-grained activation offloading) in the cost model and the search: bytes worked by hand,
+what stays on the device, when the copies cost time, and that the search uses it only where
+memory is short and only when allowed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megatron_hetero import models as M
+from megatron_hetero._schema import read_yaml
+from megatron_hetero.cost import CostModel
+from megatron_hetero.hardware.inventory import inventory_from_data
+from megatron_hetero.models import model_preset
+from megatron_hetero.tuner import TuneOptions, tune
+
+REPO = Path(__file__).resolve().parents[2]
+M70 = model_preset("llama2-70b", seq_length=4096)
+INV = inventory_from_data({"groups": [{"gpu": "A40-48GB", "nodes": 1, "gpus_per_node": 8}]})
+NONE = ("none", None, None)
+
+
+def test_bytes_by_hand():
+    # s = 4096, h = 8192, h_kv = 1024, b = 1, t = 2 with sequence parallelism:
+    # 6sbh / 2 (two LayerNorm inputs and the QKV input) + (4sbh + 4sb h_kv) / 2 (Q, K, V and the
+    # projection input)
+    s, h, kv = 4096, 8192, 1024
+    expect = 6 * s * h / 2 + (4 * s * h + 4 * s * kv) / 2
+    assert expect == 176_160_768
+    assert M.module_input_bytes(M70, 1, 2, sequence_parallel=True) == expect
+    # without sequence parallelism the replicated part is whole on every rank
+    assert M.module_input_bytes(M70, 1, 2) == 6 * s * h + (4 * s * h + 4 * s * kv) / 2
+    # it is part of what a layer keeps, never more
+    for sp in (False, True):
+        assert M.module_input_bytes(M70, 1, 2, sequence_parallel=sp) < \
+            M.layer_activation_bytes(M70, 1, 2, "none", flash_attention=True, sequence_parallel=sp)
+
+
+def test_memory_drops_by_the_offloaded_bytes_less_one_resident_layer():
+    cost = CostModel(M70, INV)
+    off = cost.module_input_bytes(1, 2, True)
+    for n, in_flight in ((3, 8), (5, 1)):
+        a = cost.memory_need("A40-48GB", n, False, False, 1, 2, NONE, in_flight, 2, 0.0, False, True)
+        b = cost.memory_need("A40-48GB", n, False, False, 1, 2, NONE, in_flight, 2, 0.0, False, True, True)
+        assert a.activations - b.activations == pytest.approx(in_flight * n * off - off)
+        assert (a.params, a.grads, a.optimizer) == (b.params, b.grads, b.optimizer)
+    # recomputed layers keep only their input: nothing of theirs to offload
+    full = ("full", "uniform", 1)
+    a = cost.memory_need("A40-48GB", 4, False, False, 1, 2, full, 8, 2, 0.0, False, True)
+    b = cost.memory_need("A40-48GB", 4, False, False, 1, 2, full, 8, 2, 0.0, False, True, True)
+    assert a.activations == b.activations
+    # interleaved: every chunk's activations drop the same way
+    a = cost.chunked_memory_need("A40-48GB", (2, 2), False, False, 1, 2, NONE, 4, 1, 8, 2, 0.0,
+                                 False, True)
+    b = cost.chunked_memory_need("A40-48GB", (2, 2), False, False, 1, 2, NONE, 4, 1, 8, 2, 0.0,
+                                 False, True, True)
+    assert b.activations < a.activations - off
+
+
+def test_copies_cost_only_what_the_compute_cannot_hide():
+    fast = CostModel(M70, INV)  # 25 GB/s: 176 MB in 7 ms, well inside a layer's compute
+    lf, lb = fast.layer_times("A40-48GB", 1, 2)
+    assert fast.module_input_bytes(1, 2, True) / fast.pcie_bandwidth < lf
+    a = fast.compute_times("A40-48GB", 3, False, False, 1, 2, NONE, False, True)
+    b = fast.compute_times("A40-48GB", 3, False, False, 1, 2, NONE, False, True, True)
+    assert (a.forward_s, a.backward_s) == (b.forward_s, b.backward_s)
+    slow = CostModel(M70, INV, pcie_bandwidth_gb_s=0.5)  # 352 ms per layer's copy
+    moved = slow.module_input_bytes(1, 2, True) / slow.pcie_bandwidth
+    lf, lb = slow.layer_times("A40-48GB", 1, 2)
+    a = slow.compute_times("A40-48GB", 3, False, False, 1, 2, NONE, False, True)
+    b = slow.compute_times("A40-48GB", 3, False, False, 1, 2, NONE, False, True, True)
+    assert b.forward_s - a.forward_s == pytest.approx(3 * (moved - lf))
+    assert b.backward_s - a.backward_s == pytest.approx(3 * max(0.0, moved - lb))
+
+
+def _scenario(name):
+    from megatron_hetero.models import load_model
+    data = read_yaml(REPO / "examples" / "scenarios" / f"{name}.yaml")
+    return (load_model(data["model"], seq_length=data.get("seq_length")),
+            inventory_from_data(data["inventory"]), int(data["global_batch_size"]))
+
+
+def test_the_search_offloads_where_memory_is_short_and_only_when_allowed():
+    model, inv, gbs = _scenario("a800-a40-llama2-70b")
+    on = tune(model, inv, gbs, options=TuneOptions())
+    off = tune(model, inv, gbs, options=TuneOptions(activation_offload=False))
+    assert not off.plan.offloads_module_inputs
+    assert off.baseline_plan is None or not off.baseline_plan.offloads_module_inputs
+    # the 48 GB A40s are short of memory for 70B: offloading makes a faster plan fit
+    assert on.plan.offloads_module_inputs
+    assert on.sim.step_time_s < off.sim.step_time_s
+    # every offloading stage would not fit without it under the same recompute
+    cost = CostModel(model, inv, precision=on.plan.precision)
+    for d, pipe in enumerate(on.plan.pipelines):
+        for s, st in enumerate(pipe.stages):
+            if st.offload.module_inputs:
+                st.offload.module_inputs = False
+                assert not cost.stage_memory(on.plan, d, s).fits, (d, s)
+                st.offload.module_inputs = True
