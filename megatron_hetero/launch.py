@@ -49,7 +49,9 @@ def main(argv: list[str] | None = None) -> int:
         if cpu:
             os.environ[CPU_ENV] = "1"
         from .runtime.hooks import install
+        from .runtime.policies import set_launch_env
 
+        set_launch_env(argv)  # NVTE_CPU_OFFLOAD_V1 before TE loads, for module-input offload
         install()  # prepares the CPU backend too when MEGATRON_HETERO_CPU=1
         runpy.run_path(str(script), run_name="__main__")
     except HeteroError as exc:

@@ -3,6 +3,17 @@
 Only what is the same on every rank goes on the command line: parallel sizes, the layer split,
 the model shape, batch sizes. What differs per rank (micro-batch counts, recompute, offload)
 stays in the plan, and the runtime applies it on each rank (``--hetero-plan``).
+
+Module-input offload (``Offload.module_inputs``, megatron-core's fine-grained activation
+offloading) never goes on the command line, even when every stage has it: no
+``--fine-grained-activation-offloading`` / ``--offload-modules`` (the runtime refuses them as a
+conflict). The runtime sets ``args.fine_grained_activation_offloading`` and ``offload_modules``
+on each rank before Megatron's ``validate_args``, which then checks them on the ranks that
+offload: ``--transformer-impl transformer_engine`` (Megatron's default) and, with Transformer
+Engine >= 2.10, ``NVTE_CPU_OFFLOAD_V1=1`` in the environment before TE is imported
+(``python -m megatron_hetero.launch`` sets it for such a plan; a launcher of one's own must
+export it). So a plan with module-input offload adds no argument here, and the line passes
+Megatron's ``validate_args`` as it is.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ BASE = yaml.safe_load((REPO / "tests/data/plan_a100_v100.yaml").read_text())
 
 
 def _variant(split, *, tp=1, heads=32, groups=32, micro=(1, 1), counts=(70, 58), sp=False,
-             offload=0.0, chunks=None, overlap=False):
+             offload=0.0, chunks=None, overlap=False, module_inputs=False):
     data = copy.deepcopy(BASE)
     data["overlap_grad_reduce"] = overlap
     if chunks is not None:  # interleaved: the layers of each stage's model chunks
@@ -36,7 +36,8 @@ def _variant(split, *, tp=1, heads=32, groups=32, micro=(1, 1), counts=(70, 58),
         {"micro_batch_size": m, "num_microbatches": n,
          "stages": [dict(copy.deepcopy(proto), num_layers=k, recompute={"granularity": "none"},
                          device_type="A100-SXM-80GB",
-                         offload={"optimizer_fraction": offload if s == 0 else 0.0})
+                         offload={"optimizer_fraction": offload if s == 0 else 0.0,
+                                  "module_inputs": module_inputs and s == 0})
                     | ({"chunk_layers": list(chunks[s])} if chunks is not None else {})
                     for s, k in enumerate(split)]}
         for m, n in zip(micro, counts)]
@@ -60,6 +61,8 @@ VARIANTS = {
     "interleaved-tp2": _variant(None, tp=2, sp=True, chunks=[[3, 5, 4, 4], [4, 4, 4, 4]],
                                 counts=(64, 64), overlap=True),
     "overlap-grad-reduce": _variant([14, 18], overlap=True),
+    "module-input-offload": _variant([16, 16], module_inputs=True),
+    "module-input-offload-interleaved": _variant(None, chunks=[[7, 9], [8, 8]], module_inputs=True),
 }
 
 
@@ -183,3 +186,64 @@ def test_interleaved_block_recompute_stays_with_the_runtime():
             stage["recompute"] = {"granularity": "full", "method": "uniform", "num_layers": 1}
     args = megatron_args(plan_from_data(data))
     assert args[args.index("--recompute-method") + 1] == "uniform"
+
+
+_PER_RANK_CHECKER = textwrap.dedent("""
+    import contextlib, io, json, os, sys
+    import megatron.core.utils as mcore_utils
+    from packaging.version import Version
+    from megatron.training.arguments import (core_transformer_config_from_args, parse_args,
+                                             validate_args)
+    from megatron_hetero.plan import load_plan
+    from megatron_hetero.runtime import policies
+    from megatron_hetero.runtime.arguments import add_hetero_args
+    case = json.loads(sys.stdin.read())
+    plan = load_plan(case["plan"])
+    out = []
+    for pipeline, stage, te_version, v1_env in case["runs"]:
+        sys.argv = ["pretrain_gpt.py", *case["argv"], "--no-rope-fusion"]  # no TE here
+        os.environ["WORLD_SIZE"] = str(plan.world_size)
+        os.environ.pop("NVTE_CPU_OFFLOAD_V1", None)
+        if v1_env:
+            os.environ["NVTE_CPU_OFFLOAD_V1"] = v1_env
+        mcore_utils._te_version = Version(te_version)  # what Megatron's TE check reads
+        with contextlib.redirect_stdout(io.StringIO()):
+            args = parse_args(extra_args_provider=add_hetero_args)
+            for key, value in policies.stage_args(plan.stage(pipeline, stage)).items():
+                if hasattr(args, key) or key.startswith("recompute_"):  # as the hooks do
+                    setattr(args, key, value)
+            try:
+                validate_args(args)
+            except AssertionError as exc:
+                out.append({"refused": str(exc)})
+                continue
+            config = core_transformer_config_from_args(args)
+        out.append({"args": [args.fine_grained_activation_offloading, args.offload_modules],
+                    "config": [config.fine_grained_activation_offloading,
+                               config.offload_modules]})
+    print("RESULT" + json.dumps(out))
+""")
+
+
+def test_module_input_offload_is_set_per_rank_and_megatron_accepts_it(mcore017_env, tmp_path):
+    """The line has no offload flags (megatron_args' docstring); each rank's own args from
+    the plan pass Megatron's validate_args and reach its TransformerConfig, which checks the
+    modules. With TE >= 2.10 Megatron asserts NVTE_CPU_OFFLOAD_V1=1 (launch sets it)."""
+    from megatron_hetero.runtime.policies import MODULE_INPUTS
+
+    plan = VARIANTS["module-input-offload"]
+    argv = megatron_args(plan, str(tmp_path / "plan.yaml"))
+    assert not any(a.startswith("--") and "offload" in a for a in argv)
+    (tmp_path / "plan.yaml").write_text(yaml.safe_dump(plan.to_data()))
+    runs = [(0, 0, "0.0.0", None), (0, 1, "0.0.0", None), (0, 0, "2.10.0", None),
+            (0, 0, "2.10.0", "1"), (0, 1, "2.10.0", None)]
+    payload = {"plan": str(tmp_path / "plan.yaml"), "argv": argv, "runs": runs}
+    proc = subprocess.run([sys.executable, "-c", _PER_RANK_CHECKER], input=json.dumps(payload),
+                          text=True, capture_output=True, env=mcore017_env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    on, off = [True, list(MODULE_INPUTS)], [False, []]
+    assert json.loads(proc.stdout.split("RESULT", 1)[1]) == [
+        {"args": on, "config": on}, {"args": off, "config": off},
+        {"refused": "For fine-grained activation offloading with TE >= 2.10.0, "
+                    "NVTE_CPU_OFFLOAD_V1 should be set to 1 to avoid offloading weights."},
+        {"args": on, "config": on}, {"args": off, "config": off}]

@@ -126,6 +126,24 @@ def shrink_plan(plan: Plan, hidden_size: int, catalog: Catalog | None = None) ->
     return plan_from_data(data, source="<shrunk plan>", catalog=catalog)
 
 
+def without_module_inputs(plan: Plan, catalog: Catalog | None = None
+                          ) -> tuple[Plan, list[tuple[int, int]]]:
+    """``plan`` with every stage's ``offload.module_inputs`` off, and the (pipeline, stage) slots
+    that had it. megatron-core's fine-grained activation offloading copies on CUDA streams and
+    runs through Transformer Engine: the CPU ranks keep those tensors. (Their memory caps still
+    count them as offloaded: :func:`.memory.memory_caps` scales the real plan's estimate, with
+    the offload, to the shrunk plan's as the CPU runs it, without.)"""
+    slots = [(d, s) for d, pipe in enumerate(plan.pipelines)
+             for s, stage in enumerate(pipe.stages) if stage.offload.module_inputs]
+    if not slots:
+        return plan, []
+    data = plan.to_data()
+    for d, s in slots:
+        data["pipelines"][d]["stages"][s]["offload"]["module_inputs"] = False
+    return (plan_from_data(data, source="<rehearsed plan>", catalog=catalog or plan.catalog),
+            slots)
+
+
 # -- what this machine can host -------------------------------------------------------------------
 
 def _available_bytes() -> float:
@@ -722,6 +740,9 @@ class RehearsalResult:
     verify_message: str | None = None
     """With ``verify``: None when the run matched the single-process reference, else the first
     divergence."""
+    kept_module_inputs: list[tuple[int, int]] = field(default_factory=list)
+    """(pipeline, stage) slots whose ``offload.module_inputs`` the CPU ranks did not run
+    (:func:`without_module_inputs`)."""
 
     @property
     def ratio(self) -> float | None:
@@ -770,7 +791,8 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
     config = config or RehearsalConfig()
     catalog = catalog or plan.catalog or load_catalog()
     say = progress or (lambda msg: None)
-    shrunk = shrink_plan(plan, config.hidden_size, catalog)
+    shrunk, kept_inputs = without_module_inputs(shrink_plan(plan, config.hidden_size, catalog),
+                                                catalog)
     check_host_capacity(shrunk, max_ranks=config.max_ranks, source=source, catalog=catalog)
     slowdowns = device_slowdowns(plan, catalog)
     time_scale = config.time_scale or auto_time_scale(plan, slowdowns)
@@ -876,10 +898,19 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
                            a_priori_step_s=a_priori.step_time_s, cpu_drift=drift,
                            cpu_drifts=drifts,
                            losses=result.losses, calibration=calibration, time_scale=time_scale,
-                           verify_message=verify_message)
+                           verify_message=verify_message, kept_module_inputs=kept_inputs)
 
 
 # -- report ---------------------------------------------------------------------------------------
+
+def module_inputs_note(slots: list[tuple[int, int]]) -> str:
+    """The report's line on module-input offload the CPU ranks did not run."""
+    where = ", ".join(f"pipeline {d} stage {s}" for d, s in slots)
+    return (f"note: offload.module_inputs (megatron-core's fine-grained activation offloading: "
+            f"CUDA streams, Transformer Engine) is not rehearsed on {where}: those ranks keep the "
+            f"tensors, their memory caps count them as offloaded, and neither the measured nor "
+            f"the predicted times include the host copies")
+
 
 def format_report(result: RehearsalResult, *, source: str = "PLAN",
                   real: ModelSpec | None = None) -> str:
@@ -924,6 +955,8 @@ def format_report(result: RehearsalResult, *, source: str = "PLAN",
             f" {st.predicted_sync_s:>6.3f}"
             f" | {mem:>17}")
     lines.append("")
+    if result.kept_module_inputs:
+        lines.append(module_inputs_note(result.kept_module_inputs))
     worst = max((st.drift_s for st in result.stages), default=0.0)
     if worst > 0.02 * result.step_s:
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")

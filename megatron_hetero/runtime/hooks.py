@@ -136,7 +136,8 @@ def before_validate(args, argv=None) -> RankState | None:
     argv = sys.argv[1:] if argv is None else argv
     plan_args.check_and_apply(args, plan, argv, source=path)
     policies.check_supported(plan, source=path, use_precision_aware_optimizer=getattr(
-        args, "use_precision_aware_optimizer", None))
+        args, "use_precision_aware_optimizer", None),
+        transformer_impl=getattr(args, "transformer_impl", None))
     launcher_rank, world = int(args.rank), int(args.world_size)
     device = detect_device_type(override=getattr(args, "hetero_device_type", None),
                                 catalog=plan.catalog,  # the built-in one plus the plan's gpus
@@ -256,6 +257,8 @@ def _wrap_get_fb(original):
     @functools.wraps(original)
     def get_forward_backward_func(*a, **kw):
         fb = original(*a, **kw)
+        if _state is not None:  # ranks that offload nothing join the others' offload summary
+            fb = policies.join_offload_summary(fb, _state.plan, _state.stage)
         return replica_forward_backward(fb) if _uneven() else fb
     return get_forward_backward_func
 

@@ -12,7 +12,9 @@ are accepted only where they say the same, and dropped (Megatron takes one of th
 layout).
 
 Per-rank settings (micro-batches, recompute, offload) are not command-line arguments; see
-:mod:`megatron_hetero.runtime.hooks`.
+:mod:`megatron_hetero.runtime.hooks`. The command line may not set them either (the
+``--recompute-*`` options unless every stage shares them, ``--fine-grained-activation-offloading``
+and ``--offload-modules`` always): each is a conflict naming the plan field that governs it.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ _SPLIT_FLAGS = ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-
                 "--pipeline-model-parallel-layout")
 _VIRTUAL_FLAGS = ("--num-layers-per-virtual-pipeline-stage",
                   "--num-virtual-stages-per-pipeline-rank")
+_MODULE_INPUT_FLAGS = ("--fine-grained-activation-offloading", "--offload-modules")
 _GOVERNED_ELSEWHERE = {
     # flag the plan governs but does not imply -> why
     "--rampup-batch-size": "the plan fixes every replica's micro-batches",
@@ -176,6 +179,12 @@ def check_and_apply(args, plan: Plan, argv: Sequence[str], *, source: str = "pla
         if flag in given and flag not in implied_flags:
             conflict(flag, getattr(args, _dest(flag), None),
                      "per-stage recompute from the plan (leave the --recompute-* options out)")
+    # Module-input offload (fine-grained activation offloading): per stage too.
+    for flag in _MODULE_INPUT_FLAGS:
+        if flag in given:
+            conflict(flag, getattr(args, _dest(flag), None),
+                     "per-stage module-input offload from the plan (offload.module_inputs; "
+                     "leave the option out)")
 
     for item in implied:
         if item.flag == "--hetero-plan":

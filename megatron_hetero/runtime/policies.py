@@ -8,7 +8,20 @@ own ``TransformerConfig`` though, so the runtime sets them per rank from the ran
   ``HybridDeviceOptimizer``; needs ``--use-precision-aware-optimizer``);
 * activation offload: ``cpu_offloading`` where the installed megatron-core accepts it together
   with the plan's pipeline parallelism (0.16 and 0.17 refuse PP > 1) and Transformer Engine
-  (which runs it) is installed.
+  (which runs it) is installed;
+* module-input offload (``Offload.module_inputs``): megatron-core's fine-grained activation
+  offloading, ``fine_grained_activation_offloading`` + ``offload_modules`` =
+  :data:`MODULE_INPUTS` on the stage's ``args`` and on every model chunk's config. Every other
+  stage sets ``fine_grained_activation_offloading=False`` explicitly. It needs Transformer
+  Engine, and with TE >= 2.10 ``NVTE_CPU_OFFLOAD_V1=1`` in the environment before TE is
+  imported (``megatron_hetero.launch`` sets it for such plans; Megatron asserts it).
+
+  Megatron assumes every rank offloads or none does: after the first step an offloading rank
+  prints its offload summary through world-wide collectives
+  (``print_offload_summary_table``: two ``all_gather_object`` and a barrier). With a plan that
+  offloads on some stages only, the other ranks join those collectives once, with nothing to
+  report, after their first ``forward_backward`` call (:func:`join_offload_summary`), so
+  nobody waits forever.
 
 With interleaved pipelining (``Plan.virtual_pipeline_size`` > 1) a rank holds several model
 chunks, each with its own ``TransformerConfig``, and Megatron counts ``recompute_num_layers`` per
@@ -22,6 +35,8 @@ never dropped silently.
 
 from __future__ import annotations
 
+import functools
+import os
 from functools import cache
 
 from ..errors import HeteroError
@@ -30,7 +45,14 @@ from ..plan import Plan, Stage
 
 __all__ = ["recompute_kwargs", "chunk_recompute_layers", "offload_kwargs", "stage_config_kwargs",
            "stage_args", "check_supported", "PolicyUnsupported", "activation_offload_supported",
-           "optimizer_offload_supported"]
+           "optimizer_offload_supported", "MODULE_INPUTS", "module_input_kwargs",
+           "module_input_offload_supported", "join_offload_summary", "set_launch_env"]
+
+MODULE_INPUTS = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm")
+"""megatron-core ``offload_modules`` of ``Offload.module_inputs`` (the dense layer's modules)."""
+
+NVTE_ENV = "NVTE_CPU_OFFLOAD_V1"
+"""Megatron's fine-grained offload needs it at 1 with Transformer Engine >= 2.10."""
 
 
 class PolicyUnsupported(HeteroError):
@@ -73,10 +95,18 @@ def offload_kwargs(stage: Stage) -> dict:
             "cpu_offloading_activations": True, "cpu_offloading_weights": False}
 
 
+def module_input_kwargs(stage: Stage) -> dict:
+    """TransformerConfig (and ``args``) fields of module-input offload, on or off: every rank
+    sets them, since ranks differ. The same on every model chunk of the stage."""
+    if stage.offload.module_inputs:
+        return {"fine_grained_activation_offloading": True, "offload_modules": list(MODULE_INPUTS)}
+    return {"fine_grained_activation_offloading": False, "offload_modules": []}
+
+
 def stage_config_kwargs(stage: Stage, chunk: int | None = None) -> dict:
     """Every TransformerConfig field this stage's plan entry sets (on its model chunk
     ``chunk`` for an interleaved plan)."""
-    return {**recompute_kwargs(stage, chunk), **offload_kwargs(stage)}
+    return {**recompute_kwargs(stage, chunk), **offload_kwargs(stage), **module_input_kwargs(stage)}
 
 
 def stage_args(stage: Stage) -> dict:
@@ -88,7 +118,51 @@ def stage_args(stage: Stage) -> dict:
     out["optimizer_offload_fraction"] = fraction if fraction > 0 else 1.0
     if stage.offload.activations:
         out["cpu_offloading"] = True
+    # Megatron reads args.fine_grained_activation_offloading in validate_args (TE checks) and
+    # in pretrain (CPU affinity of the offload copies); its config is built from args too.
+    out.update(module_input_kwargs(stage))
     return out
+
+
+def join_offload_summary(forward_backward, plan: Plan, stage: Stage):
+    """``forward_backward`` for a rank of ``plan`` that does not offload module inputs while
+    others do: after its first call it joins megatron-core's offload summary collectives once
+    (see the module docstring). Otherwise ``forward_backward`` itself."""
+    if stage.offload.module_inputs or not plan.offloads_module_inputs:
+        return forward_backward
+    from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
+
+    @functools.wraps(forward_backward)
+    def joined(*a, **kw):
+        result = forward_backward(*a, **kw)
+        if not _joined[0]:
+            _joined[0] = True
+            fgo.print_offload_summary_table({})  # this rank offloads nothing
+        return result
+    return joined
+
+
+_joined = [False]  # this process joined the offload summary (once per process, as Megatron)
+
+
+def set_launch_env(argv, environ=None) -> bool:
+    """Before Transformer Engine is imported: ``NVTE_CPU_OFFLOAD_V1=1`` (unless already set)
+    when the command line's ``--hetero-plan`` offloads module inputs on some stage (TE reads it
+    at import; with TE >= 2.10 Megatron's fine-grained offload asserts it). True when the plan
+    needs it."""
+    from ..plan import load_plan
+
+    environ = os.environ if environ is None else environ
+    path = None
+    for i, tok in enumerate(argv):
+        if tok == "--hetero-plan" and i + 1 < len(argv):
+            path = argv[i + 1]
+        elif tok.startswith("--hetero-plan="):
+            path = tok.split("=", 1)[1]
+    if path is None or not load_plan(path).offloads_module_inputs:
+        return False
+    environ.setdefault(NVTE_ENV, "1")
+    return True
 
 
 @cache
@@ -107,6 +181,28 @@ def activation_offload_supported(pipeline_parallel_size: int) -> bool:
     return True
 
 
+def module_input_offload_supported() -> bool:
+    """Whether the installed megatron-core has fine-grained activation offloading (its
+    ``TransformerConfig`` field and the summary collective :func:`join_offload_summary` joins)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if "fine_grained_activation_offloading" not in TransformerConfig.__dataclass_fields__:
+        return False
+    try:
+        from megatron.core.pipeline_parallel.fine_grained_activation_offload import (  # noqa: F401
+            print_offload_summary_table)
+    except ImportError:
+        return False
+    return True
+
+
+def _te_needs_v1_env() -> bool:
+    """Transformer Engine >= 2.10 (Megatron then asserts ``NVTE_CPU_OFFLOAD_V1=1``)."""
+    from megatron.core.utils import is_te_min_version
+
+    return is_te_min_version("2.10.0")
+
+
 @cache
 def optimizer_offload_supported() -> bool:
     """Whether megatron-core has its CPU-offload (hybrid device) optimizer."""
@@ -117,9 +213,11 @@ def optimizer_offload_supported() -> bool:
     return True
 
 
-def check_supported(plan: Plan, *, source: str = "plan", use_precision_aware_optimizer=None) -> None:
+def check_supported(plan: Plan, *, source: str = "plan", use_precision_aware_optimizer=None,
+                    transformer_impl=None) -> None:
     """Refuse, with one message naming every offending stage, the policies this megatron-core
-    cannot apply. ``use_precision_aware_optimizer`` (the parsed argument) is checked when given."""
+    cannot apply. ``use_precision_aware_optimizer`` and ``transformer_impl`` (the parsed
+    arguments) are checked when given."""
     problems = []
     pp = plan.pipeline_model_parallel_size
     for d, pipe in enumerate(plan.pipelines):
@@ -146,6 +244,9 @@ def check_supported(plan: Plan, *, source: str = "plan", use_precision_aware_opt
                     problems.append(f"{where}.activations: megatron-core's activation offload "
                                     f"(cpu_offloading) runs through Transformer Engine, which is "
                                     f"not installed")
+            if stage.offload.module_inputs:
+                problems += _module_input_problems(stage, f"{where}.module_inputs",
+                                                   transformer_impl)
             if stage.offload.optimizer_fraction > 0:
                 if not optimizer_offload_supported():
                     problems.append(f"{where}.optimizer_fraction: the installed megatron-core "
@@ -156,3 +257,23 @@ def check_supported(plan: Plan, *, source: str = "plan", use_precision_aware_opt
     if problems:
         raise PolicyUnsupported(f"{source}: the plan asks for memory policies this Megatron "
                                 f"cannot apply:\n  " + "\n  ".join(problems))
+
+
+def _module_input_problems(stage: Stage, where: str, transformer_impl) -> list[str]:
+    if stage.offload.activations:
+        return [f"{where}: megatron-core's fine-grained activation offloading cannot run with "
+                f"cpu_offloading (offload.activations) on the same stage; choose one"]
+    if not module_input_offload_supported():
+        return [f"{where}: the installed megatron-core has no fine-grained activation "
+                f"offloading (TransformerConfig.fine_grained_activation_offloading)"]
+    if not have_transformer_engine():
+        return [f"{where}: megatron-core's fine-grained activation offloading runs through "
+                f"Transformer Engine, which is not installed"]
+    if transformer_impl not in (None, "transformer_engine"):
+        return [f"{where}: megatron-core's fine-grained activation offloading needs "
+                f"--transformer-impl transformer_engine (the command line has {transformer_impl})"]
+    if _te_needs_v1_env() and os.environ.get(NVTE_ENV, "0") != "1":
+        return [f"{where}: with Transformer Engine >= 2.10 megatron-core's fine-grained "
+                f"activation offloading needs {NVTE_ENV}=1 in the environment before Transformer "
+                f"Engine is imported (python -m megatron_hetero.launch sets it for such plans)"]
+    return []

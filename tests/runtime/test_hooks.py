@@ -80,7 +80,9 @@ def test_stage_policies_as_args_and_config():
     s0, s1 = plan.stage(0, 0), plan.stage(0, 1)
     assert policies.stage_args(s0) == {"recompute_granularity": "full", "recompute_method": "block",
                                        "recompute_num_layers": 1, "optimizer_cpu_offload": True,
-                                       "optimizer_offload_fraction": 0.5}
+                                       "optimizer_offload_fraction": 0.5,
+                                       "fine_grained_activation_offloading": False,
+                                       "offload_modules": []}
     assert policies.stage_args(s1)["recompute_granularity"] == "selective"
     assert policies.stage_args(s1)["optimizer_cpu_offload"] is False
 
