@@ -32,6 +32,7 @@ sys.path.insert(0, str(REPO))
 
 from megatron_hetero.megatron_args import megatron_args_line  # noqa: E402
 from megatron_hetero.plan import Plan, load_plan  # noqa: E402
+from megatron_hetero.tuner.report import policy_text  # noqa: E402
 
 GENERATED = ("plan.yaml", "megatron_args.txt", "launch.sh", "README.md")
 
@@ -117,13 +118,6 @@ def _gpus(counts: dict[str, int]) -> str:
     return " + ".join(f"{n}x {gpu}" for gpu, n in sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
-def _recompute(stage) -> str:
-    r = stage.recompute
-    if r.granularity == "full":
-        return f"full {r.method} {r.num_layers}"
-    return r.granularity
-
-
 def _layers(stage) -> str:
     """``6 layers`` or, interleaved, ``6 layers (2+2+2)``: the layers of each model chunk."""
     if stage.chunk_layers is None or len(stage.chunk_layers) == 1:
@@ -139,8 +133,8 @@ def _pipeline_rows(plan: Plan, report: dict) -> list[str]:
     groups: list[tuple[tuple, list[int]]] = []
     for d, pipe in enumerate(plan.pipelines):
         key = (pipe.micro_batch_size, pipe.num_microbatches,
-               tuple((s.device_type, _layers(s), _recompute(s), s.offload.optimizer_fraction,
-                      mem.get((d, i))) for i, s in enumerate(pipe.stages)))
+               tuple((s.device_type, _layers(s), policy_text(s), mem.get((d, i)))
+                     for i, s in enumerate(pipe.stages)))
         for k, members in groups:
             if k == key:
                 members.append(d)
@@ -153,10 +147,8 @@ def _pipeline_rows(plan: Plan, report: dict) -> list[str]:
                f"{members[0]}-{members[-1]}" if members == list(range(members[0], members[-1] + 1))
                else ",".join(map(str, members)))
         cells = []
-        for gpu, layers, rec, off, m in stages:
-            text = f"{gpu}, {layers}, recompute {rec}"
-            if off:
-                text += f", optimizer offload {off:g}"
+        for gpu, layers, policy, m in stages:
+            text = f"{gpu}, {layers}, {policy}"
             if m and m[0] is not None and m[1]:
                 text += f", {m[0] / 1e9:.1f}/{m[1] / 1e9:.0f} GB"
             cells.append(text)
@@ -213,7 +205,7 @@ def readme(ex: Example, plan: Plan, report: dict, inventory_text: str) -> str:
         "",
         "## Plan",
         "",
-        "| pipelines | micro-batches x size | stages (device, layers, recompute, predicted memory) |",
+        "| pipelines | micro-batches x size | stages (device, layers, memory policy, predicted memory) |",
         "|---|---|---|",
         *_pipeline_rows(plan, report),
         "",

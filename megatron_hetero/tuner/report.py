@@ -8,7 +8,7 @@ from ..megatron_args import megatron_args
 from ..plan import Plan
 from ..simulate import SimResult
 
-__all__ = ["plan_table", "summary_lines", "report_dict"]
+__all__ = ["plan_table", "summary_lines", "report_dict", "policy_text"]
 
 
 def _recompute_text(stage) -> str:
@@ -18,12 +18,25 @@ def _recompute_text(stage) -> str:
     return r.granularity
 
 
+def policy_text(stage) -> str:
+    """A stage's memory policy in words: ``recompute none``, then what it offloads."""
+    text = f"recompute {_recompute_text(stage)}"
+    off = stage.offload
+    if off.optimizer_fraction:
+        text += f", optimizer offload {off.optimizer_fraction:g}"
+    if off.module_inputs:
+        text += ", module inputs to host"
+    if off.activations:
+        text += ", activations to host"
+    return text
+
+
 def _groups(plan: Plan) -> "OrderedDict[tuple, list[int]]":
     """Pipelines with identical settings, so a 500-pipeline plan prints as a few columns."""
     groups: OrderedDict[tuple, list[int]] = OrderedDict()
     for d, pipe in enumerate(plan.pipelines):
         key = (pipe.micro_batch_size, pipe.num_microbatches,
-               tuple((s.device_type, _recompute_text(s), s.offload.optimizer_fraction) for s in pipe.stages))
+               tuple((s.device_type, policy_text(s)) for s in pipe.stages))
         groups.setdefault(key, []).append(d)
     return groups
 
@@ -54,8 +67,9 @@ def plan_table(plan: Plan, sim: SimResult, title: str):
             st = plan.stage(ds[0], s)
             res = sim.stage(ds[0], s)
             mem = res.memory
+            policy = policy_text(st).replace(", ", "\n")
             row.append(f"{st.device_type}\n{mem.total / 1e9:.1f} / {mem.capacity / 1e9:.0f} GB\n"
-                       f"recompute {_recompute_text(st)}\nbusy {res.busy_s:.2f} s")
+                       f"{policy}\nbusy {res.busy_s:.2f} s")
         table.add_row(*row)
     return table
 
