@@ -1,0 +1,88 @@
+"""``megatron-hetero profile``: the command's handler and its option parsing."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from ..errors import HeteroError
+from ..plan import ModelSpec
+from .device import pick_device
+from .launch import run_profile
+from .request import ProfileRequest
+
+
+def _int_list(text: str, option: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise HeteroError(f"{option}: {text!r}; expected comma-separated integers such as 1,2,4") \
+            from None
+    if not values or min(values) < 1:
+        raise HeteroError(f"{option}: {text!r}; expected positive integers such as 1,2,4")
+    return sorted(set(values))
+
+
+def resolve_model(name: str, *, seq_length: int | None = None,
+                  hidden_size: int | None = None) -> ModelSpec:
+    """A model preset or a YAML file of ModelSpec fields (:func:`megatron_hetero.models.load_model`),
+    optionally shrunk in width to ``hidden_size`` by the rehearsal's rule (so that a CPU profile
+    and a CPU rehearsal of the same model have the same shape)."""
+    from ..models import load_model
+
+    model = load_model(name, seq_length=seq_length)
+    if hidden_size is not None and hidden_size < model.hidden_size:
+        from ..emulate.rehearse import shrink_model
+        model = shrink_model(model, hidden_size)
+        if seq_length is not None:
+            model = dataclasses.replace(model, seq_length=seq_length)
+    return model
+
+
+def profile_main(args) -> int:
+    """Handler of ``megatron-hetero profile``."""
+    model = resolve_model(args.model, seq_length=args.seq_length, hidden_size=args.hidden_size)
+    if args.vocab_size is not None:
+        if args.vocab_size < 1:
+            raise HeteroError(f"--vocab-size {args.vocab_size}: expected a positive integer")
+        model = dataclasses.replace(model, vocab_size=args.vocab_size)
+    if args.output is not None and not Path(args.output).resolve().parent.is_dir():
+        raise HeteroError(f"-o {args.output}: the directory {Path(args.output).parent} does not "
+                          "exist; expected a path in an existing directory")
+    pick_device(args.device)  # refuse --device cuda without CUDA before starting any rank
+    request = ProfileRequest(
+        model=model,
+        micro_batch_sizes=_int_list(args.micro_batch_sizes, "--micro-batch-sizes"),
+        tensor_parallel_sizes=_int_list(args.tensor_parallel_sizes, "--tensor-parallel-sizes"),
+        warmup=args.warmup, repeats=args.repeats, device=args.device, precision=args.precision,
+        device_type=args.device_type, cpu_threads=args.cpu_threads, layers=args.layers,
+        bandwidth=not args.no_bandwidth, pipeline=not getattr(args, "no_pipeline", False),
+        idle_factor=getattr(args, "idle_factor", 0.0), progress=not args.quiet,
+    )
+    data = run_profile(request, args.output)
+    if data is None:  # a non-zero torchrun rank
+        return 0
+    eff = f"; layer efficiency {data.efficiency:.3f}" if data.efficiency else ""
+    print(f"{args.output}: profile of {data.device.type} ({data.device.name}) for "
+          f"{model.name} h={model.hidden_size} s={model.seq_length}: {len(data.entries)} "
+          f"entries{eff}")
+    for e in data.entries:
+        print(f"  TP={e.tensor_parallel_size} mbs={e.micro_batch_size}: layer fwd "
+              f"{e.layer.forward_s * 1e3:.3f} ms bwd {e.layer.backward_s * 1e3:.3f} ms; "
+              f"activations {e.memory.activation_bytes_per_layer / 2**20:.2f} MiB/layer"
+              + (f"; after an idle gap of {data.timing.idle_factor:g}x a step costs "
+                 f"{e.idle_penalty.forward_s * 1e3:+.3f} / {e.idle_penalty.backward_s * 1e3:+.3f} ms"
+                 if e.idle_penalty else ""))
+    if data.pipeline is not None:
+        for e in data.pipeline.entries:
+            print(f"  2-stage 1F1B pipeline, mbs={e.micro_batch_size}: per micro-batch and stage "
+                  f"{e.forward_overhead_s * 1e3:+.3f} ms fwd, {e.backward_overhead_s * 1e3:+.3f} ms "
+                  f"bwd beyond the parts")
+    if data.device.backend == "cpu":
+        import yaml
+
+        from ..cost.profile_file import inventory_entry
+        entry = yaml.safe_dump({data.device.type: inventory_entry(data)}, default_flow_style=True,
+                               width=10_000).strip()
+        print(f"to plan with this CPU, add under the inventory's `gpus:` key: {entry}")
+    return 0
