@@ -1,0 +1,275 @@
+"""Calibration of the emulated cluster: what the CPU and gloo achieve on the shrunk model.
+
+:func:`calibrate` runs on two CPU processes: gloo's point-to-point latency and bandwidth and
+all-reduce bandwidth between them, then the CPU seconds of one forward and backward of the
+shrunk layer, embedding and output layer, the bytes a layer saves for the backward pass and the
+optimizer step's rate (:class:`Calibration`), optionally after the idle gaps of a stretched rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+from ..plan import Pipeline, Plan, Stage
+
+__all__ = ["Calibration", "calibrate"]
+
+
+@dataclass(kw_only=True, slots=True)
+class Calibration:
+    """What the CPU achieves on the shrunk model: the base of every emulated device."""
+
+    parts: dict[tuple[str, int], tuple[float, float]] = field(default_factory=dict)
+    """(part, micro-batch size) -> CPU seconds of (forward, backward) of one micro-batch."""
+    layer_flops_per_s: float = 0.0
+    """FLOP/s the CPU achieves on the shrunk layer (forward + backward)."""
+    p2p_latency_s: float = 50e-6
+    """One gloo point-to-point message, one way (measured by the ranks at start)."""
+    bandwidth_gb_s: float = 1.0
+    """gloo point-to-point bandwidth between two ranks of this machine (measured at start)."""
+    allreduce_gb_s: float = 1.0
+    """Bus bandwidth of a 2-rank gloo all-reduce (bytes / seconds): what gradient sync sees."""
+    layer_activation_bytes: dict[int, float] = field(default_factory=dict)
+    """Micro-batch size -> bytes one shrunk layer saves for the backward pass, as measured."""
+    optimizer_gb_s: float = 5.0
+    """Bytes the optimizer step touches per second (24 per fp32 Adam parameter, clipping and
+    megatron's bookkeeping included): the emulated devices' memory bandwidth."""
+    pipeline_overhead: dict[int, tuple[float, float]] = field(default_factory=dict)
+    """Micro-batch size -> CPU seconds of (forward, backward) a pipeline stage pays per
+    micro-batch beyond its parts (a profile's ``pipeline`` figures); empty: none measured."""
+    step_overhead: dict[int, tuple[float, float]] = field(default_factory=dict)
+    """Micro-batch size -> CPU seconds of (forward, backward) every stage step pays once per
+    micro-batch for following an idle gap (the rank's stretch sleep) rather than other work;
+    empty: none measured."""
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
+def _ping_pong(rank: int, size_bytes: int, reps: int) -> float:
+    """Seconds of one one-way gloo message of ``size_bytes`` between ranks 0 and 1."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    buf = torch.zeros(max(1, size_bytes // 4))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        if rank == 0:
+            dist.send(buf, 1)
+            dist.recv(buf, 1)
+        else:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
+        times.append((time.perf_counter() - t0) / 2)
+    return min(times)  # the uncontended figure: other processes may share these cores
+
+
+def _calibrate_rank(rank: int, world_size: int, shrunk: Plan, reps: int, seed: int,
+                    meter: bool, nice: int = 0, idle_factor: float = 0.0) -> Calibration | None:
+    """Runs in a 2-rank gloo group: both measure gloo p2p, then rank 0 times the model parts."""
+    _renice(nice)
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    out = Calibration()
+    small, large = 4096, 4 << 20
+    _ping_pong(rank, large, 2)
+    lat = _ping_pong(rank, small, 30)
+    big = _ping_pong(rank, large, 7)
+    out.p2p_latency_s = lat
+    out.bandwidth_gb_s = large / max(big - lat, 1e-7) / 1e9
+    out.allreduce_gb_s = large / _all_reduce_seconds(torch.zeros(large // 4), 6) / 1e9
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank != 0:
+        return None
+    from .spawn import free_port
+    dist.init_process_group("gloo", rank=0, world_size=1,
+                            init_method=f"tcp://127.0.0.1:{free_port()}")
+
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from ..models import layer_forward_flops
+    from . import trainer
+    from .cpu_backend import enable_cpu_backend
+    from .memory import MemoryMeter
+
+    enable_cpu_backend()
+    m = shrunk.model
+    clock = time.thread_time
+    for b in sorted({p.micro_batch_size for p in shrunk.pipelines}):
+        totals, acts = {}, {}
+        for n in (1, 3):
+            plan = dataclasses.replace(
+                shrunk, model=dataclasses.replace(m, num_layers=n), tensor_model_parallel_size=1,
+                sequence_parallel=False, virtual_pipeline_size=1,
+                global_batch_size=b, pipelines=[Pipeline(
+                    micro_batch_size=b, num_microbatches=1,
+                    stages=[Stage(device_type=shrunk.pipelines[0].stages[0].device_type,
+                                  num_layers=n)])])
+            fw, bw, ef, eb, idle_fw, idle_bw = [], [], [], [], [], []
+            ps.initialize_model_parallel(1, 1)
+            try:
+                tensor_parallel.model_parallel_cuda_manual_seed(seed)
+                tconf = trainer._transformer_config(plan, plan.pipelines[0].stages[0])
+                model = GPTModel(config=tconf, transformer_layer_spec=get_gpt_layer_local_spec(
+                                     normalization=m.normalization),
+                                 vocab_size=m.vocab_size, max_sequence_length=m.seq_length,
+                                 pre_process=True, post_process=True,
+                                 share_embeddings_and_output_weights=(
+                                     not m.untie_embeddings_and_output_weights),
+                                 position_embedding_type=m.position_embedding_type)
+                ddp = DistributedDataParallel(
+                    config=tconf, module=model,
+                    ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                             use_distributed_optimizer=False))
+                mm = MemoryMeter(rank=0, pipeline=0, stage=0, device_type="")
+                batch = next(trainer._micro_batches(plan, 0, 0, seed))
+
+                def timed_step(idle_after: float | None = None) -> tuple[float, float]:
+                    """(forward, backward) CPU seconds of one micro-batch; with ``idle_after``,
+                    each of the two follows an idle gap as on a stretched rank (the first gap
+                    ``idle_factor`` times ``idle_after``, the second times the forward)."""
+                    if idle_after is not None:
+                        _idle(idle_factor, idle_after)
+                    ctx = mm.saved_activations() if meter else contextlib.nullcontext()
+                    t0 = clock()
+                    with ctx:
+                        loss = ddp(batch["tokens"], batch["position_ids"], None,
+                                   labels=batch["labels"])
+                    t1 = clock()
+                    if idle_after is not None:
+                        _idle(idle_factor, t1 - t0)
+                    t1b = clock()
+                    loss.sum().backward()
+                    t2 = clock()
+                    return t1 - t0, t2 - t1b
+
+                for _ in range(reps + 2):
+                    f, k = timed_step()
+                    saved = mm.activation_bytes
+                    fw.append(f)
+                    bw.append(k)
+                    if n == 3 and idle_factor > 0:
+                        # the same step after an idle gap, as a stretched rank runs it; the
+                        # next round's back-to-back step follows this one's work
+                        f, k = timed_step(idle_after=k)
+                        idle_fw.append(f)
+                        idle_bw.append(k)
+                    if n == 1:
+                        t0 = clock()
+                        with (mm.saved_activations() if meter else contextlib.nullcontext()):
+                            emb = model.embedding(input_ids=batch["tokens"],
+                                                  position_ids=batch["position_ids"])
+                        t1 = clock()
+                        emb.sum().backward()
+                        t2 = clock()
+                        del emb
+                        ef.append(t1 - t0)
+                        eb.append(t2 - t1)
+                if n == 3:
+                    optimizer = get_megatron_optimizer(
+                        OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=1.0, bf16=False,
+                                        fp16=False, params_dtype=torch.float32,
+                                        use_distributed_optimizer=False), [ddp])
+                    steps = []
+                    for _ in range(reps + 2):
+                        t0 = clock()
+                        optimizer.step()
+                        steps.append(clock() - t0)
+                    params = sum(p.numel() for p in model.parameters())
+                    out.optimizer_gb_s = 24 * params / _median(steps[2:]) / 1e9
+            finally:
+                ps.destroy_model_parallel()
+            totals[n] = (_median(fw[2:]), _median(bw[2:]))
+            if idle_fw:
+                out.step_overhead[b] = (_median(idle_fw[2:]) - totals[n][0],
+                                        _median(idle_bw[2:]) - totals[n][1])
+            acts[n] = saved
+            if n == 1:
+                out.parts[("embedding", b)] = (_median(ef[2:]), _median(eb[2:]))
+        lf = max(1e-6, (totals[3][0] - totals[1][0]) / 2)
+        lb = max(1e-6, (totals[3][1] - totals[1][1]) / 2)
+        out.parts[("layer", b)] = (lf, lb)
+        ef_, eb_ = out.parts[("embedding", b)]
+        out.parts[("output", b)] = (max(0.0, totals[1][0] - lf - ef_),
+                                    max(0.0, totals[1][1] - lb - eb_))
+        out.layer_flops_per_s = 3 * layer_forward_flops(m, b) / (lf + lb)
+        if meter:
+            out.layer_activation_bytes[b] = max(0, acts[3] - acts[1]) / 2
+    return out
+
+
+def _idle(idle_factor: float, seconds: float) -> None:
+    if idle_factor > 0 and seconds > 0:
+        import time
+        time.sleep(idle_factor * seconds)
+
+
+def calibrate(shrunk: Plan, *, reps: int = 5, seed: int = 1234, meter: bool = True,
+              timeout_s: float = 120.0, nice: int = 0, idle_factor: float = 0.0) -> Calibration:
+    """Measure what the emulated cluster is made of, on two CPU processes: the gloo
+    point-to-point latency and bandwidth between them, and the CPU seconds (thread CPU time, one
+    thread, as the ranks run, under the same activation accounting when ``meter``) of one
+    micro-batch's forward and backward through the shrunk layer (difference of a 1-layer and a
+    3-layer model), embedding and output layer with its loss, at each micro-batch size of the
+    plan. ``idle_factor`` > 0: also the CPU seconds a step (the 3-layer model's forward, its
+    backward) costs more after an idle gap of that many times its duration than back to back,
+    as the speed emulation runs every step of a rank (``Calibration.step_overhead``; see
+    docs/calibration.md)."""
+    from .spawn import spawn
+
+    return spawn(_calibrate_rank, 2, args=(shrunk, reps, seed, meter, nice, idle_factor),
+                 timeout_s=timeout_s)[0]
+
+
+def _all_reduce_seconds(buf, tries: int) -> float:
+    """Fastest of ``tries - 1`` timed all-reduces of ``buf`` over the world (the first warms up)."""
+    import time
+
+    import torch.distributed as dist
+
+    times = []
+    for _ in range(tries):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(buf)
+        times.append(time.perf_counter() - t0)
+    return min(times[1:])
+
+
+def _renice(nice: int) -> None:
+    if nice:
+        try:
+            os.nice(nice)
+        except OSError:  # lowering the nice value needs privileges; run at the default then
+            pass
+
+
+def _activation_scale(shrunk: Plan, calibration: Calibration) -> float:
+    """Measured over estimated (fp32, unfused attention) activation bytes of one shrunk layer."""
+    from ..models import layer_activation_bytes
+
+    ratios = [measured / (2 * layer_activation_bytes(shrunk.model, b, 1, "none",
+                                                     flash_attention=False))
+              for b, measured in calibration.layer_activation_bytes.items() if measured > 0]
+    return max(ratios) if ratios else 1.0

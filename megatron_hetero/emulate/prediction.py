@@ -1,0 +1,125 @@
+"""Prediction of the emulated cluster: the tuner's cost model and simulator, over an inventory
+whose GPU types are the emulated devices (the CPU's calibrated speed over each device's factor,
+linked by gloo as measured)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..plan import Plan, plan_from_data
+from .calibration import Calibration
+
+__all__ = ["emulated_name", "emulated_cluster", "predict", "trainer_shards_optimizer"]
+
+
+@dataclass(kw_only=True, slots=True)
+class _EmulatedProfile:
+    """A :class:`~megatron_hetero.cost.profile_protocol.DeviceProfile` of one emulated device:
+    the CPU's calibrated times stretched by the device's factor."""
+
+    device_type: str
+    factor: float
+    calibration: Calibration
+    efficiency: float | None = None
+
+    def times(self, part, *, model, micro_batch_size, tensor_parallel_size):
+        got = self.calibration.parts.get((part, micro_batch_size))
+        if got is None:
+            return None
+        return (got[0] * self.factor / tensor_parallel_size,
+                got[1] * self.factor / tensor_parallel_size)
+
+    def pipeline_overhead(self, *, model, micro_batch_size, tensor_parallel_size):
+        got = self.calibration.pipeline_overhead.get(micro_batch_size)
+        if got is None:
+            return None
+        return (max(0.0, got[0]) * self.factor, max(0.0, got[1]) * self.factor)
+
+    def step_overhead(self, *, model, micro_batch_size, tensor_parallel_size):
+        got = self.calibration.step_overhead.get(micro_batch_size)
+        if got is None:
+            return None
+        return (max(0.0, got[0]) * self.factor, max(0.0, got[1]) * self.factor)
+
+
+def trainer_shards_optimizer(plan: Plan) -> bool:
+    """Whether the mini trainer runs ``plan`` with Megatron's distributed optimizer (the CPU
+    ranks then shard the optimizer state; the prediction and the caps must know)."""
+    from .trainer import TrainConfig
+
+    if "use_distributed_optimizer" not in TrainConfig.__dataclass_fields__:
+        return False  # a trainer that always runs the plain optimizer
+    choice = TrainConfig().use_distributed_optimizer  # the rehearsal keeps the trainer's default
+    return plan.use_distributed_optimizer if choice is None else bool(choice)
+
+
+def emulated_name(device_type: str) -> str:
+    return f"CPU-as-{device_type}"
+
+
+def _per_device(calibration, devices, factors: dict[str, float]) -> tuple[dict, Calibration]:
+    """(device -> Calibration, the fastest device's) from one Calibration for all devices or a
+    mapping with one per device type (each timed with that device's idle gaps)."""
+    if isinstance(calibration, Calibration):
+        per = {d: calibration for d in devices}
+    else:
+        per = {d: calibration[d] for d in devices}
+    fastest = min(per, key=lambda d: (factors[d], d))
+    return per, per[fastest]
+
+
+def emulated_cluster(device_counts: dict[str, int], calibration,
+                     factors: dict[str, float], *, gpus_per_node: int | None = None):
+    """(inventory, profiles, cost-model options) of the emulated cluster: one GPU type
+    ``CPU-as-<device>`` per device type, at the calibrated CPU speed over the device's factor,
+    linked by gloo as measured (all-reduce bandwidth; point-to-point latency), optimizer steps at
+    the measured rate; ``device_counts`` GPUs of each, ``gpus_per_node`` to a node (all in one
+    node by default; 1 keeps a search from using tensor parallelism). The optimizer step and
+    the gradient sync are not stretched: the ranks run them at CPU speed. ``calibration``: one
+    :class:`Calibration`, or one per device type (its compute figures are that device's; links
+    and the optimizer's rate are the fastest device's)."""
+    from ..hardware.inventory import inventory_from_data
+
+    per_device, calibration = _per_device(calibration, device_counts, factors)
+    bw = calibration.allreduce_gb_s
+    memory_bandwidth_gb_s = calibration.optimizer_gb_s
+    gpus, groups = {}, []
+    for device, count in sorted(device_counts.items()):
+        name = emulated_name(device)
+        flops = per_device[device].layer_flops_per_s / factors[device] / 1e12
+        gpus[name] = {"vendor": "CPU", "bf16_tflops": flops, "bf16": True, "fp32_tflops": flops,
+                      "memory_gb": 1e3, "memory_bandwidth_gb_s": memory_bandwidth_gb_s,
+                      "intra_node_link": "gloo", "intra_node_bandwidth_gb_s": bw,
+                      "efficiency": 1.0}
+        per = min(gpus_per_node or count, count)
+        groups.append({"gpu": name, "nodes": -(-count // per), "gpus_per_node": per,
+                       "inter_node_bandwidth_gb_s": bw})
+    inventory = inventory_from_data({"groups": groups, "gpus": gpus,
+                                     "inter_group_bandwidth_gb_s": bw},
+                                    source="<emulated cluster>")
+    profiles = {emulated_name(d): _EmulatedProfile(device_type=emulated_name(d), factor=f,
+                                                   calibration=per_device[d])
+                for d, f in factors.items() if d in device_counts}
+    options = {"flash_attention": False, "workspace_gb": 0.0,
+               "p2p_latency_s": calibration.p2p_latency_s}
+    return inventory, profiles, options
+
+
+def predict(shrunk: Plan, calibration, factors: dict[str, float]):
+    """The tuner's cost model and simulator on the emulated cluster (:func:`emulated_cluster`)
+    for ``shrunk`` as the CPU ranks run it (fp32); ``calibration``: one :class:`Calibration` or
+    one per device type. Returns a ``SimResult``."""
+    from ..cost.model import CostModel
+    from ..simulate import simulate
+
+    inventory, profiles, options = emulated_cluster(dict(shrunk.device_counts()), calibration,
+                                                    factors)
+    data = shrunk.to_data()
+    data["precision"] = "fp32"
+    for pipe in data["pipelines"]:
+        for st in pipe["stages"]:
+            st["device_type"] = emulated_name(st["device_type"])
+    emu = plan_from_data(data, source="<emulated plan>", catalog=inventory.catalog)
+    cost = CostModel(emu.model, inventory, profiles=profiles, precision="fp32",
+                     use_distributed_optimizer=trainer_shards_optimizer(shrunk), **options)
+    return simulate(emu, cost, record_events=False)

@@ -1,0 +1,153 @@
+"""The rehearsal's ranks: speed and memory emulation of each CPU rank (the trainer's
+``hooks_factory``), the gloo bandwidth they measure among themselves, and the user error a rank
+raised."""
+
+from __future__ import annotations
+
+import contextlib
+
+from ..errors import HeteroError
+from ..plan import Plan
+from .calibration import _all_reduce_seconds, _renice
+
+_CORRUPT_ENV = "MEGATRON_HETERO_TEST_CORRUPT_PIPELINE"
+"""Test-only hook: when set to ``d``, data-parallel replica ``d`` reads wrong labels from step 1
+on, so that ``--verify`` has a real divergence to catch."""
+
+
+class _RankEmulation:
+    """Speed and memory emulation of one rank, as :class:`~.trainer.RankHooks`."""
+
+    def __init__(self, speed, meter):
+        self.speed, self.meter = speed, meter
+        self.busy: list[float] = []
+        self.cpu: list[float] = []
+        self.drift: list[float] = []
+        self.sync: list[float] = []
+        self._last = (0.0, 0.0, 0.0)
+
+    @contextlib.contextmanager
+    def compute(self, kind: str):
+        # backward too: a recomputing stage saves its recomputed activations there
+        ctx = self.meter.saved_activations() if self.meter is not None else contextlib.nullcontext()
+        with self.speed.step(), ctx:
+            yield
+
+    def on_step_end(self, step: int, wall_s: float) -> None:
+        sp = self.speed
+        self.busy.append(sp.busy_s - self._last[0])
+        self.cpu.append(sp.cpu_s - self._last[1])
+        self.drift.append(sp.drift_s)
+        if step == 0:
+            sp.drift_s = 0.0  # one-time costs of the warm-up are not carried into the next steps
+        self.sync.append(self._sync_total - self._last[2])
+        self._last = (sp.busy_s, sp.cpu_s, self._sync_total)
+        if self.meter is not None and self._built is not None:
+            self.meter.count_static(*self._built)  # the optimizer state exists after a step
+
+    _built = None
+    allreduce_gb_s = None
+
+    def on_built(self, model_chunks, optimizer) -> None:
+        self._built = (model_chunks, optimizer)
+        if self.meter is not None:
+            self.meter.count_static(model_chunks, optimizer)
+        # time the gradient sync and the optimizer step (neither is stretched)
+        for chunk in model_chunks:
+            chunk.finish_grad_sync = self._timed(chunk.finish_grad_sync)
+        optimizer.step = self._timed(optimizer.step)
+
+    _sync_total = 0.0
+
+    def _timed(self, fn):
+        import time
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._sync_total += time.perf_counter() - t0
+        return timed
+
+    def report(self) -> dict:
+        meter = self.meter
+        return {"busy": self.busy, "cpu": self.cpu, "drift": self.drift, "sync": self.sync,
+                "factor": self.speed.factor,
+                "slept_s": self.speed.slept_s,
+                "peak_bytes": meter.peak_bytes if meter else None,
+                "cap_bytes": meter.cap if meter else None,
+                "static_bytes": meter.static_bytes if meter else None,
+                "allreduce_gb_s": self.allreduce_gb_s}
+
+
+def _corrupt_pipeline(pipeline: int) -> None:
+    from . import trainer
+
+    original = getattr(trainer._micro_batches, "_hetero_original", trainer._micro_batches)
+
+    def micro_batches(plan, d, step, seed):
+        for batch in original(plan, d, step, seed):
+            if d == pipeline and step >= 1:
+                batch = dict(batch, labels=(batch["labels"] + 1) % plan.model.vocab_size)
+            yield batch
+
+    micro_batches._hetero_original = original
+    trainer._micro_batches = micro_batches
+
+
+def _world_allreduce_gb_s(plan: Plan) -> float:
+    """Bus bandwidth (``2 (n-1)/n x bytes / s``) of an all-reduce of one stage's gradients over
+    every rank of the rehearsal: what gradient sync sees with this many processes on this
+    machine. Runs on every rank before training (a collective of the whole world)."""
+    import torch
+    import torch.distributed as dist
+
+    from .. import models as M
+
+    n = dist.get_world_size()
+    if n < 2:
+        return float("inf")
+    params = max(M.layer_params(plan.model) * max(plan.layer_split)
+                 + M.embedding_params(plan.model), 1 << 16)
+    buf = torch.zeros(int(params))
+    return 2 * (n - 1) / n * buf.numel() * 4 / _all_reduce_seconds(buf, 4) / 1e9
+
+
+def _rank_hooks(plan: Plan, rank: int, *, factors: dict[str, float], time_scale: float,
+                caps: dict[int, tuple[float, float, float]] | None, enforce_caps: bool = True,
+                corrupt_pipeline: int | None = None, nice: int = 0):
+    """``hooks_factory`` of the rehearsal (runs inside each rank process)."""
+    from .memory import MemoryMeter
+    from .speed import SpeedEmulation
+    from .trainer import RankHooks
+
+    _renice(nice)
+    allreduce_gb_s = _world_allreduce_gb_s(plan)
+    slot = plan.slot_of_rank(rank)
+    device = plan.stage(slot.pipeline, slot.stage).device_type
+    speed = SpeedEmulation(slowdown=factors[device] / time_scale, time_scale=time_scale,
+                           device_type=device, absorb_contention=True)
+    meter = None
+    if caps is not None:
+        cap, device_bytes, scale = caps[rank]
+        meter = MemoryMeter(rank=rank, pipeline=slot.pipeline, stage=slot.stage,
+                            device_type=device, cap=cap if enforce_caps else None,
+                            device_bytes=device_bytes, scale=scale)
+    emu = _RankEmulation(speed, meter)
+    emu.allreduce_gb_s = allreduce_gb_s
+    if corrupt_pipeline is not None:
+        _corrupt_pipeline(corrupt_pipeline)
+    return RankHooks(compute=emu.compute, on_step_end=emu.on_step_end, report=emu.report,
+                     on_built=emu.on_built)
+
+
+def _spawn_failure(exc) -> HeteroError | None:
+    """The user error a rank raised (e.g. MemoryCapError), from its remote traceback."""
+    tb = getattr(exc, "remote_traceback", "") or ""
+    for line in reversed(tb.strip().splitlines()):
+        head, sep, message = line.partition(": ")
+        if sep and head.startswith("megatron_hetero.") and head.rsplit(".", 1)[-1] in (
+                "MemoryCapError", "HeteroError", "SchemaError", "InfeasibleError"):
+            return HeteroError(message)
+    return None

@@ -1,0 +1,186 @@
+"""The rehearsal's result and report: measured and predicted figures per stage, and the table."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from ..plan import ModelSpec, Plan
+from .calibration import Calibration, _mean
+
+__all__ = ["StageReport", "RehearsalResult", "stage_reports", "module_inputs_note",
+           "format_report"]
+
+
+@dataclass(kw_only=True, slots=True)
+class StageReport:
+    """Measured and predicted figures of one (pipeline, stage), seconds per step."""
+
+    pipeline: int
+    stage: int
+    device_type: str
+    num_layers: int
+    num_microbatches: int
+    factor: float
+    step_s: float
+    busy_s: float
+    """Forward and backward compute, stretched: the emulated device's busy time."""
+    cpu_s: float
+    """CPU seconds of real work inside the busy time."""
+    drift_s: float = 0.0
+    """Largest lag, at a step's end, of this rank's compute behind its emulated duration (other
+    processes held the cores): emulation error, included in busy_s."""
+    peak_bytes: float | None
+    cap_bytes: float | None
+    sync_s: float = 0.0
+    """Gradient sync and optimizer step, with the wait there for slower replicas (wall
+    seconds; not stretched)."""
+    predicted_busy_s: float | None = None
+    predicted_idle_s: float | None = None
+    """Predicted bubble, gradient sync, optimizer and waiting for others."""
+    predicted_sync_s: float | None = None
+    """The simulator's gradient sync, optimizer step and end-of-step wait for slower ranks."""
+
+    @property
+    def idle_s(self) -> float:
+        return max(0.0, self.step_s - self.busy_s)
+
+    @property
+    def bubble_fraction(self) -> float:
+        return self.idle_s / self.step_s if self.step_s else 0.0
+
+
+@dataclass(kw_only=True, slots=True)
+class RehearsalResult:
+    plan: Plan
+    """The shrunk plan that ran."""
+    stages: list[StageReport]
+    step_s: float
+    """Measured step time: the mean over the reported steps of the slowest rank (a rank that fell
+    behind its emulated time in one step makes it up in the next, so the mean is the figure)."""
+    step_times: list[float]
+    """Per reported step, the slowest rank's wall seconds."""
+    predicted_step_s: float | None
+    """The cost model's step time for the emulated cluster, its compute calibrated at start-up
+    and rescaled by the CPU time the ranks measured (``cpu_drift``)."""
+    a_priori_step_s: float | None
+    """The same from the start-up calibration alone."""
+    cpu_drift: float
+    """CPU time the ranks' compute took over what the start-up calibration predicted."""
+    cpu_drifts: dict[str, float] = field(default_factory=dict)
+    """The same per device type (what the prediction is rescaled by)."""
+    losses: list[float]
+    calibration: Calibration
+    time_scale: float = 1.0
+    """The extra slowdown every emulated device ran at."""
+    verify_message: str | None = None
+    """With ``verify``: None when the run matched the single-process reference, else the first
+    divergence."""
+    kept_module_inputs: list[tuple[int, int]] = field(default_factory=list)
+    """(pipeline, stage) slots whose ``offload.module_inputs`` the CPU ranks did not run
+    (:func:`.shrink.without_module_inputs`)."""
+
+    @property
+    def ratio(self) -> float | None:
+        """Measured over predicted step time."""
+        return self.step_s / self.predicted_step_s if self.predicted_step_s else None
+
+
+def stage_reports(shrunk: Plan, leads, steps, caps: dict[int, tuple[float, float, float]],
+                  sim) -> list[StageReport]:
+    """One :class:`StageReport` per tensor-parallel lead rank in ``leads`` (the trainer's rank
+    results), measured over the reported ``steps`` and predicted by ``sim`` (a ``SimResult``),
+    in (pipeline, stage) order."""
+    stages = []
+    for r in leads:
+        extra = r.extra
+        st = shrunk.stage(r.pipeline, r.stage)
+        pred = sim.stage(r.pipeline, r.stage)
+        stages.append(StageReport(
+            pipeline=r.pipeline, stage=r.stage, device_type=st.device_type,
+            num_layers=st.num_layers,
+            num_microbatches=shrunk.pipelines[r.pipeline].num_microbatches,
+            factor=extra["factor"], step_s=_mean([r.step_times[k] for k in steps]),
+            busy_s=_mean([extra["busy"][k] for k in steps]),
+            cpu_s=_mean([extra["cpu"][k] for k in steps]),
+            drift_s=max(extra["drift"][k] for k in steps),
+            sync_s=_mean([extra["sync"][k] for k in steps]),
+            peak_bytes=extra["peak_bytes"], cap_bytes=caps[r.rank][0],
+            predicted_busy_s=pred.busy_s, predicted_idle_s=sim.step_time_s - pred.busy_s,
+            predicted_sync_s=pred.sync_s + pred.idle_s))
+    stages.sort(key=lambda s: (s.pipeline, s.stage))
+    return stages
+
+
+def module_inputs_note(slots: list[tuple[int, int]]) -> str:
+    """The report's line on module-input offload the CPU ranks did not run."""
+    where = ", ".join(f"pipeline {d} stage {s}" for d, s in slots)
+    return (f"note: offload.module_inputs (megatron-core's fine-grained activation offloading: "
+            f"CUDA streams, Transformer Engine) is not rehearsed on {where}: those ranks keep the "
+            f"tensors, their memory caps count them as offloaded, and neither the measured nor "
+            f"the predicted times include the host copies")
+
+
+def format_report(result: RehearsalResult, *, source: str = "PLAN",
+                  real: ModelSpec | None = None) -> str:
+    """The rehearsal's table: measured and predicted time per pipeline and stage."""
+    m = result.plan.model
+    c = result.calibration
+    n_steps = len(result.step_times)
+    plan = result.plan
+    split = (f"{plan.layer_split}, interleaved: {plan.virtual_pipeline_size} model chunks per "
+             f"stage of {[s.chunk_layers for s in plan.pipelines[0].stages]} layers"
+             if plan.virtual_pipeline_size > 1 else f"{plan.layer_split}")
+    lines = [
+        f"rehearsal of {source}: {real.name if real else m.name}, {m.num_layers} layers "
+        f"{split}, shrunk to hidden {m.hidden_size} "
+        f"(heads {m.num_attention_heads}, "
+        f"ffn {m.ffn_hidden_size}, vocab {m.vocab_size}, seq {m.seq_length}); "
+        f"{result.plan.world_size} CPU ranks; {n_steps} measured steps after 1 warm-up; every "
+        f"device slowed {result.time_scale:g}x more (time scale)",
+        f"calibrated: shrunk layer fwd+bwd "
+        f"{1e3 * sum(next(v for k, v in c.parts.items() if k[0] == 'layer')):.2f} ms of CPU "
+        f"({c.layer_flops_per_s / 1e9:.2f} GFLOP/s); gloo p2p {c.p2p_latency_s * 1e6:.0f} us, "
+        f"{c.bandwidth_gb_s:.2f} GB/s, all-reduce {c.allreduce_gb_s:.2f} GB/s; optimizer "
+        f"{c.optimizer_gb_s:.2f} GB/s",
+        "",
+        f"{'pipe':>4} {'stage':>5}  {'device':<18} {'layers':>6} {'micro':>5} {'slow':>6}"
+        f" | {'step s':>7} {'busy s':>7} {'idle s':>7} {'bubble':>6} {'sync s':>6}"
+        f" | {'pred busy':>9} {'pred idle':>9} {'bubble':>6} {'sync s':>6}"
+        f" | {'memory peak/cap':>17}",
+    ]
+    for st in result.stages:
+        pred_bubble = (st.predicted_idle_s / result.predicted_step_s
+                       if result.predicted_step_s else float("nan"))
+        mem = ("-" if st.peak_bytes is None else
+               f"{st.peak_bytes / 2**20:.2f}/{st.cap_bytes / 2**20:.2f} MiB"
+               + ("!" if st.peak_bytes > st.cap_bytes else ""))
+        lines.append(
+            f"{st.pipeline:>4} {st.stage:>5}  {st.device_type:<18} {st.num_layers:>6} "
+            f"{st.num_microbatches:>5} {st.factor:>5.2f}x"
+            f" | {st.step_s:>7.3f} {st.busy_s:>7.3f} {st.idle_s:>7.3f} {st.bubble_fraction:>6.1%}"
+            f" {st.sync_s:>6.3f}"
+            f" | {st.predicted_busy_s:>9.3f} {st.predicted_idle_s:>9.3f} {pred_bubble:>6.1%}"
+            f" {st.predicted_sync_s:>6.3f}"
+            f" | {mem:>17}")
+    lines.append("")
+    if result.kept_module_inputs:
+        lines.append(module_inputs_note(result.kept_module_inputs))
+    worst = max((st.drift_s for st in result.stages), default=0.0)
+    if worst > 0.02 * result.step_s:
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+        lines.append(f"note: other processes held the cores: a rank's compute ran up to "
+                     f"{worst:.3f} s behind its emulated time at a step's end (load average "
+                     f"{load:.1f} on {os.cpu_count()} cores); measured times are too long by "
+                     f"up to that much")
+    if result.predicted_step_s:
+        lines.append(f"step time: measured {result.step_s:.3f} s (mean of {n_steps}), predicted "
+                     f"{result.predicted_step_s:.3f} s by the tuner's cost model for this emulated "
+                     f"cluster; measured/predicted {result.ratio:.2f}")
+        per = (" (" + ", ".join(f"{d} {x:.2f}x" for d, x in sorted(result.cpu_drifts.items()))
+               + ")" if len(result.cpu_drifts) > 1 else "")
+        lines.append(f"  (the ranks' compute took {result.cpu_drift:.2f}x the CPU time the "
+                     f"start-up calibration measured{per}; from that calibration alone the "
+                     f"prediction is {result.a_priori_step_s:.3f} s)")
+    lines.append("losses: " + ", ".join(f"{x:.4f}" for x in result.losses))
+    return "\n".join(lines)
