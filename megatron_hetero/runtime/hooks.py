@@ -83,7 +83,8 @@ class RankState:
                 f"Megatron rank {self.megatron_rank}: pipeline {self.slot.pipeline} stage "
                 f"{self.slot.stage} tp {self.slot.tensor_rank}; {s.num_layers} layers{chunks}; "
                 f"{p.num_microbatches} micro-batches of {p.micro_batch_size}; recompute {rec}; "
-                f"optimizer offload {s.offload.optimizer_fraction:g}")
+                f"optimizer offload {s.offload.optimizer_fraction:g}"
+                + ("; module inputs offloaded to host" if s.offload.module_inputs else ""))
 
 
 _state: RankState | None = None

@@ -75,6 +75,9 @@ def test_apply_stage_config_sets_this_ranks_chunks():
                 SimpleNamespace(fine_grained_activation_offloading=not want[
                     "fine_grained_activation_offloading"], offload_modules=["x"]), chunk)
             assert _subset(vars(config), want) == want, (rank, chunk)
+        # the start-up line of each rank says whether it offloads
+        offloads = want["fine_grained_activation_offloading"]
+        assert ("module inputs offloaded to host" in hooks._state.describe()) == offloads
 
 
 def _refusal(plan, **kw) -> str:
