@@ -22,6 +22,13 @@ link carries v times the sends of the non-interleaved schedule.
 Per stage: ``busy_s`` compute, ``bubble_s`` waiting inside the schedule (from time 0 to the
 stage's last backward), ``sync_s`` gradient sync and optimizer, ``idle_s`` the rest of the step
 (waiting for slower replicas and stages).
+
+Memory: every stage's peak (:meth:`~megatron_hetero.cost.CostModel.stage_memory`) against its
+device; and, on the nodes of inventory groups that give ``host_memory_gb``, what the node's
+ranks offload to the host (:meth:`~megatron_hetero.cost.CostModel.stage_host_bytes`, each
+(pipeline, stage) on its node from :meth:`~megatron_hetero.cost.CostModel.placement`) plus the
+cost model's ``host_reserve_gb`` against the node's host memory (:attr:`SimResult.host_nodes`).
+Either one over makes ``fits_memory`` false.
 """
 
 from __future__ import annotations
@@ -33,7 +40,8 @@ from .cost.schedule import rank_order_cached
 from .models import step_model_flops
 from .plan import Plan
 
-__all__ = ["simulate", "SimResult", "StageResult", "Event", "one_f_one_b", "interleaved_1f1b"]
+__all__ = ["simulate", "host_memory", "SimResult", "StageResult", "HostMemory", "Event", "one_f_one_b",
+           "interleaved_1f1b"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +83,28 @@ class StageResult:
         return out
 
 
+@dataclass(frozen=True, slots=True)
+class HostMemory:
+    """Host memory of one node the plan uses, in a group with ``host_memory_gb``."""
+
+    node: str
+    """The node's host name, else ``<group label> node <i>``."""
+    group: int
+    index: int
+    """Node index inside the group."""
+    used_bytes: float
+    """What its ranks offload plus the cost model's host reserve."""
+    capacity_bytes: float
+
+    @property
+    def fits(self) -> bool:
+        return self.used_bytes <= self.capacity_bytes
+
+    def to_dict(self) -> dict:
+        return {"node": self.node, "group": self.group, "index": self.index,
+                "used_bytes": self.used_bytes, "capacity_bytes": self.capacity_bytes}
+
+
 @dataclass(kw_only=True, slots=True)
 class SimResult:
     step_time_s: float
@@ -85,16 +115,22 @@ class SimResult:
     mfu: float
     """Model FLOP/s over the summed peak (datasheet) FLOP/s of the plan's GPUs."""
     fits_memory: bool
+    """Every stage fits its device and every node in ``host_nodes`` its host memory."""
     events: list[Event] = field(default_factory=list)
+    host_nodes: list[HostMemory] = field(default_factory=list)
+    """The nodes of groups with ``host_memory_gb`` the plan uses (empty when none gives it)."""
 
     def stage(self, pipeline: int, stage: int) -> StageResult:
         p = 1 + max(s.stage for s in self.stages)
         return self.stages[pipeline * p + stage]
 
     def to_dict(self) -> dict:
-        return {"step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
-                "mfu": self.mfu, "model_flops": self.model_flops, "fits_memory": self.fits_memory,
-                "stages": [s.to_dict() for s in self.stages]}
+        out = {"step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
+               "mfu": self.mfu, "model_flops": self.model_flops, "fits_memory": self.fits_memory,
+               "stages": [s.to_dict() for s in self.stages]}
+        if self.host_nodes:
+            out["host_nodes"] = [h.to_dict() for h in self.host_nodes]
+        return out
 
     def timeline_png(self, path, *, max_pipelines: int = 8) -> None:
         """Gantt chart of the recorded events (the first ``max_pipelines`` pipelines)."""
@@ -229,6 +265,30 @@ def _run_pipeline(plan: Plan, cost: CostModel, placement, times, d: int, cache: 
     return cache[key]
 
 
+def host_memory(plan: Plan, cost: CostModel, placement) -> list[HostMemory]:
+    """Host memory of every node ``plan`` uses in a group with ``host_memory_gb``: each
+    (pipeline, stage) puts its ``tensor_model_parallel_size`` ranks on its node."""
+    inv = cost.inventory
+    caps = {gi: g.host_memory_gb for gi, g in enumerate(inv.groups) if g.host_memory_gb}
+    if not caps:
+        return []
+    tp = plan.tensor_model_parallel_size
+    used: dict = {}
+    for d in range(plan.data_parallel_size):
+        for s in range(plan.pipeline_model_parallel_size):
+            node = placement.node(d, s)
+            if node.group in caps:
+                used[node] = used.get(node, 0.0) + tp * cost.stage_host_bytes(plan, d, s)
+    out = []
+    for node in sorted(used):
+        hosts = inv.groups[node.group].hosts
+        name = hosts[node.node] if hosts else f"{inv.group_label(node.group)} node {node.node}"
+        out.append(HostMemory(node=name, group=node.group, index=node.node,
+                              used_bytes=used[node] + cost.host_reserve_bytes,
+                              capacity_bytes=caps[node.group] * 1e9))
+    return out
+
+
 def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True) -> SimResult:
     """Simulate one training step of ``plan`` under ``cost``."""
     placement = cost.placement(plan)
@@ -287,9 +347,11 @@ def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True) -> SimR
                 backward_s=sum(c.backward_s for c in times[d][s]), busy_s=busy[s], bubble_s=bubble,
                 sync_s=sync_of[d][s], idle_s=max(0.0, step - busy[s] - bubble - sync_of[d][s]),
                 memory=mem))
+    hosts = host_memory(plan, cost, placement)
+    fits = fits and all(h.fits for h in hosts)
     flops = step_model_flops(plan.model, plan.global_batch_size)
     peak = sum(n * cost.peak_flops(t) for t, n in plan.device_counts().items())
     tokens = plan.global_batch_size * plan.model.seq_length
     events.sort(key=lambda e: (e.pipeline, e.stage, e.start))
     return SimResult(step_time_s=step, stages=stages, tokens_per_s=tokens / step, model_flops=flops,
-                     mfu=flops / step / peak, fits_memory=fits, events=events)
+                     mfu=flops / step / peak, fits_memory=fits, events=events, host_nodes=hosts)

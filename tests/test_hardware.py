@@ -87,6 +87,12 @@ def test_inventory_overrides_and_custom_gpus():
      "groups[0].hosts", "one per node"),
     ({"groups": [{"gpu": "A100", "nodes": 1, "gpus_per_node": 8, "gpu_count": 8}]},
      "groups[0].gpu_count", "unknown key"),
+    ({"groups": [{"gpu": "A100", "nodes": 1, "gpus_per_node": 8, "host_memory_gb": 0}]},
+     "groups[0].host_memory_gb", "positive host memory"),
+    ({"groups": [{"gpu": "A100", "nodes": 1, "gpus_per_node": 8, "host_memory_gb": "1TB"}]},
+     "groups[0].host_memory_gb", "a number"),
+    ({"groups": [{"gpu": "A100", "nodes": 1, "gpus_per_node": 8,
+                  "host_memory_gb": float("inf")}]}, "groups[0].host_memory_gb", "positive"),
     ({"groups": [{"gpu": "A100", "nodes": 1, "gpus_per_node": 8}], "gpus": {"New": {"vendor": "X"}}},
      "gpus.New.bf16_tflops", "missing"),
     ({"groups": [{"gpu": "A100", "nodes": 1, "gpus_per_node": 8}],
@@ -97,6 +103,14 @@ def test_bad_inventory_names_the_field(data, path, phrase):
         inventory_from_data(data, source="inv.yaml")
     assert info.value.path == path
     assert phrase in str(info.value)
+
+
+def test_host_memory_is_optional_per_group(tmp_path):
+    f = tmp_path / "inventory.yaml"
+    f.write_text("groups:\n  - {gpu: A800-80GB, nodes: 4, gpus_per_node: 8, host_memory_gb: 1024}\n"
+                 "  - {gpu: A40-48GB, nodes: 4, gpus_per_node: 8}\n")
+    inv = load_inventory(f)
+    assert [g.host_memory_gb for g in inv.groups] == [1024.0, None]
 
 
 def test_load_inventory_file(tmp_path):

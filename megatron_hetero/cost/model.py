@@ -25,6 +25,9 @@ device type (with the inventory's overrides) and, where given, a measured profil
   what its own compute cannot hide at the host link's ``pcie_bandwidth_gb_s``),
   the transient activations of one recomputed chunk, and a fixed workspace reserve (CUDA context,
   communication buffers, allocator slack).
+* host memory per rank (:meth:`CostModel.stage_host_bytes`): the offloaded fraction of the
+  optimizer shard and the module inputs offloaded at the stage's peak; the simulator adds a
+  node's ranks and a fixed reserve and compares them with the inventory's ``host_memory_gb``.
 * interleaved pipelining (``v`` model chunks per stage): each chunk's costs come from its own
   layers (the embedding on chunk 0 of the first stage, the output layer and loss on chunk
   ``v - 1`` of the last); a stage's ``block`` recompute of ``k`` layers covers its first ``k``
@@ -128,6 +131,7 @@ class CostModel:
                  workspace_gb: float = 2.0,
                  host_optimizer_gb_s: float = 5.0,
                  pcie_bandwidth_gb_s: float = 25.0,
+                 host_reserve_gb: float = 64.0,
                  p2p_latency_s: float = 20e-6,
                  pipeline_overhead_s: tuple[float, float] = (0.0, 0.0)):
         """
@@ -144,7 +148,10 @@ class CostModel:
         device outside the model. ``host_optimizer_gb_s``: optimizer state one GPU's share of
         the host processes per second when offloaded (CPU Adam plus PCIe copies; a node's
         CPUs serve all its GPUs at once). ``pcie_bandwidth_gb_s``: one GPU's host link, for
-        offloaded activations. ``pipeline_overhead_s``: (forward, backward) seconds a stage of
+        offloaded activations. ``host_reserve_gb``: host memory per node kept for the OS and
+        the training processes (data loaders, CUDA and NCCL host buffers), beside what the GPUs
+        offload (:meth:`stage_host_bytes`), where the inventory gives ``host_memory_gb``.
+        ``pipeline_overhead_s``: (forward, backward) seconds a stage of
         a pipeline pays per micro-batch beyond its parts (schedule, p2p handling) where no
         profile of the device type measured it (:meth:`pipeline_overhead`); default 0.
         """
@@ -158,6 +165,7 @@ class CostModel:
         self.workspace_bytes = workspace_gb * 1e9
         self.host_optimizer_rate = host_optimizer_gb_s * 1e9
         self.pcie_bandwidth = pcie_bandwidth_gb_s * 1e9
+        self.host_reserve_bytes = host_reserve_gb * 1e9
         self.p2p_latency_s = p2p_latency_s
         self.pipeline_overhead_s = pipeline_overhead_s
         self.param_bytes = 4.0 if precision == "fp32" else 2.0
@@ -485,6 +493,24 @@ class CostModel:
 
     def stage_memory(self, plan: Plan, pipeline: int, stage: int) -> Memory:
         """Peak memory of one tensor rank of (pipeline, stage)."""
+        return self._stage_memory(plan, pipeline, stage,
+                                  plan.stage(pipeline, stage).offload.module_inputs)
+
+    def stage_host_bytes(self, plan: Plan, pipeline: int, stage: int) -> float:
+        """Host bytes one tensor rank of (pipeline, stage) keeps: the offloaded fraction of its
+        optimizer shard (fp32 master weights and Adam state, as :meth:`stage_memory` counts
+        them) and, with ``module_inputs``, the module inputs of the micro-batches in flight at
+        the stage's peak (its activations without the offload less those with it)."""
+        st, first, last = self._stage_key(plan, pipeline, stage)
+        params = self.stage_params(st.num_layers, first, last, plan.tensor_model_parallel_size)
+        shard = params / plan.data_parallel_size if self.use_distributed_optimizer else params
+        host = st.offload.optimizer_fraction * shard * self.optim_bytes
+        if st.offload.module_inputs:
+            kept = self._stage_memory(plan, pipeline, stage, False).activations
+            host += max(0.0, kept - self.stage_memory(plan, pipeline, stage).activations)
+        return host
+
+    def _stage_memory(self, plan: Plan, pipeline: int, stage: int, module_inputs: bool) -> Memory:
         st, first, last = self._stage_key(plan, pipeline, stage)
         pipe = plan.pipelines[pipeline]
         if plan.virtual_pipeline_size > 1:
@@ -493,13 +519,13 @@ class CostModel:
                 plan.tensor_model_parallel_size, recompute_key(st.recompute),
                 plan.pipeline_model_parallel_size, stage, pipe.num_microbatches,
                 plan.data_parallel_size, st.offload.optimizer_fraction, st.offload.activations,
-                self.sequence_parallel_of(plan), st.offload.module_inputs)
+                self.sequence_parallel_of(plan), module_inputs)
         in_flight = min(plan.pipeline_model_parallel_size - stage, pipe.num_microbatches)
         return self.memory_need(st.device_type, st.num_layers, first, last, pipe.micro_batch_size,
                                 plan.tensor_model_parallel_size, recompute_key(st.recompute),
                                 in_flight, plan.data_parallel_size, st.offload.optimizer_fraction,
                                 st.offload.activations, self.sequence_parallel_of(plan),
-                                st.offload.module_inputs)
+                                module_inputs)
 
     def placement(self, plan: Plan) -> Placement:
         return place([[s.device_type for s in p.stages] for p in plan.pipelines],

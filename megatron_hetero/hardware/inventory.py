@@ -5,6 +5,13 @@ Minimal form::
     groups:
       - {gpu: A100-SXM-80GB, nodes: 1, gpus_per_node: 8}
       - {gpu: V100-SXM2-32GB, nodes: 1, gpus_per_node: 8}
+
+Optional per group: ``name``, ``hosts``, ``intra_node_bandwidth_gb_s``,
+``inter_node_bandwidth_gb_s``, ``partition``, ``constraint`` and ``host_memory_gb`` (host RAM
+per node in GB: when given, the simulator checks that what a node's GPUs offload to the host,
+optimizer state and module inputs, fits in it beside a reserve for the OS and processes, and
+the tuner keeps only plans that fit); at the top: ``inter_group_bandwidth_gb_s``, ``gpus``,
+``name``.
 """
 
 from __future__ import annotations
@@ -46,6 +53,8 @@ class GPUGroup:
     """Slurm partition of these nodes."""
     constraint: str | None = None
     """Slurm --constraint feature of these nodes."""
+    host_memory_gb: float | None = None
+    """Host RAM per node (GB); absent: host memory is not checked."""
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
@@ -58,6 +67,9 @@ class GPUGroup:
             value = getattr(self, key)
             if value is not None and value <= 0:
                 raise SchemaError("", key, value, "a positive bandwidth in GB/s")
+        if self.host_memory_gb is not None and not 0 < self.host_memory_gb < float("inf"):
+            raise SchemaError("", "host_memory_gb", self.host_memory_gb,
+                              "a positive host memory per node in GB")
 
     @property
     def num_gpus(self) -> int:

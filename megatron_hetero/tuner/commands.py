@@ -104,7 +104,7 @@ def _check_timeline(path: str | None) -> None:
 def tune_main(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from .report import plan_table, report_dict, summary_lines
+    from .report import host_memory_lines, plan_table, report_dict, summary_lines
     from .problem import TuneOptions
     from .search import tune
 
@@ -142,6 +142,8 @@ def tune_main(args: argparse.Namespace) -> int:
         console.print(plan_table(result.plan, result.sim, f"{model.name} on {_short(args.inventory)}"),
                       soft_wrap=False)
     console.print(summary_lines(result.plan, result.sim, "tuned   "), highlight=False)
+    for line in host_memory_lines(result.sim):
+        console.print(f"[bold red]warning[/]: {line}", highlight=False)
     for line in sources.summary_lines(used_types):
         console.print(f"figures: {line}", highlight=False, soft_wrap=True)
     if result.baseline_sim is not None:
@@ -167,7 +169,7 @@ def simulate_main(args: argparse.Namespace) -> int:
 
     from ..cost import CostModel
     from ..simulate import simulate
-    from .report import plan_table, summary_lines
+    from .report import host_memory_lines, plan_table, summary_lines
 
     _check_timeline(args.timeline)
     inventory = load_inventory(args.inventory)
@@ -194,6 +196,8 @@ def simulate_main(args: argparse.Namespace) -> int:
         console.print(f"[bold red]warning[/]: {len(over)} stage(s) exceed device memory, e.g. "
                       f"pipeline {s.pipeline} stage {s.stage} ({s.device_type}) needs "
                       f"{s.memory.total / 1e9:.1f} GB of {s.memory.capacity / 1e9:.0f} GB")
+    for line in host_memory_lines(sim):
+        console.print(f"[bold red]warning[/]: {line}", highlight=False)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(sim.to_dict(), f, indent=2)

@@ -8,7 +8,7 @@ from ..megatron_args import megatron_args
 from ..plan import Plan
 from ..simulate import SimResult
 
-__all__ = ["plan_table", "summary_lines", "report_dict", "policy_text"]
+__all__ = ["plan_table", "summary_lines", "host_memory_lines", "report_dict", "policy_text"]
 
 
 def _recompute_text(stage) -> str:
@@ -85,6 +85,15 @@ def summary_lines(plan: Plan, sim: SimResult, label: str) -> str:
                " (model order)" if plan.virtual_pipeline_size > 1 else ""))
 
 
+def host_memory_lines(sim: SimResult) -> list[str]:
+    """One line per node whose host memory the plan overfills (none when it fits, or when no
+    inventory group gives ``host_memory_gb``)."""
+    return [f"host memory over on {h.node}: {h.used_bytes / 1e9:.1f} GB needed (offloaded "
+            f"optimizer state and module inputs plus the host reserve), "
+            f"{h.capacity_bytes / 1e9:.0f} GB available"
+            for h in sim.host_nodes if not h.fits]
+
+
 def report_dict(result, plan_path: str | None) -> dict:
     """The JSON report of ``tune`` (a :class:`~megatron_hetero.tuner.search.TuneResult`)."""
     plan, sim = result.plan, result.sim
@@ -114,6 +123,8 @@ def report_dict(result, plan_path: str | None) -> dict:
                  "device_counts": dict(sorted(plan.device_counts().items()))},
         "stages": [s.to_dict() for s in sim.stages],
     }
+    if sim.host_nodes:
+        out["host_nodes"] = [h.to_dict() for h in sim.host_nodes]
     if result.baseline_plan is not None:
         b = result.baseline_plan
         out["baseline"] = {
