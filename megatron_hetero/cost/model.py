@@ -499,12 +499,13 @@ class CostModel:
     def stage_host_bytes(self, plan: Plan, pipeline: int, stage: int) -> float:
         """Host bytes one tensor rank of (pipeline, stage) keeps: the offloaded fraction of its
         optimizer shard (fp32 master weights and Adam state, as :meth:`stage_memory` counts
-        them) and, with ``module_inputs``, the module inputs of the micro-batches in flight at
-        the stage's peak (its activations without the offload less those with it)."""
+        them, plus the fp32 copy of those parameters' gradients the CPU optimizer steps on)
+        and, with ``module_inputs``, the module inputs of the micro-batches in flight at the
+        stage's peak (its activations without the offload less those with it)."""
         st, first, last = self._stage_key(plan, pipeline, stage)
         params = self.stage_params(st.num_layers, first, last, plan.tensor_model_parallel_size)
         shard = params / plan.data_parallel_size if self.use_distributed_optimizer else params
-        host = st.offload.optimizer_fraction * shard * self.optim_bytes
+        host = st.offload.optimizer_fraction * shard * (self.optim_bytes + 4.0)
         if st.offload.module_inputs:
             kept = self._stage_memory(plan, pipeline, stage, False).activations
             host += max(0.0, kept - self.stage_memory(plan, pipeline, stage).activations)

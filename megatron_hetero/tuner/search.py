@@ -377,8 +377,15 @@ def _infeasible_message(problem: Problem) -> str:
         parts.append(f"{gpu}: {need.total / 1e9:.1f} GB needed per GPU, {need.capacity / 1e9:.0f} GB "
                      f"available (all {n_gpus} of them as TP={tp} x PP={pp}, {per} layers per "
                      "stage, full recompute, micro-batch 1)")
-    return (f"{model.name} does not fit on {inv.source} under any plan the search "
+    text = (f"{model.name} does not fit on {inv.source} under any plan the search "
             f"covers; the leanest single-type stage needs: " + "; ".join(parts))
+    reserve = problem.cost(problem.precision_for(problem.types)).host_reserve_bytes
+    short = [f"groups[{i}] ({g.gpu}) host_memory_gb {g.host_memory_gb:g} is less than the "
+             f"{reserve / 1e9:g} GB host reserve" for i, g in enumerate(inv.groups)
+             if g.host_memory_gb is not None and g.host_memory_gb * 1e9 < reserve]
+    if short:
+        text += "; and " + ", ".join(short)
+    return text
 
 
 def tune(model: ModelSpec, inventory: Inventory, global_batch_size: int, *,

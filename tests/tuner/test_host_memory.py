@@ -62,9 +62,9 @@ def test_stage_host_bytes_by_hand():
     cost = CostModel(TINY, _inventory())
     plan = _plan()
     # the optimizer: half of the shard (two layers plus the embedding, over TP=2 and DP=2) at
-    # 12 bytes (fp32 master, m, v)
+    # 12 bytes (fp32 master, m, v) and 4 more for the fp32 gradients the CPU step reads
     params = (2 * M.layer_params(TINY) + M.embedding_params(TINY, 2)) / 2
-    optimizer = 0.5 * params / 2 * 12
+    optimizer = 0.5 * params / 2 * (12 + 4)
     # module inputs: stage 0 of 2 holds 2 micro-batches in flight, 2 layers each; one layer of
     # one micro-batch stays on the device
     offloaded = (2 * 2 - 1) * MODULE_INPUTS
@@ -204,3 +204,12 @@ def test_simulate_output_without_host_memory_is_unchanged(tmp_path, capsys):
     assert main(["simulate", plan, "--inventory", inv, "--json", str(out_json)]) == 0
     assert "host memory" not in capsys.readouterr().out
     assert "host_nodes" not in json.loads(out_json.read_text())
+
+
+def test_a_host_smaller_than_the_reserve_is_named_in_the_error():
+    from megatron_hetero.errors import InfeasibleError
+
+    with pytest.raises(InfeasibleError) as err:
+        tune(TINY, _inventory(host_memory_gb=32), 8)
+    assert "groups[0] (A100-SXM-80GB) host_memory_gb 32 is less than the 64 GB host reserve" \
+        in str(err.value)
