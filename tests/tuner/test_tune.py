@@ -28,6 +28,10 @@ def inventories(draw):
     types = draw(st.lists(st.sampled_from(GPUS), min_size=n, max_size=n, unique=True))
     groups = [{"gpu": t, "nodes": draw(st.integers(1, 2)),
                "gpus_per_node": draw(st.sampled_from([1, 2, 4, 8]))} for t in types]
+    for g in groups:  # host RAM per node: unchecked, or tight enough to bind on offload
+        host = draw(st.sampled_from([None, 72, 96, 512]))
+        if host is not None:
+            g["host_memory_gb"] = host
     return inventory_from_data({"groups": groups})
 
 
@@ -44,6 +48,9 @@ def _check_emitted(result, inventory, model, gbs):
             assert mem.total <= mem.capacity, (d, s, mem)
     sim = simulate(plan, cost, record_events=False)
     assert sim.step_time_s == pytest.approx(result.sim.step_time_s)
+    # host RAM too, where the inventory gives it
+    assert sim.fits_memory
+    assert all(h.used_bytes <= h.capacity_bytes for h in sim.host_nodes)
     if result.baseline_sim is not None:
         assert result.sim.step_time_s <= result.baseline_sim.step_time_s * (1 + 1e-9)
     assert result.upper_bound_step_time_s <= result.sim.step_time_s
@@ -66,6 +73,8 @@ def test_emitted_plans_validate_and_fit(inventory, name, gbs):
     except InfeasibleError as exc:
         text = str(exc)
         assert "GB needed per GPU" in text and "available" in text
+        if any(g.host_memory_gb is not None and g.host_memory_gb < 64 for g in inventory.groups):
+            assert "host reserve" in text
         for gpu in inventory.gpu_counts():
             assert gpu in text
         return
