@@ -372,6 +372,11 @@ class CostModel:
             out += ckpt + M.logits_bytes(m, b, tp)  # final norm input, fp32 logits
         return out
 
+    def optimizer_shard(self, params: float, data_parallel: int) -> float:
+        """Parameters whose optimizer state one rank holds: sharded over the data-parallel
+        replicas with the distributed optimizer."""
+        return params / data_parallel if self.use_distributed_optimizer else params
+
     def _module_input_margin(self, n: int, rk: RecomputeKey, b: int, tp: int, sp: bool,
                              module_inputs: bool) -> float:
         """What fine-grained offloading keeps on the device after all: megatron-core leaves the
@@ -388,7 +393,7 @@ class CostModel:
                      module_inputs: bool = False) -> Memory:
         m, b = self.model, micro_batch_size
         params = self.stage_params(num_layers, first, last, tp)
-        shard = params / data_parallel if self.use_distributed_optimizer else params
+        shard = self.optimizer_shard(params, data_parallel)
         per_mb = self._activations_per_microbatch(device_type, num_layers, first, last, b, tp,
                                                   recompute, sp, module_inputs)
         acts = (1 if activation_offload else in_flight) * per_mb
@@ -445,7 +450,7 @@ class CostModel:
 
     def optimizer_seconds(self, device_type: str, params_per_rank: float, data_parallel: int,
                           optimizer_offload: float = 0.0) -> float:
-        shard = params_per_rank / data_parallel if self.use_distributed_optimizer else params_per_rank
+        shard = self.optimizer_shard(params_per_rank, data_parallel)
         touched = shard * (self.grad_bytes + 2 * self.optim_bytes + self.param_bytes)
         dev_bw = self.spec(device_type).memory_bandwidth_gb_s * 1e9
         return (1 - optimizer_offload) * touched / dev_bw + optimizer_offload * touched / self.host_optimizer_rate
@@ -504,7 +509,7 @@ class CostModel:
         stage's peak (its activations without the offload less those with it)."""
         st, first, last = self._stage_key(plan, pipeline, stage)
         params = self.stage_params(st.num_layers, first, last, plan.tensor_model_parallel_size)
-        shard = params / plan.data_parallel_size if self.use_distributed_optimizer else params
+        shard = self.optimizer_shard(params, plan.data_parallel_size)
         host = st.offload.optimizer_fraction * shard * (self.optim_bytes + 4.0)
         if st.offload.module_inputs:
             kept = self._stage_memory(plan, pipeline, stage, False).activations

@@ -19,8 +19,9 @@ simulator says is faster:
 After every move each (pipeline, stage) takes the cheapest memory policy that fits under the
 exact memory model: the fewest layers of ``block`` recompute (or selective recompute where
 attention is unfused), with or without the layers' module inputs offloaded to the host, with
-part or all of the optimizer state offloaded where that is cheaper (:class:`_Policies`). Each round simulates every move and keeps the best (best improvement);
-the walk stops at a local optimum or after ``max_rounds``. It is deterministic: moves are
+part or all of the optimizer state offloaded where that is cheaper (:class:`_Policies`). Each
+round simulates every move and keeps the best (best improvement); the walk stops at a local
+optimum or after ``max_rounds``. It is deterministic: moves are
 generated in a fixed order and ties keep the earlier one.
 """
 
@@ -33,7 +34,7 @@ from ..cost.model import CostModel
 from ..errors import InfeasibleError, SchemaError
 from ..plan import Offload, Pipeline, Plan, Stage
 from ..simulate import SimResult, simulate
-from .tables import SELECTIVE, recompute_code_key, recompute_policy
+from .tables import SELECTIVE, even_chunks, recompute_code_key, recompute_policy
 
 __all__ = ["refine", "Layout"]
 
@@ -81,7 +82,7 @@ class _Policies:
         self.tp, self.p, self.D = plan.tensor_model_parallel_size, plan.pipeline_model_parallel_size, \
             plan.data_parallel_size
         self.sp = cost.sequence_parallel_of(plan)
-        self._memo: dict[tuple, tuple[int, float] | None] = {}
+        self._memo: dict[tuple, tuple[int, float, bool] | None] = {}
 
     def choose(self, gpu: str, chunks: tuple[int, ...], s: int, mbs: int,
                m: int) -> tuple[int, float, bool] | None:
@@ -156,13 +157,9 @@ def _build(plan: Plan, lay: Layout, policies: _Policies) -> Plan | None:
 
 
 def _spread(totals: list[int], v: int, early: bool) -> tuple[int, ...]:
-    """Stage totals over ``v`` chunks each, evenly, remainder early or late; model order."""
-    p = len(totals)
-    per = []
-    for n in totals:
-        q, r = divmod(n, v)
-        per.append([q + (c < r if early else c >= v - r) for c in range(v)])
-    return tuple(per[s][c] for c in range(v) for s in range(p))
+    """Stage totals over ``v`` chunks each (:func:`.tables.even_chunks`); model order."""
+    per = [even_chunks(n, v, early) for n in totals]
+    return tuple(per[s][c] for c in range(v) for s in range(len(totals)))
 
 
 def _regroup(mb: tuple[int, ...], unit: int) -> tuple[int, ...] | None:
@@ -184,26 +181,18 @@ def _regroup(mb: tuple[int, ...], unit: int) -> tuple[int, ...] | None:
 def _moves(lay: Layout, p: int, max_v: int, sim: SimResult):
     """Neighbouring layouts of ``lay``, in a fixed order."""
     seq, v = list(lay.seq), lay.v
-    # a layer across each boundary of the virtual-stage sequence
-    for i in range(len(seq) - 1):
-        for a, b in ((i, i + 1), (i + 1, i)):
-            if seq[a] > 0:
-                new = seq.copy()
-                new[a] -= 1
-                new[b] += 1
-                yield Layout(tuple(new), v, lay.microbatches)
-    # a layer between two chunks of one stage (``p`` apart in the sequence)
+    # a layer across each boundary of the virtual-stage sequence, then between two chunks of
+    # one stage (``p`` apart in the sequence)
+    shifts = [pair for i in range(len(seq) - 1) for pair in ((i, i + 1), (i + 1, i))]
     if v > 1 and p > 1:
-        for s in range(p):
-            for ca in range(v):
-                for cb in range(v):
-                    if ca != cb:
-                        a, b = ca * p + s, cb * p + s
-                        if seq[a] > 0:
-                            new = seq.copy()
-                            new[a] -= 1
-                            new[b] += 1
-                            yield Layout(tuple(new), v, lay.microbatches)
+        shifts += [(ca * p + s, cb * p + s) for s in range(p) for ca in range(v) for cb in range(v)
+                   if ca != cb]
+    for a, b in shifts:
+        if seq[a] > 0:
+            new = seq.copy()
+            new[a] -= 1
+            new[b] += 1
+            yield Layout(tuple(new), v, lay.microbatches)
     # the chunk count, each stage's layers spread evenly
     if p > 1:
         totals = [sum(lay.seq[c * p + s] for c in range(v)) for s in range(p)]

@@ -116,14 +116,18 @@ class _Search:
         if baseline:
             n = L // p
             split = [n] * p
+
+            def slowest(code: int, mi: bool) -> float:
+                """The slowest stage's seconds per micro-batch with ``code`` on every stage."""
+                return max(cost.compute_times(types[s], n, s == 0, s == p - 1, mbs, tp,
+                                              recompute_code_key(code), False, tp > 1, mi).total_s
+                           for types, _ in st.templates for s in range(p))
+
             # one recompute setting everywhere: full recompute of the same layers on every
             # stage, or selective recompute everywhere when that fits (the faster of the two)
             kmax = per_chunk_recompute(max(int(tb.k_base[n]) for rows in tables for tb in rows), n, v)
             if kmax and all(bool(tb.sel_fits[n]) for rows in tables for tb in rows):
-                full_t = np.inf if kmax > n else max(
-                    cost.compute_times(types[s], n, s == 0, s == p - 1, mbs, tp, ("full", "block", kmax),
-                                       False, tp > 1).total_s
-                    for types, _ in st.templates for s in range(p))
+                full_t = np.inf if kmax > n else slowest(kmax, False)
                 if max(float(tb.t_sel[n]) for rows in tables for tb in rows) < full_t:
                     kmax = SELECTIVE
             mi_all = False
@@ -131,14 +135,8 @@ class _Search:
                 # or module inputs offloaded everywhere (plain Megatron has the flag), with the
                 # fewest layers of recompute that then fit on every stage
                 kmi = per_chunk_recompute(max(int(tb.k_base_mi[n]) for rows in tables for tb in rows), n, v)
-                if kmi <= n:
-                    def slowest(code, mi):
-                        return max(cost.compute_times(types[s], n, s == 0, s == p - 1, mbs, tp,
-                                                      recompute_code_key(code), False, tp > 1,
-                                                      mi).total_s
-                                   for types, _ in st.templates for s in range(p))
-                    if kmax > n or slowest(kmi, True) < slowest(kmax, False):
-                        kmax, mi_all = kmi, True
+                if kmi <= n and (kmax > n or slowest(kmi, True) < slowest(kmax, False)):
+                    kmax, mi_all = kmi, True
             if kmax > n:
                 return None
             rec = [[kmax] * p for _ in st.templates]

@@ -152,24 +152,35 @@ class StageTables:
         m_avg = (self.problem.gbs // mbs) / D
         big = L + 1
 
-        def layers_to_recompute(excess, saving=saving):
+        def layers_to_recompute(excess, saving):
             """Fewest layers of full recompute that remove ``excess`` bytes (big: impossible)."""
             k = np.where(excess <= 0, 0, np.ceil(np.maximum(excess, 0) / saving) if saving > 0 else big)
             return np.where((k > n) | (k < 0), big, k).astype(np.int64)
 
-        # A: recompute only (also the baseline's choice)
-        k_a = np.where(mem_none <= cap, 0, layers_to_recompute(mem_none + act - cap))
-        t_a = np.where(k_a <= n, t_none + np.minimum(k_a, n) * fwd_layer, np.inf)
-        # B: offload part of the optimizer state, in steps of 5 %
-        with np.errstate(divide="ignore", invalid="ignore"):
-            frac = np.where(mem_none <= cap, 0.0, np.ceil((mem_none - cap) * (1 + 1e-9) / opt * 20) / 20)
-        frac = np.where(np.isfinite(frac), frac, 2.0)
-        t_b = np.where(frac <= 1.0, t_none + np.minimum(frac, 1.0) * off_step / m_avg, np.inf)
-        # C: offload all of it and recompute what is still missing
-        k_c = np.where(mem_none - opt <= cap, 0, layers_to_recompute(mem_none - opt + act - cap))
-        t_c = np.where(k_c <= n, t_none + np.minimum(k_c, n) * fwd_layer + off_step / m_avg, np.inf)
-        ks, fs, ts = [k_a, np.zeros_like(k_a), k_c], [np.zeros_like(frac), np.minimum(frac, 1.0),
-                                                      np.ones_like(frac)], [t_a, t_b, t_c]
+        def fraction(mem):
+            """Least optimizer-state fraction (steps of 5 %) that makes ``mem`` fit (2: none)."""
+            with np.errstate(divide="ignore", invalid="ignore"):
+                frac = np.where(mem <= cap, 0.0, np.ceil((mem - cap) * (1 + 1e-9) / opt * 20) / 20)
+            return np.where(np.isfinite(frac), frac, 2.0)
+
+        def recompute_or_offload(mem, t, saving):
+            """(codes, fractions, times) of three policies on top of a stage needing ``mem``
+            bytes and ``t`` seconds: recompute only; part of the optimizer state offloaded;
+            all of it offloaded and recompute what is still missing."""
+            k_rec = np.where(mem <= cap, 0, layers_to_recompute(mem + act - cap, saving))
+            frac = fraction(mem)
+            k_all = np.where(mem - opt <= cap, 0, layers_to_recompute(mem - opt + act - cap, saving))
+            return ([k_rec, np.zeros_like(k_rec), k_all],
+                    [np.zeros_like(frac), np.minimum(frac, 1.0), np.ones_like(frac)],
+                    [np.where(k_rec <= n, t + np.minimum(k_rec, n) * fwd_layer, np.inf),
+                     np.where(frac <= 1.0, t + np.minimum(frac, 1.0) * off_step / m_avg, np.inf),
+                     np.where(k_all <= n, t + np.minimum(k_all, n) * fwd_layer + off_step / m_avg,
+                              np.inf)])
+
+        # A: recompute only (also the baseline's choice); B: offload part of the optimizer
+        # state, in steps of 5 %; C: offload all of it and recompute what is still missing
+        ks, fs, ts = recompute_or_offload(mem_none, t_none, saving)
+        k_a, t_a = ks[0], ts[0]
         # selective recompute drops the stored s x s attention matrices of an unfused kernel
         # for a recompute of core attention (with a fused kernel it saves nothing)
         sel = ("selective", None, None)
@@ -179,39 +190,29 @@ class StageTables:
         sel_fits = mem_sel <= cap
         if not flash:
             # D: selective recompute; E: then offload part of the optimizer state
-            with np.errstate(divide="ignore", invalid="ignore"):
-                frac_e = np.where(sel_fits, 0.0, np.ceil((mem_sel - cap) * (1 + 1e-9) / opt * 20) / 20)
-            frac_e = np.where(np.isfinite(frac_e), frac_e, 2.0)
+            frac_e = fraction(mem_sel)
             t_d = np.where(sel_fits, t_sel, np.inf)
             t_e = np.where(frac_e <= 1.0, t_sel + np.minimum(frac_e, 1.0) * off_step / m_avg, np.inf)
             sel_k = np.full_like(k_a, SELECTIVE)
-            ks, fs, ts = ks + [sel_k, sel_k], fs + [np.zeros_like(frac), np.minimum(frac_e, 1.0)], \
+            ks, fs, ts = ks + [sel_k, sel_k], fs + [np.zeros_like(frac_e), np.minimum(frac_e, 1.0)], \
                 ts + [t_d, t_e]
         no = np.zeros(L + 1, dtype=bool)
         mis = [no] * len(ts)
         rec = [0, 3] if len(ts) > 3 else [0]  # no optimizer offload: A, D (and F below)
         k_f, t_f = np.full_like(k_a, big), np.full_like(t_a, np.inf)
         if self.problem.opt.activation_offload:
-            # F: module inputs offloaded (fine-grained activation offload), then the fewest
-            # layers of full recompute; G: then part of the optimizer state instead; H: all of
-            # it and recompute what is still missing
+            # F, G, H: A, B and C with the module inputs offloaded (fine-grained activation
+            # offload): less memory per layer, and recomputing a layer saves less
             mems_mi = {k: memory(k, none, True) for k in (vp, 2 * vp)}
             mem_mi = line(lambda k: mems_mi[k].total, vp)
             t_mi = line(lambda k: cost.compute_times(gpu, k, first, last, mbs, tp, none, False, sp,
                                                      True).total_s)
             kept = act - cost.module_input_bytes(mbs, tp, sp)
             saving_mi = in_flight * (kept - cost.hidden_bytes(mbs, tp, sp))
-            k_f = np.where(mem_mi <= cap, 0, layers_to_recompute(mem_mi + act - cap, saving_mi))
-            t_f = np.where(k_f <= n, t_mi + np.minimum(k_f, n) * fwd_layer, np.inf)
-            with np.errstate(divide="ignore", invalid="ignore"):
-                frac_g = np.where(mem_mi <= cap, 0.0, np.ceil((mem_mi - cap) * (1 + 1e-9) / opt * 20) / 20)
-            frac_g = np.where(np.isfinite(frac_g), frac_g, 2.0)
-            t_g = np.where(frac_g <= 1.0, t_mi + np.minimum(frac_g, 1.0) * off_step / m_avg, np.inf)
-            k_h = np.where(mem_mi - opt <= cap, 0, layers_to_recompute(mem_mi - opt + act - cap, saving_mi))
-            t_h = np.where(k_h <= n, t_mi + np.minimum(k_h, n) * fwd_layer + off_step / m_avg, np.inf)
+            ks_mi, fs_mi, ts_mi = recompute_or_offload(mem_mi, t_mi, saving_mi)
+            k_f, t_f = ks_mi[0], ts_mi[0]
             rec.append(len(ts))
-            ks, fs, ts = ks + [k_f, np.zeros_like(k_a), k_h], \
-                fs + [np.zeros_like(frac), np.minimum(frac_g, 1.0), np.ones_like(frac)], ts + [t_f, t_g, t_h]
+            ks, fs, ts = ks + ks_mi, fs + fs_mi, ts + ts_mi
             yes = np.ones(L + 1, dtype=bool)
             mis = mis + [yes, yes, yes]
         pick = np.argmin(np.stack(ts), axis=0)
