@@ -34,8 +34,9 @@ Either one over makes ``fits_memory`` false.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
-from .cost.model import CostModel, Memory
+from .cost.model import CostModel, Memory, recompute_key
 from .cost.schedule import rank_order_cached
 from .models import step_model_flops
 from .plan import Plan
@@ -183,6 +184,58 @@ def one_f_one_b(fwd: list[float], bwd: list[float], send_f: list[float], send_b:
     return free, busy, [x[0] for x in last_b], [e[:5] for e in events]
 
 
+@lru_cache(maxsize=256)
+def _compiled_order(p: int, m: int, v: int):
+    """Every op of a ``p``-stage pipeline of ``m`` micro-batches and ``v`` chunks in one order
+    that respects each rank's run order and every cross-stage dependency (a topological
+    order, which does not depend on the durations), as flat columns: the op's stage, its
+    duration index (``kind * v + chunk``), the index of the op it waits for (-1: none), the
+    link that dependency crosses (-1: none), its micro-batch; and per (stage, chunk) the index
+    of its last backward. The simulation is then one pass over these columns."""
+    ops = [rank_order_cached(p, s, m, v) for s in range(p)]
+    vm = v * m
+    where = [-1] * (2 * p * vm)  # op (stage, kind, chunk, micro-batch) -> its position
+    stage, dur_of, dep_of, link_of, mb_of = [], [], [], [], []
+    ptr = [0] * p
+    remaining = sum(len(o) for o in ops)
+    while remaining:
+        progressed = False
+        for s in range(p):
+            seq = ops[s]
+            n = len(seq)
+            while ptr[s] < n:
+                kind, i, c = seq[ptr[s]]
+                if kind == 0:
+                    if s > 0:
+                        dep, link = ((s - 1) * 2 * vm + c * m + i), s - 1
+                    elif c > 0:
+                        dep, link = ((p - 1) * 2 * vm + (c - 1) * m + i), p - 1
+                    else:
+                        dep, link = -1, -1
+                elif s < p - 1:
+                    dep, link = ((s + 1) * 2 * vm + vm + c * m + i), s
+                elif c < v - 1:
+                    dep, link = (vm + (c + 1) * m + i), p - 1
+                else:
+                    dep, link = (s * 2 * vm + c * m + i), -1
+                if dep >= 0:
+                    dep = where[dep]
+                    if dep < 0:
+                        break
+                where[s * 2 * vm + kind * vm + c * m + i] = len(stage)
+                stage.append(s)
+                dur_of.append(kind * v + c)
+                dep_of.append(dep)
+                link_of.append(link)
+                mb_of.append(i)
+                ptr[s] += 1
+                remaining -= 1
+                progressed = True
+        assert progressed, "1F1B schedule deadlocked"
+    last_b = tuple(tuple(where[s * 2 * vm + vm + c * m + m - 1] for c in range(v)) for s in range(p))
+    return (tuple(stage), tuple(dur_of), tuple(dep_of), tuple(link_of), tuple(mb_of)), last_b
+
+
 def interleaved_1f1b(fwd: list[list[float]], bwd: list[list[float]], send_f: list[float],
                      send_b: list[float], m: int, *, record: bool = False):
     """Simulate one pipeline under the interleaved schedule. ``fwd[s][c]``/``bwd[s][c]``: seconds
@@ -191,78 +244,60 @@ def interleaved_1f1b(fwd: list[list[float]], bwd: list[list[float]], send_f: lis
     Returns what :func:`one_f_one_b` returns, except that the last backward's start is per
     stage and chunk; events are (stage, kind, microbatch, start, end, chunk)."""
     p, v = len(fwd), len(fwd[0])
-    ops = [rank_order_cached(p, s, m, v) for s in range(p)]
-    fdone = [[[-1.0] * m for _ in range(v)] for _ in range(p)]
-    bdone = [[[-1.0] * m for _ in range(v)] for _ in range(p)]
-    ptr = [0] * p
+    (stage, dur_of, dep_of, link_of, mb_of), last_b = _compiled_order(p, m, v)
+    durs = [list(f) + list(b) for f, b in zip(fwd, bwd)]
+    links = [list(send_f), list(send_b)]
+    end = [0.0] * len(stage)
+    start = [0.0] * len(stage) if record else None
     free = [0.0] * p
-    busy = [0.0] * p
-    last_b_start = [[0.0] * v for _ in range(p)]
+    for k, s in enumerate(stage):
+        t = free[s]
+        d = dep_of[k]
+        if d >= 0:
+            lk = link_of[k]
+            ready = end[d] + (links[dur_of[k] >= v][lk] if lk >= 0 else 0.0)
+            if ready > t:
+                t = ready
+        if record:
+            start[k] = t
+        free[s] = end[k] = t + durs[s][dur_of[k]]
+    busy = [m * sum(row) for row in durs]
+    last_b_start = [[end[k] - durs[s][v + c] for c, k in enumerate(last_b[s])] for s in range(p)]
     events: list[tuple] = []
-    remaining = sum(len(o) for o in ops)
-    while remaining:
-        progressed = False
-        for s in range(p):
-            seq = ops[s]
-            while ptr[s] < len(seq):
-                kind, i, c = seq[ptr[s]]
-                if kind == 0:
-                    if s > 0:
-                        done, link = fdone[s - 1][c][i], send_f[s - 1]
-                    elif c > 0:
-                        done, link = fdone[p - 1][c - 1][i], send_f[p - 1]
-                    else:
-                        done, link = 0.0, 0.0
-                    dur = fwd[s][c]
-                else:
-                    if s < p - 1:
-                        done, link = bdone[s + 1][c][i], send_b[s]
-                    elif c < v - 1:
-                        done, link = bdone[0][c + 1][i], send_b[p - 1]
-                    else:
-                        done, link = fdone[s][c][i], 0.0
-                    dur = bwd[s][c]
-                if done < 0:
-                    break
-                start = max(free[s], done + link)
-                end = start + dur
-                (fdone if kind == 0 else bdone)[s][c][i] = end
-                if kind == 1:
-                    last_b_start[s][c] = start
-                if record:
-                    events.append((s, "FB"[kind], i, start, end, c))
-                free[s] = end
-                busy[s] += dur
-                ptr[s] += 1
-                remaining -= 1
-                progressed = True
-        assert progressed, "1F1B schedule deadlocked"
+    if record:
+        events = [(s, "FB"[dur_of[k] >= v], mb_of[k], start[k], end[k], dur_of[k] % v)
+                  for k, s in enumerate(stage)]
     return free, busy, last_b_start, events
 
 
-def _run_pipeline(plan: Plan, cost: CostModel, placement, times, d: int, cache: dict,
+def _run_pipeline(plan: Plan, cost: CostModel, placement, times, d: int, key, cache: dict,
                   record: bool):
-    """Simulate pipeline ``d`` (the non-interleaved or the interleaved schedule)."""
-    p, pipe = plan.pipeline_model_parallel_size, plan.pipelines[d]
+    """Simulate pipeline ``d`` (the non-interleaved or the interleaved schedule); ``key``
+    names its costs (pipelines alike share it) and runs are cached by it and the sends."""
+    pipe = plan.pipelines[d]
     tp, sp = plan.tensor_model_parallel_size, cost.sequence_parallel_of(plan)
-    links = [(s, s + 1) for s in range(p - 1)]
-    if plan.virtual_pipeline_size > 1:
-        links.append((p - 1, 0))
-    bws = [placement.link_bandwidth(placement.node(d, a), placement.node(d, b)) for a, b in links]
+    bws = placement.pipeline_links(d, plan.virtual_pipeline_size > 1)
+    full = (key, bws)
+    if full in cache and not record:
+        return cache[full]
     sends = [cost.p2p_seconds(pipe.micro_batch_size, bw, tp, sp) for bw in bws]
-    if plan.virtual_pipeline_size == 1:
-        fwd = [t[0].forward_s for t in times[d]]
-        bwd = [t[0].backward_s for t in times[d]]
-        key = (tuple(fwd), tuple(bwd), tuple(sends), pipe.num_microbatches)
-        if key not in cache or record:
-            cache[key] = one_f_one_b(fwd, bwd, sends, sends, pipe.num_microbatches, record=record)
-        return cache[key]
     fwd = [[c.forward_s for c in t] for t in times[d]]
     bwd = [[c.backward_s for c in t] for t in times[d]]
-    key = (tuple(map(tuple, fwd)), tuple(map(tuple, bwd)), tuple(sends), pipe.num_microbatches)
-    if key not in cache or record:
-        cache[key] = interleaved_1f1b(fwd, bwd, sends, sends, pipe.num_microbatches, record=record)
-    return cache[key]
+    if plan.virtual_pipeline_size == 1:
+        got = one_f_one_b([f[0] for f in fwd], [b[0] for b in bwd], sends, sends,
+                          pipe.num_microbatches, record=record)
+    else:
+        got = interleaved_1f1b(fwd, bwd, sends, sends, pipe.num_microbatches, record=record)
+    cache[full] = got
+    return got
+
+
+def _pipeline_key(pipe) -> tuple:
+    """What a pipeline's per-stage costs depend on (its placement aside)."""
+    return (pipe.micro_batch_size, pipe.num_microbatches,
+            tuple((st.device_type, st.num_layers, recompute_key(st.recompute),
+                   st.offload.optimizer_fraction, st.offload.activations, st.offload.module_inputs,
+                   tuple(st.chunk_layers) if st.chunk_layers else None) for st in pipe.stages))
 
 
 def host_memory(plan: Plan, cost: CostModel, placement) -> list[HostMemory]:
@@ -293,16 +328,28 @@ def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True) -> SimR
     """Simulate one training step of ``plan`` under ``cost``."""
     placement = cost.placement(plan)
     p, D = plan.pipeline_model_parallel_size, plan.data_parallel_size
-    times = [[cost.chunk_times(plan, d, s) for s in range(p)] for d in range(D)]
+    # pipelines alike in every stage share their costs (large pools repeat one template)
+    first: dict[tuple, int] = {}
+    keys = [_pipeline_key(pipe) for pipe in plan.pipelines]
+    rep = [first.setdefault(key, d) for d, key in enumerate(keys)]
+    times = [[cost.chunk_times(plan, d, s) for s in range(p)] if rep[d] == d else None
+             for d in range(D)]
+    times = [times[rep[d]] for d in range(D)]
+    memory = [[cost.stage_memory(plan, d, s) for s in range(p)] if rep[d] == d else None
+              for d in range(D)]
+    memory = [memory[rep[d]] for d in range(D)]
+    sums = {d: [(sum(c.forward_s for c in row), sum(c.backward_s for c in row)) for row in times[d]]
+            for d in set(rep)}
     cache: dict[tuple, tuple] = {}
-    runs = [_run_pipeline(plan, cost, placement, times, d, cache, record_events) for d in range(D)]
+    runs = [_run_pipeline(plan, cost, placement, times, d, keys[d], cache, record_events)
+            for d in range(D)]
     events: list[Event] = []
     stage_end: list[list[float]] = [[0.0] * p for _ in range(D)]
     sync_of: list[list[float]] = [[0.0] * p for _ in range(D)]
     v = plan.virtual_pipeline_size
     for s in range(p):
         params = cost.stage_params_of(plan, s)
-        bw = placement.slowest_bandwidth([placement.node(d, s) for d in range(D)])
+        bw = placement.stage_bandwidth(s)
         comm = cost.dp_sync_seconds(params, D, bw)
         finish = max(runs[d][0][s] for d in range(D))
         if plan.overlap_grad_reduce or cost.overlap_grad_reduce:
@@ -320,9 +367,14 @@ def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True) -> SimR
             sync_end = max(finish, end)
         else:
             start, sync_end = finish, finish + comm
+        opts: dict[tuple, float] = {}
         for d in range(D):
             st = plan.stage(d, s)
-            opt = cost.optimizer_seconds(st.device_type, params, D, st.offload.optimizer_fraction)
+            key = (st.device_type, st.offload.optimizer_fraction)
+            opt = opts.get(key)
+            if opt is None:
+                opt = opts[key] = cost.optimizer_seconds(st.device_type, params, D,
+                                                         st.offload.optimizer_fraction)
             stage_end[d][s] = sync_end + opt
             sync_of[d][s] = (sync_end - max(start, runs[d][0][s])) + opt
             if record_events:
@@ -337,14 +389,14 @@ def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True) -> SimR
         if record_events:
             events.extend(Event(d, *ev) for ev in evs)
         for s in range(p):
-            mem = cost.stage_memory(plan, d, s)
+            mem = memory[d][s]
             fits = fits and mem.fits
             bubble = finish[s] - busy[s]
             stages.append(StageResult(
                 pipeline=d, stage=s, device_type=plan.stage(d, s).device_type,
                 num_layers=plan.stage(d, s).num_layers,
-                forward_s=sum(c.forward_s for c in times[d][s]),
-                backward_s=sum(c.backward_s for c in times[d][s]), busy_s=busy[s], bubble_s=bubble,
+                forward_s=sums[rep[d]][s][0], backward_s=sums[rep[d]][s][1], busy_s=busy[s],
+                bubble_s=bubble,
                 sync_s=sync_of[d][s], idle_s=max(0.0, step - busy[s] - bubble - sync_of[d][s]),
                 memory=mem))
     hosts = host_memory(plan, cost, placement)

@@ -179,6 +179,7 @@ class CostModel:
         self.compute_times = lru_cache(maxsize=None)(self._compute_times)
         self.memory_need = lru_cache(maxsize=None)(self._memory_need)
         self.chunked_memory_need = lru_cache(maxsize=None)(self._chunked_memory_need)
+        self._placements: dict[tuple, Placement] = {}
 
     # -- device figures -------------------------------------------------------------------------
     def spec(self, device_type: str):
@@ -534,8 +535,14 @@ class CostModel:
                                 module_inputs)
 
     def placement(self, plan: Plan) -> Placement:
-        return place([[s.device_type for s in p.stages] for p in plan.pipelines],
-                     plan.tensor_model_parallel_size, self.inventory)
+        """Where ``plan``'s stages sit (cached per stage types and TP size: the search
+        simulates many plans of one shape)."""
+        key = (tuple(tuple(s.device_type for s in p.stages) for p in plan.pipelines),
+               plan.tensor_model_parallel_size)
+        got = self._placements.get(key)
+        if got is None:
+            got = self._placements[key] = place([list(t) for t in key[0]], key[1], self.inventory)
+        return got
 
     def chunk_params_of(self, plan: Plan, stage: int, chunk: int) -> float:
         """Parameters one tensor rank holds in model chunk ``chunk`` of stage ``stage``."""

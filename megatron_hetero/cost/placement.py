@@ -10,7 +10,7 @@ consecutive stages share a node only when a node holds both.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import InfeasibleError
 from ..hardware.inventory import Inventory
@@ -33,9 +33,21 @@ class Placement:
     inventory: Inventory
     nodes: list[list[Node]]
     """``nodes[pipeline][stage]``."""
+    _links: dict = field(default_factory=dict, repr=False, compare=False)
 
     def node(self, pipeline: int, stage: int) -> Node:
         return self.nodes[pipeline][stage]
+
+    def pipeline_links(self, pipeline: int, wrap: bool) -> tuple[float, ...]:
+        """GB/s of the links between consecutive stages of ``pipeline`` and, with ``wrap``
+        (interleaved 1F1B), from its last stage back to its first."""
+        key = (pipeline, wrap)
+        got = self._links.get(key)
+        if got is None:
+            row = self.nodes[pipeline]
+            pairs = list(zip(row, row[1:])) + ([(row[-1], row[0])] if wrap else [])
+            got = self._links[key] = tuple(self.link_bandwidth(a, b) for a, b in pairs)
+        return got
 
     def link_bandwidth(self, a: Node, b: Node) -> float:
         """GB/s (one direction) of the link two nodes share."""
@@ -45,6 +57,14 @@ class Placement:
         if a.group == b.group:
             return inv.inter_node_bandwidth(a.group)
         return inv.inter_group_bandwidth_gb_s
+
+    def stage_bandwidth(self, stage: int) -> float:
+        """:meth:`slowest_bandwidth` of the data-parallel group of ``stage`` (its replicas)."""
+        key = ("dp", stage)
+        got = self._links.get(key)
+        if got is None:
+            got = self._links[key] = self.slowest_bandwidth([row[stage] for row in self.nodes])
+        return got
 
     def slowest_bandwidth(self, nodes: list[Node]) -> float:
         """GB/s of the slowest link inside a set of nodes (a data-parallel group)."""

@@ -45,8 +45,17 @@ class TuneOptions:
     finalists: int = 4
     """Best estimates that are simulated before picking the plan."""
     refine_rounds: int = 8
-    """Rounds of the local search on the simulator around the best plan (:mod:`.refine`;
-    0: none). Each round simulates every neighbouring layout and keeps the best."""
+    """Rounds of each hill climb of the local search on the simulator around the best plan
+    (:mod:`.refine`; 0: no local search). Each round simulates every neighbouring layout and
+    keeps the best."""
+    refine_max_virtual_pipeline_size: int = 8
+    """Most model chunks per stage the local search moves to (at least
+    ``max_virtual_pipeline_size``; none when that is 1). It tries only each stage's even
+    spread per chunk count, so it affords more chunks than the structured search."""
+    refine_restart_margin: float = 0.02
+    """The local search climbs again from every other order of the plan's runs of one device
+    type along the pipeline whose best start is at most this much slower than the best plan
+    so far."""
     progress: bool = False
     """Show a progress bar (rich) while structures are evaluated."""
     cost_options: dict = field(default_factory=dict)

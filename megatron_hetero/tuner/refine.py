@@ -10,30 +10,42 @@ simulator says is faster:
 * a layer across each boundary of the model's sequence of virtual stages (chunk ``c`` of stage
   ``s`` is virtual stage ``c p + s``): between stages, and in effect between chunks;
 * a layer between two chunks of one stage;
-* the chunk count ``v`` (1 up to ``max_virtual_pipeline_size``), each stage's layers spread
+* the chunk count ``v`` (1 up to ``max_virtual_pipeline_size``, which the search sets above
+  its own cap: :attr:`TuneOptions.refine_max_virtual_pipeline_size`), each stage's layers spread
   evenly, the remainder on the early or the late chunks; an end chunk may be left with just
   the embedding or the loss (which the structured search does not try);
 * one unit of micro-batches (``p`` when interleaved, else 1) from the pipeline that finishes
   last to the one that finishes first.
+
+The walk stops at a local optimum, and the landscape has many: which device type plays the
+early stages changes where the fill and drain fall, and a better order often needs other
+chunk counts and splits at once. So the search then climbs again from every other order of the
+plan's runs of one device type along the pipeline (its GPUs keep their stages' types; layers
+re-split by a min-max dynamic program on the new order, with the plan's chunk count or none),
+where that start is within ``restart_margin`` of the best plan so far, and keeps the best.
 
 After every move each (pipeline, stage) takes the cheapest memory policy that fits under the
 exact memory model: the fewest layers of ``block`` recompute (or selective recompute where
 attention is unfused), with or without the layers' module inputs offloaded to the host, with
 part or all of the optimizer state offloaded where that is cheaper (:class:`_Policies`). Each
 round simulates every move and keeps the best (best improvement); the walk stops at a local
-optimum or after ``max_rounds``. It is deterministic: moves are
-generated in a fixed order and ties keep the earlier one.
+optimum or after ``max_rounds``. It is deterministic: moves and restarts are generated in a
+fixed order and ties keep the earlier one.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from ..cost.model import CostModel
+import numpy as np
+
+from ..cost.model import CostModel, recompute_key
 from ..errors import InfeasibleError, SchemaError
-from ..plan import Offload, Pipeline, Plan, Stage
+from ..plan import Offload, Pipeline, Plan, Recompute, Stage
 from ..simulate import SimResult, simulate
+from .split import min_max_split
 from .tables import SELECTIVE, even_chunks, recompute_code_key, recompute_policy
 
 __all__ = ["refine", "Layout"]
@@ -47,6 +59,8 @@ class Layout:
     seq: tuple[int, ...]
     v: int
     microbatches: tuple[int, ...]
+    order: tuple[int, ...] | None = None
+    """Stage ``s`` runs on the GPUs of the starting plan's stage ``order[s]`` (None: as there)."""
 
     def chunks(self, p: int, s: int) -> tuple[int, ...]:
         return tuple(self.seq[c * p + s] for c in range(self.v))
@@ -125,25 +139,34 @@ class _Policies:
         return got
 
 
-def _build(plan: Plan, lay: Layout, policies: _Policies) -> Plan | None:
+def _build(plan: Plan, lay: Layout, policies: _Policies, *, share: bool = True) -> Plan | None:
     """``plan`` reshaped to ``lay``, every stage on its cheapest fitting policy (None: some
-    stage fits under no policy, or Megatron could not run it)."""
+    stage fits under no policy, or Megatron could not run it). With ``share``, pipelines alike
+    (device types, micro-batch size and count) share one list of stages: the search builds
+    thousands of plans it only simulates."""
     p = plan.pipeline_model_parallel_size
+    order = lay.order or range(p)
+    built: dict[tuple, list[Stage]] = {}
     pipelines = []
     for d, pipe in enumerate(plan.pipelines):
         m = lay.microbatches[d]
-        stages = []
-        for s, old in enumerate(pipe.stages):
-            chunks = lay.chunks(p, s)
-            pol = policies.choose(old.device_type, chunks, s, pipe.micro_batch_size, m)
-            if pol is None:
-                return None
-            code, f, mi = pol
-            n = sum(chunks)
-            stages.append(Stage(device_type=old.device_type, num_layers=n,
-                                recompute=recompute_policy(code, n),
-                                offload=Offload(optimizer_fraction=f, module_inputs=mi),
-                                chunk_layers=list(chunks) if lay.v > 1 else None))
+        olds = [pipe.stages[o] for o in order]
+        key = (tuple(st.device_type for st in olds), pipe.micro_batch_size, m)
+        stages = built.get(key) if share else None
+        if stages is None:
+            stages = []
+            for s, old in enumerate(olds):
+                chunks = lay.chunks(p, s)
+                pol = policies.choose(old.device_type, chunks, s, pipe.micro_batch_size, m)
+                if pol is None:
+                    return None
+                code, f, mi = pol
+                n = sum(chunks)
+                stages.append(Stage(device_type=old.device_type, num_layers=n,
+                                    recompute=recompute_policy(code, n),
+                                    offload=Offload(optimizer_fraction=f, module_inputs=mi),
+                                    chunk_layers=list(chunks) if lay.v > 1 else None))
+            built[key] = stages
         pipelines.append(Pipeline(micro_batch_size=pipe.micro_batch_size, num_microbatches=m,
                                   stages=stages))
     try:
@@ -178,6 +201,27 @@ def _regroup(mb: tuple[int, ...], unit: int) -> tuple[int, ...] | None:
     return tuple(b * unit for b in base)
 
 
+def _block_orders(types: tuple[str, ...]):
+    """Stage orders that put the runs of one device type along the pipeline (``types``, the
+    starting plan's stage types) in every other order, one per distinct sequence of types.
+    Pipelines of more than four runs are left to the structured search (5! orders)."""
+    blocks: list[list[int]] = []
+    for s, t in enumerate(types):
+        if blocks and types[blocks[-1][-1]] == t:
+            blocks[-1].append(s)
+        else:
+            blocks.append([s])
+    if len(blocks) > 4:
+        return
+    seen = {types}
+    for perm in itertools.permutations(blocks):
+        order = tuple(s for block in perm for s in block)
+        key = tuple(types[s] for s in order)
+        if key not in seen:
+            seen.add(key)
+            yield order
+
+
 def _moves(lay: Layout, p: int, max_v: int, sim: SimResult):
     """Neighbouring layouts of ``lay``, in a fixed order."""
     seq, v = list(lay.seq), lay.v
@@ -192,7 +236,7 @@ def _moves(lay: Layout, p: int, max_v: int, sim: SimResult):
             new = seq.copy()
             new[a] -= 1
             new[b] += 1
-            yield Layout(tuple(new), v, lay.microbatches)
+            yield replace(lay, seq=tuple(new))
     # the chunk count, each stage's layers spread evenly
     if p > 1:
         totals = [sum(lay.seq[c * p + s] for c in range(v)) for s in range(p)]
@@ -203,7 +247,7 @@ def _moves(lay: Layout, p: int, max_v: int, sim: SimResult):
             if mb is None:
                 continue
             for early in ((False, True) if w > 1 else (False,)):
-                yield Layout(_spread(totals, w, early), w, mb)
+                yield replace(lay, seq=_spread(totals, w, early), v=w, microbatches=mb)
     # one unit of micro-batches from the pipeline that finishes last to the one first done
     D = len(lay.microbatches)
     if D > 1:
@@ -215,41 +259,104 @@ def _moves(lay: Layout, p: int, max_v: int, sim: SimResult):
             mb = list(lay.microbatches)
             mb[late] -= unit
             mb[early_d] += unit
-            yield Layout(lay.seq, v, tuple(mb))
+            yield replace(lay, microbatches=tuple(mb))
+
+
+class _Climb:
+    """Hill climbs on the simulator over layouts of one starting plan, sharing what was seen."""
+
+    def __init__(self, plan: Plan, cost: CostModel, policies: _Policies, max_v: int,
+                 max_rounds: int):
+        self.plan, self.cost, self.policies = plan, cost, policies
+        self.max_v, self.max_rounds = max_v, max_rounds
+        self.p = plan.pipeline_model_parallel_size
+        self.seen: set[Layout] = set()
+        self.sims = 0
+
+    def evaluate(self, lay: Layout) -> tuple[Plan, SimResult] | None:
+        """``lay`` built and simulated (None: seen before, invalid, or it does not fit)."""
+        if lay in self.seen or not lay.valid(self.p):
+            return None
+        self.seen.add(lay)
+        new = _build(self.plan, lay, self.policies)
+        if new is None:
+            return None
+        try:
+            got = simulate(new, self.cost, record_events=False)
+        except InfeasibleError:
+            return None
+        self.sims += 1
+        return (new, got) if got.fits_memory else None
+
+    def climb(self, lay: Layout, plan: Plan, sim: SimResult) -> tuple[Layout, Plan, SimResult]:
+        """Best-improvement moves from ``lay`` until none is faster or the rounds run out."""
+        self.seen.add(lay)
+        for _ in range(self.max_rounds):
+            winner = None
+            for cand in _moves(lay, self.p, max(self.max_v, lay.v), sim):
+                got = self.evaluate(cand)
+                ref = winner[2] if winner else sim
+                if got is not None and got[1].step_time_s < ref.step_time_s * (1 - 1e-9):
+                    winner = (cand, *got)
+            if winner is None:
+                break
+            lay, plan, sim = winner
+        return lay, plan, sim
+
+
+def _balanced_totals(plan: Plan, cost: CostModel, order: tuple[int, ...], v: int) -> list[int] | None:
+    """Layers per stage for the stage order ``order`` of ``plan``: the split that minimises the
+    slowest stage (:func:`.split.min_max_split`), each stage's time its micro-batches times its
+    forward and backward without recompute, the embedding and the output layer on the ends."""
+    p, L = plan.pipeline_model_parallel_size, plan.model.num_layers
+    tp, sp = plan.tensor_model_parallel_size, cost.sequence_parallel_of(plan)
+    none = recompute_key(Recompute())
+    costs = np.zeros((p, L + 1))
+    kinds = {(tuple(pipe.stages[o].device_type for o in order), pipe.micro_batch_size,
+              pipe.num_microbatches) for pipe in plan.pipelines}
+    for gpus, mbs, m in sorted(kinds):
+        for s, gpu in enumerate(gpus):
+            row = [m * cost.compute_times(gpu, n, s == 0, s == p - 1, mbs, tp, none, False, sp,
+                                          False).total_s for n in range(L + 1)]
+            costs[s] = np.maximum(costs[s], row)
+    costs[:, :v] = np.inf  # every chunk holds a layer
+    got = min_max_split(costs, L)
+    return None if got is None else got[1]
 
 
 def refine(plan: Plan, sim: SimResult, cost: CostModel, *, max_virtual_pipeline_size: int,
            optimizer_offload: bool = True, activation_offload: bool = True,
-           max_rounds: int = 8) -> tuple[Plan, SimResult, int]:
-    """Hill-climb from ``plan`` (simulated as ``sim``); returns the best plan found, its
-    simulation and the number of simulations run. ``optimizer_offload`` and
-    ``activation_offload`` (module inputs) allow those policies."""
+           max_rounds: int = 8, reorder: bool = True,
+           restart_margin: float = 0.02) -> tuple[Plan, SimResult, int]:
+    """Hill-climb from ``plan`` (simulated as ``sim``), then from every other order of its
+    runs of one device type along the pipeline (``reorder``); returns the best plan found,
+    its simulation and the number of simulations run. ``optimizer_offload`` and
+    ``activation_offload`` (module inputs) allow those policies; the chunk count goes up to
+    ``max_virtual_pipeline_size``."""
     p = plan.pipeline_model_parallel_size
-    policies = _Policies(cost, plan, optimizer_offload, activation_offload)
-    best_plan, best_sim = plan, sim
-    lay = layout_of(plan)
-    seen = {lay}
-    sims = 0
-    for _ in range(max_rounds):
-        winner = None
-        for cand in _moves(lay, p, max(max_virtual_pipeline_size, lay.v), best_sim):
-            if cand in seen or not cand.valid(p):
+    run = _Climb(plan, cost, _Policies(cost, plan, optimizer_offload, activation_offload),
+                 max_virtual_pipeline_size, max_rounds)
+    lay, best_plan, best_sim = run.climb(layout_of(plan), plan, sim)
+    best_lay = lay
+    if reorder and p > 1:
+        types = tuple(st.device_type for st in plan.pipelines[0].stages)
+        for order in _block_orders(types):
+            start = None
+            for w in sorted({1, lay.v}):  # the climb moves the chunk count on from there
+                totals = _balanced_totals(plan, cost, order, w)
+                mb = lay.microbatches if w == 1 else _regroup(lay.microbatches, p)
+                if totals is None or mb is None:
+                    continue
+                for early in ((False, True) if w > 1 else (False,)):
+                    cand = Layout(_spread(totals, w, early), w, mb, order)
+                    got = run.evaluate(cand)
+                    if got is not None and (start is None or got[1].step_time_s < start[2].step_time_s):
+                        start = (cand, *got)
+            if start is None or start[2].step_time_s > best_sim.step_time_s * (1 + restart_margin):
                 continue
-            seen.add(cand)
-            new = _build(plan, cand, policies)
-            if new is None:
-                continue
-            try:
-                got = simulate(new, cost, record_events=False)
-            except InfeasibleError:
-                continue
-            sims += 1
-            if not got.fits_memory:
-                continue
-            ref = winner[2] if winner else best_sim
-            if got.step_time_s < ref.step_time_s * (1 - 1e-9):
-                winner = (cand, new, got)
-        if winner is None:
-            break
-        lay, best_plan, best_sim = winner
-    return best_plan, best_sim, sims
+            got_lay, got_plan, got_sim = run.climb(*start)
+            if got_sim.step_time_s < best_sim.step_time_s * (1 - 1e-9):
+                best_lay, best_plan, best_sim = got_lay, got_plan, got_sim
+    if best_plan is not plan:  # its own stage objects for every pipeline
+        best_plan = _build(plan, best_lay, run.policies, share=False)
+    return best_plan, best_sim, run.sims

@@ -358,6 +358,14 @@ class _Search:
         return best
 
 
+def _refine_chunk_cap(options: TuneOptions) -> int:
+    """Most chunks per stage the local search tries: ``refine_max_virtual_pipeline_size`` (at
+    least the structured search's), or 1 where interleaving is off."""
+    if options.max_virtual_pipeline_size <= 1:
+        return 1
+    return max(options.max_virtual_pipeline_size, options.refine_max_virtual_pipeline_size)
+
+
 def _infeasible_message(problem: Problem) -> str:
     """Why nothing fits: the leanest single-type stage of every type against its memory."""
     model, inv = problem.model, problem.inv
@@ -431,10 +439,11 @@ def tune(model: ModelSpec, inventory: Inventory, global_batch_size: int, *,
         if options.refine_rounds > 0:
             plan0, sim0 = best
             plan1, sim1, sims = refine(plan0, sim0, problem.cost(plan0.precision),
-                                       max_virtual_pipeline_size=options.max_virtual_pipeline_size,
+                                       max_virtual_pipeline_size=_refine_chunk_cap(options),
                                        optimizer_offload=options.optimizer_offload,
                                        activation_offload=options.activation_offload,
-                                       max_rounds=options.refine_rounds)
+                                       max_rounds=options.refine_rounds,
+                                       restart_margin=options.refine_restart_margin)
             best = (plan1, sim1)
     base_best = search.best_simulated(base)
     if best is None and base_best is None:

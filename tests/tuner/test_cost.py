@@ -120,6 +120,41 @@ def test_simulate_two_stage_plan_matches_hand_formula():
     assert res.fits_memory
 
 
+def test_simulate_keeps_pipelines_that_differ_apart():
+    """The simulator computes the costs of alike pipelines once; pipelines that differ in one
+    stage's recompute, optimizer offload or micro-batch count still get their own times and
+    memory, the same as each gets in a plan of its own."""
+    inv = _inventory()
+    cost = CostModel(TINY, inv)
+
+    def pipe(m, gran="none", frac=0.0):
+        return {"micro_batch_size": 1, "num_microbatches": m, "stages": [
+            {"device_type": "A100-SXM-80GB", "num_layers": 2},
+            {"device_type": "A100-SXM-80GB", "num_layers": 2, "recompute": {"granularity": gran},
+             "offload": {"optimizer_fraction": frac}}]}
+
+    def plan_of(pipes):
+        data = {"format_version": 1, "model": {f: getattr(TINY, f) for f in TINY.__slots__},
+                "global_batch_size": sum(p["num_microbatches"] for p in pipes),
+                "tensor_model_parallel_size": 1, "pipelines": pipes}
+        return plan_from_data(data, catalog=inv.catalog)
+
+    variants = [pipe(4), pipe(4, "selective"), pipe(4, frac=0.5), pipe(6)]
+    res = simulate(plan_of(variants), cost)
+    for d, variant in enumerate(variants):
+        alone = simulate(plan_of([variant]), cost)
+        for s in range(2):
+            got, ref = res.stage(d, s), alone.stage(0, s)
+            assert (got.forward_s, got.backward_s, got.busy_s) == pytest.approx(
+                (ref.forward_s, ref.backward_s, ref.busy_s))
+            # memory differs from a one-pipeline plan only in the optimizer shard (DP 4 vs 1)
+            assert (got.memory.params, got.memory.activations) == pytest.approx(
+                (ref.memory.params, ref.memory.activations))
+    assert res.stage(1, 1).backward_s > res.stage(0, 1).backward_s  # selective recompute
+    assert res.stage(2, 1).memory.optimizer < res.stage(0, 1).memory.optimizer
+    assert res.stage(3, 1).busy_s == pytest.approx(1.5 * res.stage(0, 1).busy_s)
+
+
 def test_placement_follows_megatron_rank_order():
     inv = _inventory()  # 2 A100 nodes of 4, 1 V100 node of 4
     stages = [["A100-SXM-80GB", "A100-SXM-80GB", "V100-SXM2-32GB"]] * 2

@@ -111,6 +111,45 @@ def test_interleaved_dependencies_hold(stages, groups, send):
         assert finish[s] >= m * (sum(f[s]) + sum(b[s])) - 1e-9
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 4), st.integers(1, 3), st.data())
+def test_interleaved_schedule_is_the_earliest_one_in_megatrons_order(p, v, groups, data):
+    """Each op starts as soon as both its stage is free (the op before it in the rank's
+    Megatron order) and its input has arrived over its link: the unique schedule of that
+    order. Checked op by op against the recurrence for random durations and link times."""
+    m = groups * p if v > 1 else groups
+    dur = st.floats(0.01, 3)
+    f = [[data.draw(dur) for _ in range(v)] for _ in range(p)]
+    b = [[data.draw(dur) for _ in range(v)] for _ in range(p)]
+    send_f = [data.draw(st.floats(0, 1)) for _ in range(p)]
+    send_b = [data.draw(st.floats(0, 1)) for _ in range(p)]
+    finish, busy, last_b, events = interleaved_1f1b(f, b, send_f, send_b, m, record=True)
+    end = {(s, k, i, c): e for s, k, i, _, e, c in events}
+    for s in range(p):
+        mine = sorted((e for e in events if e[0] == s), key=lambda e: (e[3], e[4]))
+        assert [(0 if k == "F" else 1, i, c) for _, k, i, _, _, c in mine] == rank_order(p, s, m, v)
+        free = 0.0
+        for _, k, i, a, e, c in mine:
+            if k == "F":
+                dep = (end[(s - 1, "F", i, c)] + send_f[s - 1] if s > 0 else
+                       end[(p - 1, "F", i, c - 1)] + send_f[p - 1] if c > 0 else 0.0)
+            else:
+                dep = (end[(s + 1, "B", i, c)] + send_b[s] if s < p - 1 else
+                       end[(0, "B", i, c + 1)] + send_b[p - 1] if c < v - 1 else
+                       end[(s, "F", i, c)])
+            assert a == pytest.approx(max(free, dep), abs=1e-9)
+            assert e == pytest.approx(a + (f if k == "F" else b)[s][c], abs=1e-9)
+            free = e
+        assert finish[s] == pytest.approx(free, abs=1e-9)
+        assert busy[s] == pytest.approx(m * (sum(f[s]) + sum(b[s])))
+        for c in range(v):
+            assert last_b[s][c] == pytest.approx(max(a for x, k, i, a, _, cc in events
+                                                     if x == s and k == "B" and cc == c), abs=1e-9)
+    # without recording, the same times
+    again = interleaved_1f1b(f, b, send_f, send_b, m)
+    assert again[0] == finish and again[2] == last_b
+
+
 def _plan(chunks, *, m=4, v=2, recompute=None):
     inv = inventory_from_data({"groups": [{"gpu": "ROUND", "nodes": 1, "gpus_per_node": 2}],
                                "gpus": copy.deepcopy(ROUND)})

@@ -22,8 +22,8 @@ INV = inventory_from_data({"groups": [{"gpu": "A100-SXM-80GB", "nodes": 1, "gpus
                                       {"gpu": "V100-SXM2-32GB", "nodes": 1, "gpus_per_node": 2}]})
 
 
-def _plan(split, microbatches, v=1, chunks=None, model=MODEL) -> Plan:
-    types = ["A100-SXM-80GB", "V100-SXM2-32GB"]
+def _plan(split, microbatches, v=1, chunks=None, model=MODEL,
+          types=("A100-SXM-80GB", "V100-SXM2-32GB")) -> Plan:
     pipes = [Pipeline(micro_batch_size=1, num_microbatches=m,
                       stages=[Stage(device_type=t, num_layers=n,
                                     chunk_layers=list(chunks[s]) if chunks else None)
@@ -94,6 +94,49 @@ def test_interleaved_chunks_reach_the_brute_force_optimum_of_their_neighbourhood
         got = simulate(built, cost, record_events=False)
         if got.fits_memory:
             assert got.step_time_s >= sim.step_time_s * (1 - 1e-9), (new, got.step_time_s)
+
+
+def test_refine_climbs_again_from_the_other_order_of_the_device_types():
+    """A start with the V100 stage first: the hill climb alone never changes which GPUs play
+    which stage, the restart from the other order finds the best plan of both orders."""
+    cost = _cost()
+    flipped = ("V100-SXM2-32GB", "A100-SXM-80GB")
+    start = _plan([6, 6], [16, 16], types=flipped)
+    before = simulate(start, cost, record_events=False)
+
+    def brute(types):
+        return min(simulate(_plan([a, 12 - a], [m, 32 - m], types=types), cost,
+                            record_events=False).step_time_s
+                   for a in range(1, 12) for m in range(1, 32))
+
+    best_flipped, best_other = brute(flipped), brute(("A100-SXM-80GB", "V100-SXM2-32GB"))
+    assert best_other < best_flipped  # the case is one where the order matters
+
+    kept, kept_sim, _ = refine(start, before, cost, max_virtual_pipeline_size=1, max_rounds=40,
+                               reorder=False)
+    assert [st.device_type for st in kept.pipelines[0].stages] == list(flipped)
+    assert kept_sim.step_time_s == pytest.approx(best_flipped, rel=1e-9)
+
+    plan, sim, _ = refine(start, before, cost, max_virtual_pipeline_size=1, max_rounds=40)
+    assert [st.device_type for st in plan.pipelines[0].stages] == ["A100-SXM-80GB", "V100-SXM2-32GB"]
+    assert sim.step_time_s == pytest.approx(best_other, rel=1e-9)
+    # every pipeline has its own stages again (the search shares them while it only simulates)
+    assert plan.pipelines[0].stages is not plan.pipelines[1].stages
+    again = plan_from_data(plan.to_data(), catalog=INV.catalog)
+    assert simulate(again, cost, record_events=False).step_time_s == pytest.approx(sim.step_time_s)
+
+
+def test_a_restart_far_slower_than_the_best_plan_is_not_climbed():
+    cost = _cost()
+    start = _plan([6, 6], [16, 16])
+    before = simulate(start, cost, record_events=False)
+    _, _, alone = refine(start, before, cost, max_virtual_pipeline_size=1, max_rounds=40,
+                         reorder=False)
+    _, _, pruned = refine(start, before, cost, max_virtual_pipeline_size=1, max_rounds=40,
+                          restart_margin=-1.0)
+    _, _, climbed = refine(start, before, cost, max_virtual_pipeline_size=1, max_rounds=40,
+                           restart_margin=10.0)
+    assert alone < pruned < climbed  # the start is simulated either way, climbed only if close
 
 
 def test_a_stage_short_of_memory_gets_the_cheapest_policy_that_fits():
