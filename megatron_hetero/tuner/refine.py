@@ -38,6 +38,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import numpy as np
 
@@ -324,39 +325,51 @@ def _balanced_totals(plan: Plan, cost: CostModel, order: tuple[int, ...], v: int
     return None if got is None else got[1]
 
 
+def _restart(run: _Climb, cost: CostModel, order: tuple[int, ...],
+             lay: Layout) -> tuple[Layout, Plan, SimResult] | None:
+    """The best start in stage order ``order``: layers re-split for that order, without
+    interleaving or with ``lay``'s chunk count (remainder early or late); None if none fits."""
+    plan, p = run.plan, run.p
+    start = None
+    for w in sorted({1, lay.v}):  # the climb moves the chunk count on from there
+        totals = _balanced_totals(plan, cost, order, w)
+        mb = lay.microbatches if w == 1 else _regroup(lay.microbatches, p)
+        if totals is None or mb is None:
+            continue
+        for early in ((False, True) if w > 1 else (False,)):
+            cand = Layout(_spread(totals, w, early), w, mb, order)
+            got = run.evaluate(cand)
+            if got is not None and (start is None or got[1].step_time_s < start[2].step_time_s):
+                start = (cand, *got)
+    return start
+
+
 def refine(plan: Plan, sim: SimResult, cost: CostModel, *, max_virtual_pipeline_size: int,
            optimizer_offload: bool = True, activation_offload: bool = True,
-           max_rounds: int = 8, reorder: bool = True,
-           restart_margin: float = 0.02) -> tuple[Plan, SimResult, int]:
+           max_rounds: int = 8, reorder: bool = True, restart_margin: float = 0.02,
+           climbed: Callable[[int, int], None] | None = None) -> tuple[Plan, SimResult, int]:
     """Hill-climb from ``plan`` (simulated as ``sim``), then from every other order of its
     runs of one device type along the pipeline (``reorder``); returns the best plan found,
     its simulation and the number of simulations run. ``optimizer_offload`` and
     ``activation_offload`` (module inputs) allow those policies; the chunk count goes up to
-    ``max_virtual_pipeline_size``."""
+    ``max_virtual_pipeline_size``. ``climbed(done, total)`` is told after each start (the
+    plan and each other order) is done with, for a progress bar."""
     p = plan.pipeline_model_parallel_size
     run = _Climb(plan, cost, _Policies(cost, plan, optimizer_offload, activation_offload),
                  max_virtual_pipeline_size, max_rounds)
+    types = tuple(st.device_type for st in plan.pipelines[0].stages)
+    orders = list(_block_orders(types)) if reorder and p > 1 else []
+    report = climbed or (lambda done, total: None)
     lay, best_plan, best_sim = run.climb(layout_of(plan), plan, sim)
     best_lay = lay
-    if reorder and p > 1:
-        types = tuple(st.device_type for st in plan.pipelines[0].stages)
-        for order in _block_orders(types):
-            start = None
-            for w in sorted({1, lay.v}):  # the climb moves the chunk count on from there
-                totals = _balanced_totals(plan, cost, order, w)
-                mb = lay.microbatches if w == 1 else _regroup(lay.microbatches, p)
-                if totals is None or mb is None:
-                    continue
-                for early in ((False, True) if w > 1 else (False,)):
-                    cand = Layout(_spread(totals, w, early), w, mb, order)
-                    got = run.evaluate(cand)
-                    if got is not None and (start is None or got[1].step_time_s < start[2].step_time_s):
-                        start = (cand, *got)
-            if start is None or start[2].step_time_s > best_sim.step_time_s * (1 + restart_margin):
-                continue
+    report(1, 1 + len(orders))
+    for k, order in enumerate(orders, start=2):
+        start = _restart(run, cost, order, lay)
+        if start is not None and start[2].step_time_s <= best_sim.step_time_s * (1 + restart_margin):
             got_lay, got_plan, got_sim = run.climb(*start)
             if got_sim.step_time_s < best_sim.step_time_s * (1 - 1e-9):
                 best_lay, best_plan, best_sim = got_lay, got_plan, got_sim
+        report(k, 1 + len(orders))
     if best_plan is not plan:  # its own stage objects for every pipeline
         best_plan = _build(plan, best_lay, run.policies, share=False)
     return best_plan, best_sim, run.sims

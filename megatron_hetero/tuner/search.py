@@ -414,12 +414,16 @@ def tune(model: ModelSpec, inventory: Inventory, global_batch_size: int, *,
             f"{list(options.micro_batch_sizes)} divides it; expected a multiple of one of them")
     progress = None
     tick = lambda: None  # noqa: E731
+    climbed: Callable[[int, int], None] | None = None
     if options.progress and len(structures) > 2000:
         from rich.progress import Progress
         progress = Progress(transient=True)
         progress.start()
         task = progress.add_task("searching plans", total=2 * len(structures))
         tick = lambda: progress.advance(task)  # noqa: E731
+
+        def climbed(done: int, total: int) -> None:
+            progress.update(local, completed=done, total=total)
     try:
         tuned = search.walk([(lb, st) for lb, st in structures
                              if st.vp <= options.max_virtual_pipeline_size],
@@ -429,22 +433,27 @@ def tune(model: ModelSpec, inventory: Inventory, global_batch_size: int, *,
                  if L % (st.pp * st.vp) == 0 and (global_batch_size // st.mbs) % st.num_pipelines == 0
                  and (st.vp == 1 or (global_batch_size // st.mbs // st.num_pipelines) % st.pp == 0)]
         base = search.walk(plain, baseline=True, tick=tick)
+        if progress is not None:  # the walks stop early once the bound passes the best
+            progress.update(task, completed=2 * len(structures))
+        best = search.best_simulated(tuned)
+        searched, sims = None, 0
+        if best is not None:
+            searched = best[1].step_time_s
+            if options.refine_rounds > 0:
+                if progress is not None:
+                    local = progress.add_task("local search on the simulator", total=None)
+                plan0, sim0 = best
+                plan1, sim1, sims = refine(plan0, sim0, problem.cost(plan0.precision),
+                                           max_virtual_pipeline_size=_refine_chunk_cap(options),
+                                           optimizer_offload=options.optimizer_offload,
+                                           activation_offload=options.activation_offload,
+                                           max_rounds=options.refine_rounds,
+                                           restart_margin=options.refine_restart_margin,
+                                           climbed=climbed)
+                best = (plan1, sim1)
     finally:
         if progress is not None:
             progress.stop()
-    best = search.best_simulated(tuned)
-    searched, sims = None, 0
-    if best is not None:
-        searched = best[1].step_time_s
-        if options.refine_rounds > 0:
-            plan0, sim0 = best
-            plan1, sim1, sims = refine(plan0, sim0, problem.cost(plan0.precision),
-                                       max_virtual_pipeline_size=_refine_chunk_cap(options),
-                                       optimizer_offload=options.optimizer_offload,
-                                       activation_offload=options.activation_offload,
-                                       max_rounds=options.refine_rounds,
-                                       restart_margin=options.refine_restart_margin)
-            best = (plan1, sim1)
     base_best = search.best_simulated(base)
     if best is None and base_best is None:
         raise InfeasibleError(_infeasible_message(problem))

@@ -117,7 +117,10 @@ def test_refine_climbs_again_from_the_other_order_of_the_device_types():
     assert [st.device_type for st in kept.pipelines[0].stages] == list(flipped)
     assert kept_sim.step_time_s == pytest.approx(best_flipped, rel=1e-9)
 
-    plan, sim, _ = refine(start, before, cost, max_virtual_pipeline_size=1, max_rounds=40)
+    told = []
+    plan, sim, _ = refine(start, before, cost, max_virtual_pipeline_size=1, max_rounds=40,
+                          climbed=lambda done, total: told.append((done, total)))
+    assert told == [(1, 2), (2, 2)]  # the progress bar hears of each start
     assert [st.device_type for st in plan.pipelines[0].stages] == ["A100-SXM-80GB", "V100-SXM2-32GB"]
     assert sim.step_time_s == pytest.approx(best_other, rel=1e-9)
     # every pipeline has its own stages again (the search shares them while it only simulates)

@@ -273,3 +273,47 @@ def test_the_baseline_interleaves_too():
     assert flat.baseline_plan.virtual_pipeline_size > 1
     assert flat.baseline_sim.step_time_s == result.baseline_sim.step_time_s
     assert flat.sim.step_time_s <= flat.baseline_sim.step_time_s
+
+
+def test_progress_covers_the_walk_and_the_local_search(monkeypatch):
+    """A long search shows two bars: the walk over structures, finished when it stops early,
+    and the local search, one step per start it climbs from. The plan is the one found
+    without the bars."""
+    import rich.progress
+    events = []
+
+    class Recorder:
+        def __init__(self, **kwargs):
+            self.tasks = {}
+
+        def start(self):
+            events.append("start")
+
+        def stop(self):
+            events.append("stop")
+
+        def add_task(self, name, total=None):
+            self.tasks[len(self.tasks)] = name
+            events.append(("add", name, total))
+            return len(self.tasks) - 1
+
+        def advance(self, task):
+            pass
+
+        def update(self, task, **kwargs):
+            events.append((self.tasks[task], kwargs))
+
+    monkeypatch.setattr(rich.progress, "Progress", Recorder)
+    inv = inventory_from_data({"groups": [{"gpu": "A800-80GB", "nodes": 4, "gpus_per_node": 8},
+                                          {"gpu": "A40-48GB", "nodes": 4, "gpus_per_node": 8}]})
+    model = model_preset("llama2-70b")
+    from megatron_hetero.tuner import TuneOptions
+    shown = tune(model, inv, 512, options=TuneOptions(progress=True))
+    quiet = tune(model, inv, 512)
+    assert shown.plan.to_data() == quiet.plan.to_data()
+    assert events[0] == "start" and events[-1] == "stop"
+    walk = [e for e in events if isinstance(e, tuple) and e[0] == "searching plans"]
+    total = next(e[2] for e in events if isinstance(e, tuple) and e[:2] == ("add", "searching plans"))
+    assert walk == [("searching plans", {"completed": total})]
+    local = [e[1] for e in events if isinstance(e, tuple) and e[0] == "local search on the simulator"]
+    assert local == [{"completed": 1, "total": 2}, {"completed": 2, "total": 2}]  # 2 types: 2 orders
