@@ -305,16 +305,18 @@ class _Climb:
         return lay, plan, sim
 
 
-def _balanced_totals(plan: Plan, cost: CostModel, order: tuple[int, ...], v: int) -> list[int] | None:
+def _balanced_totals(plan: Plan, cost: CostModel, order: tuple[int, ...], v: int,
+                     microbatches: tuple[int, ...]) -> list[int] | None:
     """Layers per stage for the stage order ``order`` of ``plan``: the split that minimises the
-    slowest stage (:func:`.split.min_max_split`), each stage's time its micro-batches times its
-    forward and backward without recompute, the embedding and the output layer on the ends."""
+    slowest stage (:func:`.split.min_max_split`), each stage's time its pipeline's
+    ``microbatches`` times its forward and backward without recompute, the embedding and the
+    output layer on the ends."""
     p, L = plan.pipeline_model_parallel_size, plan.model.num_layers
     tp, sp = plan.tensor_model_parallel_size, cost.sequence_parallel_of(plan)
     none = recompute_key(Recompute())
     costs = np.zeros((p, L + 1))
-    kinds = {(tuple(pipe.stages[o].device_type for o in order), pipe.micro_batch_size,
-              pipe.num_microbatches) for pipe in plan.pipelines}
+    kinds = {(tuple(pipe.stages[o].device_type for o in order), pipe.micro_batch_size, m)
+             for pipe, m in zip(plan.pipelines, microbatches)}
     for gpus, mbs, m in sorted(kinds):
         for s, gpu in enumerate(gpus):
             row = [m * cost.compute_times(gpu, n, s == 0, s == p - 1, mbs, tp, none, False, sp,
@@ -332,9 +334,9 @@ def _restart(run: _Climb, cost: CostModel, order: tuple[int, ...],
     plan, p = run.plan, run.p
     start = None
     for w in sorted({1, lay.v}):  # the climb moves the chunk count on from there
-        totals = _balanced_totals(plan, cost, order, w)
         mb = lay.microbatches if w == 1 else _regroup(lay.microbatches, p)
-        if totals is None or mb is None:
+        totals = None if mb is None else _balanced_totals(plan, cost, order, w, mb)
+        if totals is None:
             continue
         for early in ((False, True) if w > 1 else (False,)):
             cand = Layout(_spread(totals, w, early), w, mb, order)
