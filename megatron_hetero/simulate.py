@@ -332,14 +332,11 @@ def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True) -> SimR
     first: dict[tuple, int] = {}
     keys = [_pipeline_key(pipe) for pipe in plan.pipelines]
     rep = [first.setdefault(key, d) for d, key in enumerate(keys)]
-    times = [[cost.chunk_times(plan, d, s) for s in range(p)] if rep[d] == d else None
-             for d in range(D)]
-    times = [times[rep[d]] for d in range(D)]
-    memory = [[cost.stage_memory(plan, d, s) for s in range(p)] if rep[d] == d else None
-              for d in range(D)]
-    memory = [memory[rep[d]] for d in range(D)]
-    sums = {d: [(sum(c.forward_s for c in row), sum(c.backward_s for c in row)) for row in times[d]]
-            for d in set(rep)}
+    times_of = {r: [cost.chunk_times(plan, r, s) for s in range(p)] for r in set(rep)}
+    memory_of = {r: [cost.stage_memory(plan, r, s) for s in range(p)] for r in set(rep)}
+    sums = {r: [(sum(c.forward_s for c in row), sum(c.backward_s for c in row)) for row in rows]
+            for r, rows in times_of.items()}
+    times = [times_of[r] for r in rep]
     cache: dict[tuple, tuple] = {}
     runs = [_run_pipeline(plan, cost, placement, times, d, keys[d], cache, record_events)
             for d in range(D)]
@@ -389,7 +386,7 @@ def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True) -> SimR
         if record_events:
             events.extend(Event(d, *ev) for ev in evs)
         for s in range(p):
-            mem = memory[d][s]
+            mem = memory_of[rep[d]][s]
             fits = fits and mem.fits
             bubble = finish[s] - busy[s]
             stages.append(StageResult(

@@ -34,6 +34,7 @@ class Placement:
     nodes: list[list[Node]]
     """``nodes[pipeline][stage]``."""
     _links: dict = field(default_factory=dict, repr=False, compare=False)
+    _dp: dict = field(default_factory=dict, repr=False, compare=False)
 
     def node(self, pipeline: int, stage: int) -> Node:
         return self.nodes[pipeline][stage]
@@ -60,10 +61,9 @@ class Placement:
 
     def stage_bandwidth(self, stage: int) -> float:
         """:meth:`slowest_bandwidth` of the data-parallel group of ``stage`` (its replicas)."""
-        key = ("dp", stage)
-        got = self._links.get(key)
+        got = self._dp.get(stage)
         if got is None:
-            got = self._links[key] = self.slowest_bandwidth([row[stage] for row in self.nodes])
+            got = self._dp[stage] = self.slowest_bandwidth([row[stage] for row in self.nodes])
         return got
 
     def slowest_bandwidth(self, nodes: list[Node]) -> float:

@@ -223,6 +223,20 @@ def _block_orders(types: tuple[str, ...]):
             yield order
 
 
+def _even_layouts(lay: Layout, p: int, chunk_counts, totals_for, order):
+    """``lay`` at each of ``chunk_counts`` with stage totals ``totals_for(w, microbatches)``
+    (None: skip) in stage order ``order``, each stage spread evenly over its chunks with the
+    remainder late or early; the micro-batches regrouped into whole groups of ``p`` when
+    interleaved."""
+    for w in chunk_counts:
+        mb = lay.microbatches if w == 1 else _regroup(lay.microbatches, p)
+        totals = None if mb is None else totals_for(w, mb)
+        if totals is None:
+            continue
+        for early in ((False, True) if w > 1 else (False,)):
+            yield replace(lay, seq=_spread(totals, w, early), v=w, microbatches=mb, order=order)
+
+
 def _moves(lay: Layout, p: int, max_v: int, sim: SimResult):
     """Neighbouring layouts of ``lay``, in a fixed order."""
     seq, v = list(lay.seq), lay.v
@@ -241,14 +255,8 @@ def _moves(lay: Layout, p: int, max_v: int, sim: SimResult):
     # the chunk count, each stage's layers spread evenly
     if p > 1:
         totals = [sum(lay.seq[c * p + s] for c in range(v)) for s in range(p)]
-        for w in range(1, max_v + 1):
-            if w == v:
-                continue
-            mb = lay.microbatches if w == 1 else _regroup(lay.microbatches, p)
-            if mb is None:
-                continue
-            for early in ((False, True) if w > 1 else (False,)):
-                yield replace(lay, seq=_spread(totals, w, early), v=w, microbatches=mb)
+        yield from _even_layouts(lay, p, [w for w in range(1, max_v + 1) if w != v],
+                                 lambda w, mb: totals, lay.order)
     # one unit of micro-batches from the pipeline that finishes last to the one first done
     D = len(lay.microbatches)
     if D > 1:
@@ -333,16 +341,12 @@ def _restart(run: _Climb, cost: CostModel, order: tuple[int, ...],
     interleaving or with ``lay``'s chunk count (remainder early or late); None if none fits."""
     plan, p = run.plan, run.p
     start = None
-    for w in sorted({1, lay.v}):  # the climb moves the chunk count on from there
-        mb = lay.microbatches if w == 1 else _regroup(lay.microbatches, p)
-        totals = None if mb is None else _balanced_totals(plan, cost, order, w, mb)
-        if totals is None:
-            continue
-        for early in ((False, True) if w > 1 else (False,)):
-            cand = Layout(_spread(totals, w, early), w, mb, order)
-            got = run.evaluate(cand)
-            if got is not None and (start is None or got[1].step_time_s < start[2].step_time_s):
-                start = (cand, *got)
+    totals_for = lambda w, mb: _balanced_totals(plan, cost, order, w, mb)  # noqa: E731
+    # the climb moves the chunk count on from there
+    for cand in _even_layouts(lay, p, sorted({1, lay.v}), totals_for, order):
+        got = run.evaluate(cand)
+        if got is not None and (start is None or got[1].step_time_s < start[2].step_time_s):
+            start = (cand, *got)
     return start
 
 
