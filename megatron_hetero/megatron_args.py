@@ -22,7 +22,11 @@ import shlex
 
 from .plan import Plan
 
-__all__ = ["megatron_args", "megatron_args_line", "split_args"]
+__all__ = ["megatron_args", "megatron_args_line", "split_args", "GROUP_FLAG"]
+
+GROUP_FLAG = "--microbatch-group-size-per-virtual-pipeline-stage"
+"""Megatron's flag for the interleaved schedule's micro-batch group (``Plan.microbatch_group_size``;
+its ``args`` attribute is ``microbatch_group_size_per_vp_stage``)."""
 
 
 def split_args(plan: Plan) -> list[str]:
@@ -32,9 +36,13 @@ def split_args(plan: Plan) -> list[str]:
     An interleaved plan (``virtual_pipeline_size`` v > 1) always gets the layout, one segment
     per virtual stage (``p v`` of them): Megatron derives its virtual pipeline size from their
     count, and the layout is exact for any chunks. (``--num-virtual-stages-per-pipeline-rank``
-    would be exact only for equal virtual stages, and cannot be combined with a layout.)"""
+    would be exact only for equal virtual stages, and cannot be combined with a layout.) A plan
+    with its own micro-batch group adds :data:`GROUP_FLAG`."""
     if plan.virtual_pipeline_size > 1:  # Megatron reads the virtual stages from the layout
-        return ["--pipeline-model-parallel-layout", plan.layout()]
+        out = ["--pipeline-model-parallel-layout", plan.layout()]
+        if plan.microbatch_group_size is not None:
+            out += [GROUP_FLAG, str(plan.microbatch_group_size)]
+        return out
     split = plan.layer_split
     pp = len(split)
     if pp == 1 or len(set(split)) == 1:

@@ -203,6 +203,13 @@ class Plan:
     """Model chunks per pipeline stage (Megatron's interleaved 1F1B schedule when > 1). Every
     stage then lists ``chunk_layers``; the model runs chunk 0 of stages 0..p-1, then chunk 1 of
     stages 0..p-1, and so on."""
+    microbatch_group_size: int | None = None
+    """With interleaving: how many micro-batches run one model chunk in a row before the next
+    chunk (Megatron's ``--microbatch-group-size-per-virtual-pipeline-stage``); None for
+    Megatron's default, the pipeline size ``p``. A larger group gives the later stages more
+    slack in the fill and drain, and every rank holds more micro-batches in flight. Megatron
+    takes ``p`` to every pipeline's micro-batch count, with each count's remainder over it 0 or
+    at least ``p``. Left out of the file when None."""
     gpus: dict[str, GPUSpec] = field(default_factory=dict)
     """Full catalog entries (the fields of catalog.yaml) by device type: the types this plan uses
     that the built-in catalog lacks, and built-in types whose figures the inventory overrode.
@@ -263,9 +270,13 @@ class Plan:
 
     def _check_chunks(self) -> None:
         v, first = self.virtual_pipeline_size, self.pipelines[0].stages
-        p = len(first)
+        p, g = len(first), self.microbatch_group_size
         if v < 1:
             raise SchemaError("", "virtual_pipeline_size", v, "a positive integer")
+        if g is not None and v == 1:
+            raise SchemaError("", "microbatch_group_size", g,
+                              "absent (it groups the micro-batches of the interleaved schedule, "
+                              "and virtual_pipeline_size is 1)")
         if v == 1:
             for d, pipe in enumerate(self.pipelines):
                 for s, stage in enumerate(pipe.stages):
@@ -287,12 +298,18 @@ class Plan:
                     raise SchemaError("", path, stage.chunk_layers,
                                       f"{first[s].chunk_layers}, as in pipelines[0] (a stage index "
                                       "has the same chunks in every pipeline)")
-            # Megatron's interleaved schedule runs micro-batches in groups of p
-            # (microbatch_group_size_per_vp_stage defaults to the pipeline size)
-            if pipe.num_microbatches % p:
-                raise SchemaError("", f"pipelines[{d}].num_microbatches", pipe.num_microbatches,
-                                  f"a multiple of the {p} pipeline stages (the interleaved "
-                                  "schedule runs micro-batches in groups of the pipeline size)")
+            # whole groups of p: the layouts the tuner searches keep them (Megatron itself
+            # takes any count whose remainder over its group is 0 or at least p)
+            m = pipe.num_microbatches
+            if m % p:
+                raise SchemaError("", f"pipelines[{d}].num_microbatches", m,
+                                  f"a multiple of the {p} pipeline stages (whole groups of "
+                                  "micro-batches under the interleaved schedule)")
+            if g is not None and not (p <= g <= m and (m % g == 0 or m % g >= p)):
+                raise SchemaError("", "microbatch_group_size", g,
+                                  f"between the {p} pipeline stages and pipelines[{d}]'s {m} "
+                                  f"micro-batches, with {m} % group 0 or at least {p} "
+                                  "(Megatron's interleaved schedule refuses other groups)")
         chunks = self.virtual_stage_layers
         for i, n in enumerate(chunks):
             if n == 0 and 0 < i < len(chunks) - 1:
@@ -386,11 +403,20 @@ class Plan:
             parts.append(("E" if s == 0 else "") + body + ("L" if s == last else ""))
         return "|".join(parts)
 
+    @property
+    def microbatch_group(self) -> int:
+        """The micro-batch group of the interleaved schedule (``microbatch_group_size``, by
+        default the pipeline size)."""
+        g = self.microbatch_group_size
+        return self.pipeline_model_parallel_size if g is None else g
+
     # -- conversion ------------------------------------------------------------------------------
     def to_data(self) -> dict:
         data = to_data(self)
         if not self.gpus:
             data.pop("gpus", None)
+        if self.microbatch_group_size is None:
+            data.pop("microbatch_group_size", None)
         return data
 
 

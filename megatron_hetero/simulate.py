@@ -13,7 +13,8 @@ interleaving, chunk by chunk as each chunk's last backward starts) and is follow
 optimizer step. The step time is the latest end over all ranks.
 
 With interleaved pipelining (``virtual_pipeline_size`` v > 1) each rank runs its v model
-chunks in Megatron's interleaved order (:func:`megatron_hetero.cost.schedule.rank_order`). The
+chunks in Megatron's interleaved order (:func:`megatron_hetero.cost.schedule.rank_order`, with
+the plan's ``microbatch_group_size``). The
 forward of (micro-batch ``i``, chunk ``c``) on stage ``s`` waits for (``i``, ``c``) on stage
 ``s - 1``, or for (``i``, ``c - 1``) on the last stage when ``s = 0`` (over the link from the
 last stage back to the first); backwards mirror it. Every chunk boundary is a send, so each
@@ -185,14 +186,15 @@ def one_f_one_b(fwd: list[float], bwd: list[float], send_f: list[float], send_b:
 
 
 @lru_cache(maxsize=256)
-def _compiled_order(p: int, m: int, v: int):
-    """Every op of a ``p``-stage pipeline of ``m`` micro-batches and ``v`` chunks in one order
+def _compiled_order(p: int, m: int, v: int, group: int | None = None):
+    """Every op of a ``p``-stage pipeline of ``m`` micro-batches and ``v`` chunks (micro-batch
+    group ``group``, default ``p``: :func:`.cost.schedule.rank_order`) in one order
     that respects each rank's run order and every cross-stage dependency (a topological
     order, which does not depend on the durations), as flat columns: the op's stage, its
     duration index (``kind * v + chunk``), the index of the op it waits for (-1: none), the
     link that dependency crosses (-1: none), its micro-batch; and per (stage, chunk) the index
     of its last backward. The simulation is then one pass over these columns."""
-    ops = [rank_order_cached(p, s, m, v) for s in range(p)]
+    ops = [rank_order_cached(p, s, m, v, group) for s in range(p)]
     vm = v * m
     where = [-1] * (2 * p * vm)  # op (stage, kind, chunk, micro-batch) -> its position
     stage, dur_of, dep_of, link_of, mb_of = [], [], [], [], []
@@ -237,14 +239,16 @@ def _compiled_order(p: int, m: int, v: int):
 
 
 def interleaved_1f1b(fwd: list[list[float]], bwd: list[list[float]], send_f: list[float],
-                     send_b: list[float], m: int, *, record: bool = False):
+                     send_b: list[float], m: int, *, record: bool = False,
+                     group: int | None = None):
     """Simulate one pipeline under the interleaved schedule. ``fwd[s][c]``/``bwd[s][c]``: seconds
     of chunk ``c`` on stage ``s``; ``send_f[s]``/``send_b[s]``: seconds over the link between
     stage ``s`` and ``s + 1``, index ``p - 1`` the link from the last stage back to the first.
+    ``group``: micro-batches per chunk in a row (Megatron's default ``p`` when None).
     Returns what :func:`one_f_one_b` returns, except that the last backward's start is per
     stage and chunk; events are (stage, kind, microbatch, start, end, chunk)."""
     p, v = len(fwd), len(fwd[0])
-    (stage, dur_of, dep_of, link_of, mb_of), last_b = _compiled_order(p, m, v)
+    (stage, dur_of, dep_of, link_of, mb_of), last_b = _compiled_order(p, m, v, group)
     durs = [list(f) + list(b) for f, b in zip(fwd, bwd)]
     links = [list(send_f), list(send_b)]
     end = [0.0] * len(stage)
@@ -287,7 +291,8 @@ def _run_pipeline(plan: Plan, cost: CostModel, placement, times, d: int, key, ca
         got = one_f_one_b([f[0] for f in fwd], [b[0] for b in bwd], sends, sends,
                           pipe.num_microbatches, record=record)
     else:
-        got = interleaved_1f1b(fwd, bwd, sends, sends, pipe.num_microbatches, record=record)
+        got = interleaved_1f1b(fwd, bwd, sends, sends, pipe.num_microbatches, record=record,
+                               group=plan.microbatch_group_size)
     cache[full] = got
     return got
 

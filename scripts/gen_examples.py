@@ -164,7 +164,9 @@ def readme(ex: Example, plan: Plan, report: dict, inventory_text: str) -> str:
     pool = _gpus(dict(plan.device_counts()))
     tuned_par = (f"TP={plan.tensor_model_parallel_size} PP={plan.pipeline_model_parallel_size} "
                  f"DP={plan.data_parallel_size}" + (
-                     f", {plan.virtual_pipeline_size} model chunks per stage (interleaved)"
+                     f", {plan.virtual_pipeline_size} model chunks per stage (interleaved"
+                     + (f", micro-batches in groups of {plan.microbatch_group_size}"
+                        if plan.microbatch_group_size is not None else "") + ")"
                      if plan.virtual_pipeline_size > 1 else ""))
     base_par = (f"TP={base.get('tensor_model_parallel_size', '?')} "
                 f"PP={base.get('pipeline_model_parallel_size', '?')} "

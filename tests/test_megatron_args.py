@@ -21,9 +21,11 @@ BASE = yaml.safe_load((REPO / "tests/data/plan_a100_v100.yaml").read_text())
 
 
 def _variant(split, *, tp=1, heads=32, groups=32, micro=(1, 1), counts=(70, 58), sp=False,
-             offload=0.0, chunks=None, overlap=False, module_inputs=False):
+             offload=0.0, chunks=None, overlap=False, module_inputs=False, group=None):
     data = copy.deepcopy(BASE)
     data["overlap_grad_reduce"] = overlap
+    if group is not None:
+        data["microbatch_group_size"] = group
     if chunks is not None:  # interleaved: the layers of each stage's model chunks
         split = [sum(c) for c in chunks]
         data["virtual_pipeline_size"] = len(chunks[0])
@@ -63,6 +65,7 @@ VARIANTS = {
     "overlap-grad-reduce": _variant([14, 18], overlap=True),
     "module-input-offload": _variant([16, 16], module_inputs=True),
     "module-input-offload-interleaved": _variant(None, chunks=[[7, 9], [8, 8]], module_inputs=True),
+    "interleaved-group": _variant(None, chunks=[[7, 9], [8, 8]], group=5),  # 70 % 5 = 0, 58 % 5 = 3
 }
 
 
@@ -82,6 +85,10 @@ def test_split_arguments_choose_the_exact_form():
         "--pipeline-model-parallel-layout", "Et*8|t*8|t*8|t*8L"]
     assert "--calculate-per-token-loss" not in megatron_args(VARIANTS["even-uniform-dp"])
     assert "--calculate-per-token-loss" in megatron_args(VARIANTS["first-last"])
+    # the interleaved schedule's micro-batch group goes with the layout when the plan sets one
+    assert split_args(VARIANTS["interleaved-group"]) == [
+        "--pipeline-model-parallel-layout", "Et*7|t*8|t*9|t*8L",
+        "--microbatch-group-size-per-virtual-pipeline-stage", "5"]
 
 
 _CHECKER = textwrap.dedent("""
@@ -125,6 +132,7 @@ _CHECKER = textwrap.dedent("""
             split = split[:pp]
         out.append(dict(tp=args.tensor_model_parallel_size, pp=pp, dp=args.data_parallel_size,
                         vpp=vpp, chunks=chunks, overlap=args.overlap_grad_reduce,
+                        group=args.microbatch_group_size_per_vp_stage,
                         split=split, gbs=args.global_batch_size, mbs=args.micro_batch_size,
                         groups=(args.num_query_groups if args.group_query_attention
                                 else args.num_attention_heads), per_token=args.calculate_per_token_loss,
@@ -150,6 +158,7 @@ def test_megatron_training_accepts_the_arguments(mcore017_env):
         assert got["split"] == plan.layer_split, name
         assert got["vpp"] == plan.virtual_pipeline_size, name
         assert got["overlap"] == plan.overlap_grad_reduce, name
+        assert got["group"] == plan.microbatch_group_size, name
         if plan.virtual_pipeline_size > 1:
             assert got["chunks"] == [s.chunk_layers for s in plan.pipelines[0].stages], name
         assert got["gbs"] == plan.global_batch_size, name

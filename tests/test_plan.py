@@ -278,6 +278,31 @@ def test_interleaving_needs_micro_batches_in_groups_of_the_pipeline_size():
         plan_from_data(data)
 
 
+def test_micro_batch_group_round_trips_and_is_left_out_when_unset(tmp_path):
+    data = dict(_interleaved([6, 8], [10, 8]), microbatch_group_size=4)  # 70 % 4, 58 % 4 = 2
+    plan = plan_from_data(data)
+    assert plan.microbatch_group == 4
+    save_plan(plan, tmp_path / "p.yaml")
+    assert load_plan(tmp_path / "p.yaml") == plan
+    default = plan_from_data(_interleaved([6, 8], [10, 8]))
+    assert default.microbatch_group == 2  # Megatron's default: the pipeline size
+    assert "microbatch_group_size" not in default.to_data()
+
+
+@pytest.mark.parametrize("group, v, phrase", [
+    (4, 1, r"found 4; expected absent \(it groups the micro-batches of the interleaved schedule"),
+    (1, 2, r"found 1; expected between the 2 pipeline stages and pipelines\[0\]'s 70"),
+    (3, 2, r"found 3; expected between the 2 pipeline stages and pipelines\[0\]'s 70 micro-batches, "
+           r"with 70 % group 0 or at least 2"),
+    (60, 2, r"found 60; expected between the 2 pipeline stages and pipelines\[1\]'s 58"),
+])
+def test_bad_micro_batch_group_names_the_field(group, v, phrase):
+    data = _interleaved([6, 8], [10, 8]) if v > 1 else copy.deepcopy(BASE)
+    data["microbatch_group_size"] = group
+    with pytest.raises(SchemaError, match="microbatch_group_size: " + phrase):
+        plan_from_data(data)
+
+
 def test_chunks_must_agree_across_pipelines():
     data = _interleaved([6, 8], [10, 8])
     data["pipelines"][1]["stages"][0]["chunk_layers"] = [8, 6]

@@ -413,9 +413,10 @@ class CostModel:
                              pipeline_size: int, stage: int, num_microbatches: int,
                              data_parallel: int, optimizer_offload: float = 0.0,
                              activation_offload: bool = False, sp: bool = False,
-                             module_inputs: bool = False) -> Memory:
+                             module_inputs: bool = False, group: int | None = None) -> Memory:
         """Peak memory of one tensor rank of stage ``stage`` of ``pipeline_size`` under the
-        interleaved schedule, its model chunks holding ``chunk_layers``."""
+        interleaved schedule (micro-batch group ``group``, default the pipeline size), its
+        model chunks holding ``chunk_layers``."""
         v, b = len(chunk_layers), micro_batch_size
         num_layers = sum(chunk_layers)
         base = self.memory_need(device_type, num_layers, first, last, b, tp, ("none", None, None),
@@ -428,7 +429,7 @@ class CostModel:
         if activation_offload:
             acts = max(per_chunk)
         else:
-            acts = peak_activations(pipeline_size, stage, num_microbatches, v, per_chunk)
+            acts = peak_activations(pipeline_size, stage, num_microbatches, v, per_chunk, group)
         transient = 0
         for (gran, method, k), n in zip(keys, chunk_layers):
             if gran == "full" and n:
@@ -526,7 +527,7 @@ class CostModel:
                 plan.tensor_model_parallel_size, recompute_key(st.recompute),
                 plan.pipeline_model_parallel_size, stage, pipe.num_microbatches,
                 plan.data_parallel_size, st.offload.optimizer_fraction, st.offload.activations,
-                self.sequence_parallel_of(plan), module_inputs)
+                self.sequence_parallel_of(plan), module_inputs, plan.microbatch_group_size)
         in_flight = min(plan.pipeline_model_parallel_size - stage, pipe.num_microbatches)
         return self.memory_need(st.device_type, st.num_layers, first, last, pipe.micro_batch_size,
                                 plan.tensor_model_parallel_size, recompute_key(st.recompute),

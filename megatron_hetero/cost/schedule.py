@@ -5,18 +5,21 @@ Non-interleaved 1F1B (``v = 1``): rank ``r`` of ``p`` runs ``min(p - r - 1, m)``
 forwards, then one forward and one backward in turn, then the remaining backwards.
 
 Interleaved 1F1B (``v > 1`` model chunks per rank; Megatron's
-``forward_backward_pipelining_with_interleaving`` with its default
-``microbatch_group_size_per_vp_stage = p``): the k-th forward runs entry ``k`` of a table that
-takes micro-batches in groups of ``p`` (the last group takes what is left) and, inside a group,
-chunk 0 for each micro-batch of the group, then chunk 1, and so on; the k-th backward runs
-entry ``k`` of the same table with the chunk mirrored (``v - 1 - c``). Rank ``r`` runs
-``(p - r - 1) * 2 + (v - 1) * p`` warm-up forwards (at most all ``m v``), then one forward and
-one backward in turn, then the remaining backwards.
+``forward_backward_pipelining_with_interleaving``): the k-th forward runs entry ``k`` of a table
+that takes micro-batches in groups of ``g`` (``microbatch_group_size_per_vp_stage``, by default
+``p``; the last group takes what is left) and, inside a group, chunk 0 for each micro-batch of
+the group, then chunk 1, and so on; the k-th backward runs entry ``k`` of the same table with
+the chunk mirrored (``v - 1 - c``). Rank ``r`` runs ``(p - r - 1) * 2 + (v - 1) * g`` warm-up
+forwards (at most all ``m v``), then one forward and one backward in turn, then the remaining
+backwards. A larger group gives the later stages more slack in the fill and drain, at the cost
+of more micro-batches in flight.
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
+
+import numpy as np
 
 __all__ = ["Op", "schedule_table", "rank_order", "warmup_count", "peak_in_flight",
            "peak_activations"]
@@ -76,26 +79,30 @@ def peak_in_flight(order: list[Op], weights: list[float]) -> float:
     return peak
 
 
-def peak_activations(p: int, r: int, m: int, v: int, weights: list[float]) -> float:
+def peak_activations(p: int, r: int, m: int, v: int, weights: list[float],
+                     group: int | None = None) -> float:
     """:func:`peak_in_flight` of rank ``r``'s order for non-negative ``weights``, without walking
-    all ``m`` micro-batches each time: when ``m`` is a multiple of ``p`` the table repeats every
-    ``p v`` entries, so the chunks held after each steady-state forward repeat too, and the
-    first ``p v`` steady steps (after the warm-up, which only adds) reach every state the whole
-    order reaches. The states (chunks held per chunk index) are cached per shape."""
-    if m % p == 0:
-        warm = warmup_count(p, r, 10**9, v)
-        enough = p * -(-(warm + p * v + 1) // (p * v))
+    all ``m`` micro-batches each time: when ``m`` is a multiple of the group ``g`` (``group``,
+    default ``p``) the table repeats every ``g v`` entries, so the chunks held after each
+    steady-state forward repeat too, and the first ``g v`` steady steps (after the warm-up,
+    which only adds) reach every state the whole order reaches. The states (chunks held per
+    chunk index) are cached per shape."""
+    g = p if group is None else group
+    if m % g == 0:
+        warm = warmup_count(p, r, 10**9, v, g)
+        enough = g * -(-(warm + g * v + 1) // (g * v))
         m = min(m, enough)
-    return max(sum(n * w for n, w in zip(state, weights)) for state in _held_states(p, r, m, v))
+    return float(np.max(_held_states(p, r, m, v, g) @ np.asarray(weights, dtype=float)))
 
 
 @lru_cache(maxsize=8192)
-def _held_states(p: int, r: int, m: int, v: int) -> tuple[tuple[int, ...], ...]:
+def _held_states(p: int, r: int, m: int, v: int, g: int) -> np.ndarray:
     """The chunk counts held after each forward of rank ``r``'s order, keeping only those no
-    other state holds at least as much of in every chunk (the candidates for a peak)."""
+    other state holds at least as much of in every chunk (the candidates for a peak), one row
+    per state."""
     held = [0] * v
     seen: set[tuple[int, ...]] = set()
-    for kind, _, c in rank_order_cached(p, r, m, v):
+    for kind, _, c in rank_order_cached(p, r, m, v, g):
         held[c] += 1 if kind == 0 else -1
         if kind == 0:
             seen.add(tuple(held))
@@ -104,4 +111,6 @@ def _held_states(p: int, r: int, m: int, v: int) -> tuple[tuple[int, ...], ...]:
     for x in states:
         if not any(all(a >= b for a, b in zip(y, x)) for y in kept):
             kept.append(x)
-    return tuple(kept)
+    out = np.array(kept, dtype=float)
+    out.flags.writeable = False  # cached and shared
+    return out

@@ -121,7 +121,7 @@ def _calibrate_rank(rank: int, world_size: int, shrunk: Plan, reps: int, seed: i
         for n in (1, 3):
             plan = dataclasses.replace(
                 shrunk, model=dataclasses.replace(m, num_layers=n), tensor_model_parallel_size=1,
-                sequence_parallel=False, virtual_pipeline_size=1,
+                sequence_parallel=False, virtual_pipeline_size=1, microbatch_group_size=None,
                 global_batch_size=b, pipelines=[Pipeline(
                     micro_batch_size=b, num_microbatches=1,
                     stages=[Stage(device_type=shrunk.pipelines[0].stages[0].device_type,

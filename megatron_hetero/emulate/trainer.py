@@ -174,7 +174,8 @@ def reference_plan(plan: Plan) -> Plan:
     stage = Stage(device_type=first.device_type, num_layers=plan.model.num_layers)
     return dataclasses.replace(
         plan, tensor_model_parallel_size=1, prediction=None, use_distributed_optimizer=False,
-        sequence_parallel=False, virtual_pipeline_size=1, overlap_grad_reduce=False,
+        sequence_parallel=False, virtual_pipeline_size=1, microbatch_group_size=None,
+        overlap_grad_reduce=False,
         pipelines=[Pipeline(micro_batch_size=mbs, num_microbatches=plan.global_batch_size // mbs,
                             stages=[stage])])
 
@@ -251,7 +252,8 @@ def _transformer_config(plan: Plan, stage: Stage, chunk: int | None = None):
         # pipeline outputs freed right after their asynchronous send)
         kwargs.update(virtual_pipeline_model_parallel_size=plan.virtual_pipeline_size,
                       overlap_p2p_comm=True, batch_p2p_comm=False,
-                      deallocate_pipeline_outputs=True)
+                      deallocate_pipeline_outputs=True,
+                      microbatch_group_size_per_vp_stage=plan.microbatch_group)
     kwargs.update(recompute_kwargs(stage, chunk if plan.virtual_pipeline_size > 1 else None))
     return TransformerConfig(**kwargs)
 

@@ -9,7 +9,9 @@ pass through untouched.
 An interleaved plan (``virtual_pipeline_size`` v > 1) implies ``--pipeline-model-parallel-layout``
 with p x v segments, from which Megatron takes its virtual pipeline size; the virtual-stage flags
 are accepted only where they say the same, and dropped (Megatron takes one of them and the
-layout).
+layout). Its ``microbatch_group_size``, when set, implies
+``--microbatch-group-size-per-virtual-pipeline-stage``; when unset, that flag is accepted only
+with Megatron's default (the pipeline size), which the plan was predicted with.
 
 Per-rank settings (micro-batches, recompute, offload) are not command-line arguments; see
 :mod:`megatron_hetero.runtime.hooks`. The command line may not set them either (the
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from ..errors import HeteroError
-from ..megatron_args import megatron_args
+from ..megatron_args import GROUP_FLAG, megatron_args
 from ..plan import Plan
 
 __all__ = ["Implied", "implied_arguments", "given_flags", "check_and_apply", "ArgumentConflict",
@@ -57,8 +59,11 @@ class Implied:
     value: Any
 
 
+_DESTS = {GROUP_FLAG: "microbatch_group_size_per_vp_stage"}  # Megatron's own attribute names
+
+
 def _dest(flag: str) -> str:
-    return flag[2:].replace("-", "_")
+    return _DESTS.get(flag) or flag[2:].replace("-", "_")
 
 
 def _typed(text: str) -> Any:
@@ -128,6 +133,13 @@ def _check_virtual(args, plan: Plan, given: set[str], conflict) -> None:
             setattr(args, _dest(flag), None)
         else:
             conflict(flag, value, f"{what}; leave it out")
+    group = getattr(args, _dest(GROUP_FLAG), None)
+    if (GROUP_FLAG in given and plan.microbatch_group_size is None and group is not None
+            and not (v > 1 and group == plan.pipeline_model_parallel_size)):
+        conflict(GROUP_FLAG, group,
+                 f"Megatron's default group (the {plan.pipeline_model_parallel_size} pipeline "
+                 "stages; the plan's microbatch_group_size is unset)" if v > 1
+                 else "nothing (the plan does not interleave)")
     if (v > 1 and plan.pipeline_model_parallel_size == 2
             and "--no-overlap-p2p-communication" in given):
         conflict("--no-overlap-p2p-communication", True,

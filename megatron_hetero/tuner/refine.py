@@ -15,7 +15,12 @@ simulator says is faster:
   evenly, the remainder on the early or the late chunks; an end chunk may be left with just
   the embedding or the loss (which the structured search does not try);
 * one unit of micro-batches (``p`` when interleaved, else 1) from the pipeline that finishes
-  last to the one that finishes first.
+  last to the one that finishes first;
+* with interleaving, the micro-batch group (Megatron's
+  ``--microbatch-group-size-per-virtual-pipeline-stage``, by default ``p``) to the next value
+  below or above among :func:`group_choices` (those Megatron takes, up to ``2 p``): a larger
+  group runs more forwards of one chunk before the next, which gives the later stages slack in
+  the fill and drain and holds more micro-batches in flight (the memory policies see that).
 
 The walk stops at a local optimum, and the landscape has many: which device type plays the
 early stages changes where the fill and drain fall, and a better order often needs other
@@ -62,26 +67,47 @@ class Layout:
     microbatches: tuple[int, ...]
     order: tuple[int, ...] | None = None
     """Stage ``s`` runs on the GPUs of the starting plan's stage ``order[s]`` (None: as there)."""
+    group: int | None = None
+    """The interleaved schedule's micro-batch group (None: Megatron's default, ``p``)."""
 
     def chunks(self, p: int, s: int) -> tuple[int, ...]:
         return tuple(self.seq[c * p + s] for c in range(self.v))
 
     def valid(self, p: int) -> bool:
         """Every virtual stage holds a layer but the two ends (embedding or loss only), and with
-        ``v`` > 1 every pipeline's micro-batches form whole groups of ``p``."""
+        ``v`` > 1 every pipeline's micro-batches form whole groups of ``p`` and take the
+        micro-batch group (:func:`group_fits`)."""
         inner = self.seq[1:-1] if len(self.seq) > 1 else self.seq
         if min(inner, default=1) < 1 or min(self.seq) < 0:
             return False
-        if self.v == 1 and min(self.seq) < 1:
+        if self.v == 1 and (min(self.seq) < 1 or self.group is not None):
             return False
         if self.v > 1 and any(m % p for m in self.microbatches):
+            return False
+        if self.group is not None and not group_fits(self.group, p, self.microbatches):
             return False
         return min(self.microbatches) >= 1
 
 
+def group_fits(g: int, p: int, microbatches) -> bool:
+    """Whether Megatron's interleaved schedule takes micro-batch group ``g`` on ``p`` stages
+    for each of ``microbatches``: ``p <= g <= m``, the remainder of ``m`` over ``g`` 0 or at
+    least ``p``."""
+    return all(p <= g <= m and (m % g == 0 or m % g >= p) for m in microbatches)
+
+
+def group_choices(p: int, microbatches) -> list[int]:
+    """The micro-batch groups the tuner tries on ``p`` stages: those Megatron takes
+    (:func:`group_fits`) from ``p`` up to ``2 p``. Past that every rank holds ``(v - 1)(g - p)``
+    more micro-batches in flight for fill and drain slack it mostly has by then, and each new
+    group costs the simulator a schedule order of its own."""
+    return [g for g in range(p, 2 * p + 1) if group_fits(g, p, microbatches)]
+
+
 def layout_of(plan: Plan) -> Layout:
     return Layout(tuple(plan.virtual_stage_layers), plan.virtual_pipeline_size,
-                  tuple(pl.num_microbatches for pl in plan.pipelines))
+                  tuple(pl.num_microbatches for pl in plan.pipelines),
+                  group=plan.microbatch_group_size)
 
 
 class _Policies:
@@ -99,9 +125,9 @@ class _Policies:
         self.sp = cost.sequence_parallel_of(plan)
         self._memo: dict[tuple, tuple[int, float, bool] | None] = {}
 
-    def choose(self, gpu: str, chunks: tuple[int, ...], s: int, mbs: int,
-               m: int) -> tuple[int, float, bool] | None:
-        key = (gpu, chunks, s, mbs, m)
+    def choose(self, gpu: str, chunks: tuple[int, ...], s: int, mbs: int, m: int,
+               group: int | None = None) -> tuple[int, float, bool] | None:
+        key = (gpu, chunks, s, mbs, m, group)
         if key in self._memo:
             return self._memo[key]
         cost, tp, p, D, sp = self.cost, self.tp, self.p, self.D, self.sp
@@ -113,7 +139,7 @@ class _Policies:
             rk = recompute_code_key(code)
             if len(chunks) > 1:
                 return cost.chunked_memory_need(gpu, chunks, first, last, mbs, tp, rk, p, s, m, D,
-                                                f, False, sp, mi)
+                                                f, False, sp, mi, group)
             return cost.memory_need(gpu, n, first, last, mbs, tp, rk, min(p - s, m), D, f, False,
                                     sp, mi)
 
@@ -158,7 +184,8 @@ def _build(plan: Plan, lay: Layout, policies: _Policies, *, share: bool = True) 
             stages = []
             for s, old in enumerate(olds):
                 chunks = lay.chunks(p, s)
-                pol = policies.choose(old.device_type, chunks, s, pipe.micro_batch_size, m)
+                pol = policies.choose(old.device_type, chunks, s, pipe.micro_batch_size, m,
+                                      lay.group)
                 if pol is None:
                     return None
                 code, f, mi = pol
@@ -175,7 +202,7 @@ def _build(plan: Plan, lay: Layout, policies: _Policies, *, share: bool = True) 
                     tensor_model_parallel_size=plan.tensor_model_parallel_size, pipelines=pipelines,
                     precision=plan.precision, use_distributed_optimizer=plan.use_distributed_optimizer,
                     sequence_parallel=plan.sequence_parallel, virtual_pipeline_size=lay.v,
-                    overlap_grad_reduce=plan.overlap_grad_reduce)
+                    microbatch_group_size=lay.group, overlap_grad_reduce=plan.overlap_grad_reduce)
     except SchemaError:
         return None
 
@@ -227,14 +254,21 @@ def _even_layouts(lay: Layout, p: int, chunk_counts, totals_for, order):
     """``lay`` at each of ``chunk_counts`` with stage totals ``totals_for(w, microbatches)``
     (None: skip) in stage order ``order``, each stage spread evenly over its chunks with the
     remainder late or early; the micro-batches regrouped into whole groups of ``p`` when
-    interleaved."""
+    interleaved, keeping ``lay``'s micro-batch group where it still fits."""
     for w in chunk_counts:
         mb = lay.microbatches if w == 1 else _regroup(lay.microbatches, p)
         totals = None if mb is None else totals_for(w, mb)
         if totals is None:
             continue
+        group = _kept_group(lay.group, p, mb) if w > 1 else None
         for early in ((False, True) if w > 1 else (False,)):
-            yield replace(lay, seq=_spread(totals, w, early), v=w, microbatches=mb, order=order)
+            yield replace(lay, seq=_spread(totals, w, early), v=w, microbatches=mb, order=order,
+                          group=group)
+
+
+def _kept_group(g: int | None, p: int, microbatches) -> int | None:
+    """``g`` where it fits ``microbatches`` (:func:`group_fits`), else Megatron's default."""
+    return g if g is not None and group_fits(g, p, microbatches) else None
 
 
 def _moves(lay: Layout, p: int, max_v: int, sim: SimResult):
@@ -268,7 +302,15 @@ def _moves(lay: Layout, p: int, max_v: int, sim: SimResult):
             mb = list(lay.microbatches)
             mb[late] -= unit
             mb[early_d] += unit
-            yield replace(lay, microbatches=tuple(mb))
+            yield replace(lay, microbatches=tuple(mb), group=_kept_group(lay.group, p, mb))
+    # the next micro-batch group below and above the current one (:func:`group_choices`)
+    if v > 1:
+        g, choices = lay.group or p, group_choices(p, lay.microbatches)
+        down = max((h for h in choices if h < g), default=None)
+        up = min((h for h in choices if h > g), default=None)
+        for h in (down, up):
+            if h is not None:
+                yield replace(lay, group=None if h == p else h)
 
 
 class _Climb:

@@ -82,7 +82,9 @@ def summary_lines(plan: Plan, sim: SimResult, label: str) -> str:
             + (f" VP={plan.virtual_pipeline_size}" if plan.virtual_pipeline_size > 1 else "")
             + f" on {counts}; layers {plan.layer_split}"
             + (f" in {plan.virtual_pipeline_size} chunks per stage {plan.virtual_stage_layers}"
-               " (model order)" if plan.virtual_pipeline_size > 1 else ""))
+               " (model order)" if plan.virtual_pipeline_size > 1 else "")
+            + (f", micro-batches in groups of {plan.microbatch_group_size} per chunk"
+               if plan.microbatch_group_size is not None else ""))
 
 
 def host_memory_lines(sim: SimResult) -> list[str]:
@@ -118,6 +120,7 @@ def report_dict(result, plan_path: str | None) -> dict:
                  "data_parallel_size": plan.data_parallel_size, "layer_split": plan.layer_split,
                  "virtual_pipeline_size": plan.virtual_pipeline_size,
                  "virtual_stage_layers": plan.virtual_stage_layers,
+                 "microbatch_group_size": plan.microbatch_group,
                  "overlap_grad_reduce": plan.overlap_grad_reduce,
                  "num_microbatches": [p.num_microbatches for p in plan.pipelines],
                  "device_counts": dict(sorted(plan.device_counts().items()))},

@@ -20,7 +20,9 @@ too (the estimate misses the bubbles of unequal chunks).
 
 The baseline is the same walk restricted to what plain Megatron expresses: the same layers on
 every stage (and chunk), the same micro-batches on every replica, one recompute setting
-everywhere. Every plan overlaps its gradient reduction (``TuneOptions.overlap_grad_reduce``).
+everywhere; an interleaved baseline then takes the micro-batch group (Megatron's
+``--microbatch-group-size-per-virtual-pipeline-stage``) that simulates fastest, as the local
+search does for the tuned plan (:func:`best_group`). Every plan overlaps its gradient reduction (``TuneOptions.overlap_grad_reduce``).
 Everything iterates in sorted order, so the result depends only on the input.
 """
 
@@ -41,7 +43,7 @@ from ..plan import ModelSpec, Offload, Pipeline, Plan, Stage, embedded_gpus
 from ..simulate import SimResult, simulate
 from . import space
 from .problem import Problem, TuneOptions
-from .refine import refine
+from .refine import group_choices, refine
 from .shares import water_fill
 from .space import Structure, upper_bound_step_time
 from .split import min_max_split
@@ -358,6 +360,26 @@ class _Search:
         return best
 
 
+def best_group(plan: Plan, sim: SimResult, cost: CostModel) -> tuple[Plan, SimResult]:
+    """``plan`` (simulated as ``sim``) with the interleaved schedule's micro-batch group that
+    simulates fastest among :func:`.refine.group_choices`, where it still fits memory. Plain
+    Megatron has the flag too, so the baseline gets its best group as well."""
+    if plan.virtual_pipeline_size == 1:
+        return plan, sim
+    p, ms = plan.pipeline_model_parallel_size, [pipe.num_microbatches for pipe in plan.pipelines]
+    best = (plan, sim)
+    for g in group_choices(p, ms):
+        if g > p:
+            cand = dataclasses.replace(plan, microbatch_group_size=g)
+            if not all(cost.stage_memory(cand, d, s).fits for d in range(len(ms))
+                       for s in range(p)):
+                continue  # more in flight than the cards hold: no need to time it
+            got = simulate(cand, cost, record_events=False)
+            if got.fits_memory and got.step_time_s < best[1].step_time_s * (1 - 1e-9):
+                best = (cand, got)
+    return best
+
+
 def _refine_chunk_cap(options: TuneOptions) -> int:
     """Most chunks per stage the local search tries: ``refine_max_virtual_pipeline_size`` (at
     least the structured search's), or 1 where interleaving is off."""
@@ -455,6 +477,8 @@ def tune(model: ModelSpec, inventory: Inventory, global_batch_size: int, *,
         if progress is not None:
             progress.stop()
     base_best = search.best_simulated(base)
+    if base_best is not None:
+        base_best = best_group(*base_best, problem.cost(base_best[0].precision))
     if best is None and base_best is None:
         raise InfeasibleError(_infeasible_message(problem))
     fell_back = False

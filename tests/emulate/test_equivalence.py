@@ -259,3 +259,43 @@ def test_interleaved_sgd_matches_to_rounding():
     plan = PLANS["i_pp2_vp2_dp2_chunks_1_1_3_1"]
     result, ref = train_plan(plan, config), train_plan(reference_plan(plan), config)
     assert compare_results(result, ref, rtol=RTOL, atol=1e-7) is None
+
+
+def _order_hooks(plan, rank):
+    """Records the rank's forwards and backwards in run order, each forward with its model
+    chunk (the k-th forward of a chunk is its k-th micro-batch)."""
+    seq, chunks = [], []
+
+    def compute(kind):
+        import contextlib
+        seq.append(kind[0].upper())
+        return contextlib.nullcontext()
+
+    def on_built(ddps, optimizer):
+        for c, ddp in enumerate(ddps):
+            def forward(*a, _c=c, _f=ddp.forward, **kw):
+                chunks.append(_c)
+                return _f(*a, **kw)
+            ddp.forward = forward
+
+    return RankHooks(compute=compute, on_built=on_built, report=lambda: (seq, chunks))
+
+
+def test_micro_batch_group_runs_in_the_order_the_simulator_assumes():
+    """A plan with its own micro-batch group (3 on 2 stages, 6 micro-batches per replica):
+    Megatron's interleaved schedule, given the group through the config as Megatron-LM's
+    arguments give it, runs each rank's forwards and backwards in the order
+    ``cost.schedule.rank_order`` (which the simulator and the memory model use) says for that
+    group, not the default's; and training matches one process to rounding."""
+    from megatron_hetero.cost.schedule import rank_order
+    plan = tiny_plan(None, [(1, 6), (1, 6)], chunks=[[1, 1], [3, 1]], microbatch_group_size=3)
+    config = TrainConfig(steps=1, optimizer="sgd", lr=0.1, eval_forward_only=False)
+    result = train_plan(plan, config, hooks_factory=_order_hooks)
+    for r in result.ranks:
+        seq, chunks = r.extra
+        want = rank_order(2, r.stage, 6, 2, 3)
+        assert seq == ["FB"[k] for k, _, _ in want], r.rank
+        assert chunks == [c for k, _, c in want if k == 0], r.rank
+        assert chunks != [c for k, _, c in rank_order(2, r.stage, 6, 2) if k == 0]
+    ref = train_plan(reference_plan(plan), config)
+    assert compare_results(result, ref, rtol=RTOL, atol=1e-7) is None

@@ -206,6 +206,28 @@ def test_virtual_stage_flags_must_agree_with_the_plan(argv, agrees):
             check_and_apply(args, plan, argv)
 
 
+GROUP = "--microbatch-group-size-per-virtual-pipeline-stage"
+
+
+def test_micro_batch_group_comes_from_the_plan():
+    grouped = make_plan(chunks=[[1, 1], [2, 1]], replicas=[(1, 6), (1, 4)], group=4)
+    args = _args(tensor_model_parallel_size=1)
+    check_and_apply(args, grouped, [])
+    assert args.microbatch_group_size_per_vp_stage == 4  # Megatron's attribute for the flag
+    check_and_apply(_args(microbatch_group_size_per_vp_stage=4), grouped, [GROUP, "4"])
+    with pytest.raises(ArgumentConflict, match=GROUP + ": the command line has 2; the plan implies 4"):
+        check_and_apply(_args(microbatch_group_size_per_vp_stage=2), grouped, [GROUP, "2"])
+    # a plan without a group was predicted with Megatron's default, the pipeline size
+    plain = make_plan(**INTERLEAVED)
+    check_and_apply(_args(microbatch_group_size_per_vp_stage=2), plain, [GROUP, "2"])
+    with pytest.raises(ArgumentConflict, match=GROUP + ": the command line has 3; the plan implies "
+                                               "Megatron's default group"):
+        check_and_apply(_args(microbatch_group_size_per_vp_stage=3), plain, [GROUP, "3"])
+    with pytest.raises(ArgumentConflict, match="the plan does not interleave"):
+        check_and_apply(_args(microbatch_group_size_per_vp_stage=2), make_plan(split=(2, 2)),
+                        [GROUP, "2"])
+
+
 def test_virtual_stage_flags_on_a_plan_without_them():
     even = make_plan(chunks=[[1, 1], [1, 1]], replicas=[(1, 2)])
     args = _args(num_layers_per_virtual_pipeline_stage=1)

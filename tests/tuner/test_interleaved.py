@@ -306,3 +306,109 @@ def test_overlap_grad_reduce_sends_each_chunk_after_its_last_backward():
         t = max(t, last_b[s][0]) + comm[0]
         assert opt_end(b) == pytest.approx(max(finish[s], t) + opt)
     assert b.step_time_s < a.step_time_s
+
+
+# -- the micro-batch group (Megatron's --microbatch-group-size-per-virtual-pipeline-stage) ------
+def test_micro_batch_group_order_and_memory_by_hand():
+    # p 2, v 2, m 4, group 4: the table runs chunk 0 of micro-batches 0-3, then chunk 1. Rank 0
+    # warms up with (2 - 0 - 1) * 2 + (2 - 1) * 4 = 6 forwards (4 with the default group 2)
+    F, B = 0, 1
+    assert warmup_count(2, 0, 4, 2, 4) == 6 and warmup_count(2, 1, 4, 2, 4) == 4
+    assert rank_order(2, 0, 4, 2, 4) == [
+        (F, 0, 0), (F, 1, 0), (F, 2, 0), (F, 3, 0), (F, 0, 1), (F, 1, 1),
+        (F, 2, 1), (B, 0, 1), (F, 3, 1), (B, 1, 1),
+        (B, 2, 1), (B, 3, 1), (B, 0, 0), (B, 1, 0), (B, 2, 0), (B, 3, 0)]
+    # held after the warm-up: 4 chunk-0 + 2 chunk-1 forwards; F(2,1) adds one: with a0 = 3,
+    # a1 = 1 that is 15 (13 with the default group, test_peak_in_flight_by_hand)
+    assert peak_in_flight(rank_order(2, 0, 4, 2, 4), [3.0, 1.0]) == 15.0
+    assert peak_activations(2, 0, 4, 2, [3.0, 1.0], 4) == 15.0
+    assert peak_activations(2, 0, 4, 2, [3.0, 1.0]) == 13.0
+    # f 1, b 2, no sends: the last stage's backwards of chunk 0 wait for stage 0's of chunk 1;
+    # worked through op by op the step ends at 27 = (m v + p - 1)(f + b), as with group 2
+    finish, busy, _, events = interleaved_1f1b([[1, 1], [1, 1]], [[2, 2], [2, 2]], [0, 0], [0, 0],
+                                               4, record=True, group=4)
+    assert max(finish) == 27 and busy == [24, 24]
+    s1 = [(k, i, c, a) for s, k, i, a, _, c in sorted(events, key=lambda e: e[3]) if s == 1]
+    assert s1 == [("F", 0, 0, 1), ("F", 1, 0, 2), ("F", 2, 0, 3), ("F", 3, 0, 4),
+                  ("F", 0, 1, 5), ("B", 0, 1, 6), ("F", 1, 1, 8), ("B", 1, 1, 9),
+                  ("F", 2, 1, 11), ("B", 2, 1, 12), ("F", 3, 1, 14), ("B", 3, 1, 15),
+                  ("B", 0, 0, 17), ("B", 1, 0, 19), ("B", 2, 0, 21), ("B", 3, 0, 23)]
+
+
+class _PPGroup:
+    def __init__(self, size, rank):
+        self._size, self._rank = size, rank
+
+    def size(self):
+        return self._size
+
+    def rank(self):
+        return self._rank
+
+
+class _Communicator:  # what get_pp_rank_microbatches reads of Megatron's P2PCommunicator
+    def __init__(self, p, r, v):
+        self.pp_group, self.virtual_pipeline_model_parallel_size = _PPGroup(p, r), v
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_order_matches_megatrons_own_table_and_warm_up():
+    """Our table and warm-up counts against megatron-core's own functions for every group
+    Megatron takes (p <= g <= m, remainder 0 or at least p)."""
+    schedules = pytest.importorskip("megatron.core.pipeline_parallel.schedules")
+    checked = 0
+    for p in (2, 3, 4):
+        for v in (2, 3):
+            for m in range(p, 4 * p + 3):
+                for g in range(p, m + 1):
+                    if m % g and m % g < p:
+                        continue
+                    assert schedule_table(m, v, g) == schedules.get_schedule_table(m, v, g)
+                    for r in range(p):
+                        got = schedules.get_pp_rank_microbatches(
+                            m, v, g, p2p_communicator=_Communicator(p, r, v))
+                        assert got[2] == warmup_count(p, r, m, v, g), (p, v, m, g, r)
+                        checked += 1
+    assert checked > 500
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(2, 4), st.integers(2, 3), st.integers(1, 4), st.data())
+def test_group_schedule_is_the_earliest_one_in_megatrons_order(p, v, groups, data):
+    """As test_interleaved_schedule_is_the_earliest_one_in_megatrons_order, for a random
+    group Megatron takes."""
+    m = groups * p
+    g = data.draw(st.sampled_from([h for h in range(p, m + 1) if m % h == 0 or m % h >= p]))
+    dur = st.floats(0.01, 3)
+    f = [[data.draw(dur) for _ in range(v)] for _ in range(p)]
+    b = [[data.draw(dur) for _ in range(v)] for _ in range(p)]
+    send = [data.draw(st.floats(0, 1)) for _ in range(p)]
+    finish, _, _, events = interleaved_1f1b(f, b, send, send, m, record=True, group=g)
+    end = {(s, k, i, c): e for s, k, i, _, e, c in events}
+    for s in range(p):
+        mine = sorted((e for e in events if e[0] == s), key=lambda e: (e[3], e[4]))
+        assert [(0 if k == "F" else 1, i, c) for _, k, i, _, _, c in mine] == rank_order(p, s, m, v, g)
+        free = 0.0
+        for _, k, i, a, e, c in mine:
+            if k == "F":
+                dep = (end[(s - 1, "F", i, c)] + send[s - 1] if s > 0 else
+                       end[(p - 1, "F", i, c - 1)] + send[p - 1] if c > 0 else 0.0)
+            else:
+                dep = (end[(s + 1, "B", i, c)] + send[s] if s < p - 1 else
+                       end[(0, "B", i, c + 1)] + send[p - 1] if c < v - 1 else
+                       end[(s, "F", i, c)])
+            assert a == pytest.approx(max(free, dep), abs=1e-9)
+            free = e
+        assert finish[s] == pytest.approx(free, abs=1e-9)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(2, 5), st.integers(2, 4), st.integers(1, 8), st.integers(0, 6),
+       st.lists(st.floats(0.0, 10.0), min_size=4, max_size=4))
+def test_peak_activations_shortcut_with_a_group(p, v, groups, extra, w):
+    weights = w[:v]
+    for m in (groups * p, groups * p + 1):
+        for g in sorted({p, min(m, p + extra)}):
+            for r in range(p):
+                want = peak_in_flight(rank_order(p, r, m, v, g), weights)
+                assert peak_activations(p, r, m, v, weights, g) == pytest.approx(want)

@@ -246,7 +246,9 @@ def test_interleaving_where_the_bubble_dominates():
     assert result.sim.step_time_s < flat.sim.step_time_s
     for stage in plan.pipelines[0].stages:
         assert len(stage.chunk_layers) == v and sum(stage.chunk_layers) == stage.num_layers
-        assert max(stage.chunk_layers) - min(stage.chunk_layers) <= 1
+    # the structured search spreads each stage's layers evenly over its chunks; the local
+    # search may then move layers between chunks (and the micro-batch group), only if faster
+    assert result.sim.step_time_s <= result.searched_step_time_s
     assert all(pipe.num_microbatches % p == 0 for pipe in plan.pipelines)
     _check_emitted(result, inv, model, 8)
 
