@@ -95,7 +95,7 @@ def main(argv=None) -> int:
         ceiling, _ = one_f_one_b_estimate(model, inventory, gbs)
         ceiling_v, _ = one_f_one_b_estimate(model, inventory, gbs, options.max_virtual_pipeline_size)
         print(f"{path.stem:34s} {inventory.num_gpus:5d} {r.search_time_s:8.2f} {r.search_cpu_s:6.2f} {pred:9.2f} "
-              f"{r.searched_step_time_s or float('nan'):8.2f} {base:10.2f} {bound:9.2f} {base / pred:7.2f} {base / bound:6.2f} {bound / pred:6.3f} {bound / ceiling:5.2f} "
+              f"{r.searched_step_time_s or float('nan'):8.2f} {base:10.2f} {bound:9.2f} {base / pred:7.3f} {base / bound:6.3f} {bound / pred:6.3f} {bound / ceiling:5.2f} "
               f"{bound / ceiling_v:5.2f}  "
               f"TP{p.tensor_model_parallel_size} PP{p.pipeline_model_parallel_size} "
               f"VP{p.virtual_pipeline_size} DP{p.data_parallel_size} "
