@@ -144,6 +144,7 @@ def _calibrate_rank(rank: int, world_size: int, shrunk: Plan, reps: int, seed: i
                                                              use_distributed_optimizer=False))
                 mm = MemoryMeter(rank=0, pipeline=0, stage=0, device_type="")
                 batch = next(trainer._micro_batches(plan, 0, 0, seed))
+                held = [0]  # bytes the forward saved for the backward (read before it runs)
 
                 def timed_step(idle_after: float | None = None) -> tuple[float, float]:
                     """(forward, backward) CPU seconds of one micro-batch; with ``idle_after``,
@@ -157,6 +158,7 @@ def _calibrate_rank(rank: int, world_size: int, shrunk: Plan, reps: int, seed: i
                         loss = ddp(batch["tokens"], batch["position_ids"], None,
                                    labels=batch["labels"])
                     t1 = clock()
+                    held[0] = mm.activation_bytes
                     if idle_after is not None:
                         _idle(idle_factor, t1 - t0)
                     t1b = clock()
@@ -166,7 +168,7 @@ def _calibrate_rank(rank: int, world_size: int, shrunk: Plan, reps: int, seed: i
 
                 for _ in range(reps + 2):
                     f, k = timed_step()
-                    saved = mm.activation_bytes
+                    saved = held[0]
                     fw.append(f)
                     bw.append(k)
                     if n == 3 and idle_factor > 0:
