@@ -25,7 +25,7 @@ from .hardware.catalog import Catalog, GPUSpec, load_catalog
 
 __all__ = ["ModelSpec", "Recompute", "Offload", "Stage", "Pipeline", "Plan", "Slot",
            "load_plan", "save_plan", "plan_from_data", "check_plan_against_inventory",
-           "check_plan_gpus", "embedded_gpus", "FORMAT_VERSION"]
+           "check_plan_gpus", "embedded_gpus", "group_fits", "FORMAT_VERSION"]
 
 FORMAT_VERSION = 1
 
@@ -305,7 +305,7 @@ class Plan:
                 raise SchemaError("", f"pipelines[{d}].num_microbatches", m,
                                   f"a multiple of the {p} pipeline stages (whole groups of "
                                   "micro-batches under the interleaved schedule)")
-            if g is not None and not (p <= g <= m and (m % g == 0 or m % g >= p)):
+            if g is not None and not group_fits(g, p, [m]):
                 raise SchemaError("", "microbatch_group_size", g,
                                   f"between the {p} pipeline stages and pipelines[{d}]'s {m} "
                                   f"micro-batches, with {m} % group 0 or at least {p} "
@@ -418,6 +418,13 @@ class Plan:
         if self.microbatch_group_size is None:
             data.pop("microbatch_group_size", None)
         return data
+
+
+def group_fits(g: int, p: int, microbatches) -> bool:
+    """Whether Megatron's interleaved schedule takes micro-batch group ``g`` on ``p`` stages
+    for each of ``microbatches``: ``p <= g <= m``, the remainder of ``m`` over ``g`` 0 or at
+    least ``p``."""
+    return all(p <= g <= m and (m % g == 0 or m % g >= p) for m in microbatches)
 
 
 def plan_from_data(data: object, *, source: str = "<plan>", catalog: Catalog | None = None) -> Plan:

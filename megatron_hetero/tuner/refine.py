@@ -49,7 +49,7 @@ import numpy as np
 
 from ..cost.model import CostModel, recompute_key
 from ..errors import InfeasibleError, SchemaError
-from ..plan import Offload, Pipeline, Plan, Recompute, Stage
+from ..plan import Offload, Pipeline, Plan, Recompute, Stage, group_fits
 from ..simulate import SimResult, simulate
 from .split import min_max_split
 from .tables import SELECTIVE, even_chunks, recompute_code_key, recompute_policy
@@ -87,13 +87,6 @@ class Layout:
         if self.group is not None and not group_fits(self.group, p, self.microbatches):
             return False
         return min(self.microbatches) >= 1
-
-
-def group_fits(g: int, p: int, microbatches) -> bool:
-    """Whether Megatron's interleaved schedule takes micro-batch group ``g`` on ``p`` stages
-    for each of ``microbatches``: ``p <= g <= m``, the remainder of ``m`` over ``g`` 0 or at
-    least ``p``."""
-    return all(p <= g <= m and (m % g == 0 or m % g >= p) for m in microbatches)
 
 
 def group_choices(p: int, microbatches) -> list[int]:
