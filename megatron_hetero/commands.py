@@ -7,7 +7,8 @@ import argparse
 from .hardware.inventory import load_inventory
 from .megatron_args import megatron_args, megatron_args_line
 from .errors import SchemaError
-from .plan import check_plan_against_inventory, check_plan_gpus, load_plan
+from .plan import load_plan
+from .plan_inventory import check_plan_against_inventory, check_plan_gpus
 
 __all__ = ["validate_main", "args_main"]
 

@@ -13,7 +13,6 @@ is Megatron rank ``t + T * (d + D * s)``; see :meth:`Plan.slot_of_rank`.
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,8 +23,8 @@ from .errors import Described, SchemaError
 from .hardware.catalog import Catalog, GPUSpec, load_catalog
 
 __all__ = ["ModelSpec", "Recompute", "Offload", "Stage", "Pipeline", "Plan", "Slot",
-           "load_plan", "save_plan", "plan_from_data", "check_plan_against_inventory",
-           "check_plan_gpus", "embedded_gpus", "group_fits", "FORMAT_VERSION"]
+           "load_plan", "save_plan", "plan_from_data", "group_fits", "chunk_recompute",
+           "FORMAT_VERSION"]
 
 FORMAT_VERSION = 1
 
@@ -67,7 +66,7 @@ class ModelSpec:
                               f"a divisor of num_attention_heads ({self.num_attention_heads})")
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Recompute:
     """Activation recomputation of one stage (Megatron's ``--recompute-*`` for that stage)."""
 
@@ -93,8 +92,26 @@ class Recompute:
                     raise SchemaError("", key, getattr(self, key),
                                       f"nothing with granularity {self.granularity!r}")
 
+    @classmethod
+    def full_layers(cls, layers: int, *, of: int) -> Recompute:
+        """Full recompute of ``layers`` of a stage's ``of`` layers: none at 0, Megatron's
+        ``block`` method below ``of``, ``uniform`` groups of one layer when it covers them all."""
+        if not 0 <= layers <= of:
+            raise ValueError(f"{layers} layers of recompute on a stage of {of}")
+        if layers == 0:
+            return cls()
+        if layers == of:
+            return cls(granularity="full", method="uniform", num_layers=1)
+        return cls(granularity="full", method="block", num_layers=layers)
 
-@dataclass(kw_only=True, slots=True)
+    def recomputed_layers(self, n: int) -> int:
+        """Layers of a stage (or model chunk) of ``n`` layers whose forward is recomputed in full."""
+        if self.granularity != "full":
+            return 0
+        return n if self.method == "uniform" else min(self.num_layers, n)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Offload:
     """What one stage keeps in host memory instead of device memory."""
 
@@ -427,11 +444,28 @@ def group_fits(g: int, p: int, microbatches) -> bool:
     return all(p <= g <= m and (m % g == 0 or m % g >= p) for m in microbatches)
 
 
+def chunk_recompute(recompute: Recompute, chunk_layers) -> tuple[Recompute, ...]:
+    """The recompute of each model chunk of an interleaved stage whose chunks hold
+    ``chunk_layers``: ``block`` recompute of ``k`` layers covers the stage's first ``k`` layers
+    in chunk order (chunk 0 first: it keeps the most micro-batches in flight), so a chunk past
+    them recomputes nothing; ``uniform`` and ``selective`` apply in every chunk. The cost model
+    and the runtime both take each chunk's setting from here."""
+    if recompute.granularity != "full" or recompute.method != "block":
+        return (recompute,) * len(chunk_layers)
+    out, before = [], 0
+    for n in chunk_layers:
+        covered = max(0, min(recompute.num_layers - before, n))
+        before += n
+        out.append(Recompute(granularity="full", method="block", num_layers=covered)
+                   if covered else Recompute())
+    return tuple(out)
+
+
 def plan_from_data(data: object, *, source: str = "<plan>", catalog: Catalog | None = None) -> Plan:
     """Build and check a plan from plain data. Device types must be canonical names of
     ``catalog`` (default: the built-in one) plus the plan's own ``gpus`` entries, which take
-    precedence over ``catalog``'s (see :func:`check_plan_gpus` for the check against an
-    inventory). The result's ``catalog`` is that merged catalog."""
+    precedence over ``catalog``'s (see :func:`.plan_inventory.check_plan_gpus` for the check
+    against an inventory). The result's ``catalog`` is that merged catalog."""
     plan = from_data(Plan, data, source=source)
     catalog = (catalog or load_catalog()).with_entries(plan.gpus, source=source)
     plan.gpus = {name: catalog.get(name) for name in plan.gpus}
@@ -458,60 +492,3 @@ def load_plan(path: str | Path, *, catalog: Catalog | None = None) -> Plan:
 
 def save_plan(plan: Plan, path: str | Path) -> None:
     write_yaml(plan.to_data(), path)
-
-
-_COMPARED = [f.name for f in dataclasses.fields(GPUSpec) if f.name not in ("name", "notes")]
-
-
-def check_plan_gpus(plan: Plan, inventory, *, source: str = "<plan>") -> None:
-    """Raise :class:`SchemaError` if an entry of the plan's ``gpus`` differs from the inventory's
-    catalog entry of that name (the plan was tuned with other figures); ``notes`` may differ."""
-    for name, ours in plan.gpus.items():
-        canonical = inventory.catalog.resolve(name)
-        if canonical is None:
-            continue  # a type the inventory does not have: check_plan_against_inventory says so
-        theirs = inventory.catalog.get(canonical)
-        diff = [k for k in _COMPARED if getattr(ours, k) != getattr(theirs, k)]
-        if diff:
-            key = diff[0]
-            raise SchemaError(source, f"gpus.{name}.{key}", getattr(ours, key),
-                              f"{getattr(theirs, key)!r}, as in {inventory.source}'s catalog "
-                              f"entry for {canonical} (the plan was tuned with other figures: "
-                              f"tune again, or make the entries agree)")
-
-
-def embedded_gpus(plan: Plan, catalog: Catalog) -> dict[str, GPUSpec]:
-    """The entries of ``catalog`` (an inventory's) for the plan's device types that differ from
-    the built-in catalog or that it lacks: what a tuned plan carries in ``gpus``."""
-    builtin = load_catalog()
-    out = {}
-    for name in sorted(plan.device_counts()):
-        spec = catalog.get(name)
-        canonical = builtin.resolve(name)
-        if canonical != name or builtin.get(name) != spec:
-            out[name] = spec
-    return out
-
-
-def check_plan_against_inventory(plan: Plan, inventory, *, source: str = "<plan>") -> None:
-    """Raise :class:`SchemaError` if the plan's ``gpus`` entries differ from the inventory's
-    (:func:`check_plan_gpus`), if it needs more GPUs of a type than the inventory has, or a
-    tensor-parallel group larger than a node of that type."""
-    check_plan_gpus(plan, inventory, source=source)
-    have = inventory.gpu_counts()
-    for gpu, need in sorted(plan.device_counts().items()):
-        if need > have.get(gpu, 0):
-            raise SchemaError(source, "pipelines", Described(f"{need} GPUs of type {gpu}"),
-                              f"at most {have.get(gpu, 0)} (what {inventory.source} has; it has "
-                              + ", ".join(f"{n}x {g}" for g, n in sorted(have.items())) + ")")
-        tp = plan.tensor_model_parallel_size
-        widest = max(g.gpus_per_node for g in inventory.groups if g.gpu == gpu)
-        if tp > widest:
-            raise SchemaError(source, "tensor_model_parallel_size", tp,
-                              f"at most {widest}, the GPUs per node of type {gpu} in "
-                              f"{inventory.source} (a tensor-parallel group stays inside a node)")
-        whole = tp * sum(g.nodes * (g.gpus_per_node // tp) for g in inventory.groups if g.gpu == gpu)
-        if need > whole:
-            raise SchemaError(source, "pipelines", Described(f"{need} GPUs of type {gpu}"),
-                              f"at most {whole}: {inventory.source} holds that many in whole "
-                              f"tensor-parallel groups of {tp} inside a node")

@@ -11,9 +11,8 @@ from hypothesis import strategies as st
 
 from megatron_hetero.errors import SchemaError
 from megatron_hetero.hardware import inventory_from_data, load_catalog
-from megatron_hetero.plan import (
-    Plan, Slot, check_plan_against_inventory, load_plan, plan_from_data, save_plan,
-)
+from megatron_hetero.plan import Plan, Slot, load_plan, plan_from_data, save_plan
+from megatron_hetero.plan_inventory import check_plan_against_inventory
 
 from .conftest import EXAMPLE_PLANS, REPO
 

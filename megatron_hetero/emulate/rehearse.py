@@ -187,7 +187,8 @@ def rehearse_main(args) -> int:
     import sys
 
     from ..hardware.inventory import load_inventory
-    from ..plan import check_plan_against_inventory, load_plan
+    from ..plan import load_plan
+    from ..plan_inventory import check_plan_against_inventory
 
     os.environ.setdefault("PYTHONWARNINGS", "ignore")  # megatron's Apex/TE notices, per rank
     inventory = load_inventory(args.inventory) if args.inventory else None

@@ -41,9 +41,9 @@ from functools import cache
 
 from ..errors import HeteroError
 from ..optional import have_transformer_engine
-from ..plan import Plan, Stage
+from ..plan import Plan, Stage, chunk_recompute
 
-__all__ = ["recompute_kwargs", "chunk_recompute_layers", "offload_kwargs", "stage_config_kwargs",
+__all__ = ["recompute_kwargs", "offload_kwargs", "stage_config_kwargs",
            "stage_args", "check_supported", "PolicyUnsupported", "activation_offload_supported",
            "optimizer_offload_supported", "MODULE_INPUTS", "module_input_kwargs",
            "module_input_offload_supported", "join_offload_summary", "set_launch_env"]
@@ -63,28 +63,20 @@ _NO_RECOMPUTE = {"recompute_granularity": None, "recompute_method": None,
                  "recompute_num_layers": None}
 
 
-def chunk_recompute_layers(stage: Stage, chunk: int) -> int:
-    """Layers of model chunk ``chunk`` that a ``block`` recompute of the stage covers."""
-    before = sum(stage.chunk_layers[:chunk])
-    return max(0, min(stage.recompute.num_layers - before, stage.chunk_layers[chunk]))
-
-
 def recompute_kwargs(stage: Stage, chunk: int | None = None) -> dict:
     """TransformerConfig overrides that make one stage (or its model chunk ``chunk``, for an
-    interleaved plan) recompute as its plan entry says."""
+    interleaved plan: :func:`~megatron_hetero.plan.chunk_recompute`) recompute as its plan entry
+    says."""
     r = stage.recompute
+    if chunk is not None and stage.chunk_layers is not None:
+        r = chunk_recompute(r, stage.chunk_layers)[chunk]
     if r.granularity == "none":
         return dict(_NO_RECOMPUTE)
     if r.granularity == "selective":
         return {"recompute_granularity": "selective", "recompute_method": None,
                 "recompute_num_layers": None}
-    n = r.num_layers
-    if chunk is not None and stage.chunk_layers is not None and r.method == "block":
-        n = chunk_recompute_layers(stage, chunk)
-        if n == 0:
-            return dict(_NO_RECOMPUTE)
     return {"recompute_granularity": "full", "recompute_method": r.method,
-            "recompute_num_layers": n}
+            "recompute_num_layers": r.num_layers}
 
 
 def offload_kwargs(stage: Stage) -> dict:

@@ -9,7 +9,8 @@ import sys
 from ..errors import HeteroError
 from ..hardware.inventory import load_inventory
 from ..models import load_model
-from ..plan import check_plan_against_inventory, load_plan, save_plan
+from ..plan import load_plan, save_plan
+from ..plan_inventory import check_plan_against_inventory
 
 __all__ = ["tune_main", "simulate_main", "add_tune_arguments", "add_simulate_arguments"]
 

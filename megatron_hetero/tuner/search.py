@@ -39,7 +39,8 @@ from ..cost.model import CostModel
 from ..cost.profile_protocol import DeviceProfile
 from ..errors import InfeasibleError
 from ..hardware.inventory import Inventory
-from ..plan import ModelSpec, Offload, Pipeline, Plan, Stage, embedded_gpus
+from ..plan import ModelSpec, Offload, Pipeline, Plan, Stage
+from ..plan_inventory import embedded_gpus
 from ..simulate import SimResult, simulate
 from . import space
 from .problem import Problem, TuneOptions

@@ -12,7 +12,8 @@ from megatron_hetero.cost import CostModel
 from megatron_hetero.errors import InfeasibleError
 from megatron_hetero.hardware.inventory import inventory_from_data
 from megatron_hetero.models import PRESETS, model_preset
-from megatron_hetero.plan import ModelSpec, check_plan_against_inventory, plan_from_data
+from megatron_hetero.plan import ModelSpec, plan_from_data
+from megatron_hetero.plan_inventory import check_plan_against_inventory
 from megatron_hetero.simulate import simulate
 from megatron_hetero.tuner import tune
 
