@@ -26,7 +26,7 @@ stage's last backward), ``sync_s`` gradient sync and optimizer, ``idle_s`` the r
 
 Memory: every stage's peak (:meth:`~megatron_hetero.cost.CostModel.stage_memory`) against its
 device; and, on the nodes of inventory groups that give ``host_memory_gb``, what the node's
-ranks offload to the host (:meth:`~megatron_hetero.cost.CostModel.stage_host_bytes`, each
+ranks offload to the host (:meth:`~megatron_hetero.cost.CostModel.host_bytes`, each
 (pipeline, stage) on its node from :meth:`~megatron_hetero.cost.CostModel.placement`) plus the
 cost model's ``host_reserve_gb`` against the node's host memory (:attr:`SimResult.host_nodes`).
 Either one over makes ``fits_memory`` false.
@@ -37,7 +37,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from .cost.model import CostModel, Memory, recompute_key
+from .cost.model import CostModel
+from .cost.stage import Memory, StageShape
 from .cost.schedule import rank_order_cached
 from .models import step_model_flops
 from .plan import Plan
@@ -279,12 +280,12 @@ def _run_pipeline(plan: Plan, cost: CostModel, placement, times, d: int, key, ca
     """Simulate pipeline ``d`` (the non-interleaved or the interleaved schedule); ``key``
     names its costs (pipelines alike share it) and runs are cached by it and the sends."""
     pipe = plan.pipelines[d]
-    tp, sp = plan.tensor_model_parallel_size, cost.sequence_parallel_of(plan)
+    tp, sp = plan.tensor_model_parallel_size, plan.sequence_parallel
     bws = placement.pipeline_links(d, plan.virtual_pipeline_size > 1)
     full = (key, bws)
     if full in cache and not record:
         return cache[full]
-    sends = [cost.p2p_seconds(pipe.micro_batch_size, bw, tp, sp) for bw in bws]
+    sends = [cost.p2p_seconds(pipe.micro_batch_size, bw, tp=tp, sp=sp) for bw in bws]
     fwd = [[c.forward_s for c in t] for t in times[d]]
     bwd = [[c.backward_s for c in t] for t in times[d]]
     if plan.virtual_pipeline_size == 1:
@@ -300,7 +301,7 @@ def _run_pipeline(plan: Plan, cost: CostModel, placement, times, d: int, key, ca
 def _pipeline_key(pipe) -> tuple:
     """What a pipeline's per-stage costs depend on (its placement aside)."""
     return (pipe.micro_batch_size, pipe.num_microbatches,
-            tuple((st.device_type, st.num_layers, recompute_key(st.recompute),
+            tuple((st.device_type, st.num_layers, st.recompute,
                    st.offload.optimizer_fraction, st.offload.activations, st.offload.module_inputs,
                    tuple(st.chunk_layers) if st.chunk_layers else None) for st in pipe.stages))
 
@@ -318,7 +319,7 @@ def host_memory(plan: Plan, cost: CostModel, placement) -> list[HostMemory]:
         for s in range(plan.pipeline_model_parallel_size):
             node = placement.node(d, s)
             if node.group in caps:
-                used[node] = used.get(node, 0.0) + tp * cost.stage_host_bytes(plan, d, s)
+                used[node] = used.get(node, 0.0) + tp * cost.host_bytes(StageShape.of(plan, d, s))
     out = []
     for node in sorted(used):
         hosts = inv.groups[node.group].hosts
@@ -337,8 +338,9 @@ def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True) -> SimR
     first: dict[tuple, int] = {}
     keys = [_pipeline_key(pipe) for pipe in plan.pipelines]
     rep = [first.setdefault(key, d) for d, key in enumerate(keys)]
-    times_of = {r: [cost.chunk_times(plan, r, s) for s in range(p)] for r in set(rep)}
-    memory_of = {r: [cost.stage_memory(plan, r, s) for s in range(p)] for r in set(rep)}
+    shapes = {r: [StageShape.of(plan, r, s) for s in range(p)] for r in set(rep)}
+    times_of = {r: [cost.chunk_times(shape) for shape in row] for r, row in shapes.items()}
+    memory_of = {r: [cost.memory(shape) for shape in row] for r, row in shapes.items()}
     sums = {r: [(sum(c.forward_s for c in row), sum(c.backward_s for c in row)) for row in rows]
             for r, rows in times_of.items()}
     times = [times_of[r] for r in rep]
@@ -350,7 +352,8 @@ def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True) -> SimR
     sync_of: list[list[float]] = [[0.0] * p for _ in range(D)]
     v = plan.virtual_pipeline_size
     for s in range(p):
-        params = cost.stage_params_of(plan, s)
+        shape = shapes[rep[0]][s]
+        params = cost.stage_params(shape)
         bw = placement.stage_bandwidth(s)
         comm = cost.dp_sync_seconds(params, D, bw)
         finish = max(runs[d][0][s] for d in range(D))
@@ -361,7 +364,7 @@ def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True) -> SimR
                 parts = [(max(runs[d][2][s] for d in range(D)), comm)]
             else:
                 parts = sorted((max(runs[d][2][s][c] for d in range(D)),
-                                cost.dp_sync_seconds(cost.chunk_params_of(plan, s, c), D, bw))
+                                cost.dp_sync_seconds(cost.chunk_params(shape, c), D, bw))
                                for c in range(v))
             start = end = parts[0][0]
             for ready, seconds in parts:
@@ -375,8 +378,7 @@ def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True) -> SimR
             key = (st.device_type, st.offload.optimizer_fraction)
             opt = opts.get(key)
             if opt is None:
-                opt = opts[key] = cost.optimizer_seconds(st.device_type, params, D,
-                                                         st.offload.optimizer_fraction)
+                opt = opts[key] = cost.optimizer_seconds(shapes[rep[d]][s])
             stage_end[d][s] = sync_end + opt
             sync_of[d][s] = (sync_end - max(start, runs[d][0][s])) + opt
             if record_events:

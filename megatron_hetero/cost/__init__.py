@@ -1,8 +1,9 @@
 """Cost model: compute, memory and communication per device type; measured profiles."""
 
-from .model import CostModel, Memory, RecomputeKey, StageTimes, recompute_key
+from .model import CostModel
 from .placement import Node, Placement, place
 from .profile_protocol import DeviceProfile, Part
+from .stage import Memory, StageShape, StageTimes
 
-__all__ = ["CostModel", "Memory", "StageTimes", "RecomputeKey", "recompute_key", "Node",
-           "Placement", "place", "DeviceProfile", "Part"]
+__all__ = ["CostModel", "Memory", "StageShape", "StageTimes", "Node", "Placement", "place",
+           "DeviceProfile", "Part"]

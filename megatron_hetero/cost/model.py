@@ -25,7 +25,7 @@ device type (with the inventory's overrides) and, where given, a measured profil
   what its own compute cannot hide at the host link's ``pcie_bandwidth_gb_s``),
   the transient activations of one recomputed chunk, and a fixed workspace reserve (CUDA context,
   communication buffers, allocator slack).
-* host memory per rank (:meth:`CostModel.stage_host_bytes`): the offloaded fraction of the
+* host memory per rank (:meth:`CostModel.host_bytes`): the offloaded fraction of the
   optimizer shard and the module inputs offloaded at the stage's peak; the simulator adds a
   node's ranks and a fixed reserve and compares them with the inventory's ``host_memory_gb``.
 * interleaved pipelining (``v`` model chunks per stage): each chunk's costs come from its own
@@ -39,84 +39,18 @@ device type (with the inventory's overrides) and, where given, a measured profil
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal, Mapping
 
 from .. import models as M
 from ..hardware.inventory import Inventory
-from ..plan import ModelSpec, Plan, Recompute
+from ..plan import ModelSpec, Offload, Plan, Recompute, chunk_recompute
 from .placement import Placement, place
 from .profile_protocol import DeviceProfile
 from .schedule import peak_activations
+from .stage import Memory, StageShape, StageTimes
 
-__all__ = ["CostModel", "StageTimes", "Memory", "RecomputeKey", "recompute_key",
-           "chunk_recompute_keys"]
-
-RecomputeKey = tuple[str, str | None, int | None]
-"""Hashable form of a :class:`~megatron_hetero.plan.Recompute`: (granularity, method, num_layers)."""
-
-
-def recompute_key(r: Recompute | RecomputeKey) -> RecomputeKey:
-    if isinstance(r, tuple):
-        return r
-    return (r.granularity, r.method, r.num_layers)
-
-
-def chunk_recompute_keys(r: RecomputeKey, chunk_layers) -> list[RecomputeKey]:
-    """The recompute of each model chunk of an interleaved stage: ``block`` recompute of ``k``
-    layers covers the stage's first ``k`` layers in chunk order (chunk 0 first), as the runtime
-    applies it (:func:`megatron_hetero.runtime.policies.chunk_recompute_layers`); ``uniform``
-    and ``selective`` apply in every chunk."""
-    gran, method, k = r
-    if gran != "full" or method != "block":
-        return [r] * len(chunk_layers)
-    out: list[RecomputeKey] = []
-    before = 0
-    for n in chunk_layers:
-        kc = max(0, min(k - before, n))
-        before += n
-        out.append(("full", "block", kc) if kc else ("none", None, None))
-    return out
-
-
-@dataclass(frozen=True, slots=True)
-class StageTimes:
-    """Seconds of one micro-batch on one stage (compute plus tensor-parallel communication)."""
-
-    forward_s: float
-    backward_s: float
-    """Includes the recompute forward when the stage recomputes."""
-
-    @property
-    def total_s(self) -> float:
-        return self.forward_s + self.backward_s
-
-
-@dataclass(frozen=True, slots=True)
-class Memory:
-    """Bytes one tensor rank of a stage needs at its peak, by kind, and what its device has."""
-
-    params: float
-    grads: float
-    optimizer: float
-    activations: float
-    workspace: float
-    capacity: float
-    """Device memory (catalog ``memory_gb``)."""
-
-    @property
-    def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations + self.workspace
-
-    @property
-    def fits(self) -> bool:
-        return self.total <= self.capacity
-
-    def to_dict(self) -> dict[str, float]:
-        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
-                "activations": self.activations, "workspace": self.workspace,
-                "total": self.total, "capacity": self.capacity}
+__all__ = ["CostModel"]
 
 
 class CostModel:
@@ -139,10 +73,10 @@ class CostModel:
         matrices (Megatron's default with Transformer Engine), so no-recompute activations
         exclude Korthikanti's ``5as^2b`` term. ``None``: per device type, where the catalog
         entry has ``bf16`` (Ampere and later; V100 and T4 run unfused attention).
-        Sequence parallelism is not a setting of the model: plan-level costs follow each plan's
-        ``sequence_parallel`` flag, and the primitives take it as ``sp`` (activations,
-        checkpoints and pipeline sends sharded over the tensor ranks; the tensor-parallel
-        traffic is the same, an all-gather plus a reduce-scatter in place of each all-reduce).
+        Sequence parallelism is not a setting of the model: each :class:`StageShape` says
+        whether its stage runs it (activations, checkpoints and pipeline sends sharded over the
+        tensor ranks; the tensor-parallel traffic is the same, an all-gather plus a
+        reduce-scatter in place of each all-reduce), and the primitives take it as ``sp``.
         ``overlap_grad_reduce``: the gradient sync overlaps
         the last backward (``--overlap-grad-reduce``). ``workspace_gb``: memory reserved per
         device outside the model. ``host_optimizer_gb_s``: optimizer state one GPU's share of
@@ -150,7 +84,7 @@ class CostModel:
         CPUs serve all its GPUs at once). ``pcie_bandwidth_gb_s``: one GPU's host link, for
         offloaded activations. ``host_reserve_gb``: host memory per node kept for the OS and
         the training processes (data loaders, CUDA and NCCL host buffers), beside what the GPUs
-        offload (:meth:`stage_host_bytes`), where the inventory gives ``host_memory_gb``.
+        offload (:meth:`host_bytes`), where the inventory gives ``host_memory_gb``.
         ``pipeline_overhead_s``: (forward, backward) seconds a stage of
         a pipeline pays per micro-batch beyond its parts (schedule, p2p handling) where no
         profile of the device type measured it (:meth:`pipeline_overhead`); default 0.
@@ -176,9 +110,10 @@ class CostModel:
         self.flops_rate = lru_cache(maxsize=None)(self.flops_rate)
         self.layer_times = lru_cache(maxsize=None)(self.layer_times)
         self.intra_node_bandwidth = lru_cache(maxsize=None)(self.intra_node_bandwidth)
-        self.compute_times = lru_cache(maxsize=None)(self._compute_times)
-        self.memory_need = lru_cache(maxsize=None)(self._memory_need)
-        self.chunked_memory_need = lru_cache(maxsize=None)(self._chunked_memory_need)
+        self._part_times = lru_cache(maxsize=None)(self._part_times)
+        self._activations = lru_cache(maxsize=None)(self._activations)
+        self.layer_activation_bytes = lru_cache(maxsize=None)(self.layer_activation_bytes)
+        self.memory = lru_cache(maxsize=None)(self.memory)
         self._placements: dict[tuple, Placement] = {}
 
     # -- device figures -------------------------------------------------------------------------
@@ -266,28 +201,45 @@ class CostModel:
         got = fn(model=self.model, micro_batch_size=b, tensor_parallel_size=tp) if fn else None
         return got if got is not None else (0.0, 0.0)
 
-    def _recompute_extra(self, device_type: str, b: int, tp: int, n: int, rk: RecomputeKey) -> float:
-        gran, method, k = rk
-        if gran == "none" or n == 0:
+    def _recompute_extra(self, device_type: str, b: int, tp: int, n: int, r: Recompute) -> float:
+        if r.granularity == "none" or n == 0:
             return 0.0
         fwd, _ = self.layer_times(device_type, b, tp)
-        if gran == "selective":
+        if r.granularity == "selective":
             share = M.core_attention_forward_flops(self.model, b) / M.layer_forward_flops(self.model, b)
             return n * fwd * share
-        layers = n if method == "uniform" else min(k, n)
-        return layers * fwd
+        return r.recomputed_layers(n) * fwd
 
-    def _compute_times(self, device_type: str, num_layers: int, first: bool, last: bool,
-                       micro_batch_size: int, tp: int, recompute: RecomputeKey = ("none", None, None),
-                       activation_offload: bool = False, sp: bool = False,
-                       module_inputs: bool = False) -> StageTimes:
-        b = micro_batch_size
+    def times(self, shape: StageShape) -> StageTimes:
+        """Seconds of one micro-batch's forward and backward on the stage as a whole (the
+        embedding, the output layer and the overheads counted once)."""
+        return self._part_times(shape, None)
+
+    def chunk_times(self, shape: StageShape) -> tuple[StageTimes, ...]:
+        """:meth:`times` of each model chunk of the stage, in chunk order (each pays the
+        per-micro-batch overheads); the stage's own when it has one chunk."""
+        if shape.virtual_size == 1:
+            return (self.times(shape),)
+        return tuple(self._part_times(shape, c) for c in range(shape.virtual_size))
+
+    def _part(self, shape: StageShape, chunk: int | None) -> tuple[int, bool, bool, Recompute]:
+        """(layers, first, last, recompute) of the whole stage (``chunk`` None) or one chunk."""
+        if chunk is None:
+            return shape.num_layers, shape.first, shape.last, shape.recompute
+        v = shape.virtual_size
+        return (shape.chunk_layers[chunk], shape.first and chunk == 0,
+                shape.last and chunk == v - 1,
+                _chunk_recompute(shape.recompute, shape.chunk_layers)[chunk])
+
+    def _part_times(self, shape: StageShape, chunk: int | None) -> StageTimes:
+        device_type, b, tp = shape.device_type, shape.micro_batch_size, shape.tensor_parallel_size
+        num_layers, first, last, recompute = self._part(shape, chunk)
         lf, lb = self.layer_times(device_type, b, tp)
         fwd, bwd = num_layers * lf, num_layers * lb
-        if module_inputs:
+        if shape.offload.module_inputs:
             # copies on side streams: a layer waits only for what its own compute cannot hide
-            n = num_layers - self._recomputed_layers(num_layers, recompute)
-            moved = self.module_input_bytes(b, tp, sp) / self.pcie_bandwidth
+            n = num_layers - recompute.recomputed_layers(num_layers)
+            moved = self.module_input_bytes(b, tp, sp=shape.sp) / self.pcie_bandwidth
             fwd += n * max(0.0, moved - lf)
             bwd += n * max(0.0, moved - lb)
         if first:
@@ -302,16 +254,17 @@ class CostModel:
         if not (first and last):  # a pipeline stage (or an interleaved chunk)
             pf, pb = self.pipeline_overhead(device_type, b, tp)
             fwd, bwd = fwd + pf, bwd + pb
-        if activation_offload:
-            moved = self._activations_per_microbatch(device_type, num_layers, first, last, b, tp,
-                                                     recompute, sp)
+        if shape.offload.activations:
+            moved = self._activations_per_microbatch(
+                shape.but(offload=Offload(activations=True)), chunk)
             fwd += moved / self.pcie_bandwidth
             bwd += moved / self.pcie_bandwidth
         return StageTimes(fwd, bwd)
 
     # -- memory ---------------------------------------------------------------------------------
-    def stage_params(self, num_layers: int, first: bool, last: bool, tp: int) -> float:
-        """Parameters one tensor rank of the stage holds."""
+    def params(self, num_layers: int, *, first: bool, last: bool, tp: int) -> float:
+        """Parameters one tensor rank of a stage (or model chunk) of ``num_layers`` holds, with
+        the embedding (``first``) and the output layer (``last``)."""
         m = self.model
         n = num_layers * M.layer_params(m)
         if first:
@@ -320,12 +273,22 @@ class CostModel:
             n += M.output_params(m, tp, single_stage=first)
         return n / tp
 
+    def stage_params(self, shape: StageShape) -> float:
+        """Parameters one tensor rank of the stage holds."""
+        return self.params(shape.num_layers, first=shape.first, last=shape.last,
+                           tp=shape.tensor_parallel_size)
+
+    def chunk_params(self, shape: StageShape, chunk: int) -> float:
+        """Parameters one tensor rank holds in model chunk ``chunk`` of the stage."""
+        layers, first, last, _ = self._part(shape, chunk)
+        return self.params(layers, first=first, last=last, tp=shape.tensor_parallel_size)
+
     def uses_flash_attention(self, device_type: str) -> bool:
         if self.flash_attention is not None:
             return self.flash_attention
         return self.spec(device_type).bf16
 
-    def layer_activation_bytes(self, device_type: str, b: int, tp: int, policy: str,
+    def layer_activation_bytes(self, device_type: str, b: int, tp: int, policy: str, *,
                                sp: bool = False) -> float:
         """Bytes one tensor rank keeps per layer and micro-batch (:mod:`megatron_hetero.models`);
         ``sp``: sequence parallelism (ignored at TP = 1)."""
@@ -333,44 +296,46 @@ class CostModel:
                                         flash_attention=self.uses_flash_attention(device_type),
                                         sequence_parallel=sp and tp > 1)
 
-    def hidden_bytes(self, b: int, tp: int, sp: bool = False) -> float:
+    def hidden_bytes(self, b: int, tp: int, *, sp: bool = False) -> float:
         """One rank's ``[s, b, h]`` 16-bit tensor: a pipeline send, a full-recompute checkpoint
         (``[s/t, b, h]`` with sequence parallelism)."""
         return M.layer_input_bytes(self.model, b) / (tp if sp and tp > 1 else 1)
 
-    def module_input_bytes(self, b: int, tp: int, sp: bool = False) -> float:
+    def module_input_bytes(self, b: int, tp: int, *, sp: bool = False) -> float:
         """Bytes per layer and micro-batch that fine-grained activation offloading moves to
         the host (:func:`megatron_hetero.models.module_input_bytes`)."""
         return M.module_input_bytes(self.model, b, tp, sequence_parallel=sp and tp > 1)
 
-    @staticmethod
-    def _recomputed_layers(n: int, rk: RecomputeKey) -> int:
-        gran, method, k = rk
-        if gran != "full":
-            return 0
-        return n if method == "uniform" else min(k, n)
+    def _activations_per_microbatch(self, shape: StageShape, chunk: int | None) -> float:
+        """Bytes one micro-batch leaves on one tensor rank of the stage (or of its model
+        chunk) until its backward."""
+        n, first, last, r = self._part(shape, chunk)
+        return self._activations(shape.device_type, b=shape.micro_batch_size,
+                                 tp=shape.tensor_parallel_size, sp=shape.sp,
+                                 module_inputs=shape.offload.module_inputs, layers=n,
+                                 first=first, last=last, recompute=r)
 
-    def _activations_per_microbatch(self, device_type: str, n: int, first: bool, last: bool,
-                                    b: int, tp: int, rk: RecomputeKey, sp: bool = False,
-                                    module_inputs: bool = False) -> float:
-        m = self.model
-        gran, method, k = rk
-        ckpt = self.hidden_bytes(b, tp, sp)
-        kept = self.layer_activation_bytes(device_type, b, tp, "none" if gran == "full" else gran, sp)
+    def _activations(self, device_type: str, *, b: int, tp: int, sp: bool, module_inputs: bool,
+                     layers: int, first: bool, last: bool, recompute: Recompute) -> float:
+        n, r = layers, recompute
+        ckpt = self.hidden_bytes(b, tp, sp=sp)
+        kept = self.layer_activation_bytes(device_type, b, tp,
+                                           "none" if r.granularity == "full" else r.granularity,
+                                           sp=sp)
         if module_inputs:
-            kept -= self.module_input_bytes(b, tp, sp)
-        if gran == "full":
-            if method == "uniform":
-                out = -(-n // k) * ckpt
+            kept -= self.module_input_bytes(b, tp, sp=sp)
+        if r.granularity == "full":
+            if r.method == "uniform":
+                out = -(-n // r.num_layers) * ckpt
             else:
-                kk = min(k, n)
+                kk = min(r.num_layers, n)
                 out = kk * ckpt + (n - kk) * kept
         else:
             out = n * kept
         if first:
             out += ckpt / 2  # embedding dropout mask (1 byte per element)
         if last:
-            out += ckpt + M.logits_bytes(m, b, tp)  # final norm input, fp32 logits
+            out += ckpt + M.logits_bytes(self.model, b, tp)  # final norm input, fp32 logits
         return out
 
     def optimizer_shard(self, params: float, data_parallel: int) -> float:
@@ -378,66 +343,68 @@ class CostModel:
         replicas with the distributed optimizer."""
         return params / data_parallel if self.use_distributed_optimizer else params
 
-    def _module_input_margin(self, n: int, rk: RecomputeKey, b: int, tp: int, sp: bool,
-                             module_inputs: bool) -> float:
+    def _module_input_margin(self, shape: StageShape) -> float:
         """What fine-grained offloading keeps on the device after all: megatron-core leaves the
         last group of each offloaded module in place so that reloading it never stalls the
         backward, about one layer's module inputs of one micro-batch."""
-        if not module_inputs or n - self._recomputed_layers(n, rk) <= 0:
+        n = shape.num_layers
+        if not shape.offload.module_inputs or n - shape.recompute.recomputed_layers(n) <= 0:
             return 0.0
-        return self.module_input_bytes(b, tp, sp)
+        return self.module_input_bytes(shape.micro_batch_size, shape.tensor_parallel_size,
+                                       sp=shape.sp)
 
-    def _memory_need(self, device_type: str, num_layers: int, first: bool, last: bool,
-                     micro_batch_size: int, tp: int, recompute: RecomputeKey, in_flight: int,
-                     data_parallel: int, optimizer_offload: float = 0.0,
-                     activation_offload: bool = False, sp: bool = False,
-                     module_inputs: bool = False) -> Memory:
-        m, b = self.model, micro_batch_size
-        params = self.stage_params(num_layers, first, last, tp)
-        shard = self.optimizer_shard(params, data_parallel)
-        per_mb = self._activations_per_microbatch(device_type, num_layers, first, last, b, tp,
-                                                  recompute, sp, module_inputs)
-        acts = (1 if activation_offload else in_flight) * per_mb
-        acts += self._module_input_margin(num_layers, recompute, b, tp, sp, module_inputs)
-        gran, method, k = recompute
-        if gran == "full" and num_layers:
-            chunk = k if method == "uniform" else 1
-            acts += min(chunk, num_layers) * self.layer_activation_bytes(device_type, b, tp, "none", sp)
-        return Memory(params=params * self.param_bytes, grads=params * self.grad_bytes,
-                      optimizer=shard * self.optim_bytes * (1.0 - optimizer_offload),
-                      activations=acts, workspace=self.workspace_bytes,
-                      capacity=self.capacity(device_type))
+    def _transient_layers(self, r: Recompute, n: int) -> int:
+        """Layers whose activations a full recompute of a stage (or chunk) of ``n`` layers
+        rebuilds at once in the backward: a uniform group, or one layer of a block."""
+        if r.granularity != "full" or not n:
+            return 0
+        return min(r.num_layers if r.method == "uniform" else 1, n)
 
-    def _chunked_memory_need(self, device_type: str, chunk_layers: tuple[int, ...], first: bool,
-                             last: bool, micro_batch_size: int, tp: int, recompute: RecomputeKey,
-                             pipeline_size: int, stage: int, num_microbatches: int,
-                             data_parallel: int, optimizer_offload: float = 0.0,
-                             activation_offload: bool = False, sp: bool = False,
-                             module_inputs: bool = False, group: int | None = None) -> Memory:
-        """Peak memory of one tensor rank of stage ``stage`` of ``pipeline_size`` under the
-        interleaved schedule (micro-batch group ``group``, default the pipeline size), its
-        model chunks holding ``chunk_layers``."""
-        v, b = len(chunk_layers), micro_batch_size
-        num_layers = sum(chunk_layers)
-        base = self.memory_need(device_type, num_layers, first, last, b, tp, ("none", None, None),
-                                0, data_parallel, optimizer_offload, False, sp)
-        keys = chunk_recompute_keys(recompute, chunk_layers)
-        per_chunk = [self._activations_per_microbatch(device_type, n, first and c == 0,
-                                                      last and c == v - 1, b, tp, keys[c], sp,
-                                                      module_inputs)
-                     for c, n in enumerate(chunk_layers)]
-        if activation_offload:
-            acts = max(per_chunk)
+    def memory(self, shape: StageShape) -> Memory:
+        """Peak memory of one tensor rank of the stage: in 1F1B stage ``s`` of ``p`` holds
+        ``min(p - s, m)`` micro-batches in flight; interleaved, the peak over the rank's order
+        of the summed activations of the chunks run forward and not yet backward."""
+        p, s, m, v = shape.pipeline_size, shape.stage, shape.num_microbatches, shape.virtual_size
+        params = self.stage_params(shape)
+        shard = self.optimizer_shard(params, shape.data_parallel_size)
+        if v == 1:
+            in_flight = 1 if shape.offload.activations else min(p - s, m)
+            acts = in_flight * self._activations_per_microbatch(shape, None)
+            acts += self._module_input_margin(shape)
+            acts += self._transient_layers(shape.recompute, shape.num_layers) * self._layer(shape)
         else:
-            acts = peak_activations(pipeline_size, stage, num_microbatches, v, per_chunk, group)
-        transient = 0
-        for (gran, method, k), n in zip(keys, chunk_layers):
-            if gran == "full" and n:
-                transient = max(transient, min(k if method == "uniform" else 1, n))
-        acts += transient * self.layer_activation_bytes(device_type, b, tp, "none", sp)
-        acts += self._module_input_margin(num_layers, recompute, b, tp, sp, module_inputs)
-        return Memory(params=base.params, grads=base.grads, optimizer=base.optimizer,
-                      activations=acts, workspace=base.workspace, capacity=base.capacity)
+            per_chunk = [self._activations_per_microbatch(shape, c) for c in range(v)]
+            if shape.offload.activations:
+                acts = max(per_chunk)
+            else:
+                acts = peak_activations(p, s, m, v, per_chunk, shape.microbatch_group)
+            acts += max(self._transient_layers(r, n) for r, n in zip(
+                _chunk_recompute(shape.recompute, shape.chunk_layers), shape.chunk_layers)) * \
+                self._layer(shape)
+            acts += self._module_input_margin(shape)
+        return Memory(params=params * self.param_bytes, grads=params * self.grad_bytes,
+                      optimizer=shard * self.optim_bytes * (1.0 - shape.offload.optimizer_fraction),
+                      activations=acts, workspace=self.workspace_bytes,
+                      capacity=self.capacity(shape.device_type))
+
+    def _layer(self, shape: StageShape) -> float:
+        """One layer's activations of one micro-batch without recompute."""
+        return self.layer_activation_bytes(shape.device_type, shape.micro_batch_size,
+                                           shape.tensor_parallel_size, "none", sp=shape.sp)
+
+    def host_bytes(self, shape: StageShape) -> float:
+        """Host bytes one tensor rank of the stage keeps: the offloaded fraction of its
+        optimizer shard (fp32 master weights and Adam state, as :meth:`memory` counts them,
+        plus the fp32 copy of those parameters' gradients the CPU optimizer steps on) and, with
+        ``module_inputs``, the module inputs of the micro-batches in flight at the stage's peak
+        (its activations without the offload less those with it)."""
+        shard = self.optimizer_shard(self.stage_params(shape), shape.data_parallel_size)
+        offload = shape.offload
+        host = offload.optimizer_fraction * shard * (self.optim_bytes + 4.0)
+        if offload.module_inputs:
+            kept = self.memory(shape.but(offload=_without_module_inputs(offload))).activations
+            host += max(0.0, kept - self.memory(shape).activations)
+        return host
 
     # -- data-parallel sync and optimizer -------------------------------------------------------
     def dp_sync_seconds(self, params_per_rank: float, data_parallel: int, bandwidth_gb_s: float) -> float:
@@ -450,90 +417,34 @@ class CostModel:
             return (d - 1) / d * params_per_rank * (self.grad_bytes + self.param_bytes) / bw
         return 2.0 * (d - 1) / d * params_per_rank * self.grad_bytes / bw
 
-    def optimizer_seconds(self, device_type: str, params_per_rank: float, data_parallel: int,
-                          optimizer_offload: float = 0.0) -> float:
-        shard = self.optimizer_shard(params_per_rank, data_parallel)
-        touched = shard * (self.grad_bytes + 2 * self.optim_bytes + self.param_bytes)
-        dev_bw = self.spec(device_type).memory_bandwidth_gb_s * 1e9
-        return (1 - optimizer_offload) * touched / dev_bw + optimizer_offload * touched / self.host_optimizer_rate
+    def optimizer_seconds(self, shape: StageShape) -> float:
+        """The stage's optimizer step: memory-bound on the device, the offloaded fraction at
+        the host's rate."""
+        return self._optimizer_seconds(shape, shape.offload.optimizer_fraction)
 
-    def p2p_seconds(self, micro_batch_size: int, bandwidth_gb_s: float, tp: int = 1,
+    def optimizer_offload_seconds(self, shape: StageShape) -> float:
+        """What offloading all of the stage's optimizer state adds to its step."""
+        return self._optimizer_seconds(shape, 1.0) - self._optimizer_seconds(shape, 0.0)
+
+    def _optimizer_seconds(self, shape: StageShape, fraction: float) -> float:
+        shard = self.optimizer_shard(self.stage_params(shape), shape.data_parallel_size)
+        touched = shard * (self.grad_bytes + 2 * self.optim_bytes + self.param_bytes)
+        dev_bw = self.spec(shape.device_type).memory_bandwidth_gb_s * 1e9
+        return (1 - fraction) * touched / dev_bw + fraction * touched / self.host_optimizer_rate
+
+    def p2p_seconds(self, micro_batch_size: int, bandwidth_gb_s: float, *, tp: int = 1,
                     sp: bool = False) -> float:
         """One pipeline send of a micro-batch's activations (or their gradients)."""
-        return self.p2p_latency_s + self.hidden_bytes(micro_batch_size, tp, sp) / (bandwidth_gb_s * 1e9)
+        return self.p2p_latency_s + self.hidden_bytes(micro_batch_size, tp, sp=sp) / (bandwidth_gb_s * 1e9)
 
     # -- plan level -----------------------------------------------------------------------------
-    @staticmethod
-    def sequence_parallel_of(plan: Plan) -> bool:
-        """Whether ``plan`` runs Megatron's ``--sequence-parallel`` (its flag, at TP > 1)."""
-        return plan.sequence_parallel and plan.tensor_model_parallel_size > 1
-
-    @staticmethod
-    def _stage_key(plan: Plan, pipeline: int, stage: int):
-        st = plan.stage(pipeline, stage)
-        p = plan.pipeline_model_parallel_size
-        return st, stage == 0, stage == p - 1
-
     def stage_times(self, plan: Plan, pipeline: int, stage: int) -> StageTimes:
         """Predicted forward and backward seconds of one micro-batch on (pipeline, stage)."""
-        st, first, last = self._stage_key(plan, pipeline, stage)
-        return self.compute_times(st.device_type, st.num_layers, first, last,
-                                  plan.pipelines[pipeline].micro_batch_size,
-                                  plan.tensor_model_parallel_size, recompute_key(st.recompute),
-                                  st.offload.activations, self.sequence_parallel_of(plan),
-                                  st.offload.module_inputs)
-
-    def chunk_times(self, plan: Plan, pipeline: int, stage: int) -> list[StageTimes]:
-        """Forward and backward seconds of one micro-batch on each model chunk of (pipeline,
-        stage), in chunk order; one entry (the stage's) when the plan does not interleave."""
-        v = plan.virtual_pipeline_size
-        if v == 1:
-            return [self.stage_times(plan, pipeline, stage)]
-        st, first, last = self._stage_key(plan, pipeline, stage)
-        keys = chunk_recompute_keys(recompute_key(st.recompute), st.chunk_layers)
-        return [self.compute_times(st.device_type, n, first and c == 0, last and c == v - 1,
-                                   plan.pipelines[pipeline].micro_batch_size,
-                                   plan.tensor_model_parallel_size, keys[c],
-                                   st.offload.activations, self.sequence_parallel_of(plan),
-                                   st.offload.module_inputs)
-                for c, n in enumerate(st.chunk_layers)]
+        return self.times(StageShape.of(plan, pipeline, stage))
 
     def stage_memory(self, plan: Plan, pipeline: int, stage: int) -> Memory:
         """Peak memory of one tensor rank of (pipeline, stage)."""
-        return self._stage_memory(plan, pipeline, stage,
-                                  plan.stage(pipeline, stage).offload.module_inputs)
-
-    def stage_host_bytes(self, plan: Plan, pipeline: int, stage: int) -> float:
-        """Host bytes one tensor rank of (pipeline, stage) keeps: the offloaded fraction of its
-        optimizer shard (fp32 master weights and Adam state, as :meth:`stage_memory` counts
-        them, plus the fp32 copy of those parameters' gradients the CPU optimizer steps on)
-        and, with ``module_inputs``, the module inputs of the micro-batches in flight at the
-        stage's peak (its activations without the offload less those with it)."""
-        st, first, last = self._stage_key(plan, pipeline, stage)
-        params = self.stage_params(st.num_layers, first, last, plan.tensor_model_parallel_size)
-        shard = self.optimizer_shard(params, plan.data_parallel_size)
-        host = st.offload.optimizer_fraction * shard * (self.optim_bytes + 4.0)
-        if st.offload.module_inputs:
-            kept = self._stage_memory(plan, pipeline, stage, False).activations
-            host += max(0.0, kept - self.stage_memory(plan, pipeline, stage).activations)
-        return host
-
-    def _stage_memory(self, plan: Plan, pipeline: int, stage: int, module_inputs: bool) -> Memory:
-        st, first, last = self._stage_key(plan, pipeline, stage)
-        pipe = plan.pipelines[pipeline]
-        if plan.virtual_pipeline_size > 1:
-            return self.chunked_memory_need(
-                st.device_type, tuple(st.chunk_layers), first, last, pipe.micro_batch_size,
-                plan.tensor_model_parallel_size, recompute_key(st.recompute),
-                plan.pipeline_model_parallel_size, stage, pipe.num_microbatches,
-                plan.data_parallel_size, st.offload.optimizer_fraction, st.offload.activations,
-                self.sequence_parallel_of(plan), module_inputs, plan.microbatch_group_size)
-        in_flight = min(plan.pipeline_model_parallel_size - stage, pipe.num_microbatches)
-        return self.memory_need(st.device_type, st.num_layers, first, last, pipe.micro_batch_size,
-                                plan.tensor_model_parallel_size, recompute_key(st.recompute),
-                                in_flight, plan.data_parallel_size, st.offload.optimizer_fraction,
-                                st.offload.activations, self.sequence_parallel_of(plan),
-                                module_inputs)
+        return self.memory(StageShape.of(plan, pipeline, stage))
 
     def placement(self, plan: Plan) -> Placement:
         """Where ``plan``'s stages sit (cached per stage types and TP size: the search
@@ -545,16 +456,10 @@ class CostModel:
             got = self._placements[key] = place([list(t) for t in key[0]], key[1], self.inventory)
         return got
 
-    def chunk_params_of(self, plan: Plan, stage: int, chunk: int) -> float:
-        """Parameters one tensor rank holds in model chunk ``chunk`` of stage ``stage``."""
-        p, v = plan.pipeline_model_parallel_size, plan.virtual_pipeline_size
-        if v == 1:
-            return self.stage_params_of(plan, stage)
-        n = plan.pipelines[0].stages[stage].chunk_layers[chunk]
-        return self.stage_params(n, stage == 0 and chunk == 0, stage == p - 1 and chunk == v - 1,
-                                 plan.tensor_model_parallel_size)
 
-    def stage_params_of(self, plan: Plan, stage: int) -> float:
-        p = plan.pipeline_model_parallel_size
-        return self.stage_params(plan.layer_split[stage], stage == 0, stage == p - 1,
-                                 plan.tensor_model_parallel_size)
+_chunk_recompute = lru_cache(maxsize=4096)(chunk_recompute)
+""":func:`~megatron_hetero.plan.chunk_recompute`, once per stage shape."""
+
+
+def _without_module_inputs(offload: Offload) -> Offload:
+    return Offload(optimizer_fraction=offload.optimizer_fraction, activations=offload.activations)

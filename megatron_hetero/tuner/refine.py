@@ -41,18 +41,19 @@ fixed order and ties keep the earlier one.
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
 
-from ..cost.model import CostModel, recompute_key
+from ..cost.model import CostModel
+from ..cost.stage import StageShape
 from ..errors import InfeasibleError, SchemaError
-from ..plan import Offload, Pipeline, Plan, Recompute, Stage, group_fits
+from ..plan import Pipeline, Plan, Stage, group_fits
 from ..simulate import SimResult, simulate
+from .policy import Menu, Policy, cheapest_for_stage
 from .split import min_max_split
-from .tables import SELECTIVE, even_chunks, recompute_code_key, recompute_policy
+from .tables import even_chunks
 
 __all__ = ["refine", "Layout"]
 
@@ -104,59 +105,26 @@ def layout_of(plan: Plan) -> Layout:
 
 
 class _Policies:
-    """The cheapest memory policy that fits, per stage position, under the exact memory model:
-    for each count ``k`` of recomputed layers (and selective recompute on unfused attention),
-    the least optimizer offload (steps of 5 %) that makes it fit; the cheapest of those by the
-    stage's seconds per step (``m`` micro-batches plus the offloaded optimizer's extra step)."""
+    """The cheapest memory policy that fits each stage position of the plan's shape
+    (:func:`.policy.cheapest_for_stage`, exact memory), remembered per position."""
 
-    def __init__(self, cost: CostModel, plan: Plan, allow_offload: bool,
-                 allow_module_inputs: bool = True):
-        self.cost, self.allow_offload = cost, allow_offload
-        self.module_inputs = (False, True) if allow_module_inputs else (False,)
+    def __init__(self, cost: CostModel, plan: Plan, menu: Menu):
+        self.cost, self.menu = cost, menu
         self.tp, self.p, self.D = plan.tensor_model_parallel_size, plan.pipeline_model_parallel_size, \
             plan.data_parallel_size
-        self.sp = cost.sequence_parallel_of(plan)
-        self._memo: dict[tuple, tuple[int, float, bool] | None] = {}
+        self.sp = plan.sequence_parallel and self.tp > 1
+        self._memo: dict[StageShape, Policy | None] = {}
 
-    def choose(self, gpu: str, chunks: tuple[int, ...], s: int, mbs: int, m: int,
-               group: int | None = None) -> tuple[int, float, bool] | None:
-        key = (gpu, chunks, s, mbs, m, group)
-        if key in self._memo:
-            return self._memo[key]
-        cost, tp, p, D, sp = self.cost, self.tp, self.p, self.D, self.sp
-        first, last, n = s == 0, s == p - 1, sum(chunks)
-        params = cost.stage_params(n, first, last, tp)
-        off_step = cost.optimizer_seconds(gpu, params, D, 1.0) - cost.optimizer_seconds(gpu, params, D, 0.0)
-
-        def need(code: int, f: float, mi: bool):
-            rk = recompute_code_key(code)
-            if len(chunks) > 1:
-                return cost.chunked_memory_need(gpu, chunks, first, last, mbs, tp, rk, p, s, m, D,
-                                                f, False, sp, mi, group)
-            return cost.memory_need(gpu, n, first, last, mbs, tp, rk, min(p - s, m), D, f, False,
-                                    sp, mi)
-
-        codes = list(range(n + 1))
-        if not cost.uses_flash_attention(gpu):
-            codes.append(SELECTIVE)
-        best = None
-        for mi in self.module_inputs:
-            for code in codes:
-                mem = need(code, 0.0, mi)
-                f = 0.0
-                if not mem.fits:
-                    if not self.allow_offload or mem.optimizer <= 0:
-                        continue
-                    f = math.ceil((mem.total - mem.capacity) * (1 + 1e-9) / mem.optimizer * 20) / 20
-                    if f > 1.0 or not need(code, f, mi).fits:
-                        continue
-                t = m * cost.compute_times(gpu, n, first, last, mbs, tp, recompute_code_key(code),
-                                           False, sp, mi).total_s + f * off_step
-                if best is None or t < best[0] - 1e-12:
-                    best = (t, code, f, mi)
-        got = None if best is None else best[1:]
-        self._memo[key] = got
-        return got
+    def choose(self, gpu: str, chunks: tuple[int, ...], s: int, *, micro_batch_size: int,
+               microbatches: int, group: int | None) -> Policy | None:
+        shape = StageShape(device_type=gpu, chunk_layers=chunks, micro_batch_size=micro_batch_size,
+                           tensor_parallel_size=self.tp, sequence_parallel=self.sp,
+                           pipeline_size=self.p, stage=s, num_microbatches=microbatches,
+                           microbatch_group=group if len(chunks) > 1 else None,
+                           data_parallel_size=self.D)
+        if shape not in self._memo:
+            self._memo[shape] = cheapest_for_stage(self.cost, shape, self.menu)
+        return self._memo[shape]
 
 
 def _build(plan: Plan, lay: Layout, policies: _Policies, *, share: bool = True) -> Plan | None:
@@ -177,15 +145,13 @@ def _build(plan: Plan, lay: Layout, policies: _Policies, *, share: bool = True) 
             stages = []
             for s, old in enumerate(olds):
                 chunks = lay.chunks(p, s)
-                pol = policies.choose(old.device_type, chunks, s, pipe.micro_batch_size, m,
-                                      lay.group)
+                pol = policies.choose(old.device_type, chunks, s,
+                                      micro_batch_size=pipe.micro_batch_size, microbatches=m,
+                                      group=lay.group)
                 if pol is None:
                     return None
-                code, f, mi = pol
-                n = sum(chunks)
-                stages.append(Stage(device_type=old.device_type, num_layers=n,
-                                    recompute=recompute_policy(code, n),
-                                    offload=Offload(optimizer_fraction=f, module_inputs=mi),
+                stages.append(Stage(device_type=old.device_type, num_layers=sum(chunks),
+                                    recompute=pol.recompute, offload=pol.offload,
                                     chunk_layers=list(chunks) if lay.v > 1 else None))
             built[key] = stages
         pipelines.append(Pipeline(micro_batch_size=pipe.micro_batch_size, num_microbatches=m,
@@ -355,15 +321,16 @@ def _balanced_totals(plan: Plan, cost: CostModel, order: tuple[int, ...], v: int
     ``microbatches`` times its forward and backward without recompute, the embedding and the
     output layer on the ends."""
     p, L = plan.pipeline_model_parallel_size, plan.model.num_layers
-    tp, sp = plan.tensor_model_parallel_size, cost.sequence_parallel_of(plan)
-    none = recompute_key(Recompute())
+    tp = plan.tensor_model_parallel_size
     costs = np.zeros((p, L + 1))
     kinds = {(tuple(pipe.stages[o].device_type for o in order), pipe.micro_batch_size, m)
              for pipe, m in zip(plan.pipelines, microbatches)}
     for gpus, mbs, m in sorted(kinds):
         for s, gpu in enumerate(gpus):
-            row = [m * cost.compute_times(gpu, n, s == 0, s == p - 1, mbs, tp, none, False, sp,
-                                          False).total_s for n in range(L + 1)]
+            row = [m * cost.times(StageShape(
+                device_type=gpu, chunk_layers=(n,), micro_batch_size=mbs, tensor_parallel_size=tp,
+                sequence_parallel=plan.sequence_parallel, pipeline_size=p, stage=s)).total_s
+                for n in range(L + 1)]
             costs[s] = np.maximum(costs[s], row)
     costs[:, :v] = np.inf  # every chunk holds a layer
     got = min_max_split(costs, L)
@@ -396,8 +363,9 @@ def refine(plan: Plan, sim: SimResult, cost: CostModel, *, max_virtual_pipeline_
     ``max_virtual_pipeline_size``. ``climbed(done, total)`` is told after each start (the
     plan and each other order) is done with, for a progress bar."""
     p = plan.pipeline_model_parallel_size
-    run = _Climb(plan, cost, _Policies(cost, plan, optimizer_offload, activation_offload),
-                 max_virtual_pipeline_size, max_rounds)
+    menu = Menu(optimizer_offload=optimizer_offload,
+                module_inputs=(False, True) if activation_offload else (False,))
+    run = _Climb(plan, cost, _Policies(cost, plan, menu), max_virtual_pipeline_size, max_rounds)
     types = tuple(st.device_type for st in plan.pipelines[0].stages)
     orders = list(_block_orders(types)) if reorder and p > 1 else []
     report = climbed or (lambda done, total: None)

@@ -39,17 +39,19 @@ from ..cost.model import CostModel
 from ..cost.profile_protocol import DeviceProfile
 from ..errors import InfeasibleError
 from ..hardware.inventory import Inventory
-from ..plan import ModelSpec, Offload, Pipeline, Plan, Stage
+from ..cost.stage import StageShape
+from ..plan import ModelSpec, Pipeline, Plan, Recompute, Stage
 from ..plan_inventory import embedded_gpus
 from ..simulate import SimResult, simulate
 from . import space
+from .baseline import baseline_policies, best_group
+from .policy import Policy
 from .problem import Problem, TuneOptions
-from .refine import group_choices, refine
+from .refine import refine
 from .shares import water_fill
 from .space import Structure, upper_bound_step_time
 from .split import min_max_split
-from .tables import (SELECTIVE, StageTables, even_chunks, per_chunk_recompute, recompute_code_key,
-                     recompute_policy)
+from .tables import StageTables, even_chunks, stage_shape
 
 # TuneOptions, Structure and upper_bound_step_time live in .problem and .space; named here too
 __all__ = ["TuneOptions", "TuneResult", "Structure", "tune", "upper_bound_step_time"]
@@ -59,19 +61,19 @@ __all__ = ["TuneOptions", "TuneResult", "Structure", "tune", "upper_bound_step_t
 class _Candidate:
     structure: Structure
     split: list[int]
-    recompute: list[list[int]]
-    """Layers recomputed (full, block) per template and stage; ``SELECTIVE``: selective."""
-    offload: list[list[float]]
-    """Optimizer-state fraction offloaded per template and stage."""
+    policies: list[list[Policy]]
+    """The memory policy of each template's stages."""
     microbatches: list[int]
     """Per pipeline, in template order."""
     score: float
     precision: str
-    module_inputs: list[list[bool]]
-    """Whether each template's stage offloads its layers' module inputs to the host."""
     fill: float = 0.0
     """The largest fill-and-drain seconds of a pipeline in the estimate (what interleaving
     divides)."""
+
+    @property
+    def offloads_optimizer(self) -> bool:
+        return any(pol.offload.optimizer_fraction > 0 for row in self.policies for pol in row)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -117,72 +119,30 @@ class _Search:
         cost = self.problem.cost(prec)
         tables = self.tables.for_structure(st, prec)
         if baseline:
-            n = L // p
-            split = [n] * p
-
-            def slowest(code: int, mi: bool) -> float:
-                """The slowest stage's seconds per micro-batch with ``code`` on every stage."""
-                return max(cost.compute_times(types[s], n, s == 0, s == p - 1, mbs, tp,
-                                              recompute_code_key(code), False, tp > 1, mi).total_s
-                           for types, _ in st.templates for s in range(p))
-
-            # one recompute setting everywhere: full recompute of the same layers on every
-            # stage, or selective recompute everywhere when that fits (the faster of the two)
-            kmax = per_chunk_recompute(max(int(tb.k_base[n]) for rows in tables for tb in rows), n, v)
-            if kmax and all(bool(tb.sel_fits[n]) for rows in tables for tb in rows):
-                full_t = np.inf if kmax > n else slowest(kmax, False)
-                if max(float(tb.t_sel[n]) for rows in tables for tb in rows) < full_t:
-                    kmax = SELECTIVE
-            mi_all = False
-            if self.opt.activation_offload:
-                # or module inputs offloaded everywhere (plain Megatron has the flag), with the
-                # fewest layers of recompute that then fit on every stage
-                kmi = per_chunk_recompute(max(int(tb.k_base_mi[n]) for rows in tables for tb in rows), n, v)
-                if kmi <= n and (kmax > n or slowest(kmi, True) < slowest(kmax, False)):
-                    kmax, mi_all = kmi, True
-            if kmax > n:
-                return None
-            rec = [[kmax] * p for _ in st.templates]
-            off = [[0.0] * p for _ in st.templates]
-            mis = [[mi_all] * p for _ in st.templates]
+            split = [L // p] * p
+            policies = baseline_policies(st, tables, split[0], self.tables, precision=prec,
+                                         module_inputs=self.opt.activation_offload)
         else:
-            norm = []
-            for rows in tables:
-                j = min(2, L)  # the tables are linear in the layers; a 1-layer model has two rows
-                layer = [tb.t_none[j] - tb.t_none[j - 1] for tb in rows]
-                norm.append(1.0 / sum(1.0 / x for x in layer))
-            costs = np.max(np.stack([np.stack([tb.t_fit if offload else tb.t_rec for tb in rows]) / w
-                                     for rows, w in zip(tables, norm)]), axis=0)
-            if v > 1:  # every chunk holds a layer
-                costs = costs.copy()
-                costs[:, :v] = np.inf
-            got = min_max_split(costs, L)
-            if got is None:
-                return None
-            _, split = got
-            if offload:
-                rec = [[int(tb.k[split[s]]) for s, tb in enumerate(rows)] for rows in tables]
-                off = [[float(tb.f[split[s]]) for s, tb in enumerate(rows)] for rows in tables]
-                mis = [[bool(tb.mi[split[s]]) for s, tb in enumerate(rows)] for rows in tables]
-            else:
-                rec = [[int(tb.k_rec[split[s]]) for s, tb in enumerate(rows)] for rows in tables]
-                off = [[0.0] * p for _ in tables]
-                mis = [[bool(tb.mi_rec[split[s]]) for s, tb in enumerate(rows)] for rows in tables]
+            split, policies = _tuned_split(st, tables, L, offload=offload)
+        if policies is None:
+            return None
         fixed, per = [], []
         offload_tail = 0.0
         for ti, (types, count) in enumerate(st.templates):
             stage_t = []
             for s in range(p):
-                rk = recompute_code_key(rec[ti][s])
-                stage_t.append(cost.compute_times(types[s], split[s], s == 0, s == p - 1, mbs, tp, rk,
-                                                  False, tp > 1, mis[ti][s]).total_s)
-                offload_tail = max(offload_tail, off[ti][s] * float(tables[ti][s].off_step[split[s]]))
-            sends = sum(2 * cost.p2p_seconds(mbs, self._link_estimate(types, s, tp, D), tp, tp > 1)
+                pol = policies[ti][s]
+                stage_t.append(self.tables.seconds(st, types, s, layers=split[s], policy=pol,
+                                                   precision=prec))
+                offload_tail = max(offload_tail, pol.offload.optimizer_fraction
+                                   * float(tables[ti][s].off_step[split[s]]))
+            sends = sum(2 * cost.p2p_seconds(mbs, self._link_estimate(types, s, tp, D), tp=tp,
+                                             sp=tp > 1)
                         for s in range(p - 1))
             c = max(stage_t)
             if v > 1:  # fill and drain shrink v times; every chunk boundary is a send
                 wrap = 2 * cost.p2p_seconds(mbs, self._link_estimate((types[-1], types[0]), 0, tp, D),
-                                            tp, tp > 1)
+                                            tp=tp, sp=tp > 1)
                 fixed += [(sum(stage_t) - c) / v + v * sends + (v - 1) * wrap] * count
             else:
                 fixed += [sum(stage_t) - c + sends] * count
@@ -198,26 +158,22 @@ class _Search:
             mb = water_fill(fixed, per, total)
             if mb is None:
                 return None
-        if v > 1 and not self._chunks_fit(st, cost, split, rec, off, mis, mb):
+        if v > 1 and not self._chunks_fit(st, cost, split, policies, mb):
             return None
         step = max(a + k * c for a, c, k in zip(fixed, per, mb))
         step += self._sync_estimate(st, split, cost) + offload_tail
-        return _Candidate(st, split, rec, off, mb, step, prec, mis, max(fixed))
+        return _Candidate(st, split, policies, mb, step, prec, max(fixed))
 
-    def _chunks_fit(self, st: Structure, cost: CostModel, split, rec, off, mis, mb) -> bool:
+    def _chunks_fit(self, st: Structure, cost: CostModel, split, policies, mb) -> bool:
         """Exact memory of an interleaved candidate (the tables interpolate between multiples of
         the chunk count): every (template, stage) at its template's most micro-batches."""
-        p, v, d = st.pp, st.vp, 0
+        d = 0
         for ti, (types, count) in enumerate(st.templates):
             m = max(mb[d:d + count])
             d += count
-            for s in range(p):
-                chunks = even_chunks(split[s], v)
-                rk = recompute_code_key(rec[ti][s])
-                mem = cost.chunked_memory_need(types[s], chunks, s == 0, s == p - 1, st.mbs, st.tp,
-                                               rk, p, s, m, st.num_pipelines,
-                                               off[ti][s], False, st.tp > 1, mis[ti][s])
-                if not mem.fits:
+            for s in range(st.pp):
+                if not cost.memory(stage_shape(st, types, s, layers=split[s], policy=policies[ti][s],
+                                               microbatches=m)).fits:
                     return False
         return True
 
@@ -257,7 +213,7 @@ class _Search:
                 else:
                     bw = self.inv.inter_node_bandwidth(groups[0])
                 self._links[key] = bw
-            params = cost.stage_params(split[s], s == 0, s == st.pp - 1, st.tp)
+            params = cost.params(split[s], first=s == 0, last=s == st.pp - 1, tp=st.tp)
             worst = max(worst, cost.dp_sync_seconds(params, D, bw))
         return worst
 
@@ -273,9 +229,8 @@ class _Search:
         for ti, (types, count) in enumerate(st.templates):
             for _ in range(count):
                 stages = [Stage(device_type=types[s], num_layers=cand.split[s],
-                                recompute=recompute_policy(cand.recompute[ti][s], cand.split[s]),
-                                offload=Offload(optimizer_fraction=cand.offload[ti][s],
-                                                module_inputs=cand.module_inputs[ti][s]),
+                                recompute=cand.policies[ti][s].recompute,
+                                offload=cand.policies[ti][s].offload,
                                 chunk_layers=list(chunks[s]) if v > 1 else None)
                           for s in range(st.pp)]
                 pipelines.append(Pipeline(micro_batch_size=st.mbs,
@@ -305,7 +260,7 @@ class _Search:
             if cand is None:
                 return None
             new = [cand]
-            if any(f for row in cand.offload for f in row):
+            if cand.offloads_optimizer:
                 # the offload's per-step cost was spread over micro-batches: compare with the
                 # same structure under recompute alone
                 other = self.evaluate(st, baseline=False, offload=False)
@@ -361,24 +316,27 @@ class _Search:
         return best
 
 
-def best_group(plan: Plan, sim: SimResult, cost: CostModel) -> tuple[Plan, SimResult]:
-    """``plan`` (simulated as ``sim``) with the interleaved schedule's micro-batch group that
-    simulates fastest among :func:`.refine.group_choices`, where it still fits memory. Plain
-    Megatron has the flag too, so the baseline gets its best group as well."""
-    if plan.virtual_pipeline_size == 1:
-        return plan, sim
-    p, ms = plan.pipeline_model_parallel_size, [pipe.num_microbatches for pipe in plan.pipelines]
-    best = (plan, sim)
-    for g in group_choices(p, ms):
-        if g > p:
-            cand = dataclasses.replace(plan, microbatch_group_size=g)
-            if not all(cost.stage_memory(cand, d, s).fits for d in range(len(ms))
-                       for s in range(p)):
-                continue  # more in flight than the cards hold: no need to time it
-            got = simulate(cand, cost, record_events=False)
-            if got.fits_memory and got.step_time_s < best[1].step_time_s * (1 - 1e-9):
-                best = (cand, got)
-    return best
+def _tuned_split(st: Structure, tables, L: int, *, offload: bool):
+    """The layer split that minimises the slowest stage relative to each template's balanced
+    ideal, every stage at its cheapest fitting policy (``offload``: optimizer offload allowed);
+    and each (template, stage)'s policy. (None, None) when no split fits."""
+    p, v = st.pp, st.vp
+    norm = []
+    for rows in tables:
+        j = min(2, L)  # the tables are linear in the layers; a 1-layer model has two rows
+        layer = [tb.t_none[j] - tb.t_none[j - 1] for tb in rows]
+        norm.append(1.0 / sum(1.0 / x for x in layer))
+    menu = (lambda tb: tb.fit) if offload else (lambda tb: tb.rec)  # noqa: E731
+    costs = np.max(np.stack([np.stack([menu(tb).seconds for tb in rows]) / w
+                             for rows, w in zip(tables, norm)]), axis=0)
+    if v > 1:  # every chunk holds a layer
+        costs = costs.copy()
+        costs[:, :v] = np.inf
+    got = min_max_split(costs, L)
+    if got is None:
+        return None, None
+    split = got[1]
+    return split, [[menu(tb).policy(split[s]) for s, tb in enumerate(rows)] for rows in tables]
 
 
 def _refine_chunk_cap(options: TuneOptions) -> int:
@@ -393,7 +351,7 @@ def _infeasible_message(problem: Problem) -> str:
     """Why nothing fits: the leanest single-type stage of every type against its memory."""
     model, inv = problem.model, problem.inv
     parts = []
-    none = ("full", "uniform", 1)
+    full = Recompute(granularity="full", method="uniform", num_layers=1)
     for gpu in problem.types:
         cost = problem.cost(problem.precision_for([gpu]))
         tp = max(t for t in space.tp_sizes(problem)
@@ -401,8 +359,10 @@ def _infeasible_message(problem: Problem) -> str:
         n_gpus = inv.gpu_counts()[gpu]
         pp = max(1, min(model.num_layers, n_gpus // tp))
         per = -(-model.num_layers // pp)
-        need = cost.memory_need(gpu, per, True, pp == 1, 1, tp, none, pp,
-                                max(1, n_gpus // (tp * pp)), 0.0, False, tp > 1)
+        need = cost.memory(StageShape(device_type=gpu, chunk_layers=(per,), micro_batch_size=1,
+                                      tensor_parallel_size=tp, sequence_parallel=tp > 1,
+                                      recompute=full, pipeline_size=pp, num_microbatches=pp,
+                                      data_parallel_size=max(1, n_gpus // (tp * pp))))
         parts.append(f"{gpu}: {need.total / 1e9:.1f} GB needed per GPU, {need.capacity / 1e9:.0f} GB "
                      f"available (all {n_gpus} of them as TP={tp} x PP={pp}, {per} layers per "
                      "stage, full recompute, micro-batch 1)")

@@ -1,15 +1,21 @@
 """Per-stage cost tables: for one stage position and every layer count, the time per
 micro-batch and the cheapest memory policy that fits.
 
-The policies, cheapest that fits wins: none; full recompute of the fewest layers (Megatron's
-``block`` method); offloading part of the optimizer state to the host (in steps of 5 %, its
-per-step cost spread over the average micro-batch count); all of it offloaded plus recompute;
-where attention is unfused, selective recompute, alone or with offload; and (unless
-``TuneOptions.activation_offload`` is off) offloading each layer's module inputs to the host
-(fine-grained activation offload), alone, with the fewest layers of recompute, or with part
-or all of the optimizer state offloaded. The baseline's
-choices (full recompute only, or selective recompute alone) are kept beside them. Time and
-memory are linear in the layer count, so each table is built from two evaluations.
+A stage position is a :class:`~megatron_hetero.cost.stage.StageShape` without its layers and
+policy. Its time and memory are linear in the layer count and in the layers recomputed, so each
+table is built from a few evaluations of the cost model: the shape at ``v`` and ``2 v`` layers
+with no recompute, with selective recompute, and with the module inputs offloaded; a layer of
+full recompute saves its activations less the checkpoint it keeps, on every micro-batch in
+flight, and costs one layer's forward. On that linear model :func:`.policy.cheapest` picks, for
+every layer count at once, the cheapest policy of each :class:`.policy.Menu` the search uses:
+
+* ``fit``: any policy (full recompute of any number of layers, selective recompute where
+  attention is unfused, part or all of the optimizer state offloaded in steps of 5 % with its
+  per-step cost spread over the average micro-batch count, and, unless
+  ``TuneOptions.activation_offload`` is off, the module inputs offloaded);
+* ``rec``: the same without optimizer offload;
+* the baseline's: full recompute alone (``base``; with the module inputs offloaded,
+  ``base_mi``), and whether selective recompute alone fits (``sel``).
 
 With ``v`` > 1 model chunks per stage (interleaved 1F1B) the memory uses the exact in-flight
 peak of the interleaved order (:func:`megatron_hetero.cost.schedule.peak_activations`): exact
@@ -21,40 +27,22 @@ baseline counts its recompute per chunk, as plain Megatron does (:func:`per_chun
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property, lru_cache
 
 import numpy as np
 
 from ..cost.schedule import peak_activations
-from ..plan import Recompute
+from ..cost.stage import StageShape
+from ..plan import Offload, Recompute
+from .policy import OFFLOAD_STEPS, Menu, Option, Policy, cheapest
 from .problem import Problem
 from .space import Structure
 
-__all__ = ["SELECTIVE", "StageTable", "StageTables", "even_chunks", "per_chunk_recompute",
-           "recompute_code_key", "recompute_policy"]
-
-SELECTIVE = -1
-"""Recompute code of a stage that recomputes core attention only (Megatron's ``selective``);
-codes >= 0 are layers of full recompute (``block``; all of them: ``uniform``)."""
+__all__ = ["Choices", "StageTable", "StageTables", "even_chunks", "per_chunk_recompute",
+           "stage_shape"]
 
 
-def recompute_code_key(k: int) -> tuple:
-    """The cost model's recompute key of recompute code ``k``."""
-    if k == SELECTIVE:
-        return ("selective", None, None)
-    return ("none", None, None) if k == 0 else ("full", "block", k)
-
-
-def recompute_policy(k: int, n: int) -> Recompute:
-    """The plan's recompute of code ``k`` on a stage of ``n`` layers."""
-    if k == SELECTIVE:
-        return Recompute(granularity="selective")
-    if k == 0:
-        return Recompute()
-    if k >= n:
-        return Recompute(granularity="full", method="uniform", num_layers=1)
-    return Recompute(granularity="full", method="block", num_layers=k)
-
-
+@lru_cache(maxsize=65536)
 def even_chunks(n: int, v: int, early: bool = False) -> tuple[int, ...]:
     """``n`` layers over ``v`` model chunks as evenly as possible, the later chunks taking the
     remainder (fewer of them are in flight: the least memory), or with ``early`` the earlier
@@ -64,45 +52,91 @@ def even_chunks(n: int, v: int, early: bool = False) -> tuple[int, ...]:
 
 
 def per_chunk_recompute(k: int, n: int, v: int) -> int:
-    """The baseline's recompute code ``k`` (layers of full recompute on a stage of ``n``)
-    rounded up to the same count in each of ``v`` equal chunks: plain Megatron counts
-    ``--recompute-num-layers`` per chunk. (The plan's ``block`` covers the stage's first ``k``
-    layers in chunk order, which saves at least as much memory for the same work, so the
-    baseline is not understated.)"""
+    """The baseline's ``k`` layers of full recompute on a stage of ``n`` rounded up to the same
+    count in each of ``v`` equal chunks: plain Megatron counts ``--recompute-num-layers`` per
+    chunk. (The plan's ``block`` covers the stage's first ``k`` layers in chunk order, which
+    saves at least as much memory for the same work, so the baseline is not understated.)"""
     if v == 1 or k <= 0 or k > n:
         return k
     return min(-(-k // v) * v, n)
 
 
-@dataclass(kw_only=True, slots=True)
-class StageTable:
-    """Per layer count ``n`` (index 0..L) of one stage position: time per micro-batch without
-    recompute; the cheapest memory policy that fits (``k`` layers of full recompute or
-    ``SELECTIVE``, ``f`` of the optimizer state offloaded; k > n: nothing fits) and its time
-    per micro-batch, with the offload's per-step cost spread over the average micro-batch
-    count; the cheapest recompute-only policy; the baseline's choices (full recompute of
-    ``k_base`` layers; whether selective recompute alone fits, and its time); the per-step
-    seconds of offloading all of the optimizer."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Choices:
+    """The cheapest policy of one menu that fits, for every layer count ``n`` (index 0..L)."""
 
-    t_none: np.ndarray
-    k: np.ndarray
-    f: np.ndarray
-    t_fit: np.ndarray
-    k_rec: np.ndarray
-    t_rec: np.ndarray
-    k_base: np.ndarray
-    t_base: np.ndarray
-    sel_fits: np.ndarray
-    t_sel: np.ndarray
-    off_step: np.ndarray
-    mi: np.ndarray
-    """Whether the ``t_fit`` policy offloads module inputs (fine-grained activation offload)."""
-    mi_rec: np.ndarray
-    """The same for the ``t_rec`` policy (no optimizer offload)."""
-    k_base_mi: np.ndarray
-    """The baseline's other choice: module inputs offloaded everywhere plus full recompute of
-    ``k_base_mi`` layers (big: nothing fits), at ``t_base_mi``."""
-    t_base_mi: np.ndarray
+    layers: np.ndarray
+    """Layers of full recompute chosen at each ``n``."""
+    selective: np.ndarray
+    """Whether selective recompute is chosen instead."""
+    module_inputs: np.ndarray
+    fraction: np.ndarray
+    """The optimizer-state fraction offloaded."""
+    seconds: np.ndarray
+    """Seconds per micro-batch, the offload's per-step cost spread over the average
+    micro-batch count; ``inf`` where nothing fits, and at ``n`` = 0."""
+
+    def fits(self, n: int) -> bool:
+        return float(self.seconds[n]) < np.inf
+
+    def option(self, n: int) -> Option | None:
+        if not self.fits(n):
+            return None
+        return Option(layers=int(self.layers[n]), selective=bool(self.selective[n]),
+                      module_inputs=bool(self.module_inputs[n]))
+
+    def policy(self, n: int) -> Policy:
+        """The plan's policy at ``n`` layers (which must fit)."""
+        o = self.option(n)
+        return Policy(recompute=o.recompute(n),
+                      offload=Offload(optimizer_fraction=float(self.fraction[n]),
+                                      module_inputs=o.module_inputs))
+
+    def layers_or(self, n: int, otherwise: int) -> int:
+        """Layers of full recompute chosen at ``n`` (``otherwise`` where nothing fits)."""
+        return int(self.layers[n]) if self.fits(n) else otherwise
+
+
+class StageTable:
+    """Per layer count of one stage position: its time per micro-batch without recompute and
+    with selective recompute, the per-step seconds of offloading all of the optimizer, and
+    the choices of each menu (see the module docstring), each picked when first asked for."""
+
+    def __init__(self, builder: _Builder):
+        self._builder = builder
+        self.t_none = builder.base_line(False, False)[1]
+        self.off_step = builder.off_step
+
+    @cached_property
+    def t_sel(self) -> np.ndarray:
+        """Seconds per micro-batch with selective recompute (``inf`` where attention is fused:
+        it saves nothing there)."""
+        b = self._builder
+        return b.base_line(True, False)[1] if b.unfused else np.full(b.L + 1, np.inf)
+
+    @cached_property
+    def fit(self) -> Choices:
+        return self._builder.choose(Menu(module_inputs=self._builder.module_inputs))
+
+    @cached_property
+    def rec(self) -> Choices:
+        return self._builder.choose(Menu(optimizer_offload=False,
+                                         module_inputs=self._builder.module_inputs))
+
+    @cached_property
+    def base(self) -> Choices:
+        return self._builder.choose(Menu(selective_recompute=False, optimizer_offload=False,
+                                         module_inputs=(False,)))
+
+    @cached_property
+    def base_mi(self) -> Choices:
+        return self._builder.choose(Menu(selective_recompute=False, optimizer_offload=False,
+                                         module_inputs=(True,)))
+
+    @cached_property
+    def sel(self) -> Choices:
+        return self._builder.choose(Menu(no_recompute=False, full_recompute=False,
+                                         optimizer_offload=False, module_inputs=(False,)))
 
 
 class StageTables:
@@ -111,138 +145,201 @@ class StageTables:
     def __init__(self, problem: Problem):
         self.problem = problem
         self._tables: dict[tuple, StageTable] = {}
+        self._seen: dict[tuple, StageTable] = {}
+        self._seconds: dict[tuple, float] = {}
 
-    def table(self, prec: str, gpu: str, tp: int, mbs: int, first: bool, last: bool,
-              in_flight: float, D: int, vp: int = 1, pp: int = 1, stage: int = 0,
-              m: int = 0) -> StageTable:
-        """Costs of one stage position for every layer count (memory and time are linear in it).
-        With ``vp`` > 1 chunks the stage is stage ``stage`` of ``pp`` running ``m`` micro-batches
-        interleaved, ``in_flight`` its peak chunks in flight over ``vp`` (layers held per layer);
-        memory is exact at multiples of ``vp`` layers (even chunks) and linear between."""
-        key = (prec, gpu, tp, mbs, first, last, in_flight, D, vp, pp, stage, m)
+    def table(self, position: StageShape, *, precision: str) -> StageTable:
+        """Costs of the stage position ``position`` (its layers and policy aside) for every
+        layer count; with ``v`` > 1 chunks, memory is exact at multiples of ``v`` layers
+        (even chunks) and linear between."""
+        key = (_canonical(position), precision)
         got = self._tables.get(key)
-        if got is not None:
-            return got
-        cost, L = self.problem.cost(prec), self.problem.model.num_layers
-        none = ("none", None, None)
-        sp = tp > 1  # Megatron users run TP with --sequence-parallel; the plans say so
-        n = np.arange(L + 1, dtype=float)
+        if got is None:
+            got = self._tables[key] = _Builder(self.problem, key[0], precision).build()
+        return got
 
-        def line(f, unit=1):
-            a, b = f(unit), f(2 * unit)
-            return a + (n - unit) * (b - a) / unit
-
-        def memory(k, rk, mi=False):
-            if vp == 1:
-                return cost.memory_need(gpu, k, first, last, mbs, tp, rk, in_flight, D, 0.0, False,
-                                        sp, mi)
-            return cost.chunked_memory_need(gpu, even_chunks(k, vp), first, last, mbs, tp, rk, pp,
-                                            stage, m, D, 0.0, False, sp, mi)
-
-        t_none = line(lambda k: cost.compute_times(gpu, k, first, last, mbs, tp, none, False, sp).total_s)
-        mems = {k: memory(k, none) for k in (vp, 2 * vp)}
-        mem_none = line(lambda k: mems[k].total, vp)
-        opt = line(lambda k: mems[k].optimizer, vp)
-        off_step = line(lambda k: cost.optimizer_seconds(gpu, cost.stage_params(k, first, last, tp), D, 1.0)
-                        - cost.optimizer_seconds(gpu, cost.stage_params(k, first, last, tp), D, 0.0))
-        act = cost.layer_activation_bytes(gpu, mbs, tp, "none", sp)
-        saving = in_flight * (act - cost.hidden_bytes(mbs, tp, sp))
-        cap = cost.capacity(gpu)
-        fwd_layer = cost.layer_times(gpu, mbs, tp)[0]
-        m_avg = (self.problem.gbs // mbs) / D
-        big = L + 1
-
-        def layers_to_recompute(excess, saving):
-            """Fewest layers of full recompute that remove ``excess`` bytes (big: impossible)."""
-            k = np.where(excess <= 0, 0, np.ceil(np.maximum(excess, 0) / saving) if saving > 0 else big)
-            return np.where((k > n) | (k < 0), big, k).astype(np.int64)
-
-        def fraction(mem):
-            """Least optimizer-state fraction (steps of 5 %) that makes ``mem`` fit (2: none)."""
-            with np.errstate(divide="ignore", invalid="ignore"):
-                frac = np.where(mem <= cap, 0.0, np.ceil((mem - cap) * (1 + 1e-9) / opt * 20) / 20)
-            return np.where(np.isfinite(frac), frac, 2.0)
-
-        def recompute_or_offload(mem, t, saving):
-            """(codes, fractions, times) of three policies on top of a stage needing ``mem``
-            bytes and ``t`` seconds: recompute only; part of the optimizer state offloaded;
-            all of it offloaded and recompute what is still missing."""
-            k_rec = np.where(mem <= cap, 0, layers_to_recompute(mem + act - cap, saving))
-            frac = fraction(mem)
-            k_all = np.where(mem - opt <= cap, 0, layers_to_recompute(mem - opt + act - cap, saving))
-            return ([k_rec, np.zeros_like(k_rec), k_all],
-                    [np.zeros_like(frac), np.minimum(frac, 1.0), np.ones_like(frac)],
-                    [np.where(k_rec <= n, t + np.minimum(k_rec, n) * fwd_layer, np.inf),
-                     np.where(frac <= 1.0, t + np.minimum(frac, 1.0) * off_step / m_avg, np.inf),
-                     np.where(k_all <= n, t + np.minimum(k_all, n) * fwd_layer + off_step / m_avg,
-                              np.inf)])
-
-        # A: recompute only (also the baseline's choice); B: offload part of the optimizer
-        # state, in steps of 5 %; C: offload all of it and recompute what is still missing
-        ks, fs, ts = recompute_or_offload(mem_none, t_none, saving)
-        k_a, t_a = ks[0], ts[0]
-        # selective recompute drops the stored s x s attention matrices of an unfused kernel
-        # for a recompute of core attention (with a fused kernel it saves nothing)
-        sel = ("selective", None, None)
-        t_sel = line(lambda k: cost.compute_times(gpu, k, first, last, mbs, tp, sel, False, sp).total_s)
-        flash = cost.uses_flash_attention(gpu)
-        mem_sel = mem_none if flash else line(lambda k: memory(k, sel).total, vp)
-        sel_fits = mem_sel <= cap
-        if not flash:
-            # D: selective recompute; E: then offload part of the optimizer state
-            frac_e = fraction(mem_sel)
-            t_d = np.where(sel_fits, t_sel, np.inf)
-            t_e = np.where(frac_e <= 1.0, t_sel + np.minimum(frac_e, 1.0) * off_step / m_avg, np.inf)
-            sel_k = np.full_like(k_a, SELECTIVE)
-            ks, fs, ts = ks + [sel_k, sel_k], fs + [np.zeros_like(frac_e), np.minimum(frac_e, 1.0)], \
-                ts + [t_d, t_e]
-        no = np.zeros(L + 1, dtype=bool)
-        mis = [no] * len(ts)
-        rec = [0, 3] if len(ts) > 3 else [0]  # no optimizer offload: A, D (and F below)
-        k_f, t_f = np.full_like(k_a, big), np.full_like(t_a, np.inf)
-        if self.problem.opt.activation_offload:
-            # F, G, H: A, B and C with the module inputs offloaded (fine-grained activation
-            # offload): less memory per layer, and recomputing a layer saves less
-            mems_mi = {k: memory(k, none, True) for k in (vp, 2 * vp)}
-            mem_mi = line(lambda k: mems_mi[k].total, vp)
-            t_mi = line(lambda k: cost.compute_times(gpu, k, first, last, mbs, tp, none, False, sp,
-                                                     True).total_s)
-            kept = act - cost.module_input_bytes(mbs, tp, sp)
-            saving_mi = in_flight * (kept - cost.hidden_bytes(mbs, tp, sp))
-            ks_mi, fs_mi, ts_mi = recompute_or_offload(mem_mi, t_mi, saving_mi)
-            k_f, t_f = ks_mi[0], ts_mi[0]
-            rec.append(len(ts))
-            ks, fs, ts = ks + ks_mi, fs + fs_mi, ts + ts_mi
-            yes = np.ones(L + 1, dtype=bool)
-            mis = mis + [yes, yes, yes]
-        pick = np.argmin(np.stack(ts), axis=0)
-        k = np.choose(pick, ks)
-        f = np.choose(pick, fs)
-        t_fit = np.choose(pick, ts)
-        mi = np.choose(pick, mis)
-        t_fit[0] = np.inf
-        pick_r = np.argmin(np.stack([ts[i] for i in rec]), axis=0)
-        k_rec = np.choose(pick_r, [ks[i] for i in rec])
-        t_rec = np.choose(pick_r, [ts[i] for i in rec])
-        mi_rec = np.choose(pick_r, [mis[i] for i in rec])
-        t_rec[0] = np.inf
-        t_base = t_a.copy()
-        t_base[0] = np.inf
-        t_f[0] = np.inf
-        got = StageTable(t_none=t_none, k=k, f=f, t_fit=t_fit, k_rec=k_rec, t_rec=t_rec, k_base=k_a,
-                         t_base=t_base, sel_fits=sel_fits, t_sel=t_sel, off_step=off_step,
-                         mi=mi, mi_rec=mi_rec, k_base_mi=k_f, t_base_mi=t_f)
-        self._tables[key] = got
+    def seconds(self, st: Structure, types, s: int, *, layers: int, policy: Policy,
+                precision: str) -> float:
+        """One micro-batch's forward and backward seconds on stage ``s`` of the template
+        ``types`` of ``st`` with ``layers`` under ``policy`` (the cost model's, remembered by a
+        tuple: the search asks for the same stages again and again)."""
+        quick = (precision, types[s], st.tp, st.mbs, st.vp, st.pp, s, layers, policy)
+        got = self._seconds.get(quick)
+        if got is None:
+            shape = stage_shape(st, types, s, layers=layers, policy=policy)
+            got = self._seconds[quick] = self.problem.cost(precision).times(shape).total_s
         return got
 
     def for_structure(self, st: Structure, prec: str) -> list[list[StageTable]]:
-        """The tables of every (template, stage) of a structure."""
-        p, v, D = st.pp, st.vp, st.num_pipelines
-        if v == 1:
-            return [[self.table(prec, types[s], st.tp, st.mbs, s == 0, s == p - 1, p - s, D)
-                     for s in range(p)] for types, _ in st.templates]
-        # the peak is monotone in the micro-batches: count them as the average rounded up
+        """The tables of every (template, stage) of a structure: stage ``s`` of ``p`` with the
+        average micro-batch count rounded up to whole groups of ``p`` (the in-flight peak is
+        monotone in it)."""
+        p, D = st.pp, st.num_pipelines
         m = p * max(1, -(-(self.problem.gbs // st.mbs) // (D * p)))
-        flight = [peak_activations(p, s, m, v, [1.0] * v) / v for s in range(p)]
-        return [[self.table(prec, types[s], st.tp, st.mbs, s == 0, s == p - 1, flight[s], D,
-                            v, p, s, m) for s in range(p)] for types, _ in st.templates]
+        out = []
+        for types, _ in st.templates:
+            row = []
+            for s in range(p):
+                # the search asks for the same positions again and again: find them by a tuple
+                # before building their shape
+                quick = (prec, types[s], st.tp, st.mbs, st.vp, p, s, m, D)
+                got = self._seen.get(quick)
+                if got is None:
+                    got = self._seen[quick] = self.table(stage_shape(st, types, s, microbatches=m),
+                                                         precision=prec)
+                row.append(got)
+            out.append(row)
+        return out
+
+
+def stage_shape(st: Structure, types, s: int, *, layers: int = 0, policy: Policy | None = None,
+                microbatches: int = 1) -> StageShape:
+    """Stage ``s`` of the template ``types`` of ``st`` with ``layers`` in even chunks under
+    ``policy`` (default: none), its replica running ``microbatches``."""
+    policy = policy or Policy(recompute=Recompute(), offload=Offload())
+    return StageShape(device_type=types[s], chunk_layers=even_chunks(layers, st.vp),
+                      micro_batch_size=st.mbs, tensor_parallel_size=st.tp,
+                      sequence_parallel=st.tp > 1, recompute=policy.recompute,
+                      offload=policy.offload, pipeline_size=st.pp, stage=s,
+                      num_microbatches=microbatches, data_parallel_size=st.num_pipelines)
+
+
+def _canonical(position: StageShape) -> StageShape:
+    """A position with the same costs as ``position``, the same for all positions alike: in
+    1F1B a stage's costs depend on its place only through whether it is first or last and how
+    many micro-batches it holds in flight (``f``), so it becomes stage 0 of ``f`` (first),
+    stage 1 of 2 (last) or stage 1 of ``f + 1`` (middle; of at least 3), with ``f``
+    micro-batches."""
+    if position.virtual_size > 1:
+        return position
+    f = min(position.pipeline_size - position.stage, position.num_microbatches)
+    if position.first:
+        p, s = (1, 0) if position.last else (max(f, 2), 0)
+    else:
+        p, s = (2, 1) if position.last else (max(f, 2) + 1, 1)
+    return position.but(pipeline_size=p, stage=s, num_microbatches=f)
+
+
+class _Builder:
+    """One table: the linear model of one stage position, and the menus picked on it."""
+
+    def __init__(self, problem: Problem, position: StageShape, precision: str):
+        self.problem, self.pos = problem, position
+        self.cost = cost = problem.cost(precision)
+        self.L = L = problem.model.num_layers
+        self.n = np.arange(L + 1, dtype=float)
+        self.rows = np.arange(L + 1)
+        self.v = v = position.virtual_size
+        pos = position
+        b, tp, sp = pos.micro_batch_size, pos.tensor_parallel_size, pos.sp
+        if v == 1:
+            in_flight = float(min(pos.pipeline_size - pos.stage, pos.num_microbatches))
+        else:  # chunks held per layer at the peak, with even chunks
+            in_flight = peak_activations(pos.pipeline_size, pos.stage, pos.num_microbatches, v,
+                                         [1.0] * v, pos.microbatch_group) / v
+        self.act = cost.layer_activation_bytes(pos.device_type, b, tp, "none", sp=sp)
+        ckpt = cost.hidden_bytes(b, tp, sp=sp)
+        self.saving = {False: in_flight * (self.act - ckpt),
+                       True: in_flight * (self.act - cost.module_input_bytes(b, tp, sp=sp) - ckpt)}
+        self.fwd_layer = cost.layer_times(pos.device_type, b, tp)[0]
+        self.unfused = not cost.uses_flash_attention(pos.device_type)
+        self.m_avg = (problem.gbs // b) / pos.data_parallel_size
+        self._lines: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+        self._shapes: dict[tuple, StageShape] = {}
+
+    def shape(self, k: int, recompute: Recompute = Recompute(), *,
+              module_inputs: bool = False) -> StageShape:
+        """The position with ``k`` layers in even chunks (each built once)."""
+        key = (k, recompute, module_inputs)
+        got = self._shapes.get(key)
+        if got is None:
+            got = self._shapes[key] = self.pos.but(chunk_layers=even_chunks(k, self.v),
+                                                   recompute=recompute,
+                                                   offload=Offload(module_inputs=module_inputs))
+        return got
+
+    def line(self, f, unit: int = 1) -> np.ndarray:
+        """``f`` at every layer count, from its values at ``unit`` and ``2 unit`` layers."""
+        a, b = f(unit), f(2 * unit)
+        return a + (self.n - unit) * (b - a) / unit
+
+    def base_line(self, selective: bool, module_inputs: bool) -> tuple[np.ndarray, np.ndarray]:
+        """(memory, seconds per micro-batch) at every layer count, no full recompute."""
+        key = (selective, module_inputs)
+        if key not in self._lines:
+            r = Recompute(granularity="selective") if selective else Recompute()
+            cost = self.cost
+            mem = self.line(lambda k: cost.memory(self.shape(k, r, module_inputs=module_inputs)).total,
+                            self.v)
+            sec = self.line(lambda k: cost.times(self.shape(k, r, module_inputs=module_inputs)).total_s)
+            self._lines[key] = (mem, sec)
+        return self._lines[key]
+
+    def choose(self, menu: Menu) -> Choices:
+        """The cheapest option of ``menu`` at every layer count. On the linear model, for each
+        optimizer fraction the fewest layers of full recompute that fit it are the only full
+        recompute worth weighing, so those (one per fraction step) and selective recompute are
+        the options :func:`.policy.cheapest` picks from."""
+        cost, L, n = self.cost, self.L, self.n[:, None]
+        capacity = cost.capacity(self.pos.device_type)
+        steps = np.arange(OFFLOAD_STEPS + 1) / OFFLOAD_STEPS if menu.optimizer_offload else np.zeros(1)
+        room = capacity + steps * self.optimizer[:, None]
+        mem, sec, layers, selective, mi = [], [], [], [], []
+        for module_inputs in menu.module_inputs:
+            m0, t0 = self.base_line(False, module_inputs)
+            m0, t0 = m0[:, None], t0[:, None]
+            if menu.no_recompute or menu.full_recompute:
+                k = self._fewest_layers(m0, room, module_inputs=module_inputs, menu=menu)
+                ok = k <= n
+                k = np.where(ok, k, 0).astype(np.int64)
+                # a layer of full recompute keeps its checkpoint; one layer is rebuilt at once
+                full = m0 + self.act - k * self.saving[module_inputs]
+                mem.append(np.where(ok, np.where(k == 0, m0, full), np.inf))
+                sec.append(t0 + k * self.fwd_layer)
+                layers.append(k)
+                selective += [False] * k.shape[1]
+                mi += [module_inputs] * k.shape[1]
+            if menu.selective_recompute and self.unfused:
+                m1, t1 = self.base_line(True, module_inputs)
+                mem.append(m1[:, None])
+                sec.append(t1[:, None])
+                layers.append(np.zeros((L + 1, 1), dtype=np.int64))
+                selective.append(True)
+                mi.append(module_inputs)
+        if not mem:  # an empty menu here (selective recompute where attention is fused)
+            zeros = np.zeros(L + 1, dtype=np.int64)
+            return Choices(layers=zeros, selective=zeros.astype(bool), module_inputs=zeros.astype(bool),
+                           fraction=np.zeros(L + 1), seconds=np.full(L + 1, np.inf))
+        join = (lambda parts: parts[0]) if len(mem) == 1 else np.hstack  # noqa: E731
+        pick = cheapest(join(mem), join(sec), optimizer=self.optimizer, capacity=capacity,
+                        offload_seconds=self.off_step / self.m_avg,
+                        optimizer_offload=menu.optimizer_offload)
+        seconds = pick.seconds
+        seconds[0] = np.inf  # every stage the search splits holds a layer
+        return Choices(layers=join(layers)[self.rows, pick.index],
+                       selective=np.array(selective)[pick.index],
+                       module_inputs=np.array(mi)[pick.index], fraction=pick.fraction,
+                       seconds=seconds)
+
+    def _fewest_layers(self, m0: np.ndarray, room: np.ndarray, *, module_inputs: bool,
+                       menu: Menu) -> np.ndarray:
+        """Per layer count (rows) and optimizer fraction (columns of ``room``, the memory that
+        fraction leaves), the fewest layers of full recompute that fit (``inf``: none do)."""
+        saving = self.saving[module_inputs]
+        if saving > 0:
+            k = np.ceil((m0 + self.act - room) / saving)
+        else:
+            k = np.full(room.shape, np.inf)
+        k = np.maximum(k, 1)
+        if not menu.full_recompute:
+            k = np.full(room.shape, np.inf)
+        if menu.no_recompute:
+            k = np.where(m0 <= room, 0, k)
+        return k
+
+    def build(self) -> StageTable:
+        cost, v = self.cost, self.v
+        self.optimizer = self.line(lambda k: cost.memory(self.shape(k)).optimizer, v)
+        self.off_step = self.line(lambda k: cost.optimizer_offload_seconds(self.shape(k)))
+        self.module_inputs = (False, True) if self.problem.opt.activation_offload else (False,)
+        return StageTable(self)

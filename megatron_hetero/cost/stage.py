@@ -1,0 +1,141 @@
+"""One pipeline stage: what its time and memory depend on (:class:`StageShape`), and what the
+cost model says of it (:class:`StageTimes`, :class:`Memory`).
+
+The cost model's time and memory functions take a :class:`StageShape`; the tuner builds shapes
+for stage positions it has not planned yet, and :meth:`StageShape.of` reads one off a plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from ..plan import Offload, Plan, Recompute, chunk_recompute
+
+__all__ = ["StageShape", "StageTimes", "Memory"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageShape:
+    """One (pipeline, stage) of a plan, or a stage position the tuner weighs: one tensor rank's
+    device, layers, batch, parallel sizes, memory policy and place in the schedule. Frozen and
+    hashable, so costs are cached by it."""
+
+    device_type: str
+    """Canonical catalog name of the GPU type that runs the stage."""
+    chunk_layers: tuple[int, ...]
+    """Layers of each model chunk (one entry when the plan does not interleave)."""
+    micro_batch_size: int
+    tensor_parallel_size: int = 1
+    sequence_parallel: bool = False
+    """Megatron's ``--sequence-parallel`` (only effective at TP > 1)."""
+    recompute: Recompute = field(default_factory=Recompute)
+    """The stage's recompute; an interleaved stage's chunks take theirs from it
+    (:func:`~megatron_hetero.plan.chunk_recompute`)."""
+    offload: Offload = field(default_factory=Offload)
+    pipeline_size: int = 1
+    stage: int = 0
+    """Pipeline rank: stage 0 holds the embedding, stage ``pipeline_size - 1`` the output layer
+    and loss."""
+    num_microbatches: int = 1
+    """Micro-batches of the stage's replica per step."""
+    microbatch_group: int | None = None
+    """The interleaved schedule's micro-batch group (None: Megatron's default, the pipeline
+    size)."""
+    data_parallel_size: int = 1
+    """Replicas the stage's optimizer state is sharded over."""
+
+    num_layers: int = field(init=False, compare=False, repr=False)
+    """The stage's layers, all chunks together (derived)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "num_layers", sum(self.chunk_layers))
+        if not self.chunk_layers or min(self.chunk_layers) < 0:
+            raise ValueError(f"chunk layers {self.chunk_layers}: one non-negative count per chunk")
+        if not 0 <= self.stage < self.pipeline_size:
+            raise ValueError(f"stage {self.stage} of a pipeline of {self.pipeline_size}")
+
+    @classmethod
+    def of(cls, plan: Plan, pipeline: int, stage: int) -> StageShape:
+        """The shape of (pipeline, stage) of ``plan``."""
+        st, pipe = plan.stage(pipeline, stage), plan.pipelines[pipeline]
+        tp = plan.tensor_model_parallel_size
+        return cls(device_type=st.device_type,
+                   chunk_layers=tuple(st.chunk_layers) if st.chunk_layers else (st.num_layers,),
+                   micro_batch_size=pipe.micro_batch_size, tensor_parallel_size=tp,
+                   sequence_parallel=plan.sequence_parallel and tp > 1, recompute=st.recompute,
+                   offload=st.offload, pipeline_size=plan.pipeline_model_parallel_size,
+                   stage=stage, num_microbatches=pipe.num_microbatches,
+                   microbatch_group=plan.microbatch_group_size,
+                   data_parallel_size=plan.data_parallel_size)
+
+    def but(self, **changes) -> StageShape:
+        """This shape with some fields changed (as :func:`dataclasses.replace`, checked the
+        same way)."""
+        return StageShape(**{**{name: getattr(self, name) for name in _FIELDS}, **changes})
+
+    @property
+    def virtual_size(self) -> int:
+        """Model chunks of the stage."""
+        return len(self.chunk_layers)
+
+    @property
+    def first(self) -> bool:
+        """Holds the embedding (on its first chunk)."""
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        """Holds the output layer and the loss (on its last chunk)."""
+        return self.stage == self.pipeline_size - 1
+
+    @property
+    def sp(self) -> bool:
+        """Sequence parallelism in effect (the flag, at TP > 1)."""
+        return self.sequence_parallel and self.tensor_parallel_size > 1
+
+    def chunk_recompute(self) -> tuple[Recompute, ...]:
+        """Each model chunk's recompute (:func:`~megatron_hetero.plan.chunk_recompute`)."""
+        return chunk_recompute(self.recompute, self.chunk_layers)
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(StageShape) if f.init)
+
+
+@dataclass(frozen=True, slots=True)
+class StageTimes:
+    """Seconds of one micro-batch on one stage (compute plus tensor-parallel communication)."""
+
+    forward_s: float
+    backward_s: float
+    """Includes the recompute forward when the stage recomputes."""
+
+    @property
+    def total_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+
+@dataclass(frozen=True, slots=True)
+class Memory:
+    """Bytes one tensor rank of a stage needs at its peak, by kind, and what its device has."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    workspace: float
+    capacity: float
+    """Device memory (catalog ``memory_gb``)."""
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.workspace
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.capacity
+
+    def to_dict(self) -> dict[str, float]:
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
+                "activations": self.activations, "workspace": self.workspace,
+                "total": self.total, "capacity": self.capacity}

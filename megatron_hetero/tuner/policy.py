@@ -1,0 +1,164 @@
+"""The cheapest memory policy that fits a stage: which layers to recompute, how much of the
+optimizer state to keep on the host, whether to offload the layers' module inputs.
+
+One function, :func:`cheapest`, makes the choice for every caller: the stage tables (for every
+layer count at once, on the tables' linear memory model), the local search (for one stage, on
+the exact memory model, :func:`cheapest_for_stage`) and the baseline (on menus restricted to
+what plain Megatron expresses). A caller lists the options of a :class:`Menu` (recompute and
+module inputs; :func:`menu_options`) with the memory each needs and its seconds; for each
+option :func:`cheapest` finds the least optimizer-state fraction that makes it fit (in steps of
+1 / :data:`OFFLOAD_STEPS`, where the menu allows offload), adds that fraction of the offload's cost,
+and picks the cheapest option; ties go to the earlier option.
+
+Over the options "full recompute of ``k`` layers" for every ``k`` with its least fraction, the
+pick is the cheapest pair of (recompute, fraction) that fits: for each fraction, the fewest
+layers that fit it are among the options.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from ..cost.model import CostModel
+from ..cost.stage import StageShape
+from ..plan import Offload, Recompute
+
+__all__ = ["OFFLOAD_STEPS", "Menu", "Option", "Policy", "Pick", "menu_options", "cheapest",
+           "cheapest_for_stage"]
+
+OFFLOAD_STEPS = 20
+"""Optimizer-state fractions are offloaded in steps of 1/20 (5 %)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Menu:
+    """The memory policies a stage may take."""
+
+    no_recompute: bool = True
+    full_recompute: bool = True
+    """Full recompute of any number of the stage's layers (Megatron's ``block`` method; all of
+    them as ``uniform`` groups of one: :meth:`~megatron_hetero.plan.Recompute.full_layers`)."""
+    selective_recompute: bool = True
+    """Selective recompute (core attention), offered only where attention is unfused: a fused
+    kernel stores no ``s x s`` matrices, so there it saves nothing."""
+    optimizer_offload: bool = True
+    """Part or all of the optimizer state on the host, where the rest does not fit."""
+    module_inputs: tuple[bool, ...] = (False, True)
+    """The module-input offload settings tried (fine-grained activation offloading)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """One recompute and module-input setting of a stage of ``n`` layers, before any
+    optimizer offload: ``layers`` of full recompute (0: none), or selective recompute."""
+
+    layers: int = 0
+    selective: bool = False
+    module_inputs: bool = False
+
+    def recompute(self, n: int) -> Recompute:
+        """The plan's recompute of this option on a stage of ``n`` layers."""
+        if self.selective:
+            return Recompute(granularity="selective")
+        return Recompute.full_layers(self.layers, of=n)
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """A stage's memory policy, as the plan writes it."""
+
+    recompute: Recompute
+    offload: Offload
+
+
+@dataclass(frozen=True, slots=True)
+class Pick:
+    """:func:`cheapest`'s answer: per entry of the leading axes, the index of the option
+    chosen, the optimizer fraction it offloads and its seconds with that offload (``inf``:
+    nothing fits; the index is then meaningless)."""
+
+    index: np.ndarray
+    fraction: np.ndarray
+    seconds: np.ndarray
+
+
+def menu_options(menu: Menu, *, max_layers: int, unfused_attention: bool) -> tuple[Option, ...]:
+    """The options of ``menu`` for stages of up to ``max_layers`` layers, in the order ties
+    are broken: per module-input setting, no recompute, full recompute of 1, 2, ... layers,
+    then selective recompute."""
+    return _menu_options(menu, max_layers, unfused_attention)
+
+
+@lru_cache(maxsize=1024)
+def _menu_options(menu: Menu, max_layers: int, unfused_attention: bool) -> tuple[Option, ...]:
+    out = []
+    for mi in menu.module_inputs:
+        if menu.no_recompute:
+            out.append(Option(module_inputs=mi))
+        if menu.full_recompute:
+            out += [Option(layers=k, module_inputs=mi) for k in range(1, max_layers + 1)]
+        if menu.selective_recompute and unfused_attention:
+            out.append(Option(selective=True, module_inputs=mi))
+    return tuple(out)
+
+
+def cheapest(memory: np.ndarray, seconds: np.ndarray, *, optimizer: np.ndarray,
+             capacity: float, offload_seconds: np.ndarray, optimizer_offload: bool) -> Pick:
+    """The cheapest option that fits, along the last axis.
+
+    ``memory``: bytes each option needs with all its optimizer state on the device (``inf``:
+    not an option here); ``seconds``: its cost without offload; ``optimizer``: the bytes of
+    optimizer state, ``offload_seconds`` what offloading all of it adds to the cost (both
+    broadcast against the leading axes). An option that does not fit offloads the least
+    fraction, in steps of 1 / :data:`OFFLOAD_STEPS`, that makes it fit, where
+    ``optimizer_offload`` allows; it costs ``seconds + fraction x offload_seconds``."""
+    if memory.shape[-1] == 0:  # an empty menu: nothing fits
+        lead = memory.shape[:-1]
+        return Pick(index=np.zeros(lead, dtype=np.int64), fraction=np.zeros(lead),
+                    seconds=np.full(lead, np.inf))
+    if not optimizer_offload:
+        fraction = np.zeros(memory.shape)
+        cost = np.where(memory <= capacity, seconds, np.inf)
+    else:
+        optimizer = np.asarray(optimizer, dtype=float)[..., None]
+        offload_seconds = np.asarray(offload_seconds, dtype=float)[..., None]
+        fits = memory <= capacity
+        with np.errstate(divide="ignore", invalid="ignore"):
+            steps = np.ceil((memory - capacity) * (1 + 1e-9) / optimizer * OFFLOAD_STEPS)
+            fraction = np.where(fits, 0.0, steps / OFFLOAD_STEPS)
+            ok = fits | ((optimizer > 0) & (fraction <= 1.0)
+                         & (memory - fraction * optimizer <= capacity))
+        fraction = np.where(ok, fraction, 0.0)
+        cost = np.where(ok, seconds + fraction * offload_seconds, np.inf)
+    index = np.argmin(cost, axis=-1)
+    lead = np.indices(index.shape, sparse=True)
+    return Pick(index=index, fraction=fraction[(*lead, index)], seconds=cost[(*lead, index)])
+
+
+def cheapest_for_stage(cost: CostModel, shape: StageShape, menu: Menu) -> Policy | None:
+    """The cheapest policy of ``menu`` that fits ``shape`` (its recompute and offload are
+    replaced) under the exact memory model, by its seconds per step: the replica's
+    micro-batches through the stage plus the offloaded optimizer's extra step. None: nothing
+    fits."""
+    n, m = shape.num_layers, shape.num_microbatches
+    options = menu_options(menu, max_layers=n,
+                           unfused_attention=not cost.uses_flash_attention(shape.device_type))
+    mems, secs = [], []
+    for o in options:
+        got = shape.but(recompute=o.recompute(n), offload=Offload(module_inputs=o.module_inputs))
+        mems.append(cost.memory(got).total)
+        secs.append(m * cost.times(got).total_s)
+    plain = shape.but(offload=Offload())
+    pick = cheapest(np.array(mems, dtype=float), np.array(secs, dtype=float), optimizer=cost.memory(plain).optimizer,
+                    capacity=cost.capacity(shape.device_type),
+                    offload_seconds=cost.optimizer_offload_seconds(plain),
+                    optimizer_offload=menu.optimizer_offload)
+    if not np.isfinite(pick.seconds):
+        return None
+    o = options[int(pick.index)]
+    return Policy(recompute=o.recompute(n),
+                  offload=Offload(optimizer_fraction=float(pick.fraction),
+                                  module_inputs=o.module_inputs))
