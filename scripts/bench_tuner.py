@@ -5,16 +5,31 @@ For each scenario it prints: GPUs, search seconds, predicted step time of the tu
 plain Megatron's best plan (the baseline), the speedup, the efficiency (upper bound over
 predicted) and the room the upper bound leaves over the baseline. ``--quick`` runs the
 scenarios marked ``quick: true`` (seconds; for CI). Figures are the cost model's predictions.
+
+``--against REV`` times the search of the current tree against git revision REV's in one run:
+REV is checked out into a temporary git worktree, and every scenario is tuned ``--repeats``
+times (default 3) by each tree in turn, alternating which goes first, each run a fresh
+subprocess of this script (``--json-one``) that imports megatron_hetero from its tree
+(scripts/_trees.py; both read this tree's scenarios). It prints each tree's median search time
+(wall and CPU), the ratio new/old and whether both trees tuned the same plan and step time;
+exit status 1 when they did not. ``--compare-tree PATH`` does the same against a source tree.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
+import statistics
+import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _trees  # noqa: E402
+
+REPO = _trees.REPO
+_TREE = _trees.use_tree()  # this repository, or $MEGATRON_HETERO_TREE (--against's subprocesses)
 
 from megatron_hetero._schema import read_yaml  # noqa: E402
 from megatron_hetero.hardware.inventory import inventory_from_data  # noqa: E402
@@ -67,15 +82,122 @@ def load_scenario(path: Path):
     return inventory, model, int(data["global_batch_size"]), bool(data.get("quick", False))
 
 
+def json_one(path: Path, max_vp: int | None) -> dict:
+    """Tune one scenario: its search time and what it found (``--json-one``)."""
+    import megatron_hetero
+    inventory, model, gbs, _ = load_scenario(path)
+    options = TuneOptions()
+    if max_vp is not None:
+        options.max_virtual_pipeline_size = max_vp
+    r = tune(model, inventory, gbs, options=options)
+    plan = r.plan.to_data()
+    plan.pop("prediction", None)
+    return {"scenario": path.stem, "gpus": inventory.num_gpus,
+            "search_time_s": r.search_time_s, "search_cpu_s": r.search_cpu_s,
+            "step_time_s": r.sim.step_time_s,
+            "baseline_step_time_s": r.baseline_sim.step_time_s if r.baseline_sim else None,
+            "structures_evaluated": r.structures_evaluated,
+            "refine_simulations": getattr(r, "refine_simulations", None),
+            "plan_sha1": hashlib.sha1(json.dumps(plan, sort_keys=True, default=str).encode()).hexdigest(),
+            "package": str(Path(megatron_hetero.__file__).resolve().parent)}
+
+
+def _run_one(tree: Path, path: Path, max_vp: int | None) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--json-one", str(path)]
+    if max_vp is not None:
+        cmd += ["--max-virtual-pipeline-size", str(max_vp)]
+    proc = subprocess.run(cmd, env=_trees.tree_env(tree), capture_output=True, text=True)
+    if proc.returncode:
+        sys.stderr.write(proc.stderr)
+        raise SystemExit(f"{path.stem}: the run with megatron_hetero from {tree} failed "
+                         f"(exit status {proc.returncode})")
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def against(paths: list[Path], old_tree: Path, old_name: str, repeats: int, quick: bool,
+            max_vp: int | None) -> int:
+    """Time each scenario's search under ``old_tree`` and this tree, ``repeats`` times each,
+    alternating which runs first; print the medians and their ratio."""
+    header = (f"{'scenario':34s} {'GPUs':>5s} {'old s':>7s} {'new s':>7s} {'new/old':>7s} "
+              f"{'old cpu':>7s} {'new cpu':>7s} {'new/old':>7s}  same result")
+    print(f"old: {old_name} ({old_tree})\nnew: this tree ({REPO})\n"
+          f"search time: median of {repeats} run(s) per tree, each a fresh process, the tree "
+          f"that runs first alternating\n")
+    print(header)
+    print("-" * len(header))
+    differ = 0
+    totals = {"old": [0.0, 0.0], "new": [0.0, 0.0]}
+    trees = {"old": old_tree, "new": REPO}
+    for i, path in enumerate(paths):
+        if quick and not load_scenario(path)[3]:
+            continue
+        runs: dict[str, list[dict]] = {"old": [], "new": []}
+        for k in range(repeats):
+            for which in (("old", "new") if (i + k) % 2 == 0 else ("new", "old")):
+                got = _run_one(trees[which], path, max_vp)
+                if Path(got["package"]).resolve().parent != trees[which]:
+                    raise SystemExit(f"{path.stem}: the {which} run imported {got['package']}")
+                runs[which].append(got)
+        med = {w: (statistics.median(r["search_time_s"] for r in runs[w]),
+                   statistics.median(r["search_cpu_s"] for r in runs[w])) for w in runs}
+        for w in totals:
+            totals[w][0] += med[w][0]
+            totals[w][1] += med[w][1]
+        keys = ("step_time_s", "baseline_step_time_s", "plan_sha1")
+        found = {tuple(r[k] for k in keys) for w in runs for r in runs[w]}
+        if len(found) == 1:
+            same = "yes"
+        else:
+            differ += 1
+            o, n = runs["old"][0], runs["new"][0]
+            same = (f"NO: step {o['step_time_s']!r} -> {n['step_time_s']!r}, baseline "
+                    f"{o['baseline_step_time_s']!r} -> {n['baseline_step_time_s']!r}, plan "
+                    f"{'same' if o['plan_sha1'] == n['plan_sha1'] else 'different'}")
+        print(f"{path.stem:34s} {runs['new'][0]['gpus']:5d} {med['old'][0]:7.3f} {med['new'][0]:7.3f} "
+              f"{med['new'][0] / med['old'][0]:7.3f} {med['old'][1]:7.3f} {med['new'][1]:7.3f} "
+              f"{med['new'][1] / med['old'][1]:7.3f}  {same}")
+        sys.stdout.flush()
+    (ow, oc), (nw, nc) = totals["old"], totals["new"]
+    if ow:
+        print("-" * len(header))
+        print(f"{'all (sum of medians)':34s} {'':5s} {ow:7.3f} {nw:7.3f} {nw / ow:7.3f} "
+              f"{oc:7.3f} {nc:7.3f} {nc / oc:7.3f}")
+    print("\nold s / new s: the search's wall-clock seconds (TuneResult.search_time_s); cpu: its "
+          "CPU seconds (search_cpu_s); same result: both trees tuned the same plan, step time and "
+          "baseline step time in every run.")
+    return 1 if differ else 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="only the scenarios marked quick")
     ap.add_argument("--max-virtual-pipeline-size", type=int, default=None, metavar="V",
                     help="most model chunks per stage searched (1: no interleaving; default: "
                          "TuneOptions' default)")
+    which = ap.add_mutually_exclusive_group()
+    which.add_argument("--against", metavar="REV",
+                       help="time the search of this tree against git revision REV's")
+    which.add_argument("--compare-tree", metavar="PATH",
+                       help="time the search of this tree against the source tree at PATH's")
+    which.add_argument("--json-one", metavar="SCENARIO",
+                       help="tune one scenario file and print its search time and result as JSON")
+    ap.add_argument("--repeats", type=int, default=3, metavar="N",
+                    help="with --against: runs per scenario and tree, median taken (default 3)")
     ap.add_argument("scenarios", nargs="*", help="scenario files (default: all in examples/scenarios)")
     args = ap.parse_args(argv)
+    if args.json_one:
+        _trees.check_imported(_TREE)
+        print(json.dumps(json_one(Path(args.json_one), args.max_virtual_pipeline_size)))
+        return 0
     paths = [Path(p) for p in args.scenarios] or sorted(SCENARIOS.glob("*.yaml"))
+    if args.against or args.compare_tree:
+        if args.repeats < 1:
+            ap.error("--repeats: expected a positive integer")
+        with _trees.other_tree(args.against, args.compare_tree) as tree:
+            name = (f"{args.against} ({_trees.describe(args.against)})" if args.against
+                    else args.compare_tree)
+            return against(paths, tree, name, args.repeats, args.quick,
+                           args.max_virtual_pipeline_size)
     header = (f"{'scenario':34s} {'GPUs':>5s} {'search s':>8s} {'cpu s':>6s} {'tuned s':>9s} {'searched':>8s} {'baseline s':>10s} "
               f"{'bound s':>9s} {'speedup':>7s} {'room':>6s} {'effic.':>6s} {'1F1B':>5s} {'VPP':>5s}  plan")
     print(header)
