@@ -18,6 +18,8 @@ from megatron_hetero.errors import SchemaError
 from megatron_hetero.hardware.catalog import load_catalog
 from megatron_hetero.plan import ModelSpec
 
+from .shapes import stage
+
 MODEL = ModelSpec(name="tiny", num_layers=4, hidden_size=64, ffn_hidden_size=172,
                   num_attention_heads=4, num_query_groups=4, vocab_size=512, seq_length=32)
 
@@ -285,28 +287,28 @@ def test_cost_model_adds_the_pipeline_overhead_to_pipeline_stages_only():
     stage."""
     p = load_profile_from(_profile_v2())
     cost = _cost({"A100-SXM-80GB": p})
-    one = cost.compute_times("A100-SXM-80GB", 2, True, True, 1, 1)  # a single stage: no overhead
+    one = cost.times(stage("A100-SXM-80GB", 2, place="only"))  # a single stage: no overhead
     assert (one.forward_s, one.backward_s) == pytest.approx((2.6e-3, 5.2e-3))
-    first = cost.compute_times("A100-SXM-80GB", 2, True, False, 1, 1)
+    first = cost.times(stage("A100-SXM-80GB", 2, place="first"))
     assert (first.forward_s, first.backward_s) == pytest.approx((2.1e-3 + 1e-3, 4.2e-3 + 2e-3))
-    middle = cost.compute_times("A100-SXM-80GB", 3, False, False, 1, 1)
+    middle = cost.times(stage("A100-SXM-80GB", 3, place="middle"))
     assert (middle.forward_s, middle.backward_s) == pytest.approx((4e-3, 8e-3))
-    last = cost.compute_times("A100-SXM-80GB", 2, False, True, 1, 1)
+    last = cost.times(stage("A100-SXM-80GB", 2, place="last"))
     assert (last.forward_s, last.backward_s) == pytest.approx((2.5e-3 + 1e-3, 5e-3 + 2e-3))
 
 
 def test_cost_model_overhead_default_without_a_measurement():
     # a format-1 profile measured no pipeline: the option's default, 0, applies
     p = load_profile_from(_profile())
-    plain = _cost({"A100-SXM-80GB": p}).compute_times("A100-SXM-80GB", 2, True, False, 1, 1)
+    plain = _cost({"A100-SXM-80GB": p}).times(stage("A100-SXM-80GB", 2, place="first"))
     assert (plain.forward_s, plain.backward_s) == pytest.approx((2.1e-3, 4.2e-3))
     given = _cost({"A100-SXM-80GB": p}, pipeline_overhead_s=(1e-4, 3e-4))
-    t = given.compute_times("A100-SXM-80GB", 2, True, False, 1, 1)
+    t = given.times(stage("A100-SXM-80GB", 2, place="first"))
     assert (t.forward_s, t.backward_s) == pytest.approx((2.1e-3 + 1e-4, 4.2e-3 + 3e-4))
     # no profile at all (catalog figures): the same default, and nothing on a single stage
     est = _cost()
-    a = est.compute_times("A100-SXM-80GB", 2, True, False, 1, 1)
-    b = est.compute_times("A100-SXM-80GB", 2, True, True, 1, 1)
+    a = est.times(stage("A100-SXM-80GB", 2, place="first"))
+    b = est.times(stage("A100-SXM-80GB", 2, place="only"))
     assert a.forward_s < b.forward_s  # the output layer, not an overhead, makes the difference
 
 
@@ -420,9 +422,9 @@ def test_cost_model_adds_the_step_overhead_once_per_step_of_every_stage():
     (0.5, 1.0) ms, plus the step overhead (0.3, 0.5) ms once, not per layer; a middle pipeline
     stage of 2 layers: (2, 4) + (0.3, 0.5) ms (no pipeline overhead measured: 0)."""
     cost = _cost({"A100-SXM-80GB": _StepProfile()})
-    one = cost.compute_times("A100-SXM-80GB", 3, True, True, 1, 1)
+    one = cost.times(stage("A100-SXM-80GB", 3, place="only"))
     assert (one.forward_s, one.backward_s) == pytest.approx((3.9e-3, 7.7e-3))
-    mid = cost.compute_times("A100-SXM-80GB", 2, False, False, 1, 1)
+    mid = cost.times(stage("A100-SXM-80GB", 2, place="middle"))
     assert (mid.forward_s, mid.backward_s) == pytest.approx((2.3e-3, 4.5e-3))
     # a measured profile of a GPU has no step overhead: nothing is added
     assert _cost({"A100-SXM-80GB": load_profile_from(_profile_v2())}).step_overhead(

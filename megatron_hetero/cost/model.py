@@ -446,6 +446,10 @@ class CostModel:
         """Peak memory of one tensor rank of (pipeline, stage)."""
         return self.memory(StageShape.of(plan, pipeline, stage))
 
+    def stage_host_bytes(self, plan: Plan, pipeline: int, stage: int) -> float:
+        """Host bytes one tensor rank of (pipeline, stage) keeps (:meth:`host_bytes`)."""
+        return self.host_bytes(StageShape.of(plan, pipeline, stage))
+
     def placement(self, plan: Plan) -> Placement:
         """Where ``plan``'s stages sit (cached per stage types and TP size: the search
         simulates many plans of one shape)."""

@@ -9,8 +9,11 @@ import pytest
 from megatron_hetero import models as M
 from megatron_hetero.cost import CostModel
 from megatron_hetero.hardware.inventory import inventory_from_data
-from megatron_hetero.plan import ModelSpec, plan_from_data
+from megatron_hetero.cost.stage import StageShape
+from megatron_hetero.plan import ModelSpec, Offload, Recompute, plan_from_data
 from megatron_hetero.simulate import one_f_one_b, simulate
+
+from ..shapes import stage
 
 TINY = ModelSpec(name="tiny", num_layers=4, hidden_size=64, ffn_hidden_size=128,
                  num_attention_heads=4, num_query_groups=2, vocab_size=256, seq_length=16)
@@ -64,7 +67,8 @@ def test_compute_time_is_flops_over_rate():
     rate = 312e12 * 0.5
     assert f == pytest.approx(M.layer_forward_flops(TINY, 1) / rate)
     assert b == pytest.approx(2 * f)
-    st = cost.compute_times("A100-SXM-80GB", 2, False, True, 1, 1, ("full", "uniform", 1))
+    st = cost.times(stage("A100-SXM-80GB", 2, place="last",
+                          recompute=Recompute(granularity="full", method="uniform", num_layers=1)))
     out = M.output_forward_flops(TINY, 1) / rate
     assert st.forward_s == pytest.approx(2 * f + out)
     assert st.backward_s == pytest.approx(2 * 2 * f + 2 * out + 2 * f)  # + recompute forward
@@ -73,7 +77,7 @@ def test_compute_time_is_flops_over_rate():
 def test_memory_by_hand():
     inv = _inventory()
     cost = CostModel(TINY, inv, workspace_gb=0)
-    mem = cost.memory_need("A100-SXM-80GB", 2, True, False, 1, 1, ("none", None, None), 3, 4)
+    mem = cost.memory(stage("A100-SXM-80GB", 2, place="first", data_parallel_size=4))
     params = 2 * M.layer_params(TINY) + 256 * 64
     assert mem.params == 2 * params and mem.grads == 4 * params
     assert mem.optimizer == pytest.approx(12 * params / 4)
@@ -114,7 +118,7 @@ def test_simulate_two_stage_plan_matches_hand_formula():
     f0, f1 = 2 * layer, 2 * layer + out
     # stage 1 is the bottleneck: F0 on s0, then stage 1 runs 3 x (f1 + b1), then B2 on s0
     expected = f0 + 3 * (f1 + 2 * f1) + 2 * f0
-    opt = cost.optimizer_seconds("ROUND", cost.stage_params_of(plan, 0), 1)
+    opt = cost.optimizer_seconds(StageShape.of(plan, 0, 0))
     assert res.step_time_s == pytest.approx(expected + opt, rel=1e-6)
     assert res.stage(0, 1).busy_s == pytest.approx(3 * 3 * f1)
     assert res.fits_memory
@@ -228,7 +232,8 @@ def test_sequence_parallel_follows_the_plan():
     assert cost.stage_times(sp, 0, 1) == cost.stage_times(plain, 0, 1)
     # pipeline sends carry [s/t, b, h]
     bw = 100.0
-    assert cost.p2p_seconds(1, bw, 2, True) == pytest.approx(cost.p2p_seconds(1, bw, 2, False) / 2)
+    assert cost.p2p_seconds(1, bw, tp=2, sp=True) == pytest.approx(
+        cost.p2p_seconds(1, bw, tp=2, sp=False) / 2)
     # and the simulator reads the flag: identical compute, smaller sends, never slower
     assert simulate(sp, cost).step_time_s <= simulate(plain, cost).step_time_s
     # at TP = 1 the plan cannot ask for it
@@ -256,13 +261,13 @@ def test_simulate_cli_on_the_hand_written_example(capsys):
 def test_optimizer_offload_trades_memory_for_host_time():
     inv = _inventory()
     cost = CostModel(TINY, inv, host_optimizer_gb_s=1.0)
-    args = ("A100-SXM-80GB", 2, False, False, 1, 1, ("none", None, None), 1, 2)
-    full, half = cost.memory_need(*args), cost.memory_need(*args, 0.5)
+    on = stage("A100-SXM-80GB", 2, in_flight=1, data_parallel_size=2)
+    full = cost.memory(on)
+    half = cost.memory(on.but(offload=Offload(optimizer_fraction=0.5)))
     assert half.optimizer == pytest.approx(full.optimizer / 2)
     assert half.params == full.params and half.activations == full.activations
-    params = cost.stage_params(2, False, False, 1)
-    on_device = cost.optimizer_seconds("A100-SXM-80GB", params, 2, 0.0)
-    on_host = cost.optimizer_seconds("A100-SXM-80GB", params, 2, 1.0)
+    on_device = cost.optimizer_seconds(on)
+    on_host = cost.optimizer_seconds(on.but(offload=Offload(optimizer_fraction=1.0)))
     # same bytes touched: the time ratio is device memory bandwidth over the host rate
     assert on_host / on_device == pytest.approx(2039.0 / 1.0)
 

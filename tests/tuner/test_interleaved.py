@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from megatron_hetero import models as M
-from megatron_hetero.cost import CostModel
+from megatron_hetero.cost import CostModel, StageShape
 from megatron_hetero.cost.schedule import (peak_activations, peak_in_flight, rank_order,
                                              schedule_table, warmup_count)
 from megatron_hetero.hardware.inventory import inventory_from_data
@@ -181,7 +181,7 @@ def test_simulate_interleaved_plan_by_hand():
     b = [[2 * x for x in row] for row in f]
     sends = [cost.p2p_seconds(1, 1e9)] * 2  # every link is in the node
     finish, busy, _, _ = interleaved_1f1b(f, b, sends, sends, 4)
-    opt = max(cost.optimizer_seconds("ROUND", cost.stage_params_of(plan, s), 1) for s in range(2))
+    opt = max(cost.optimizer_seconds(StageShape.of(plan, 0, s)) for s in range(2))
     assert res.step_time_s == pytest.approx(max(finish) + opt, rel=1e-3)
     assert res.stage(0, 1).busy_s == pytest.approx(4 * 3 * (4 * layer + out))
     assert res.stage(0, 1).forward_s == pytest.approx(4 * layer + out)
@@ -300,8 +300,9 @@ def test_overlap_grad_reduce_sends_each_chunk_after_its_last_backward():
     send = cost.p2p_seconds(1, 1.0)
     finish, _, last_b, _ = interleaved_1f1b(f, bwd, [send] * 2, [send] * 2, 4)
     for s in range(2):
-        opt = cost.optimizer_seconds("ROUND", cost.stage_params_of(plain, s), 2)
-        comm = [cost.dp_sync_seconds(cost.chunk_params_of(plain, s, c), 2, 1.0) for c in range(2)]
+        shape = StageShape.of(plain, 0, s)
+        opt = cost.optimizer_seconds(shape)
+        comm = [cost.dp_sync_seconds(cost.chunk_params(shape, c), 2, 1.0) for c in range(2)]
         # without overlap: the whole stage's sync after its last backward, then the optimizer
         opt_end = lambda res: max(e.end for e in res.events if e.stage == s and e.kind == "O")  # noqa: E731
         assert opt_end(a) == pytest.approx(finish[s] + sum(comm) + opt)

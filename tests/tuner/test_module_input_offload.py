@@ -5,21 +5,25 @@ memory is short and only when allowed."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from pathlib import Path
 
 import pytest
 
 from megatron_hetero import models as M
 from megatron_hetero._schema import read_yaml
-from megatron_hetero.cost import CostModel
+from megatron_hetero.cost import CostModel, StageShape
 from megatron_hetero.hardware.inventory import inventory_from_data
 from megatron_hetero.models import model_preset
+from megatron_hetero.plan import Offload, Recompute
 from megatron_hetero.tuner import TuneOptions, tune
+
+from ..shapes import stage
 
 REPO = Path(__file__).resolve().parents[2]
 M70 = model_preset("llama2-70b", seq_length=4096)
 INV = inventory_from_data({"groups": [{"gpu": "A40-48GB", "nodes": 1, "gpus_per_node": 8}]})
-NONE = ("none", None, None)
 
 
 def test_bytes_by_hand():
@@ -40,37 +44,40 @@ def test_bytes_by_hand():
 
 def test_memory_drops_by_the_offloaded_bytes_less_one_resident_layer():
     cost = CostModel(M70, INV)
-    off = cost.module_input_bytes(1, 2, True)
+    off = cost.module_input_bytes(1, 2, sp=True)
+    tp2 = dict(tensor_parallel_size=2, sequence_parallel=True, data_parallel_size=2)
+    mi = Offload(module_inputs=True)
     for n, in_flight in ((3, 8), (5, 1)):
-        a = cost.memory_need("A40-48GB", n, False, False, 1, 2, NONE, in_flight, 2, 0.0, False, True)
-        b = cost.memory_need("A40-48GB", n, False, False, 1, 2, NONE, in_flight, 2, 0.0, False, True, True)
+        a = cost.memory(stage("A40-48GB", n, in_flight=in_flight, **tp2))
+        b = cost.memory(stage("A40-48GB", n, in_flight=in_flight, offload=mi, **tp2))
         assert a.activations - b.activations == pytest.approx(in_flight * n * off - off)
         assert (a.params, a.grads, a.optimizer) == (b.params, b.grads, b.optimizer)
     # recomputed layers keep only their input: nothing of theirs to offload
-    full = ("full", "uniform", 1)
-    a = cost.memory_need("A40-48GB", 4, False, False, 1, 2, full, 8, 2, 0.0, False, True)
-    b = cost.memory_need("A40-48GB", 4, False, False, 1, 2, full, 8, 2, 0.0, False, True, True)
+    full = Recompute(granularity="full", method="uniform", num_layers=1)
+    a = cost.memory(stage("A40-48GB", 4, in_flight=8, recompute=full, **tp2))
+    b = cost.memory(stage("A40-48GB", 4, in_flight=8, recompute=full, offload=mi, **tp2))
     assert a.activations == b.activations
     # interleaved: every chunk's activations drop the same way
-    a = cost.chunked_memory_need("A40-48GB", (2, 2), False, False, 1, 2, NONE, 4, 1, 8, 2, 0.0,
-                                 False, True)
-    b = cost.chunked_memory_need("A40-48GB", (2, 2), False, False, 1, 2, NONE, 4, 1, 8, 2, 0.0,
-                                 False, True, True)
+    chunked = dict(pipeline_size=4, stage=1, num_microbatches=8, **tp2)
+    a = cost.memory(stage("A40-48GB", (2, 2), **chunked))
+    b = cost.memory(stage("A40-48GB", (2, 2), offload=mi, **chunked))
     assert b.activations < a.activations - off
 
 
 def test_copies_cost_only_what_the_compute_cannot_hide():
+    tp2 = dict(tensor_parallel_size=2, sequence_parallel=True)
+    mi = Offload(module_inputs=True)
     fast = CostModel(M70, INV)  # 25 GB/s: 176 MB in 7 ms, well inside a layer's compute
     lf, lb = fast.layer_times("A40-48GB", 1, 2)
-    assert fast.module_input_bytes(1, 2, True) / fast.pcie_bandwidth < lf
-    a = fast.compute_times("A40-48GB", 3, False, False, 1, 2, NONE, False, True)
-    b = fast.compute_times("A40-48GB", 3, False, False, 1, 2, NONE, False, True, True)
+    assert fast.module_input_bytes(1, 2, sp=True) / fast.pcie_bandwidth < lf
+    a = fast.times(stage("A40-48GB", 3, **tp2))
+    b = fast.times(stage("A40-48GB", 3, offload=mi, **tp2))
     assert (a.forward_s, a.backward_s) == (b.forward_s, b.backward_s)
     slow = CostModel(M70, INV, pcie_bandwidth_gb_s=0.5)  # 352 ms per layer's copy
-    moved = slow.module_input_bytes(1, 2, True) / slow.pcie_bandwidth
+    moved = slow.module_input_bytes(1, 2, sp=True) / slow.pcie_bandwidth
     lf, lb = slow.layer_times("A40-48GB", 1, 2)
-    a = slow.compute_times("A40-48GB", 3, False, False, 1, 2, NONE, False, True)
-    b = slow.compute_times("A40-48GB", 3, False, False, 1, 2, NONE, False, True, True)
+    a = slow.times(stage("A40-48GB", 3, **tp2))
+    b = slow.times(stage("A40-48GB", 3, offload=mi, **tp2))
     assert b.forward_s - a.forward_s == pytest.approx(3 * (moved - lf))
     assert b.backward_s - a.backward_s == pytest.approx(3 * max(0.0, moved - lb))
 
@@ -96,6 +103,6 @@ def test_the_search_offloads_where_memory_is_short_and_only_when_allowed():
     for d, pipe in enumerate(on.plan.pipelines):
         for s, st in enumerate(pipe.stages):
             if st.offload.module_inputs:
-                st.offload.module_inputs = False
-                assert not cost.stage_memory(on.plan, d, s).fits, (d, s)
-                st.offload.module_inputs = True
+                kept = StageShape.of(on.plan, d, s)
+                kept = kept.but(offload=dataclasses.replace(kept.offload, module_inputs=False))
+                assert not cost.memory(kept).fits, (d, s)

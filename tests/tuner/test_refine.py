@@ -14,6 +14,7 @@ from megatron_hetero.models import model_preset
 from megatron_hetero.plan import ModelSpec, Pipeline, Plan, Stage, plan_from_data
 from megatron_hetero.simulate import simulate
 from megatron_hetero.tuner import TuneOptions, tune
+from megatron_hetero.tuner.policy import Menu
 from megatron_hetero.tuner.refine import Layout, _build, _Policies, layout_of, refine
 
 MODEL = ModelSpec(name="small12", num_layers=12, hidden_size=1024, ffn_hidden_size=2816,
@@ -77,7 +78,7 @@ def test_interleaved_chunks_reach_the_brute_force_optimum_of_their_neighbourhood
     plan, sim, _ = refine(start, simulate(start, cost, record_events=False), cost,
                           max_virtual_pipeline_size=2)
     lay = layout_of(plan)
-    policies = _Policies(cost, plan, True)
+    policies = _Policies(cost, plan, Menu())
     seq = list(lay.seq)
     for a, b in itertools.permutations(range(len(seq)), 2):
         if seq[a] == 0:
@@ -106,7 +107,7 @@ def test_refine_picks_the_best_micro_batch_group_megatron_takes():
     plan, sim, _ = refine(start, simulate(start, cost, record_events=False), cost,
                           max_virtual_pipeline_size=2)
     assert plan.microbatch_group_size is not None and plan.microbatch_group_size > 2
-    lay, policies = layout_of(plan), _Policies(cost, plan, True)
+    lay, policies = layout_of(plan), _Policies(cost, plan, Menu())
     times = {}
     for g in [None, *range(3, 17)]:
         cand = dataclasses.replace(lay, group=g)
@@ -179,7 +180,7 @@ def test_a_stage_short_of_memory_gets_the_cheapest_policy_that_fits():
     cost = _cost(model)
     bare = _plan([2, 10], [8, 8], model=model)
     assert not cost.stage_memory(bare, 0, 1).fits
-    built = _build(bare, layout_of(bare), _Policies(cost, bare, True, False))
+    built = _build(bare, layout_of(bare), _Policies(cost, bare, Menu(module_inputs=(False,))))
     assert built is not None
     assert all(cost.stage_memory(built, d, s).fits for d in range(2) for s in range(2))
     assert built.pipelines[0].stages[1].recompute.granularity == "selective"
