@@ -84,7 +84,7 @@ class _RankEmulation:
 def _corrupt_pipeline(pipeline: int) -> None:
     from . import trainer
 
-    original = getattr(trainer._micro_batches, "_hetero_original", trainer._micro_batches)
+    original = getattr(trainer.micro_batches, "_hetero_original", trainer.micro_batches)
 
     def micro_batches(plan, d, step, seed):
         for batch in original(plan, d, step, seed):
@@ -93,7 +93,7 @@ def _corrupt_pipeline(pipeline: int) -> None:
             yield batch
 
     micro_batches._hetero_original = original
-    trainer._micro_batches = micro_batches
+    trainer.micro_batches = micro_batches
 
 
 def _world_allreduce_gb_s(plan: Plan) -> float:

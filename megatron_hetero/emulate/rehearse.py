@@ -103,8 +103,8 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
              verify: bool = False, source: str = "PLAN", progress=None,
              calibration: Calibration | None = None) -> RehearsalResult:
     """Shrink, check, calibrate, run and predict ``plan`` (see the module docstring)."""
+    from ..mcore.spawn import SpawnError
     from .memory import memory_caps
-    from .spawn import SpawnError
     from .speed import device_slowdowns
     from .trainer import TrainConfig, compare_results, reference_plan, train_plan
 

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from megatron_hetero.mcore.stage_policies import chunk_recompute_layers
 from megatron_hetero.optional import have_transformer_engine
 from megatron_hetero.runtime import hooks, plan_args, policies
 from megatron_hetero.runtime.plan_args import ArgumentConflict, check_and_apply
@@ -245,7 +246,7 @@ def test_stage_recompute_on_every_model_chunk():
 
     block3 = {"granularity": "full", "method": "block", "num_layers": 3}
     plan = make_plan(chunks=[[1, 1], [2, 2]], replicas=[(1, 2)], recompute=[None, block3])
-    assert [policies.chunk_recompute_layers(plan.stage(0, 1), c) for c in (0, 1)] == [2, 1]
+    assert [chunk_recompute_layers(plan.stage(0, 1), c) for c in (0, 1)] == [2, 1]
     built = []
 
     def provider(pre_process=True, post_process=True, vp_stage=None, config=None, **_):
