@@ -56,7 +56,7 @@ from .rank_hooks import (  # noqa: F401  (re-exported)
     _world_allreduce_gb_s)
 from .report import (  # noqa: F401  (re-exported)
     RehearsalResult, StageReport, format_report, module_inputs_note, stage_reports)
-from .shrink import _round_to, shrink_model, shrink_plan, without_module_inputs  # noqa: F401
+from .shrink import shrink_model, shrink_plan, without_module_inputs  # noqa: F401
 
 
 __all__ = ["RehearsalConfig", "Calibration", "shrink_model", "shrink_plan", "check_host_capacity",
