@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from ..plan import Pipeline, Plan, Stage
 
-__all__ = ["Calibration", "calibrate"]
+__all__ = ["Calibration", "calibrate", "activation_scale", "idle_gap"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -141,7 +141,7 @@ def _calibrate_rank(rank: int, world_size: int, shrunk: Plan, reps: int, seed: i
                     each of the two follows an idle gap as on a stretched rank (the first gap
                     ``idle_factor`` times ``idle_after``, the second times the forward)."""
                     if idle_after is not None:
-                        _idle(idle_factor, idle_after)
+                        idle_gap(idle_factor, idle_after)
                     ctx = mm.saved_activations() if meter else contextlib.nullcontext()
                     t0 = clock()
                     with ctx:
@@ -150,7 +150,7 @@ def _calibrate_rank(rank: int, world_size: int, shrunk: Plan, reps: int, seed: i
                     t1 = clock()
                     held[0] = mm.activation_bytes
                     if idle_after is not None:
-                        _idle(idle_factor, t1 - t0)
+                        idle_gap(idle_factor, t1 - t0)
                     t1b = clock()
                     loss.sum().backward()
                     t2 = clock()
@@ -211,7 +211,9 @@ def _calibrate_rank(rank: int, world_size: int, shrunk: Plan, reps: int, seed: i
     return out
 
 
-def _idle(idle_factor: float, seconds: float) -> None:
+def idle_gap(idle_factor: float, seconds: float) -> None:
+    """Sleep ``idle_factor`` times ``seconds``: the gap a rank stretched by ``idle_factor + 1``
+    leaves after a step of ``seconds``."""
     if idle_factor > 0 and seconds > 0:
         import time
         time.sleep(idle_factor * seconds)
@@ -257,7 +259,7 @@ def _renice(nice: int) -> None:
             pass
 
 
-def _activation_scale(shrunk: Plan, calibration: Calibration) -> float:
+def activation_scale(shrunk: Plan, calibration: Calibration) -> float:
     """Measured over estimated (fp32, unfused attention) activation bytes of one shrunk layer."""
     from ..models import layer_activation_bytes
 

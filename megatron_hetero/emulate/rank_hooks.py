@@ -10,6 +10,8 @@ from ..errors import HeteroError
 from ..plan import Plan
 from .calibration import _all_reduce_seconds, _renice
 
+__all__ = ["rehearsal_hooks", "user_error"]
+
 _CORRUPT_ENV = "MEGATRON_HETERO_TEST_CORRUPT_PIPELINE"
 """Test-only hook: when set to ``d``, data-parallel replica ``d`` reads wrong labels from step 1
 on, so that ``--verify`` has a real divergence to catch."""
@@ -114,10 +116,14 @@ def _world_allreduce_gb_s(plan: Plan) -> float:
     return 2 * (n - 1) / n * buf.numel() * 4 / _all_reduce_seconds(buf, 4) / 1e9
 
 
-def _rank_hooks(plan: Plan, rank: int, *, factors: dict[str, float], time_scale: float,
-                caps: dict[int, tuple[float, float, float]] | None, enforce_caps: bool = True,
-                corrupt_pipeline: int | None = None, nice: int = 0):
-    """``hooks_factory`` of the rehearsal (runs inside each rank process)."""
+def rehearsal_hooks(plan: Plan, rank: int, *, factors: dict[str, float], time_scale: float,
+                    caps: dict[int, tuple[float, float, float]] | None,
+                    enforce_caps: bool = True, corrupt_pipeline: int | None = None,
+                    nice: int = 0):
+    """``hooks_factory`` of the rehearsal (runs inside each rank process): the rank's
+    :class:`~.trainer.RankHooks` emulating its device's speed (``factors[device] / time_scale``
+    slower than the CPU, on top of the time scale) and, with ``caps``, its memory (``caps[rank]``
+    = (cap, device bytes, scale); enforced when ``enforce_caps``)."""
     from .memory import MemoryMeter
     from .speed import SpeedEmulation
     from .trainer import RankHooks
@@ -142,8 +148,9 @@ def _rank_hooks(plan: Plan, rank: int, *, factors: dict[str, float], time_scale:
                      on_built=emu.on_built)
 
 
-def _spawn_failure(exc) -> HeteroError | None:
-    """The user error a rank raised (e.g. MemoryCapError), from its remote traceback."""
+def user_error(exc) -> HeteroError | None:
+    """The user error a rank raised (e.g. MemoryCapError), from the remote traceback of a
+    :class:`~megatron_hetero.mcore.spawn.SpawnError`; None for anything else (a bug)."""
     tb = getattr(exc, "remote_traceback", "") or ""
     for line in reversed(tb.strip().splitlines()):
         head, sep, message = line.partition(": ")

@@ -6,11 +6,12 @@ import pytest
 import yaml
 
 from megatron_hetero.cli import main
-from megatron_hetero.emulate.rehearse import (_CORRUPT_ENV, check_host_capacity, shrink_model,
-                                              shrink_plan)
+from megatron_hetero.emulate.host import check_host_capacity
+from megatron_hetero.emulate.rank_hooks import _CORRUPT_ENV
+from megatron_hetero.emulate.shrink import shrink_plan
 from megatron_hetero.errors import HeteroError
 from megatron_hetero.hardware.catalog import load_catalog
-from megatron_hetero.models import model_preset
+from megatron_hetero.models import model_preset, shrink_model
 from megatron_hetero.plan import plan_from_data
 
 

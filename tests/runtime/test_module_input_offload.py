@@ -8,8 +8,8 @@ import pytest
 import yaml
 
 from megatron_hetero.emulate.memory import memory_caps
-from megatron_hetero.emulate.rehearse import (module_inputs_note, shrink_plan,
-                                              without_module_inputs)
+from megatron_hetero.emulate.report import module_inputs_note
+from megatron_hetero.emulate.shrink import shrink_plan, without_module_inputs
 from megatron_hetero.mcore.stage_policies import stage_config_kwargs
 from megatron_hetero.runtime import hooks, policies
 from megatron_hetero.runtime.plan_args import ArgumentConflict, check_and_apply
