@@ -12,10 +12,6 @@ from .calibration import _all_reduce_seconds, _renice
 
 __all__ = ["rehearsal_hooks", "user_error"]
 
-_CORRUPT_ENV = "MEGATRON_HETERO_TEST_CORRUPT_PIPELINE"
-"""Test-only hook: when set to ``d``, data-parallel replica ``d`` reads wrong labels from step 1
-on, so that ``--verify`` has a real divergence to catch."""
-
 
 class _RankEmulation:
     """Speed and memory emulation of one rank, as :class:`~.trainer.RankHooks`."""
@@ -83,21 +79,6 @@ class _RankEmulation:
                 "allreduce_gb_s": self.allreduce_gb_s}
 
 
-def _corrupt_pipeline(pipeline: int) -> None:
-    from . import trainer
-
-    original = getattr(trainer.micro_batches, "_hetero_original", trainer.micro_batches)
-
-    def micro_batches(plan, d, step, seed):
-        for batch in original(plan, d, step, seed):
-            if d == pipeline and step >= 1:
-                batch = dict(batch, labels=(batch["labels"] + 1) % plan.model.vocab_size)
-            yield batch
-
-    micro_batches._hetero_original = original
-    trainer.micro_batches = micro_batches
-
-
 def _world_allreduce_gb_s(plan: Plan) -> float:
     """Bus bandwidth (``2 (n-1)/n x bytes / s``) of an all-reduce of one stage's gradients over
     every rank of the rehearsal: what gradient sync sees with this many processes on this
@@ -118,8 +99,7 @@ def _world_allreduce_gb_s(plan: Plan) -> float:
 
 def rehearsal_hooks(plan: Plan, rank: int, *, factors: dict[str, float], time_scale: float,
                     caps: dict[int, tuple[float, float, float]] | None,
-                    enforce_caps: bool = True, corrupt_pipeline: int | None = None,
-                    nice: int = 0):
+                    enforce_caps: bool = True, nice: int = 0):
     """``hooks_factory`` of the rehearsal (runs inside each rank process): the rank's
     :class:`~.trainer.RankHooks` emulating its device's speed (``factors[device] / time_scale``
     slower than the CPU, on top of the time scale) and, with ``caps``, its memory (``caps[rank]``
@@ -142,8 +122,6 @@ def rehearsal_hooks(plan: Plan, rank: int, *, factors: dict[str, float], time_sc
                             device_bytes=device_bytes, scale=scale)
     emu = _RankEmulation(speed, meter)
     emu.allreduce_gb_s = allreduce_gb_s
-    if corrupt_pipeline is not None:
-        _corrupt_pipeline(corrupt_pipeline)
     return RankHooks(compute=emu.compute, on_step_end=emu.on_step_end, report=emu.report,
                      on_built=emu.on_built)
 

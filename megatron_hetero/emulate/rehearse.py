@@ -48,7 +48,7 @@ from .calibration import Calibration, _mean, activation_scale, calibrate
 from .drift import cpu_drifts, in_run_calibrations, measured_allreduce_gb_s
 from .host import MAX_RANKS, auto_time_scale, check_host_capacity
 from .prediction import predict, trainer_shards_optimizer
-from .rank_hooks import _CORRUPT_ENV, rehearsal_hooks, user_error
+from .rank_hooks import rehearsal_hooks, user_error
 from .report import RehearsalResult, format_report, stage_reports
 from .shrink import shrink_plan, without_module_inputs
 
@@ -129,11 +129,9 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
     say(f"running {config.steps} steps on {shrunk.world_size} CPU ranks")
     tconf = TrainConfig(steps=config.steps, seed=config.seed, gather_params=verify,
                         eval_forward_only=verify, timeout_s=config.timeout_s)
-    corrupt = os.environ.get(_CORRUPT_ENV)
     metered = config.meter_memory or config.memory_cap
     hooks = functools.partial(rehearsal_hooks, factors=factors, time_scale=time_scale,
                               caps=caps if metered else None, enforce_caps=config.memory_cap,
-                              corrupt_pipeline=int(corrupt) if corrupt else None,
                               nice=config.nice)
     try:
         result = train_plan(shrunk, tconf, hooks_factory=hooks)
