@@ -1,5 +1,5 @@
-"""Model presets and the per-layer costs of a Llama-style decoder: FLOPs, parameter and
-activation bytes.
+"""Model presets (and their width-shrunk copies for CPU runs) and the per-layer costs of a
+Llama-style decoder: FLOPs, parameter and activation bytes.
 
 Every figure is for one micro-batch of ``b`` sequences of ``s`` tokens, for the whole layer
 (divide by the tensor-parallel size where the text says so). Notation: ``h`` hidden size, ``f``
@@ -38,13 +38,13 @@ from pathlib import Path
 from typing import Literal
 
 from ._schema import from_data, read_yaml
-from .errors import SchemaError
+from .errors import HeteroError, SchemaError
 from .plan import ModelSpec
 
-__all__ = ["PRESETS", "model_preset", "load_model", "padded_vocab_size", "layer_forward_flops",
-           "output_forward_flops", "layer_params", "embedding_params", "output_params",
-           "layer_activation_bytes", "core_attention_forward_flops", "step_model_flops",
-           "layer_input_bytes", "logits_bytes"]
+__all__ = ["PRESETS", "model_preset", "load_model", "shrink_model", "padded_vocab_size",
+           "layer_forward_flops", "output_forward_flops", "layer_params", "embedding_params",
+           "output_params", "layer_activation_bytes", "core_attention_forward_flops",
+           "step_model_flops", "layer_input_bytes", "logits_bytes"]
 
 PRESETS: dict[str, ModelSpec] = {
     "llama2-7b": ModelSpec(name="llama2-7b", num_layers=32, hidden_size=4096, ffn_hidden_size=11008,
@@ -92,6 +92,38 @@ def load_model(name_or_path: str, *, seq_length: int | None = None) -> ModelSpec
     if isinstance(data, dict) and seq_length is not None:
         data = {**data, "seq_length": seq_length}
     return from_data(ModelSpec, data, source=str(path))
+
+
+def _round_to(x: float, unit: int) -> int:
+    return max(unit, int(round(x / unit)) * unit)
+
+
+def shrink_model(m: ModelSpec, hidden_size: int, tp: int = 1) -> ModelSpec:
+    """``m`` shrunk in width to ``hidden_size`` (the CPU rehearsal's and the CPU profile's
+    model): heads keep a head size of at least 8 and the model's query-group ratio where they
+    can; FFN, vocabulary and sequence keep their ratio to the hidden size. Layer count and
+    everything else stay. A model no wider than ``hidden_size`` is returned unchanged."""
+    if hidden_size >= m.hidden_size:
+        return m
+    h = hidden_size
+    r = h / m.hidden_size
+    gqa = m.num_attention_heads // m.num_query_groups
+    heads = groups = None
+    for n in range(min(m.num_attention_heads, max(h // 8, 1)), 0, -1):
+        if h % n or n % tp or (h // n) % 2:  # rope needs an even size per head
+            continue
+        g = n // gqa if n % gqa == 0 and (n // gqa) % tp == 0 else n
+        heads, groups = n, g
+        break
+    if heads is None:
+        raise HeteroError(f"--hidden-size {h}: no head count divides it into even head sizes "
+                          f"and is divisible by the tensor-parallel size {tp}; use a multiple of "
+                          f"{8 * tp}")
+    return dataclasses.replace(
+        m, name=f"{m.name}-shrunk-h{h}", hidden_size=h, num_attention_heads=heads,
+        num_query_groups=groups, ffn_hidden_size=_round_to(m.ffn_hidden_size * r, 8 * tp),
+        vocab_size=_round_to(m.vocab_size * r, 16 * tp),
+        seq_length=min(m.seq_length, max(16, _round_to(m.seq_length * r, 8))))
 
 
 def padded_vocab_size(m: ModelSpec, tp: int = 1) -> int:

@@ -4,7 +4,7 @@
 Four CPU ranks play two fast and two slow GPUs (custom inventory entries ``Fast-GPU`` and
 ``Slow-GPU``, achievable FLOP/s 2.5:1) training a small Llama. In one run the script
 
-1. calibrates the CPU and gloo once (:func:`megatron_hetero.emulate.rehearse.calibrate`);
+1. calibrates the CPU and gloo once (:func:`megatron_hetero.emulate.calibration.calibrate`);
 2. runs the tuner's search (:func:`megatron_hetero.tuner.search.tune`) on the *emulated* cluster
    (GPU types = these CPU processes at the emulated speeds), which returns both the tuned plan
    and the best plan plain Megatron expresses (even layer split, equal micro-batches, one
@@ -35,8 +35,10 @@ import time
 
 os.environ.setdefault("PYTHONWARNINGS", "ignore")
 
-from megatron_hetero.emulate.rehearse import (  # noqa: E402
-    RehearsalConfig, calibrate, emulated_cluster, emulated_name, format_report, rehearse)
+from megatron_hetero.emulate.calibration import calibrate  # noqa: E402
+from megatron_hetero.emulate.prediction import emulated_cluster, emulated_name  # noqa: E402
+from megatron_hetero.emulate.rehearse import RehearsalConfig, rehearse  # noqa: E402
+from megatron_hetero.emulate.report import format_report  # noqa: E402
 from megatron_hetero.emulate.speed import device_slowdowns  # noqa: E402
 from megatron_hetero.hardware.inventory import inventory_from_data  # noqa: E402
 from megatron_hetero.plan import ModelSpec, Pipeline, Plan, Stage, plan_from_data  # noqa: E402
@@ -87,7 +89,7 @@ def uniform_all_four(model: ModelSpec, gbs: int, calib, factors, catalog) -> Pla
     """The best plain-Megatron plan on all four GPUs (TP=1, micro-batch 1), by prediction."""
     import itertools
 
-    from megatron_hetero.emulate.rehearse import predict
+    from megatron_hetero.emulate.prediction import predict
 
     devices = [FAST, FAST, SLOW, SLOW]
     layouts = [[[d] for d in devices]]                                     # DP=4

@@ -13,7 +13,7 @@
    The memory cap and its saved-tensor accounting are off (``meter_memory=False``): the
    accounting costs CPU time inside every stretched step that the profile does not see.
 3. Predict each rehearsal with the tuner's cost model and simulator on the emulated cluster
-   (:func:`megatron_hetero.emulate.rehearse.predict`), five ways:
+   (:func:`megatron_hetero.emulate.prediction.predict`), five ways:
    - ``profile``: the profile's measured per-part times (x each device's factor), its pipeline
      overhead on pipeline stages and its p2p latency;
    - ``profile + idle penalty``: the same from each device's own profile, plus its measured
@@ -137,7 +137,8 @@ def idle_factors(plan: Plan, time_scale: float) -> dict[str, float]:
 
 def run_plan(plan: Plan, profile: MeasuredProfile, idle_profiles: dict[float, MeasuredProfile],
              args) -> dict:
-    from megatron_hetero.emulate.rehearse import RehearsalConfig, predict, rehearse
+    from megatron_hetero.emulate.prediction import predict
+    from megatron_hetero.emulate.rehearse import RehearsalConfig, rehearse
     from megatron_hetero.emulate.speed import device_slowdowns
 
     config = RehearsalConfig(steps=args.steps, hidden_size=MODEL.hidden_size,

@@ -90,7 +90,8 @@ def test_tune_summary_lines_are_not_wrapped_when_piped(tmp_path, capsys):
 def test_rehearse_calibrates_a_sequence_parallel_plan():
     # The calibration runs the shrunk model at TP=1; a plan with sequence_parallel (TP > 1, as
     # every tuned TP>1 example has) used to crash there with "sequence_parallel: found True".
-    from megatron_hetero.emulate.rehearse import calibrate, shrink_plan
+    from megatron_hetero.emulate.calibration import calibrate
+    from megatron_hetero.emulate.shrink import shrink_plan
     from megatron_hetero.plan import plan_from_data
 
     stage = {"device_type": "A100-SXM-80GB", "num_layers": 2}

@@ -238,7 +238,7 @@ def test_module_input_offload_is_set_per_rank_and_megatron_accepts_it(mcore017_e
     """The line has no offload flags (megatron_args' docstring); each rank's own args from
     the plan pass Megatron's validate_args and reach its TransformerConfig, which checks the
     modules. With TE >= 2.10 Megatron asserts NVTE_CPU_OFFLOAD_V1=1 (launch sets it)."""
-    from megatron_hetero.runtime.policies import MODULE_INPUTS
+    from megatron_hetero.mcore.stage_policies import MODULE_INPUTS
 
     plan = VARIANTS["module-input-offload"]
     argv = megatron_args(plan, str(tmp_path / "plan.yaml"))

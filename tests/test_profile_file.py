@@ -160,7 +160,7 @@ def _calibrate_script():
 def _calibration_from_script(profile: ProfileData):
     """What scripts/calibrate.py makes of ``profile`` for its second quick plan:
     (the script, the profile loaded, the plan, the base calibration, the result)."""
-    from megatron_hetero.emulate.rehearse import Calibration
+    from megatron_hetero.emulate.calibration import Calibration
 
     cal = _calibrate_script()
     data = dataclasses.replace(profile, model=cal.MODEL)
@@ -313,18 +313,18 @@ def test_cost_model_overhead_default_without_a_measurement():
 
 
 def test_calibration_script_carries_the_pipeline_overhead_and_latency():
-    from megatron_hetero.emulate.rehearse import _EmulatedProfile
+    from megatron_hetero.emulate.prediction import EmulatedProfile
 
     cal, prof, plan, base, got = _calibration_from_script(_profile_v2())
     assert got.pipeline_overhead[1] == pytest.approx((1e-3, 2e-3))
     assert got.step_overhead[1] == pytest.approx((4e-4, -1e-4))  # the entry's idle penalty
     assert got.p2p_latency_s == 5e-5  # the profile's own alpha
     assert not base.pipeline_overhead and not base.step_overhead  # left alone
-    emu_step = _EmulatedProfile(device_type="x", factor=3.0, calibration=got).step_overhead(
+    emu_step = EmulatedProfile(device_type="x", factor=3.0, calibration=got).step_overhead(
         model=plan.model, micro_batch_size=1, tensor_parallel_size=1)
     assert emu_step == pytest.approx((1.2e-3, 0.0))  # stretched; negative scatter counts as 0
     # the emulated device stretches the overhead by its factor, like the parts
-    emu = _EmulatedProfile(device_type="x", factor=3.0, calibration=got)
+    emu = EmulatedProfile(device_type="x", factor=3.0, calibration=got)
     assert emu.pipeline_overhead(model=plan.model, micro_batch_size=1,
                                  tensor_parallel_size=1) == pytest.approx((3e-3, 6e-3))
     assert emu.pipeline_overhead(model=plan.model, micro_batch_size=2,
@@ -336,6 +336,7 @@ def test_rehearsal_times_its_parts_with_each_devices_idle_gaps(monkeypatch):
     the device the rank plays, factor - 1 times the step; one calibration per distinct factor,
     the fastest device first."""
     from megatron_hetero.emulate import rehearse as R
+    from megatron_hetero.emulate.calibration import Calibration
     from megatron_hetero.emulate.speed import device_slowdowns
 
     asked = []
@@ -350,7 +351,7 @@ def test_rehearsal_times_its_parts_with_each_devices_idle_gaps(monkeypatch):
         metered.append(kw["meter"])
         if len(asked) == 2:
             raise Stop
-        return R.Calibration()
+        return Calibration()
 
     monkeypatch.setattr(R, "calibrate", fake_calibrate)
     cal = _calibrate_script()
@@ -375,7 +376,8 @@ def test_rehearsal_times_its_parts_with_each_devices_idle_gaps(monkeypatch):
 
 def test_predict_takes_one_calibration_per_device():
     """Each emulated device computes at its own calibration's speed; links are the fastest's."""
-    from megatron_hetero.emulate.rehearse import Calibration, emulated_cluster
+    from megatron_hetero.emulate.calibration import Calibration
+    from megatron_hetero.emulate.prediction import emulated_cluster
 
     fast = Calibration(layer_flops_per_s=2e9, allreduce_gb_s=1.5,
                        parts={("layer", 1): (1e-3, 2e-3)})
@@ -394,13 +396,13 @@ def test_predict_takes_one_calibration_per_device():
 def test_idle_sleeps_the_factor_times_the_step(monkeypatch):
     import time
 
-    from megatron_hetero.emulate.rehearse import _idle
+    from megatron_hetero.emulate.calibration import idle_gap
 
     slept = []
     monkeypatch.setattr(time, "sleep", slept.append)
-    _idle(4.0, 0.01)
-    _idle(0.0, 0.01)
-    _idle(4.0, 0.0)
+    idle_gap(4.0, 0.01)
+    idle_gap(0.0, 0.01)
+    idle_gap(4.0, 0.0)
     assert slept == [pytest.approx(0.04)]
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from ..plan import Offload, Plan, Recompute, chunk_recompute
+from ..plan import Offload, Plan, Recompute
 
 __all__ = ["StageShape", "StageTimes", "Memory"]
 
@@ -93,10 +93,6 @@ class StageShape:
     def sp(self) -> bool:
         """Sequence parallelism in effect (the flag, at TP > 1)."""
         return self.sequence_parallel and self.tensor_parallel_size > 1
-
-    def chunk_recompute(self) -> tuple[Recompute, ...]:
-        """Each model chunk's recompute (:func:`~megatron_hetero.plan.chunk_recompute`)."""
-        return chunk_recompute(self.recompute, self.chunk_layers)
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(StageShape) if f.init)

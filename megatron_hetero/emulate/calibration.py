@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from ..plan import Pipeline, Plan, Stage
 
-__all__ = ["Calibration", "calibrate"]
+__all__ = ["Calibration", "calibrate", "activation_scale", "idle_gap"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -97,21 +97,20 @@ def _calibrate_rank(rank: int, world_size: int, shrunk: Plan, reps: int, seed: i
     dist.destroy_process_group()
     if rank != 0:
         return None
-    from .spawn import free_port
+    from ..mcore.spawn import free_port
     dist.init_process_group("gloo", rank=0, world_size=1,
                             init_method=f"tcp://127.0.0.1:{free_port()}")
 
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    from ..mcore.config import plan_transformer_config
+    from ..mcore.cpu_backend import enable_cpu_backend
+    from ..mcore.model import gpt_model, wrap_ddp
     from ..models import layer_forward_flops
-    from . import trainer
-    from .cpu_backend import enable_cpu_backend
     from .memory import MemoryMeter
+    from .trainer import micro_batches
 
     enable_cpu_backend()
     m = shrunk.model
@@ -130,20 +129,11 @@ def _calibrate_rank(rank: int, world_size: int, shrunk: Plan, reps: int, seed: i
             ps.initialize_model_parallel(1, 1)
             try:
                 tensor_parallel.model_parallel_cuda_manual_seed(seed)
-                tconf = trainer._transformer_config(plan, plan.pipelines[0].stages[0])
-                model = GPTModel(config=tconf, transformer_layer_spec=get_gpt_layer_local_spec(
-                                     normalization=m.normalization),
-                                 vocab_size=m.vocab_size, max_sequence_length=m.seq_length,
-                                 pre_process=True, post_process=True,
-                                 share_embeddings_and_output_weights=(
-                                     not m.untie_embeddings_and_output_weights),
-                                 position_embedding_type=m.position_embedding_type)
-                ddp = DistributedDataParallel(
-                    config=tconf, module=model,
-                    ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True,
-                                                             use_distributed_optimizer=False))
+                model = gpt_model(plan.model,
+                                  plan_transformer_config(plan, plan.pipelines[0].stages[0]))
+                (ddp,) = wrap_ddp([model])
                 mm = MemoryMeter(rank=0, pipeline=0, stage=0, device_type="")
-                batch = next(trainer._micro_batches(plan, 0, 0, seed))
+                batch = next(micro_batches(plan, 0, 0, seed))
                 held = [0]  # bytes the forward saved for the backward (read before it runs)
 
                 def timed_step(idle_after: float | None = None) -> tuple[float, float]:
@@ -151,7 +141,7 @@ def _calibrate_rank(rank: int, world_size: int, shrunk: Plan, reps: int, seed: i
                     each of the two follows an idle gap as on a stretched rank (the first gap
                     ``idle_factor`` times ``idle_after``, the second times the forward)."""
                     if idle_after is not None:
-                        _idle(idle_factor, idle_after)
+                        idle_gap(idle_factor, idle_after)
                     ctx = mm.saved_activations() if meter else contextlib.nullcontext()
                     t0 = clock()
                     with ctx:
@@ -160,7 +150,7 @@ def _calibrate_rank(rank: int, world_size: int, shrunk: Plan, reps: int, seed: i
                     t1 = clock()
                     held[0] = mm.activation_bytes
                     if idle_after is not None:
-                        _idle(idle_factor, t1 - t0)
+                        idle_gap(idle_factor, t1 - t0)
                     t1b = clock()
                     loss.sum().backward()
                     t2 = clock()
@@ -221,7 +211,9 @@ def _calibrate_rank(rank: int, world_size: int, shrunk: Plan, reps: int, seed: i
     return out
 
 
-def _idle(idle_factor: float, seconds: float) -> None:
+def idle_gap(idle_factor: float, seconds: float) -> None:
+    """Sleep ``idle_factor`` times ``seconds``: the gap a rank stretched by ``idle_factor + 1``
+    leaves after a step of ``seconds``."""
     if idle_factor > 0 and seconds > 0:
         import time
         time.sleep(idle_factor * seconds)
@@ -238,7 +230,7 @@ def calibrate(shrunk: Plan, *, reps: int = 5, seed: int = 1234, meter: bool = Tr
     backward) costs more after an idle gap of that many times its duration than back to back,
     as the speed emulation runs every step of a rank (``Calibration.step_overhead``; see
     docs/calibration.md)."""
-    from .spawn import spawn
+    from ..mcore.spawn import spawn
 
     return spawn(_calibrate_rank, 2, args=(shrunk, reps, seed, meter, nice, idle_factor),
                  timeout_s=timeout_s)[0]
@@ -267,7 +259,7 @@ def _renice(nice: int) -> None:
             pass
 
 
-def _activation_scale(shrunk: Plan, calibration: Calibration) -> float:
+def activation_scale(shrunk: Plan, calibration: Calibration) -> float:
     """Measured over estimated (fp32, unfused attention) activation bytes of one shrunk layer."""
     from ..models import layer_activation_bytes
 

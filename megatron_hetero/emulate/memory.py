@@ -38,7 +38,7 @@ from ..errors import HeteroError
 from ..hardware.catalog import Catalog, load_catalog
 from ..plan import Plan
 
-__all__ = ["MemoryCapError", "MemoryMeter", "memory_caps", "cpu_rank_bytes"]
+__all__ = ["MemoryCapError", "MemoryMeter", "memory_caps", "cpu_rank_bytes", "plan_cost_model"]
 
 
 class MemoryCapError(HeteroError):
@@ -67,7 +67,10 @@ def _mib(n: float) -> str:
 
 # -- caps -----------------------------------------------------------------------------------------
 
-def _cost_model(plan: Plan, catalog: Catalog, *, use_distributed_optimizer: bool, **kwargs):
+def plan_cost_model(plan: Plan, catalog: Catalog, *, use_distributed_optimizer: bool,
+                    **kwargs):
+    """The tuner's cost model over an inventory of exactly the plan's devices (one node per
+    device type); ``kwargs`` are further :class:`~megatron_hetero.cost.model.CostModel` options."""
     from ..cost.model import CostModel
     from ..hardware.inventory import GPUGroup, Inventory
 
@@ -81,8 +84,9 @@ def _cost_model(plan: Plan, catalog: Catalog, *, use_distributed_optimizer: bool
 def cpu_rank_bytes(shrunk: Plan, catalog: Catalog | None = None, *,
                    shards_optimizer: bool = False) -> dict[int, float]:
     """Bytes each CPU rank needs for ``shrunk`` under the cost model (fp32, unfused attention)."""
-    cost = _cost_model(shrunk, catalog or load_catalog(), precision="fp32", flash_attention=False,
-                       workspace_gb=0.0, use_distributed_optimizer=shards_optimizer)
+    cost = plan_cost_model(shrunk, catalog or load_catalog(), precision="fp32",
+                           flash_attention=False, workspace_gb=0.0,
+                           use_distributed_optimizer=shards_optimizer)
     out = {}
     for rank in range(shrunk.world_size):
         slot = shrunk.slot_of_rank(rank)
@@ -106,10 +110,10 @@ def memory_caps(real: Plan, shrunk: Plan, catalog: Catalog | None = None, *,
     and the cap must compare like with like).
     """
     catalog = catalog or real.catalog or load_catalog()
-    real_cost = _cost_model(real, catalog, precision=real.precision,
-                            use_distributed_optimizer=real.use_distributed_optimizer)
-    cpu_cost = _cost_model(shrunk, catalog, precision="fp32", flash_attention=False,
-                           workspace_gb=0.0, use_distributed_optimizer=cpu_shards_optimizer)
+    real_cost = plan_cost_model(real, catalog, precision=real.precision,
+                                use_distributed_optimizer=real.use_distributed_optimizer)
+    cpu_cost = plan_cost_model(shrunk, catalog, precision="fp32", flash_attention=False,
+                               workspace_gb=0.0, use_distributed_optimizer=cpu_shards_optimizer)
     caps = {}
     for rank in range(real.world_size):
         slot = real.slot_of_rank(rank)

@@ -9,11 +9,12 @@ from dataclasses import dataclass
 from ..plan import Plan, plan_from_data
 from .calibration import Calibration
 
-__all__ = ["emulated_name", "emulated_cluster", "predict", "trainer_shards_optimizer"]
+__all__ = ["EmulatedProfile", "emulated_name", "emulated_cluster", "predict",
+           "trainer_shards_optimizer"]
 
 
 @dataclass(kw_only=True, slots=True)
-class _EmulatedProfile:
+class EmulatedProfile:
     """A :class:`~megatron_hetero.cost.profile_protocol.DeviceProfile` of one emulated device:
     the CPU's calibrated times stretched by the device's factor."""
 
@@ -97,7 +98,7 @@ def emulated_cluster(device_counts: dict[str, int], calibration,
     inventory = inventory_from_data({"groups": groups, "gpus": gpus,
                                      "inter_group_bandwidth_gb_s": bw},
                                     source="<emulated cluster>")
-    profiles = {emulated_name(d): _EmulatedProfile(device_type=emulated_name(d), factor=f,
+    profiles = {emulated_name(d): EmulatedProfile(device_type=emulated_name(d), factor=f,
                                                    calibration=per_device[d])
                 for d, f in factors.items() if d in device_counts}
     options = {"flash_attention": False, "workspace_gb": 0.0,

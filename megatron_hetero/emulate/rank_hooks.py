@@ -10,9 +10,7 @@ from ..errors import HeteroError
 from ..plan import Plan
 from .calibration import _all_reduce_seconds, _renice
 
-_CORRUPT_ENV = "MEGATRON_HETERO_TEST_CORRUPT_PIPELINE"
-"""Test-only hook: when set to ``d``, data-parallel replica ``d`` reads wrong labels from step 1
-on, so that ``--verify`` has a real divergence to catch."""
+__all__ = ["rehearsal_hooks", "user_error"]
 
 
 class _RankEmulation:
@@ -81,21 +79,6 @@ class _RankEmulation:
                 "allreduce_gb_s": self.allreduce_gb_s}
 
 
-def _corrupt_pipeline(pipeline: int) -> None:
-    from . import trainer
-
-    original = getattr(trainer._micro_batches, "_hetero_original", trainer._micro_batches)
-
-    def micro_batches(plan, d, step, seed):
-        for batch in original(plan, d, step, seed):
-            if d == pipeline and step >= 1:
-                batch = dict(batch, labels=(batch["labels"] + 1) % plan.model.vocab_size)
-            yield batch
-
-    micro_batches._hetero_original = original
-    trainer._micro_batches = micro_batches
-
-
 def _world_allreduce_gb_s(plan: Plan) -> float:
     """Bus bandwidth (``2 (n-1)/n x bytes / s``) of an all-reduce of one stage's gradients over
     every rank of the rehearsal: what gradient sync sees with this many processes on this
@@ -114,10 +97,13 @@ def _world_allreduce_gb_s(plan: Plan) -> float:
     return 2 * (n - 1) / n * buf.numel() * 4 / _all_reduce_seconds(buf, 4) / 1e9
 
 
-def _rank_hooks(plan: Plan, rank: int, *, factors: dict[str, float], time_scale: float,
-                caps: dict[int, tuple[float, float, float]] | None, enforce_caps: bool = True,
-                corrupt_pipeline: int | None = None, nice: int = 0):
-    """``hooks_factory`` of the rehearsal (runs inside each rank process)."""
+def rehearsal_hooks(plan: Plan, rank: int, *, factors: dict[str, float], time_scale: float,
+                    caps: dict[int, tuple[float, float, float]] | None,
+                    enforce_caps: bool = True, nice: int = 0):
+    """``hooks_factory`` of the rehearsal (runs inside each rank process): the rank's
+    :class:`~.trainer.RankHooks` emulating its device's speed (``factors[device] / time_scale``
+    slower than the CPU, on top of the time scale) and, with ``caps``, its memory (``caps[rank]``
+    = (cap, device bytes, scale); enforced when ``enforce_caps``)."""
     from .memory import MemoryMeter
     from .speed import SpeedEmulation
     from .trainer import RankHooks
@@ -136,14 +122,13 @@ def _rank_hooks(plan: Plan, rank: int, *, factors: dict[str, float], time_scale:
                             device_bytes=device_bytes, scale=scale)
     emu = _RankEmulation(speed, meter)
     emu.allreduce_gb_s = allreduce_gb_s
-    if corrupt_pipeline is not None:
-        _corrupt_pipeline(corrupt_pipeline)
     return RankHooks(compute=emu.compute, on_step_end=emu.on_step_end, report=emu.report,
                      on_built=emu.on_built)
 
 
-def _spawn_failure(exc) -> HeteroError | None:
-    """The user error a rank raised (e.g. MemoryCapError), from its remote traceback."""
+def user_error(exc) -> HeteroError | None:
+    """The user error a rank raised (e.g. MemoryCapError), from the remote traceback of a
+    :class:`~megatron_hetero.mcore.spawn.SpawnError`; None for anything else (a bug)."""
     tb = getattr(exc, "remote_traceback", "") or ""
     for line in reversed(tb.strip().splitlines()):
         head, sep, message = line.partition(": ")

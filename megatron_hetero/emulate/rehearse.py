@@ -2,12 +2,13 @@
 
 ``megatron-hetero rehearse PLAN`` (see :func:`rehearse_main`):
 
-1. *Shrink* the model in width (:func:`shrink_model`): hidden size, heads, FFN, vocabulary and
-   sequence scale down together (FFN, vocabulary and sequence keep their ratio to the hidden
-   size, so layers, output layer and attention keep their relative costs); the layer count, the
-   layer split, the micro-batch sizes and counts stay as in the plan.
-2. *Refuse* a plan this machine cannot host (:func:`check_host_capacity`): more than
-   :data:`MAX_RANKS` ranks, or more estimated memory than is available.
+1. *Shrink* the model in width (:func:`~megatron_hetero.models.shrink_model`): hidden size,
+   heads, FFN, vocabulary and sequence scale down together (FFN, vocabulary and sequence keep
+   their ratio to the hidden size, so layers, output layer and attention keep their relative
+   costs); the layer count, the layer split, the micro-batch sizes and counts stay as in the
+   plan.
+2. *Refuse* a plan this machine cannot host (:func:`.host.check_host_capacity`): more than
+   :data:`.host.MAX_RANKS` ranks, or more estimated memory than is available.
 3. *Calibrate*, on two CPU processes, what the emulated cluster is made of: the CPU time of one
    forward and backward of the shrunk layer, embedding and output layer, the bytes a layer
    saves for the backward pass, the optimizer step's rate, and gloo's point-to-point latency and
@@ -25,12 +26,13 @@
 final parameters (fp32, rtol 1e-5, atol 1e-5: 1% of an Adam step); it names the first diverging
 step and tensor.
 
-The parts live in sibling modules, re-exported here: :mod:`.shrink` (the shrunk model and plan),
-:mod:`.host` (what this machine can host, the automatic time scale), :mod:`.calibration` (the
-CPU and gloo measured), :mod:`.drift` (the calibration rescaled by the CPU time the run
-measured), :mod:`.prediction` (the emulated cluster and the tuner's prediction of it),
-:mod:`.rank_hooks` (each rank's speed and memory emulation) and :mod:`.report` (the result and
-its table). This module holds the configuration, the orchestration and the command line.
+The parts live in sibling modules: :mod:`.shrink` (the shrunk plan; the model is shrunk by
+:func:`megatron_hetero.models.shrink_model`), :mod:`.host` (what this machine can host, the
+automatic time scale), :mod:`.calibration` (the CPU and gloo measured), :mod:`.drift` (the
+calibration rescaled by the CPU time the run measured), :mod:`.prediction` (the emulated cluster
+and the tuner's prediction of it), :mod:`.rank_hooks` (each rank's speed and memory emulation)
+and :mod:`.report` (the result and its table). This module holds the configuration, the
+orchestration and the command line.
 """
 
 from __future__ import annotations
@@ -42,27 +44,15 @@ from dataclasses import dataclass
 from ..errors import HeteroError
 from ..hardware.catalog import Catalog, load_catalog
 from ..plan import Plan
-from .calibration import (  # noqa: F401  (re-exported)
-    Calibration, _activation_scale, _all_reduce_seconds, _calibrate_rank, _idle, _mean, _median,
-    _ping_pong, _renice, calibrate)
+from .calibration import Calibration, _mean, activation_scale, calibrate
 from .drift import cpu_drifts, in_run_calibrations, measured_allreduce_gb_s
-from .host import (  # noqa: F401  (re-exported)
-    MAX_RANKS, RANK_OVERHEAD_BYTES, _available_bytes, auto_time_scale, check_host_capacity)
-from .prediction import (  # noqa: F401  (re-exported)
-    _EmulatedProfile, _per_device, emulated_cluster, emulated_name, predict,
-    trainer_shards_optimizer)
-from .rank_hooks import (  # noqa: F401  (re-exported)
-    _CORRUPT_ENV, _corrupt_pipeline, _rank_hooks, _RankEmulation, _spawn_failure,
-    _world_allreduce_gb_s)
-from .report import (  # noqa: F401  (re-exported)
-    RehearsalResult, StageReport, format_report, module_inputs_note, stage_reports)
-from .shrink import _round_to, shrink_model, shrink_plan, without_module_inputs  # noqa: F401
+from .host import MAX_RANKS, auto_time_scale, check_host_capacity
+from .prediction import predict, trainer_shards_optimizer
+from .rank_hooks import rehearsal_hooks, user_error
+from .report import RehearsalResult, format_report, stage_reports
+from .shrink import shrink_plan, without_module_inputs
 
-
-__all__ = ["RehearsalConfig", "Calibration", "shrink_model", "shrink_plan", "check_host_capacity",
-           "calibrate", "predict", "emulated_cluster", "emulated_name", "rehearse",
-           "format_report", "rehearse_main", "RehearsalResult", "StageReport", "MAX_RANKS",
-           "RANK_OVERHEAD_BYTES"]
+__all__ = ["RehearsalConfig", "rehearse", "rehearse_main"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -103,8 +93,8 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
              verify: bool = False, source: str = "PLAN", progress=None,
              calibration: Calibration | None = None) -> RehearsalResult:
     """Shrink, check, calibrate, run and predict ``plan`` (see the module docstring)."""
+    from ..mcore.spawn import SpawnError
     from .memory import memory_caps
-    from .spawn import SpawnError
     from .speed import device_slowdowns
     from .trainer import TrainConfig, compare_results, reference_plan, train_plan
 
@@ -134,21 +124,19 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
     else:
         calibrations = calibration
     caps = memory_caps(plan, shrunk, catalog,
-                       activation_scale=_activation_scale(shrunk, calibration),
+                       activation_scale=activation_scale(shrunk, calibration),
                        cpu_shards_optimizer=trainer_shards_optimizer(shrunk))
     say(f"running {config.steps} steps on {shrunk.world_size} CPU ranks")
     tconf = TrainConfig(steps=config.steps, seed=config.seed, gather_params=verify,
                         eval_forward_only=verify, timeout_s=config.timeout_s)
-    corrupt = os.environ.get(_CORRUPT_ENV)
     metered = config.meter_memory or config.memory_cap
-    hooks = functools.partial(_rank_hooks, factors=factors, time_scale=time_scale,
+    hooks = functools.partial(rehearsal_hooks, factors=factors, time_scale=time_scale,
                               caps=caps if metered else None, enforce_caps=config.memory_cap,
-                              corrupt_pipeline=int(corrupt) if corrupt else None,
                               nice=config.nice)
     try:
         result = train_plan(shrunk, tconf, hooks_factory=hooks)
     except SpawnError as exc:
-        user = _spawn_failure(exc)
+        user = user_error(exc)
         if user is not None:
             raise user from None
         raise

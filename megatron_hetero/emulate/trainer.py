@@ -1,7 +1,7 @@
 """A mini trainer: real megatron-core training of a plan on CPU processes.
 
-It is the execution engine of the equivalence tests, of ``rehearse``, of the runtime hooks'
-multi-process tests and of the profiler. Each process plays one Megatron rank of a
+It is the execution engine of the equivalence tests and of ``rehearse`` (its ranks and its
+calibration). Each process plays one Megatron rank of a
 :class:`~megatron_hetero.plan.Plan` (usually shrunk with :func:`with_tiny_model`).
 
 Public API
@@ -15,11 +15,12 @@ Public API
     ``on_step_end(step, wall_s)``; ``report()`` whose value comes back in ``RankResult.extra``;
     ``on_built(model_chunks, optimizer)`` once before the first step.
 ``train_rank(plan, rank, config, hooks=None) -> RankResult``
-    Run inside a process of a gloo group of ``plan.world_size`` (see :mod:`.spawn`); enables
-    the CPU backend, builds megatron-core's parallel state (TP, PP, DP from the plan; the
-    plan's own pipeline layout), a ``GPTModel`` (local spec, fp32, CPU initialization, this
-    stage's recompute from its plan entry; one model chunk per virtual pipeline stage of an
-    interleaved plan), Megatron's DDP (overlapping the gradient reduction when
+    Run inside a process of a gloo group of ``plan.world_size`` (see
+    :mod:`megatron_hetero.mcore.spawn`); enables the CPU backend, builds megatron-core's
+    parallel state (TP, PP, DP from the plan; the plan's own pipeline layout), a ``GPTModel``
+    (:mod:`megatron_hetero.mcore`: local spec, fp32, CPU initialization, this stage's recompute
+    from its plan entry; one model chunk per virtual pipeline stage of an interleaved plan),
+    Megatron's DDP (overlapping the gradient reduction when
     ``plan.overlap_grad_reduce`` says), ``get_megatron_optimizer`` (Adam,
     grad clipping; or SGD; distributed when ``config.use_distributed_optimizer`` says) and
     runs ``config.steps`` steps of Megatron's own schedule (1F1B when PP > 1, interleaved 1F1B
@@ -39,6 +40,8 @@ Public API
     The plan with a model narrow enough for CPUs: same layer count and split, same pipelines.
 ``compare_results(a, b, rtol, atol) -> str | None``
     The first step or tensor where two results diverge, or None.
+``sample_tokens(index, ...)``, ``micro_batches(plan, pipeline, step, seed)``
+    The synthetic dataset: one sample, and one replica's micro-batches of one step.
 
 Training semantics
 ------------------
@@ -52,9 +55,8 @@ loss of a step is sum of token losses / tokens, over all replicas. Parameters ar
 from a generator seeded by their layout-independent name, so any plan of the same model starts
 from the same weights.
 
-Layout-independent names: ``decoder.layers.<global layer index>.<rest>``, the embedding, the
-final norm and the output layer under their megatron-core names; tensor-parallel shards are
-gathered (fused SwiGLU ``linear_fc1`` shards are un-interleaved as gate and up halves).
+Parameters come back under layout-independent names, tensor-parallel shards gathered
+(:mod:`.params`).
 """
 
 from __future__ import annotations
@@ -64,14 +66,17 @@ import dataclasses
 import functools
 import math
 import time
-import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Literal
 
-from ..plan import ModelSpec, Pipeline, Plan, Stage
+from ..mcore.config import plan_transformer_config
+from ..mcore.model import gpt_model, wrap_ddp
+from ..plan import ModelSpec, Pipeline, Plan, Slot, Stage
+from .params import init_params, local_params, merge_params
 
 __all__ = ["TrainConfig", "RankHooks", "RankResult", "TrainResult", "train_rank", "train_plan",
-           "reference_plan", "with_tiny_model", "compare_results", "sample_tokens"]
+           "reference_plan", "with_tiny_model", "compare_results", "sample_tokens",
+           "micro_batches"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -206,7 +211,9 @@ def sample_tokens(index: int, seed: int, seq_length: int, vocab_size: int):
     return torch.randint(0, vocab_size, (seq_length + 1,), generator=g)
 
 
-def _micro_batches(plan: Plan, pipeline: int, step: int, seed: int):
+def micro_batches(plan: Plan, pipeline: int, step: int, seed: int):
+    """The micro-batches data-parallel replica ``pipeline`` reads in step ``step``: its share of
+    the global batch (``Plan.replica_sample_range``), as the batches ``forward_step`` takes."""
     import torch
     m = plan.model
     offset, _ = plan.replica_sample_range(pipeline)
@@ -219,98 +226,6 @@ def _micro_batches(plan: Plan, pipeline: int, step: int, seed: int):
         yield {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
                "loss_mask": torch.ones(len(rows), m.seq_length),
                "position_ids": torch.arange(m.seq_length).unsqueeze(0).expand(len(rows), -1)}
-
-
-# -- model ----------------------------------------------------------------------------------------
-def _transformer_config(plan: Plan, stage: Stage, chunk: int | None = None):
-    import torch
-    import torch.nn.functional as F
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from ..runtime.policies import recompute_kwargs
-
-    m = plan.model
-    pp = plan.pipeline_model_parallel_size
-    kwargs = dict(
-        num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
-        num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
-        gated_linear_unit=m.swiglu, activation_func=F.silu if m.swiglu else F.gelu,
-        normalization=m.normalization, add_bias_linear=m.add_bias_linear,
-        tensor_model_parallel_size=plan.tensor_model_parallel_size,
-        pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
-        params_dtype=torch.float32, use_cpu_initialization=True, perform_initialization=True,
-        hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False,
-        masked_softmax_fusion=False, apply_rope_fusion=False, bias_activation_fusion=False,
-        gradient_accumulation_fusion=False, persist_layer_norm=False,
-        calculate_per_token_loss=True, sequence_parallel=False,
-    )
-    if pp > 1:
-        kwargs["pipeline_model_parallel_layout"] = plan.layout()
-    if plan.virtual_pipeline_size > 1:
-        # the interleaved schedule as Megatron-LM's training runs it by default (its
-        # --overlap-p2p-communication, which PP=2 needs: both directions go to one peer; and
-        # pipeline outputs freed right after their asynchronous send)
-        kwargs.update(virtual_pipeline_model_parallel_size=plan.virtual_pipeline_size,
-                      overlap_p2p_comm=True, batch_p2p_comm=False,
-                      deallocate_pipeline_outputs=True,
-                      microbatch_group_size_per_vp_stage=plan.microbatch_group)
-    kwargs.update(recompute_kwargs(stage, chunk if plan.virtual_pipeline_size > 1 else None))
-    return TransformerConfig(**kwargs)
-
-
-def _canonical_names(model, tied_last_stage: bool) -> dict[str, str]:
-    """Local parameter name -> layout-independent name."""
-    names = {}
-    layers = model.decoder.layers if hasattr(model, "decoder") else []
-    for name, _ in model.named_parameters():
-        canon = name
-        if name.startswith("decoder.layers."):
-            local, rest = name[len("decoder.layers."):].split(".", 1)
-            canon = f"decoder.layers.{layers[int(local)].layer_number - 1}.{rest}"
-        elif name == "output_layer.weight" and tied_last_stage:
-            canon = "embedding.word_embeddings.weight"
-        names[name] = canon
-    return names
-
-
-def _is_glu(name: str, plan: Plan) -> bool:
-    return plan.model.swiglu and ".mlp.linear_fc1." in name
-
-
-def _full_shape(param, tp: int) -> list[int]:
-    shape = list(param.shape)
-    if getattr(param, "tensor_model_parallel", False):
-        shape[param.partition_dim] *= tp
-    return shape
-
-
-def _shard(full, param, tp: int, tp_rank: int, glu: bool):
-    if not getattr(param, "tensor_model_parallel", False) or tp == 1:
-        return full
-    dim = param.partition_dim
-    if glu:
-        assert dim == 0
-        halves = full.view(2, full.shape[0] // 2, *full.shape[1:])
-        return halves.chunk(tp, dim=1)[tp_rank].reshape(-1, *full.shape[1:])
-    return full.chunk(tp, dim=dim)[tp_rank]
-
-
-def _init_params(model, plan: Plan, seed: int, std: float, tp_rank: int, tied_last: bool):
-    import torch
-    names = _canonical_names(model, tied_last)
-    tp = plan.tensor_model_parallel_size
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            canon = names[name]
-            g = torch.Generator().manual_seed(seed * 7919 + zlib.crc32(canon.encode()))
-            shape = _full_shape(param, tp)
-            if canon.endswith("bias"):
-                full = 0.01 * torch.randn(shape, generator=g)
-            elif len(shape) == 1:
-                full = 1.0 + 0.1 * torch.randn(shape, generator=g)
-            else:
-                full = std * torch.randn(shape, generator=g)
-            param.copy_(_shard(full, param, tp, tp_rank, _is_glu(canon, plan)))
 
 
 # -- one rank -------------------------------------------------------------------------------------
@@ -334,6 +249,73 @@ def _install_backward_hook() -> None:
     schedules.backward_step = backward_step
 
 
+def _build_chunks(plan: Plan, slot: Slot, stage: Stage, config: TrainConfig):
+    """This rank's model chunks, each initialized by layout-independent names: ``[(pre, post)]``
+    (holds the embedding, holds the output layer) and the ``GPTModel`` of each."""
+    from megatron.core import parallel_state as ps
+
+    v = plan.virtual_pipeline_size
+    tied = not plan.model.untie_embeddings_and_output_weights
+    chunks, models = [], []
+    for vp in range(v):
+        tconf = plan_transformer_config(plan, stage, vp)  # the stage's policies on its chunk
+        vp_stage = vp if v > 1 else None
+        pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+        post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+        model = gpt_model(plan.model, tconf, pre_process=pre, post_process=post,
+                          vp_stage=vp_stage)
+        init_params(model, plan, config.seed, config.init_std, slot.tensor_rank,
+                    tied and post and not pre)
+        chunks.append((pre, post))
+        models.append(model)
+    return chunks, models
+
+
+def _wrap_for_training(plan: Plan, models: list, config: TrainConfig):
+    """Megatron's DDP around each chunk and ``get_megatron_optimizer`` over them, wired into the
+    chunks' configs as Megatron-LM's training wires them: (ddps, optimizer)."""
+    import torch
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    v = plan.virtual_pipeline_size
+    dist_opt = (plan.use_distributed_optimizer if config.use_distributed_optimizer is None
+                else config.use_distributed_optimizer)
+    overlap = plan.overlap_grad_reduce  # gradient reduction during the last backward
+    ddps = wrap_ddp(models, overlap_grad_reduce=overlap, use_distributed_optimizer=dist_opt)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer=config.optimizer, lr=config.lr,
+                        weight_decay=config.weight_decay,
+                        clip_grad=config.clip_grad, bf16=False, fp16=False,
+                        params_dtype=torch.float32, use_distributed_optimizer=dist_opt),
+        ddps)
+    for tconf in (model.config for model in models):  # the schedule reads chunk 0's
+        tconf.finalize_model_grads_func = finalize_model_grads
+        tconf.grad_scale_func = optimizer.scale_loss
+        tconf.no_sync_func = [d.no_sync for d in ddps] if v > 1 else ddps[0].no_sync
+        if overlap:  # as Megatron-LM's training sets it (align_grad_reduce)
+            tconf.grad_sync_func = ([d.start_grad_sync for d in ddps] if v > 1
+                                    else ddps[0].start_grad_sync)
+    return ddps, optimizer
+
+
+def _loss_func(loss_mask, output_tensor):
+    import torch
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    tokens = mask.sum().to(torch.int)
+    return loss, tokens, {"lm loss": torch.cat([loss.detach().view(1), tokens.float().view(1)])}
+
+
+def _forward_step(data_iterator, model_chunk):
+    batch = next(data_iterator)
+    hook = _compute_hook[0]  # RankHooks.compute while training, None in evaluation
+    with hook("forward") if hook else contextlib.nullcontext():
+        out = model_chunk(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return out, functools.partial(_loss_func, batch["loss_mask"])
+
+
 def train_rank(plan: Plan, rank: int, config: TrainConfig | None = None,
                hooks: RankHooks | None = None) -> RankResult:
     """Train ``plan`` as Megatron rank ``rank`` (see the module docstring). The default gloo
@@ -341,7 +323,7 @@ def train_rank(plan: Plan, rank: int, config: TrainConfig | None = None,
     import torch
     import torch.distributed as dist
 
-    from .cpu_backend import enable_cpu_backend
+    from ..mcore.cpu_backend import enable_cpu_backend
 
     config = config or TrainConfig()
     hooks = hooks or RankHooks()
@@ -352,15 +334,9 @@ def train_rank(plan: Plan, rank: int, config: TrainConfig | None = None,
 
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.distributed import finalize_model_grads
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     slot = plan.slot_of_rank(rank)
-    stage = plan.stage(slot.pipeline, slot.stage)
     pipe = plan.pipelines[slot.pipeline]
     m = plan.model
     v = plan.virtual_pipeline_size
@@ -371,77 +347,20 @@ def train_rank(plan: Plan, rank: int, config: TrainConfig | None = None,
         assert ps.get_data_parallel_rank() == slot.pipeline, "Megatron rank order is not tp-dp-pp"
         assert ps.get_pipeline_model_parallel_rank() == slot.stage
         tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
-        tied = not m.untie_embeddings_and_output_weights
-        dist_opt = (plan.use_distributed_optimizer if config.use_distributed_optimizer is None
-                    else config.use_distributed_optimizer)
-        overlap = plan.overlap_grad_reduce  # gradient reduction during the last backward
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
-                                                   overlap_grad_reduce=overlap,
-                                                   use_distributed_optimizer=dist_opt)
-        chunks, models, tconfs = [], [], []  # per model chunk: (pre, post), GPTModel, config
-        for vp in range(v):
-            tconf = _transformer_config(plan, stage, vp)  # the stage's policies on its chunk
-            vp_stage = vp if v > 1 else None
-            pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
-            post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-            model = GPTModel(config=tconf,
-                             transformer_layer_spec=get_gpt_layer_local_spec(
-                                 normalization=m.normalization),
-                             vocab_size=m.vocab_size, max_sequence_length=m.seq_length,
-                             pre_process=pre, post_process=post,
-                             share_embeddings_and_output_weights=tied,
-                             position_embedding_type=m.position_embedding_type,
-                             **({"vp_stage": vp_stage} if v > 1 else {}))
-            _init_params(model, plan, config.seed, config.init_std, slot.tensor_rank,
-                         tied and post and not pre)
-            chunks.append((pre, post))
-            models.append(model)
-            tconfs.append(tconf)
-        ddps = [DistributedDataParallel(config=tconf, ddp_config=ddp_config, module=model,
-                                        disable_bucketing=i > 0)
-                for i, (model, tconf) in enumerate(zip(models, tconfs))]
-        optimizer = get_megatron_optimizer(
-            OptimizerConfig(optimizer=config.optimizer, lr=config.lr,
-                            weight_decay=config.weight_decay,
-                            clip_grad=config.clip_grad, bf16=False, fp16=False,
-                            params_dtype=torch.float32, use_distributed_optimizer=dist_opt),
-            ddps)
-        for tconf in tconfs:  # the schedule reads chunk 0's
-            tconf.finalize_model_grads_func = finalize_model_grads
-            tconf.grad_scale_func = optimizer.scale_loss
-            tconf.no_sync_func = [d.no_sync for d in ddps] if v > 1 else ddps[0].no_sync
-            if overlap:  # as Megatron-LM's training sets it (align_grad_reduce)
-                tconf.grad_sync_func = ([d.start_grad_sync for d in ddps] if v > 1
-                                        else ddps[0].start_grad_sync)
+        chunks, models = _build_chunks(plan, slot, plan.stage(slot.pipeline, slot.stage), config)
+        ddps, optimizer = _wrap_for_training(plan, models, config)
         if hooks.on_built:
             hooks.on_built(ddps, optimizer)
         _install_backward_hook()
         forward_backward = get_forward_backward_func()
         last_stage = ps.is_pipeline_last_stage()  # holds the loss (on its last chunk)
 
-        def loss_func(loss_mask, output_tensor):
-            losses = output_tensor.float().view(-1)
-            mask = loss_mask.view(-1).float()
-            loss = torch.sum(losses * mask)
-            tokens = mask.sum().to(torch.int)
-            return loss, tokens, {"lm loss": torch.cat([loss.detach().view(1),
-                                                         tokens.float().view(1)])}
-
-        def forward_step(data_iterator, model_chunk):
-            batch = next(data_iterator)
-            hook = _compute_hook[0]  # RankHooks.compute while training, None in evaluation
-            ctx = hook("forward") if hook else contextlib.nullcontext()
-            with ctx:
-                out = model_chunk(batch["tokens"], batch["position_ids"], None,
-                                  labels=batch["labels"])
-            return out, functools.partial(loss_func, batch["loss_mask"])
-
         def run(step: int, forward_only: bool) -> float:
             # every chunk reads the replica's micro-batches in order (the interleaved schedule
             # takes one iterator per chunk)
-            data = [_micro_batches(plan, slot.pipeline, step, config.seed) for _ in ddps]
+            data = [micro_batches(plan, slot.pipeline, step, config.seed) for _ in ddps]
             reduced = forward_backward(
-                forward_step_func=forward_step, data_iterator=data if v > 1 else data[0],
+                forward_step_func=_forward_step, data_iterator=data if v > 1 else data[0],
                 model=ddps, num_microbatches=pipe.num_microbatches,
                 seq_length=m.seq_length, micro_batch_size=pipe.micro_batch_size,
                 forward_only=forward_only)
@@ -477,16 +396,8 @@ def train_rank(plan: Plan, rank: int, config: TrainConfig | None = None,
             for ddp in ddps:
                 ddp.train()
 
-        params = {}
-        if config.gather_params:
-            for model, (pre, post) in zip(models, chunks):
-                tied_copy = tied and post and not pre
-                names = _canonical_names(model, tied_copy)
-                for name, p in model.named_parameters():
-                    if tied_copy and name == "output_layer.weight":
-                        continue  # the last stage's copy of the shared embedding
-                    dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
-                    params[names[name]] = (p.detach().clone(), dim, _is_glu(name, plan))
+        params = (local_params(models, chunks, plan, not m.untie_embeddings_and_output_weights)
+                  if config.gather_params else {})
         return RankResult(rank=rank, pipeline=slot.pipeline, stage=slot.stage,
                           tensor_rank=slot.tensor_rank, losses=losses, eval_loss=eval_loss,
                           grad_norms=grad_norms, step_times=times,
@@ -502,39 +413,16 @@ def _rank_entry(rank: int, world_size: int, plan: Plan, config: TrainConfig,
     return train_rank(plan, rank, config, hooks)
 
 
-def _merge_params(plan: Plan, ranks: list[RankResult]) -> dict[str, Any]:
-    import torch
-    tp = plan.tensor_model_parallel_size
-    merged: dict[str, Any] = {}
-    by_name: dict[str, dict[int, tuple]] = {}
-    for r in ranks:
-        if r.pipeline != 0:
-            continue
-        for name, (tensor, dim, glu) in r.params.items():
-            by_name.setdefault(name, {})[r.tensor_rank] = (tensor, dim, glu)
-    for name, shards in by_name.items():
-        tensor, dim, glu = shards[0]
-        if dim is None or tp == 1:
-            merged[name] = tensor
-        elif glu:
-            halves = [shards[t][0].view(2, -1, *tensor.shape[1:]) for t in range(tp)]
-            full = torch.cat(halves, dim=1)
-            merged[name] = full.reshape(-1, *tensor.shape[1:])
-        else:
-            merged[name] = torch.cat([shards[t][0] for t in range(tp)], dim=dim)
-    return merged
-
-
 def train_plan(plan: Plan, config: TrainConfig | None = None,
                hooks_factory: Callable[[Plan, int], RankHooks] | None = None,
                env: dict[str, str] | None = None) -> TrainResult:
     """Train ``plan`` on ``plan.world_size`` CPU processes and merge what they return."""
-    from .spawn import spawn
+    from ..mcore.spawn import spawn
 
     config = config or TrainConfig()
     ranks = spawn(_rank_entry, plan.world_size, args=(plan, config, hooks_factory),
                   timeout_s=config.timeout_s, threads_per_rank=config.threads_per_rank, env=env)
-    params = _merge_params(plan, ranks) if config.gather_params else {}
+    params = merge_params(plan, ranks) if config.gather_params else {}
     return TrainResult(losses=ranks[0].losses, eval_loss=ranks[0].eval_loss, params=params,
                        step_times={r.rank: r.step_times for r in ranks}, ranks=ranks)
 

@@ -14,7 +14,7 @@ from ..cost.profile_file import (
     FORMAT_VERSION, Communication, DeviceInfo, PipelineFigures, ProfileData, ProfileEntry, Software,
     Timing,
 )
-from .build import layer_spec_name
+from ..mcore.model import layer_spec_name
 from .request import ProfileRequest
 
 

@@ -28,11 +28,10 @@ def resolve_model(name: str, *, seq_length: int | None = None,
     """A model preset or a YAML file of ModelSpec fields (:func:`megatron_hetero.models.load_model`),
     optionally shrunk in width to ``hidden_size`` by the rehearsal's rule (so that a CPU profile
     and a CPU rehearsal of the same model have the same shape)."""
-    from ..models import load_model
+    from ..models import load_model, shrink_model
 
     model = load_model(name, seq_length=seq_length)
     if hidden_size is not None and hidden_size < model.hidden_size:
-        from ..emulate.rehearse import shrink_model
         model = shrink_model(model, hidden_size)
         if seq_length is not None:
             model = dataclasses.replace(model, seq_length=seq_length)

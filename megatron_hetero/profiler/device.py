@@ -19,14 +19,6 @@ def pick_device(device: str) -> str:
         return device
     return "cuda" if torch.cuda.is_available() else "cpu"
 
-def use_cpu_backend() -> None:
-    try:
-        from ..emulate.cpu_backend import enable_cpu_backend
-    except ImportError as exc:  # pragma: no cover - the backend ships with this package
-        raise HeteroError("profiling on CPU needs megatron_hetero.emulate.cpu_backend "
-                          f"(import failed: {exc})") from None
-    enable_cpu_backend()
-
 
 def device_type_and_precision(request: ProfileRequest, device: str) -> tuple[str, str]:
     from ..hardware.catalog import load_catalog

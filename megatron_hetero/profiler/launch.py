@@ -52,7 +52,7 @@ def launched_world() -> int:
 def _spawn(world: int, request: ProfileRequest) -> ProfileData:
     device = pick_device(request.device)
     if device == "cpu":
-        from ..emulate.spawn import SpawnError, spawn
+        from ..mcore.spawn import SpawnError, spawn
         try:
             results = spawn(_cpu_rank, world, args=(request,), timeout_s=request_timeout(request),
                             threads_per_rank=request.cpu_threads or 1)

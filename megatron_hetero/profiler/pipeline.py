@@ -5,7 +5,8 @@ from __future__ import annotations
 import statistics
 
 from ..cost.profile_file import PipelineEntry, PipelineFigures, PipelineStageTimes, ProfileEntry
-from .build import layer_spec, torch_dtype, transformer_config
+from ..mcore.config import torch_dtype, transformer_config
+from ..mcore.model import gpt_model, wrap_ddp
 from .parts import sig
 from .request import ProfileRequest
 
@@ -84,26 +85,20 @@ class _PipelineStage:
     def __init__(self, request: ProfileRequest, precision: str, device: str, stage: int):
         import torch
         from megatron.core import tensor_parallel
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.models.gpt import GPTModel
 
         m = request.model
         self.request, self.device, self.model_spec = request, device, m
         self.dtype = torch_dtype(precision)
-        config = transformer_config(m, 1, precision, device, 2 * request.layers, pp=2)
+        config = transformer_config(m, num_layers=2 * request.layers, pipeline_parallel_size=2,
+                                    precision=precision, cpu_initialization=device == "cpu")
         torch.manual_seed(1234)
         tensor_parallel.model_parallel_cuda_manual_seed(1234)
-        gpt = GPTModel(config=config, transformer_layer_spec=layer_spec(m, device),
-                       vocab_size=m.vocab_size, max_sequence_length=m.seq_length,
-                       pre_process=stage == 0, post_process=stage == 1,
-                       share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
-                       position_embedding_type=m.position_embedding_type)
+        gpt = gpt_model(m, config, pre_process=stage == 0, post_process=stage == 1,
+                        device=device)
         if device == "cuda":
             gpt = gpt.cuda()
         gpt = gpt.to(self.dtype)
-        self.ddp = DistributedDataParallel(
-            config=config, module=gpt,
-            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True))
+        (self.ddp,) = wrap_ddp([gpt])
 
     def run(self, mbs: int, timer) -> tuple[float, float]:
         """Median (forward, backward) seconds of one micro-batch on this stage."""

@@ -11,7 +11,7 @@ from ..errors import HeteroError
 from .assembly import assemble_profile
 from .bandwidth import measure_bandwidth
 from .build import build_parts
-from .device import device_type_and_precision, make_timer, pick_device, use_cpu_backend
+from .device import device_type_and_precision, make_timer, pick_device
 from .parts import measure_entry
 from .pipeline import measure_pipeline, runs_pipeline
 from .request import ProfileRequest
@@ -28,7 +28,8 @@ def rank_main(rank: int, world: int, request: ProfileRequest, init_method: str |
     import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
     import megatron.core.distributed  # noqa: F401
     if device == "cpu":
-        use_cpu_backend()
+        from ..mcore.cpu_backend import enable_cpu_backend
+        enable_cpu_backend()
         if request.cpu_threads:
             torch.set_num_threads(request.cpu_threads)
     else:

@@ -1,9 +1,9 @@
 """Run Megatron-LM's own training loop (``megatron.training.pretrain``) on the CPU backend.
 
 ``python -m megatron_hetero.launch --cpu`` (or ``MEGATRON_HETERO_CPU=1``) calls
-:func:`prepare_cpu_run` before the training script starts. On top of the emulation package's
-``enable_cpu_backend()`` (megatron-core on CPU over gloo), it adapts the few places where
-Megatron-LM's *training* package insists on a GPU:
+:func:`prepare_cpu_run` before the training script starts. On top of
+:func:`megatron_hetero.mcore.cpu_backend.enable_cpu_backend` (megatron-core on CPU over gloo),
+it adapts the few places where Megatron-LM's *training* package insists on a GPU:
 
 * ``initialize_megatron`` asserts CUDA unless ``allow_no_cuda``: it is called with it;
 * ``_initialize_distributed`` builds the model-parallel groups and the RNG tracker only when
@@ -93,7 +93,7 @@ def prepare_cpu_run() -> None:
     """Make ``megatron.training.pretrain`` run on this process's CPU (see the module docstring)."""
     import torch
 
-    from ..emulate.cpu_backend import enable_cpu_backend
+    from ..mcore.cpu_backend import enable_cpu_backend
 
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     enable_cpu_backend()

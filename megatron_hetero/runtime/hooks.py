@@ -18,7 +18,8 @@ original:
     chunks each get theirs: see ``get_model``).
 ``megatron.training.training.get_model``
     notes which model chunk (``vp_stage``) the model provider is building, so the config hook
-    applies the stage's policies to that chunk (:func:`.policies.recompute_kwargs`).
+    applies the stage's policies to that chunk
+    (:func:`megatron_hetero.mcore.stage_policies.stage_config_kwargs`).
 ``megatron.training.training.get_forward_backward_func``
     (uneven plans) runs this replica's ``num_microbatches`` x ``micro_batch_size`` in every
     step while Megatron's step accounting keeps counting the global batch (the interleaved
@@ -39,6 +40,7 @@ import sys
 from dataclasses import dataclass
 
 from ..errors import HeteroError
+from ..mcore.stage_policies import stage_config_kwargs
 from ..plan import Plan, Slot, Stage, load_plan
 from . import plan_args, policies
 from ._rebind import is_wrapper, rebind
@@ -203,7 +205,7 @@ def apply_stage_config(config, chunk: int | None = None) -> object:
         chunk = _building_chunk[0]
     if st.plan.virtual_pipeline_size == 1:
         chunk = None
-    for key, value in policies.stage_config_kwargs(st.stage, chunk).items():
+    for key, value in stage_config_kwargs(st.stage, chunk).items():
         setattr(config, key, value)
     return config
 

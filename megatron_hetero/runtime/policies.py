@@ -1,20 +1,23 @@
-"""Per-stage memory policies as megatron-core settings of one rank.
+"""Per-stage memory policies as Megatron settings of one rank.
 
 Megatron's recompute and offload options are global. Every rank has its own ``args`` and its
-own ``TransformerConfig`` though, so the runtime sets them per rank from the rank's plan stage:
+own ``TransformerConfig`` though, so the runtime sets them per rank from the rank's plan stage.
+The ``TransformerConfig`` fields of a stage (recompute, activation offload, module-input offload;
+per model chunk for an interleaved plan) come from :mod:`megatron_hetero.mcore.stage_policies`;
+this module adds what is the runtime's own:
 
-* recompute: ``recompute_granularity`` / ``recompute_method`` / ``recompute_num_layers``;
-* optimizer offload: ``optimizer_cpu_offload`` + ``optimizer_offload_fraction`` (megatron-core's
+* the stage's Megatron ``args`` (:func:`stage_args`), optimizer offload among them:
+  ``optimizer_cpu_offload`` + ``optimizer_offload_fraction`` (megatron-core's
   ``HybridDeviceOptimizer``; needs ``--use-precision-aware-optimizer``);
-* activation offload: ``cpu_offloading`` where the installed megatron-core accepts it together
-  with the plan's pipeline parallelism (0.16 and 0.17 refuse PP > 1) and Transformer Engine
-  (which runs it) is installed;
-* module-input offload (``Offload.module_inputs``): megatron-core's fine-grained activation
-  offloading, ``fine_grained_activation_offloading`` + ``offload_modules`` =
-  :data:`MODULE_INPUTS` on the stage's ``args`` and on every model chunk's config. Every other
-  stage sets ``fine_grained_activation_offloading=False`` explicitly. It needs Transformer
-  Engine, and with TE >= 2.10 ``NVTE_CPU_OFFLOAD_V1=1`` in the environment before TE is
-  imported (``megatron_hetero.launch`` sets it for such plans; Megatron asserts it).
+* activation offload (``cpu_offloading``) only where the installed megatron-core accepts it
+  together with the plan's pipeline parallelism (0.16 and 0.17 refuse PP > 1) and Transformer
+  Engine (which runs it) is installed;
+* module-input offload (megatron-core's fine-grained activation offloading on the stage's
+  ``args`` and on every model chunk's config; every other stage sets
+  ``fine_grained_activation_offloading=False`` explicitly) needs Transformer Engine, and with
+  TE >= 2.10 ``NVTE_CPU_OFFLOAD_V1=1`` in the environment before TE is imported
+  (``megatron_hetero.launch`` sets it for such plans through :func:`set_launch_env`; Megatron
+  asserts it).
 
   Megatron assumes every rank offloads or none does: after the first step an offloading rank
   prints its offload summary through world-wide collectives
@@ -22,12 +25,6 @@ own ``TransformerConfig`` though, so the runtime sets them per rank from the ran
   offloads on some stages only, the other ranks join those collectives once, with nothing to
   report, after their first ``forward_backward`` call (:func:`join_offload_summary`), so
   nobody waits forever.
-
-With interleaved pipelining (``Plan.virtual_pipeline_size`` > 1) a rank holds several model
-chunks, each with its own ``TransformerConfig``, and Megatron counts ``recompute_num_layers`` per
-chunk. The plan's numbers stay per stage: ``block`` recompute of n layers covers the stage's
-first n layers in chunk order (chunk 0 first: it keeps the most micro-batches in flight), and
-``uniform`` groups of k layers apply in every chunk (k must divide each chunk's layers).
 
 What the installed megatron-core cannot honour is refused at start (:func:`check_supported`),
 never dropped silently.
@@ -40,16 +37,13 @@ import os
 from functools import cache
 
 from ..errors import HeteroError
+from ..mcore.stage_policies import module_input_kwargs, recompute_kwargs
 from ..optional import have_transformer_engine
-from ..plan import Plan, Stage, chunk_recompute
+from ..plan import Plan, Stage
 
-__all__ = ["recompute_kwargs", "offload_kwargs", "stage_config_kwargs",
-           "stage_args", "check_supported", "PolicyUnsupported", "activation_offload_supported",
-           "optimizer_offload_supported", "MODULE_INPUTS", "module_input_kwargs",
-           "module_input_offload_supported", "join_offload_summary", "set_launch_env"]
-
-MODULE_INPUTS = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm")
-"""megatron-core ``offload_modules`` of ``Offload.module_inputs`` (the dense layer's modules)."""
+__all__ = ["stage_args", "check_supported", "PolicyUnsupported", "activation_offload_supported",
+           "optimizer_offload_supported", "module_input_offload_supported",
+           "join_offload_summary", "set_launch_env"]
 
 NVTE_ENV = "NVTE_CPU_OFFLOAD_V1"
 """Megatron's fine-grained offload needs it at 1 with Transformer Engine >= 2.10."""
@@ -57,48 +51,6 @@ NVTE_ENV = "NVTE_CPU_OFFLOAD_V1"
 
 class PolicyUnsupported(HeteroError):
     """The plan asks for a memory policy the installed megatron-core cannot apply."""
-
-
-_NO_RECOMPUTE = {"recompute_granularity": None, "recompute_method": None,
-                 "recompute_num_layers": None}
-
-
-def recompute_kwargs(stage: Stage, chunk: int | None = None) -> dict:
-    """TransformerConfig overrides that make one stage (or its model chunk ``chunk``, for an
-    interleaved plan: :func:`~megatron_hetero.plan.chunk_recompute`) recompute as its plan entry
-    says."""
-    r = stage.recompute
-    if chunk is not None and stage.chunk_layers is not None:
-        r = chunk_recompute(r, stage.chunk_layers)[chunk]
-    if r.granularity == "none":
-        return dict(_NO_RECOMPUTE)
-    if r.granularity == "selective":
-        return {"recompute_granularity": "selective", "recompute_method": None,
-                "recompute_num_layers": None}
-    return {"recompute_granularity": "full", "recompute_method": r.method,
-            "recompute_num_layers": r.num_layers}
-
-
-def offload_kwargs(stage: Stage) -> dict:
-    """TransformerConfig overrides for activation offload of one stage (PP = 1 only today)."""
-    if not stage.offload.activations:
-        return {}
-    return {"cpu_offloading": True, "cpu_offloading_num_layers": max(stage.num_layers - 1, 0),
-            "cpu_offloading_activations": True, "cpu_offloading_weights": False}
-
-
-def module_input_kwargs(stage: Stage) -> dict:
-    """TransformerConfig (and ``args``) fields of module-input offload, on or off: every rank
-    sets them, since ranks differ. The same on every model chunk of the stage."""
-    if stage.offload.module_inputs:
-        return {"fine_grained_activation_offloading": True, "offload_modules": list(MODULE_INPUTS)}
-    return {"fine_grained_activation_offloading": False, "offload_modules": []}
-
-
-def stage_config_kwargs(stage: Stage, chunk: int | None = None) -> dict:
-    """Every TransformerConfig field this stage's plan entry sets (on its model chunk
-    ``chunk`` for an interleaved plan)."""
-    return {**recompute_kwargs(stage, chunk), **offload_kwargs(stage), **module_input_kwargs(stage)}
 
 
 def stage_args(stage: Stage) -> dict:

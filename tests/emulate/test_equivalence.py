@@ -142,14 +142,14 @@ def test_wrong_share_is_caught(reference):
 def _mean_loss_per_replica(plan, rank):
     """Megatron's default loss: a mean per replica, then averaged over replicas."""
     from megatron_hetero.emulate import trainer
-    build = trainer._transformer_config
+    build = trainer.plan_transformer_config
 
     def transformer_config(plan, stage, chunk=None):
         config = build(plan, stage, chunk)
         config.calculate_per_token_loss = False
         return config
 
-    trainer._transformer_config = transformer_config
+    trainer.plan_transformer_config = transformer_config
     return RankHooks()
 
 

@@ -7,8 +7,8 @@ import gc
 import pytest
 import torch
 
-from megatron_hetero.emulate.memory import (MemoryCapError, MemoryMeter, _cost_model,
-                                            cpu_rank_bytes, memory_caps)
+from megatron_hetero.emulate.memory import (MemoryCapError, MemoryMeter, cpu_rank_bytes,
+                                            memory_caps, plan_cost_model)
 from megatron_hetero.hardware.catalog import load_catalog
 from megatron_hetero.plan import plan_from_data
 
@@ -92,8 +92,8 @@ def test_shrunk_need_fits_its_cap_exactly_when_the_real_plan_fits(hidden, seq):
     real, shrunk = _plan(hidden, seq), _plan(64, 64, vocab=256)
     caps = memory_caps(real, shrunk)
     need = cpu_rank_bytes(shrunk)
-    cost = _cost_model(real, load_catalog(), precision=real.precision,
-                       use_distributed_optimizer=real.use_distributed_optimizer)
+    cost = plan_cost_model(real, load_catalog(), precision=real.precision,
+                           use_distributed_optimizer=real.use_distributed_optimizer)
     assert set(caps) == {0, 1}
     for rank, (cap, device, scale) in caps.items():
         assert 0 < scale < 1 and cap == pytest.approx(device * scale)
@@ -114,7 +114,7 @@ def test_calibration_measures_what_a_layer_saves_for_the_backward():
     """The rehearsal scales each device's memory cap by the measured over the estimated bytes
     one shrunk layer saves: the measurement is taken after the forward, while autograd holds
     them (after the backward nothing is held, and the cap fell back to the bare estimate)."""
-    from megatron_hetero.emulate.calibration import _activation_scale, calibrate
+    from megatron_hetero.emulate.calibration import activation_scale, calibrate
     from megatron_hetero.models import layer_activation_bytes
 
     from .conftest import tiny_plan
@@ -125,4 +125,4 @@ def test_calibration_measures_what_a_layer_saves_for_the_backward():
     # the CPU layer saves at least what the formula counts in fp32, and some intermediates
     # the fused GPU kernels do not keep, but not several layers' worth
     assert estimate <= measured <= 4 * estimate
-    assert _activation_scale(plan, cal) == pytest.approx(measured / estimate)
+    assert activation_scale(plan, cal) == pytest.approx(measured / estimate)

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import yaml
 
 from megatron_hetero.cli import main
-from megatron_hetero.emulate.rehearse import (_CORRUPT_ENV, check_host_capacity, shrink_model,
-                                              shrink_plan)
+from megatron_hetero.emulate import rehearse
+from megatron_hetero.emulate.host import check_host_capacity
+from megatron_hetero.emulate.shrink import shrink_plan
 from megatron_hetero.errors import HeteroError
 from megatron_hetero.hardware.catalog import load_catalog
-from megatron_hetero.models import model_preset
+from megatron_hetero.models import model_preset, shrink_model
 from megatron_hetero.plan import plan_from_data
+
+from .faults import hooks_with_wrong_labels
 
 
 def _plan_data(stages, pipelines=1, micro=2, model=None):
@@ -78,13 +83,15 @@ def test_cli_rehearses_a_two_rank_plan(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_verify_names_the_first_diverging_step(tmp_path, capsys, monkeypatch):
-    """Replica 1 reads wrong labels from step 1 on (a test-only hook): --verify must say so."""
+    """Replica 1 reads wrong labels from step 1 on (a fault this test injects into the rank
+    processes, see tests/emulate/faults.py): --verify must say so."""
     path = _write(tmp_path, _plan_data([("A100-SXM-80GB", 4)], pipelines=2))
-    monkeypatch.setenv(_CORRUPT_ENV, "1")
+    monkeypatch.setattr(rehearse, "rehearsal_hooks",
+                        functools.partial(hooks_with_wrong_labels, wrong_replica=1))
     assert main(["rehearse", path, "--steps", "2", "--hidden-size", "32", "--verify"]) == 1
     out = capsys.readouterr().out
     assert "verify: FAILED" in out and "step 1: loss" in out
-    monkeypatch.delenv(_CORRUPT_ENV)
+    monkeypatch.undo()
     assert main(["rehearse", path, "--steps", "2", "--hidden-size", "32", "--verify"]) == 0
     assert "verify: losses and final parameters match" in capsys.readouterr().out
 

@@ -44,7 +44,7 @@ def launch(nproc: int, plan: str, workdir: Path, *, iters: int = 2, extra=(), en
            hooks: bool = True, base_args=BASE_ARGS) -> list:
     """Start ``nproc`` ranks; returns [(returncode, output, log dict or None)] per launcher rank.
     ``hooks=False`` runs plain Megatron with the plan's implied arguments instead."""
-    from megatron_hetero.emulate.spawn import free_port
+    from megatron_hetero.mcore.spawn import free_port
 
     port = free_port()
     procs = []

@@ -8,8 +8,9 @@ import pytest
 import yaml
 
 from megatron_hetero.emulate.memory import memory_caps
-from megatron_hetero.emulate.rehearse import (module_inputs_note, shrink_plan,
-                                              without_module_inputs)
+from megatron_hetero.emulate.report import module_inputs_note
+from megatron_hetero.emulate.shrink import shrink_plan, without_module_inputs
+from megatron_hetero.mcore.stage_policies import stage_config_kwargs
 from megatron_hetero.runtime import hooks, policies
 from megatron_hetero.runtime.plan_args import ArgumentConflict, check_and_apply
 
@@ -36,13 +37,13 @@ def _subset(d: dict, keys) -> dict:
 def test_every_rank_sets_module_input_offload_on_or_off():
     plan = make_plan(split=(2, 2), offload=[ON, None])
     on, off = plan.stage(0, 0), plan.stage(0, 1)
-    assert _subset(policies.stage_config_kwargs(on), OFFLOADING) == OFFLOADING
-    assert _subset(policies.stage_config_kwargs(off), NOT_OFFLOADING) == NOT_OFFLOADING
+    assert _subset(stage_config_kwargs(on), OFFLOADING) == OFFLOADING
+    assert _subset(stage_config_kwargs(off), NOT_OFFLOADING) == NOT_OFFLOADING
     assert _subset(policies.stage_args(on), OFFLOADING) == OFFLOADING
     assert _subset(policies.stage_args(off), NOT_OFFLOADING) == NOT_OFFLOADING
     # the other policies of the stage are still there, and nothing turns cpu_offloading on
     assert policies.stage_args(on)["recompute_granularity"] is None
-    assert "cpu_offloading" not in policies.stage_config_kwargs(on)
+    assert "cpu_offloading" not in stage_config_kwargs(on)
 
 
 def test_every_model_chunk_of_an_interleaved_stage_offloads():
@@ -50,13 +51,13 @@ def test_every_model_chunk_of_an_interleaved_stage_offloads():
                      recompute=[None, {"granularity": "full", "method": "block", "num_layers": 1}])
     stage = plan.stage(0, 1)
     for chunk in (0, 1):
-        kw = policies.stage_config_kwargs(stage, chunk)
+        kw = stage_config_kwargs(stage, chunk)
         assert _subset(kw, OFFLOADING) == OFFLOADING, chunk
     # block recompute of 1 layer still covers only chunk 0's first layer
-    assert policies.stage_config_kwargs(stage, 0)["recompute_num_layers"] == 1
-    assert policies.stage_config_kwargs(stage, 1)["recompute_granularity"] is None
+    assert stage_config_kwargs(stage, 0)["recompute_num_layers"] == 1
+    assert stage_config_kwargs(stage, 1)["recompute_granularity"] is None
     for chunk in (0, 1):
-        assert _subset(policies.stage_config_kwargs(plan.stage(0, 0), chunk),
+        assert _subset(stage_config_kwargs(plan.stage(0, 0), chunk),
                        NOT_OFFLOADING) == NOT_OFFLOADING
 
 
@@ -216,7 +217,7 @@ def _summary_rank(rank, world_size, offloads):
 
 @pytest.mark.slow
 def test_joined_summary_completes_between_real_processes():
-    from megatron_hetero.emulate.spawn import spawn
+    from megatron_hetero.mcore.spawn import spawn
 
     outs = spawn(_summary_rank, 2, args=(True,), timeout_s=120)
     assert "Activation Offload Summary" in outs[0] and "3.00" in outs[0]

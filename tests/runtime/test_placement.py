@@ -178,7 +178,7 @@ def _run_placement(rank, world, plan_data, types):
 
 @pytest.mark.slow
 def test_shuffled_launcher_ranks_on_gloo():
-    from megatron_hetero.emulate.spawn import spawn
+    from megatron_hetero.mcore.spawn import spawn
 
     plan = make_plan(split=(1, 1), devices=[[A100, V100], [H100, V100]], replicas=[(1, 3), (1, 1)])
     types = [V100, H100, V100, A100]  # launcher order differs from the plan's
@@ -195,7 +195,7 @@ def test_shuffled_launcher_ranks_on_gloo():
 
 @pytest.mark.slow
 def test_mismatch_on_gloo_every_rank_says_the_same():
-    from megatron_hetero.emulate.spawn import spawn
+    from megatron_hetero.mcore.spawn import spawn
 
     plan = make_plan(split=(1, 1), devices=[[A100, V100], [A100, V100]], replicas=[(1, 1), (1, 1)])
 

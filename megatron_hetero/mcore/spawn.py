@@ -40,7 +40,7 @@ DEFAULT_PRELOAD: tuple[str, ...] = (
     "torch", "torch.distributed",
     "megatron.core.models.gpt", "megatron.core.pipeline_parallel.schedules",
     "megatron.core.distributed", "megatron.core.optimizer",
-    "megatron_hetero.emulate.cpu_backend",
+    "megatron_hetero.mcore.cpu_backend",
 )
 
 

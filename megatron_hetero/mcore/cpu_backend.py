@@ -9,17 +9,14 @@ Public API
     Whether this process has enabled it.
 ``REDIRECTS``
     The one table of what the backend redirects and why: ``(module, attribute, reason)`` rows.
-``CPU_PATH_MODULES``
-    The megatron-core modules the supported features execute (the pin test scans them).
+``SAFE_CUDA_QUERIES``
+    ``torch.cuda`` functions left as they are (they answer correctly without CUDA).
 ``CudaNotCoveredError``
     Raised when megatron-core calls a ``torch.cuda`` function the table does not cover.
-``NOT_REDIRECTED``
-    CUDA uses in ``CPU_PATH_MODULES`` that are deliberately left alone, each with the reason
-    (off the supported path, or harmless on CPU).
-``cuda_uses(module)`` / ``uncovered_cuda_uses()``
-    An ``ast`` scan of megatron-core's source for CUDA uses (``torch.cuda.*``, ``from torch.cuda
-    import``, ``"cuda"`` literals, ``.is_cuda``) and the ones neither table covers. The pin test
-    asserts the latter is empty, so a megatron-core upgrade that adds a CUDA path fails it.
+
+:mod:`.cuda_coverage` checks the table against the installed megatron-core's source: a scan of
+the modules the supported features run, which fails when an upgrade adds a CUDA path that
+neither :data:`REDIRECTS` nor its list of deliberate exceptions covers.
 
 What it makes work (megatron-core 0.16.x and 0.17.x, torch 2.13 CPU): ``GPTModel`` on the local
 spec, the 1F1B, interleaved 1F1B (virtual pipeline stages: its CUDA uses, the device-literal
@@ -61,18 +58,14 @@ outside megatron (torch itself) get the original function.
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import importlib
-import importlib.util
 import inspect
 import sys
 import threading
-from dataclasses import dataclass
 
-__all__ = ["enable_cpu_backend", "cpu_backend_enabled", "REDIRECTS", "CPU_PATH_MODULES",
-           "CudaNotCoveredError", "SAFE_CUDA_QUERIES", "NOT_REDIRECTED", "CudaUse", "cuda_uses",
-           "is_covered", "uncovered_cuda_uses"]
+__all__ = ["enable_cpu_backend", "cpu_backend_enabled", "REDIRECTS", "CudaNotCoveredError",
+           "SAFE_CUDA_QUERIES"]
 
 
 class CudaNotCoveredError(RuntimeError):
@@ -129,68 +122,6 @@ SAFE_CUDA_QUERIES: frozenset[str] = frozenset({
     "is_available", "device_count", "is_initialized", "manual_seed_all", "seed", "seed_all",
     "get_rng_state_all", "set_rng_state_all", "is_bf16_supported", "is_tf32_supported",
 })
-
-#: megatron-core modules that the supported features run (relative to ``megatron.core``);
-#: the pin test scans their source for CUDA uses and checks that each is covered.
-CPU_PATH_MODULES: tuple[str, ...] = (
-    "parallel_state",
-    "utils",
-    "pipeline_parallel.schedules",
-    "pipeline_parallel.p2p_communication",
-    "pipeline_parallel.utils",  # the interleaved schedule's virtual-stage helpers
-    "transformer.pipeline_parallel_layer_layout",  # the layout parser (virtual stages too)
-    "distributed.distributed_data_parallel",
-    "distributed.param_and_grad_buffer",
-    "distributed.finalize_model_grads",
-    "optimizer",
-    "optimizer.optimizer",
-    "optimizer.clip_grads",
-    "optimizer.distrib_optimizer",
-    "tensor_parallel.random",
-    "tensor_parallel.layers",
-    "tensor_parallel.mappings",
-    "tensor_parallel.utils",
-    "tensor_parallel.cross_entropy",
-    "transformer.transformer_block",
-    "transformer.transformer_layer",
-    "transformer.attention",
-    "transformer.dot_product_attention",
-    "transformer.mlp",
-    "transformer.module",
-    "models.gpt.gpt_model",
-    "models.common.language_module.language_module",
-    "models.common.embeddings.language_model_embedding",
-    "models.common.embeddings.rotary_pos_embedding",
-)
-
-#: ``(module under megatron.core, use, reason)``: CUDA uses in CPU_PATH_MODULES that the
-#: backend leaves alone. ``use`` is what :func:`cuda_uses` reports.
-NOT_REDIRECTED: tuple[tuple[str, str, str], ...] = (
-    ("utils", "torch.cuda.temperature", "StragglerDetector (off the path; raiser if reached)"),
-    ("utils", "torch.cuda.power_draw", "StragglerDetector (off the path; raiser if reached)"),
-    ("utils", "torch.cuda.utilization", "StragglerDetector (off the path; raiser if reached)"),
-    ("utils", "torch.cuda.clock_rate", "StragglerDetector (off the path; raiser if reached)"),
-    ("pipeline_parallel.schedules", "torch.autocast('cuda')", "CUDA autocast leaves CPU "
-     "tensors alone (and is only entered with fp8/fp4 settings)"),
-    ("optimizer.optimizer", ".is_cuda", "optimizer state offload/reload (off the path)"),
-    ("tensor_parallel.random", "torch.cuda.CUDAGraph", "cudagraph-safe RNG only (off the path)"),
-    ("tensor_parallel.random", "from torch.cuda import _lazy_call",
-     "used only by _set_cuda_rng_state, which is redirected"),
-    ("tensor_parallel.random", "from torch.cuda import _lazy_init",
-     "used only by _set_cuda_rng_state, which is redirected"),
-    ("tensor_parallel.random", "from torch.cuda import device",
-     "used only by _set_cuda_rng_state, which is redirected"),
-    ("tensor_parallel.layers", "torch.cuda.amp.custom_fwd", "torch < 2.4 only; torch.amp's "
-     "custom_fwd(device_type='cuda') is a no-op for CPU autocast"),
-    ("tensor_parallel.layers", "torch.cuda.amp.custom_bwd", "torch < 2.4 only"),
-    ("tensor_parallel.layers", "device_type='cuda'", "partial(torch.amp.custom_fwd/custom_bwd, "
-     "device_type='cuda'): no CUDA autocast is active on CPU, so a pass-through"),
-    ("transformer.mlp", "torch.cuda.OutOfMemoryError", "an exception class in an except clause"),
-    ("transformer.module", "torch.cuda.FloatTensor", "fp16/bf16 conversion helpers (fp32 runs "
-     "do not convert)"),
-    ("transformer.module", "torch.cuda.HalfTensor", "fp16/bf16 conversion helpers"),
-    ("transformer.module", "torch.cuda.BFloat16Tensor", "fp16/bf16 conversion helpers"),
-)
 
 _lock = threading.Lock()
 _enabled = False
@@ -357,7 +288,7 @@ def _raiser(name: str, original):
             return original(*args, **kwargs)
         raise CudaNotCoveredError(
             f"megatron_hetero CPU backend: {module}.{frame.f_code.co_name} called "
-            f"torch.cuda.{name}, not covered (see megatron_hetero.emulate.cpu_backend.REDIRECTS)")
+            f"torch.cuda.{name}, not covered (see megatron_hetero.mcore.cpu_backend.REDIRECTS)")
 
     raiser.__name__ = name
     raiser.__wrapped__ = original
@@ -409,116 +340,6 @@ def _build_dynamo_rules() -> None:
         trace_rules.get_torch_obj_rule_map()
     except Exception:  # noqa: BLE001 - an optional cache warm-up; compile is not on the CPU path
         pass
-
-
-# -- the source scan (pins the tables against the installed megatron-core) -----------------------
-@dataclass(frozen=True, slots=True)
-class CudaUse:
-    """One CUDA use in megatron-core's source."""
-
-    module: str
-    """Module under ``megatron.core``."""
-    line: int
-    use: str
-    """``torch.cuda.X[.Y]``, ``from torch.cuda import X``, ``device='cuda'`` and the like."""
-    function: str
-    """Qualified name of the outermost enclosing function ('' at module level)."""
-
-
-_DEVICE_LITERAL_OK = "device literal"  # contexts the device mode maps to the CPU
-_TYPE_NAMES = {"torch.cuda.FloatTensor", "torch.cuda.HalfTensor", "torch.cuda.BFloat16Tensor"}
-
-
-def _chain(node) -> str | None:
-    parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if isinstance(node, ast.Name):
-        return ".".join([node.id, *reversed(parts)])
-    return None
-
-
-def cuda_uses(module: str, source: str | None = None) -> list[CudaUse]:
-    """Scan ``megatron.core.<module>``'s source (not importing it; or ``source`` when given)
-    for CUDA uses."""
-    if source is None:
-        spec = importlib.util.find_spec(f"megatron.core.{module}")
-        if spec is None or not spec.origin:
-            raise ModuleNotFoundError(f"megatron.core.{module}")
-        with open(spec.origin, encoding="utf-8") as f:
-            source = f.read()
-    tree = ast.parse(source)
-    uses: list[CudaUse] = []
-
-    def visit(node, parent, function, prefix=""):
-        if isinstance(node, ast.ClassDef) and not function:
-            prefix = f"{prefix}{node.name}."
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not function:
-            function = prefix + node.name  # the outermost def: nested helpers belong to it
-        use = None
-        if isinstance(node, ast.Attribute) and not isinstance(parent, ast.Attribute):
-            chain = _chain(node)
-            if chain and chain.startswith("torch.cuda."):
-                use = chain
-            elif node.attr == "is_cuda":
-                use = ".is_cuda"
-            elif node.attr == "cuda" and isinstance(parent, ast.Call) and parent.func is node:
-                use = "Tensor.cuda"
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch.cuda"):
-            for alias in node.names:
-                uses.append(CudaUse(module, node.lineno, f"from {node.module} import {alias.name}",
-                                    function))
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and (
-                node.value == "cuda" or node.value.startswith("cuda:")):
-            use = _literal_context(node, parent)
-        elif isinstance(node, ast.Constant) and node.value in _TYPE_NAMES:
-            use = "Tensor.type"
-        if use is not None:
-            uses.append(CudaUse(module, node.lineno, use, function))
-        for child in ast.iter_child_nodes(node):
-            visit(child, node, function, prefix)
-
-    visit(tree, None, "")
-    return uses
-
-
-def _literal_context(node, parent) -> str:
-    if isinstance(parent, ast.keyword):
-        if parent.arg == "device":
-            return _DEVICE_LITERAL_OK
-        return f"{parent.arg}='cuda'"
-    if isinstance(parent, ast.Call):
-        func = _chain(parent.func) or ""
-        if func == "torch.device" or func.endswith(".to"):
-            return _DEVICE_LITERAL_OK
-        return f"{func}('cuda')"
-    if isinstance(parent, ast.arguments):
-        return "default 'cuda'"
-    return f"'cuda' in {type(parent).__name__}"
-
-
-def is_covered(use: CudaUse) -> bool:
-    """Whether REDIRECTS (or the device mode) or NOT_REDIRECTED accounts for ``use``."""
-    full = f"megatron.core.{use.module}"
-    if (full, use.function) in {(m, a) for m, a, _ in REDIRECTS}:
-        return True  # inside a function the backend replaces
-    if use.use in (_DEVICE_LITERAL_OK, "Tensor.type", "Tensor.cuda"):
-        return True  # the device mode
-    if use.use.startswith("torch.cuda."):
-        rest = use.use[len("torch.cuda."):]
-        head = rest.split(".")[0]
-        if head in SAFE_CUDA_QUERIES or ("torch.cuda", rest) in {(m, a) for m, a, _ in REDIRECTS}:
-            return True
-        sub, _, attr = rest.rpartition(".")
-        if sub and (f"torch.cuda.{sub}", attr) in {(m, a) for m, a, _ in REDIRECTS}:
-            return True
-    return (use.module, use.use) in {(m, u) for m, u, _ in NOT_REDIRECTED}
-
-
-def uncovered_cuda_uses(modules=CPU_PATH_MODULES) -> list[CudaUse]:
-    """CUDA uses in ``modules`` that neither REDIRECTS nor NOT_REDIRECTED covers."""
-    return [u for m in modules for u in cuda_uses(m) if not is_covered(u)]
 
 
 # -- enable ---------------------------------------------------------------------------------------

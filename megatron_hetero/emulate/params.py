@@ -1,0 +1,118 @@
+"""The CPU trainer's parameters under layout-independent names: initialized alike under every
+plan of a model, and gathered back into full tensors.
+
+Layout-independent names: ``decoder.layers.<global layer index>.<rest>``, the embedding, the
+final norm and the output layer under their megatron-core names. Tensor-parallel shards are
+gathered along their partition dimension (fused SwiGLU ``linear_fc1`` shards are un-interleaved
+as gate and up halves). Each parameter is initialized from a generator seeded by its name, so
+any plan of the same model starts from the same weights.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+from ..plan import Plan
+
+__all__ = ["canonical_names", "init_params", "local_params", "merge_params"]
+
+
+def canonical_names(model, tied_last_stage: bool) -> dict[str, str]:
+    """Local parameter name -> layout-independent name."""
+    names = {}
+    layers = model.decoder.layers if hasattr(model, "decoder") else []
+    for name, _ in model.named_parameters():
+        canon = name
+        if name.startswith("decoder.layers."):
+            local, rest = name[len("decoder.layers."):].split(".", 1)
+            canon = f"decoder.layers.{layers[int(local)].layer_number - 1}.{rest}"
+        elif name == "output_layer.weight" and tied_last_stage:
+            canon = "embedding.word_embeddings.weight"
+        names[name] = canon
+    return names
+
+
+def _is_glu(name: str, plan: Plan) -> bool:
+    return plan.model.swiglu and ".mlp.linear_fc1." in name
+
+
+def _full_shape(param, tp: int) -> list[int]:
+    shape = list(param.shape)
+    if getattr(param, "tensor_model_parallel", False):
+        shape[param.partition_dim] *= tp
+    return shape
+
+
+def _shard(full, param, tp: int, tp_rank: int, glu: bool):
+    if not getattr(param, "tensor_model_parallel", False) or tp == 1:
+        return full
+    dim = param.partition_dim
+    if glu:
+        assert dim == 0
+        halves = full.view(2, full.shape[0] // 2, *full.shape[1:])
+        return halves.chunk(tp, dim=1)[tp_rank].reshape(-1, *full.shape[1:])
+    return full.chunk(tp, dim=dim)[tp_rank]
+
+
+def init_params(model, plan: Plan, seed: int, std: float, tp_rank: int, tied_last: bool) -> None:
+    """Every parameter of ``model`` (one model chunk, on tensor rank ``tp_rank``) drawn from a
+    generator seeded by ``seed`` and its layout-independent name: biases small, norms near 1,
+    matrices with standard deviation ``std``; this rank's shard of the full tensor."""
+    import torch
+    names = canonical_names(model, tied_last)
+    tp = plan.tensor_model_parallel_size
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            canon = names[name]
+            g = torch.Generator().manual_seed(seed * 7919 + zlib.crc32(canon.encode()))
+            shape = _full_shape(param, tp)
+            if canon.endswith("bias"):
+                full = 0.01 * torch.randn(shape, generator=g)
+            elif len(shape) == 1:
+                full = 1.0 + 0.1 * torch.randn(shape, generator=g)
+            else:
+                full = std * torch.randn(shape, generator=g)
+            param.copy_(_shard(full, param, tp, tp_rank, _is_glu(canon, plan)))
+
+
+def local_params(models, chunks: list[tuple[bool, bool]], plan: Plan,
+                 tied: bool) -> dict[str, tuple[Any, int | None, bool]]:
+    """This rank's parameters of its model chunks (``chunks``: (pre, post) of each): name ->
+    (tensor copy, tensor-parallel partition dim or None, is fused GLU), without the last stage's
+    copy of a shared embedding."""
+    params = {}
+    for model, (pre, post) in zip(models, chunks):
+        tied_copy = tied and post and not pre
+        names = canonical_names(model, tied_copy)
+        for name, p in model.named_parameters():
+            if tied_copy and name == "output_layer.weight":
+                continue  # the last stage's copy of the shared embedding
+            dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
+            params[names[name]] = (p.detach().clone(), dim, _is_glu(name, plan))
+    return params
+
+
+def merge_params(plan: Plan, ranks) -> dict[str, Any]:
+    """Full parameters by layout-independent name, from the ``RankResult.params`` of data-parallel
+    replica 0's ranks (tensor-parallel shards concatenated)."""
+    import torch
+    tp = plan.tensor_model_parallel_size
+    merged: dict[str, Any] = {}
+    by_name: dict[str, dict[int, tuple]] = {}
+    for r in ranks:
+        if r.pipeline != 0:
+            continue
+        for name, (tensor, dim, glu) in r.params.items():
+            by_name.setdefault(name, {})[r.tensor_rank] = (tensor, dim, glu)
+    for name, shards in by_name.items():
+        tensor, dim, glu = shards[0]
+        if dim is None or tp == 1:
+            merged[name] = tensor
+        elif glu:
+            halves = [shards[t][0].view(2, -1, *tensor.shape[1:]) for t in range(tp)]
+            full = torch.cat(halves, dim=1)
+            merged[name] = full.reshape(-1, *tensor.shape[1:])
+        else:
+            merged[name] = torch.cat([shards[t][0] for t in range(tp)], dim=dim)
+    return merged

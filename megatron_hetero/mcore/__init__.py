@@ -1,0 +1,20 @@
+"""megatron-core on megatron-hetero's terms: its objects built from a plan or a ``ModelSpec``,
+and megatron-core run on CPU processes.
+
+- :mod:`.config`: ``TransformerConfig`` of a model (:func:`~.config.transformer_config`) and of
+  one model chunk of a plan's stage as the CPU trainer runs it
+  (:func:`~.config.plan_transformer_config`).
+- :mod:`.stage_policies`: a plan stage's memory policies (recompute, activation and
+  module-input offload) as ``TransformerConfig`` fields.
+- :mod:`.model`: ``GPTModel`` (:func:`~.model.gpt_model`, on the local or Transformer Engine
+  layer spec) and Megatron's ``DistributedDataParallel`` around model chunks
+  (:func:`~.model.wrap_ddp`).
+- :mod:`.cpu_backend`: ``enable_cpu_backend()``, the redirects that make megatron-core run on CPU.
+- :mod:`.cuda_coverage`: the scan of megatron-core's source that pins the backend's table.
+- :mod:`.spawn`: ``spawn(fn, world_size)``, N gloo processes with results and failures collected.
+
+``runtime``, ``emulate`` and ``profiler`` build megatron-core objects through this package and
+never import one another. It depends on :mod:`megatron_hetero.plan` and
+:mod:`megatron_hetero.models` only. Importing it imports neither torch nor megatron; the
+submodules do where they build something.
+"""

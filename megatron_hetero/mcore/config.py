@@ -1,0 +1,74 @@
+"""megatron-core's ``TransformerConfig`` of a model, and of one model chunk of a plan's stage.
+
+Every ``TransformerConfig`` megatron-hetero builds itself comes from :func:`transformer_config`:
+the model's shape from its :class:`~megatron_hetero.plan.ModelSpec`, no dropout, and none of the
+fused kernels (they need CUDA or Apex; the CPU backend and the profiler's local layer spec run
+without them). The real training run is the exception: Megatron-LM builds its config from its
+own arguments, and the runtime only sets the stage's policies on it.
+"""
+
+from __future__ import annotations
+
+from ..plan import ModelSpec, Plan, Stage
+from .stage_policies import recompute_kwargs
+
+__all__ = ["torch_dtype", "transformer_config", "plan_transformer_config"]
+
+
+def torch_dtype(precision: str):
+    """The torch dtype of a precision name (``bf16``, ``fp16``, ``fp32``)."""
+    import torch
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
+
+
+def transformer_config(model: ModelSpec, *, num_layers: int | None = None,
+                       tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                       precision: str = "fp32", cpu_initialization: bool = True, **settings):
+    """The ``TransformerConfig`` of ``model`` (its layer count unless ``num_layers``) at these
+    parallel sizes and precision (parameters, pipeline messages and the bf16/fp16 switch),
+    without dropout or fused kernels; ``settings`` are further ``TransformerConfig`` fields."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    dtype = torch_dtype(precision)
+    kwargs = dict(
+        num_layers=model.num_layers if num_layers is None else num_layers,
+        hidden_size=model.hidden_size, ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
+        gated_linear_unit=model.swiglu, activation_func=F.silu if model.swiglu else F.gelu,
+        normalization=model.normalization, add_bias_linear=model.add_bias_linear,
+        tensor_model_parallel_size=tensor_parallel_size,
+        pipeline_model_parallel_size=pipeline_parallel_size, pipeline_dtype=dtype,
+        params_dtype=dtype, bf16=precision == "bf16", fp16=precision == "fp16",
+        use_cpu_initialization=cpu_initialization,
+        hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False,
+        masked_softmax_fusion=False, apply_rope_fusion=False, bias_activation_fusion=False,
+        gradient_accumulation_fusion=False, persist_layer_norm=False,
+    )
+    kwargs.update(settings)
+    return TransformerConfig(**kwargs)
+
+
+def plan_transformer_config(plan: Plan, stage: Stage, chunk: int | None = None):
+    """The ``TransformerConfig`` of ``stage`` of ``plan`` (of its model chunk ``chunk`` for an
+    interleaved plan) as the CPU trainer runs it: fp32, initialized on the CPU, the plan's
+    tensor and pipeline parallelism and pipeline layout, the loss summed over tokens
+    (``calculate_per_token_loss``: uneven replicas stay exact), no sequence parallelism, and the
+    stage's recompute. An interleaved plan runs Megatron-LM's default interleaved schedule:
+    overlapped p2p, pipeline outputs freed after their send, the plan's micro-batch group."""
+    pp = plan.pipeline_model_parallel_size
+    settings: dict = {"perform_initialization": True, "calculate_per_token_loss": True,
+                      "sequence_parallel": False}
+    if pp > 1:
+        settings["pipeline_model_parallel_layout"] = plan.layout()
+    if plan.virtual_pipeline_size > 1:
+        # --overlap-p2p-communication is Megatron-LM's default, and PP=2 needs it (both
+        # directions go to one peer)
+        settings.update(virtual_pipeline_model_parallel_size=plan.virtual_pipeline_size,
+                        overlap_p2p_comm=True, batch_p2p_comm=False,
+                        deallocate_pipeline_outputs=True,
+                        microbatch_group_size_per_vp_stage=plan.microbatch_group)
+    settings.update(recompute_kwargs(stage, chunk if plan.virtual_pipeline_size > 1 else None))
+    return transformer_config(plan.model, tensor_parallel_size=plan.tensor_model_parallel_size,
+                              pipeline_parallel_size=pp, precision="fp32",
+                              cpu_initialization=True, **settings)

@@ -1,0 +1,59 @@
+"""megatron-core's ``GPTModel`` of a :class:`~megatron_hetero.plan.ModelSpec`, and Megatron's
+``DistributedDataParallel`` around model chunks."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..plan import ModelSpec
+
+__all__ = ["layer_spec_name", "layer_spec", "gpt_model", "wrap_ddp"]
+
+
+def layer_spec_name(device: str = "cpu") -> str:
+    """``transformer_engine`` on a GPU where Transformer Engine is installed, else ``local``."""
+    from ..optional import have_transformer_engine
+    return "transformer_engine" if device == "cuda" and have_transformer_engine() else "local"
+
+
+def layer_spec(model: ModelSpec, device: str = "cpu"):
+    """megatron-core's GPT layer spec for ``device`` (see :func:`layer_spec_name`)."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec,
+    )
+    if layer_spec_name(device) == "transformer_engine":
+        return get_gpt_layer_with_transformer_engine_spec()
+    return get_gpt_layer_local_spec(normalization=model.normalization)
+
+
+def gpt_model(model: ModelSpec, config, *, pre_process: bool = True, post_process: bool = True,
+              vp_stage: int | None = None, device: str = "cpu"):
+    """The ``GPTModel`` (or pipeline stage of it: ``pre_process`` holds the embedding,
+    ``post_process`` the final norm and output layer; ``vp_stage`` the model chunk of an
+    interleaved plan) of ``model`` on ``config``, with the layer spec of ``device``. Built where
+    ``config`` says (``use_cpu_initialization``); moving it is the caller's."""
+    from megatron.core.models.gpt import GPTModel
+
+    tied = not model.untie_embeddings_and_output_weights
+    return GPTModel(config=config, transformer_layer_spec=layer_spec(model, device),
+                    vocab_size=model.vocab_size, max_sequence_length=model.seq_length,
+                    pre_process=pre_process, post_process=post_process,
+                    share_embeddings_and_output_weights=tied,
+                    position_embedding_type=model.position_embedding_type,
+                    **({"vp_stage": vp_stage} if vp_stage is not None else {}))
+
+
+def wrap_ddp(models: Sequence, *, overlap_grad_reduce: bool = False,
+             use_distributed_optimizer: bool = False) -> list:
+    """Megatron's ``DistributedDataParallel`` around each model chunk, as its training wraps
+    them: gradients reduced in fp32 buffers, one configuration for all chunks, bucketing on the
+    first chunk only. Its hooks accumulate every gradient into those buffers during the backward
+    (a cost the profiler must include)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                               overlap_grad_reduce=overlap_grad_reduce,
+                                               use_distributed_optimizer=use_distributed_optimizer)
+    return [DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model,
+                                    disable_bucketing=i > 0)
+            for i, model in enumerate(models)]
