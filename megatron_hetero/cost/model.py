@@ -40,7 +40,7 @@ device type (with the inventory's overrides) and, where given, a measured profil
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Literal, Mapping
+from typing import Literal, Mapping, NamedTuple
 
 from .. import models as M
 from ..hardware.inventory import Inventory
@@ -310,13 +310,12 @@ class CostModel:
         """Bytes one micro-batch leaves on one tensor rank of the stage (or of its model
         chunk) until its backward."""
         n, first, last, r = self._part(shape, chunk)
-        return self._activations(shape.device_type, b=shape.micro_batch_size,
-                                 tp=shape.tensor_parallel_size, sp=shape.sp,
-                                 module_inputs=shape.offload.module_inputs, layers=n,
-                                 first=first, last=last, recompute=r)
+        return self._activations(_Part(shape.device_type, shape.micro_batch_size,
+                                       shape.tensor_parallel_size, shape.sp,
+                                       shape.offload.module_inputs, n, first, last, r))
 
-    def _activations(self, device_type: str, *, b: int, tp: int, sp: bool, module_inputs: bool,
-                     layers: int, first: bool, last: bool, recompute: Recompute) -> float:
+    def _activations(self, part: _Part) -> float:
+        device_type, b, tp, sp, module_inputs, layers, first, last, recompute = part
         n, r = layers, recompute
         ckpt = self.hidden_bytes(b, tp, sp=sp)
         kept = self.layer_activation_bytes(device_type, b, tp,
@@ -373,13 +372,17 @@ class CostModel:
             acts += self._module_input_margin(shape)
             acts += self._transient_layers(shape.recompute, shape.num_layers) * self._layer(shape)
         else:
-            per_chunk = [self._activations_per_microbatch(shape, c) for c in range(v)]
+            keys = _chunk_recompute(shape.recompute, shape.chunk_layers)
+            common = (shape.device_type, shape.micro_batch_size, shape.tensor_parallel_size,
+                      shape.sp, shape.offload.module_inputs)
+            per_chunk = [self._activations(_Part(*common, n, shape.first and c == 0,
+                                                 shape.last and c == v - 1, keys[c]))
+                         for c, n in enumerate(shape.chunk_layers)]
             if shape.offload.activations:
                 acts = max(per_chunk)
             else:
                 acts = peak_activations(p, s, m, v, per_chunk, shape.microbatch_group)
-            acts += max(self._transient_layers(r, n) for r, n in zip(
-                _chunk_recompute(shape.recompute, shape.chunk_layers), shape.chunk_layers)) * \
+            acts += max(self._transient_layers(r, n) for r, n in zip(keys, shape.chunk_layers)) * \
                 self._layer(shape)
             acts += self._module_input_margin(shape)
         return Memory(params=params * self.param_bytes, grads=params * self.grad_bytes,
@@ -459,6 +462,20 @@ class CostModel:
         if got is None:
             got = self._placements[key] = place([list(t) for t in key[0]], key[1], self.inventory)
         return got
+
+
+class _Part(NamedTuple):
+    """What one stage's (or model chunk's) activations per micro-batch depend on."""
+
+    device_type: str
+    micro_batch_size: int
+    tensor_parallel_size: int
+    sp: bool
+    module_inputs: bool
+    layers: int
+    first: bool
+    last: bool
+    recompute: Recompute
 
 
 _chunk_recompute = lru_cache(maxsize=4096)(chunk_recompute)

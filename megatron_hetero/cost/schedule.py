@@ -92,7 +92,7 @@ def peak_activations(p: int, r: int, m: int, v: int, weights: list[float],
         warm = warmup_count(p, r, 10**9, v, g)
         enough = g * -(-(warm + g * v + 1) // (g * v))
         m = min(m, enough)
-    return float(np.max(_held_states(p, r, m, v, g) @ np.asarray(weights, dtype=float)))
+    return float((_held_states(p, r, m, v, g) @ np.asarray(weights, dtype=float)).max())
 
 
 @lru_cache(maxsize=8192)

@@ -72,7 +72,9 @@ class StageShape:
     def but(self, **changes) -> StageShape:
         """This shape with some fields changed (as :func:`dataclasses.replace`, checked the
         same way)."""
-        return StageShape(**{**{name: getattr(self, name) for name in _FIELDS}, **changes})
+        values = {name: getattr(self, name) for name in _FIELDS}
+        values.update(changes)
+        return StageShape(**values)
 
     @property
     def virtual_size(self) -> int:

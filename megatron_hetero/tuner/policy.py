@@ -35,9 +35,8 @@ OFFLOAD_STEPS = 20
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Menu:
-    """The memory policies a stage may take."""
+    """The memory policies a stage may take; no recompute is always one."""
 
-    no_recompute: bool = True
     full_recompute: bool = True
     """Full recompute of any number of the stage's layers (Megatron's ``block`` method; all of
     them as ``uniform`` groups of one: :meth:`~megatron_hetero.plan.Recompute.full_layers`)."""
@@ -96,8 +95,7 @@ def menu_options(menu: Menu, *, max_layers: int, unfused_attention: bool) -> tup
 def _menu_options(menu: Menu, max_layers: int, unfused_attention: bool) -> tuple[Option, ...]:
     out = []
     for mi in menu.module_inputs:
-        if menu.no_recompute:
-            out.append(Option(module_inputs=mi))
+        out.append(Option(module_inputs=mi))
         if menu.full_recompute:
             out += [Option(layers=k, module_inputs=mi) for k in range(1, max_layers + 1)]
         if menu.selective_recompute and unfused_attention:
@@ -138,6 +136,9 @@ def cheapest(memory: np.ndarray, seconds: np.ndarray, *, optimizer: np.ndarray,
     return Pick(index=index, fraction=fraction[(*lead, index)], seconds=cost[(*lead, index)])
 
 
+_recompute = lru_cache(maxsize=65536)(Option.recompute)
+
+
 def cheapest_for_stage(cost: CostModel, shape: StageShape, menu: Menu) -> Policy | None:
     """The cheapest policy of ``menu`` that fits ``shape`` (its recompute and offload are
     replaced) under the exact memory model, by its seconds per step: the replica's
@@ -146,9 +147,10 @@ def cheapest_for_stage(cost: CostModel, shape: StageShape, menu: Menu) -> Policy
     n, m = shape.num_layers, shape.num_microbatches
     options = menu_options(menu, max_layers=n,
                            unfused_attention=not cost.uses_flash_attention(shape.device_type))
+    offloads = {mi: Offload(module_inputs=mi) for mi in menu.module_inputs}
     mems, secs = [], []
     for o in options:
-        got = shape.but(recompute=o.recompute(n), offload=Offload(module_inputs=o.module_inputs))
+        got = shape.but(recompute=_recompute(o, n), offload=offloads[o.module_inputs])
         mems.append(cost.memory(got).total)
         secs.append(m * cost.times(got).total_s)
     plain = shape.but(offload=Offload())
@@ -159,6 +161,6 @@ def cheapest_for_stage(cost: CostModel, shape: StageShape, menu: Menu) -> Policy
     if not np.isfinite(pick.seconds):
         return None
     o = options[int(pick.index)]
-    return Policy(recompute=o.recompute(n),
+    return Policy(recompute=_recompute(o, n),
                   offload=Offload(optimizer_fraction=float(pick.fraction),
                                   module_inputs=o.module_inputs))

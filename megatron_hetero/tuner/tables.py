@@ -135,8 +135,8 @@ class StageTable:
 
     @cached_property
     def sel(self) -> Choices:
-        return self._builder.choose(Menu(no_recompute=False, full_recompute=False,
-                                         optimizer_offload=False, module_inputs=(False,)))
+        return self._builder.choose(Menu(full_recompute=False, optimizer_offload=False,
+                                         module_inputs=(False,)))
 
 
 class StageTables:
@@ -246,6 +246,9 @@ class _Builder:
         self.m_avg = (problem.gbs // b) / pos.data_parallel_size
         self._lines: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self._shapes: dict[tuple, StageShape] = {}
+        self._full: dict[bool, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self.capacity = cost.capacity(pos.device_type)
+        self.no_layers = np.zeros((L + 1, 1), dtype=np.int64)
 
     def shape(self, k: int, recompute: Recompute = Recompute(), *,
               module_inputs: bool = False) -> StageShape:
@@ -278,64 +281,58 @@ class _Builder:
     def choose(self, menu: Menu) -> Choices:
         """The cheapest option of ``menu`` at every layer count. On the linear model, for each
         optimizer fraction the fewest layers of full recompute that fit it are the only full
-        recompute worth weighing, so those (one per fraction step) and selective recompute are
-        the options :func:`.policy.cheapest` picks from."""
-        cost, L, n = self.cost, self.L, self.n[:, None]
-        capacity = cost.capacity(self.pos.device_type)
-        steps = np.arange(OFFLOAD_STEPS + 1) / OFFLOAD_STEPS if menu.optimizer_offload else np.zeros(1)
-        room = capacity + steps * self.optimizer[:, None]
+        recompute worth weighing, so those (one per fraction step, :meth:`full_recompute`) and
+        selective recompute are the options :func:`.policy.cheapest` picks from."""
+        width = OFFLOAD_STEPS + 1 if menu.optimizer_offload else 1
         mem, sec, layers, selective, mi = [], [], [], [], []
         for module_inputs in menu.module_inputs:
-            m0, t0 = self.base_line(False, module_inputs)
-            m0, t0 = m0[:, None], t0[:, None]
-            if menu.no_recompute or menu.full_recompute:
-                k = self._fewest_layers(m0, room, module_inputs=module_inputs, menu=menu)
-                ok = k <= n
-                k = np.where(ok, k, 0).astype(np.int64)
-                # a layer of full recompute keeps its checkpoint; one layer is rebuilt at once
-                full = m0 + self.act - k * self.saving[module_inputs]
-                mem.append(np.where(ok, np.where(k == 0, m0, full), np.inf))
-                sec.append(t0 + k * self.fwd_layer)
-                layers.append(k)
-                selective += [False] * k.shape[1]
-                mi += [module_inputs] * k.shape[1]
+            k, m, t = self.full_recompute(module_inputs)
+            k, m, t = k[:, :width], m[:, :width], t[:, :width]
+            if not menu.full_recompute:  # no recompute where it fits, else nothing
+                m = np.where(k == 0, m, np.inf)
+            mem.append(m)
+            sec.append(t)
+            layers.append(k)
+            selective += [False] * width
+            mi += [module_inputs] * width
             if menu.selective_recompute and self.unfused:
                 m1, t1 = self.base_line(True, module_inputs)
                 mem.append(m1[:, None])
                 sec.append(t1[:, None])
-                layers.append(np.zeros((L + 1, 1), dtype=np.int64))
+                layers.append(self.no_layers)
                 selective.append(True)
                 mi.append(module_inputs)
-        if not mem:  # an empty menu here (selective recompute where attention is fused)
-            zeros = np.zeros(L + 1, dtype=np.int64)
-            return Choices(layers=zeros, selective=zeros.astype(bool), module_inputs=zeros.astype(bool),
-                           fraction=np.zeros(L + 1), seconds=np.full(L + 1, np.inf))
-        join = (lambda parts: parts[0]) if len(mem) == 1 else np.hstack  # noqa: E731
-        pick = cheapest(join(mem), join(sec), optimizer=self.optimizer, capacity=capacity,
-                        offload_seconds=self.off_step / self.m_avg,
+        pick = cheapest(np.hstack(mem), np.hstack(sec), optimizer=self.optimizer,
+                        capacity=self.capacity, offload_seconds=self.off_step / self.m_avg,
                         optimizer_offload=menu.optimizer_offload)
         seconds = pick.seconds
         seconds[0] = np.inf  # every stage the search splits holds a layer
-        return Choices(layers=join(layers)[self.rows, pick.index],
+        return Choices(layers=np.hstack(layers)[self.rows, pick.index],
                        selective=np.array(selective)[pick.index],
                        module_inputs=np.array(mi)[pick.index], fraction=pick.fraction,
                        seconds=seconds)
 
-    def _fewest_layers(self, m0: np.ndarray, room: np.ndarray, *, module_inputs: bool,
-                       menu: Menu) -> np.ndarray:
-        """Per layer count (rows) and optimizer fraction (columns of ``room``, the memory that
-        fraction leaves), the fewest layers of full recompute that fit (``inf``: none do)."""
+    def full_recompute(self, module_inputs: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(layers, memory, seconds) per layer count (rows) and optimizer fraction in steps of
+        1 / ``OFFLOAD_STEPS`` (columns): the fewest layers of full recompute that make the
+        stage fit with that fraction offloaded (0 where it fits without; memory ``inf`` where
+        none do), its memory before offload and its seconds per micro-batch."""
+        if module_inputs in self._full:
+            return self._full[module_inputs]
+        m0, t0 = (x[:, None] for x in self.base_line(False, module_inputs))
+        room = self.capacity + np.arange(OFFLOAD_STEPS + 1) / OFFLOAD_STEPS * self.optimizer[:, None]
         saving = self.saving[module_inputs]
         if saving > 0:
-            k = np.ceil((m0 + self.act - room) / saving)
+            k = np.maximum(np.ceil((m0 + self.act - room) / saving), 1)
         else:
             k = np.full(room.shape, np.inf)
-        k = np.maximum(k, 1)
-        if not menu.full_recompute:
-            k = np.full(room.shape, np.inf)
-        if menu.no_recompute:
-            k = np.where(m0 <= room, 0, k)
-        return k
+        k = np.where(m0 <= room, 0, k)
+        ok = k <= self.n[:, None]
+        k = np.where(ok, k, 0).astype(np.int64)
+        # a layer of full recompute keeps its checkpoint; one layer is rebuilt at once
+        mem = np.where(ok, np.where(k == 0, m0, m0 + self.act - k * saving), np.inf)
+        got = self._full[module_inputs] = (k, mem, t0 + k * self.fwd_layer)
+        return got
 
     def build(self) -> StageTable:
         cost, v = self.cost, self.v
