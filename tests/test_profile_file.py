@@ -9,9 +9,12 @@ import yaml
 
 from megatron_hetero._schema import to_data
 from megatron_hetero.cost.profile_file import (
+    ProfileUsage, load_profile, load_profiles, save_profile,
+)
+from megatron_hetero.cost.profile_schema import (
     FORMAT_VERSION, BandwidthSample, Communication, DeviceInfo, MemoryFigures, PartTimes,
-    PipelineEntry, PipelineFigures, PipelineStageTimes, ProfileData, ProfileEntry, ProfileUsage,
-    Software, StepPenalty, Timing, load_profile, load_profiles, save_profile,
+    PipelineEntry, PipelineFigures, PipelineStageTimes, ProfileData, ProfileEntry, Software,
+    StepPenalty, Timing,
 )
 from megatron_hetero.cost.profile_protocol import DeviceProfile
 from megatron_hetero.errors import SchemaError

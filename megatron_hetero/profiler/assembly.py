@@ -10,7 +10,7 @@ import statistics
 import time
 from pathlib import Path
 
-from ..cost.profile_file import (
+from ..cost.profile_schema import (
     FORMAT_VERSION, Communication, DeviceInfo, PipelineFigures, ProfileData, ProfileEntry, Software,
     Timing,
 )

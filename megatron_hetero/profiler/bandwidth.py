@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from ..cost.profile_file import BandwidthSample, Communication
+from ..cost.profile_schema import BandwidthSample, Communication
 from .parts import sig
 from .request import ProfileRequest
 

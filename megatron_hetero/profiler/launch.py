@@ -7,7 +7,8 @@ import os
 import tempfile
 from pathlib import Path
 
-from ..cost.profile_file import ProfileData, save_profile
+from ..cost.profile_file import save_profile
+from ..cost.profile_schema import ProfileData
 from ..errors import HeteroError
 from .device import pick_device
 from .rank import rank_main

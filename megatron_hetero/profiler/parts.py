@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from ..cost.profile_file import MemoryFigures, PartTimes, ProfileEntry, StepPenalty
+from ..cost.profile_schema import MemoryFigures, PartTimes, ProfileEntry, StepPenalty
 from .build import Parts
 from .request import ProfileRequest, layer_flops
 

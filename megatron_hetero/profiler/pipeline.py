@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 
-from ..cost.profile_file import PipelineEntry, PipelineFigures, PipelineStageTimes, ProfileEntry
+from ..cost.profile_schema import PipelineEntry, PipelineFigures, PipelineStageTimes, ProfileEntry
 from ..mcore.config import torch_dtype, transformer_config
 from ..mcore.model import gpt_model, wrap_ddp
 from .parts import sig

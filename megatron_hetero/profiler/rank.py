@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import tempfile
 
-from ..cost.profile_file import ProfileEntry
+from ..cost.profile_schema import ProfileEntry
 from ..errors import HeteroError
 from .assembly import assemble_profile
 from .bandwidth import measure_bandwidth
