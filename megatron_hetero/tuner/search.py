@@ -320,7 +320,7 @@ def _tuned_split(st: Structure, tables, L: int, *, offload: bool):
     """The layer split that minimises the slowest stage relative to each template's balanced
     ideal, every stage at its cheapest fitting policy (``offload``: optimizer offload allowed);
     and each (template, stage)'s policy. (None, None) when no split fits."""
-    p, v = st.pp, st.vp
+    v = st.vp
     norm = []
     for rows in tables:
         j = min(2, L)  # the tables are linear in the layers; a 1-layer model has two rows
