@@ -8,6 +8,7 @@ for stage positions it has not planned yet, and :meth:`StageShape.of` reads one 
 from __future__ import annotations
 
 import dataclasses
+import operator
 from dataclasses import dataclass, field
 
 from ..plan import Offload, Plan, Recompute
@@ -47,6 +48,9 @@ class StageShape:
 
     num_layers: int = field(init=False, compare=False, repr=False)
     """The stage's layers, all chunks together (derived)."""
+    _hash: int = field(init=False, compare=False, repr=False)
+    """The hash of the fields above, computed once: the cost model's caches and the tuner's
+    memos look shapes up many times each."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "num_layers", sum(self.chunk_layers))
@@ -54,6 +58,17 @@ class StageShape:
             raise ValueError(f"chunk layers {self.chunk_layers}: one non-negative count per chunk")
         if not 0 <= self.stage < self.pipeline_size:
             raise ValueError(f"stage {self.stage} of a pipeline of {self.pipeline_size}")
+        object.__setattr__(self, "_hash", hash(_values(self)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if other is self:
+            return True
+        if other.__class__ is not StageShape:
+            return NotImplemented
+        return self._hash == other._hash and _values(self) == _values(other)
 
     @classmethod
     def of(cls, plan: Plan, pipeline: int, stage: int) -> StageShape:
@@ -72,9 +87,14 @@ class StageShape:
     def but(self, **changes) -> StageShape:
         """This shape with some fields changed (as :func:`dataclasses.replace`, checked the
         same way)."""
-        values = {name: getattr(self, name) for name in _FIELDS}
-        values.update(changes)
-        return StageShape(**values)
+        if not changes.keys() <= _FIELD_SET:
+            raise TypeError(f"StageShape has no field {sorted(changes.keys() - _FIELD_SET)[0]!r}")
+        new = object.__new__(StageShape)
+        get = changes.get
+        for name, value in zip(_FIELDS, _values(self)):
+            object.__setattr__(new, name, get(name, value))
+        new.__post_init__()
+        return new
 
     @property
     def virtual_size(self) -> int:
@@ -98,6 +118,9 @@ class StageShape:
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(StageShape) if f.init)
+_FIELD_SET = frozenset(_FIELDS)
+_values = operator.attrgetter(*_FIELDS)
+"""A shape's fields, in order, as a tuple (what it is equal and hashed by)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,9 +6,11 @@ layer count at once, on the tables' linear memory model), the local search (for 
 the exact memory model, :func:`cheapest_for_stage`) and the baseline (on menus restricted to
 what plain Megatron expresses). A caller lists the options of a :class:`Menu` (recompute and
 module inputs; :func:`menu_options`) with the memory each needs and its seconds; for each
-option :func:`cheapest` finds the least optimizer-state fraction that makes it fit (in steps of
-1 / :data:`OFFLOAD_STEPS`, where the menu allows offload), adds that fraction of the offload's cost,
-and picks the cheapest option; ties go to the earlier option.
+option :func:`option_costs` finds the least optimizer-state fraction that makes it fit (in
+steps of 1 / :data:`OFFLOAD_STEPS`, where the menu allows offload) and adds that fraction of the
+offload's cost, and :func:`pick` takes the cheapest option; ties go to the earlier option. An
+option's cost does not depend on the others, so the tables cost all their options once and
+pick each menu's from them.
 
 Over the options "full recompute of ``k`` layers" for every ``k`` with its least fraction, the
 pick is the cheapest pair of (recompute, fraction) that fits: for each fraction, the fewest
@@ -17,6 +19,7 @@ layers that fit it are among the options.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -26,7 +29,8 @@ from ..cost.model import CostModel
 from ..cost.stage import StageShape
 from ..plan import Offload, Recompute
 
-__all__ = ["OFFLOAD_STEPS", "Menu", "Option", "Policy", "Pick", "menu_options", "cheapest",
+__all__ = ["OFFLOAD_STEPS", "Menu", "Option", "Policy", "Pick", "menu_options", "option_costs",
+           "pick", "cheapest",
            "cheapest_for_stage"]
 
 OFFLOAD_STEPS = 20
@@ -103,9 +107,11 @@ def _menu_options(menu: Menu, max_layers: int, unfused_attention: bool) -> tuple
     return tuple(out)
 
 
-def cheapest(memory: np.ndarray, seconds: np.ndarray, *, optimizer: np.ndarray,
-             capacity: float, offload_seconds: np.ndarray, optimizer_offload: bool) -> Pick:
-    """The cheapest option that fits, along the last axis.
+def option_costs(memory: np.ndarray, seconds: np.ndarray, *, optimizer: np.ndarray,
+                 capacity: float, offload_seconds: np.ndarray,
+                 optimizer_offload: bool) -> tuple[np.ndarray, np.ndarray]:
+    """What each option costs, entry by entry: (the optimizer fraction it offloads, its
+    seconds with that offload; ``inf``: it does not fit).
 
     ``memory``: bytes each option needs with all its optimizer state on the device (``inf``:
     not an option here); ``seconds``: its cost without offload; ``optimizer``: the bytes of
@@ -113,27 +119,38 @@ def cheapest(memory: np.ndarray, seconds: np.ndarray, *, optimizer: np.ndarray,
     broadcast against the leading axes). An option that does not fit offloads the least
     fraction, in steps of 1 / :data:`OFFLOAD_STEPS`, that makes it fit, where
     ``optimizer_offload`` allows; it costs ``seconds + fraction x offload_seconds``."""
-    if memory.shape[-1] == 0:  # an empty menu: nothing fits
-        lead = memory.shape[:-1]
+    if not optimizer_offload:
+        return np.zeros(memory.shape), np.where(memory <= capacity, seconds, np.inf)
+    optimizer = np.asarray(optimizer, dtype=float)[..., None]
+    offload_seconds = np.asarray(offload_seconds, dtype=float)[..., None]
+    fits = memory <= capacity
+    with np.errstate(divide="ignore", invalid="ignore"):
+        steps = np.ceil((memory - capacity) * (1 + 1e-9) / optimizer * OFFLOAD_STEPS)
+        fraction = np.where(fits, 0.0, steps / OFFLOAD_STEPS)
+        ok = fits | ((optimizer > 0) & (fraction <= 1.0)
+                     & (memory - fraction * optimizer <= capacity))
+    return np.where(ok, fraction, 0.0), np.where(ok, seconds + fraction * offload_seconds, np.inf)
+
+
+def pick(fraction: np.ndarray, cost: np.ndarray) -> Pick:
+    """The cheapest option along the last axis of :func:`option_costs`' answer; ties go to
+    the earlier option."""
+    if cost.shape[-1] == 0:  # an empty menu: nothing fits
+        lead = cost.shape[:-1]
         return Pick(index=np.zeros(lead, dtype=np.int64), fraction=np.zeros(lead),
                     seconds=np.full(lead, np.inf))
-    if not optimizer_offload:
-        fraction = np.zeros(memory.shape)
-        cost = np.where(memory <= capacity, seconds, np.inf)
-    else:
-        optimizer = np.asarray(optimizer, dtype=float)[..., None]
-        offload_seconds = np.asarray(offload_seconds, dtype=float)[..., None]
-        fits = memory <= capacity
-        with np.errstate(divide="ignore", invalid="ignore"):
-            steps = np.ceil((memory - capacity) * (1 + 1e-9) / optimizer * OFFLOAD_STEPS)
-            fraction = np.where(fits, 0.0, steps / OFFLOAD_STEPS)
-            ok = fits | ((optimizer > 0) & (fraction <= 1.0)
-                         & (memory - fraction * optimizer <= capacity))
-        fraction = np.where(ok, fraction, 0.0)
-        cost = np.where(ok, seconds + fraction * offload_seconds, np.inf)
     index = np.argmin(cost, axis=-1)
     lead = np.indices(index.shape, sparse=True)
     return Pick(index=index, fraction=fraction[(*lead, index)], seconds=cost[(*lead, index)])
+
+
+def cheapest(memory: np.ndarray, seconds: np.ndarray, *, optimizer: np.ndarray,
+             capacity: float, offload_seconds: np.ndarray, optimizer_offload: bool) -> Pick:
+    """The cheapest option that fits, along the last axis: :func:`pick` of
+    :func:`option_costs` (arguments as there)."""
+    return pick(*option_costs(memory, seconds, optimizer=optimizer, capacity=capacity,
+                              offload_seconds=offload_seconds,
+                              optimizer_offload=optimizer_offload))
 
 
 _recompute = lru_cache(maxsize=65536)(Option.recompute)
@@ -143,24 +160,37 @@ def cheapest_for_stage(cost: CostModel, shape: StageShape, menu: Menu) -> Policy
     """The cheapest policy of ``menu`` that fits ``shape`` (its recompute and offload are
     replaced) under the exact memory model, by its seconds per step: the replica's
     micro-batches through the stage plus the offloaded optimizer's extra step. None: nothing
-    fits."""
+    fits.
+
+    An option costs at least its seconds without offload, so one whose seconds are no less
+    than those of an earlier option that fits without offload can be neither cheaper nor, ties
+    going to the earlier option, picked: its memory (the expensive part) is not asked, and
+    :func:`cheapest` sees it as not an option. The pick is the same as over every option."""
     n, m = shape.num_layers, shape.num_microbatches
     options = menu_options(menu, max_layers=n,
                            unfused_attention=not cost.uses_flash_attention(shape.device_type))
     offloads = {mi: Offload(module_inputs=mi) for mi in menu.module_inputs}
+    capacity = cost.capacity(shape.device_type)
     mems, secs = [], []
+    bound = math.inf  # the seconds of the cheapest option so far that fits without offload
     for o in options:
         got = shape.but(recompute=_recompute(o, n), offload=offloads[o.module_inputs])
-        mems.append(cost.memory(got).total)
-        secs.append(m * cost.times(got).total_s)
+        seconds = m * cost.times(got).total_s
+        memory = math.inf
+        if seconds < bound:
+            memory = cost.memory(got).total
+            if memory <= capacity:
+                bound = seconds
+        mems.append(memory)
+        secs.append(seconds)
     plain = shape.but(offload=Offload())
-    pick = cheapest(np.array(mems, dtype=float), np.array(secs, dtype=float), optimizer=cost.memory(plain).optimizer,
-                    capacity=cost.capacity(shape.device_type),
+    best = cheapest(np.array(mems, dtype=float), np.array(secs, dtype=float),
+                    optimizer=cost.memory(plain).optimizer, capacity=capacity,
                     offload_seconds=cost.optimizer_offload_seconds(plain),
                     optimizer_offload=menu.optimizer_offload)
-    if not np.isfinite(pick.seconds):
+    if not np.isfinite(best.seconds):
         return None
-    o = options[int(pick.index)]
+    o = options[int(best.index)]
     return Policy(recompute=_recompute(o, n),
-                  offload=Offload(optimizer_fraction=float(pick.fraction),
+                  offload=Offload(optimizer_fraction=float(best.fraction),
                                   module_inputs=o.module_inputs))

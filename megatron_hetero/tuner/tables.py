@@ -34,7 +34,7 @@ import numpy as np
 from ..cost.schedule import peak_activations
 from ..cost.stage import StageShape
 from ..plan import Offload, Recompute
-from .policy import OFFLOAD_STEPS, Menu, Option, Policy, cheapest
+from .policy import OFFLOAD_STEPS, Menu, Option, Policy, option_costs, pick
 from .problem import Problem
 from .space import Structure
 
@@ -192,6 +192,15 @@ class StageTables:
         return out
 
 
+_FULL_COLUMNS = 3
+"""The full-recompute options of a table (:meth:`_Builder.full_recompute`)."""
+
+
+def _columns(blocks: list[np.ndarray]) -> np.ndarray:
+    """Column blocks side by side."""
+    return blocks[0] if len(blocks) == 1 else np.concatenate(blocks, axis=1)
+
+
 def stage_shape(st: Structure, types, s: int, *, layers: int = 0, policy: Policy | None = None,
                 microbatches: int = 1) -> StageShape:
     """Stage ``s`` of the template ``types`` of ``st`` with ``layers`` in even chunks under
@@ -218,6 +227,19 @@ def _canonical(position: StageShape) -> StageShape:
     else:
         p, s = (2, 1) if position.last else (max(f, 2) + 1, 1)
     return position.but(pipeline_size=p, stage=s, num_microbatches=f)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Grid:
+    """A table's options with one module-input setting, costed at every layer count (rows):
+    full recompute per optimizer fraction step, then selective recompute where offered."""
+
+    layers: np.ndarray
+    """Layers of full recompute of each full-recompute column."""
+    fraction: np.ndarray
+    """The optimizer-state fraction each option offloads."""
+    cost: np.ndarray
+    """Its seconds per micro-batch with that offload (``inf``: it does not fit)."""
 
 
 class _Builder:
@@ -247,8 +269,10 @@ class _Builder:
         self._lines: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self._shapes: dict[tuple, StageShape] = {}
         self._full: dict[bool, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._costed: dict[tuple[bool, bool], _Grid] = {}
         self.capacity = cost.capacity(pos.device_type)
         self.no_layers = np.zeros((L + 1, 1), dtype=np.int64)
+        self.n_column = self.n[:, None]
 
     def shape(self, k: int, recompute: Recompute = Recompute(), *,
               module_inputs: bool = False) -> StageShape:
@@ -279,64 +303,94 @@ class _Builder:
         return self._lines[key]
 
     def choose(self, menu: Menu) -> Choices:
-        """The cheapest option of ``menu`` at every layer count. On the linear model, for each
-        optimizer fraction the fewest layers of full recompute that fit it are the only full
-        recompute worth weighing, so those (one per fraction step, :meth:`full_recompute`) and
-        selective recompute are the options :func:`.policy.cheapest` picks from."""
-        width = OFFLOAD_STEPS + 1 if menu.optimizer_offload else 1
-        mem, sec, layers, selective, mi = [], [], [], [], []
+        """The cheapest option of ``menu`` at every layer count, picked by :func:`.policy.pick`
+        from the options costed once per table (:meth:`costed`): full recompute at the ends
+        of the optimizer fractions (:meth:`full_recompute`) and selective recompute."""
+        width = _FULL_COLUMNS if menu.optimizer_offload else 1
+        fraction, cost, layers, selective, mi = [], [], [], [], []
         for module_inputs in menu.module_inputs:
-            k, m, t = self.full_recompute(module_inputs)
-            k, m, t = k[:, :width], m[:, :width], t[:, :width]
-            if not menu.full_recompute:  # no recompute where it fits, else nothing
-                m = np.where(k == 0, m, np.inf)
-            mem.append(m)
-            sec.append(t)
+            grid = self.costed(module_inputs, optimizer_offload=menu.optimizer_offload)
+            k = grid.layers[:, :width]
+            fraction.append(grid.fraction[:, :width])
+            # without full recompute: no recompute where it fits, else nothing
+            cost.append(grid.cost[:, :width] if menu.full_recompute
+                        else np.where(k == 0, grid.cost[:, :width], np.inf))
             layers.append(k)
             selective += [False] * width
             mi += [module_inputs] * width
             if menu.selective_recompute and self.unfused:
-                m1, t1 = self.base_line(True, module_inputs)
-                mem.append(m1[:, None])
-                sec.append(t1[:, None])
+                fraction.append(grid.fraction[:, -1:])
+                cost.append(grid.cost[:, -1:])
                 layers.append(self.no_layers)
                 selective.append(True)
                 mi.append(module_inputs)
-        pick = cheapest(np.hstack(mem), np.hstack(sec), optimizer=self.optimizer,
-                        capacity=self.capacity, offload_seconds=self.off_step / self.m_avg,
-                        optimizer_offload=menu.optimizer_offload)
-        seconds = pick.seconds
+        got = pick(_columns(fraction), _columns(cost))
+        seconds = got.seconds
         seconds[0] = np.inf  # every stage the search splits holds a layer
-        return Choices(layers=np.hstack(layers)[self.rows, pick.index],
-                       selective=np.array(selective)[pick.index],
-                       module_inputs=np.array(mi)[pick.index], fraction=pick.fraction,
+        return Choices(layers=_columns(layers)[self.rows, got.index],
+                       selective=np.array(selective)[got.index],
+                       module_inputs=np.array(mi)[got.index], fraction=got.fraction,
                        seconds=seconds)
 
+    def costed(self, module_inputs: bool, *, optimizer_offload: bool) -> _Grid:
+        """The table's options with ``module_inputs`` at every layer count, costed by
+        :func:`.policy.option_costs`: the full-recompute columns of :meth:`full_recompute`,
+        then selective recompute where attention is unfused."""
+        key = (module_inputs, optimizer_offload)
+        got = self._costed.get(key)
+        if got is None:
+            k, mem, sec = self.full_recompute(module_inputs)
+            if self.unfused:
+                m1, t1 = self.base_line(True, module_inputs)
+                mem = np.concatenate((mem, m1[:, None]), axis=1)
+                sec = np.concatenate((sec, t1[:, None]), axis=1)
+            fraction, cost = option_costs(mem, sec, optimizer=self.optimizer,
+                                          capacity=self.capacity,
+                                          offload_seconds=self.off_step / self.m_avg,
+                                          optimizer_offload=optimizer_offload)
+            got = self._costed[key] = _Grid(layers=k, fraction=fraction, cost=cost)
+        return got
+
     def full_recompute(self, module_inputs: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(layers, memory, seconds) per layer count (rows) and optimizer fraction in steps of
-        1 / ``OFFLOAD_STEPS`` (columns): the fewest layers of full recompute that make the
-        stage fit with that fraction offloaded (0 where it fits without; memory ``inf`` where
-        none do), its memory before offload and its seconds per micro-batch."""
-        if module_inputs in self._full:
-            return self._full[module_inputs]
+        """(layers, memory, seconds) per layer count (rows) of three options (columns): the
+        fewest layers of full recompute that fit with no optimizer state offloaded; none
+        (to fit, it offloads the least optimizer fraction that makes it); the fewest layers
+        that fit with all of it offloaded. Memory is before offload (``inf`` where no count
+        fits), seconds are per micro-batch.
+
+        On the linear model these are the only ones worth weighing: a further step of
+        optimizer fraction saves a fixed number of bytes, so it spares a fixed share of a
+        layer's recompute at a fixed cost; the cost is linear in the fraction, and its least is
+        at an end of the fractions that still need recompute (none, or where no layer does,
+        or all). Ties go to the earlier column."""
+        got = self._full.get(module_inputs)
+        if got is not None:
+            return got
         m0, t0 = (x[:, None] for x in self.base_line(False, module_inputs))
-        room = self.capacity + np.arange(OFFLOAD_STEPS + 1) / OFFLOAD_STEPS * self.optimizer[:, None]
+        room = self.room
         saving = self.saving[module_inputs]
         if saving > 0:
             k = np.maximum(np.ceil((m0 + self.act - room) / saving), 1)
         else:
             k = np.full(room.shape, np.inf)
         k = np.where(m0 <= room, 0, k)
-        ok = k <= self.n[:, None]
+        ok = k <= self.n_column
         k = np.where(ok, k, 0).astype(np.int64)
         # a layer of full recompute keeps its checkpoint; one layer is rebuilt at once
         mem = np.where(ok, np.where(k == 0, m0, m0 + self.act - k * saving), np.inf)
-        got = self._full[module_inputs] = (k, mem, t0 + k * self.fwd_layer)
+        sec = t0 + k * self.fwd_layer
+        zero = self.no_layers
+        got = self._full[module_inputs] = (
+            np.concatenate((k[:, :1], zero, k[:, 1:]), axis=1),
+            np.concatenate((mem[:, :1], m0, mem[:, 1:]), axis=1),
+            np.concatenate((sec[:, :1], t0, sec[:, 1:]), axis=1))
         return got
 
     def build(self) -> StageTable:
         cost, v = self.cost, self.v
         self.optimizer = self.line(lambda k: cost.memory(self.shape(k)).optimizer, v)
         self.off_step = self.line(lambda k: cost.optimizer_offload_seconds(self.shape(k)))
+        # the room with none and with all of the optimizer state offloaded
+        self.room = self.capacity + np.array([0.0, 1.0]) * self.optimizer[:, None]
         self.module_inputs = (False, True) if self.problem.opt.activation_offload else (False,)
         return StageTable(self)
