@@ -35,16 +35,14 @@ Either one over makes ``fits_memory`` false.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 from .cost.model import CostModel
 from .cost.stage import Memory, StageShape
-from .cost.schedule import rank_order_cached
 from .models import step_model_flops
 from .plan import Plan
+from .simulate_pipeline import pipeline_run
 
-__all__ = ["simulate", "host_memory", "SimResult", "StageResult", "HostMemory", "Event", "one_f_one_b",
-           "interleaved_1f1b"]
+__all__ = ["simulate", "host_memory", "SimResult", "StageResult", "HostMemory", "Event"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,106 +173,6 @@ class SimResult:
         plt.close(fig)
 
 
-def one_f_one_b(fwd: list[float], bwd: list[float], send_f: list[float], send_b: list[float],
-                m: int, *, record: bool = False):
-    """Simulate one pipeline. ``send_f[s]``/``send_b[s]``: seconds over the link between stage
-    ``s`` and ``s + 1``. Returns (finish, busy, last_backward_start, events) per stage, where
-    events is a list of (stage, kind, microbatch, start, end) when ``record``: the interleaved
-    schedule's simulation with one model chunk per stage (its order is then plain 1F1B)."""
-    free, busy, last_b, events = interleaved_1f1b([[f] for f in fwd], [[b] for b in bwd],
-                                                  send_f, send_b, m, record=record)
-    return free, busy, [x[0] for x in last_b], [e[:5] for e in events]
-
-
-@lru_cache(maxsize=256)
-def _compiled_order(p: int, m: int, v: int, group: int | None = None):
-    """Every op of a ``p``-stage pipeline of ``m`` micro-batches and ``v`` chunks (micro-batch
-    group ``group``, default ``p``: :func:`.cost.schedule.rank_order`) in one order
-    that respects each rank's run order and every cross-stage dependency (a topological
-    order, which does not depend on the durations), as flat columns: the op's stage, its
-    duration index (``kind * v + chunk``), the index of the op it waits for (-1: none), the
-    link that dependency crosses (-1: none), its micro-batch; and per (stage, chunk) the index
-    of its last backward. The simulation is then one pass over these columns."""
-    ops = [rank_order_cached(p, s, m, v, group) for s in range(p)]
-    vm = v * m
-    where = [-1] * (2 * p * vm)  # op (stage, kind, chunk, micro-batch) -> its position
-    stage, dur_of, dep_of, link_of, mb_of = [], [], [], [], []
-    ptr = [0] * p
-    remaining = sum(len(o) for o in ops)
-    while remaining:
-        progressed = False
-        for s in range(p):
-            seq = ops[s]
-            n = len(seq)
-            while ptr[s] < n:
-                kind, i, c = seq[ptr[s]]
-                if kind == 0:
-                    if s > 0:
-                        dep, link = ((s - 1) * 2 * vm + c * m + i), s - 1
-                    elif c > 0:
-                        dep, link = ((p - 1) * 2 * vm + (c - 1) * m + i), p - 1
-                    else:
-                        dep, link = -1, -1
-                elif s < p - 1:
-                    dep, link = ((s + 1) * 2 * vm + vm + c * m + i), s
-                elif c < v - 1:
-                    dep, link = (vm + (c + 1) * m + i), p - 1
-                else:
-                    dep, link = (s * 2 * vm + c * m + i), -1
-                if dep >= 0:
-                    dep = where[dep]
-                    if dep < 0:
-                        break
-                where[s * 2 * vm + kind * vm + c * m + i] = len(stage)
-                stage.append(s)
-                dur_of.append(kind * v + c)
-                dep_of.append(dep)
-                link_of.append(link)
-                mb_of.append(i)
-                ptr[s] += 1
-                remaining -= 1
-                progressed = True
-        assert progressed, "1F1B schedule deadlocked"
-    last_b = tuple(tuple(where[s * 2 * vm + vm + c * m + m - 1] for c in range(v)) for s in range(p))
-    return (tuple(stage), tuple(dur_of), tuple(dep_of), tuple(link_of), tuple(mb_of)), last_b
-
-
-def interleaved_1f1b(fwd: list[list[float]], bwd: list[list[float]], send_f: list[float],
-                     send_b: list[float], m: int, *, record: bool = False,
-                     group: int | None = None):
-    """Simulate one pipeline under the interleaved schedule. ``fwd[s][c]``/``bwd[s][c]``: seconds
-    of chunk ``c`` on stage ``s``; ``send_f[s]``/``send_b[s]``: seconds over the link between
-    stage ``s`` and ``s + 1``, index ``p - 1`` the link from the last stage back to the first.
-    ``group``: micro-batches per chunk in a row (Megatron's default ``p`` when None).
-    Returns what :func:`one_f_one_b` returns, except that the last backward's start is per
-    stage and chunk; events are (stage, kind, microbatch, start, end, chunk)."""
-    p, v = len(fwd), len(fwd[0])
-    (stage, dur_of, dep_of, link_of, mb_of), last_b = _compiled_order(p, m, v, group)
-    durs = [list(f) + list(b) for f, b in zip(fwd, bwd)]
-    links = [list(send_f), list(send_b)]
-    end = [0.0] * len(stage)
-    start = [0.0] * len(stage) if record else None
-    free = [0.0] * p
-    for k, s in enumerate(stage):
-        t = free[s]
-        d = dep_of[k]
-        if d >= 0:
-            lk = link_of[k]
-            ready = end[d] + (links[dur_of[k] >= v][lk] if lk >= 0 else 0.0)
-            if ready > t:
-                t = ready
-        if record:
-            start[k] = t
-        free[s] = end[k] = t + durs[s][dur_of[k]]
-    busy = [m * sum(row) for row in durs]
-    last_b_start = [[end[k] - durs[s][v + c] for c, k in enumerate(last_b[s])] for s in range(p)]
-    events: list[tuple] = []
-    if record:
-        events = [(s, "FB"[dur_of[k] >= v], mb_of[k], start[k], end[k], dur_of[k] % v)
-                  for k, s in enumerate(stage)]
-    return free, busy, last_b_start, events
-
-
 def _run_pipeline(plan: Plan, cost: CostModel, placement, times, d: int, key, cache: dict,
                   record: bool):
     """Simulate pipeline ``d`` (the non-interleaved or the interleaved schedule); ``key``
@@ -288,12 +186,10 @@ def _run_pipeline(plan: Plan, cost: CostModel, placement, times, d: int, key, ca
     sends = [cost.p2p_seconds(pipe.micro_batch_size, bw, tp=tp, sp=sp) for bw in bws]
     fwd = [[c.forward_s for c in t] for t in times[d]]
     bwd = [[c.backward_s for c in t] for t in times[d]]
-    if plan.virtual_pipeline_size == 1:
-        got = one_f_one_b([f[0] for f in fwd], [b[0] for b in bwd], sends, sends,
-                          pipe.num_microbatches, record=record)
-    else:
-        got = interleaved_1f1b(fwd, bwd, sends, sends, pipe.num_microbatches, record=record,
-                               group=plan.microbatch_group_size)
+    got = pipeline_run(fwd, bwd, sends, sends, pipe.num_microbatches, record=record,
+                       group=plan.microbatch_group_size)
+    if plan.virtual_pipeline_size == 1:  # last backwards per stage; events without a chunk
+        got = (got[0], got[1], [x[0] for x in got[2]], [e[:5] for e in got[3]])
     cache[full] = got
     return got
 

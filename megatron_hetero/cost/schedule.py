@@ -82,16 +82,19 @@ def peak_in_flight(order: list[Op], weights: list[float]) -> float:
 def peak_activations(p: int, r: int, m: int, v: int, weights: list[float],
                      group: int | None = None) -> float:
     """:func:`peak_in_flight` of rank ``r``'s order for non-negative ``weights``, without walking
-    all ``m`` micro-batches each time: when ``m`` is a multiple of the group ``g`` (``group``,
-    default ``p``) the table repeats every ``g v`` entries, so the chunks held after each
-    steady-state forward repeat too, and the first ``g v`` steady steps (after the warm-up,
-    which only adds) reach every state the whole order reaches. The states (chunks held per
-    chunk index) are cached per shape."""
+    all ``m`` micro-batches each time: the table repeats every ``g v`` entries (``g`` the group,
+    ``group``, default ``p``), so the chunks held after each steady-state forward repeat too,
+    and the first ``g v`` steady steps (after the warm-up, which only adds) reach every state
+    the whole order reaches before its last group. When ``m`` is not a multiple of ``g`` that
+    last group is shorter; a shorter order with the same remainder ends in the same way. The
+    states (chunks held per chunk index) are cached per shape."""
     g = p if group is None else group
+    warm = warmup_count(p, r, 10**9, v, g)
+    enough = g * -(-(warm + g * v + 1) // (g * v))
     if m % g == 0:
-        warm = warmup_count(p, r, 10**9, v, g)
-        enough = g * -(-(warm + g * v + 1) // (g * v))
         m = min(m, enough)
+    else:  # a last group of m % g: the same steady states, then the same last group and drain
+        m = min(m, enough + g + m % g)
     return float((_held_states(p, r, m, v, g) @ np.asarray(weights, dtype=float)).max())
 
 

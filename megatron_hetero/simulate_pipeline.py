@@ -1,0 +1,220 @@
+"""One pipeline under Megatron's 1F1B schedule (non-interleaved or interleaved), simulated op
+by op (:func:`interleaved_1f1b`), and in bounded time for any number of micro-batches
+(:func:`pipeline_run`).
+
+Every op starts when its stage is free and the op it waits for has ended and its activations
+(or gradients) have crossed the link; the durations are the same for every micro-batch. Such a
+schedule is a max-plus linear system: past its warm-up the ends of the ops repeat, every ``c``
+micro-batches, shifted by the same time. :func:`pipeline_run` simulates a short probe of the
+pipeline, finds that period from it, checks it on two more short runs and moves their ends on
+by the whole periods a long run adds; where no period shows it simulates every op.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from .cost.schedule import rank_order_cached
+
+__all__ = ["one_f_one_b", "interleaved_1f1b", "pipeline_run", "DIRECT_MICROBATCHES"]
+
+DIRECT_MICROBATCHES = 256
+"""Pipelines of up to this many micro-batches are simulated op by op (:func:`pipeline_run`)."""
+
+_TOLERANCE = 1e-9
+"""Relative agreement asked of the repeats of the steady state."""
+
+
+def pipeline_run(fwd: list[list[float]], bwd: list[list[float]], send_f: list[float],
+                 send_b: list[float], m: int, *, record: bool = False,
+                 group: int | None = None):
+    """What :func:`interleaved_1f1b` returns, in time that does not grow with ``m``: a run of
+    more than :data:`DIRECT_MICROBATCHES` micro-batches (without ``record``: its events would
+    be as many) is extrapolated from its steady state (:func:`_steady_state_run`) when that
+    repeats within a short probe, else simulated op by op."""
+    if record or m <= DIRECT_MICROBATCHES:
+        return interleaved_1f1b(fwd, bwd, send_f, send_b, m, record=record, group=group)
+    got = _steady_state_run(fwd, bwd, send_f, send_b, m, group=group)
+    if got is None:
+        return interleaved_1f1b(fwd, bwd, send_f, send_b, m, group=group)
+    return got
+
+
+def _steady_state_run(fwd, bwd, send_f, send_b, m: int, *, group: int | None):
+    """:func:`interleaved_1f1b`'s answer for ``m`` micro-batches from three short runs, or None
+    when the steady state does not repeat within them (or ``m`` is too short to gain).
+
+    The order repeats every ``q`` micro-batches (1; interleaved, the micro-batch group). A probe
+    of a few hundred micro-batches at most gives each stage's end of its backward of every
+    micro-batch; the period ``c`` (a multiple of ``q``) is the shortest after which all of them,
+    past the warm-up and before the drain, end the same time later (a longer probe while none
+    does: a transient can outlast the warm-up, as long as ``m`` stays twice the probe). Two runs of ``n`` and
+    ``n + c`` micro-batches, ``n`` as long as the probe and congruent to ``m`` modulo ``c``, must
+    then differ by that time in every figure; ``m`` adds ``(m - n) / c`` such periods."""
+    p, v = len(fwd), len(fwd[0])
+    q = 1 if v == 1 else (p if group is None else group)
+    tail = 2 * p + v * q  # micro-batches whose backwards may fall in the drain
+    longest = q * p  # the longest period looked for
+    start = tail  # past the warm-up and its transient; doubled while none repeats
+    while True:
+        probe = start + 3 * longest + tail
+        probe += (m - probe) % q  # the same remainder modulo q as m
+        if m < 2 * probe:
+            return None
+        run = _run(fwd, bwd, send_f, send_b, probe, group=group, record=False)
+        end, (stage, dur_of, _, _, mb_of) = run[3], run[5]
+        ends = [[0.0] * p for _ in range(probe)]
+        for k, s in enumerate(stage):
+            if dur_of[k] == v:  # the backward of chunk 0
+                ends[mb_of[k]][s] = end[k]
+        period = _period(ends, first=start, stop=probe - tail, step=q, longest=longest)
+        if period is not None:
+            break
+        start *= 2
+    n = probe + (m - probe) % period
+    one = run if n == probe else _run(fwd, bwd, send_f, send_b, n, group=group, record=False)
+    two = _run(fwd, bwd, send_f, send_b, n + period, group=group, record=False)
+    a, b = _figures(one), _figures(two)
+    shift = b[0] - a[0]
+    if not all(_close(y - x, shift, scale=y) for x, y in zip(a, b)):
+        return None
+    periods = (m - n) // period
+    free = [x + periods * shift for x in one[0]]
+    last_b = [[x + periods * shift for x in row] for row in one[2]]
+    busy = [m * sum(list(f) + list(b)) for f, b in zip(fwd, bwd)]  # as _run sums
+    return free, busy, last_b, []
+
+
+def _period(ends: list[list[float]], *, first: int, stop: int, step: int,
+            longest: int) -> int | None:
+    """The least multiple ``c`` of ``step`` up to ``longest`` such that every stage's ends in
+    micro-batches ``first .. stop`` recur ``c`` micro-batches later by one common shift."""
+    for c in range(step, longest + 1, step):
+        if first + c >= stop:
+            return None
+        shift = ends[first + c][0] - ends[first][0]
+        if all(_close(ends[i + c][s] - ends[i][s], shift, scale=ends[i + c][s])
+               for i in range(first, stop - c) for s in range(len(ends[i]))):
+            return c
+    return None
+
+
+def _figures(run) -> list[float]:
+    """The times of a run that move with its length: each stage's finish and its last
+    backwards' starts."""
+    return list(run[0]) + [x for row in run[2] for x in row]
+
+
+def _close(x: float, y: float, *, scale: float) -> bool:
+    return abs(x - y) <= _TOLERANCE * max(abs(scale), 1e-30)
+
+
+def one_f_one_b(fwd: list[float], bwd: list[float], send_f: list[float], send_b: list[float],
+                m: int, *, record: bool = False):
+    """Simulate one pipeline. ``send_f[s]``/``send_b[s]``: seconds over the link between stage
+    ``s`` and ``s + 1``. Returns (finish, busy, last_backward_start, events) per stage, where
+    events is a list of (stage, kind, microbatch, start, end) when ``record``: the interleaved
+    schedule's simulation with one model chunk per stage (its order is then plain 1F1B)."""
+    free, busy, last_b, events = interleaved_1f1b([[f] for f in fwd], [[b] for b in bwd],
+                                                  send_f, send_b, m, record=record)
+    return free, busy, [x[0] for x in last_b], [e[:5] for e in events]
+
+
+@lru_cache(maxsize=256)
+def _compiled_order(p: int, m: int, v: int, group: int | None = None):
+    """Every op of a ``p``-stage pipeline of ``m`` micro-batches and ``v`` chunks (micro-batch
+    group ``group``, default ``p``: :func:`.cost.schedule.rank_order`) in one order
+    that respects each rank's run order and every cross-stage dependency (a topological
+    order, which does not depend on the durations), as flat columns: the op's stage, its
+    duration index (``kind * v + chunk``), the index of the op it waits for (-1: none), the
+    link that dependency crosses (-1: none), its micro-batch; and per (stage, chunk) the index
+    of its last backward. The simulation is then one pass over these columns."""
+    ops = [rank_order_cached(p, s, m, v, group) for s in range(p)]
+    vm = v * m
+    where = [-1] * (2 * p * vm)  # op (stage, kind, chunk, micro-batch) -> its position
+    stage, dur_of, dep_of, link_of, mb_of = [], [], [], [], []
+    ptr = [0] * p
+    remaining = sum(len(o) for o in ops)
+    while remaining:
+        progressed = False
+        for s in range(p):
+            seq = ops[s]
+            n = len(seq)
+            while ptr[s] < n:
+                kind, i, c = seq[ptr[s]]
+                if kind == 0:
+                    if s > 0:
+                        dep, link = ((s - 1) * 2 * vm + c * m + i), s - 1
+                    elif c > 0:
+                        dep, link = ((p - 1) * 2 * vm + (c - 1) * m + i), p - 1
+                    else:
+                        dep, link = -1, -1
+                elif s < p - 1:
+                    dep, link = ((s + 1) * 2 * vm + vm + c * m + i), s
+                elif c < v - 1:
+                    dep, link = (vm + (c + 1) * m + i), p - 1
+                else:
+                    dep, link = (s * 2 * vm + c * m + i), -1
+                if dep >= 0:
+                    dep = where[dep]
+                    if dep < 0:
+                        break
+                where[s * 2 * vm + kind * vm + c * m + i] = len(stage)
+                stage.append(s)
+                dur_of.append(kind * v + c)
+                dep_of.append(dep)
+                link_of.append(link)
+                mb_of.append(i)
+                ptr[s] += 1
+                remaining -= 1
+                progressed = True
+        assert progressed, "1F1B schedule deadlocked"
+    last_b = tuple(tuple(where[s * 2 * vm + vm + c * m + m - 1] for c in range(v)) for s in range(p))
+    return (tuple(stage), tuple(dur_of), tuple(dep_of), tuple(link_of), tuple(mb_of)), last_b
+
+
+def interleaved_1f1b(fwd: list[list[float]], bwd: list[list[float]], send_f: list[float],
+                     send_b: list[float], m: int, *, record: bool = False,
+                     group: int | None = None):
+    """Simulate one pipeline under the interleaved schedule. ``fwd[s][c]``/``bwd[s][c]``: seconds
+    of chunk ``c`` on stage ``s``; ``send_f[s]``/``send_b[s]``: seconds over the link between
+    stage ``s`` and ``s + 1``, index ``p - 1`` the link from the last stage back to the first.
+    ``group``: micro-batches per chunk in a row (Megatron's default ``p`` when None).
+    Returns what :func:`one_f_one_b` returns, except that the last backward's start is per
+    stage and chunk; events are (stage, kind, microbatch, start, end, chunk)."""
+    free, busy, last_b_start, end, start, columns = _run(fwd, bwd, send_f, send_b, m,
+                                                        group=group, record=record)
+    events: list[tuple] = []
+    if record:
+        stage, dur_of, _, _, mb_of = columns
+        v = len(fwd[0])
+        events = [(s, "FB"[dur_of[k] >= v], mb_of[k], start[k], end[k], dur_of[k] % v)
+                  for k, s in enumerate(stage)]
+    return free, busy, last_b_start, events
+
+
+def _run(fwd, bwd, send_f, send_b, m: int, *, group: int | None, record: bool):
+    """One pass over the compiled order: (finish, busy and last backwards' starts per stage,
+    every op's end, every op's start when ``record``, the order's columns)."""
+    p, v = len(fwd), len(fwd[0])
+    columns, last_b = _compiled_order(p, m, v, group)
+    stage, dur_of, dep_of, link_of, _ = columns
+    durs = [list(f) + list(b) for f, b in zip(fwd, bwd)]
+    links = [list(send_f), list(send_b)]
+    end = [0.0] * len(stage)
+    start = [0.0] * len(stage) if record else None
+    free = [0.0] * p
+    for k, s in enumerate(stage):
+        t = free[s]
+        d = dep_of[k]
+        if d >= 0:
+            lk = link_of[k]
+            ready = end[d] + (links[dur_of[k] >= v][lk] if lk >= 0 else 0.0)
+            if ready > t:
+                t = ready
+        if record:
+            start[k] = t
+        free[s] = end[k] = t + durs[s][dur_of[k]]
+    busy = [m * sum(row) for row in durs]
+    last_b_start = [[end[k] - durs[s][v + c] for c, k in enumerate(last_b[s])] for s in range(p)]
+    return free, busy, last_b_start, end, start, columns

@@ -1,0 +1,93 @@
+#!/usr/bin/env python
+"""Search time against the global batch size, measured side by side in one run.
+
+For each scenario (default: the 16- and 32-GPU ones in examples/scenarios/) it tunes the pool at
+the scenario's global batch size, at 16384 and at 10^6, and prints each search's CPU seconds, its
+ratio to the scenario's, the structures evaluated and the simulations of the local search.
+Then, for the plan tuned at 16384, it simulates every pipeline of it both ways: op by op
+(simulate_pipeline.interleaved_1f1b) and from the periodic steady state
+(simulate_pipeline.pipeline_run), and prints their seconds and the largest relative difference
+of the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _trees  # noqa: E402
+
+_trees.use_tree()
+
+from bench_tuner import SCENARIOS, load_scenario  # noqa: E402
+from megatron_hetero.simulate_pipeline import interleaved_1f1b, pipeline_run  # noqa: E402
+from megatron_hetero.tuner import TuneOptions, tune  # noqa: E402
+
+DEFAULT = ("a100-v100-llama2-7b", "4090-3090-a100-llama2-7b", "h100-a100-llama2-13b")
+
+
+def _pipelines(plan, cost):
+    """(fwd, bwd, sends, m, group) of every distinct pipeline of ``plan``."""
+    from megatron_hetero.cost.stage import StageShape
+    placement = cost.placement(plan)
+    out = {}
+    for d, pipe in enumerate(plan.pipelines):
+        times = [cost.chunk_times(StageShape.of(plan, d, s))
+                 for s in range(plan.pipeline_model_parallel_size)]
+        bws = placement.pipeline_links(d, plan.virtual_pipeline_size > 1)
+        sends = [cost.p2p_seconds(pipe.micro_batch_size, bw, tp=plan.tensor_model_parallel_size,
+                                  sp=plan.sequence_parallel) for bw in bws]
+        key = (tuple(tuple((c.forward_s, c.backward_s) for c in t) for t in times), tuple(sends),
+               pipe.num_microbatches)
+        out[key] = ([[c.forward_s for c in t] for t in times],
+                    [[c.backward_s for c in t] for t in times], sends, pipe.num_microbatches,
+                    plan.microbatch_group_size)
+    return list(out.values())
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("scenarios", nargs="*", help="scenario files (default: %s)" % ", ".join(DEFAULT))
+    args = ap.parse_args(argv)
+    paths = [Path(p) for p in args.scenarios] or [SCENARIOS / f"{n}.yaml" for n in DEFAULT]
+    print(f"{'scenario':28s} {'GPUs':>5s} {'GBS':>8s} {'cpu s':>7s} {'x base':>7s} "
+          f"{'structures':>10s} {'sims':>5s} {'step s':>12s}")
+    for path in paths:
+        inventory, model, gbs, _ = load_scenario(path)
+        base = None
+        for g in sorted({128, gbs, 16384, 10**6}):
+            t = time.process_time()
+            r = tune(model, inventory, g, options=TuneOptions())
+            cpu = time.process_time() - t
+            base = base or cpu
+            print(f"{path.stem:28s} {inventory.num_gpus:5d} {g:8d} {cpu:7.2f} {cpu / base:7.2f} "
+                  f"{r.structures_evaluated:10d} {getattr(r, 'refine_simulations', 0):5d} "
+                  f"{r.sim.step_time_s:12.2f}")
+            sys.stdout.flush()
+            if g == 16384:
+                plan16k, cost = r.plan, r.cost if hasattr(r, "cost") else None
+        if cost is None:
+            from megatron_hetero.tuner.problem import Problem
+            cost = Problem(model, inventory, 16384, {}, TuneOptions()).cost(plan16k.precision)
+        for fwd, bwd, sends, m, group in _pipelines(plan16k, cost):
+            t0 = time.process_time()
+            exact = interleaved_1f1b(fwd, bwd, sends, sends, m, group=group)
+            t1 = time.process_time()
+            fast = pipeline_run(fwd, bwd, sends, sends, m, group=group)
+            t2 = time.process_time()
+            a = list(exact[0]) + [x for row in exact[2] for x in row]
+            b = list(fast[0]) + [x for row in fast[2] for x in row]
+            err = max(abs(x - y) / abs(x) for x, y in zip(a, b) if x)
+            print(f"  16384 plan, pipeline of {len(fwd)} stages x {len(fwd[0])} chunks, {m} "
+                  f"micro-batches: op by op {t1 - t0:.4f} s, steady state {t2 - t1:.4f} s "
+                  f"({(t1 - t0) / max(t2 - t1, 1e-9):.0f}x), largest relative difference {err:.1e}")
+    print("\ncpu s: the search's CPU seconds in this process; x base: over the search at GBS 128 (the "
+          "smallest; sims: simulations of the local search.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
