@@ -84,8 +84,8 @@ def main(argv=None) -> int:
             print(f"  16384 plan, pipeline of {len(fwd)} stages x {len(fwd[0])} chunks, {m} "
                   f"micro-batches: op by op {t1 - t0:.4f} s, steady state {t2 - t1:.4f} s "
                   f"({(t1 - t0) / max(t2 - t1, 1e-9):.0f}x), largest relative difference {err:.1e}")
-    print("\ncpu s: the search's CPU seconds in this process; x base: over the search at GBS 128 (the "
-          "smallest; sims: simulations of the local search.")
+    print("\ncpu s: the search's CPU seconds in this process; x base: over the search at GBS 128; "
+          "sims: simulations of the local search.")
     return 0
 
 
