@@ -24,7 +24,9 @@ original:
     (uneven plans) runs this replica's ``num_microbatches`` x ``micro_batch_size`` in every
     step while Megatron's step accounting keeps counting the global batch (the interleaved
     schedule too: every replica's count is a multiple of the pipeline size, the schedule's
-    micro-batch group).
+    micro-batch group); on a replica whose plan stages ask for more warm-up than Megatron's
+    (``warmup_microbatches``), the schedule is the per-stage warm-up one built from
+    megatron-core's pieces (:mod:`megatron_hetero.mcore.warmup_schedule`).
 ``megatron.training.training.build_pretraining_data_loader``
     (uneven plans) reads this replica's share of every global batch (:mod:`.sampler`).
 
@@ -41,6 +43,7 @@ from dataclasses import dataclass
 
 from ..errors import HeteroError
 from ..mcore.stage_policies import stage_config_kwargs
+from ..mcore.warmup_schedule import schedule_for
 from ..plan import Plan, Slot, Stage, load_plan
 from . import plan_args, policies
 from ._rebind import is_wrapper, rebind
@@ -260,7 +263,10 @@ def _wrap_get_fb(original):
     @functools.wraps(original)
     def get_forward_backward_func(*a, **kw):
         fb = original(*a, **kw)
-        if _state is not None:  # ranks that offload nothing join the others' offload summary
+        if _state is not None:
+            # the plan's per-stage warm-up where it asks for more than Megatron's on this replica
+            fb = schedule_for(_state.plan, _state.slot.pipeline, fb)
+            # ranks that offload nothing join the others' offload summary
             fb = policies.join_offload_summary(fb, _state.plan, _state.stage)
         return replica_forward_backward(fb) if _uneven() else fb
     return get_forward_backward_func
