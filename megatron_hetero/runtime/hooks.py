@@ -45,6 +45,7 @@ from ..errors import HeteroError
 from ..mcore.stage_policies import stage_config_kwargs
 from ..mcore.warmup_schedule import schedule_for
 from ..plan import Plan, Slot, Stage, load_plan
+from ..schedule_order import stage_schedule
 from . import plan_args, policies
 from ._rebind import is_wrapper, rebind
 from .arguments import add_hetero_args
@@ -84,10 +85,15 @@ class RankState:
                                          if s.recompute.granularity == "full" else "")
         chunks = (f" in chunks {'+'.join(map(str, s.chunk_layers))}"
                   if self.plan.virtual_pipeline_size > 1 else "")
+        sched = (stage_schedule(self.plan, self.slot.pipeline, self.slot.stage)
+                 if self.plan.virtual_pipeline_size == 1 else None)
+        warmup = (f"; warm-up {sched.warmup} micro-batches (Megatron's {sched.megatron_warmup})"
+                  if sched is not None and s.warmup_microbatches is not None else "")
         return (f"megatron-hetero: launcher rank {self.launcher_rank} ({self.device_type}) -> "
                 f"Megatron rank {self.megatron_rank}: pipeline {self.slot.pipeline} stage "
                 f"{self.slot.stage} tp {self.slot.tensor_rank}; {s.num_layers} layers{chunks}; "
-                f"{p.num_microbatches} micro-batches of {p.micro_batch_size}; recompute {rec}; "
+                f"{p.num_microbatches} micro-batches of {p.micro_batch_size}{warmup}; "
+                f"recompute {rec}; "
                 f"optimizer offload {s.offload.optimizer_fraction:g}"
                 + ("; module inputs offloaded to host" if s.offload.module_inputs else ""))
 
