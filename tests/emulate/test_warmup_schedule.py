@@ -189,3 +189,43 @@ def test_link_latency_makes_a_step_longer():
         steps[latency] = min(max(r.step_times[k] for r in result.ranks) for k in range(1, 3))
     # the first activation and the last gradient both cross the link on the critical path
     assert steps[0.2] >= steps[0.0] + 0.2
+
+
+def _rehearsal_files(tmp_path, inter_group_gb_s: float):
+    """A 2-stage plan (A100 then V100, 4 micro-batches, the A100 stage warming up 3) and an
+    inventory that joins the two types by ``inter_group_gb_s``."""
+    import yaml
+
+    plan = _with_warmups(tiny_plan([2, 2], [(1, 4)], hidden_size=256, num_attention_heads=8,
+                                   ffn_hidden_size=688, vocab_size=1000, seq_length=256),
+                         [[3, None]])
+    data = plan.to_data()
+    data["pipelines"][0]["stages"][1]["device_type"] = "V100-SXM2-32GB"
+    (tmp_path / "plan.yaml").write_text(yaml.safe_dump(data))
+    (tmp_path / "inventory.yaml").write_text(yaml.safe_dump({
+        "groups": [{"gpu": "A100-SXM-80GB", "nodes": 1, "gpus_per_node": 1},
+                   {"gpu": "V100-SXM2-32GB", "nodes": 1, "gpus_per_node": 1}],
+        "inter_group_bandwidth_gb_s": inter_group_gb_s}))
+    return str(tmp_path / "plan.yaml"), str(tmp_path / "inventory.yaml")
+
+
+def test_rehearse_emulate_links_needs_the_inventory(tmp_path, capsys):
+    from megatron_hetero.cli import main
+
+    plan, _ = _rehearsal_files(tmp_path, 1.0)
+    assert main(["rehearse", plan, "--emulate-links"]) == 1
+    assert "--emulate-links) needs the inventory (--inventory)" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_rehearse_with_emulated_links_runs_the_warmup_plan_exactly(tmp_path, capsys):
+    """The rehearsal of a plan with extra warm-up over a 1 GB/s link between its two GPU types,
+    links emulated: it reports the links and --verify matches one process."""
+    from megatron_hetero.cli import main
+
+    plan, inventory = _rehearsal_files(tmp_path, 1.0)
+    assert main(["rehearse", plan, "--inventory", inventory, "--emulate-links", "--steps", "2",
+                 "--hidden-size", "32", "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "links: emulated from the inventory, scaled" in out
+    assert "verify: losses and final parameters match" in out
