@@ -17,6 +17,6 @@ and megatron-core run on CPU processes.
 
 ``runtime``, ``emulate`` and ``profiler`` build megatron-core objects through this package and
 never import one another. It depends on :mod:`megatron_hetero.plan` (and its
-:mod:`megatron_hetero.schedule_order`) and :mod:`megatron_hetero.models` only. Importing it imports neither torch nor megatron; the
-submodules do where they build something.
+:mod:`megatron_hetero.schedule_order`) and :mod:`megatron_hetero.models` only. Importing it
+imports neither torch nor megatron; the submodules do where they build something.
 """

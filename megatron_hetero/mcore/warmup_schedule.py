@@ -30,8 +30,9 @@ on another in a cycle. :func:`~megatron_hetero.schedule_order.stage_program` has
 and a test runs every stage's program against such a transport.
 
 Evaluation (``forward_only``) runs Megatron's own schedule: without backwards the order of
-forwards is the same. Not supported (refused with a message): variable sequence lengths,
-``adjust_tensor_shapes_fn``, ring-exchange p2p and local CUDA graphs.
+forwards is the same. Not supported (:func:`unsupported`; the runtime refuses them at start,
+the schedule again when called): variable sequence lengths, ``adjust_tensor_shapes_fn``,
+ring-exchange p2p and local CUDA graphs.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from ..errors import HeteroError
 from ..plan import Plan
 from ..schedule_order import has_extra_warmup, pipeline_warmups, stage_program
 
-__all__ = ["schedule_for", "warmup_forward_backward"]
+__all__ = ["schedule_for", "warmup_forward_backward", "unsupported", "refusal"]
 
 
 def schedule_for(plan: Plan, pipeline: int, forward_backward):
@@ -265,17 +266,33 @@ def _groups(p2p_communicator, pg_collection):
     return pp, pg_collection.tp, pg_collection.cp, pg_collection
 
 
-def _refuse_unsupported(config, adjust_tensor_shapes_fn) -> None:
+def unsupported(*, variable_seq_lengths: bool = False, adjust_tensor_shapes: bool = False,
+                ring_exchange: bool = False, cuda_graph_impl: str | None = None) -> list[str]:
+    """What of these settings the per-stage warm-up schedule cannot run (empty: all fine)."""
     problems = []
-    if config.variable_seq_lengths or getattr(config, "mtp_standalone", False):
+    if variable_seq_lengths:
         problems.append("variable sequence lengths (variable_seq_lengths, MTP standalone)")
-    if adjust_tensor_shapes_fn is not None:
+    if adjust_tensor_shapes:
         problems.append("adjusted tensor shapes (adjust_tensor_shapes_fn)")
-    if config.use_ring_exchange_p2p:
+    if ring_exchange:
         problems.append("ring-exchange p2p (use_ring_exchange_p2p)")
-    if getattr(config, "cuda_graph_impl", "none") == "local":
+    if cuda_graph_impl == "local":
         problems.append("local CUDA graphs (cuda_graph_impl local)")
+    return problems
+
+
+def refusal(problems: list[str]) -> HeteroError:
+    return HeteroError("the plan's per-stage warm-up (warmup_microbatches) runs a schedule that "
+                       "does not support " + "; ".join(problems) + "; leave the warm-up to "
+                       "Megatron (remove warmup_microbatches) or turn these off")
+
+
+def _refuse_unsupported(config, adjust_tensor_shapes_fn) -> None:
+    problems = unsupported(
+        variable_seq_lengths=bool(config.variable_seq_lengths
+                                  or getattr(config, "mtp_standalone", False)),
+        adjust_tensor_shapes=adjust_tensor_shapes_fn is not None,
+        ring_exchange=bool(config.use_ring_exchange_p2p),
+        cuda_graph_impl=getattr(config, "cuda_graph_impl", None))
     if problems:
-        raise HeteroError("the plan's per-stage warm-up (warmup_microbatches) runs a schedule "
-                          "that does not support " + "; ".join(problems) + "; leave the "
-                          "warm-up to Megatron (remove warmup_microbatches) or turn these off")
+        raise refusal(problems)

@@ -43,9 +43,9 @@ from dataclasses import dataclass
 
 from ..errors import HeteroError
 from ..mcore.stage_policies import stage_config_kwargs
-from ..mcore.warmup_schedule import schedule_for
+from ..mcore.warmup_schedule import refusal, schedule_for, unsupported
 from ..plan import Plan, Slot, Stage, load_plan
-from ..schedule_order import stage_schedule
+from ..schedule_order import has_extra_warmup, stage_schedule
 from . import plan_args, policies
 from ._rebind import is_wrapper, rebind
 from .arguments import add_hetero_args
@@ -150,6 +150,7 @@ def before_validate(args, argv=None) -> RankState | None:
     policies.check_supported(plan, source=path, use_precision_aware_optimizer=getattr(
         args, "use_precision_aware_optimizer", None),
         transformer_impl=getattr(args, "transformer_impl", None))
+    _check_warmup_args(plan, args, source=path)
     launcher_rank, world = int(args.rank), int(args.world_size)
     device = detect_device_type(override=getattr(args, "hetero_device_type", None),
                                 catalog=plan.catalog,  # the built-in one plus the plan's gpus
@@ -169,6 +170,19 @@ def before_validate(args, argv=None) -> RankState | None:
             setattr(args, key, value)
     _state = st
     return st
+
+
+def _check_warmup_args(plan: Plan, args, *, source: str) -> None:
+    """Refuse, before anything is built, what the per-stage warm-up schedule cannot run when
+    some replica of ``plan`` runs it."""
+    if plan.virtual_pipeline_size > 1 or not any(has_extra_warmup(p) for p in plan.pipelines):
+        return
+    problems = unsupported(
+        variable_seq_lengths=bool(getattr(args, "variable_seq_lengths", False)),
+        ring_exchange=bool(getattr(args, "use_ring_exchange_p2p", False)),
+        cuda_graph_impl=getattr(args, "cuda_graph_impl", None))
+    if problems:
+        raise HeteroError(f"{source}: {refusal(problems)}")
 
 
 def after_validate(args) -> None:
