@@ -6,7 +6,8 @@ rehearsal's link emulation (megatron_hetero.emulate.links).
   process (losses rtol 1e-5, parameters rtol 1e-5 + atol 1e-5 as in test_equivalence) over 3
   steps: PP=3 with warm-ups 5, 3, 0 (Megatron: 2, 1, 0) under 0.05 s of link latency; PP=2 x
   DP=2 where only replica 0 asks for more (replica 1 runs Megatron's own schedule), with the
-  overlapped gradient reduction and the distributed optimizer.
+  overlapped gradient reduction and the distributed optimizer; TP=2 x PP=2 with micro-batches of
+  2, the first stage warming up all 3.
 - A message under link emulation takes its latency on both ends; 0.2 s of latency makes a step
   at least 0.2 s longer.
 """
@@ -46,14 +47,17 @@ PLANS = {
     "pp2_dp2_one_replica_warms_up": _with_warmups(
         tiny_plan([1, 5], [(1, 4), (1, 2)], overlap_grad_reduce=True,
                   use_distributed_optimizer=True), [[4, 1], [None, None]]),
+    "tp2_pp2_warmup_3_0": _with_warmups(tiny_plan([2, 4], [(2, 3)], tp=2), [[3, None]]),
 }
-LATENCY = {"pp3_warmup_5_3_0": 0.05, "pp2_dp2_one_replica_warms_up": 0.0}
+LATENCY = {"pp3_warmup_5_3_0": 0.05, "pp2_dp2_one_replica_warms_up": 0.0,
+           "tp2_pp2_warmup_3_0": 0.02}
 
 
 def _uniform_links(plan, latency_s: float) -> dict:
     """Every pipeline pair of ``plan`` on a fast link with ``latency_s`` per message."""
+    tp = plan.tensor_model_parallel_size
     inventory = inventory_from_data({"groups": [{"gpu": "A100-SXM-80GB", "nodes": plan.world_size,
-                                                 "gpus_per_node": 1}]})
+                                                 "gpus_per_node": tp}]})
     return plan_links(plan, inventory, latency_s=latency_s)
 
 
