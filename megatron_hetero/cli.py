@@ -125,6 +125,13 @@ def _add_rehearse(sub) -> None:
     p.add_argument("--nice", type=int, default=0, metavar="N",
                    help="os.nice increment of the CPU ranks (negative, as root, shields the "
                         "emulated timing on a busy machine)")
+    p.add_argument("--emulate-links", action="store_true",
+                   help="make each pipeline message wait bytes / bandwidth + latency of the link "
+                        "the inventory gives its two ranks, scaled like the compute (needs "
+                        "--inventory)")
+    p.add_argument("--link-latency", type=float, default=20e-6, metavar="S",
+                   help="latency of one message on the real links with --emulate-links, in "
+                        "seconds (default 2e-05)")
     p.add_argument("--max-ranks", type=int, default=16, help=argparse.SUPPRESS)
     p.set_defaults(handler="megatron_hetero.emulate.rehearse:rehearse_main")
 

@@ -21,6 +21,7 @@ from typing import Literal
 from ._schema import from_data, read_yaml, to_data, write_yaml
 from .errors import Described, SchemaError
 from .hardware.catalog import Catalog, GPUSpec, load_catalog
+from .schedule_order import check_warmups, group_fits
 
 __all__ = ["ModelSpec", "Recompute", "Offload", "Stage", "Pipeline", "Plan", "Slot",
            "load_plan", "save_plan", "plan_from_data", "group_fits", "chunk_recompute",
@@ -151,6 +152,12 @@ class Stage:
     chunk_layers: list[int] | None = None
     """With interleaved pipelining (``Plan.virtual_pipeline_size`` = v > 1): the layers of each
     of this stage's v model chunks, in chunk order; they add up to ``num_layers``."""
+    warmup_microbatches: int | None = None
+    """Warm-up forwards of this stage's 1F1B, run before it alternates forwards and backwards
+    (Megatron's ``num_warmup_microbatches``; None: its ``min(p - s - 1, num_microbatches)``).
+    More keeps micro-batches in flight so that sends over a slow link hide behind compute. At
+    most ``num_microbatches``, at least one more than the next stage's; non-interleaved plans
+    only (:mod:`.schedule_order`). Left out of the file when None."""
 
     def __post_init__(self) -> None:
         if self.num_layers < 0:
@@ -279,6 +286,7 @@ class Plan:
             raise SchemaError("", "sequence_parallel", True,
                               "false when tensor_model_parallel_size is 1")
         self._check_chunks()
+        check_warmups(self)
         samples = sum(p.samples for p in self.pipelines)
         if samples != self.global_batch_size:
             raise SchemaError("", "global_batch_size", self.global_batch_size,
@@ -435,13 +443,6 @@ class Plan:
         if self.microbatch_group_size is None:
             data.pop("microbatch_group_size", None)
         return data
-
-
-def group_fits(g: int, p: int, microbatches) -> bool:
-    """Whether Megatron's interleaved schedule takes micro-batch group ``g`` on ``p`` stages
-    for each of ``microbatches``: ``p <= g <= m``, the remainder of ``m`` over ``g`` 0 or at
-    least ``p``."""
-    return all(p <= g <= m and (m % g == 0 or m % g >= p) for m in microbatches)
 
 
 def chunk_recompute(recompute: Recompute, chunk_layers) -> tuple[Recompute, ...]:

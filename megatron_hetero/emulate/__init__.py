@@ -8,7 +8,8 @@
   its parts in :mod:`.shrink` (the shrunk plan), :mod:`.host` (host capacity, time
   scale), :mod:`.calibration` (per-device start-up calibration), :mod:`.drift` (CPU drift
   rescaling), :mod:`.prediction` (the emulated cluster's prediction), :mod:`.rank_hooks` (what
-  each rank runs around the trainer) and :mod:`.report` (per-stage results and the printout).
+  each rank runs around the trainer), :mod:`.links` (link emulation: pipeline messages take the
+  time of their link in the inventory) and :mod:`.report` (per-stage results and the printout).
 
 megatron-core's objects, the CPU backend and the gloo process spawner come from
 :mod:`megatron_hetero.mcore`. Importing this package imports neither torch nor megatron; the

@@ -99,16 +99,20 @@ def _world_allreduce_gb_s(plan: Plan) -> float:
 
 def rehearsal_hooks(plan: Plan, rank: int, *, factors: dict[str, float], time_scale: float,
                     caps: dict[int, tuple[float, float, float]] | None,
-                    enforce_caps: bool = True, nice: int = 0):
+                    enforce_caps: bool = True, nice: int = 0, links=None):
     """``hooks_factory`` of the rehearsal (runs inside each rank process): the rank's
     :class:`~.trainer.RankHooks` emulating its device's speed (``factors[device] / time_scale``
-    slower than the CPU, on top of the time scale) and, with ``caps``, its memory (``caps[rank]``
-    = (cap, device bytes, scale); enforced when ``enforce_caps``)."""
+    slower than the CPU, on top of the time scale), with ``caps`` its memory (``caps[rank]``
+    = (cap, device bytes, scale); enforced when ``enforce_caps``) and with ``links`` (every
+    rank's :func:`.links.plan_links` table) the time of its pipeline messages."""
+    from .links import emulate_links
     from .memory import MemoryMeter
     from .speed import SpeedEmulation
     from .trainer import RankHooks
 
     _renice(nice)
+    if links:
+        emulate_links(links, rank)
     allreduce_gb_s = _world_allreduce_gb_s(plan)
     slot = plan.slot_of_rank(rank)
     device = plan.stage(slot.pipeline, slot.stage).device_type

@@ -47,6 +47,7 @@ from ..plan import Plan
 from .calibration import Calibration, _mean, activation_scale, calibrate
 from .drift import cpu_drifts, in_run_calibrations, measured_allreduce_gb_s
 from .host import MAX_RANKS, auto_time_scale, check_host_capacity
+from .links import rehearsal_links
 from .prediction import predict, trainer_shards_optimizer
 from .rank_hooks import rehearsal_hooks, user_error
 from .report import RehearsalResult, format_report, stage_reports
@@ -79,6 +80,14 @@ class RehearsalConfig:
     max_ranks: int = MAX_RANKS
     timeout_s: float = 600.0
     """Hard limit on the whole multi-process run."""
+    emulate_links: bool = False
+    """Make every pipeline message take the time of the link the inventory gives its two ranks
+    (:mod:`.links`), scaled like the compute: a shrunk message takes the rehearsal's stretch
+    (emulated over real seconds of a layer) times what the real one takes on the real link.
+    Needs the inventory."""
+    link_latency_s: float = 20e-6
+    """Latency of one real pipeline message on every link, with ``emulate_links`` (seconds on
+    the real cluster, scaled like the bandwidth; the cost model's default)."""
 
     def __post_init__(self) -> None:
         if self.steps < 2:
@@ -87,18 +96,24 @@ class RehearsalConfig:
             raise ValueError(f"hidden_size must be at least 8, got {self.hidden_size}")
         if self.time_scale is not None and self.time_scale < 1:
             raise ValueError(f"time_scale must be >= 1, got {self.time_scale}")
+        if not self.link_latency_s >= 0:
+            raise ValueError(f"link_latency_s must be >= 0, got {self.link_latency_s}")
 
 
 def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Catalog | None = None,
              verify: bool = False, source: str = "PLAN", progress=None,
-             calibration: Calibration | None = None) -> RehearsalResult:
-    """Shrink, check, calibrate, run and predict ``plan`` (see the module docstring)."""
+             calibration: Calibration | None = None, inventory=None) -> RehearsalResult:
+    """Shrink, check, calibrate, run and predict ``plan`` (see the module docstring);
+    ``inventory`` gives the links of ``config.emulate_links``."""
     from ..mcore.spawn import SpawnError
     from .memory import memory_caps
     from .speed import device_slowdowns
     from .trainer import TrainConfig, compare_results, reference_plan, train_plan
 
     config = config or RehearsalConfig()
+    if config.emulate_links and inventory is None:
+        raise HeteroError(f"{source}: link emulation (--emulate-links) needs the inventory "
+                          "(--inventory): the links between the plan's GPUs come from it")
     catalog = catalog or plan.catalog or load_catalog()
     say = progress or (lambda msg: None)
     shrunk, kept_inputs = without_module_inputs(shrink_plan(plan, config.hidden_size, catalog),
@@ -109,17 +124,7 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
     factors = {d: s * time_scale for d, s in slowdowns.items()}
     if calibration is None:
         say("calibrating the CPU and gloo")
-        # each device's rank sleeps factor - 1 times every step after it, and a CPU step that
-        # follows such an idle gap costs more than one run back to back: measure that penalty
-        # per device (none at factor 1; docs/calibration.md)
-        by_idle: dict[float, Calibration] = {}
-        for d in sorted(factors, key=lambda d: factors[d]):
-            idle = round(max(0.0, factors[d] - 1.0), 3)
-            if idle not in by_idle:
-                by_idle[idle] = calibrate(shrunk, seed=config.seed, nice=config.nice,
-                                          idle_factor=idle,
-                                          meter=config.meter_memory or config.memory_cap)
-        calibrations = {d: by_idle[round(max(0.0, f - 1.0), 3)] for d, f in factors.items()}
+        calibrations = _calibrate_devices(shrunk, factors, config)
         calibration = calibrations[min(factors, key=lambda d: (factors[d], d))]
     else:
         calibrations = calibration
@@ -130,9 +135,10 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
     tconf = TrainConfig(steps=config.steps, seed=config.seed, gather_params=verify,
                         eval_forward_only=verify, timeout_s=config.timeout_s)
     metered = config.meter_memory or config.memory_cap
+    links, link_stretch = _links(plan, shrunk, config, inventory, calibration, factors)
     hooks = functools.partial(rehearsal_hooks, factors=factors, time_scale=time_scale,
                               caps=caps if metered else None, enforce_caps=config.memory_cap,
-                              nice=config.nice)
+                              nice=config.nice, links=links)
     try:
         result = train_plan(shrunk, tconf, hooks_factory=hooks)
     except SpawnError as exc:
@@ -167,7 +173,34 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
                            a_priori_step_s=a_priori.step_time_s, cpu_drift=drift,
                            cpu_drifts=drifts,
                            losses=result.losses, calibration=calibration, time_scale=time_scale,
-                           verify_message=verify_message, kept_module_inputs=kept_inputs)
+                           verify_message=verify_message, kept_module_inputs=kept_inputs,
+                           links=links, link_stretch=link_stretch)
+
+
+def _calibrate_devices(shrunk: Plan, factors: dict[str, float],
+                       config: RehearsalConfig) -> dict[str, Calibration]:
+    """One calibration per device type: each device's rank sleeps factor - 1 times every step
+    after it, and a CPU step that follows such an idle gap costs more than one run back to back,
+    so the penalty is measured per device (none at factor 1; docs/calibration.md)."""
+    by_idle: dict[float, Calibration] = {}
+    for d in sorted(factors, key=lambda d: factors[d]):
+        idle = round(max(0.0, factors[d] - 1.0), 3)
+        if idle not in by_idle:
+            by_idle[idle] = calibrate(shrunk, seed=config.seed, nice=config.nice,
+                                      idle_factor=idle,
+                                      meter=config.meter_memory or config.memory_cap)
+    return {d: by_idle[round(max(0.0, f - 1.0), 3)] for d, f in factors.items()}
+
+
+def _links(plan: Plan, shrunk: Plan, config: RehearsalConfig, inventory, calibration,
+           factors: dict[str, float]):
+    """(:func:`.links.rehearsal_links` table, its time stretch), or (None, None) without
+    ``config.emulate_links``."""
+    if not config.emulate_links:
+        return None, None
+    fastest = min(factors, key=lambda d: (factors[d], d))
+    return rehearsal_links(plan, shrunk, inventory, calibration=calibration,
+                           factor=factors[fastest], latency_s=config.link_latency_s)
 
 
 def rehearse_main(args) -> int:
@@ -187,11 +220,14 @@ def rehearse_main(args) -> int:
     try:
         config = RehearsalConfig(steps=args.steps, hidden_size=args.hidden_size,
                                  time_scale=args.time_scale, memory_cap=not args.no_memory_cap,
-                                 seed=args.seed, max_ranks=args.max_ranks, nice=args.nice)
+                                 seed=args.seed, max_ranks=args.max_ranks, nice=args.nice,
+                                 emulate_links=args.emulate_links,
+                                 link_latency_s=args.link_latency)
     except ValueError as exc:
         raise HeteroError(str(exc)) from None
     result = rehearse(plan, config, catalog=catalog, verify=args.verify, source=args.plan,
-                      progress=lambda msg: print(f"[rehearse] {msg}", file=sys.stderr, flush=True))
+                      progress=lambda msg: print(f"[rehearse] {msg}", file=sys.stderr, flush=True),
+                      inventory=inventory)
     print(format_report(result, source=args.plan, real=plan.model))
     if args.verify:
         if result.verify_message is not None:

@@ -79,6 +79,11 @@ class RehearsalResult:
     kept_module_inputs: list[tuple[int, int]] = field(default_factory=list)
     """(pipeline, stage) slots whose ``offload.module_inputs`` the CPU ranks did not run
     (:func:`.shrink.without_module_inputs`)."""
+    links: dict | None = None
+    """With link emulation: ``(sender rank, receiver rank) -> Link`` the pipeline messages took
+    (:func:`.links.rehearsal_links`); None without."""
+    link_stretch: float | None = None
+    """With link emulation: emulated seconds per real second the link times were scaled by."""
 
     @property
     def ratio(self) -> float | None:
@@ -166,6 +171,11 @@ def format_report(result: RehearsalResult, *, source: str = "PLAN",
             f" {st.predicted_sync_s:>6.3f}"
             f" | {mem:>17}")
     lines.append("")
+    if result.links:
+        slowest = min(result.links.values(), key=lambda x: x.bandwidth_bytes_s)
+        lines.append(f"links: emulated from the inventory, scaled {result.link_stretch:.3g}x like "
+                     f"the compute; slowest {slowest.bandwidth_bytes_s / 1e6:.3g} MB/s of shrunk "
+                     f"messages + {slowest.latency_s * 1e6:.3g} us")
     if result.kept_module_inputs:
         lines.append(module_inputs_note(result.kept_module_inputs))
     worst = max((st.drift_s for st in result.stages), default=0.0)

@@ -24,7 +24,8 @@ Public API
     ``plan.overlap_grad_reduce`` says), ``get_megatron_optimizer`` (Adam,
     grad clipping; or SGD; distributed when ``config.use_distributed_optimizer`` says) and
     runs ``config.steps`` steps of Megatron's own schedule (1F1B when PP > 1, interleaved 1F1B
-    when the plan has virtual pipeline stages), then one
+    when the plan has virtual pipeline stages; the per-stage warm-up schedule of
+    :mod:`megatron_hetero.mcore.warmup_schedule` on a replica whose plan asks for it), then one
     forward-only pass. ``plan.precision`` is ignored: everything is fp32.
 ``train_plan(plan, config, hooks_factory=None) -> TrainResult``
     Spawns ``plan.world_size`` CPU processes running :func:`train_rank` and merges their
@@ -71,6 +72,7 @@ from typing import Any, Callable, ContextManager, Literal
 
 from ..mcore.config import plan_transformer_config
 from ..mcore.model import gpt_model, wrap_ddp
+from ..mcore.warmup_schedule import schedule_for
 from ..plan import ModelSpec, Pipeline, Plan, Slot, Stage
 from .params import init_params, local_params, merge_params
 
@@ -352,7 +354,7 @@ def train_rank(plan: Plan, rank: int, config: TrainConfig | None = None,
         if hooks.on_built:
             hooks.on_built(ddps, optimizer)
         _install_backward_hook()
-        forward_backward = get_forward_backward_func()
+        forward_backward = schedule_for(plan, slot.pipeline, get_forward_backward_func())
         last_stage = ps.is_pipeline_last_stage()  # holds the loss (on its last chunk)
 
         def run(step: int, forward_only: bool) -> float:

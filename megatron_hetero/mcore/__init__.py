@@ -12,9 +12,11 @@ and megatron-core run on CPU processes.
 - :mod:`.cpu_backend`: ``enable_cpu_backend()``, the redirects that make megatron-core run on CPU.
 - :mod:`.cuda_coverage`: the scan of megatron-core's source that pins the backend's table.
 - :mod:`.spawn`: ``spawn(fn, world_size)``, N gloo processes with results and failures collected.
+- :mod:`.warmup_schedule`: the non-interleaved 1F1B with the plan's per-stage warm-up, from
+  megatron-core's ``forward_step``, ``backward_step`` and ``P2PCommunicator`` (``schedule_for``).
 
 ``runtime``, ``emulate`` and ``profiler`` build megatron-core objects through this package and
-never import one another. It depends on :mod:`megatron_hetero.plan` and
-:mod:`megatron_hetero.models` only. Importing it imports neither torch nor megatron; the
-submodules do where they build something.
+never import one another. It depends on :mod:`megatron_hetero.plan` (and its
+:mod:`megatron_hetero.schedule_order`) and :mod:`megatron_hetero.models` only. Importing it
+imports neither torch nor megatron; the submodules do where they build something.
 """

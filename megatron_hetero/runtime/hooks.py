@@ -24,7 +24,9 @@ original:
     (uneven plans) runs this replica's ``num_microbatches`` x ``micro_batch_size`` in every
     step while Megatron's step accounting keeps counting the global batch (the interleaved
     schedule too: every replica's count is a multiple of the pipeline size, the schedule's
-    micro-batch group).
+    micro-batch group); on a replica whose plan stages ask for more warm-up than Megatron's
+    (``warmup_microbatches``), the schedule is the per-stage warm-up one built from
+    megatron-core's pieces (:mod:`megatron_hetero.mcore.warmup_schedule`).
 ``megatron.training.training.build_pretraining_data_loader``
     (uneven plans) reads this replica's share of every global batch (:mod:`.sampler`).
 
@@ -41,7 +43,9 @@ from dataclasses import dataclass
 
 from ..errors import HeteroError
 from ..mcore.stage_policies import stage_config_kwargs
+from ..mcore.warmup_schedule import refusal, schedule_for, unsupported
 from ..plan import Plan, Slot, Stage, load_plan
+from ..schedule_order import has_extra_warmup, stage_schedule
 from . import plan_args, policies
 from ._rebind import is_wrapper, rebind
 from .arguments import add_hetero_args
@@ -81,10 +85,15 @@ class RankState:
                                          if s.recompute.granularity == "full" else "")
         chunks = (f" in chunks {'+'.join(map(str, s.chunk_layers))}"
                   if self.plan.virtual_pipeline_size > 1 else "")
+        sched = (stage_schedule(self.plan, self.slot.pipeline, self.slot.stage)
+                 if self.plan.virtual_pipeline_size == 1 else None)
+        warmup = (f"; warm-up {sched.warmup} micro-batches (Megatron's {sched.megatron_warmup})"
+                  if sched is not None and s.warmup_microbatches is not None else "")
         return (f"megatron-hetero: launcher rank {self.launcher_rank} ({self.device_type}) -> "
                 f"Megatron rank {self.megatron_rank}: pipeline {self.slot.pipeline} stage "
                 f"{self.slot.stage} tp {self.slot.tensor_rank}; {s.num_layers} layers{chunks}; "
-                f"{p.num_microbatches} micro-batches of {p.micro_batch_size}; recompute {rec}; "
+                f"{p.num_microbatches} micro-batches of {p.micro_batch_size}{warmup}; "
+                f"recompute {rec}; "
                 f"optimizer offload {s.offload.optimizer_fraction:g}"
                 + ("; module inputs offloaded to host" if s.offload.module_inputs else ""))
 
@@ -141,6 +150,7 @@ def before_validate(args, argv=None) -> RankState | None:
     policies.check_supported(plan, source=path, use_precision_aware_optimizer=getattr(
         args, "use_precision_aware_optimizer", None),
         transformer_impl=getattr(args, "transformer_impl", None))
+    _check_warmup_args(plan, args, source=path)
     launcher_rank, world = int(args.rank), int(args.world_size)
     device = detect_device_type(override=getattr(args, "hetero_device_type", None),
                                 catalog=plan.catalog,  # the built-in one plus the plan's gpus
@@ -160,6 +170,19 @@ def before_validate(args, argv=None) -> RankState | None:
             setattr(args, key, value)
     _state = st
     return st
+
+
+def _check_warmup_args(plan: Plan, args, *, source: str) -> None:
+    """Refuse, before anything is built, what the per-stage warm-up schedule cannot run when
+    some replica of ``plan`` runs it."""
+    if plan.virtual_pipeline_size > 1 or not any(has_extra_warmup(p) for p in plan.pipelines):
+        return
+    problems = unsupported(
+        variable_seq_lengths=bool(getattr(args, "variable_seq_lengths", False)),
+        ring_exchange=bool(getattr(args, "use_ring_exchange_p2p", False)),
+        cuda_graph_impl=getattr(args, "cuda_graph_impl", None))
+    if problems:
+        raise HeteroError(f"{source}: {refusal(problems)}")
 
 
 def after_validate(args) -> None:
@@ -260,7 +283,10 @@ def _wrap_get_fb(original):
     @functools.wraps(original)
     def get_forward_backward_func(*a, **kw):
         fb = original(*a, **kw)
-        if _state is not None:  # ranks that offload nothing join the others' offload summary
+        if _state is not None:
+            # the plan's per-stage warm-up where it asks for more than Megatron's on this replica
+            fb = schedule_for(_state.plan, _state.slot.pipeline, fb)
+            # ranks that offload nothing join the others' offload summary
             fb = policies.join_offload_summary(fb, _state.plan, _state.stage)
         return replica_forward_backward(fb) if _uneven() else fb
     return get_forward_backward_func

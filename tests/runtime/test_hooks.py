@@ -275,3 +275,21 @@ def test_uniform_recompute_must_divide_every_chunk():
                        match=r"pipelines\[0\]\.stages\[1\]\.recompute\.num_layers"):
         policies.check_supported(make_plan(chunks=[[1, 1], [2, 1]], replicas=[(1, 2)],
                                            recompute=[None, uniform2]))
+
+
+def test_what_the_warmup_schedule_cannot_run_is_refused_at_start():
+    from megatron_hetero.errors import HeteroError
+    from megatron_hetero.plan import plan_from_data
+
+    plain = make_plan(split=(1, 2), replicas=[(1, 4)])
+    data = plain.to_data()
+    data["pipelines"][0]["stages"][0]["warmup_microbatches"] = 3
+    warm = plan_from_data(data)
+    bad = SimpleNamespace(variable_seq_lengths=True, use_ring_exchange_p2p=True,
+                          cuda_graph_impl="none")
+    hooks._check_warmup_args(plain, bad, source="p.yaml")  # Megatron's schedule runs them
+    hooks._check_warmup_args(warm, SimpleNamespace(), source="p.yaml")
+    with pytest.raises(HeteroError, match=r"p\.yaml: the plan's per-stage warm-up "
+                       r"\(warmup_microbatches\) runs a schedule that does not support variable "
+                       r"sequence lengths .*; ring-exchange p2p"):
+        hooks._check_warmup_args(warm, bad, source="p.yaml")

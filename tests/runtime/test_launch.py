@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from megatron_hetero.plan import save_plan
+from megatron_hetero.plan import plan_from_data, save_plan
 
 import os
 import subprocess
@@ -180,6 +180,31 @@ def test_interleaved_uneven_plan_equals_one_replica(tmp_path):
     got, want = logged_losses(four[3][1]), logged_losses(two[1][1])
     assert len(want) == 2 and got == pytest.approx(want, rel=1e-5)
     assert _grad_norms(four[3][1]) == pytest.approx(_grad_norms(two[1][1]), rel=1e-4)
+
+
+def test_per_stage_warmup_schedule_trains_as_megatrons(tmp_path):
+    """A plan whose first stage warms up 3 micro-batches (Megatron: 1) runs the per-stage
+    warm-up schedule through the get_forward_backward_func hook of megatron.training 0.17.1
+    (megatron-core 0.17's backward_step) and trains exactly as Megatron's own 1F1B on the same
+    plan without the field."""
+    plan = make_plan(split=(1, 2), devices=[[A100, V100]], replicas=[(1, 4)])
+    warm, plain = tmp_path / "warm.yaml", tmp_path / "plain.yaml"
+    data = plan.to_data()
+    data["pipelines"][0]["stages"][0]["warmup_microbatches"] = 3
+    save_plan(plan_from_data(data), warm)
+    save_plan(plan, plain)
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    ours = launch(2, str(warm), tmp_path / "a")
+    theirs = launch(2, str(plain), tmp_path / "b")
+    for code, out, _ in ours + theirs:
+        assert code == 0, out[-3000:]
+    assert "4 micro-batches of 1; warm-up 3 micro-batches (Megatron's 1)" in ours[0][1]
+    got, want = logged_losses(ours[1][1]), logged_losses(theirs[1][1])
+    assert len(want) == 2 and got == pytest.approx(want, rel=1e-5)
+    assert _grad_norms(ours[1][1]) == pytest.approx(_grad_norms(theirs[1][1]), rel=1e-5)
+    # every micro-batch's loss sum on the last stage, in order
+    assert [x for x, _ in ours[1][2]["losses"]] == pytest.approx(
+        [x for x, _ in theirs[1][2]["losses"]], rel=1e-5)
 
 
 def test_mismatch_and_conflict_stop_with_one_message(tmp_path):
