@@ -1,7 +1,7 @@
 """A discrete-event simulator of one training step of a plan under Megatron's 1F1B schedule.
 
 Each pipeline runs non-interleaved 1F1B: stage ``s`` of ``p`` does ``min(p - s - 1, m)`` warm-up
-forwards, then alternates one forward and one backward, then drains its backwards. A forward of
+forwards (or the stage's ``warmup_microbatches``, the heterogeneity-aware 1F1B), then alternates one forward and one backward, then drains its backwards. A forward of
 micro-batch ``i`` on stage ``s`` starts when stage ``s`` is free and the forward of ``i`` on
 stage ``s - 1`` has ended and its activations have crossed the link between the two stages;
 backwards likewise from stage ``s + 1``. Sends run on the link, not on the compute stream.
@@ -40,6 +40,7 @@ from .cost.model import CostModel
 from .cost.stage import Memory, StageShape
 from .models import step_model_flops
 from .plan import Plan
+from .schedule_order import pipeline_warmups
 from .simulate_pipeline import pipeline_run
 
 __all__ = ["simulate", "host_memory", "SimResult", "StageResult", "HostMemory", "Event"]
@@ -186,8 +187,11 @@ def _run_pipeline(plan: Plan, cost: CostModel, placement, times, d: int, key, ca
     sends = [cost.p2p_seconds(pipe.micro_batch_size, bw, tp=tp, sp=sp) for bw in bws]
     fwd = [[c.forward_s for c in t] for t in times[d]]
     bwd = [[c.backward_s for c in t] for t in times[d]]
+    warmups = None  # Megatron's
+    if any(st.warmup_microbatches is not None for st in pipe.stages):
+        warmups = tuple(pipeline_warmups(pipe))
     got = pipeline_run(fwd, bwd, sends, sends, pipe.num_microbatches, record=record,
-                       group=plan.microbatch_group_size)
+                       group=plan.microbatch_group_size, warmups=warmups)
     if plan.virtual_pipeline_size == 1:  # last backwards per stage; events without a chunk
         got = (got[0], got[1], [x[0] for x in got[2]], [e[:5] for e in got[3]])
     cache[full] = got
@@ -199,7 +203,8 @@ def _pipeline_key(pipe) -> tuple:
     return (pipe.micro_batch_size, pipe.num_microbatches,
             tuple((st.device_type, st.num_layers, st.recompute,
                    st.offload.optimizer_fraction, st.offload.activations, st.offload.module_inputs,
-                   tuple(st.chunk_layers) if st.chunk_layers else None) for st in pipe.stages))
+                   tuple(st.chunk_layers) if st.chunk_layers else None,
+                   st.warmup_microbatches) for st in pipe.stages))
 
 
 def host_memory(plan: Plan, cost: CostModel, placement) -> list[HostMemory]:

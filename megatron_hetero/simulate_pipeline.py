@@ -27,20 +27,22 @@ _TOLERANCE = 1e-9
 
 def pipeline_run(fwd: list[list[float]], bwd: list[list[float]], send_f: list[float],
                  send_b: list[float], m: int, *, record: bool = False,
-                 group: int | None = None):
+                 group: int | None = None, warmups: tuple[int, ...] | None = None):
     """What :func:`interleaved_1f1b` returns, in time that does not grow with ``m``: a run of
     more than :data:`DIRECT_MICROBATCHES` micro-batches (without ``record``: its events would
     be as many) is extrapolated from its steady state (:func:`_steady_state_run`) when that
     repeats within a short probe, else simulated op by op."""
     if record or m <= DIRECT_MICROBATCHES:
-        return interleaved_1f1b(fwd, bwd, send_f, send_b, m, record=record, group=group)
-    got = _steady_state_run(fwd, bwd, send_f, send_b, m, group=group)
+        return interleaved_1f1b(fwd, bwd, send_f, send_b, m, record=record, group=group,
+                                warmups=warmups)
+    got = _steady_state_run(fwd, bwd, send_f, send_b, m, group=group, warmups=warmups)
     if got is None:
-        return interleaved_1f1b(fwd, bwd, send_f, send_b, m, group=group)
+        return interleaved_1f1b(fwd, bwd, send_f, send_b, m, group=group, warmups=warmups)
     return got
 
 
-def _steady_state_run(fwd, bwd, send_f, send_b, m: int, *, group: int | None):
+def _steady_state_run(fwd, bwd, send_f, send_b, m: int, *, group: int | None,
+                      warmups: tuple[int, ...] | None):
     """:func:`interleaved_1f1b`'s answer for ``m`` micro-batches from three short runs, or None
     when the steady state does not repeat within them (or ``m`` is too short to gain).
 
@@ -53,7 +55,7 @@ def _steady_state_run(fwd, bwd, send_f, send_b, m: int, *, group: int | None):
     then differ by that time in every figure; ``m`` adds ``(m - n) / c`` such periods."""
     p, v = len(fwd), len(fwd[0])
     q = 1 if v == 1 else (p if group is None else group)
-    tail = 2 * p + v * q  # micro-batches whose backwards may fall in the drain
+    tail = 2 * p + v * q + max(warmups or (0,))  # micro-batches whose backwards may drain
     longest = q * p  # the longest period looked for
     start = tail  # past the warm-up and its transient; doubled while none repeats
     while True:
@@ -61,7 +63,8 @@ def _steady_state_run(fwd, bwd, send_f, send_b, m: int, *, group: int | None):
         probe += (m - probe) % q  # the same remainder modulo q as m
         if m < 2 * probe:
             return None
-        run = _run(fwd, bwd, send_f, send_b, probe, group=group, record=False)
+        run = _run(fwd, bwd, send_f, send_b, probe, group=group, record=False,
+                   warmups=warmups)
         end, (stage, dur_of, _, _, mb_of) = run[3], run[5]
         ends = [[0.0] * p for _ in range(probe)]
         for k, s in enumerate(stage):
@@ -72,8 +75,10 @@ def _steady_state_run(fwd, bwd, send_f, send_b, m: int, *, group: int | None):
             break
         start *= 2
     n = probe + (m - probe) % period
-    one = run if n == probe else _run(fwd, bwd, send_f, send_b, n, group=group, record=False)
-    two = _run(fwd, bwd, send_f, send_b, n + period, group=group, record=False)
+    one = run if n == probe else _run(fwd, bwd, send_f, send_b, n, group=group,
+                                              record=False, warmups=warmups)
+    two = _run(fwd, bwd, send_f, send_b, n + period, group=group, record=False,
+               warmups=warmups)
     a, b = _figures(one), _figures(two)
     shift = b[0] - a[0]
     if not all(_close(y - x, shift, scale=y) for x, y in zip(a, b)):
@@ -121,7 +126,8 @@ def one_f_one_b(fwd: list[float], bwd: list[float], send_f: list[float], send_b:
 
 
 @lru_cache(maxsize=256)
-def _compiled_order(p: int, m: int, v: int, group: int | None = None):
+def _compiled_order(p: int, m: int, v: int, group: int | None = None,
+                    warmups: tuple[int, ...] | None = None):
     """Every op of a ``p``-stage pipeline of ``m`` micro-batches and ``v`` chunks (micro-batch
     group ``group``, default ``p``: :func:`.cost.schedule.rank_order`) in one order
     that respects each rank's run order and every cross-stage dependency (a topological
@@ -129,7 +135,8 @@ def _compiled_order(p: int, m: int, v: int, group: int | None = None):
     duration index (``kind * v + chunk``), the index of the op it waits for (-1: none), the
     link that dependency crosses (-1: none), its micro-batch; and per (stage, chunk) the index
     of its last backward. The simulation is then one pass over these columns."""
-    ops = [rank_order_cached(p, s, m, v, group) for s in range(p)]
+    ops = [rank_order_cached(p, s, m, v, group, None if warmups is None else warmups[s])
+           for s in range(p)]
     vm = v * m
     where = [-1] * (2 * p * vm)  # op (stage, kind, chunk, micro-batch) -> its position
     stage, dur_of, dep_of, link_of, mb_of = [], [], [], [], []
@@ -175,15 +182,18 @@ def _compiled_order(p: int, m: int, v: int, group: int | None = None):
 
 def interleaved_1f1b(fwd: list[list[float]], bwd: list[list[float]], send_f: list[float],
                      send_b: list[float], m: int, *, record: bool = False,
-                     group: int | None = None):
+                     group: int | None = None, warmups: tuple[int, ...] | None = None):
     """Simulate one pipeline under the interleaved schedule. ``fwd[s][c]``/``bwd[s][c]``: seconds
     of chunk ``c`` on stage ``s``; ``send_f[s]``/``send_b[s]``: seconds over the link between
     stage ``s`` and ``s + 1``, index ``p - 1`` the link from the last stage back to the first.
     ``group``: micro-batches per chunk in a row (Megatron's default ``p`` when None).
     Returns what :func:`one_f_one_b` returns, except that the last backward's start is per
-    stage and chunk; events are (stage, kind, microbatch, start, end, chunk)."""
+    stage and chunk; events are (stage, kind, microbatch, start, end, chunk). ``warmups``:
+    each stage's warm-up forwards where the plan sets them (non-interleaved; default
+    Megatron's)."""
     free, busy, last_b_start, end, start, columns = _run(fwd, bwd, send_f, send_b, m,
-                                                        group=group, record=record)
+                                                        group=group, record=record,
+                                                        warmups=warmups)
     events: list[tuple] = []
     if record:
         stage, dur_of, _, _, mb_of = columns
@@ -193,11 +203,12 @@ def interleaved_1f1b(fwd: list[list[float]], bwd: list[list[float]], send_f: lis
     return free, busy, last_b_start, events
 
 
-def _run(fwd, bwd, send_f, send_b, m: int, *, group: int | None, record: bool):
+def _run(fwd, bwd, send_f, send_b, m: int, *, group: int | None, record: bool,
+         warmups: tuple[int, ...] | None = None):
     """One pass over the compiled order: (finish, busy and last backwards' starts per stage,
     every op's end, every op's start when ``record``, the order's columns)."""
     p, v = len(fwd), len(fwd[0])
-    columns, last_b = _compiled_order(p, m, v, group)
+    columns, last_b = _compiled_order(p, m, v, group, None if warmups is None else tuple(warmups))
     stage, dur_of, dep_of, link_of, _ = columns
     durs = [list(f) + list(b) for f, b in zip(fwd, bwd)]
     links = [list(send_f), list(send_b)]

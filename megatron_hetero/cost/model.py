@@ -361,13 +361,14 @@ class CostModel:
 
     def memory(self, shape: StageShape) -> Memory:
         """Peak memory of one tensor rank of the stage: in 1F1B stage ``s`` of ``p`` holds
-        ``min(p - s, m)`` micro-batches in flight; interleaved, the peak over the rank's order
+        ``min(p - s, m)`` micro-batches in flight (its warm-up plus one,
+        :attr:`StageShape.in_flight`); interleaved, the peak over the rank's order
         of the summed activations of the chunks run forward and not yet backward."""
         p, s, m, v = shape.pipeline_size, shape.stage, shape.num_microbatches, shape.virtual_size
         params = self.stage_params(shape)
         shard = self.optimizer_shard(params, shape.data_parallel_size)
         if v == 1:
-            in_flight = 1 if shape.offload.activations else min(p - s, m)
+            in_flight = 1 if shape.offload.activations else shape.in_flight
             acts = in_flight * self._activations_per_microbatch(shape, None)
             acts += self._module_input_margin(shape)
             acts += self._transient_layers(shape.recompute, shape.num_layers) * self._layer(shape)

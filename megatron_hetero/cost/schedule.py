@@ -46,19 +46,23 @@ def warmup_count(p: int, r: int, m: int, v: int = 1, group: int | None = None) -
     return min((p - r - 1) * 2 + (v - 1) * (p if group is None else group), m * v)
 
 
-def rank_order(p: int, r: int, m: int, v: int = 1, group: int | None = None) -> list[Op]:
-    """The ops of rank ``r`` of ``p`` for ``m`` micro-batches and ``v`` chunks, in run order."""
-    return list(rank_order_cached(p, r, m, v, group))
+def rank_order(p: int, r: int, m: int, v: int = 1, group: int | None = None, *,
+               warmup: int | None = None) -> list[Op]:
+    """The ops of rank ``r`` of ``p`` for ``m`` micro-batches and ``v`` chunks, in run order;
+    ``warmup``: the rank's warm-up forwards where the plan sets them (non-interleaved only;
+    default Megatron's, :func:`warmup_count`)."""
+    return list(rank_order_cached(p, r, m, v, group, warmup))
 
 
 @lru_cache(maxsize=4096)
-def rank_order_cached(p: int, r: int, m: int, v: int = 1, group: int | None = None) -> tuple[Op, ...]:
+def rank_order_cached(p: int, r: int, m: int, v: int = 1, group: int | None = None,
+                      warmup: int | None = None) -> tuple[Op, ...]:
     """:func:`rank_order` as a tuple, computed once per shape (the search simulates many plans
     of the same shape)."""
     table = schedule_table(m, v, p if group is None else group)
     fwd = [(0, i, c) for i, c in table]
     bwd = [(1, i, v - 1 - c) for i, c in table]
-    warm = warmup_count(p, r, m, v, group)
+    warm = warmup_count(p, r, m, v, group) if warmup is None else min(warmup, m * v)
     out = fwd[:warm]
     for k in range(len(fwd) - warm):
         out += [fwd[warm + k], bwd[k]]

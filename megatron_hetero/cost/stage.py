@@ -45,6 +45,8 @@ class StageShape:
     size)."""
     data_parallel_size: int = 1
     """Replicas the stage's optimizer state is sharded over."""
+    warmup_microbatches: int | None = None
+    """Warm-up forwards of the stage (non-interleaved; None: Megatron's ``p - s - 1``)."""
 
     num_layers: int = field(init=False, compare=False, repr=False)
     """The stage's layers, all chunks together (derived)."""
@@ -82,7 +84,8 @@ class StageShape:
                    offload=st.offload, pipeline_size=plan.pipeline_model_parallel_size,
                    stage=stage, num_microbatches=pipe.num_microbatches,
                    microbatch_group=plan.microbatch_group_size,
-                   data_parallel_size=plan.data_parallel_size)
+                   data_parallel_size=plan.data_parallel_size,
+                   warmup_microbatches=st.warmup_microbatches)
 
     def but(self, **changes) -> StageShape:
         """This shape with some fields changed (as :func:`dataclasses.replace`, checked the
@@ -110,6 +113,14 @@ class StageShape:
     def last(self) -> bool:
         """Holds the output layer and the loss (on its last chunk)."""
         return self.stage == self.pipeline_size - 1
+
+    @property
+    def in_flight(self) -> int:
+        """Micro-batches whose activations the stage holds at its 1F1B peak: its warm-up
+        forwards and the one it runs before its first backward, at most all of them."""
+        w = self.pipeline_size - self.stage - 1 if self.warmup_microbatches is None \
+            else self.warmup_microbatches
+        return min(w + 1, self.num_microbatches)
 
     @property
     def sp(self) -> bool:

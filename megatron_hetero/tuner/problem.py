@@ -48,6 +48,9 @@ class TuneOptions:
     """Rounds of each hill climb of the local search on the simulator around the best plan
     (:mod:`.refine`; 0: no local search). Each round simulates every neighbouring layout and
     keeps the best."""
+    per_stage_warmup: bool = True
+    """Give the tuned plan's stages their own 1F1B warm-up where that is faster and fits
+    (:mod:`.warmup`, the heterogeneity-aware 1F1B; non-interleaved plans)."""
     refine_max_virtual_pipeline_size: int = 8
     """Most model chunks per stage the local search moves to (at least
     ``max_virtual_pipeline_size``; none when that is 1). It tries only each stage's even

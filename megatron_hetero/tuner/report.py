@@ -115,6 +115,7 @@ def report_dict(result, plan_path: str | None) -> dict:
         "structures_evaluated": result.structures_evaluated,
         "searched_step_time_s": result.searched_step_time_s,
         "refine_simulations": result.refine_simulations,
+        "warmup_gain_over_1f1b": result.warmup_gain,
         "plan": {"tensor_model_parallel_size": plan.tensor_model_parallel_size,
                  "pipeline_model_parallel_size": plan.pipeline_model_parallel_size,
                  "data_parallel_size": plan.data_parallel_size, "layer_split": plan.layer_split,

@@ -52,6 +52,7 @@ from .shares import water_fill
 from .space import Structure, upper_bound_step_time
 from .split import min_max_split
 from .tables import StageTables, even_chunks, stage_shape
+from .warmup import best_warmups
 
 # TuneOptions, Structure and upper_bound_step_time live in .problem and .space; named here too
 __all__ = ["TuneOptions", "TuneResult", "Structure", "tune", "upper_bound_step_time"]
@@ -92,6 +93,9 @@ class TuneResult:
     """Simulated step of the structured search's best plan, before the local search
     (:mod:`.refine`); None when it found none."""
     refine_simulations: int = 0
+    warmup_gain: float = 1.0
+    """Megatron's 1F1B step over the tuned plan's with its per-stage warm-ups (:mod:`.warmup`;
+    1.0: Megatron's counts kept)."""
 
 
 class _Search:
@@ -419,7 +423,7 @@ def tune(model: ModelSpec, inventory: Inventory, global_batch_size: int, *,
         if progress is not None:  # the walks stop early once the bound passes the best
             progress.update(task, completed=2 * len(structures))
         best = search.best_simulated(tuned)
-        searched, sims = None, 0
+        searched, sims, warmup_gain = None, 0, 1.0
         if best is not None:
             searched = best[1].step_time_s
             if options.refine_rounds > 0:
@@ -434,6 +438,9 @@ def tune(model: ModelSpec, inventory: Inventory, global_batch_size: int, *,
                                            restart_margin=options.refine_restart_margin,
                                            climbed=climbed)
                 best = (plan1, sim1)
+        if best is not None and options.per_stage_warmup:
+            warm = best_warmups(*best, problem.cost(best[0].precision))
+            best, warmup_gain = (warm.plan, warm.sim), warm.gain
     finally:
         if progress is not None:
             progress.stop()
@@ -461,5 +468,6 @@ def tune(model: ModelSpec, inventory: Inventory, global_batch_size: int, *,
                       baseline_sim=base_best[1] if base_best else None,
                       upper_bound_step_time_s=upper, search_time_s=elapsed, search_cpu_s=cpu,
                       structures_evaluated=search.evaluated, fell_back_to_baseline=fell_back,
-                      searched_step_time_s=searched, refine_simulations=sims)
+                      searched_step_time_s=searched, refine_simulations=sims,
+                      warmup_gain=1.0 if fell_back else warmup_gain)
 

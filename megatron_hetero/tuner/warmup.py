@@ -1,0 +1,108 @@
+"""The heterogeneity-aware 1F1B: per-stage warm-up counts that hide slow links (Harp).
+
+Megatron's 1F1B warms stage ``s`` of ``p`` up with ``p - s - 1`` forwards. Harp gives each
+stage its own count: the last stage none, every earlier one its successor's plus ``δ``, with
+``δ`` = 1 inside a group of fast links and up to 3 across a slow link, so that forwards in
+flight cover the time a gradient takes to come back over it. Each extra forward holds one more
+micro-batch of activations (:attr:`~megatron_hetero.cost.stage.StageShape.in_flight`).
+
+:func:`best_warmups` weighs, for a tuned non-interleaved plan, every ``δ`` in 1..3 at the
+(up to three) pipeline boundaries whose sends take longest, where those sends are worth hiding
+(at least :data:`SLOW_LINK_SHARE` of the slowest stage's forward and backward); each choice
+must fit memory on every stage, and the fastest in the simulator wins over Megatron's counts
+when it is faster at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from ..cost.model import CostModel
+from ..plan import Plan
+from ..simulate import SimResult, simulate
+
+__all__ = ["SLOW_LINK_SHARE", "WarmupChoice", "best_warmups"]
+
+SLOW_LINK_SHARE = 0.1
+"""A boundary's warm-up is weighed when one send over it takes at least this share of the
+slowest stage's forward plus backward of a micro-batch."""
+
+_MOST_BOUNDARIES = 3
+_DELTAS = (1, 2, 3)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class WarmupChoice:
+    """What :func:`best_warmups` found."""
+
+    plan: Plan
+    """The plan with the chosen warm-ups (the plan given when Megatron's counts are best)."""
+    sim: SimResult
+    megatron_step_time_s: float
+    """The same plan under Megatron's 1F1B."""
+    candidates: int
+    """Warm-up choices simulated."""
+
+    @property
+    def gain(self) -> float:
+        """Megatron's 1F1B step over the chosen one's (1.0: no gain)."""
+        return self.megatron_step_time_s / self.sim.step_time_s
+
+
+def best_warmups(plan: Plan, sim: SimResult, cost: CostModel) -> WarmupChoice:
+    """``plan`` (simulated as ``sim``, with Megatron's warm-ups) with the fastest per-stage
+    warm-ups that fit (see the module docstring)."""
+    best = WarmupChoice(plan=plan, sim=sim, megatron_step_time_s=sim.step_time_s, candidates=0)
+    p = plan.pipeline_model_parallel_size
+    if plan.virtual_pipeline_size > 1 or p == 1:
+        return best
+    slow = _slow_boundaries(plan, sim, cost)
+    count = 0
+    for deltas in itertools.product(_DELTAS, repeat=len(slow)):
+        if all(d == 1 for d in deltas):
+            continue  # Megatron's counts
+        step = dict(zip(slow, deltas))
+        cand = _with_warmups(plan, [step.get(s, 1) for s in range(p - 1)])
+        if not all(cost.stage_memory(cand, d, s).fits for d in range(plan.data_parallel_size)
+                   for s in range(p)):
+            continue  # more in flight than the cards hold
+        count += 1
+        got = simulate(cand, cost, record_events=False)
+        if got.fits_memory and got.step_time_s < best.sim.step_time_s * (1 - 1e-9):
+            best = dataclasses.replace(best, plan=cand, sim=got)
+    return dataclasses.replace(best, candidates=count)
+
+
+def _slow_boundaries(plan: Plan, sim: SimResult, cost: CostModel) -> list[int]:
+    """The boundaries (``s`` between stages ``s`` and ``s + 1``) worth more warm-up, slowest
+    first, at most :data:`_MOST_BOUNDARIES`."""
+    placement = cost.placement(plan)
+    slowest = max(s.forward_s + s.backward_s for s in sim.stages)
+    worst: dict[int, float] = {}
+    for d, pipe in enumerate(plan.pipelines):
+        for s, bw in enumerate(placement.pipeline_links(d, False)):
+            t = cost.p2p_seconds(pipe.micro_batch_size, bw, tp=plan.tensor_model_parallel_size,
+                                 sp=plan.sequence_parallel)
+            worst[s] = max(worst.get(s, 0.0), t)
+    slow = sorted((s for s, t in worst.items() if t >= SLOW_LINK_SHARE * slowest),
+                  key=lambda s: -worst[s])
+    return sorted(slow[:_MOST_BOUNDARIES])
+
+
+def _with_warmups(plan: Plan, deltas: list[int]) -> Plan:
+    """``plan`` with each stage warming up its successor's count plus ``deltas[s]`` (the last
+    stage none), at most its pipeline's micro-batches; None (Megatron's) where that is
+    Megatron's own count."""
+    p = plan.pipeline_model_parallel_size
+    pipelines = []
+    for pipe in plan.pipelines:
+        m = pipe.num_microbatches
+        counts = [0] * p
+        for s in range(p - 2, -1, -1):
+            counts[s] = min(m, counts[s + 1] + deltas[s])
+        stages = [dataclasses.replace(st, warmup_microbatches=None if w == min(p - s - 1, m)
+                                      else w)
+                  for s, (st, w) in enumerate(zip(pipe.stages, counts))]
+        pipelines.append(dataclasses.replace(pipe, stages=stages))
+    return dataclasses.replace(plan, pipelines=pipelines)
