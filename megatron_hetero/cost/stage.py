@@ -12,6 +12,7 @@ import operator
 from dataclasses import dataclass, field
 
 from ..plan import Offload, Plan, Recompute
+from ..schedule_order import megatron_warmup
 
 __all__ = ["StageShape", "StageTimes", "Memory"]
 
@@ -118,8 +119,9 @@ class StageShape:
     def in_flight(self) -> int:
         """Micro-batches whose activations the stage holds at its 1F1B peak: its warm-up
         forwards and the one it runs before its first backward, at most all of them."""
-        w = self.pipeline_size - self.stage - 1 if self.warmup_microbatches is None \
-            else self.warmup_microbatches
+        w = self.warmup_microbatches
+        if w is None:
+            w = megatron_warmup(self.pipeline_size, self.stage, self.num_microbatches)
         return min(w + 1, self.num_microbatches)
 
     @property

@@ -20,6 +20,7 @@ import itertools
 
 from ..cost.model import CostModel
 from ..plan import Plan
+from ..schedule_order import megatron_warmup
 from ..simulate import SimResult, simulate
 
 __all__ = ["SLOW_LINK_SHARE", "WarmupChoice", "best_warmups"]
@@ -101,8 +102,8 @@ def _with_warmups(plan: Plan, deltas: list[int]) -> Plan:
         counts = [0] * p
         for s in range(p - 2, -1, -1):
             counts[s] = min(m, counts[s + 1] + deltas[s])
-        stages = [dataclasses.replace(st, warmup_microbatches=None if w == min(p - s - 1, m)
-                                      else w)
+        stages = [dataclasses.replace(st, warmup_microbatches=(
+                      None if w == megatron_warmup(p, s, m) else w))
                   for s, (st, w) in enumerate(zip(pipe.stages, counts))]
         pipelines.append(dataclasses.replace(pipe, stages=stages))
     return dataclasses.replace(plan, pipelines=pipelines)
