@@ -34,6 +34,7 @@ Either one over makes ``fits_memory`` false.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .cost.model import CostModel
@@ -175,16 +176,22 @@ class SimResult:
 
 
 def _run_pipeline(plan: Plan, cost: CostModel, placement, times, d: int, key, cache: dict,
-                  record: bool):
+                  record: bool, sends: tuple[float, ...] | None):
     """Simulate pipeline ``d`` (the non-interleaved or the interleaved schedule); ``key``
-    names its costs (pipelines alike share it) and runs are cached by it and the sends."""
+    names its costs (pipelines alike share it) and runs are cached by it and the sends;
+    ``sends``: the seconds of one send over each of its links, where they are given rather
+    than placed."""
     pipe = plan.pipelines[d]
-    tp, sp = plan.tensor_model_parallel_size, plan.sequence_parallel
-    bws = placement.pipeline_links(d, plan.virtual_pipeline_size > 1)
-    full = (key, bws)
+    if sends is None:
+        bws = placement.pipeline_links(d, plan.virtual_pipeline_size > 1)
+        full = (key, bws)
+    else:
+        full = (key, "sends", sends)
     if full in cache and not record:
         return cache[full]
-    sends = [cost.p2p_seconds(pipe.micro_batch_size, bw, tp=tp, sp=sp) for bw in bws]
+    if sends is None:
+        tp, sp = plan.tensor_model_parallel_size, plan.sequence_parallel
+        sends = [cost.p2p_seconds(pipe.micro_batch_size, bw, tp=tp, sp=sp) for bw in bws]
     fwd = [[c.forward_s for c in t] for t in times[d]]
     bwd = [[c.backward_s for c in t] for t in times[d]]
     warmups = None  # Megatron's
@@ -231,8 +238,13 @@ def host_memory(plan: Plan, cost: CostModel, placement) -> list[HostMemory]:
     return out
 
 
-def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True) -> SimResult:
-    """Simulate one training step of ``plan`` under ``cost``."""
+def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True,
+             pipeline_sends: Mapping[int, Sequence[float]] | None = None) -> SimResult:
+    """Simulate one training step of ``plan`` under ``cost``. ``pipeline_sends``: for the
+    pipelines it names, the seconds of one send over each link between consecutive stages (and,
+    interleaved, from the last stage back to the first) instead of the placed link's (the
+    rehearsal's emulated links)."""
+    pipeline_sends = pipeline_sends or {}
     placement = cost.placement(plan)
     p, D = plan.pipeline_model_parallel_size, plan.data_parallel_size
     # pipelines alike in every stage share their costs (large pools repeat one template)
@@ -246,7 +258,8 @@ def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True) -> SimR
             for r, rows in times_of.items()}
     times = [times_of[r] for r in rep]
     cache: dict[tuple, tuple] = {}
-    runs = [_run_pipeline(plan, cost, placement, times, d, keys[d], cache, record_events)
+    runs = [_run_pipeline(plan, cost, placement, times, d, keys[d], cache, record_events,
+                          None if d not in pipeline_sends else tuple(pipeline_sends[d]))
             for d in range(D)]
     events: list[Event] = []
     stage_end: list[list[float]] = [[0.0] * p for _ in range(D)]

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from ..plan import Plan, plan_from_data
 from .calibration import Calibration
 
-__all__ = ["EmulatedProfile", "emulated_name", "emulated_cluster", "predict",
+__all__ = ["EmulatedProfile", "emulated_name", "emulated_cluster", "emulated_sends", "predict",
            "trainer_shards_optimizer"]
 
 
@@ -106,10 +106,12 @@ def emulated_cluster(device_counts: dict[str, int], calibration,
     return inventory, profiles, options
 
 
-def predict(shrunk: Plan, calibration, factors: dict[str, float]):
+def predict(shrunk: Plan, calibration, factors: dict[str, float], *, links=None):
     """The tuner's cost model and simulator on the emulated cluster (:func:`emulated_cluster`)
     for ``shrunk`` as the CPU ranks run it (fp32); ``calibration``: one :class:`Calibration` or
-    one per device type. Returns a ``SimResult``."""
+    one per device type; ``links``: the rehearsal's emulated link table
+    (:func:`.links.rehearsal_links`), whose sends then take the place of gloo's
+    (:func:`emulated_sends`). Returns a ``SimResult``."""
     from ..cost.model import CostModel
     from ..simulate import simulate
 
@@ -123,4 +125,31 @@ def predict(shrunk: Plan, calibration, factors: dict[str, float]):
     emu = plan_from_data(data, source="<emulated plan>", catalog=inventory.catalog)
     cost = CostModel(emu.model, inventory, profiles=profiles, precision="fp32",
                      use_distributed_optimizer=trainer_shards_optimizer(shrunk), **options)
-    return simulate(emu, cost, record_events=False)
+    sends = None if links is None else emulated_sends(emu, cost, links)
+    return simulate(emu, cost, record_events=False, pipeline_sends=sends)
+
+
+def emulated_sends(emu: Plan, cost, links) -> dict[int, list[float]]:
+    """Per pipeline, the seconds of one send over each of its links under the rehearsal's link
+    emulation: the emulated link's time for the shrunk message (fp32 ``[s, b, h]`` per tensor
+    rank), or gloo's where that is longer (the data still crosses gloo meanwhile)."""
+    from ..plan import Slot
+
+    p, tp, sp = (emu.pipeline_model_parallel_size, emu.tensor_model_parallel_size,
+                 emu.sequence_parallel)
+    pairs = [(s, s + 1) for s in range(p - 1)]
+    if emu.virtual_pipeline_size > 1:
+        pairs.append((p - 1, 0))
+    out = {}
+    for d, pipe in enumerate(emu.pipelines):
+        b = pipe.micro_batch_size
+        nbytes = 4.0 * b * emu.model.seq_length * emu.model.hidden_size  # as rehearsal_links
+        gloo = cost.p2p_seconds(b, cost.inventory.intra_node_bandwidth(0), tp=tp, sp=sp)
+        row = []
+        for a, c in pairs:
+            ra = emu.rank_of_slot(Slot(pipeline=d, stage=a, tensor_rank=0))
+            rc = emu.rank_of_slot(Slot(pipeline=d, stage=c, tensor_rank=0))
+            link = links.get((ra, rc))
+            row.append(gloo if link is None else max(gloo, link.seconds(nbytes)))
+        out[d] = row
+    return out

@@ -155,7 +155,7 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
 
     steps = range(1, config.steps)  # step 0 is the warm-up
     step_times = [max(r.step_times[k] for r in result.ranks) for k in steps]
-    a_priori = predict(shrunk, calibrations, factors)
+    a_priori = predict(shrunk, calibrations, factors, links=links)
     # The CPU's speed drifts between the start-up calibration and the run (other processes,
     # caches, frequency): rescale the calibrated compute by the CPU time the ranks measured.
     # Per device type: each type's ranks sleep their own gaps between steps, and the CPU speed
@@ -166,7 +166,7 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
     # ... and take the gloo all-reduce bandwidth the ranks measured among themselves
     world_bw = measured_allreduce_gb_s(result.ranks, default=calibration.allreduce_gb_s)
     in_run = in_run_calibrations(calibrations, drifts, drift, world_bw)
-    sim = predict(shrunk, in_run, factors)
+    sim = predict(shrunk, in_run, factors, links=links)
     stages = stage_reports(shrunk, leads, steps, caps, sim)
     return RehearsalResult(plan=shrunk, stages=stages, step_s=_mean(step_times),
                            step_times=step_times, predicted_step_s=sim.step_time_s,

@@ -23,7 +23,7 @@ from ..plan import Plan
 from ..schedule_order import megatron_warmup
 from ..simulate import SimResult, simulate
 
-__all__ = ["SLOW_LINK_SHARE", "WarmupChoice", "best_warmups"]
+__all__ = ["SLOW_LINK_SHARE", "WarmupChoice", "best_warmups", "harp_warmups", "with_warmups"]
 
 SLOW_LINK_SHARE = 0.1
 """A boundary's warm-up is weighed when one send over it takes at least this share of the
@@ -58,13 +58,13 @@ def best_warmups(plan: Plan, sim: SimResult, cost: CostModel) -> WarmupChoice:
     p = plan.pipeline_model_parallel_size
     if plan.virtual_pipeline_size > 1 or p == 1:
         return best
-    slow = _slow_boundaries(plan, sim, cost)
+    slow = sorted(_send_seconds(plan, sim, cost)[0])
     count = 0
     for deltas in itertools.product(_DELTAS, repeat=len(slow)):
         if all(d == 1 for d in deltas):
             continue  # Megatron's counts
         step = dict(zip(slow, deltas))
-        cand = _with_warmups(plan, [step.get(s, 1) for s in range(p - 1)])
+        cand = with_warmups(plan, [step.get(s, 1) for s in range(p - 1)])
         if not all(cost.stage_memory(cand, d, s).fits for d in range(plan.data_parallel_size)
                    for s in range(p)):
             continue  # more in flight than the cards hold
@@ -75,9 +75,21 @@ def best_warmups(plan: Plan, sim: SimResult, cost: CostModel) -> WarmupChoice:
     return dataclasses.replace(best, candidates=count)
 
 
-def _slow_boundaries(plan: Plan, sim: SimResult, cost: CostModel) -> list[int]:
-    """The boundaries (``s`` between stages ``s`` and ``s + 1``) worth more warm-up, slowest
-    first, at most :data:`_MOST_BOUNDARIES`."""
+def harp_warmups(plan: Plan, sim: SimResult, cost: CostModel) -> Plan:
+    """``plan`` (non-interleaved, simulated as ``sim``) with Harp's own rule for ``δ`` instead
+    of a search: across a boundary whose send takes under a tenth of the slowest stage's
+    forward plus backward 1, under half 2, else 3 (memory not checked; for comparison)."""
+    _, worst, slowest = _send_seconds(plan, sim, cost)
+    deltas = [1 if t < slowest / 10 else 2 if t < slowest / 2 else 3
+              for _, t in sorted(worst.items())]
+    return with_warmups(plan, deltas)
+
+
+def _send_seconds(plan: Plan, sim: SimResult, cost: CostModel
+                  ) -> tuple[list[int], dict[int, float], float]:
+    """(the boundaries worth more warm-up, slowest first, at most :data:`_MOST_BOUNDARIES`;
+    every boundary ``s``'s longest send over all pipelines; the slowest stage's forward plus
+    backward of a micro-batch). Boundary ``s`` lies between stages ``s`` and ``s + 1``."""
     placement = cost.placement(plan)
     slowest = max(s.forward_s + s.backward_s for s in sim.stages)
     worst: dict[int, float] = {}
@@ -88,10 +100,10 @@ def _slow_boundaries(plan: Plan, sim: SimResult, cost: CostModel) -> list[int]:
             worst[s] = max(worst.get(s, 0.0), t)
     slow = sorted((s for s, t in worst.items() if t >= SLOW_LINK_SHARE * slowest),
                   key=lambda s: -worst[s])
-    return sorted(slow[:_MOST_BOUNDARIES])
+    return slow[:_MOST_BOUNDARIES], worst, slowest
 
 
-def _with_warmups(plan: Plan, deltas: list[int]) -> Plan:
+def with_warmups(plan: Plan, deltas: list[int]) -> Plan:
     """``plan`` with each stage warming up its successor's count plus ``deltas[s]`` (the last
     stage none), at most its pipeline's micro-batches; None (Megatron's) where that is
     Megatron's own count."""

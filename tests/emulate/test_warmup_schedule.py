@@ -233,3 +233,28 @@ def test_rehearse_with_emulated_links_runs_the_warmup_plan_exactly(tmp_path, cap
     out = capsys.readouterr().out
     assert "links: emulated from the inventory, scaled" in out
     assert "verify: losses and final parameters match" in out
+
+
+def test_prediction_takes_the_emulated_links():
+    """predict(links=...): a pipeline message costs its emulated link's time for the shrunk
+    fp32 message, or gloo's where that is longer, and a link as slow as a stage's step slows
+    Megatron's 1F1B more than the warm-up that hides it."""
+    from megatron_hetero.emulate.calibration import Calibration
+    from megatron_hetero.emulate.prediction import predict
+
+    plan = tiny_plan([2, 2], [(1, 8)])
+    calibration = Calibration(layer_flops_per_s=1e9, allreduce_gb_s=1.0, p2p_latency_s=1e-4,
+                              parts={(part, 1): (1e-2, 2e-2)
+                                     for part in ("layer", "embedding", "output")})
+    factors = {"A100-SXM-80GB": 1.0}
+    message = 4.0 * 1 * plan.model.seq_length * plan.model.hidden_size
+    slow = Link(bandwidth_bytes_s=message / 0.1, latency_s=0.02)  # 0.12 s a message
+    links = {(0, 1): slow, (1, 0): slow}
+    fast = {(0, 1): Link(bandwidth_bytes_s=1e15, latency_s=0.0),
+            (1, 0): Link(bandwidth_bytes_s=1e15, latency_s=0.0)}
+    gloo = predict(plan, calibration, factors).step_time_s
+    assert predict(plan, calibration, factors, links=fast).step_time_s == pytest.approx(gloo)
+    megatron = predict(plan, calibration, factors, links=links).step_time_s
+    assert megatron > gloo + 2 * 0.12  # at least the fill and the drain cross it
+    warm = predict(_with_warmups(plan, [[4, None]]), calibration, factors, links=links)
+    assert warm.step_time_s < megatron

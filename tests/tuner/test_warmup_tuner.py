@@ -14,6 +14,7 @@ from megatron_hetero.cost.model import CostModel
 from megatron_hetero.plan import Plan, plan_from_data
 from megatron_hetero.simulate import simulate
 from megatron_hetero.tuner import TuneOptions, tune
+from megatron_hetero.tuner.warmup import harp_warmups
 
 SLOW = Path(__file__).resolve().parents[2] / "examples" / "scenarios" / "a100-v100-1gbps-llama2-13b.yaml"
 
@@ -57,3 +58,46 @@ def _without_warmups(plan: Plan) -> Plan:
     return dataclasses.replace(plan, pipelines=[
         dataclasses.replace(pipe, stages=[dataclasses.replace(st, warmup_microbatches=None)
                                           for st in pipe.stages]) for pipe in plan.pipelines])
+
+
+def test_given_sends_replace_the_placed_links(slow_pool):
+    """simulate(pipeline_sends=...): the placed link's own seconds change nothing; slower
+    sends on one pipeline slow that pipeline and so the step, and leave the others alone."""
+    model, inv, _ = slow_pool
+    plan = _tune(slow_pool, warmup=False).plan
+    cost = CostModel(model, inv, precision=plan.precision)
+    placed = simulate(plan, cost, record_events=False)
+    bws = cost.placement(plan).pipeline_links(0, False)
+    same = [cost.p2p_seconds(plan.pipelines[0].micro_batch_size, bw,
+                             tp=plan.tensor_model_parallel_size, sp=plan.sequence_parallel)
+            for bw in bws]
+    assert simulate(plan, cost, record_events=False,
+                    pipeline_sends={0: same}).step_time_s == pytest.approx(placed.step_time_s,
+                                                                          rel=1e-12)
+    slower = simulate(plan, cost, record_events=False,
+                      pipeline_sends={0: [10 * t for t in same]})
+    assert slower.step_time_s > placed.step_time_s * 1.05
+    busy = {(r.pipeline, r.stage): r.bubble_s for r in placed.stages}
+    assert all(r.bubble_s == pytest.approx(busy[r.pipeline, r.stage], rel=1e-12)
+               for r in slower.stages if r.pipeline != 0)
+
+
+@pytest.mark.parametrize("gb_s, share, first", [(0.125, (0.1, 0.5), 2), (0.02, (0.5, 99), 3),
+                                                 (100.0, (0.0, 0.1), None)])
+def test_harp_rule_follows_the_link_against_the_slowest_stage(slow_pool, gb_s, share, first):
+    """Harp's δ across the sites' link: 1 under a tenth of the slowest stage's forward plus
+    backward (Megatron's counts kept), 2 under half, 3 above; the counts load as a plan."""
+    model, inv, _ = slow_pool
+    plan = _tune(slow_pool, warmup=False).plan
+    assert plan.pipeline_model_parallel_size == 2 and plan.virtual_pipeline_size == 1
+    cost = CostModel(model, dataclasses.replace(inv, inter_group_bandwidth_gb_s=gb_s),
+                     precision=plan.precision)
+    sim = simulate(plan, cost, record_events=False)
+    slowest = max(s.forward_s + s.backward_s for s in sim.stages)
+    link = cost.p2p_seconds(plan.pipelines[0].micro_batch_size,
+                            cost.placement(plan).pipeline_links(0, False)[0],
+                            tp=plan.tensor_model_parallel_size, sp=plan.sequence_parallel)
+    assert share[0] <= link / slowest < share[1]  # the case's premise
+    harp = harp_warmups(plan, sim, cost)
+    assert [st.warmup_microbatches for st in harp.pipelines[0].stages] == [first, None]
+    assert plan_from_data(harp.to_data()) == harp
