@@ -154,7 +154,13 @@ def exchange_rank_infos(mine: RankInfo, world_size: int, store) -> list[RankInfo
     store.set(f"{prefix}/{mine.launcher_rank}", mine.to_json())
     keys = [f"{prefix}/{r}" for r in range(world_size)]
     store.wait(keys)
-    return [RankInfo.from_json(store.get(k).decode()) for k in keys]
+    infos = [RankInfo.from_json(store.get(k).decode()) for k in keys]
+    store.set(f"{prefix}/read/{mine.launcher_rank}", "1")
+    if store is _HELD_STORE:
+        # The process that hosts the store must not leave (a placement error stops every rank)
+        # before the others have read it: their reads would fail with "connection reset".
+        store.wait([f"{prefix}/read/{r}" for r in range(world_size)])
+    return infos
 
 
 _HELD_STORE = None  # keeps the rendezvous server alive in the process that hosts it
