@@ -80,12 +80,45 @@ def _calibrate_rank(rank: int, world_size: int, shrunk: Plan, reps: int, seed: i
                     meter: bool, nice: int = 0, idle_factor: float = 0.0) -> Calibration | None:
     """Runs in a 2-rank gloo group: both measure gloo p2p, then rank 0 times the model parts."""
     _renice(nice)
-    import time
-
-    import torch
     import torch.distributed as dist
 
     out = Calibration()
+    _measure_gloo(rank, out)
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank != 0:
+        return None
+    from ..mcore.cpu_backend import enable_cpu_backend
+    from ..mcore.spawn import free_port
+    from ..models import layer_forward_flops
+
+    dist.init_process_group("gloo", rank=0, world_size=1,
+                            init_method=f"tcp://127.0.0.1:{free_port()}")
+    enable_cpu_backend()
+    for b in sorted({p.micro_batch_size for p in shrunk.pipelines}):
+        one, three = (_time_layers(shrunk, b, n, reps=reps, seed=seed, meter=meter,
+                                   idle_factor=idle_factor) for n in (1, 3))
+        out.optimizer_gb_s = three.optimizer_gb_s
+        if three.idle is not None:
+            out.step_overhead[b] = (three.idle[0] - three.times[0],
+                                    three.idle[1] - three.times[1])
+        emb = out.parts[("embedding", b)] = one.embedding
+        lf = max(1e-6, (three.times[0] - one.times[0]) / 2)
+        lb = max(1e-6, (three.times[1] - one.times[1]) / 2)
+        out.parts[("layer", b)] = (lf, lb)
+        out.parts[("output", b)] = (max(0.0, one.times[0] - lf - emb[0]),
+                                    max(0.0, one.times[1] - lb - emb[1]))
+        out.layer_flops_per_s = 3 * layer_forward_flops(shrunk.model, b) / (lf + lb)
+        if meter:
+            out.layer_activation_bytes[b] = max(0, three.saved_bytes - one.saved_bytes) / 2
+    return out
+
+
+def _measure_gloo(rank: int, out: Calibration) -> None:
+    """gloo's point-to-point latency and bandwidth and its all-reduce bandwidth between the two
+    ranks, into ``out``."""
+    import torch
+
     small, large = 4096, 4 << 20
     _ping_pong(rank, large, 2)
     lat = _ping_pong(rank, small, 30)
@@ -93,122 +126,122 @@ def _calibrate_rank(rank: int, world_size: int, shrunk: Plan, reps: int, seed: i
     out.p2p_latency_s = lat
     out.bandwidth_gb_s = large / max(big - lat, 1e-7) / 1e9
     out.allreduce_gb_s = large / _all_reduce_seconds(torch.zeros(large // 4), 6) / 1e9
-    dist.barrier()
-    dist.destroy_process_group()
-    if rank != 0:
-        return None
-    from ..mcore.spawn import free_port
-    dist.init_process_group("gloo", rank=0, world_size=1,
-                            init_method=f"tcp://127.0.0.1:{free_port()}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Timed:
+    """What :func:`_time_layers` measured on a model of ``n`` layers (medians past 2 warm-ups)."""
+
+    times: tuple[float, float]
+    """CPU seconds of (forward, backward) of one micro-batch through the whole model."""
+    saved_bytes: float
+    """Bytes the forward saved for the backward (0 unless metered)."""
+    idle: tuple[float, float] | None
+    """The same after an idle gap as on a stretched rank (3 layers with an idle factor)."""
+    embedding: tuple[float, float] | None
+    """(forward, backward) of the embedding alone (1 layer)."""
+    optimizer_gb_s: float | None
+    """Bytes the Adam step touches per second (3 layers)."""
+
+
+def _time_layers(shrunk: Plan, b: int, n: int, *, reps: int, seed: int, meter: bool,
+                 idle_factor: float) -> _Timed:
+    """Time the shrunk model cut to ``n`` layers, micro-batch size ``b``, on this single rank."""
+    import time
 
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from ..mcore.config import plan_transformer_config
-    from ..mcore.cpu_backend import enable_cpu_backend
     from ..mcore.model import gpt_model, wrap_ddp
-    from ..models import layer_forward_flops
     from .memory import MemoryMeter
     from .trainer import micro_batches
 
-    enable_cpu_backend()
-    m = shrunk.model
+    plan = dataclasses.replace(
+        shrunk, model=dataclasses.replace(shrunk.model, num_layers=n),
+        tensor_model_parallel_size=1, sequence_parallel=False, virtual_pipeline_size=1,
+        microbatch_group_size=None, global_batch_size=b, pipelines=[Pipeline(
+            micro_batch_size=b, num_microbatches=1,
+            stages=[Stage(device_type=shrunk.pipelines[0].stages[0].device_type,
+                          num_layers=n)])])
     clock = time.thread_time
-    for b in sorted({p.micro_batch_size for p in shrunk.pipelines}):
-        totals, acts = {}, {}
-        for n in (1, 3):
-            plan = dataclasses.replace(
-                shrunk, model=dataclasses.replace(m, num_layers=n), tensor_model_parallel_size=1,
-                sequence_parallel=False, virtual_pipeline_size=1, microbatch_group_size=None,
-                global_batch_size=b, pipelines=[Pipeline(
-                    micro_batch_size=b, num_microbatches=1,
-                    stages=[Stage(device_type=shrunk.pipelines[0].stages[0].device_type,
-                                  num_layers=n)])])
-            fw, bw, ef, eb, idle_fw, idle_bw = [], [], [], [], [], []
-            ps.initialize_model_parallel(1, 1)
-            try:
-                tensor_parallel.model_parallel_cuda_manual_seed(seed)
-                model = gpt_model(plan.model,
-                                  plan_transformer_config(plan, plan.pipelines[0].stages[0]))
-                (ddp,) = wrap_ddp([model])
-                mm = MemoryMeter(rank=0, pipeline=0, stage=0, device_type="")
-                batch = next(micro_batches(plan, 0, 0, seed))
-                held = [0]  # bytes the forward saved for the backward (read before it runs)
+    fw, bw, ef, eb, idle_fw, idle_bw = [], [], [], [], [], []
+    optimizer_gb_s = None
+    ps.initialize_model_parallel(1, 1)
+    try:
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        model = gpt_model(plan.model, plan_transformer_config(plan, plan.pipelines[0].stages[0]))
+        (ddp,) = wrap_ddp([model])
+        meter_of = MemoryMeter(rank=0, pipeline=0, stage=0, device_type="")
+        batch = next(micro_batches(plan, 0, 0, seed))
+        metered = meter_of.saved_activations if meter else contextlib.nullcontext
+        held = [0]  # bytes the forward saved for the backward (read before it runs)
 
-                def timed_step(idle_after: float | None = None) -> tuple[float, float]:
-                    """(forward, backward) CPU seconds of one micro-batch; with ``idle_after``,
-                    each of the two follows an idle gap as on a stretched rank (the first gap
-                    ``idle_factor`` times ``idle_after``, the second times the forward)."""
-                    if idle_after is not None:
-                        idle_gap(idle_factor, idle_after)
-                    ctx = mm.saved_activations() if meter else contextlib.nullcontext()
-                    t0 = clock()
-                    with ctx:
-                        loss = ddp(batch["tokens"], batch["position_ids"], None,
-                                   labels=batch["labels"])
-                    t1 = clock()
-                    held[0] = mm.activation_bytes
-                    if idle_after is not None:
-                        idle_gap(idle_factor, t1 - t0)
-                    t1b = clock()
-                    loss.sum().backward()
-                    t2 = clock()
-                    return t1 - t0, t2 - t1b
+        def timed_step(idle_after: float | None = None) -> tuple[float, float]:
+            """(forward, backward) CPU seconds of one micro-batch; with ``idle_after``, each
+            of the two follows an idle gap as on a stretched rank (the first gap
+            ``idle_factor`` times ``idle_after``, the second times the forward)."""
+            if idle_after is not None:
+                idle_gap(idle_factor, idle_after)
+            t0 = clock()
+            with metered():
+                loss = ddp(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+            t1 = clock()
+            held[0] = meter_of.activation_bytes
+            if idle_after is not None:
+                idle_gap(idle_factor, t1 - t0)
+            t1b = clock()
+            loss.sum().backward()
+            return t1 - t0, clock() - t1b
 
-                for _ in range(reps + 2):
-                    f, k = timed_step()
-                    saved = held[0]
-                    fw.append(f)
-                    bw.append(k)
-                    if n == 3 and idle_factor > 0:
-                        # the same step after an idle gap, as a stretched rank runs it; the
-                        # next round's back-to-back step follows this one's work
-                        f, k = timed_step(idle_after=k)
-                        idle_fw.append(f)
-                        idle_bw.append(k)
-                    if n == 1:
-                        t0 = clock()
-                        with (mm.saved_activations() if meter else contextlib.nullcontext()):
-                            emb = model.embedding(input_ids=batch["tokens"],
-                                                  position_ids=batch["position_ids"])
-                        t1 = clock()
-                        emb.sum().backward()
-                        t2 = clock()
-                        del emb
-                        ef.append(t1 - t0)
-                        eb.append(t2 - t1)
-                if n == 3:
-                    optimizer = get_megatron_optimizer(
-                        OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=1.0, bf16=False,
-                                        fp16=False, params_dtype=torch.float32,
-                                        use_distributed_optimizer=False), [ddp])
-                    steps = []
-                    for _ in range(reps + 2):
-                        t0 = clock()
-                        optimizer.step()
-                        steps.append(clock() - t0)
-                    params = sum(p.numel() for p in model.parameters())
-                    out.optimizer_gb_s = 24 * params / _median(steps[2:]) / 1e9
-            finally:
-                ps.destroy_model_parallel()
-            totals[n] = (_median(fw[2:]), _median(bw[2:]))
-            if idle_fw:
-                out.step_overhead[b] = (_median(idle_fw[2:]) - totals[n][0],
-                                        _median(idle_bw[2:]) - totals[n][1])
-            acts[n] = saved
+        for _ in range(reps + 2):
+            f, k = timed_step()
+            saved = held[0]
+            fw.append(f)
+            bw.append(k)
+            if n == 3 and idle_factor > 0:
+                # the same step after an idle gap, as a stretched rank runs it; the next
+                # round's back-to-back step follows this one's work
+                f, k = timed_step(idle_after=k)
+                idle_fw.append(f)
+                idle_bw.append(k)
             if n == 1:
-                out.parts[("embedding", b)] = (_median(ef[2:]), _median(eb[2:]))
-        lf = max(1e-6, (totals[3][0] - totals[1][0]) / 2)
-        lb = max(1e-6, (totals[3][1] - totals[1][1]) / 2)
-        out.parts[("layer", b)] = (lf, lb)
-        ef_, eb_ = out.parts[("embedding", b)]
-        out.parts[("output", b)] = (max(0.0, totals[1][0] - lf - ef_),
-                                    max(0.0, totals[1][1] - lb - eb_))
-        out.layer_flops_per_s = 3 * layer_forward_flops(m, b) / (lf + lb)
-        if meter:
-            out.layer_activation_bytes[b] = max(0, acts[3] - acts[1]) / 2
-    return out
+                t0 = clock()
+                with metered():
+                    emb = model.embedding(input_ids=batch["tokens"],
+                                          position_ids=batch["position_ids"])
+                t1 = clock()
+                emb.sum().backward()
+                eb.append(clock() - t1)
+                ef.append(t1 - t0)
+                del emb
+        if n == 3:
+            optimizer_gb_s = _optimizer_gb_s(model, ddp, reps)
+    finally:
+        ps.destroy_model_parallel()
+    return _Timed(times=(_median(fw[2:]), _median(bw[2:])), saved_bytes=saved,
+                  idle=(_median(idle_fw[2:]), _median(idle_bw[2:])) if idle_fw else None,
+                  embedding=(_median(ef[2:]), _median(eb[2:])) if ef else None,
+                  optimizer_gb_s=optimizer_gb_s)
+
+
+def _optimizer_gb_s(model, ddp, reps: int) -> float:
+    """Bytes per second of Megatron's fp32 Adam step on ``model`` (24 bytes a parameter)."""
+    import time
+
+    import torch
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=1.0, bf16=False, fp16=False,
+                        params_dtype=torch.float32, use_distributed_optimizer=False), [ddp])
+    steps = []
+    for _ in range(reps + 2):
+        t0 = time.thread_time()
+        optimizer.step()
+        steps.append(time.thread_time() - t0)
+    params = sum(p.numel() for p in model.parameters())
+    return 24 * params / _median(steps[2:]) / 1e9
 
 
 def idle_gap(idle_factor: float, seconds: float) -> None:
