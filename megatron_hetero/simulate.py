@@ -41,7 +41,7 @@ from .cost.model import CostModel
 from .cost.stage import Memory, StageShape
 from .models import step_model_flops
 from .plan import Plan
-from .schedule_order import pipeline_warmups
+from .schedule_order import has_extra_warmup, pipeline_warmups
 from .simulate_pipeline import pipeline_run
 
 __all__ = ["simulate", "host_memory", "SimResult", "StageResult", "HostMemory", "Event"]
@@ -194,8 +194,8 @@ def _run_pipeline(plan: Plan, cost: CostModel, placement, times, d: int, key, ca
         sends = [cost.p2p_seconds(pipe.micro_batch_size, bw, tp=tp, sp=sp) for bw in bws]
     fwd = [[c.forward_s for c in t] for t in times[d]]
     bwd = [[c.backward_s for c in t] for t in times[d]]
-    warmups = None  # Megatron's
-    if any(st.warmup_microbatches is not None for st in pipe.stages):
+    warmups = None  # Megatron's schedule, as the runtime picks it
+    if has_extra_warmup(pipe):
         warmups = tuple(pipeline_warmups(pipe))
     got = pipeline_run(fwd, bwd, sends, sends, pipe.num_microbatches, record=record,
                        group=plan.microbatch_group_size, warmups=warmups)
