@@ -114,6 +114,26 @@ def rehearse_both(plans: dict[str, Plan], inventory, *, repeats: int, steps: int
             for name, runs in got.items()}
 
 
+def _stack(images: list[Path], target: Path, *, titles: list[str]) -> None:
+    """The timeline pictures ``images`` one above the other, titled, in one PNG."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.image as mpimg
+    import matplotlib.pyplot as plt
+
+    pictures = [mpimg.imread(str(p)) for p in images]
+    width = max(p.shape[1] for p in pictures) / 120
+    fig, axes = plt.subplots(len(pictures), 1, figsize=(width, sum(
+        p.shape[0] / 120 + 0.3 for p in pictures)))
+    for ax, picture, title in zip(axes, pictures, titles):
+        ax.imshow(picture)
+        ax.set_title(title, fontsize=10)
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(target, dpi=120)
+    plt.close(fig)
+
+
 def _timed_hooks(plan: Plan, rank: int, *, latency_s: float):
     """Rank hooks: every pipeline message ``latency_s`` late; each kind of compute step timed."""
     from megatron_hetero.emulate.links import emulate_links, plan_links
@@ -209,9 +229,12 @@ def main(argv=None) -> int:
         megatron = megatron_counts(warm.plan)
         if args.timeline and warm.warmup_gain > 1.0:
             out = Path(args.timeline)
+            drawn = []
             for name, plan in (("megatron", megatron), ("warmup", warm.plan)):
-                simulate(plan, cost).timeline_png(out / f"warmup-{path.stem}-{name}.png",
-                                                  max_pipelines=1)
+                drawn.append(out / f"warmup-{path.stem}-{name}.png")
+                simulate(plan, cost).timeline_png(drawn[-1], max_pipelines=1)
+            _stack(drawn, out / f"warmup-{path.stem}-both.png",
+                   titles=["Megatron's 1F1B", f"per-stage warm-up {_warmups(warm.plan)}"])
         ours, rule = warm.plan, "tuner's"
         if warm.warmup_gain <= 1.0:
             ours, rule = harp_warmups(megatron, simulate(megatron, cost, record_events=False),
