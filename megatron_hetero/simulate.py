@@ -135,8 +135,9 @@ class SimResult:
             out["host_nodes"] = [h.to_dict() for h in self.host_nodes]
         return out
 
-    def timeline_png(self, path, *, max_pipelines: int = 8) -> None:
-        """Gantt chart of the recorded events (the first ``max_pipelines`` pipelines)."""
+    def timeline_png(self, path, *, max_pipelines: int = 8, seconds: float | None = None) -> None:
+        """Gantt chart of the recorded events (the first ``max_pipelines`` pipelines); the time
+        axis ends at ``seconds`` where given (to compare pictures side by side)."""
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
@@ -164,12 +165,14 @@ class SimResult:
         ax.set_yticks(range(len(rows)))
         ax.set_yticklabels([f"p{d} s{s} {self.stage(d, s).device_type}" for d, s in rows], fontsize=7)
         ax.invert_yaxis()
+        if seconds is not None:
+            ax.set_xlim(0, seconds)
         ax.set_xlabel("seconds")
         ax.set_title(f"step {self.step_time_s:.3f} s (F forward, B backward, S grad sync, O optimizer"
                      + (f"; Fc/Bc: model chunk c of {chunks}" if chunks > 1 else "") + ")")
         from matplotlib.patches import Patch
-        ax.legend(handles=[Patch(color=c, label=k) for k, c in colors.items()], loc="upper right",
-                  fontsize=7)
+        ax.legend(handles=[Patch(color=c, label=k) for k, c in colors.items()], loc="upper left",
+                  bbox_to_anchor=(1.0, 1.0), fontsize=7)  # beside the bars, not over them
         fig.tight_layout()
         fig.savefig(path, dpi=120)
         plt.close(fig)

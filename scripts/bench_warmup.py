@@ -229,10 +229,10 @@ def main(argv=None) -> int:
         megatron = megatron_counts(warm.plan)
         if args.timeline and warm.warmup_gain > 1.0:
             out = Path(args.timeline)
-            drawn = []
+            drawn, longest = [], 1.02 * max(plain, warm.sim.step_time_s)  # one time axis
             for name, plan in (("megatron", megatron), ("warmup", warm.plan)):
                 drawn.append(out / f"warmup-{path.stem}-{name}.png")
-                simulate(plan, cost).timeline_png(drawn[-1], max_pipelines=1)
+                simulate(plan, cost).timeline_png(drawn[-1], max_pipelines=1, seconds=longest)
             _stack(drawn, out / f"warmup-{path.stem}-both.png",
                    titles=["Megatron's 1F1B", f"per-stage warm-up {_warmups(warm.plan)}"])
         ours, rule = warm.plan, "tuner's"
