@@ -41,7 +41,7 @@ from .cost.model import CostModel
 from .cost.stage import Memory, StageShape
 from .models import step_model_flops
 from .plan import Plan
-from .schedule_order import pipeline_warmups
+from .schedule_order import has_extra_warmup, pipeline_warmups
 from .simulate_pipeline import pipeline_run
 
 __all__ = ["simulate", "host_memory", "SimResult", "StageResult", "HostMemory", "Event"]
@@ -135,8 +135,9 @@ class SimResult:
             out["host_nodes"] = [h.to_dict() for h in self.host_nodes]
         return out
 
-    def timeline_png(self, path, *, max_pipelines: int = 8) -> None:
-        """Gantt chart of the recorded events (the first ``max_pipelines`` pipelines)."""
+    def timeline_png(self, path, *, max_pipelines: int = 8, seconds: float | None = None) -> None:
+        """Gantt chart of the recorded events (the first ``max_pipelines`` pipelines); the time
+        axis ends at ``seconds`` where given (to compare pictures side by side)."""
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
@@ -164,12 +165,14 @@ class SimResult:
         ax.set_yticks(range(len(rows)))
         ax.set_yticklabels([f"p{d} s{s} {self.stage(d, s).device_type}" for d, s in rows], fontsize=7)
         ax.invert_yaxis()
+        if seconds is not None:
+            ax.set_xlim(0, seconds)
         ax.set_xlabel("seconds")
         ax.set_title(f"step {self.step_time_s:.3f} s (F forward, B backward, S grad sync, O optimizer"
                      + (f"; Fc/Bc: model chunk c of {chunks}" if chunks > 1 else "") + ")")
         from matplotlib.patches import Patch
-        ax.legend(handles=[Patch(color=c, label=k) for k, c in colors.items()], loc="upper right",
-                  fontsize=7)
+        ax.legend(handles=[Patch(color=c, label=k) for k, c in colors.items()], loc="upper left",
+                  bbox_to_anchor=(1.0, 1.0), fontsize=7)  # beside the bars, not over them
         fig.tight_layout()
         fig.savefig(path, dpi=120)
         plt.close(fig)
@@ -194,8 +197,8 @@ def _run_pipeline(plan: Plan, cost: CostModel, placement, times, d: int, key, ca
         sends = [cost.p2p_seconds(pipe.micro_batch_size, bw, tp=tp, sp=sp) for bw in bws]
     fwd = [[c.forward_s for c in t] for t in times[d]]
     bwd = [[c.backward_s for c in t] for t in times[d]]
-    warmups = None  # Megatron's
-    if any(st.warmup_microbatches is not None for st in pipe.stages):
+    warmups = None  # Megatron's schedule, as the runtime picks it
+    if has_extra_warmup(pipe):
         warmups = tuple(pipeline_warmups(pipe))
     got = pipeline_run(fwd, bwd, sends, sends, pipe.num_microbatches, record=record,
                        group=plan.microbatch_group_size, warmups=warmups)

@@ -3,7 +3,8 @@ by op (:func:`interleaved_1f1b`), and in bounded time for any number of micro-ba
 (:func:`pipeline_run`).
 
 Every op starts when its stage is free and the op it waits for has ended and its activations
-(or gradients) have crossed the link; the durations are the same for every micro-batch. Such a
+(or gradients) have crossed the link (under Megatron's non-interleaved 1F1B a stage is free
+only once its op's send has crossed too: :func:`_run`); the durations are the same for every micro-batch. Such a
 schedule is a max-plus linear system: past its warm-up the ends of the ops repeat, every ``c``
 micro-batches, shifted by the same time. :func:`pipeline_run` simulates a short probe of the
 pipeline, finds that period from it, checks it on two more short runs and moves their ends on
@@ -206,11 +207,23 @@ def interleaved_1f1b(fwd: list[list[float]], bwd: list[list[float]], send_f: lis
 def _run(fwd, bwd, send_f, send_b, m: int, *, group: int | None, record: bool,
          warmups: tuple[int, ...] | None = None):
     """One pass over the compiled order: (finish, busy and last backwards' starts per stage,
-    every op's end, every op's start when ``record``, the order's columns)."""
+    every op's end, every op's start when ``record``, the order's columns).
+
+    Megatron's non-interleaved 1F1B (``v = 1``, ``warmups`` None) waits for each send before
+    its next op (``send_forward`` and the batched send-and-receive wait on their requests, and
+    an NCCL send ends on delivery): a stage is held after a forward until it has crossed the
+    next link, and after a backward until it has crossed the previous one. The interleaved
+    schedule (Megatron overlaps its p2p there) and the per-stage warm-up schedule
+    (:mod:`megatron_hetero.mcore.warmup_schedule` waits for a send only when it needs the
+    buffer) go on computing."""
     p, v = len(fwd), len(fwd[0])
     columns, last_b = _compiled_order(p, m, v, group, None if warmups is None else tuple(warmups))
     stage, dur_of, dep_of, link_of, _ = columns
     durs = [list(f) + list(b) for f, b in zip(fwd, bwd)]
+    held = durs  # how long an op keeps its stage
+    if v == 1 and warmups is None:
+        held = [[f[0] + (send_f[s] if s < p - 1 else 0.0), b[0] + (send_b[s - 1] if s else 0.0)]
+                for s, (f, b) in enumerate(zip(fwd, bwd))]
     links = [list(send_f), list(send_b)]
     end = [0.0] * len(stage)
     start = [0.0] * len(stage) if record else None
@@ -218,14 +231,16 @@ def _run(fwd, bwd, send_f, send_b, m: int, *, group: int | None, record: bool,
     for k, s in enumerate(stage):
         t = free[s]
         d = dep_of[k]
+        j = dur_of[k]
         if d >= 0:
             lk = link_of[k]
-            ready = end[d] + (links[dur_of[k] >= v][lk] if lk >= 0 else 0.0)
+            ready = end[d] + (links[j >= v][lk] if lk >= 0 else 0.0)
             if ready > t:
                 t = ready
         if record:
             start[k] = t
-        free[s] = end[k] = t + durs[s][dur_of[k]]
+        end[k] = t + durs[s][j]
+        free[s] = t + held[s][j]
     busy = [m * sum(row) for row in durs]
     last_b_start = [[end[k] - durs[s][v + c] for c, k in enumerate(last_b[s])] for s in range(p)]
     return free, busy, last_b_start, end, start, columns

@@ -23,7 +23,8 @@ from ..plan import Plan
 from ..schedule_order import megatron_warmup
 from ..simulate import SimResult, simulate
 
-__all__ = ["SLOW_LINK_SHARE", "WarmupChoice", "best_warmups", "harp_warmups", "with_warmups"]
+__all__ = ["SLOW_LINK_SHARE", "WarmupChoice", "best_warmups", "harp_warmups", "slow_boundaries",
+           "with_warmups"]
 
 SLOW_LINK_SHARE = 0.1
 """A boundary's warm-up is weighed when one send over it takes at least this share of the
@@ -58,7 +59,7 @@ def best_warmups(plan: Plan, sim: SimResult, cost: CostModel) -> WarmupChoice:
     p = plan.pipeline_model_parallel_size
     if plan.virtual_pipeline_size > 1 or p == 1:
         return best
-    slow = sorted(_send_seconds(plan, sim, cost)[0])
+    slow = slow_boundaries(plan, sim, cost)
     count = 0
     for deltas in itertools.product(_DELTAS, repeat=len(slow)):
         if all(d == 1 for d in deltas):
@@ -73,6 +74,14 @@ def best_warmups(plan: Plan, sim: SimResult, cost: CostModel) -> WarmupChoice:
         if got.fits_memory and got.step_time_s < best.sim.step_time_s * (1 - 1e-9):
             best = dataclasses.replace(best, plan=cand, sim=got)
     return dataclasses.replace(best, candidates=count)
+
+
+def slow_boundaries(plan: Plan, sim: SimResult, cost: CostModel) -> list[int]:
+    """The boundaries of non-interleaved ``plan`` (simulated as ``sim``) whose sends are worth
+    hiding with more warm-up (at least :data:`SLOW_LINK_SHARE` of the slowest stage's forward
+    plus backward; the slowest :data:`_MOST_BOUNDARIES`), in pipeline order; boundary ``s``
+    lies between stages ``s`` and ``s + 1``."""
+    return sorted(_send_seconds(plan, sim, cost)[0])
 
 
 def harp_warmups(plan: Plan, sim: SimResult, cost: CostModel) -> Plan:

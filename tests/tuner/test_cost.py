@@ -90,9 +90,11 @@ def test_two_stage_1f1b_by_hand():
     # f = 1, b = 2 on both stages, 2 micro-batches, no send time: (p - 1 + m)(f + b) = 9
     finish, busy, _, _ = one_f_one_b([1, 1], [2, 2], [0], [0], 2)
     assert finish == [9, 7] and busy == [6, 6]
-    # with 0.5 s sends (worked on paper): stage 1 ends 7.5, stage 0 ends 10
+    # with 0.5 s sends, each holding its sender until it has crossed (worked on paper): stage 0
+    # F0 0-1, F1 1.5-2.5; stage 1 F0 1.5-2.5, B0 2.5-4.5 (held to 5), F1 5-6, B1 6-8 (held to
+    # 8.5); stage 0 B0 5-7, B1 8.5-10.5
     finish, _, _, _ = one_f_one_b([1, 1], [2, 2], [0.5], [0.5], 2)
-    assert finish == [10, 7.5]
+    assert finish == [10.5, 8.5]
     # one stage is a plain loop
     finish, _, _, _ = one_f_one_b([1], [2], [], [], 5)
     assert finish == [15]

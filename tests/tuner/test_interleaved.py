@@ -116,9 +116,10 @@ def test_interleaved_dependencies_hold(stages, groups, send):
 @given(st.integers(1, 4), st.integers(1, 4), st.integers(1, 3), st.data())
 def test_interleaved_schedule_is_the_earliest_one_in_megatrons_order(p, v, groups, data):
     """Each op starts as soon as both its stage is free (the op before it in the rank's
-    Megatron order) and its input has arrived over its link: the unique schedule of that
-    order. Checked op by op against the recurrence for random durations and link times, and
-    (interleaved) a random micro-batch group Megatron takes."""
+    Megatron order has ended and, non-interleaved, its send has crossed the link: Megatron's
+    1F1B waits for its sends) and its input has arrived over its link: the unique schedule of
+    that order. Checked op by op against the recurrence for random durations and link times,
+    and (interleaved) a random micro-batch group Megatron takes."""
     m = groups * p if v > 1 else groups
     g = None
     if v > 1:
@@ -146,6 +147,9 @@ def test_interleaved_schedule_is_the_earliest_one_in_megatrons_order(p, v, group
             assert a == pytest.approx(max(free, dep), abs=1e-9)
             assert e == pytest.approx(a + (f if k == "F" else b)[s][c], abs=1e-9)
             free = e
+            if v == 1:  # held until the send has crossed
+                free += (send_f[s] if s < p - 1 else 0.0) if k == "F" else \
+                    (send_b[s - 1] if s > 0 else 0.0)
         assert finish[s] == pytest.approx(free, abs=1e-9)
         assert busy[s] == pytest.approx(m * (sum(f[s]) + sum(b[s])))
         for c in range(v):

@@ -101,3 +101,20 @@ def test_harp_rule_follows_the_link_against_the_slowest_stage(slow_pool, gb_s, s
     harp = harp_warmups(plan, sim, cost)
     assert [st.warmup_microbatches for st in harp.pipelines[0].stages] == [first, None]
     assert plan_from_data(harp.to_data()) == harp
+
+
+def test_full_search_takes_the_warmup_plan_where_it_beats_interleaving(slow_pool):
+    """With interleaving allowed, the non-interleaved plan with per-stage warm-ups competes with
+    the interleaved best (whose own order keeps Megatron's warm-ups), and wins on 1 Gb/s."""
+    model, inv, gbs = slow_pool
+    full = tune(model, inv, gbs, options=TuneOptions())
+    no_warmup = tune(model, inv, gbs, options=TuneOptions(per_stage_warmup=False))
+    assert no_warmup.plan.virtual_pipeline_size > 1  # interleaving wins without warm-ups
+    assert full.plan.virtual_pipeline_size == 1 and full.warmup_gain > 1.05
+    assert full.sim.step_time_s < no_warmup.sim.step_time_s
+    assert full.sim.fits_memory
+    # where no link is slow the interleaved plan stays, and no extra climb runs
+    fast = dataclasses.replace(inv, inter_group_bandwidth_gb_s=25.0)
+    plain = tune(model, fast, gbs, options=TuneOptions())
+    off = tune(model, fast, gbs, options=TuneOptions(per_stage_warmup=False))
+    assert plain.plan == off.plan and plain.refine_simulations == off.refine_simulations
