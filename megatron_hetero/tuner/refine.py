@@ -52,10 +52,11 @@ from ..errors import InfeasibleError, SchemaError
 from ..plan import Pipeline, Plan, Stage, group_fits
 from ..simulate import SimResult, simulate
 from .policy import Menu, Policy, cheapest_for_stage
+from .problem import Problem, TuneOptions
 from .split import min_max_split
 from .tables import even_chunks
 
-__all__ = ["refine", "Layout"]
+__all__ = ["refine", "climb", "refine_chunk_cap", "Layout"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -382,3 +383,23 @@ def refine(plan: Plan, sim: SimResult, cost: CostModel, *, max_virtual_pipeline_
     if best_plan is not plan:  # its own stage objects for every pipeline
         best_plan = _build(plan, best_lay, run.policies, share=False)
     return best_plan, best_sim, run.sims
+
+
+def climb(problem: Problem, plan: Plan, sim: SimResult, *, chunk_cap: int,
+          climbed: Callable[[int, int], None] | None = None) -> tuple[Plan, SimResult, int]:
+    """:func:`refine` from ``plan`` under ``problem``'s options, up to ``chunk_cap`` chunks per
+    stage: (plan, its simulation, simulations run)."""
+    options = problem.opt
+    return refine(plan, sim, problem.cost(plan.precision), max_virtual_pipeline_size=chunk_cap,
+                  optimizer_offload=options.optimizer_offload,
+                  activation_offload=options.activation_offload,
+                  max_rounds=options.refine_rounds, restart_margin=options.refine_restart_margin,
+                  climbed=climbed)
+
+
+def refine_chunk_cap(options: TuneOptions) -> int:
+    """Most chunks per stage the local search tries: ``refine_max_virtual_pipeline_size`` (at
+    least the structured search's), or 1 where interleaving is off."""
+    if options.max_virtual_pipeline_size <= 1:
+        return 1
+    return max(options.max_virtual_pipeline_size, options.refine_max_virtual_pipeline_size)

@@ -47,7 +47,7 @@ from . import space
 from .baseline import baseline_policies, best_group
 from .policy import Policy
 from .problem import Problem, TuneOptions
-from .refine import refine
+from .refine import climb, refine_chunk_cap
 from .shares import water_fill
 from .space import Structure, upper_bound_step_time
 from .split import min_max_split
@@ -343,18 +343,6 @@ def _tuned_split(st: Structure, tables, L: int, *, offload: bool):
     return split, [[menu(tb).policy(split[s]) for s, tb in enumerate(rows)] for rows in tables]
 
 
-def _climb(problem: Problem, plan: Plan, sim: SimResult, *, chunk_cap: int,
-           climbed: Callable[[int, int], None] | None = None) -> tuple[Plan, SimResult, int]:
-    """The local search (:func:`.refine.refine`) from ``plan`` under the problem's options, up
-    to ``chunk_cap`` chunks per stage: (plan, its simulation, simulations run)."""
-    options = problem.opt
-    return refine(plan, sim, problem.cost(plan.precision), max_virtual_pipeline_size=chunk_cap,
-                  optimizer_offload=options.optimizer_offload,
-                  activation_offload=options.activation_offload,
-                  max_rounds=options.refine_rounds, restart_margin=options.refine_restart_margin,
-                  climbed=climbed)
-
-
 def _with_warmups(problem: Problem, search: _Search, tuned: list[_Candidate],
                   best: tuple[Plan, SimResult]) -> tuple[tuple[Plan, SimResult], float, int]:
     """``best`` with the per-stage warm-ups that beat Megatron's 1F1B on it (:mod:`.warmup`);
@@ -371,20 +359,12 @@ def _with_warmups(problem: Problem, search: _Search, tuned: list[_Candidate],
         return (warm.plan, warm.sim), warm.gain, 0  # no link worth hiding
     sims = 0
     if problem.opt.refine_rounds > 0:
-        plan, sim, sims = _climb(problem, *flat, chunk_cap=1)
+        plan, sim, sims = climb(problem, *flat, chunk_cap=1)
         flat = (plan, sim)
     other = best_warmups(*flat, problem.cost(flat[0].precision))
     if other.sim.step_time_s < warm.sim.step_time_s * (1 - 1e-9):
         warm = other
     return (warm.plan, warm.sim), warm.gain, sims
-
-
-def _refine_chunk_cap(options: TuneOptions) -> int:
-    """Most chunks per stage the local search tries: ``refine_max_virtual_pipeline_size`` (at
-    least the structured search's), or 1 where interleaving is off."""
-    if options.max_virtual_pipeline_size <= 1:
-        return 1
-    return max(options.max_virtual_pipeline_size, options.refine_max_virtual_pipeline_size)
 
 
 def _infeasible_message(problem: Problem) -> str:
@@ -465,8 +445,8 @@ def tune(model: ModelSpec, inventory: Inventory, global_batch_size: int, *,
             if options.refine_rounds > 0:
                 if progress is not None:
                     local = progress.add_task("local search on the simulator", total=None)
-                plan1, sim1, sims = _climb(problem, *best, chunk_cap=_refine_chunk_cap(options),
-                                           climbed=climbed)
+                plan1, sim1, sims = climb(problem, *best, chunk_cap=refine_chunk_cap(options),
+                                          climbed=climbed)
                 best = (plan1, sim1)
         if best is not None and options.per_stage_warmup:
             best, warmup_gain, more = _with_warmups(problem, search, tuned, best)
