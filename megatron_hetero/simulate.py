@@ -60,6 +60,8 @@ class Event:
     end: float
     chunk: int = 0
     """Model chunk of a forward or backward (0 unless the plan interleaves)."""
+    host_staged: bool = False
+    """A gradient sync of a data-parallel group that spans vendors (gloo on the host path)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -162,6 +164,10 @@ class SimResult:
         for (d, s, kind), spans in sorted(bars.items()):
             ax.broken_barh(spans, (index[(d, s)] - 0.4, 0.8), facecolors=colors[kind],
                            edgecolor="white", linewidth=0.2)
+        staged = [e for e in self.events if e.host_staged and e.pipeline < max_pipelines]
+        for e in staged:  # hatched over its bar: the transfer crosses vendors via the hosts
+            ax.broken_barh([(e.start, e.end - e.start)], (index[(e.pipeline, e.stage)] - 0.4, 0.8),
+                           facecolors="none", edgecolor="black", hatch="///", linewidth=0.0)
         ax.set_yticks(range(len(rows)))
         ax.set_yticklabels([f"p{d} s{s} {self.stage(d, s).device_type}" for d, s in rows], fontsize=7)
         ax.invert_yaxis()
@@ -171,7 +177,11 @@ class SimResult:
         ax.set_title(f"step {self.step_time_s:.3f} s (F forward, B backward, S grad sync, O optimizer"
                      + (f"; Fc/Bc: model chunk c of {chunks}" if chunks > 1 else "") + ")")
         from matplotlib.patches import Patch
-        ax.legend(handles=[Patch(color=c, label=k) for k, c in colors.items()], loc="upper left",
+        handles = [Patch(color=c, label=k) for k, c in colors.items()]
+        if staged:
+            handles.append(Patch(facecolor="white", edgecolor="black", hatch="///",
+                                 label="host-staged (across vendors)"))
+        ax.legend(handles=handles, loc="upper left",
                   bbox_to_anchor=(1.0, 1.0), fontsize=7)  # beside the bars, not over them
         fig.tight_layout()
         fig.savefig(path, dpi=120)
@@ -273,6 +283,7 @@ def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True,
         params = cost.stage_params(shape)
         bw = placement.stage_bandwidth(s)
         comm = cost.dp_sync_seconds(params, D, bw)
+        staged = record_events and placement.stage_host_staged(s)
         finish = max(runs[d][0][s] for d in range(D))
         if plan.overlap_grad_reduce or cost.overlap_grad_reduce:
             # each model chunk's buckets go once its last backward starts on every replica,
@@ -300,7 +311,8 @@ def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True,
             sync_of[d][s] = (sync_end - max(start, runs[d][0][s])) + opt
             if record_events:
                 if comm:
-                    events.append(Event(d, s, "S", -1, sync_end - comm, sync_end))
+                    events.append(Event(d, s, "S", -1, sync_end - comm, sync_end,
+                                        host_staged=staged))
                 events.append(Event(d, s, "O", -1, sync_end, sync_end + opt))
     step = max(max(row) for row in stage_end)
     stages: list[StageResult] = []
