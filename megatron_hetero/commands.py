@@ -8,7 +8,7 @@ from .hardware.inventory import load_inventory
 from .megatron_args import megatron_args, megatron_args_line
 from .errors import SchemaError
 from .plan import load_plan
-from .plan_inventory import check_plan_against_inventory, check_plan_gpus
+from .plan_inventory import check_plan_against_inventory, check_plan_gpus, check_plan_vendors
 
 __all__ = ["validate_main", "args_main"]
 
@@ -18,6 +18,7 @@ def validate_main(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan, catalog=inventory.catalog if inventory else None)
     if inventory is not None:
         check_plan_against_inventory(plan, inventory, source=args.plan)
+    check_plan_vendors(plan, inventory.catalog if inventory else plan.catalog, source=args.plan)
     dp = plan.data_parallel_size
     if not plan.uniform_data_parallel and plan.global_batch_size % dp:
         # What the runtime refuses at start (runtime.plan_args.virtual_micro_batch_size).
