@@ -54,7 +54,8 @@ class Event:
     pipeline: int
     stage: int
     kind: str
-    """``F`` forward, ``B`` backward, ``S`` gradient sync, ``O`` optimizer step."""
+    """``F`` forward, ``B`` backward, ``S`` gradient sync, ``O`` optimizer step, ``T`` a send
+    over a host-staged link (recorded for links across vendors only), on its sender's row."""
     microbatch: int
     start: float
     end: float
@@ -155,7 +156,7 @@ class SimResult:
                       for k in "FB" for c in range(chunks)} | {"S": colors["S"], "O": colors["O"]}
         bars: dict[tuple, list] = {}
         for e in self.events:
-            if e.pipeline < max_pipelines:
+            if e.pipeline < max_pipelines and e.kind != "T":
                 kind = f"{e.kind}{e.chunk}" if chunks > 1 and e.kind in "FB" else e.kind
                 bars.setdefault((e.pipeline, e.stage, kind), []).append((e.start, e.end - e.start))
         rows = sorted({(d, s) for d, s, _ in bars})
@@ -165,9 +166,12 @@ class SimResult:
             ax.broken_barh(spans, (index[(d, s)] - 0.4, 0.8), facecolors=colors[kind],
                            edgecolor="white", linewidth=0.2)
         staged = [e for e in self.events if e.host_staged and e.pipeline < max_pipelines]
-        for e in staged:  # hatched over its bar: the transfer crosses vendors via the hosts
-            ax.broken_barh([(e.start, e.end - e.start)], (index[(e.pipeline, e.stage)] - 0.4, 0.8),
-                           facecolors="none", edgecolor="black", hatch="///", linewidth=0.0)
+        for e in staged:  # hatched: the transfer crosses vendors through the hosts; a send (T)
+            # is a strip under its sender's bars (it runs on the link, not the compute stream)
+            low, high = (0.25, 0.15) if e.kind == "T" else (-0.4, 0.8)
+            ax.broken_barh([(e.start, e.end - e.start)], (index[(e.pipeline, e.stage)] + low, high),
+                           facecolors="#DD8452" if e.kind == "T" else "none", edgecolor="black",
+                           hatch="///", linewidth=0.0)
         ax.set_yticks(range(len(rows)))
         ax.set_yticklabels([f"p{d} s{s} {self.stage(d, s).device_type}" for d, s in rows], fontsize=7)
         ax.invert_yaxis()
@@ -175,12 +179,16 @@ class SimResult:
             ax.set_xlim(0, seconds)
         ax.set_xlabel("seconds")
         ax.set_title(f"step {self.step_time_s:.3f} s (F forward, B backward, S grad sync, O optimizer"
+                     + ("; T send across vendors" if staged else "")
                      + (f"; Fc/Bc: model chunk c of {chunks}" if chunks > 1 else "") + ")")
         from matplotlib.patches import Patch
         handles = [Patch(color=c, label=k) for k, c in colors.items()]
-        if staged:
+        if any(e.kind == "T" for e in staged):
+            handles.append(Patch(facecolor="#DD8452", edgecolor="black", hatch="///",
+                                 label="T send across vendors (host-staged)"))
+        if any(e.kind == "S" for e in staged):
             handles.append(Patch(facecolor="white", edgecolor="black", hatch="///",
-                                 label="host-staged (across vendors)"))
+                                 label="S across vendors (gloo, host-staged)"))
         ax.legend(handles=handles, loc="upper left",
                   bbox_to_anchor=(1.0, 1.0), fontsize=7)  # beside the bars, not over them
         fig.tight_layout()
@@ -225,6 +233,33 @@ def _pipeline_key(pipe) -> tuple:
                    st.offload.optimizer_fraction, st.offload.activations, st.offload.module_inputs,
                    tuple(st.chunk_layers) if st.chunk_layers else None,
                    st.warmup_microbatches) for st in pipe.stages))
+
+
+def _host_sends(plan: Plan, cost: CostModel, placement, d: int, evs) -> list[Event]:
+    """The sends of pipeline ``d`` over links across vendors, as ``T`` events: each forward
+    sends to the next stage (the last stage's, interleaved, back to the first), each backward to
+    the previous one, when its compute ends (``evs``: the pipeline's recorded compute)."""
+    p, v = plan.pipeline_model_parallel_size, plan.virtual_pipeline_size
+    row = placement.nodes[d]
+    links = placement.pipeline_links(d, v > 1)
+    staged = {e: placement.host_staged(row[e], row[(e + 1) % p]) for e in range(len(links))}
+    if not any(staged.values()):
+        return []
+    pipe = plan.pipelines[d]
+    out = []
+    for stage, kind, mb, _, end, *chunk in evs:
+        c = chunk[0] if chunk else 0
+        if kind == "F" and not (stage == p - 1 and c == v - 1):
+            edge = stage
+        elif kind == "B" and not (stage == 0 and c == 0):
+            edge = (stage - 1) % p
+        else:
+            continue
+        if staged[edge]:
+            seconds = cost.p2p_seconds(pipe.micro_batch_size, links[edge],
+                                       tp=plan.tensor_model_parallel_size, sp=plan.sequence_parallel)
+            out.append(Event(d, stage, "T", mb, end, end + seconds, c, host_staged=True))
+    return out
 
 
 def host_memory(plan: Plan, cost: CostModel, placement) -> list[HostMemory]:
@@ -321,6 +356,7 @@ def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True,
         finish, busy, _, evs = runs[d]
         if record_events:
             events.extend(Event(d, *ev) for ev in evs)
+            events.extend(_host_sends(plan, cost, placement, d, evs))
         for s in range(p):
             mem = memory_of[rep[d]][s]
             fits = fits and mem.fits
