@@ -125,7 +125,11 @@ class SimResult:
 
     def stage(self, pipeline: int, stage: int) -> StageResult:
         p = 1 + max(s.stage for s in self.stages)
-        return self.stages[pipeline * p + stage]
+        i = pipeline * p + stage
+        if i < len(self.stages) and (self.stages[i].pipeline, self.stages[i].stage) == (pipeline, stage):
+            return self.stages[i]
+        # a mesh plan's stages: replicas per stage differ from mesh to mesh
+        return next(s for s in self.stages if (s.pipeline, s.stage) == (pipeline, stage))
 
     def to_dict(self) -> dict:
         out = {"step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
