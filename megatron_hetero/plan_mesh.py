@@ -278,6 +278,18 @@ class MeshPlan:
             parts.append(("E" if s == 0 else "") + body + ("L" if s == len(split) - 1 else ""))
         return "|".join(parts)
 
+    def describe(self) -> str:
+        """One line per mesh: its GPUs, parallel sizes, layers and batch."""
+        lines = []
+        for k, m in enumerate(self.meshes):
+            reps = sorted({(r.micro_batch_size, r.num_microbatches) for r in m.replicas})
+            lines.append(f"mesh {k}: {m.world_size}x {m.device_type} TP={m.tensor_model_parallel_size} "
+                         f"DP={m.data_parallel_size} PP={len(m.stages)} layers "
+                         f"{[st.num_layers for st in m.stages]}, micro-batches (size, count) "
+                         + " ".join(f"{b}x{n}" for b, n in reps)
+                         + f"; ranks {self.rank_offset(k)}-{self.rank_offset(k) + m.world_size - 1}")
+        return "\n".join(lines)
+
     def to_data(self) -> dict:
         data = to_data(self)
         if not self.gpus:

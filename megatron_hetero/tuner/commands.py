@@ -10,6 +10,7 @@ from ..errors import HeteroError
 from ..hardware.inventory import load_inventory
 from ..models import load_model
 from ..plan import load_plan, save_plan
+from ..plan_mesh import MeshPlan, load_any_plan
 from ..plan_inventory import check_plan_against_inventory
 
 __all__ = ["tune_main", "simulate_main", "add_tune_arguments", "add_simulate_arguments"]
@@ -174,7 +175,9 @@ def simulate_main(args: argparse.Namespace) -> int:
 
     _check_timeline(args.timeline)
     inventory = load_inventory(args.inventory)
-    plan = load_plan(args.plan, catalog=inventory.catalog)
+    plan = load_any_plan(args.plan, catalog=inventory.catalog)
+    if isinstance(plan, MeshPlan):
+        return _simulate_mesh_main(args, plan, inventory)
     check_plan_against_inventory(plan, inventory, source=args.plan)
     profiles = _profiles(args.profile, inventory)
     cost = CostModel(plan.model, inventory, profiles=profiles,
@@ -205,4 +208,31 @@ def simulate_main(args: argparse.Namespace) -> int:
     if args.timeline:
         sim.timeline_png(args.timeline)
         console.print(f"wrote {args.timeline}", highlight=False)
+    return 0
+
+
+def _simulate_mesh_main(args: argparse.Namespace, plan: MeshPlan, inventory) -> int:
+    """``simulate`` of a mesh plan: its meshes, the predicted step and every stage."""
+    from ..cost import CostModel
+    from ..plan_mesh_inventory import check_mesh_plan_against_inventory
+    from ..simulate_mesh import simulate_mesh
+
+    check_mesh_plan_against_inventory(plan, inventory, source=args.plan)
+    profiles = _profiles(args.profile, inventory)
+    cost = CostModel(plan.model, inventory, profiles=profiles, precision=plan.precision,
+                     use_distributed_optimizer=plan.use_distributed_optimizer)
+    sim = simulate_mesh(plan, cost, record_events=bool(args.timeline))
+    print(f"{_short(args.plan)} on {_short(args.inventory)}\n{plan.describe()}")
+    print(f"predicted: step {sim.step_time_s:.3f} s, {sim.tokens_per_s:,.0f} tokens/s, "
+          f"MFU {sim.mfu:.3f}; fits memory: {'yes' if sim.fits_memory else 'NO'}")
+    for s in sim.stages:
+        print(f"  replica {s.pipeline} stage {s.stage} ({s.device_type}): busy {s.busy_s:.3f} s, "
+              f"bubble {s.bubble_s:.3f} s, sync {s.sync_s:.3f} s, idle {s.idle_s:.3f} s, memory "
+              f"{s.memory.total / 1e9:.1f}/{s.memory.capacity / 1e9:.0f} GB")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(sim.to_dict(), f, indent=2)
+    if args.timeline:
+        sim.timeline_png(args.timeline)
+        print(f"wrote {args.timeline}")
     return 0
