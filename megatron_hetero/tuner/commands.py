@@ -126,6 +126,8 @@ def tune_main(args: argparse.Namespace) -> int:
                           progress=not args.quiet and sys.stderr.isatty())
     profiles = _profiles(args.profile, inventory)
     result = tune(model, inventory, args.global_batch_size, profiles=profiles, options=options)
+    if result.mesh_wins:
+        return _tune_mesh_wins(args, result, inventory, profiles)
     save_plan(result.plan, args.output)
     sources = _figure_sources(result.plan, inventory, profiles)
     used_types = sorted(result.plan.device_counts())
@@ -235,4 +237,40 @@ def _simulate_mesh_main(args: argparse.Namespace, plan: MeshPlan, inventory) -> 
     if args.timeline:
         sim.timeline_png(args.timeline)
         print(f"wrote {args.timeline}")
+    return 0
+
+
+def _tune_mesh_wins(args: argparse.Namespace, result, inventory, profiles) -> int:
+    """``tune`` where the best mesh plan beats every uniform-TP plan: write it, and print it
+    beside the uniform plan it beat."""
+    from ..cost import CostModel
+    from ..megatron_args import megatron_args_line
+    from ..plan_mesh import save_any_plan
+    from ..simulate_mesh import simulate_mesh
+    from .report import report_dict, summary_lines
+
+    plan, sim = result.mesh_plan, result.mesh_sim
+    save_any_plan(plan, args.output)
+    if args.report:
+        report = report_dict(result, None)  # the uniform plan's figures, and the mesh plan's
+        report["mesh_plan"] = {"predicted_step_time_s": sim.step_time_s, "mfu": sim.mfu,
+                               "efficiency": result.upper_bound_step_time_s / sim.step_time_s,
+                               "speedup_over_uniform": result.sim.step_time_s / sim.step_time_s,
+                               "megatron_args": megatron_args_line(plan, args.output),
+                               "stages": [s.to_dict() for s in sim.stages]}
+        with open(args.report, "w") as f:
+            json.dump(report, f, indent=2)
+    if args.timeline:
+        cost = CostModel(plan.model, inventory, profiles=profiles, precision=plan.precision)
+        simulate_mesh(plan, cost).timeline_png(args.timeline)
+    print(f"tuned   : mesh plan, step {sim.step_time_s:.3f} s, {sim.tokens_per_s:,.0f} tokens/s, "
+          f"MFU {sim.mfu:.3f}\n{plan.describe()}")
+    print(summary_lines(result.plan, result.sim, "uniform "))
+    eff = result.upper_bound_step_time_s / sim.step_time_s
+    print(f"upper bound {result.upper_bound_step_time_s:.3f} s; efficiency {eff:.3f}; speedup "
+          f"over the uniform-TP plan {result.sim.step_time_s / sim.step_time_s:.3f}x; searched "
+          f"in {result.search_time_s:.2f} s")
+    print(f"wrote {args.output}" + (f", {args.report}" if args.report else "")
+          + (f", {args.timeline}" if args.timeline else ""))
+    print(megatron_args_line(plan, args.output))
     return 0
