@@ -1,8 +1,8 @@
 """Mesh plans in the search (:mod:`megatron_hetero.plan_mesh`): each device type of a mixed
 pool its own tensor- and data-parallel size.
 
-The space, the simplest one that is real: one mesh per device type, the types in each order
-along the pipeline (:func:`.space.orders`); per type a TP size among those that divide the
+The space, the simplest one that is real: one mesh per device type, the types memory-rich
+first along the pipeline or the reverse; per type a TP size among those that divide the
 heads and fit its node (4-GPU and 8-GPU nodes differ) and a pipeline depth, its replicas
 taking all of its GPUs in whole TP groups (``D = GPUs / (T x P)``), where consecutive meshes'
 ``D`` divide one another (``BridgeCommunicator``); a micro-batch ``b`` per replica of the mesh
@@ -11,8 +11,9 @@ with the most replicas, every other mesh's replicas taking the same samples per 
 cheapest fitting memory policy come from the stage tables (:mod:`.tables`, at the mesh's TP
 without sequence parallelism: a bridge carries whole ``[s, b, h]`` tensors); the layer split
 from :func:`.split.min_max_split` on seconds per micro-batch (every stage runs the same
-micro-batches). Candidates are ranked by an estimate (``(m + P - 1)`` times the slowest stage)
-and the best few simulated (:func:`megatron_hetero.simulate_mesh.simulate_mesh`).
+micro-batches). Candidates are visited in order of a lower bound on their estimate (``(m + P -
+1)`` times the slowest stage, the layers split as if each stage took any fraction of them at
+its no-recompute speed), until it passes the best few estimates, which are simulated (:func:`megatron_hetero.simulate_mesh.simulate_mesh`).
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ class MeshSearch:
         self.evaluated = 0
 
     def layouts(self) -> list[list[tuple[str, int, int, int]]]:
-        """Every (type, TP, PP, DP) chain: one mesh per type, in each order of the types."""
+        """Every (type, TP, PP, DP) chain: one mesh per type, the types memory-rich first
+        (:attr:`.problem.Problem.types`) or the reverse."""
         p, inv = self.problem, self.problem.inv
         counts = inv.gpu_counts()
         per_type = {}
@@ -74,8 +76,7 @@ class MeshSearch:
                         options.append((gpu, tp, pp, groups // pp))
             per_type[gpu] = options
         out = []
-        for order in space.orders(len(p.types)):
-            types = [p.types[i] for i in order]
+        for types in (p.types, p.types[::-1]):
             for chain in itertools.product(*(per_type[t] for t in types)):
                 dps = [c[3] for c in chain]
                 if all(max(a, b) % min(a, b) == 0 for a, b in zip(dps, dps[1:])) \
@@ -85,39 +86,41 @@ class MeshSearch:
 
     def candidates(self, keep: int) -> list[tuple[float, MeshPlan]]:
         """The ``keep`` best estimates over every layout and micro-batch size, visited in order
-        of a lower bound on their estimate (:meth:`bound`) until it passes the ``keep``-th."""
+        of a lower bound on their estimate until it passes the ``keep``-th."""
         p = self.problem
+        L = p.model.num_layers
+        cost = self.problem.cost(self.problem.precision_for(p.types))
+        layer: dict[tuple, float] = {}  # one layer's seconds per micro-batch, by (type, mbs, TP)
         todo = []
         for chain in self.layouts():
             dmax = max(c[3] for c in chain)
+            P = sum(c[2] for c in chain)
             for b in p.opt.micro_batch_sizes:
                 batch = b * dmax
                 if p.gbs % batch or any(batch % c[3] for c in chain):
                     continue
-                shapes = [_MeshShape(device_type=t, tp=tp, pp=pp, dp=dp, mbs=batch // dp)
-                          for t, tp, pp, dp in chain]
+                rate = 0.0
+                for t, tp, pp, dp in chain:
+                    key = (t, batch // dp, tp)
+                    if key not in layer:
+                        layer[key] = sum(cost.layer_times(*key))
+                    rate += pp / layer[key]
                 m = p.gbs // batch
-                todo.append((self.bound(shapes, m), len(todo), shapes, m))
+                # a lower bound on the estimate: (m + P - 1) times the slowest stage of the best
+                # split if each stage took any fraction of the layers at no-recompute speed
+                todo.append(((m + P - 1) * L / rate, len(todo), chain, batch))
         todo.sort(key=lambda x: x[:2])
         best: list[tuple[float, MeshPlan]] = []
-        for lb, _, shapes, m in todo:
+        for lb, _, chain, batch in todo:
             if len(best) >= keep and lb >= best[-1][0]:
                 break
-            got = self.evaluate(shapes, m)
+            got = self.evaluate([_MeshShape(device_type=t, tp=tp, pp=pp, dp=dp, mbs=batch // dp)
+                                 for t, tp, pp, dp in chain], p.gbs // batch)
             if got is not None:
                 best.append(got)
                 best.sort(key=lambda x: x[0])
                 del best[keep:]
         return best
-
-    def bound(self, meshes: list[_MeshShape], m: int) -> float:
-        """A lower bound on :meth:`evaluate`'s estimate: ``(m + P - 1)`` times the slowest stage
-        of the best split of the layers if each were free to take a fraction of them, every
-        layer at its no-recompute time (``L / sum(P_k / t_k)``)."""
-        cost = self.problem.cost(self.problem.precision_for({x.device_type for x in meshes}))
-        rate = sum(x.pp / sum(cost.layer_times(x.device_type, x.mbs, x.tp)) for x in meshes)
-        P = sum(x.pp for x in meshes)
-        return (m + P - 1) * self.problem.model.num_layers / rate
 
     def evaluate(self, meshes: list[_MeshShape], m: int) -> tuple[float, MeshPlan] | None:
         """The split and policies of one candidate, and its estimated step (None: nothing
