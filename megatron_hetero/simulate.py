@@ -44,7 +44,8 @@ from .plan import Plan
 from .schedule_order import pipeline_warmups
 from .simulate_pipeline import pipeline_run
 
-__all__ = ["simulate", "host_memory", "SimResult", "StageResult", "HostMemory", "Event"]
+__all__ = ["simulate", "host_memory", "nodes_host_memory", "SimResult", "StageResult", "HostMemory",
+           "Event"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,6 +233,14 @@ def host_memory(plan: Plan, cost: CostModel, placement) -> list[HostMemory]:
             node = placement.node(d, s)
             if node.group in caps:
                 used[node] = used.get(node, 0.0) + tp * cost.host_bytes(StageShape.of(plan, d, s))
+    return nodes_host_memory(used, cost)
+
+
+def nodes_host_memory(used: Mapping, cost: CostModel) -> list[HostMemory]:
+    """:class:`HostMemory` of each node in ``used`` (node -> bytes its ranks offload), in node
+    order, with the cost model's host reserve added."""
+    inv = cost.inventory
+    caps = {gi: g.host_memory_gb for gi, g in enumerate(inv.groups) if g.host_memory_gb}
     out = []
     for node in sorted(used):
         hosts = inv.groups[node.group].hosts

@@ -21,7 +21,7 @@ from .cost.mesh import bridge_seconds, bridges, mesh_stage_shape, place_meshes, 
 from .cost.model import CostModel
 from .models import step_model_flops
 from .plan_mesh import MeshPlan
-from .simulate import Event, HostMemory, SimResult, StageResult
+from .simulate import Event, HostMemory, SimResult, StageResult, nodes_host_memory
 from .simulate_pipeline import pipeline_run
 
 __all__ = ["simulate_mesh"]
@@ -141,11 +141,4 @@ def _host_memory(plan: MeshPlan, cost: CostModel, placement) -> list[HostMemory]
                 if node.group in caps:
                     used[node] = used.get(node, 0.0) + mesh.tensor_model_parallel_size * \
                         cost.host_bytes(mesh_stage_shape(plan, k, j, r))
-    out = []
-    for node in sorted(used):
-        hosts = inv.groups[node.group].hosts
-        name = hosts[node.node] if hosts else f"{inv.group_label(node.group)} node {node.node}"
-        out.append(HostMemory(node=name, group=node.group, index=node.node,
-                              used_bytes=used[node] + cost.host_reserve_bytes,
-                              capacity_bytes=caps[node.group] * 1e9))
-    return out
+    return nodes_host_memory(used, cost)

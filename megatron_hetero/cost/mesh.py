@@ -33,7 +33,7 @@ from .placement import Node, Placement, allocate
 from .stage import StageShape
 
 __all__ = ["MeshPlacement", "place_meshes", "mesh_stage_shape", "Bridge", "bridge_seconds",
-           "bridges"]
+           "bridges", "same_replicas"]
 
 
 @dataclass(slots=True)

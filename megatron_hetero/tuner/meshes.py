@@ -25,7 +25,6 @@ import numpy as np
 
 from ..cost.stage import StageShape
 from ..errors import InfeasibleError
-from ..plan import Recompute
 from ..plan_inventory import embedded_gpus
 from ..plan_mesh import Mesh, MeshPlan, MeshStage, Replica
 from ..simulate import SimResult
@@ -71,7 +70,7 @@ class MeshSearch:
                 groups = space.slots(inv, tp).get(gpu, 0)
                 if groups * tp != counts[gpu]:
                     continue  # a TP size that strands GPUs of the type
-                for pp in range(1, min(groups, p.model.num_layers, p.opt.max_pipeline_stages) + 1):
+                for pp in range(1, min(groups, p.model.num_layers) + 1):
                     if groups % pp == 0:
                         options.append((gpu, tp, pp, groups // pp))
             per_type[gpu] = options
@@ -80,7 +79,8 @@ class MeshSearch:
             for chain in itertools.product(*(per_type[t] for t in types)):
                 dps = [c[3] for c in chain]
                 if all(max(a, b) % min(a, b) == 0 for a, b in zip(dps, dps[1:])) \
-                        and sum(c[2] for c in chain) <= p.model.num_layers:
+                        and sum(c[2] for c in chain) <= min(p.model.num_layers,
+                                                            p.opt.max_pipeline_stages):
                     out.append(list(chain))
         return out
 
@@ -155,8 +155,7 @@ class MeshSearch:
 
 
 def _stage(n: int, policy) -> MeshStage:
-    return MeshStage(num_layers=n, recompute=policy.recompute or Recompute(),
-                     offload=policy.offload)
+    return MeshStage(num_layers=n, recompute=policy.recompute, offload=policy.offload)
 
 
 def best_mesh_plan(problem: Problem, tables: StageTables, *, uniform: SimResult,
