@@ -134,3 +134,26 @@ def test_simulate_command_draws_a_mesh_timeline(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "predicted: step" in out and "mesh 1: 16x T4-16GB TP=2 DP=8" in out
     assert png.stat().st_size > 10_000
+
+
+def test_host_memory_of_a_mesh_plan_per_node():
+    """The 3090 mesh offloads its module inputs: its two nodes carry that beside the reserve,
+    and a host too small for it makes the plan not fit."""
+    from megatron_hetero.plan_mesh import load_any_plan
+    from tests.conftest import REPO
+
+    plan = load_any_plan(REPO / "examples/meshes/3090-t4-plan.yaml")
+
+    def run(host_gb):
+        inv = inventory_from_data({"groups": [
+            {"gpu": "RTX3090-24GB", "nodes": 2, "gpus_per_node": 8, "host_memory_gb": host_gb},
+            {"gpu": "T4-16GB", "nodes": 4, "gpus_per_node": 4}]}, source="inv.yaml")
+        return simulate_mesh(plan, CostModel(MODEL, inv, precision="fp16"), record_events=False)
+
+    roomy = run(1024)
+    assert [h.index for h in roomy.host_nodes] == [0, 1] and roomy.fits_memory
+    cost = CostModel(MODEL, INV, precision="fp16")
+    per_node = 8 * cost.host_bytes(mesh_stage_shape(plan, 0, 0, 0))  # stage 0 fills node 0
+    assert per_node > 0
+    assert roomy.host_nodes[0].used_bytes == pytest.approx(per_node + cost.host_reserve_bytes)
+    assert not run(64).fits_memory
