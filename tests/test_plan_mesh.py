@@ -222,3 +222,56 @@ def test_any_loader_dispatches_on_the_version():
     data = yaml.safe_load(EXAMPLE_PLANS[0].read_text())
     assert not isinstance(any_plan_from_data(data), MeshPlan)
     assert isinstance(any_plan_from_data(BASE), MeshPlan)
+
+
+def _random_plan_data(draw, st):
+    """A valid mesh plan: a DP chain where neighbours divide one another, even replicas."""
+    n = draw(st.integers(1, 4))
+    dps = [draw(st.sampled_from([1, 2, 4, 8]))]
+    for _ in range(n - 1):
+        dps.append(draw(st.sampled_from([d for d in (1, 2, 4, 8)
+                                         if max(d, dps[-1]) % min(d, dps[-1]) == 0])))
+    batch = 8  # samples per micro-batch: every DP in the chain divides it
+    m = draw(st.integers(1, 4))
+    stages = [draw(st.integers(1, 3)) for _ in range(n)]
+    total = sum(stages)
+    layers = [1] * total
+    layers[0] += 32 - total
+    it = iter(layers)
+    meshes = [{"device_type": draw(st.sampled_from(["A100-SXM-80GB", "RTX3090-24GB", "T4-16GB"])),
+               "tensor_model_parallel_size": draw(st.sampled_from([1, 2, 4])),
+               "replicas": _replicas(dps[k], batch // dps[k], m),
+               "stages": [{"num_layers": next(it)} for _ in range(stages[k])]}
+              for k in range(n)]
+    data = copy.deepcopy(BASE)
+    data.update(global_batch_size=batch * m, meshes=meshes)
+    return data
+
+
+def test_random_mesh_plans_round_trip_and_number_every_rank_once(tmp_path):
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from megatron_hetero.cost.mesh import place_meshes
+
+    big = inventory_from_data({"groups": [
+        {"gpu": g, "nodes": 64, "gpus_per_node": 8}
+        for g in ("A100-SXM-80GB", "RTX3090-24GB", "T4-16GB")]}, source="big.yaml")
+
+    @settings(max_examples=60, deadline=None)
+    @given(st.data())
+    def check(data):
+        raw = _random_plan_data(data.draw, st)
+        plan = mesh_plan_from_data(raw)
+        assert mesh_plan_from_data(plan.to_data()) == plan
+        slots = [plan.slot_of_rank(r) for r in range(plan.world_size)]
+        assert len(set(slots)) == plan.world_size
+        assert [plan.rank_of_slot(s) for s in slots] == list(range(plan.world_size))
+        placed = place_meshes(plan, big)
+        for k, mesh in enumerate(plan.meshes):
+            for j in range(len(mesh.stages)):
+                for r in range(mesh.data_parallel_size):
+                    assert big.groups[placed.node(k, j, r).group].gpu == mesh.device_type
+        check_mesh_plan_against_inventory(plan, big, source="p.yaml")
+
+    check()
