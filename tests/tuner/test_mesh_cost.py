@@ -157,3 +157,22 @@ def test_host_memory_of_a_mesh_plan_per_node():
     assert per_node > 0
     assert roomy.host_nodes[0].used_bytes == pytest.approx(per_node + cost.host_reserve_bytes)
     assert not run(64).fits_memory
+
+
+def test_uneven_replicas_run_their_own_paths():
+    """DP 4 -> 4 with 10/10/6/6 micro-batches: each path runs its own count, the gradient sync
+    of every stage starts once its slowest replica is done."""
+    reps = [Replica(micro_batch_size=1, num_microbatches=n) for n in (10, 10, 6, 6)]
+    plan = MeshPlan(format_version=2, model=MODEL, global_batch_size=32, precision="fp16",
+                    meshes=[Mesh(device_type="RTX3090-24GB", tensor_model_parallel_size=2,
+                                 replicas=list(reps), stages=[MeshStage(num_layers=20, recompute=FULL)]),
+                            Mesh(device_type="T4-16GB", tensor_model_parallel_size=2,
+                                 replicas=list(reps), stages=[MeshStage(num_layers=12, recompute=FULL)])])
+    sim = simulate_mesh(plan, COST)
+    busy = {(s.pipeline, s.stage): s.busy_s for s in sim.stages}
+    assert busy[(0, 0)] == pytest.approx(busy[(2, 0)] * 10 / 6)
+    assert busy[(1, 1)] == busy[(0, 1)]
+    last_b = {d: max(e.end for e in sim.events if e.kind == "B" and e.pipeline == d and e.stage == 0)
+              for d in range(4)}
+    sync_start = min(e.start for e in sim.events if e.kind == "S" and e.stage == 0)
+    assert last_b[0] > last_b[2] and sync_start >= last_b[0]
