@@ -1,0 +1,56 @@
+"""megatron-core 0.17.1's grids and bridges built from a mesh plan on gloo CPU ranks: the ranks
+the plan numbers are the ranks megatron-core's grids and leaders use, and a micro-batch crosses
+each bridge whole (TP1 -> TP2 broadcast, DP2 -> DP1 fan-in, DP1 -> DP2 fan-out)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from ..conftest import REPO
+
+BASE = yaml.safe_load((REPO / "examples/meshes/3090-t4-plan.yaml").read_text())
+
+
+def _plan(tmp_path, meshes) -> str:
+    data = copy.deepcopy(BASE)
+    data["model"].update(num_layers=4, hidden_size=8, ffn_hidden_size=16, num_attention_heads=2,
+                         num_query_groups=2, vocab_size=64, seq_length=3)
+    data["precision"] = "fp32"
+    data["global_batch_size"] = 4
+    data["meshes"] = [
+        {"device_type": "RTX3090-24GB", "tensor_model_parallel_size": tp,
+         "replicas": [{"micro_batch_size": 2 // dp, "num_microbatches": 2}] * dp,
+         "stages": [{"num_layers": 2}]} for tp, dp in meshes]
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def _run(env, plan_path: str, world: int) -> list[dict]:
+    script = ("import json\nfrom megatron_hetero.mcore.spawn import spawn\n"
+              "from tests.mcore.mesh_ranks import bridge_ranks\n"
+              f"print(json.dumps(spawn(bridge_ranks, {world}, args=({plan_path!r},), "
+              "timeout_s=240)))\n")
+    out = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("meshes, world", [([(1, 1), (2, 1)], 3),   # TP1 -> TP2
+                                           ([(1, 2), (1, 1)], 3),   # DP2 -> DP1: fan-in
+                                           ([(1, 1), (1, 2)], 3)],  # DP1 -> DP2: fan-out
+                         ids=["tp1-tp2", "dp2-dp1", "dp1-dp2"])
+def test_a_micro_batch_crosses_the_bridge_whole(mcore017_env, tmp_path, meshes, world):
+    results = _run(mcore017_env, _plan(tmp_path, meshes), world)
+    assert [r["rank"] for r in results] == list(range(world))
+    for r in results:
+        assert r["total_stages"] == 2 and r["current_stage"] == r["mesh"]
+        assert r["first"] == (r["mesh"] == 0) and r["last"] == (r["mesh"] == 1)
+        assert r["forward_ok" if r["mesh"] else "grad_ok"] is True, r
