@@ -43,3 +43,35 @@ def bridge_ranks(rank: int, world_size: int, plan_path: str) -> dict:
         comm.send_backward({module_name(0): 2 * got})
     torch.distributed.barrier()
     return out
+
+
+def fake_grid_ranks(plan_path: str, ranks: list[int]) -> list[dict]:
+    """On megatron-core's fake process groups (no processes): for each rank of ``ranks``, a
+    world of the plan's size on that rank, its grids and communicator built, and the groups it
+    belongs to."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from megatron_hetero.mcore.mesh_grids import gloo_bridges, mesh_communicator, mesh_grids
+    from megatron_hetero.plan_mesh import load_any_plan
+    from megatron.core.model_parallel_config import ModelParallelConfig
+
+    gloo_bridges()
+    plan = load_any_plan(plan_path)
+    out = []
+    for rank in ranks:
+        dist.init_process_group("fake", rank=rank, world_size=plan.world_size, store=FakeStore())
+        grids = mesh_grids(plan)
+        comm = mesh_communicator(plan, grids, ModelParallelConfig(pipeline_dtype=torch.float32,
+                                                                  variable_seq_lengths=True))
+        slot = plan.slot_of_rank(rank)
+        grid = grids[slot.mesh]
+        out.append({"rank": rank, "tp": dist.get_process_group_ranks(grid.get_pg("tp")),
+                    "dp": dist.get_process_group_ranks(grid.get_pg("dp")),
+                    "pp": dist.get_process_group_ranks(grid.get_pg("pp")),
+                    "current_stage": comm.current_stage, "total_stages": comm.total_stages})
+        from megatron.core.pipeline_parallel.bridge_communicator import BridgeCommunicator
+        BridgeCommunicator.destroy_broadcast_pgs()
+        dist.destroy_process_group()
+    return out

@@ -54,3 +54,46 @@ def test_a_micro_batch_crosses_the_bridge_whole(mcore017_env, tmp_path, meshes, 
         assert r["total_stages"] == 2 and r["current_stage"] == r["mesh"]
         assert r["first"] == (r["mesh"] == 0) and r["last"] == (r["mesh"] == 1)
         assert r["forward_ok" if r["mesh"] else "grad_ok"] is True, r
+
+
+def test_groups_of_a_1024_rank_mesh_plan_on_fake_process_groups(mcore017_env, tmp_path):
+    """A 1024-rank mesh plan (TP 8 x DP 32 x PP 2 -> TP 4 x DP 64 x PP 2, fan-out 32 -> 64):
+    the grids and the communicator build on fake process groups, and the groups of sample
+    ranks are the plan's."""
+    from megatron_hetero.plan_mesh import load_any_plan
+
+    data = copy.deepcopy(BASE)
+    data["global_batch_size"] = 1024
+    data["meshes"] = [
+        {"device_type": "A100-SXM-80GB", "tensor_model_parallel_size": 8,
+         "replicas": [{"micro_batch_size": 2, "num_microbatches": 16}] * 32,
+         "stages": [{"num_layers": 8}, {"num_layers": 8}]},
+        {"device_type": "RTX3090-24GB", "tensor_model_parallel_size": 4,
+         "replicas": [{"micro_batch_size": 1, "num_microbatches": 16}] * 64,
+         "stages": [{"num_layers": 8}, {"num_layers": 8}]}]
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(data))
+    plan = load_any_plan(path)
+    assert plan.world_size == 1024
+    ranks = [0, 300, 511, 512, 777, 1023]
+    script = ("import json\nfrom tests.mcore.mesh_ranks import fake_grid_ranks\n"
+              f"print(json.dumps(fake_grid_ranks({str(path)!r}, {ranks!r})))\n")
+    out = subprocess.run([sys.executable, "-c", script], env=mcore017_env, cwd=REPO,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    for r in got:
+        slot = plan.slot_of_rank(r["rank"])
+        mesh = plan.meshes[slot.mesh]
+        T, D = mesh.tensor_model_parallel_size, mesh.data_parallel_size
+
+        def rank(**change):
+            fields = {"mesh": slot.mesh, "stage": slot.stage, "replica": slot.replica,
+                      "tensor_rank": slot.tensor_rank} | change
+            return plan.rank_of_slot(type(slot)(**fields))
+
+        assert r["tp"] == [rank(tensor_rank=t) for t in range(T)]
+        assert r["dp"] == [rank(replica=d) for d in range(D)]
+        assert r["pp"] == [rank(stage=j) for j in range(len(mesh.stages))]
+        assert r["total_stages"] == 4
+        assert r["current_stage"] == 2 * slot.mesh + slot.stage
