@@ -112,41 +112,40 @@ def _shard(name: str, full, param, tp_rank: int, tp: int, gated: bool):
 
 
 def schedule_ranks(rank: int, world_size: int, plan_path: str) -> dict:
-    """One forward-backward step of a two-mesh plan (one stage per mesh) under megatron-core's
+    """One forward-backward step of a plan of single-stage meshes under megatron-core's
     non-interleaved 1F1B with the multimodule communicator, the weights copied from a
-    one-process model built on this rank; returns the losses, and this rank's gradients next
-    to the one-process model's (its shard)."""
+    one-process model built on this rank; every rank's gradients summed over its mesh's DP
+    group and scaled by :func:`gradient_scale`. Returns the losses, and the largest relative
+    difference of each gradient (this rank's shard) from the one-process model's."""
     import torch
     import torch.distributed as dist
 
     from megatron_hetero.mcore.cpu_backend import enable_cpu_backend
-    from megatron_hetero.mcore.mesh_grids import gloo_bridges, mesh_communicator, mesh_grids, module_name
+    from megatron_hetero.mcore.mesh_grids import gloo_bridges, mesh_communicator, mesh_grids
+    from megatron_hetero.mcore.mesh_stage import (MeshStageModule, gradient_scale,
+                                                  mesh_process_groups, multimodule_collection,
+                                                  use_mesh_globals)
     from megatron_hetero.plan_mesh import load_any_plan
 
     enable_cpu_backend()
     gloo_bridges()
     from megatron.core import tensor_parallel
     from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
-    from megatron.core.process_groups_config import MultiModuleProcessGroupCollection
-
-    from megatron.core import parallel_state
-    parallel_state._set_global_memory_buffer()  # what initialize_model_parallel would set up
 
     plan = load_any_plan(plan_path)
     m = plan.model
     grids = mesh_grids(plan)
     slot = plan.slot_of_rank(rank)
     k, mesh = slot.mesh, plan.meshes[slot.mesh]
-    grid = grids[k]
     last = k == len(plan.meshes) - 1
-    # the one-process reference, on this rank alone
+    pgs = mesh_process_groups(grids[k])
+    use_mesh_globals(pgs)
+    # the one-process reference, on this rank alone (its loss in plain torch: the vocab-parallel
+    # one reads the mesh's TP group)
     own, _ = dist.new_subgroups_by_enumeration([[r] for r in range(world_size)])
     tensor_parallel.model_parallel_cuda_manual_seed(1234, tp_rank=0, ep_rank=0, etp_rank=0)
     torch.manual_seed(1234)
     ref = _gpt(plan, m.num_layers, 1, _pgs(own, own, own, own), pre=True, post=True)
-    pgs = _pgs(grid.get_pg("tp"), grid.get_pg("cp"), grid.get_pg("pp"))
-    # GPTModel's vocab-parallel loss reads the TP group from parallel_state (0.17.1): the mesh's
-    parallel_state._TENSOR_MODEL_PARALLEL_GROUP = pgs.tp
     model = _gpt(plan, mesh.stages[0].num_layers, mesh.tensor_model_parallel_size, pgs,
                  pre=k == 0, post=last)
     offset = sum(x.stages[0].num_layers for x in plan.meshes[:k])
@@ -163,49 +162,31 @@ def schedule_ranks(rank: int, world_size: int, plan_path: str) -> dict:
             names[name] = ref_name
             p.copy_(_shard(ref_name, ref_params[ref_name], p, t, T, m.swiglu))
 
-    class Stage(torch.nn.Module):
-        """The mesh's GPT part between the multimodule communicator's dicts and the model."""
-
-        def __init__(self, gpt):
-            super().__init__()
-            self.gpt, self.config = gpt, gpt.config
-
-        def set_input_tensor(self, tensors):
-            got = tensors[0] if isinstance(tensors, list) else tensors
-            if isinstance(got, dict):
-                got = got.get(module_name(k - 1)) if k else None
-            self.gpt.set_input_tensor(got)
-
-        def forward(self, *args, **kwargs):
-            out = self.gpt(*args, **kwargs)
-            return out if last else {module_name(k): out}
-
-    stage = Stage(model)
-    B = mesh.replicas[slot.replica].micro_batch_size * mesh.data_parallel_size
-    M = mesh.replicas[0].num_microbatches
+    b = mesh.replicas[slot.replica].micro_batch_size
+    B, M = b * mesh.data_parallel_size, mesh.replicas[0].num_microbatches
     gen = torch.Generator().manual_seed(7)
     batches = [torch.randint(0, m.vocab_size, (B, m.seq_length + 1), generator=gen) for _ in range(M)]
     pos = torch.arange(m.seq_length).unsqueeze(0)
+    it = iter(batches)
 
     def loss_func(output):
         loss = output.float().mean()
         return loss, {"loss": loss.detach()}
-
-    b = mesh.replicas[slot.replica].micro_batch_size
-    it = iter(batches)
 
     def forward_step(data_iterator, model_chunk):
         tokens = next(it)[slot.replica * b:(slot.replica + 1) * b]
         out = model_chunk(tokens[:, :-1], pos.expand(len(tokens), -1), None, labels=tokens[:, 1:])
         return out, loss_func
 
-    comm = mesh_communicator(plan, grids, model.config)
-    coll = MultiModuleProcessGroupCollection(module_pgs={module_name(k): pgs},
-                                             language_model_module_name=module_name(k) if last else None)
     losses = forward_backward_pipelining_without_interleaving(
-        forward_step_func=forward_step, data_iterator=None, model=[stage], num_microbatches=M,
-        seq_length=m.seq_length, micro_batch_size=b, p2p_communicator=comm, pg_collection=coll)
-    # the reference over the same micro-batches
+        forward_step_func=forward_step, data_iterator=None,
+        model=[MeshStageModule(model, mesh=k, last=last)], num_microbatches=M,
+        seq_length=m.seq_length, micro_batch_size=b,
+        p2p_communicator=mesh_communicator(plan, grids, model.config),
+        pg_collection=multimodule_collection(plan, k, pgs))
+    for p in model.parameters():
+        dist.all_reduce(p.grad, group=pgs.dp)
+        p.grad *= gradient_scale(plan)
     total = 0.0
     for tokens in batches:
         logits = ref(tokens[:, :-1], pos.expand(len(tokens), -1), None)  # [b, s, V]

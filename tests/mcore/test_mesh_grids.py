@@ -99,23 +99,29 @@ def test_groups_of_a_1024_rank_mesh_plan_on_fake_process_groups(mcore017_env, tm
         assert r["current_stage"] == 2 * slot.mesh + slot.stage
 
 
-def test_tp1_to_tp2_forward_backward_equals_one_process(mcore017_env, tmp_path):
-    """Megatron's non-interleaved 1F1B with the multimodule communicator over a TP1 mesh and a
-    TP2 mesh (3 ranks): the losses and every rank's gradients (its shard) equal one process's
-    within fp32 rtol 1e-5."""
-    plan_path = _plan(tmp_path, [(1, 1), (2, 1)])
+@pytest.mark.parametrize("meshes, world", [([(1, 1), (2, 1)], 3),   # TP1 -> TP2
+                                           ([(1, 2), (1, 1)], 3),   # DP2 -> DP1: fan-in
+                                           ([(2, 1), (1, 2)], 4)],  # TP2.DP1 -> TP1.DP2
+                         ids=["tp1-tp2", "dp2-dp1", "tp2dp1-tp1dp2"])
+def test_forward_backward_equals_one_process(mcore017_env, tmp_path, meshes, world):
+    """Megatron's non-interleaved 1F1B with the multimodule communicator over two meshes: the
+    losses and every rank's gradients (its shard, summed over its mesh's replicas and scaled by
+    1 / D_last) equal one process's within fp32 rtol 1e-5."""
+    plan_path = _plan(tmp_path, meshes)
     script = ("import json\nfrom megatron_hetero.mcore.spawn import spawn\n"
               "from tests.mcore.mesh_ranks import schedule_ranks\n"
-              f"print(json.dumps(spawn(schedule_ranks, 3, args=({plan_path!r},), "
+              f"print(json.dumps(spawn(schedule_ranks, {world}, args=({plan_path!r},), "
               "timeout_s=240)))\n")
     out = subprocess.run([sys.executable, "-c", script], env=mcore017_env, cwd=REPO,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-4000:]
     results = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(results) == world
     for r in results:
         assert r["grads"] and max(r["grads"].values()) < 1e-5, r
     last = [r for r in results if r["mesh"] == 1]
-    assert len(last) == 2
     for r in last:  # the schedule reports each micro-batch's loss over the micro-batch count
         assert len(r["losses"]) == 2
-        assert sum(r["losses"]) == pytest.approx(r["ref_loss"], rel=1e-5)
+    # each last-mesh replica's losses are over its own samples; their mean is the model's
+    mean = sum(sum(r["losses"]) for r in last) / len(last)
+    assert mean == pytest.approx(last[0]["ref_loss"], rel=1e-5)
