@@ -84,12 +84,13 @@ def _pgs(tp, cp, pp, embd=None):
     return pgs
 
 
-def _gpt(plan, num_layers, tp, pgs, *, pre, post):
+def _gpt(plan, num_layers, tp, pgs, *, pre, post, stage=None):
     from megatron_hetero.mcore.config import transformer_config
-    from megatron_hetero.mcore.model import gpt_model
+    from megatron_hetero.mcore.stage_policies import recompute_kwargs
     config = transformer_config(plan.model, num_layers=num_layers, tensor_parallel_size=tp,
                                 precision="fp32", perform_initialization=True,
-                                variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
+                                variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
+                                **(recompute_kwargs(stage) if stage is not None else {}))
     from megatron.core.models.gpt import GPTModel
     from megatron_hetero.mcore.model import layer_spec
     return GPTModel(config=config, transformer_layer_spec=layer_spec(plan.model),
@@ -111,12 +112,14 @@ def _shard(name: str, full, param, tp_rank: int, tp: int, gated: bool):
     return torch.chunk(full, tp, dim=dim)[tp_rank]
 
 
-def schedule_ranks(rank: int, world_size: int, plan_path: str) -> dict:
-    """One forward-backward step of a plan of single-stage meshes under megatron-core's
+def schedule_ranks(rank: int, world_size: int, plan_path: str, steps: int = 3) -> dict:
+    """``steps`` training steps of a plan of single-stage meshes under megatron-core's
     non-interleaved 1F1B with the multimodule communicator, the weights copied from a
-    one-process model built on this rank; every rank's gradients summed over its mesh's DP
-    group and scaled by :func:`gradient_scale`. Returns the losses, and the largest relative
-    difference of each gradient (this rank's shard) from the one-process model's."""
+    one-process model built on this rank and both trained by SGD; every rank's gradients summed
+    over its mesh's DP group and scaled by :func:`gradient_scale`. Returns the losses of each
+    step beside the one-process model's, and the largest relative difference of each gradient
+    of the first step and each parameter after the last (this rank's shard) from the
+    one-process model's."""
     import torch
     import torch.distributed as dist
 
@@ -147,7 +150,7 @@ def schedule_ranks(rank: int, world_size: int, plan_path: str) -> dict:
     torch.manual_seed(1234)
     ref = _gpt(plan, m.num_layers, 1, _pgs(own, own, own, own), pre=True, post=True)
     model = _gpt(plan, mesh.stages[0].num_layers, mesh.tensor_model_parallel_size, pgs,
-                 pre=k == 0, post=last)
+                 pre=k == 0, post=last, stage=mesh.stages[0])
     offset = sum(x.stages[0].num_layers for x in plan.meshes[:k])
     ref_params = dict(ref.named_parameters())
     t, T = slot.tensor_rank, mesh.tensor_model_parallel_size
@@ -165,39 +168,57 @@ def schedule_ranks(rank: int, world_size: int, plan_path: str) -> dict:
     b = mesh.replicas[slot.replica].micro_batch_size
     B, M = b * mesh.data_parallel_size, mesh.replicas[0].num_microbatches
     gen = torch.Generator().manual_seed(7)
-    batches = [torch.randint(0, m.vocab_size, (B, m.seq_length + 1), generator=gen) for _ in range(M)]
     pos = torch.arange(m.seq_length).unsqueeze(0)
-    it = iter(batches)
+    comm = mesh_communicator(plan, grids, model.config)
+    stage = [MeshStageModule(model, mesh=k, last=last)]
+    opt, ref_opt = (torch.optim.SGD(x.parameters(), lr=0.5) for x in (model, ref))
 
     def loss_func(output):
         loss = output.float().mean()
         return loss, {"loss": loss.detach()}
 
-    def forward_step(data_iterator, model_chunk):
-        tokens = next(it)[slot.replica * b:(slot.replica + 1) * b]
-        out = model_chunk(tokens[:, :-1], pos.expand(len(tokens), -1), None, labels=tokens[:, 1:])
-        return out, loss_func
+    out = {"rank": rank, "mesh": k, "losses": [], "ref_losses": [], "grads": {}, "params": {}}
+    batches = [torch.randint(0, m.vocab_size, (B, m.seq_length + 1), generator=gen)
+               for _ in range(M)]  # the same batch every step: its loss falls
+    for step in range(steps):
+        it = iter(batches)
 
-    losses = forward_backward_pipelining_without_interleaving(
-        forward_step_func=forward_step, data_iterator=None,
-        model=[MeshStageModule(model, mesh=k, last=last)], num_microbatches=M,
-        seq_length=m.seq_length, micro_batch_size=b,
-        p2p_communicator=mesh_communicator(plan, grids, model.config),
-        pg_collection=multimodule_collection(plan, k, pgs))
-    for p in model.parameters():
-        dist.all_reduce(p.grad, group=pgs.dp)
-        p.grad *= gradient_scale(plan)
-    total = 0.0
-    for tokens in batches:
-        logits = ref(tokens[:, :-1], pos.expand(len(tokens), -1), None)  # [b, s, V]
-        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
-                                                 tokens[:, 1:].reshape(-1))
-        (loss / M).backward()
-        total += float(loss) / M
-    out = {"rank": rank, "mesh": k, "losses": [float(x["loss"]) for x in losses] if losses else [],
-           "ref_loss": total, "grads": {}}
+        def forward_step(data_iterator, model_chunk):
+            tokens = next(it)[slot.replica * b:(slot.replica + 1) * b]
+            out = model_chunk(tokens[:, :-1], pos.expand(len(tokens), -1), None,
+                              labels=tokens[:, 1:])
+            return out, loss_func
+
+        opt.zero_grad(set_to_none=False)
+        ref_opt.zero_grad()
+        losses = forward_backward_pipelining_without_interleaving(
+            forward_step_func=forward_step, data_iterator=None, model=stage, num_microbatches=M,
+            seq_length=m.seq_length, micro_batch_size=b, p2p_communicator=comm,
+            pg_collection=multimodule_collection(plan, k, pgs))
+        for p in model.parameters():
+            dist.all_reduce(p.grad, group=pgs.dp)
+            p.grad *= gradient_scale(plan)
+        total = 0.0
+        for tokens in batches:
+            logits = ref(tokens[:, :-1], pos.expand(len(tokens), -1), None)  # [b, s, V]
+            loss = torch.nn.functional.cross_entropy(
+                logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+            (loss / M).backward()
+            total += float(loss) / M
+        out["losses"].append(sum(float(x["loss"]) for x in losses) if losses else None)
+        out["ref_losses"].append(total)
+        if step == 0:
+            for name, p in model.named_parameters():
+                want = _shard(names[name], ref_params[names[name]].grad, p, t, T, m.swiglu)
+                out["grads"][name] = _rel(p.grad, want)
+        opt.step()
+        ref_opt.step()
     for name, p in model.named_parameters():
-        want = _shard(names[name], ref_params[names[name]].grad, p, t, T, m.swiglu)
-        out["grads"][name] = float((p.grad - want).abs().max() / (want.abs().max() + 1e-30))
+        out["params"][name] = _rel(p, _shard(names[name], ref_params[names[name]], p, t, T,
+                                             m.swiglu))
     dist.barrier()
     return out
+
+
+def _rel(got, want) -> float:
+    return float((got - want).abs().max() / (want.abs().max() + 1e-30))

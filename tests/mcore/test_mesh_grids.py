@@ -99,15 +99,24 @@ def test_groups_of_a_1024_rank_mesh_plan_on_fake_process_groups(mcore017_env, tm
         assert r["current_stage"] == 2 * slot.mesh + slot.stage
 
 
-@pytest.mark.parametrize("meshes, world", [([(1, 1), (2, 1)], 3),   # TP1 -> TP2
-                                           ([(1, 2), (1, 1)], 3),   # DP2 -> DP1: fan-in
-                                           ([(2, 1), (1, 2)], 4)],  # TP2.DP1 -> TP1.DP2
-                         ids=["tp1-tp2", "dp2-dp1", "tp2dp1-tp1dp2"])
-def test_forward_backward_equals_one_process(mcore017_env, tmp_path, meshes, world):
-    """Megatron's non-interleaved 1F1B with the multimodule communicator over two meshes: the
-    losses and every rank's gradients (its shard, summed over its mesh's replicas and scaled by
-    1 / D_last) equal one process's within fp32 rtol 1e-5."""
+@pytest.mark.parametrize("meshes, world, recompute", [
+    ([(1, 1), (2, 1)], 3, None),                                       # TP1 -> TP2
+    ([(1, 2), (1, 1)], 3, None),                                       # DP2 -> DP1: fan-in
+    ([(2, 1), (1, 2)], 4, None),                                       # TP2.DP1 -> TP1.DP2
+    ([(1, 1), (2, 1)], 3, {"granularity": "full", "method": "uniform", "num_layers": 1}),
+], ids=["tp1-tp2", "dp2-dp1", "tp2dp1-tp1dp2", "tp1-tp2-recompute"])
+def test_training_equals_one_process(mcore017_env, tmp_path, meshes, world, recompute):
+    """Three steps of Megatron's non-interleaved 1F1B with the multimodule communicator over two
+    meshes (SGD on both sides): each step's loss, every rank's first gradients (its shard,
+    summed over its mesh's replicas and scaled by 1 / D_last) and its parameters after the
+    third step equal one process's within fp32 rtol 1e-5; the last case recomputes the second
+    mesh in full."""
     plan_path = _plan(tmp_path, meshes)
+    if recompute:
+        data = yaml.safe_load(open(plan_path))
+        data["meshes"][1]["stages"][0]["recompute"] = recompute
+        with open(plan_path, "w") as f:
+            yaml.safe_dump(data, f)
     script = ("import json\nfrom megatron_hetero.mcore.spawn import spawn\n"
               "from tests.mcore.mesh_ranks import schedule_ranks\n"
               f"print(json.dumps(spawn(schedule_ranks, {world}, args=({plan_path!r},), "
@@ -118,10 +127,10 @@ def test_forward_backward_equals_one_process(mcore017_env, tmp_path, meshes, wor
     results = json.loads(out.stdout.strip().splitlines()[-1])
     assert len(results) == world
     for r in results:
-        assert r["grads"] and max(r["grads"].values()) < 1e-5, r
+        assert r["grads"] and max(r["grads"].values()) < 1e-5, r["grads"]
+        assert r["params"] and max(r["params"].values()) < 1e-5, r["params"]
     last = [r for r in results if r["mesh"] == 1]
-    for r in last:  # the schedule reports each micro-batch's loss over the micro-batch count
-        assert len(r["losses"]) == 2
-    # each last-mesh replica's losses are over its own samples; their mean is the model's
-    mean = sum(sum(r["losses"]) for r in last) / len(last)
-    assert mean == pytest.approx(last[0]["ref_loss"], rel=1e-5)
+    for step in range(3):  # each last-mesh replica's loss is over its own samples
+        mean = sum(r["losses"][step] for r in last) / len(last)
+        assert mean == pytest.approx(last[0]["ref_losses"][step], rel=1e-5)
+    assert last[0]["ref_losses"][2] < last[0]["ref_losses"][0]  # it trains
