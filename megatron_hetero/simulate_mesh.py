@@ -47,29 +47,32 @@ def _path_sends(plan: MeshPlan, cost: CostModel, placement, path: int | None):
     return send_f, send_b
 
 
-def simulate_mesh(plan: MeshPlan, cost: CostModel, *, record_events: bool = True) -> SimResult:
-    """Simulate one training step of the mesh plan ``plan`` under ``cost``."""
-    placement = place_meshes(plan, cost.inventory)
+def _path_runs(plan: MeshPlan, cost: CostModel, placement, *, record: bool):
+    """The 1F1B run and the stage shapes of every path (paths alike are simulated once), and
+    the path of each replica index (None: the one lockstep path)."""
     index = plan.stage_index
     paths = plan.meshes[0].data_parallel_size if same_replicas(plan.meshes) else None
-    path_ids = list(range(paths)) if paths else [None]
     runs, shapes_of = {}, {}
     cache: dict = {}
-    for path in path_ids:
+    for path in (range(paths) if paths else [None]):
         r = 0 if path is None else path
         shapes = [mesh_stage_shape(plan, k, j, r) for k, j in index]
         sends = _path_sends(plan, cost, placement, path)
         key = (tuple(shapes), tuple(sends[0]), tuple(sends[1]))
-        times = [cost.chunk_times(sh) for sh in shapes]
-        if key not in cache or record_events:
+        if key not in cache or record:
+            times = [cost.chunk_times(sh) for sh in shapes]
             fwd = [[c.forward_s for c in t] for t in times]
             bwd = [[c.backward_s for c in t] for t in times]
-            cache[key] = pipeline_run(fwd, bwd, *sends, shapes[0].num_microbatches,
-                                      record=record_events)
+            cache[key] = pipeline_run(fwd, bwd, *sends, shapes[0].num_microbatches, record=record)
         runs[path], shapes_of[path] = cache[key], shapes
+    return runs, shapes_of, (lambda replica: replica if paths else None)
 
-    def path_of(replica: int):
-        return replica if paths else None
+
+def simulate_mesh(plan: MeshPlan, cost: CostModel, *, record_events: bool = True) -> SimResult:
+    """Simulate one training step of the mesh plan ``plan`` under ``cost``."""
+    placement = place_meshes(plan, cost.inventory)
+    index = plan.stage_index
+    runs, shapes_of, path_of = _path_runs(plan, cost, placement, record=record_events)
 
     events: list[Event] = []
     stages: list[StageResult] = []
