@@ -30,3 +30,17 @@ def test_bench_tuner_quick():
         # upper bound (model FLOPs over the pool's summed achievable rate).
         assert tuned <= baseline + 1e-9, row
         assert bound <= tuned, row
+
+
+def test_bench_meshes_quick():
+    proc = subprocess.run([sys.executable, str(REPO / "scripts/bench_meshes.py"), "--quick"],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line.split() for line in proc.stdout.splitlines()[1:]]
+    assert any(r[0] == "3090-t4-llama2-7b" for r in rows), proc.stdout
+    for r in rows:
+        uniform, speedup, eff_uniform, eff_best = float(r[2]), float(r[4][:-1]), float(r[5]), float(r[6])
+        # the winner is never slower than the uniform-TP plan, and wins only where faster
+        assert speedup >= 1.0 and eff_best >= eff_uniform - 1e-9, r
+        if r[3] != "-" and "(wins)" not in " ".join(r):
+            assert float(r[3]) >= uniform - 1e-9 and speedup == 1.0, r

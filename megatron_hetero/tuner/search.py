@@ -42,9 +42,11 @@ from ..hardware.inventory import Inventory
 from ..cost.stage import StageShape
 from ..plan import ModelSpec, Pipeline, Plan, Recompute, Stage
 from ..plan_inventory import embedded_gpus
+from ..plan_mesh import MeshPlan
 from ..simulate import SimResult, simulate
 from . import space
 from .baseline import baseline_policies, best_group
+from .meshes import best_mesh_plan
 from .policy import Policy
 from .problem import Problem, TuneOptions
 from .refine import climb, refine_chunk_cap
@@ -96,6 +98,23 @@ class TuneResult:
     warmup_gain: float = 1.0
     """Megatron's 1F1B step over the tuned plan's with its per-stage warm-ups (:mod:`.warmup`;
     1.0: Megatron's counts kept)."""
+    mesh_plan: MeshPlan | None = None
+    """The best mesh plan (:mod:`.meshes`: TP and DP per device type), where the pool mixes
+    types, ``TuneOptions.meshes`` is on and one fits; ``plan`` stays the best uniform-TP plan."""
+    mesh_sim: SimResult | None = None
+    mesh_candidates: int = 0
+    """Mesh candidates estimated."""
+
+    @property
+    def mesh_wins(self) -> bool:
+        """The mesh plan is strictly faster than the uniform-TP plan."""
+        return self.mesh_sim is not None and \
+            self.mesh_sim.step_time_s < self.sim.step_time_s * (1 - 1e-9)
+
+    @property
+    def best(self) -> tuple[Plan | MeshPlan, SimResult]:
+        """The plan that wins, and its simulation: the mesh plan where it is strictly faster."""
+        return (self.mesh_plan, self.mesh_sim) if self.mesh_wins else (self.plan, self.sim)
 
 
 class _Search:
@@ -466,6 +485,8 @@ def tune(model: ModelSpec, inventory: Inventory, global_batch_size: int, *,
     plan, sim = best
     upper = upper_bound_step_time(model, inventory, global_batch_size,
                                   problem.cost(problem.precision_for(problem.types)))
+    mesh = best_mesh_plan(problem, search.tables, uniform=sim, upper_bound_s=upper) \
+        if options.meshes else None
     elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
     plan.prediction = {"step_time_s": round(sim.step_time_s, 6),
                        "tokens_per_s": round(sim.tokens_per_s, 3), "mfu": round(sim.mfu, 6),
@@ -479,5 +500,7 @@ def tune(model: ModelSpec, inventory: Inventory, global_batch_size: int, *,
                       upper_bound_step_time_s=upper, search_time_s=elapsed, search_cpu_s=cpu,
                       structures_evaluated=search.evaluated, fell_back_to_baseline=fell_back,
                       searched_step_time_s=searched, refine_simulations=sims,
-                      warmup_gain=1.0 if fell_back else warmup_gain)
+                      warmup_gain=1.0 if fell_back else warmup_gain,
+                      mesh_plan=mesh[0] if mesh else None, mesh_sim=mesh[1] if mesh else None,
+                      mesh_candidates=mesh[2] if mesh else 0)
 
