@@ -39,8 +39,7 @@ from ..cost.model import CostModel
 from ..cost.profile_protocol import DeviceProfile
 from ..errors import InfeasibleError
 from ..hardware.inventory import Inventory
-from ..cost.stage import StageShape
-from ..plan import ModelSpec, Pipeline, Plan, Recompute, Stage
+from ..plan import ModelSpec, Pipeline, Plan, Stage
 from ..plan_inventory import embedded_gpus
 from ..plan_mesh import MeshPlan
 from ..simulate import SimResult, simulate
@@ -386,36 +385,6 @@ def _with_warmups(problem: Problem, search: _Search, tuned: list[_Candidate],
     return (warm.plan, warm.sim), warm.gain, sims
 
 
-def _infeasible_message(problem: Problem) -> str:
-    """Why nothing fits: the leanest single-type stage of every type against its memory."""
-    model, inv = problem.model, problem.inv
-    parts = []
-    full = Recompute(granularity="full", method="uniform", num_layers=1)
-    for gpu in problem.types:
-        cost = problem.cost(problem.precision_for([gpu]))
-        tp = max(t for t in space.tp_sizes(problem)
-                 if any(g.gpu == gpu and g.gpus_per_node >= t for g in inv.groups))
-        n_gpus = inv.gpu_counts()[gpu]
-        pp = max(1, min(model.num_layers, n_gpus // tp))
-        per = -(-model.num_layers // pp)
-        need = cost.memory(StageShape(device_type=gpu, chunk_layers=(per,), micro_batch_size=1,
-                                      tensor_parallel_size=tp, sequence_parallel=tp > 1,
-                                      recompute=full, pipeline_size=pp, num_microbatches=pp,
-                                      data_parallel_size=max(1, n_gpus // (tp * pp))))
-        parts.append(f"{gpu}: {need.total / 1e9:.1f} GB needed per GPU, {need.capacity / 1e9:.0f} GB "
-                     f"available (all {n_gpus} of them as TP={tp} x PP={pp}, {per} layers per "
-                     "stage, full recompute, micro-batch 1)")
-    text = (f"{model.name} does not fit on {inv.source} under any plan the search "
-            f"covers; the leanest single-type stage needs: " + "; ".join(parts))
-    reserve = problem.cost(problem.precision_for(problem.types)).host_reserve_bytes
-    short = [f"groups[{i}] ({g.gpu}) host_memory_gb {g.host_memory_gb:g} is less than the "
-             f"{reserve / 1e9:g} GB host reserve" for i, g in enumerate(inv.groups)
-             if g.host_memory_gb is not None and g.host_memory_gb * 1e9 < reserve]
-    if short:
-        text += "; and " + ", ".join(short)
-    return text
-
-
 def tune(model: ModelSpec, inventory: Inventory, global_batch_size: int, *,
          profiles: Mapping[str, DeviceProfile] = {}, options: TuneOptions | None = None) -> TuneResult:
     """Search the fastest plan for ``model`` on ``inventory``; see the module docstring."""
@@ -477,7 +446,7 @@ def tune(model: ModelSpec, inventory: Inventory, global_batch_size: int, *,
     if base_best is not None:
         base_best = best_group(*base_best, problem.cost(base_best[0].precision))
     if best is None and base_best is None:
-        raise InfeasibleError(_infeasible_message(problem))
+        raise InfeasibleError(space.infeasible_message(problem))
     fell_back = False
     if best is None or (base_best is not None
                         and base_best[1].step_time_s < best[1].step_time_s * (1 - 1e-9)):
