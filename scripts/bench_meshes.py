@@ -39,7 +39,7 @@ def main(argv=None) -> int:
         if args.quick and not quick and "3090-t4" not in path.stem:
             continue
         without = tune(model, inventory, gbs, options=TuneOptions(meshes=False)).search_cpu_s
-        r = tune(model, inventory, gbs, options=TuneOptions())
+        r = tune(model, inventory, gbs, options=TuneOptions(meshes=True))
         with_mesh = r.search_cpu_s
         ub, uni = r.upper_bound_step_time_s, r.sim.step_time_s
         best = r.best[1].step_time_s

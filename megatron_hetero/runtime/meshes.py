@@ -45,4 +45,4 @@ def refuse_mesh_plan(path: str) -> None:
     raise HeteroError(
         f"{path}: mesh plans (format_version 2) do not run yet (megatron-core {text} has what "
         "they need; docs/meshes.md says how the runtime will build them): simulate it, or "
-        "`tune --no-meshes` for the best plan that runs")
+        "`tune` without `--meshes` for the best plan that runs")

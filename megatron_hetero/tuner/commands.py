@@ -41,9 +41,9 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
                    help="never offload the layers' module inputs to the host (megatron-core's "
                         "fine-grained activation offloading, which needs megatron-core 0.17 or "
                         "later and Transformer Engine)")
-    p.add_argument("--no-meshes", action="store_true",
-                   help="search uniform-TP plans only (a mesh plan, TP and DP per device type, "
-                        "is written where it is faster; the runtime does not run those yet)")
+    p.add_argument("--meshes", action="store_true",
+                   help="search mesh plans too (TP and DP per device type) and write one where "
+                        "it is faster; the runtime refuses mesh plans until it can run them")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no table")
 
 
@@ -126,7 +126,7 @@ def tune_main(args: argparse.Namespace) -> int:
                           tensor_parallel_sizes=tp_sizes,
                           optimizer_offload=not args.no_optimizer_offload,
                           activation_offload=not args.no_activation_offload,
-                          meshes=not args.no_meshes,
+                          meshes=args.meshes,
                           progress=not args.quiet and sys.stderr.isatty())
     profiles = _profiles(args.profile, inventory)
     result = tune(model, inventory, args.global_batch_size, profiles=profiles, options=options)
@@ -277,6 +277,6 @@ def _tune_mesh_wins(args: argparse.Namespace, result, inventory, profiles) -> in
     print(f"wrote {args.output}" + (f", {args.report}" if args.report else "")
           + (f", {args.timeline}" if args.timeline else ""))
     print(megatron_args_line(plan, args.output))
-    print("note: the runtime does not run mesh plans yet (docs/meshes.md); --no-meshes gives "
+    print("note: the runtime does not run mesh plans yet (docs/meshes.md); without --meshes tune gives "
           f"the best uniform-TP plan ({result.sim.step_time_s:.3f} s)")
     return 0

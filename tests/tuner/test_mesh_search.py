@@ -50,7 +50,7 @@ def test_a_mesh_plan_wins_where_it_is_strictly_faster():
     and simulates to the figure the search reports."""
     inv = _inventory(A100_T4)
     model = load_model("llama2-13b", seq_length=4096)
-    r = tune(model, inv, 256)
+    r = tune(model, inv, 256, options=TuneOptions(meshes=True))
     assert r.mesh_wins
     plan, sim = r.best
     assert isinstance(plan, MeshPlan) and sim is r.mesh_sim
@@ -60,21 +60,23 @@ def test_a_mesh_plan_wins_where_it_is_strictly_faster():
     again = simulate_mesh(plan, CostModel(model, inv, precision=plan.precision))
     assert again.step_time_s == pytest.approx(sim.step_time_s, rel=1e-12)
     assert plan.prediction["uniform_step_time_s"] == pytest.approx(r.sim.step_time_s, abs=1e-6)
-    off = tune(model, inv, 256, options=TuneOptions(meshes=False))
+    off = tune(model, inv, 256)  # mesh search is opt-in: the runtime refuses mesh plans yet
     assert off.mesh_plan is None and not off.mesh_wins
     assert off.plan.to_data() == r.plan.to_data()  # the uniform-TP search is untouched
 
 
 def test_uniform_plan_kept_where_no_mesh_plan_is_faster():
     inv = _inventory([("RTX3090-24GB", 2, 8), ("T4-16GB", 4, 4)])
-    r = tune(load_model("llama2-7b", seq_length=2048), inv, 128)
+    r = tune(load_model("llama2-7b", seq_length=2048), inv, 128,
+             options=TuneOptions(meshes=True))
     assert r.mesh_plan is not None and not r.mesh_wins
     assert r.best == (r.plan, r.sim)
     assert r.mesh_sim.step_time_s >= r.sim.step_time_s
 
 
 def test_no_mesh_search_on_one_device_type():
-    r = tune(load_model("llama2-7b", seq_length=2048), _inventory([("A100-SXM-80GB", 1, 8)]), 64)
+    r = tune(load_model("llama2-7b", seq_length=2048), _inventory([("A100-SXM-80GB", 1, 8)]), 64,
+             options=TuneOptions(meshes=True))
     assert r.mesh_plan is None and r.best == (r.plan, r.sim)
 
 
@@ -85,7 +87,8 @@ def test_tune_command_writes_the_winning_mesh_plan(tmp_path, capsys):
     out = tmp_path / "plan.yaml"
     assert cli.main(["tune", str(inv), "--model", "llama2-13b", "--seq-length",
                      "4096", "--global-batch-size", "256", "--output", str(out), "--quiet",
-                     "--timeline", str(tmp_path / "t.png"), "--report", str(tmp_path / "r.json")]) == 0
+                     "--meshes", "--timeline", str(tmp_path / "t.png"),
+                     "--report", str(tmp_path / "r.json")]) == 0
     text = capsys.readouterr().out
     assert "tuned   : mesh plan" in text and "speedup over the uniform-TP plan" in text
     assert isinstance(load_any_plan(out), MeshPlan)
