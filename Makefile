@@ -22,5 +22,6 @@ bench: venv
 	$(VENV)/bin/python scripts/bench_vendors.py
 	$(VENV)/bin/python scripts/bench_batch_scaling.py
 	$(VENV)/bin/python scripts/bench_warmup.py
+	$(VENV)/bin/python scripts/bench_meshes.py
 	$(VENV)/bin/python scripts/bench_rehearse.py
 	$(VENV)/bin/python scripts/bench_runtime_overhead.py

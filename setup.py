@@ -24,6 +24,7 @@ setup(
         "numpy>=1.24",
         "scipy>=1.11",
         "rich>=13",
+        "einops>=0.8",  # megatron-core's HyperCommGrid enumerates its groups with it (mesh plans)
     ],
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6.100", "matplotlib>=3.7"],

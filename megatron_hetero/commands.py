@@ -5,17 +5,25 @@ from __future__ import annotations
 import argparse
 
 from .hardware.inventory import load_inventory
-from .megatron_args import megatron_args, megatron_args_line
+from .megatron_args import megatron_args, megatron_args_line, mesh_megatron_args
 from .errors import SchemaError
-from .plan import load_plan
 from .plan_inventory import check_plan_against_inventory, check_plan_gpus, check_plan_vendors
+from .plan_mesh import MeshPlan, load_any_plan
+from .plan_mesh_inventory import check_mesh_plan_against_inventory
 
 __all__ = ["validate_main", "args_main"]
 
 
 def validate_main(args: argparse.Namespace) -> int:
     inventory = load_inventory(args.inventory) if args.inventory else None
-    plan = load_plan(args.plan, catalog=inventory.catalog if inventory else None)
+    plan = load_any_plan(args.plan, catalog=inventory.catalog if inventory else None)
+    if isinstance(plan, MeshPlan):
+        if inventory is not None:
+            check_mesh_plan_against_inventory(plan, inventory, source=args.plan)
+        print(f"{args.plan}: valid mesh plan for {plan.model.name}: {len(plan.meshes)} meshes, "
+              f"PP={plan.pipeline_model_parallel_size} ({plan.world_size} GPUs); layers "
+              f"{plan.layer_split}\n{plan.describe()}")
+        return 0
     if inventory is not None:
         check_plan_against_inventory(plan, inventory, source=args.plan)
     check_plan_vendors(plan, inventory.catalog if inventory else plan.catalog, source=args.plan)
@@ -36,11 +44,12 @@ def validate_main(args: argparse.Namespace) -> int:
 
 def args_main(args: argparse.Namespace) -> int:
     inventory = load_inventory(args.inventory) if args.inventory else None
-    plan = load_plan(args.plan, catalog=inventory.catalog if inventory else None)
+    plan = load_any_plan(args.plan, catalog=inventory.catalog if inventory else None)
     if inventory is not None:
         check_plan_gpus(plan, inventory, source=args.plan)
     if args.one_per_line:
-        print("\n".join(megatron_args(plan, args.plan)))
+        listed = (mesh_megatron_args if isinstance(plan, MeshPlan) else megatron_args)(plan, args.plan)
+        print("\n".join(listed))
     else:
         print(megatron_args_line(plan, args.plan))
     return 0

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import shlex
 
-from .plan import Plan
+from .plan import ModelSpec, Plan
+from .plan_mesh import MeshPlan
 
-__all__ = ["megatron_args", "megatron_args_line", "split_args", "GROUP_FLAG"]
+__all__ = ["megatron_args", "mesh_megatron_args", "megatron_args_line", "split_args", "GROUP_FLAG"]
 
 GROUP_FLAG = "--microbatch-group-size-per-virtual-pipeline-stage"
 """Megatron's flag for the interleaved schedule's micro-batch group (``Plan.microbatch_group_size``;
@@ -58,15 +59,15 @@ def split_args(plan: Plan) -> list[str]:
     return ["--pipeline-model-parallel-layout", plan.layout()]
 
 
-def _recompute_args(plan: Plan) -> list[str]:
-    policies = {(s.recompute.granularity, s.recompute.method, s.recompute.num_layers)
-                for p in plan.pipelines for s in p.stages}
+def _recompute_args(recomputes, *, interleaved: bool = False) -> list[str]:
+    """Megatron's recompute flags where every stage of ``recomputes`` has the same policy."""
+    policies = {(r.granularity, r.method, r.num_layers) for r in recomputes}
     if len(policies) != 1:
         return []  # per-stage policies: the runtime applies them from the plan
     granularity, method, num_layers = policies.pop()
     if granularity == "none":
         return []
-    if method == "block" and plan.virtual_pipeline_size > 1:
+    if method == "block" and interleaved:
         return []  # Megatron would count it per model chunk; the runtime applies the plan's
 
     out = ["--recompute-granularity", granularity]
@@ -77,11 +78,63 @@ def _recompute_args(plan: Plan) -> list[str]:
 
 def megatron_args(plan: Plan, plan_path: str | None = None) -> list[str]:
     """The argument list for ``pretrain_gpt.py`` (without data, tokenizer and schedule options)."""
-    m = plan.model
     args = [
         "--tensor-model-parallel-size", str(plan.tensor_model_parallel_size),
         "--pipeline-model-parallel-size", str(plan.pipeline_model_parallel_size),
         *split_args(plan),
+        *_model_args(plan.model),
+        # Megatron's single --micro-batch-size; replicas that differ get theirs from the runtime.
+        "--micro-batch-size", str(plan.pipelines[0].micro_batch_size),
+        "--global-batch-size", str(plan.global_batch_size)]
+    if plan.precision != "fp32":
+        args.append(f"--{plan.precision}")
+    if plan.use_distributed_optimizer:
+        args.append("--use-distributed-optimizer")
+    if plan.sequence_parallel:
+        args.append("--sequence-parallel")
+    if plan.overlap_grad_reduce:
+        args.append("--overlap-grad-reduce")
+    if plan.offloads_optimizer:
+        # Megatron's hybrid-device optimizer needs this flag; the runtime turns on
+        # --optimizer-cpu-offload with each rank's own fraction.
+        args.append("--use-precision-aware-optimizer")
+    if not plan.uniform_data_parallel:
+        args.append("--calculate-per-token-loss")
+    args += _recompute_args((s.recompute for p in plan.pipelines for s in p.stages),
+                            interleaved=plan.virtual_pipeline_size > 1)
+    if plan_path is not None:
+        args += ["--hetero-plan", str(plan_path)]
+    return args
+
+
+def mesh_megatron_args(plan: MeshPlan, plan_path: str | None = None) -> list[str]:
+    """The arguments common to every rank of a mesh plan: the model, the global batch, the
+    precision and the whole model's layout (``--pipeline-model-parallel-layout``, one segment per
+    stage over all meshes). The tensor-parallel and pipeline sizes and the micro-batch size are
+    each mesh's own, so none of them goes on the line: each rank takes its mesh's from the plan
+    (``--hetero-plan``)."""
+    args = [*_model_args(plan.model), "--global-batch-size", str(plan.global_batch_size)]
+    if len(plan.layer_split) > 1:
+        args += ["--pipeline-model-parallel-layout", plan.layout()]
+    if plan.precision != "fp32":
+        args.append(f"--{plan.precision}")
+    if plan.use_distributed_optimizer:
+        args.append("--use-distributed-optimizer")
+    if plan.overlap_grad_reduce:
+        args.append("--overlap-grad-reduce")
+    if any(st.offload.optimizer_fraction > 0 for m in plan.meshes for st in m.stages):
+        args.append("--use-precision-aware-optimizer")
+    if any(not m.even for m in plan.meshes):
+        args.append("--calculate-per-token-loss")
+    args += _recompute_args(st.recompute for m in plan.meshes for st in m.stages)
+    if plan_path is not None:
+        args += ["--hetero-plan", str(plan_path)]
+    return args
+
+
+def _model_args(m: ModelSpec) -> list[str]:
+    """The model's shape in Megatron's arguments."""
+    args = [
         "--num-layers", str(m.num_layers),
         "--hidden-size", str(m.hidden_size),
         "--ffn-hidden-size", str(m.ffn_hidden_size),
@@ -97,29 +150,12 @@ def megatron_args(plan: Plan, plan_path: str | None = None) -> list[str]:
         args.append("--untie-embeddings-and-output-weights")
     if not m.add_bias_linear:
         args.append("--disable-bias-linear")
-    # Megatron's single --micro-batch-size; replicas that differ get theirs from the runtime.
-    args += ["--micro-batch-size", str(plan.pipelines[0].micro_batch_size),
-             "--global-batch-size", str(plan.global_batch_size)]
-    if plan.precision != "fp32":
-        args.append(f"--{plan.precision}")
-    if plan.use_distributed_optimizer:
-        args.append("--use-distributed-optimizer")
-    if plan.sequence_parallel:
-        args.append("--sequence-parallel")
-    if plan.overlap_grad_reduce:
-        args.append("--overlap-grad-reduce")
-    if plan.offloads_optimizer:
-        # Megatron's hybrid-device optimizer needs this flag; the runtime turns on
-        # --optimizer-cpu-offload with each rank's own fraction.
-        args.append("--use-precision-aware-optimizer")
-    if not plan.uniform_data_parallel:
-        args.append("--calculate-per-token-loss")
-    args += _recompute_args(plan)
-    if plan_path is not None:
-        args += ["--hetero-plan", str(plan_path)]
     return args
 
 
-def megatron_args_line(plan: Plan, plan_path: str | None = None) -> str:
-    """:func:`megatron_args` as one shell-ready line."""
+def megatron_args_line(plan: Plan | MeshPlan, plan_path: str | None = None) -> str:
+    """:func:`megatron_args` (:func:`mesh_megatron_args` for a mesh plan) as one shell-ready
+    line."""
+    if isinstance(plan, MeshPlan):
+        return shlex.join(mesh_megatron_args(plan, plan_path))
     return shlex.join(megatron_args(plan, plan_path))

@@ -467,6 +467,9 @@ def plan_from_data(data: object, *, source: str = "<plan>", catalog: Catalog | N
     ``catalog`` (default: the built-in one) plus the plan's own ``gpus`` entries, which take
     precedence over ``catalog``'s (see :func:`.plan_inventory.check_plan_gpus` for the check
     against an inventory). The result's ``catalog`` is that merged catalog."""
+    if isinstance(data, dict) and data.get("format_version") == 2:
+        raise SchemaError(source, "format_version", 2,
+                          "1 here: this command does not take mesh plans (format 2) yet")
     plan = from_data(Plan, data, source=source)
     catalog = (catalog or load_catalog()).with_entries(plan.gpus, source=source)
     plan.gpus = {name: catalog.get(name) for name in plan.gpus}

@@ -44,7 +44,8 @@ from .plan import Plan
 from .schedule_order import has_extra_warmup, pipeline_warmups
 from .simulate_pipeline import pipeline_run
 
-__all__ = ["simulate", "host_memory", "SimResult", "StageResult", "HostMemory", "Event"]
+__all__ = ["simulate", "host_memory", "nodes_host_memory", "SimResult", "StageResult", "HostMemory",
+           "Event"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +129,11 @@ class SimResult:
 
     def stage(self, pipeline: int, stage: int) -> StageResult:
         p = 1 + max(s.stage for s in self.stages)
-        return self.stages[pipeline * p + stage]
+        i = pipeline * p + stage
+        if i < len(self.stages) and (self.stages[i].pipeline, self.stages[i].stage) == (pipeline, stage):
+            return self.stages[i]
+        # a mesh plan's stages: replicas per stage differ from mesh to mesh
+        return next(s for s in self.stages if (s.pipeline, s.stage) == (pipeline, stage))
 
     def to_dict(self) -> dict:
         out = {"step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
@@ -276,6 +281,14 @@ def host_memory(plan: Plan, cost: CostModel, placement) -> list[HostMemory]:
             node = placement.node(d, s)
             if node.group in caps:
                 used[node] = used.get(node, 0.0) + tp * cost.host_bytes(StageShape.of(plan, d, s))
+    return nodes_host_memory(used, cost)
+
+
+def nodes_host_memory(used: Mapping, cost: CostModel) -> list[HostMemory]:
+    """:class:`HostMemory` of each node in ``used`` (node -> bytes its ranks offload), in node
+    order, with the cost model's host reserve added."""
+    inv = cost.inventory
+    caps = {gi: g.host_memory_gb for gi, g in enumerate(inv.groups) if g.host_memory_gb}
     out = []
     for node in sorted(used):
         hosts = inv.groups[node.group].hosts

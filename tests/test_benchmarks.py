@@ -45,3 +45,17 @@ def test_bench_vendors_on_the_13b_scenario():
     assert abs(speedup - single / tuned) < 0.01 and abs(eff - bound / tuned) < 0.01, row
     assert bound <= tuned and bound <= fabric, row
     assert tuned < single, row  # both vendors together beat the faster one alone
+
+
+def test_bench_meshes_quick():
+    proc = subprocess.run([sys.executable, str(REPO / "scripts/bench_meshes.py"), "--quick"],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line.split() for line in proc.stdout.splitlines()[1:]]
+    assert any(r[0] == "3090-t4-llama2-7b" for r in rows), proc.stdout
+    for r in rows:
+        uniform, speedup, eff_uniform, eff_best = float(r[2]), float(r[4][:-1]), float(r[5]), float(r[6])
+        # the winner is never slower than the uniform-TP plan, and wins only where faster
+        assert speedup >= 1.0 and eff_best >= eff_uniform - 1e-9, r
+        if r[3] != "-" and "(wins)" not in " ".join(r):
+            assert float(r[3]) >= uniform - 1e-9 and speedup == 1.0, r

@@ -51,7 +51,7 @@ def test_example_plans_load_and_round_trip(tmp_path):
 
 # (mutation path, new value, field path the error must name, a phrase of the expectation)
 BAD = [
-    ("format_version", 2, "format_version", "one of 1"),
+    ("format_version", 3, "format_version", "one of 1"),
     ("model.num_layers", "32", "model.num_layers", "an integer"),
     ("model.hidden_size", True, "model.hidden_size", "an integer"),
     ("model.seq_length", _DELETE, "model.seq_length", "missing"),

@@ -19,7 +19,7 @@ from ..errors import InfeasibleError
 from ..hardware.inventory import Inventory
 from .host_path import crosses_vendors, host_path, staged_ring_gb_s
 
-__all__ = ["Node", "Placement", "place", "between_groups_gb_s"]
+__all__ = ["Node", "Placement", "place", "allocate", "between_groups_gb_s"]
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -102,29 +102,40 @@ def between_groups_gb_s(inventory: Inventory, a: int, b: int) -> float:
     return inventory.inter_group_bandwidth_gb_s
 
 
-def place(stage_types: list[list[str]], tp: int, inventory: Inventory) -> Placement:
-    """Place stages (``stage_types[pipeline][stage]`` = device type) on the inventory's nodes."""
+def allocate(requests: list[tuple[str, int, str]], inventory: Inventory) -> list[Node]:
+    """The node of each tensor-parallel group ``(device type, size, label)`` in ``requests``,
+    handed out in the given order, each to the next GPUs of its type that fit it inside one
+    node (nodes in inventory order); ``label`` names the group when the pool runs out."""
     nodes_of: dict[str, list[tuple[Node, int]]] = {}
     for gi, g in enumerate(inventory.groups):
         for ni in range(g.nodes):
             nodes_of.setdefault(g.gpu, []).append((Node(gi, ni), g.gpus_per_node))
-    cursor: dict[str, list[int]] = {gpu: [0, 0] for gpu in nodes_of}  # node index, GPUs used
+    cursor: dict[str, list[int]] = {}  # per type: node index, GPUs used on it
+    out = []
+    for gpu, tp, label in requests:
+        nodes = nodes_of.get(gpu, [])
+        cur = cursor.setdefault(gpu, [0, 0])
+        while cur[0] < len(nodes) and nodes[cur[0]][1] - cur[1] < tp:
+            cur[0], cur[1] = cur[0] + 1, 0
+        if cur[0] >= len(nodes):
+            have = sum(n // tp for _, n in nodes) * tp
+            raise InfeasibleError(
+                f"cannot place {label} ({tp} GPUs of type {gpu} in one node): "
+                f"{inventory.source} holds {have} {gpu} GPUs in whole groups of {tp}, and the "
+                "plan needs more")
+        out.append(nodes[cur[0]][0])
+        cur[1] += tp
+    return out
+
+
+def place(stage_types: list[list[str]], tp: int, inventory: Inventory) -> Placement:
+    """Place stages (``stage_types[pipeline][stage]`` = device type) on the inventory's nodes."""
     D = len(stage_types)
     p = len(stage_types[0]) if stage_types else 0
+    order = [(d, s) for s in range(p) for d in range(D)]
+    nodes = allocate([(stage_types[d][s], tp, f"pipelines[{d}].stages[{s}]") for d, s in order],
+                     inventory)
     out: list[list[Node | None]] = [[None] * p for _ in range(D)]
-    for s in range(p):
-        for d in range(D):
-            gpu = stage_types[d][s]
-            nodes = nodes_of.get(gpu, [])
-            cur = cursor.setdefault(gpu, [0, 0])
-            while cur[0] < len(nodes) and nodes[cur[0]][1] - cur[1] < tp:
-                cur[0], cur[1] = cur[0] + 1, 0
-            if cur[0] >= len(nodes):
-                have = sum(n // tp for _, n in nodes) * tp
-                raise InfeasibleError(
-                    f"cannot place pipelines[{d}].stages[{s}] ({tp} GPUs of type {gpu} in one "
-                    f"node): {inventory.source} holds {have} {gpu} GPUs in whole groups of {tp}, "
-                    "and the plan needs more")
-            out[d][s] = nodes[cur[0]][0]
-            cur[1] += tp
+    for (d, s), node in zip(order, nodes):
+        out[d][s] = node
     return Placement(inventory, out)  # type: ignore[arg-type]

@@ -49,6 +49,7 @@ from ..schedule_order import has_extra_warmup, stage_schedule
 from . import plan_args, policies
 from ._rebind import is_wrapper, rebind
 from .arguments import add_hetero_args
+from .meshes import refuse_mesh_plan
 from .placement import CPU_ENV, check_device_stacks, detect_device_type, place_this_rank
 
 __all__ = ["install", "installed", "RankState", "state", "reset", "LAUNCHER_RANK_ENV"]
@@ -144,6 +145,7 @@ def before_validate(args, argv=None) -> RankState | None:
     path = getattr(args, "hetero_plan", None)
     if not path:
         return None
+    refuse_mesh_plan(path)
     plan = load_plan(path)
     argv = sys.argv[1:] if argv is None else argv
     plan_args.check_and_apply(args, plan, argv, source=path)

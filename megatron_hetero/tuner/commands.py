@@ -10,6 +10,7 @@ from ..errors import HeteroError
 from ..hardware.inventory import load_inventory
 from ..models import load_model
 from ..plan import load_plan, save_plan
+from ..plan_mesh import MeshPlan, load_any_plan
 from ..plan_inventory import check_plan_against_inventory
 
 __all__ = ["tune_main", "simulate_main", "add_tune_arguments", "add_simulate_arguments"]
@@ -40,6 +41,9 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
                    help="never offload the layers' module inputs to the host (megatron-core's "
                         "fine-grained activation offloading, which needs megatron-core 0.17 or "
                         "later and Transformer Engine)")
+    p.add_argument("--meshes", action="store_true",
+                   help="search mesh plans too (TP and DP per device type) and write one where "
+                        "it is faster; the runtime refuses mesh plans until it can run them")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no table")
 
 
@@ -125,9 +129,12 @@ def tune_main(args: argparse.Namespace) -> int:
                           tensor_parallel_sizes=tp_sizes,
                           optimizer_offload=not args.no_optimizer_offload,
                           activation_offload=not args.no_activation_offload,
+                          meshes=args.meshes,
                           progress=not args.quiet and sys.stderr.isatty())
     profiles = _profiles(args.profile, inventory)
     result = tune(model, inventory, args.global_batch_size, profiles=profiles, options=options)
+    if result.mesh_wins:
+        return _tune_mesh_wins(args, result, inventory, profiles)
     save_plan(result.plan, args.output)
     sources = _figure_sources(result.plan, inventory, profiles)
     used_types = sorted(result.plan.device_counts())
@@ -181,7 +188,9 @@ def simulate_main(args: argparse.Namespace) -> int:
 
     _check_timeline(args.timeline)
     inventory = load_inventory(args.inventory)
-    plan = load_plan(args.plan, catalog=inventory.catalog)
+    plan = load_any_plan(args.plan, catalog=inventory.catalog)
+    if isinstance(plan, MeshPlan):
+        return _simulate_mesh_main(args, plan, inventory)
     check_plan_against_inventory(plan, inventory, source=args.plan)
     profiles = _profiles(args.profile, inventory)
     cost = CostModel(plan.model, inventory, profiles=profiles,
@@ -214,4 +223,69 @@ def simulate_main(args: argparse.Namespace) -> int:
     if args.timeline:
         sim.timeline_png(args.timeline)
         console.print(f"wrote {args.timeline}", highlight=False)
+    return 0
+
+
+def _simulate_mesh_main(args: argparse.Namespace, plan: MeshPlan, inventory) -> int:
+    """``simulate`` of a mesh plan: its meshes, the predicted step and every stage."""
+    from ..cost import CostModel
+    from ..plan_mesh_inventory import check_mesh_plan_against_inventory
+    from ..simulate_mesh import simulate_mesh
+
+    check_mesh_plan_against_inventory(plan, inventory, source=args.plan)
+    profiles = _profiles(args.profile, inventory)
+    cost = CostModel(plan.model, inventory, profiles=profiles, precision=plan.precision,
+                     use_distributed_optimizer=plan.use_distributed_optimizer)
+    sim = simulate_mesh(plan, cost, record_events=bool(args.timeline))
+    print(f"{_short(args.plan)} on {_short(args.inventory)}\n{plan.describe()}")
+    print(f"predicted: step {sim.step_time_s:.3f} s, {sim.tokens_per_s:,.0f} tokens/s, "
+          f"MFU {sim.mfu:.3f}; fits memory: {'yes' if sim.fits_memory else 'NO'}")
+    for s in sim.stages:
+        print(f"  replica {s.pipeline} stage {s.stage} ({s.device_type}): busy {s.busy_s:.3f} s, "
+              f"bubble {s.bubble_s:.3f} s, sync {s.sync_s:.3f} s, idle {s.idle_s:.3f} s, memory "
+              f"{s.memory.total / 1e9:.1f}/{s.memory.capacity / 1e9:.0f} GB")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(sim.to_dict(), f, indent=2)
+    if args.timeline:
+        sim.timeline_png(args.timeline)
+        print(f"wrote {args.timeline}")
+    return 0
+
+
+def _tune_mesh_wins(args: argparse.Namespace, result, inventory, profiles) -> int:
+    """``tune`` where the best mesh plan beats every uniform-TP plan: write it, and print it
+    beside the uniform plan it beat."""
+    from ..cost import CostModel
+    from ..megatron_args import megatron_args_line
+    from ..plan_mesh import save_any_plan
+    from ..simulate_mesh import simulate_mesh
+    from .report import report_dict, summary_lines
+
+    plan, sim = result.mesh_plan, result.mesh_sim
+    save_any_plan(plan, args.output)
+    if args.report:
+        report = report_dict(result, None)  # the uniform plan's figures, and the mesh plan's
+        report["mesh_plan"] = {"predicted_step_time_s": sim.step_time_s, "mfu": sim.mfu,
+                               "efficiency": result.upper_bound_step_time_s / sim.step_time_s,
+                               "speedup_over_uniform": result.sim.step_time_s / sim.step_time_s,
+                               "megatron_args": megatron_args_line(plan, args.output),
+                               "stages": [s.to_dict() for s in sim.stages]}
+        with open(args.report, "w") as f:
+            json.dump(report, f, indent=2)
+    if args.timeline:
+        cost = CostModel(plan.model, inventory, profiles=profiles, precision=plan.precision)
+        simulate_mesh(plan, cost).timeline_png(args.timeline)
+    print(f"tuned   : mesh plan, step {sim.step_time_s:.3f} s, {sim.tokens_per_s:,.0f} tokens/s, "
+          f"MFU {sim.mfu:.3f}\n{plan.describe()}")
+    print(summary_lines(result.plan, result.sim, "uniform "))
+    eff = result.upper_bound_step_time_s / sim.step_time_s
+    print(f"upper bound {result.upper_bound_step_time_s:.3f} s; efficiency {eff:.3f}; speedup "
+          f"over the uniform-TP plan {result.sim.step_time_s / sim.step_time_s:.3f}x; searched "
+          f"in {result.search_time_s:.2f} s")
+    print(f"wrote {args.output}" + (f", {args.report}" if args.report else "")
+          + (f", {args.timeline}" if args.timeline else ""))
+    print(megatron_args_line(plan, args.output))
+    print("note: the runtime does not run mesh plans yet (docs/meshes.md); without --meshes tune gives "
+          f"the best uniform-TP plan ({result.sim.step_time_s:.3f} s)")
     return 0

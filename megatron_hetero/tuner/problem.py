@@ -59,6 +59,10 @@ class TuneOptions:
     """The local search climbs again from every other order of the plan's runs of one device
     type along the pipeline whose best start is at most this much slower than the best plan
     so far."""
+    meshes: bool = False
+    """Search mesh plans too (:mod:`.meshes`: each device type of a mixed pool its own TP and
+    DP); one wins where it is strictly faster than the best uniform-TP plan. Off by default:
+    the runtime refuses mesh plans until it can run them (docs/meshes.md)."""
     progress: bool = False
     """Show a progress bar (rich) while structures are evaluated."""
     cost_options: dict = field(default_factory=dict)

@@ -41,12 +41,13 @@ from ..cost.placement import between_groups_gb_s
 from ..cost.profile_protocol import DeviceProfile
 from ..errors import InfeasibleError
 from ..hardware.inventory import Inventory
-from ..cost.stage import StageShape
-from ..plan import ModelSpec, Pipeline, Plan, Recompute, Stage
+from ..plan import ModelSpec, Pipeline, Plan, Stage
 from ..plan_inventory import embedded_gpus
+from ..plan_mesh import MeshPlan
 from ..simulate import SimResult, simulate
 from . import space
 from .baseline import baseline_policies, best_group
+from .meshes import best_mesh_plan
 from .policy import Policy
 from .problem import Problem, TuneOptions
 from .refine import climb, refine_chunk_cap
@@ -98,6 +99,23 @@ class TuneResult:
     warmup_gain: float = 1.0
     """Megatron's 1F1B step over the tuned plan's with its per-stage warm-ups (:mod:`.warmup`;
     1.0: Megatron's counts kept)."""
+    mesh_plan: MeshPlan | None = None
+    """The best mesh plan (:mod:`.meshes`: TP and DP per device type), where the pool mixes
+    types, ``TuneOptions.meshes`` is on and one fits; ``plan`` stays the best uniform-TP plan."""
+    mesh_sim: SimResult | None = None
+    mesh_candidates: int = 0
+    """Mesh candidates estimated."""
+
+    @property
+    def mesh_wins(self) -> bool:
+        """The mesh plan is strictly faster than the uniform-TP plan."""
+        return self.mesh_sim is not None and \
+            self.mesh_sim.step_time_s < self.sim.step_time_s * (1 - 1e-9)
+
+    @property
+    def best(self) -> tuple[Plan | MeshPlan, SimResult]:
+        """The plan that wins, and its simulation: the mesh plan where it is strictly faster."""
+        return (self.mesh_plan, self.mesh_sim) if self.mesh_wins else (self.plan, self.sim)
 
 
 class _Search:
@@ -376,36 +394,6 @@ def _with_warmups(problem: Problem, search: _Search, tuned: list[_Candidate],
     return (warm.plan, warm.sim), warm.gain, sims
 
 
-def _infeasible_message(problem: Problem) -> str:
-    """Why nothing fits: the leanest single-type stage of every type against its memory."""
-    model, inv = problem.model, problem.inv
-    parts = []
-    full = Recompute(granularity="full", method="uniform", num_layers=1)
-    for gpu in problem.types:
-        cost = problem.cost(problem.precision_for([gpu]))
-        tp = max(t for t in space.tp_sizes(problem)
-                 if any(g.gpu == gpu and g.gpus_per_node >= t for g in inv.groups))
-        n_gpus = inv.gpu_counts()[gpu]
-        pp = max(1, min(model.num_layers, n_gpus // tp))
-        per = -(-model.num_layers // pp)
-        need = cost.memory(StageShape(device_type=gpu, chunk_layers=(per,), micro_batch_size=1,
-                                      tensor_parallel_size=tp, sequence_parallel=tp > 1,
-                                      recompute=full, pipeline_size=pp, num_microbatches=pp,
-                                      data_parallel_size=max(1, n_gpus // (tp * pp))))
-        parts.append(f"{gpu}: {need.total / 1e9:.1f} GB needed per GPU, {need.capacity / 1e9:.0f} GB "
-                     f"available (all {n_gpus} of them as TP={tp} x PP={pp}, {per} layers per "
-                     "stage, full recompute, micro-batch 1)")
-    text = (f"{model.name} does not fit on {inv.source} under any plan the search "
-            f"covers; the leanest single-type stage needs: " + "; ".join(parts))
-    reserve = problem.cost(problem.precision_for(problem.types)).host_reserve_bytes
-    short = [f"groups[{i}] ({g.gpu}) host_memory_gb {g.host_memory_gb:g} is less than the "
-             f"{reserve / 1e9:g} GB host reserve" for i, g in enumerate(inv.groups)
-             if g.host_memory_gb is not None and g.host_memory_gb * 1e9 < reserve]
-    if short:
-        text += "; and " + ", ".join(short)
-    return text
-
-
 def tune(model: ModelSpec, inventory: Inventory, global_batch_size: int, *,
          profiles: Mapping[str, DeviceProfile] = {}, options: TuneOptions | None = None) -> TuneResult:
     """Search the fastest plan for ``model`` on ``inventory``; see the module docstring."""
@@ -467,7 +455,7 @@ def tune(model: ModelSpec, inventory: Inventory, global_batch_size: int, *,
     if base_best is not None:
         base_best = best_group(*base_best, problem.cost(base_best[0].precision))
     if best is None and base_best is None:
-        raise InfeasibleError(_infeasible_message(problem))
+        raise InfeasibleError(space.infeasible_message(problem))
     fell_back = False
     if best is None or (base_best is not None
                         and base_best[1].step_time_s < best[1].step_time_s * (1 - 1e-9)):
@@ -475,6 +463,8 @@ def tune(model: ModelSpec, inventory: Inventory, global_batch_size: int, *,
     plan, sim = best
     upper = upper_bound_step_time(model, inventory, global_batch_size,
                                   problem.cost(problem.precision_for(problem.types)))
+    mesh = best_mesh_plan(problem, search.tables, uniform=sim, upper_bound_s=upper) \
+        if options.meshes else None
     elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
     plan.prediction = {"step_time_s": round(sim.step_time_s, 6),
                        "tokens_per_s": round(sim.tokens_per_s, 3), "mfu": round(sim.mfu, 6),
@@ -488,5 +478,7 @@ def tune(model: ModelSpec, inventory: Inventory, global_batch_size: int, *,
                       upper_bound_step_time_s=upper, search_time_s=elapsed, search_cpu_s=cpu,
                       structures_evaluated=search.evaluated, fell_back_to_baseline=fell_back,
                       searched_step_time_s=searched, refine_simulations=sims,
-                      warmup_gain=1.0 if fell_back else warmup_gain)
+                      warmup_gain=1.0 if fell_back else warmup_gain,
+                      mesh_plan=mesh[0] if mesh else None, mesh_sim=mesh[1] if mesh else None,
+                      mesh_candidates=mesh[2] if mesh else 0)
 

@@ -27,11 +27,12 @@ from dataclasses import dataclass
 
 from .. import models as M
 from ..cost.model import CostModel
+from ..cost.stage import StageShape
 from ..hardware.inventory import Inventory
-from ..plan import ModelSpec
+from ..plan import ModelSpec, Recompute
 from .problem import Problem
 
-__all__ = ["Structure", "structures", "templates", "subsets", "orders", "slots", "tp_sizes",
+__all__ = ["Structure", "infeasible_message", "structures", "templates", "subsets", "orders", "slots", "tp_sizes",
            "upper_bound_step_time"]
 
 
@@ -222,3 +223,33 @@ def structures(problem: Problem) -> list[tuple[float, Structure]]:
             seen.add(item[1])
             unique.append(item)
     return unique
+
+
+def infeasible_message(problem: Problem) -> str:
+    """Why nothing fits: the leanest single-type stage of every type against its memory."""
+    model, inv = problem.model, problem.inv
+    parts = []
+    full = Recompute(granularity="full", method="uniform", num_layers=1)
+    for gpu in problem.types:
+        cost = problem.cost(problem.precision_for([gpu]))
+        tp = max(t for t in tp_sizes(problem)
+                 if any(g.gpu == gpu and g.gpus_per_node >= t for g in inv.groups))
+        n_gpus = inv.gpu_counts()[gpu]
+        pp = max(1, min(model.num_layers, n_gpus // tp))
+        per = -(-model.num_layers // pp)
+        need = cost.memory(StageShape(device_type=gpu, chunk_layers=(per,), micro_batch_size=1,
+                                      tensor_parallel_size=tp, sequence_parallel=tp > 1,
+                                      recompute=full, pipeline_size=pp, num_microbatches=pp,
+                                      data_parallel_size=max(1, n_gpus // (tp * pp))))
+        parts.append(f"{gpu}: {need.total / 1e9:.1f} GB needed per GPU, {need.capacity / 1e9:.0f} GB "
+                     f"available (all {n_gpus} of them as TP={tp} x PP={pp}, {per} layers per "
+                     "stage, full recompute, micro-batch 1)")
+    text = (f"{model.name} does not fit on {inv.source} under any plan the search "
+            f"covers; the leanest single-type stage needs: " + "; ".join(parts))
+    reserve = problem.cost(problem.precision_for(problem.types)).host_reserve_bytes
+    short = [f"groups[{i}] ({g.gpu}) host_memory_gb {g.host_memory_gb:g} is less than the "
+             f"{reserve / 1e9:g} GB host reserve" for i, g in enumerate(inv.groups)
+             if g.host_memory_gb is not None and g.host_memory_gb * 1e9 < reserve]
+    if short:
+        text += "; and " + ", ".join(short)
+    return text

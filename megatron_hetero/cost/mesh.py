@@ -1,0 +1,160 @@
+"""Costs of mesh plans (:mod:`megatron_hetero.plan_mesh`): where each mesh's ranks sit, the
+shape of each of its stages, and the bridge between two meshes.
+
+Placement: tensor-parallel groups are handed out in rank order (:meth:`MeshPlan.slot_of_rank`):
+mesh by mesh, inside a mesh stage by stage and, within a stage, replica by replica, each to
+the next GPUs of its type that hold it inside one node (:func:`.placement.allocate`).
+
+The bridge (megatron-core's ``BridgeCommunicator``) between mesh ``a`` (``D_a`` replicas of
+``T_a`` ranks, micro-batch ``b_a``) and mesh ``b``, per micro-batch:
+
+* forward: the leader rank of each replica of ``a``'s last stage sends its ``[s, b_a, h]``
+  output to the leaders of ``b``'s first stage. With ``D_a > D_b`` each leader of ``b``
+  receives ``D_a / D_b`` tensors one after another and joins them (fan-in); with ``D_a < D_b``
+  each leader of ``a`` splits its tensor and sends the ``D_b / D_a`` pieces one after another
+  (fan-out). Every transfer is a shape message and a tensor of ``min(b_a, b_b)`` samples over
+  the link the two leaders' nodes share; the hub leader (the one that joins or splits) does
+  its transfers in sequence, so the bridge takes the slowest hub's sum. Then the receiving
+  leader broadcasts the ``[s, b_b, h]`` tensor (shape, then data) to its ``T_b - 1`` tensor
+  peers on their node's link (``nbytes / bandwidth``, a pipelined broadcast).
+* backward: the same transfers carry the gradients the other way (the hub splits or joins
+  them), then ``a``'s leaders broadcast ``[s, b_a, h]`` gradients inside their ``T_a`` group.
+
+Each message pays the cost model's ``p2p_latency_s``. Links are taken one transfer at a time
+(concurrent transfers of different hubs on one inter-node link are not slowed down).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..plan_mesh import Mesh, MeshPlan, Replica
+from .placement import Node, Placement, allocate
+from .stage import StageShape
+
+__all__ = ["MeshPlacement", "place_meshes", "mesh_stage_shape", "Bridge", "bridge_seconds",
+           "bridges", "same_replicas"]
+
+
+@dataclass(slots=True)
+class MeshPlacement:
+    """The node of every (mesh, stage, replica) tensor-parallel group of a mesh plan."""
+
+    links: Placement
+    """Answers which link two nodes share (its own ``nodes`` grid is unused)."""
+    nodes: list[list[list[Node]]]
+    """``nodes[mesh][stage][replica]``."""
+    _dp: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def node(self, mesh: int, stage: int, replica: int) -> Node:
+        return self.nodes[mesh][stage][replica]
+
+    def dp_bandwidth(self, mesh: int, stage: int) -> float:
+        """GB/s of the slowest link inside the data-parallel group of (mesh, stage)."""
+        key = (mesh, stage)
+        got = self._dp.get(key)
+        if got is None:
+            got = self._dp[key] = self.links.slowest_bandwidth(self.nodes[mesh][stage])
+        return got
+
+    def link(self, a: Node, b: Node) -> float:
+        return self.links.link_bandwidth(a, b)
+
+
+def place_meshes(plan: MeshPlan, inventory) -> MeshPlacement:
+    """Place ``plan``'s meshes on ``inventory``'s nodes in rank order
+    (:class:`~megatron_hetero.errors.InfeasibleError` where the pool runs out)."""
+    order = [(k, j, r) for k, mesh in enumerate(plan.meshes) for j in range(len(mesh.stages))
+             for r in range(mesh.data_parallel_size)]
+    got = allocate([(plan.meshes[k].device_type, plan.meshes[k].tensor_model_parallel_size,
+                     f"meshes[{k}].stages[{j}] of replica {r}") for k, j, r in order], inventory)
+    nodes = [[[None] * m.data_parallel_size for _ in m.stages] for m in plan.meshes]
+    for (k, j, r), node in zip(order, got):
+        nodes[k][j][r] = node
+    return MeshPlacement(links=Placement(inventory, []), nodes=nodes)  # type: ignore[arg-type]
+
+
+def mesh_stage_shape(plan: MeshPlan, mesh: int, stage: int, replica: int) -> StageShape:
+    """The :class:`StageShape` of one tensor rank of (mesh, stage, replica): its mesh's TP, its
+    replica's batch, its optimizer sharded over its mesh's replicas."""
+    m = plan.meshes[mesh]
+    st, rep = m.stages[stage], m.replicas[replica]
+    return StageShape(device_type=m.device_type, chunk_layers=(st.num_layers,),
+                      micro_batch_size=rep.micro_batch_size,
+                      tensor_parallel_size=m.tensor_model_parallel_size,
+                      recompute=st.recompute, offload=st.offload,
+                      pipeline_size=plan.pipeline_model_parallel_size,
+                      stage=sum(len(x.stages) for x in plan.meshes[:mesh]) + stage,
+                      num_microbatches=rep.num_microbatches,
+                      data_parallel_size=m.data_parallel_size)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Bridge:
+    """What one bridge's cost depends on."""
+
+    src_tp: int
+    dst_tp: int
+    src_micro_batch: int
+    """Samples of a micro-batch on one replica of the sending mesh."""
+    dst_micro_batch: int
+    hubs: tuple[tuple[float, ...], ...]
+    """Per leader that joins or splits (the side with fewer replicas; every leader when the
+    sizes match): the GB/s of each of its transfers, done one after another."""
+    src_broadcast_gb_s: float
+    """The sending mesh's intra-node link (gradients broadcast in its TP group)."""
+    dst_broadcast_gb_s: float
+
+
+def bridges(plan: MeshPlan, placement: MeshPlacement, inventory,
+            replica_of_path: int | None = None) -> list[Bridge]:
+    """The bridge after every mesh but the last. ``replica_of_path``: where every mesh has the
+    same replicas, the one path (replica index) to cost; None costs the slowest hub of all."""
+    out = []
+    for k in range(len(plan.meshes) - 1):
+        a, b = plan.meshes[k], plan.meshes[k + 1]
+        da, db = a.data_parallel_size, b.data_parallel_size
+        src = [placement.node(k, len(a.stages) - 1, r) for r in range(da)]
+        dst = [placement.node(k + 1, 0, r) for r in range(db)]
+        if da >= db:  # each leader of b joins da/db tensors (one when equal)
+            ratio = da // db
+            hubs = [tuple(placement.link(src[i * ratio + x], dst[i]) for x in range(ratio))
+                    for i in range(db)]
+        else:  # each leader of a splits its tensor over db/da leaders of b
+            ratio = db // da
+            hubs = [tuple(placement.link(src[i], dst[i * ratio + x]) for x in range(ratio))
+                    for i in range(da)]
+        if replica_of_path is not None:
+            hubs = [hubs[replica_of_path]]
+        out.append(Bridge(src_tp=a.tensor_model_parallel_size, dst_tp=b.tensor_model_parallel_size,
+                          src_micro_batch=_micro(a.replicas, replica_of_path),
+                          dst_micro_batch=_micro(b.replicas, replica_of_path),
+                          hubs=tuple(hubs),
+                          src_broadcast_gb_s=inventory.intra_node_bandwidth(src[0].group),
+                          dst_broadcast_gb_s=inventory.intra_node_bandwidth(dst[0].group)))
+    return out
+
+
+def _micro(replicas: list[Replica], r: int | None) -> int:
+    return replicas[0 if r is None else r].micro_batch_size
+
+
+def bridge_seconds(cost, bridge: Bridge) -> tuple[float, float]:
+    """(forward, backward) seconds of one micro-batch across ``bridge`` under ``cost`` (a
+    :class:`~megatron_hetero.cost.model.CostModel`)."""
+    lat = cost.p2p_latency_s
+    piece = cost.hidden_bytes(min(bridge.src_micro_batch, bridge.dst_micro_batch), 1)
+    transfers = max(sum(2 * lat + piece / (bw * 1e9) for bw in hub) for hub in bridge.hubs)
+
+    def broadcast(tp: int, micro_batch: int, gb_s: float) -> float:
+        if tp == 1:
+            return 0.0
+        return 2 * lat + cost.hidden_bytes(micro_batch, 1) / (gb_s * 1e9)
+
+    return (transfers + broadcast(bridge.dst_tp, bridge.dst_micro_batch, bridge.dst_broadcast_gb_s),
+            transfers + broadcast(bridge.src_tp, bridge.src_micro_batch, bridge.src_broadcast_gb_s))
+
+
+def same_replicas(meshes: list[Mesh]) -> bool:
+    """Every mesh has the same replicas (so replica ``r`` of each forms one path)."""
+    return all(m.replicas == meshes[0].replicas for m in meshes[1:])

@@ -1,0 +1,84 @@
+"""megatron-core's grids and communicator of a mesh plan (:mod:`megatron_hetero.plan_mesh`).
+
+One ``HyperCommGrid`` per mesh, shape ``[T, 1, D, P]`` over ``["tp", "cp", "dp", "pp"]`` at
+the mesh's ``rank_offset`` (the plan's rank numbering), with its groups created on every rank
+(``create_pg`` is collective); and megatron-core's ``MultiModulePipelineCommunicator`` over
+them, the meshes chained in plan order (``mesh0 -> mesh1 -> ...``), which builds a
+``BridgeCommunicator`` per boundary. Activations are Megatron's ``[s, b, h]``, so the bridges
+join and split on dimension 1 (``BridgeCommunicator`` defaults to dimension 0).
+
+On the CPU backend (gloo) the bridges' broadcast groups are made with the default backend:
+``BridgeCommunicator`` asks for ``nccl`` by name (:func:`gloo_bridges`).
+"""
+
+from __future__ import annotations
+
+from ..plan_mesh import MeshPlan
+
+__all__ = ["mesh_grids", "mesh_communicator", "module_name", "DIM_MAPPING", "GRID_DIMS",
+           "gloo_bridges"]
+
+GRID_DIMS = ["tp", "cp", "dp", "pp"]
+"""The grid's dimensions, fastest first: Megatron's ``tp-cp-dp-pp`` order inside a mesh."""
+DIM_MAPPING = {"s": 0, "b": 1, "h": 2}
+"""Megatron's hidden states are ``[s, b, h]``: the bridges join and split on ``b``."""
+_GROUPS = ("tp", "cp", "dp", "pp", ["tp", "pp"], ["dp", "cp"], ["tp", "cp"])
+
+
+def module_name(mesh: int) -> str:
+    """The multimodule communicator's name of mesh ``mesh``."""
+    return f"mesh{mesh}"
+
+
+def mesh_grids(plan: MeshPlan, *, backend: str | None = None) -> list:
+    """The grid of every mesh, each with its groups created (call on every rank)."""
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+
+    grids = []
+    for k, mesh in enumerate(plan.meshes):
+        grid = HyperCommGrid([mesh.tensor_model_parallel_size, 1, mesh.data_parallel_size,
+                              len(mesh.stages)], list(GRID_DIMS),
+                             rank_offset=plan.rank_offset(k), backend=backend)
+        for dims in _GROUPS:
+            grid.create_pg(dims)
+        grids.append(grid)
+    return grids
+
+
+def mesh_communicator(plan: MeshPlan, grids: list, config):
+    """megatron-core's ``MultiModulePipelineCommunicator`` chaining the meshes' ``grids`` (call
+    on every rank: each bridge is built collectively)."""
+    from megatron.core.pipeline_parallel.multimodule_communicator import (
+        MultiModulePipelineCommunicator,
+    )
+
+    n = len(grids)
+    return MultiModulePipelineCommunicator(
+        {module_name(k): g for k, g in enumerate(grids)},
+        {module_name(k): [module_name(k + 1)] if k + 1 < n else [] for k in range(n)},
+        config, dim_mapping=dict(DIM_MAPPING))
+
+
+class _DefaultBackendGroups:
+    """``torch.distributed`` as ``BridgeCommunicator`` sees it, but its broadcast groups made on
+    the default backend."""
+
+    def __init__(self, dist):
+        self._dist = dist
+
+    def __getattr__(self, name):
+        return getattr(self._dist, name)
+
+    def new_subgroups_by_enumeration(self, ranks_per_subgroup_list, timeout=None, backend=None,
+                                     pg_options=None):
+        return self._dist.new_subgroups_by_enumeration(ranks_per_subgroup_list, timeout=timeout,
+                                                       pg_options=pg_options)
+
+
+def gloo_bridges() -> None:
+    """Let ``BridgeCommunicator`` build its broadcast groups on a gloo world (CPU ranks)."""
+    import torch.distributed as dist
+    from megatron.core.pipeline_parallel import bridge_communicator
+
+    if not isinstance(bridge_communicator.dist, _DefaultBackendGroups):
+        bridge_communicator.dist = _DefaultBackendGroups(dist)

@@ -1,0 +1,371 @@
+"""Mesh plans (``plan.yaml``, ``format_version: 2``): tensor- and data-parallel sizes per run
+of pipeline stages.
+
+A *mesh* is a run of consecutive pipeline stages that share a device type, a tensor-parallel
+size ``T`` and a data-parallel size ``D`` (its ``replicas``). A mesh plan chains meshes; the
+model's layers run through mesh 0's stages, then mesh 1's, and so on. Inside a mesh, stages
+talk as in any Megatron pipeline; at a boundary between two meshes megatron-core's
+``BridgeCommunicator`` moves the activations (forward) and their gradients (backward): one
+leader rank per replica on each side, the side with more replicas joins (fan-in) or splits
+(fan-out) the micro-batch on the batch dimension, and the receiving leader broadcasts the
+tensor to the rest of its tensor-parallel group.
+
+So every sample of a micro-batch crosses a boundary whole or split evenly:
+
+* where two meshes have the same ``D``, replica ``r`` feeds replica ``r`` (a sample stays on one
+  path), and replicas may differ in micro-batch size and count (uneven data parallelism), as
+  long as replica ``r`` is the same in both meshes;
+* where ``D`` changes, one of the two sizes divides the other (``BridgeCommunicator`` joins or
+  splits ``D_a / D_b`` tensors), every replica of both meshes runs the same number of
+  micro-batches, each mesh's replicas the same micro-batch size, and ``D_a x mbs_a = D_b x
+  mbs_b`` (the micro-batch divides evenly across the boundary).
+
+Rank numbering (the runtime builds one megatron-core ``HyperCommGrid`` per mesh, shape
+``[T, 1, D, P]`` over ``["tp", "cp", "dp", "pp"]``, with ``rank_offset`` the ranks of the
+meshes before it): mesh ``k``'s ranks are ``offset_k .. offset_k + T_k D_k P_k - 1``, and slot
+(mesh ``k``, stage ``j`` of the mesh, replica ``r``, tensor rank ``t``) is rank
+``offset_k + t + T_k (r + D_k j)``: Megatron's ``tp-dp-pp`` order inside each mesh
+(:meth:`MeshPlan.slot_of_rank`). Format-1 plans (:mod:`.plan`) keep their own schema; a plan
+file picks its schema by ``format_version`` (:func:`load_any_plan`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from ._schema import from_data, read_yaml, to_data, write_yaml
+from .errors import Described, SchemaError
+from .hardware.catalog import Catalog, GPUSpec, load_catalog
+from .plan import ModelSpec, Offload, Plan, Recompute, plan_from_data
+
+__all__ = ["MeshStage", "Replica", "Mesh", "MeshPlan", "MeshSlot", "MESH_FORMAT_VERSION",
+           "mesh_plan_from_data", "load_any_plan", "any_plan_from_data", "save_any_plan",
+           "meshes_of"]
+
+MESH_FORMAT_VERSION = 2
+
+
+@dataclass(kw_only=True, slots=True)
+class MeshStage:
+    """One pipeline stage of a mesh: its layers and memory policy (every replica of the mesh
+    runs it alike)."""
+
+    num_layers: int
+    recompute: Recompute = field(default_factory=Recompute)
+    offload: Offload = field(default_factory=Offload)
+
+    def __post_init__(self) -> None:
+        if self.num_layers < 0:
+            raise SchemaError("", "num_layers", self.num_layers, "a non-negative integer")
+        if self.recompute.num_layers is not None and self.recompute.num_layers > max(self.num_layers, 1):
+            raise SchemaError("", "recompute.num_layers", self.recompute.num_layers,
+                              f"at most the stage's num_layers ({self.num_layers})")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Replica:
+    """One data-parallel replica of a mesh: the batch it runs per step."""
+
+    micro_batch_size: int
+    num_microbatches: int
+
+    def __post_init__(self) -> None:
+        for key in ("micro_batch_size", "num_microbatches"):
+            if getattr(self, key) < 1:
+                raise SchemaError("", key, getattr(self, key), "a positive integer")
+
+    @property
+    def samples(self) -> int:
+        return self.micro_batch_size * self.num_microbatches
+
+
+@dataclass(kw_only=True, slots=True)
+class Mesh:
+    """A run of consecutive pipeline stages on one device type with one tensor- and one
+    data-parallel size."""
+
+    device_type: str
+    """Canonical catalog name of the GPU type of every rank of the mesh."""
+    tensor_model_parallel_size: int
+    """Tensor ranks per stage of this mesh (a group inside one node of ``device_type``)."""
+    replicas: list[Replica]
+    """The mesh's data-parallel replicas, in data-parallel rank order (``D`` is their number)."""
+    stages: list[MeshStage]
+    """The mesh's pipeline stages, in pipeline order."""
+
+    def __post_init__(self) -> None:
+        if self.tensor_model_parallel_size < 1:
+            raise SchemaError("", "tensor_model_parallel_size", self.tensor_model_parallel_size,
+                              "a positive integer")
+        if not self.replicas:
+            raise SchemaError("", "replicas", self.replicas, "at least one replica")
+        if not self.stages:
+            raise SchemaError("", "stages", self.stages, "at least one stage")
+
+    @property
+    def data_parallel_size(self) -> int:
+        return len(self.replicas)
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_model_parallel_size * self.data_parallel_size * len(self.stages)
+
+    @property
+    def even(self) -> bool:
+        """Every replica runs the same micro-batch size and count."""
+        return len(set(self.replicas)) == 1
+
+
+@dataclass(frozen=True, slots=True)
+class MeshSlot:
+    """Where one rank sits in a mesh plan."""
+
+    mesh: int
+    stage: int
+    """Stage index inside the mesh (its pipeline rank in the mesh's grid)."""
+    replica: int
+    tensor_rank: int
+
+
+@dataclass(kw_only=True, slots=True)
+class MeshPlan:
+    """A training plan whose meshes may differ in tensor- and data-parallel size."""
+
+    format_version: Literal[2]
+    model: ModelSpec
+    global_batch_size: int
+    meshes: list[Mesh]
+    """In pipeline order: mesh 0 holds the embedding, the last mesh the output layer and loss."""
+    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    use_distributed_optimizer: bool = True
+    """Shard each stage's optimizer state over its mesh's replicas."""
+    overlap_grad_reduce: bool = False
+    """Overlap each mesh's gradient reduction with its last backward."""
+    gpus: dict[str, GPUSpec] = field(default_factory=dict)
+    """As in format 1 (:class:`.plan.Plan`): catalog entries the plan carries. Left out of the
+    file when empty."""
+    prediction: dict[str, float] | None = None
+    """Figures the tuner predicted for this plan (informational; never read back as input)."""
+    catalog: Catalog | None = field(default=None, compare=False, repr=False,
+                                    metadata={"internal": True})
+    """The catalog the plan was checked against on load; None for a plan built in code."""
+
+    def __post_init__(self) -> None:
+        if self.global_batch_size < 1:
+            raise SchemaError("", "global_batch_size", self.global_batch_size, "a positive integer")
+        if not self.meshes:
+            raise SchemaError("", "meshes", self.meshes, "at least one mesh")
+        m = self.model
+        for k, mesh in enumerate(self.meshes):
+            tp = mesh.tensor_model_parallel_size
+            if m.num_attention_heads % tp or m.num_query_groups % tp:
+                raise SchemaError("", f"meshes[{k}].tensor_model_parallel_size", tp,
+                                  f"a divisor of model.num_attention_heads ({m.num_attention_heads}) "
+                                  f"and model.num_query_groups ({m.num_query_groups})")
+            samples = sum(r.samples for r in mesh.replicas)
+            if samples != self.global_batch_size:
+                raise SchemaError("", f"meshes[{k}].replicas",
+                                  Described(f"replicas taking {samples} samples per step"),
+                                  f"micro_batch_size x num_microbatches adding up to "
+                                  f"global_batch_size ({self.global_batch_size}) in every mesh")
+        self._check_layers()
+        for k in range(len(self.meshes) - 1):
+            self._check_boundary(k)
+
+    def _check_layers(self) -> None:
+        split = self.layer_split
+        if sum(split) != self.model.num_layers:
+            raise SchemaError("", "meshes", Described(f"stages with layers adding up to {sum(split)}"),
+                              f"layers adding up to model.num_layers ({self.model.num_layers})")
+        last = len(split) - 1
+        for g, (k, j) in enumerate(self.stage_index):
+            if split[g] == 0 and (0 < g < last or last == 0):
+                raise SchemaError("", f"meshes[{k}].stages[{j}].num_layers", 0,
+                                  "at least 1 layer (only the first and last stage of the model "
+                                  "may hold just the embedding or the loss)")
+
+    def _check_boundary(self, k: int) -> None:
+        a, b = self.meshes[k], self.meshes[k + 1]
+        da, db = a.data_parallel_size, b.data_parallel_size
+        here = f"meshes[{k + 1}].replicas"
+        if da == db:
+            for r, (ra, rb) in enumerate(zip(a.replicas, b.replicas)):
+                if ra != rb:
+                    raise SchemaError("", f"{here}[{r}]", Described(_show(rb)),
+                                      f"{_show(ra)}, as meshes[{k}].replicas[{r}] (the bridge "
+                                      f"between meshes of equal data-parallel size keeps every "
+                                      f"sample on one replica's path)")
+            return
+        if max(da, db) % min(da, db):
+            raise SchemaError("", here, Described(f"{db} replicas after {da}"),
+                              f"a multiple or a divisor of meshes[{k}]'s {da} replicas "
+                              "(BridgeCommunicator joins or splits whole micro-batches)")
+        for kk, mesh in ((k, a), (k + 1, b)):
+            if not mesh.even:
+                raise SchemaError("", f"meshes[{kk}].replicas", Described("replicas that differ"),
+                                  f"replicas alike: uneven data parallelism needs the same "
+                                  f"number of replicas on both sides of every bridge it "
+                                  f"crosses, and meshes[{k}] has {da}, meshes[{k + 1}] {db} "
+                                  "(a bridge that joins or splits micro-batches splits evenly)")
+        if a.replicas[0].num_microbatches != b.replicas[0].num_microbatches:
+            raise SchemaError("", f"{here}[0].num_microbatches", b.replicas[0].num_microbatches,
+                              f"{a.replicas[0].num_microbatches}, as meshes[{k}] (a bridge "
+                              "passes every micro-batch)")
+        batch = da * a.replicas[0].micro_batch_size
+        if batch != db * b.replicas[0].micro_batch_size:
+            share = (f"{batch // db}" if batch % db == 0 else
+                     f"a whole share, but {batch} samples do not divide over {db} replicas")
+            raise SchemaError("", f"{here}[0].micro_batch_size", b.replicas[0].micro_batch_size,
+                              f"{share} (meshes[{k}]'s micro-batch, {da} x "
+                              f"{a.replicas[0].micro_batch_size} samples, split evenly over "
+                              f"{db} replicas)")
+
+    # -- shape -----------------------------------------------------------------------------------
+    @property
+    def stage_index(self) -> list[tuple[int, int]]:
+        """(mesh, stage inside the mesh) of every pipeline stage, in pipeline order."""
+        return [(k, j) for k, mesh in enumerate(self.meshes) for j in range(len(mesh.stages))]
+
+    @property
+    def layer_split(self) -> list[int]:
+        return [st.num_layers for mesh in self.meshes for st in mesh.stages]
+
+    @property
+    def pipeline_model_parallel_size(self) -> int:
+        """Pipeline stages of the whole model (all meshes)."""
+        return sum(len(mesh.stages) for mesh in self.meshes)
+
+    @property
+    def world_size(self) -> int:
+        return sum(mesh.world_size for mesh in self.meshes)
+
+    def rank_offset(self, mesh: int) -> int:
+        """The first rank of mesh ``mesh`` (its grid's ``rank_offset``)."""
+        return sum(m.world_size for m in self.meshes[:mesh])
+
+    def slot_of_rank(self, rank: int) -> MeshSlot:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside world size {self.world_size}")
+        for k, mesh in enumerate(self.meshes):
+            if rank < mesh.world_size:
+                t, d = mesh.tensor_model_parallel_size, mesh.data_parallel_size
+                return MeshSlot(mesh=k, stage=rank // (t * d), replica=(rank // t) % d,
+                                tensor_rank=rank % t)
+            rank -= mesh.world_size
+        raise AssertionError("unreachable")
+
+    def rank_of_slot(self, slot: MeshSlot) -> int:
+        mesh = self.meshes[slot.mesh]
+        t, d = mesh.tensor_model_parallel_size, mesh.data_parallel_size
+        return self.rank_offset(slot.mesh) + slot.tensor_rank + t * (slot.replica + d * slot.stage)
+
+    def device_counts(self) -> Counter[str]:
+        """GPUs the plan needs per device type."""
+        counts: Counter[str] = Counter()
+        for mesh in self.meshes:
+            counts[mesh.device_type] += mesh.world_size
+        return counts
+
+    def layout(self) -> str:
+        """Megatron's ``pipeline_model_parallel_layout`` of the whole model, one segment per
+        pipeline stage over all meshes."""
+        split, parts = self.layer_split, []
+        for s, n in enumerate(split):
+            body = "" if n == 0 else ("t" if n == 1 else f"t*{n}")
+            parts.append(("E" if s == 0 else "") + body + ("L" if s == len(split) - 1 else ""))
+        return "|".join(parts)
+
+    def describe(self) -> str:
+        """One line per mesh: its GPUs, parallel sizes, layers and batch."""
+        lines = []
+        for k, m in enumerate(self.meshes):
+            reps = sorted({(r.micro_batch_size, r.num_microbatches) for r in m.replicas})
+            lines.append(f"mesh {k}: {m.world_size}x {m.device_type} TP={m.tensor_model_parallel_size} "
+                         f"DP={m.data_parallel_size} PP={len(m.stages)} layers "
+                         f"{[st.num_layers for st in m.stages]}, micro-batches (size, count) "
+                         + " ".join(f"{b}x{n}" for b, n in reps)
+                         + f"; ranks {self.rank_offset(k)}-{self.rank_offset(k) + m.world_size - 1}")
+        return "\n".join(lines)
+
+    def to_data(self) -> dict:
+        data = to_data(self)
+        if not self.gpus:
+            data.pop("gpus", None)
+        return data
+
+
+def _show(replica: Replica) -> str:
+    return f"micro_batch_size {replica.micro_batch_size}, num_microbatches {replica.num_microbatches}"
+
+
+def mesh_plan_from_data(data: object, *, source: str = "<plan>",
+                        catalog: Catalog | None = None) -> MeshPlan:
+    """Build and check a mesh plan from plain data, its device types against ``catalog`` plus
+    the plan's ``gpus`` (as :func:`.plan.plan_from_data`)."""
+    plan = from_data(MeshPlan, data, source=source)
+    catalog = (catalog or load_catalog()).with_entries(plan.gpus, source=source)
+    plan.gpus = {name: catalog.get(name) for name in plan.gpus}
+    plan.catalog = catalog
+    for k, mesh in enumerate(plan.meshes):
+        path = f"meshes[{k}].device_type"
+        canonical = catalog.resolve(mesh.device_type)
+        if canonical is None:
+            catalog.get(mesh.device_type, source=source, path=path)  # raises the full message
+        if canonical != mesh.device_type:
+            raise SchemaError(source, path, mesh.device_type,
+                              f"a canonical catalog name ({canonical!r})")
+        if plan.precision == "bf16" and not catalog.get(canonical).bf16:
+            raise SchemaError(source, "precision", plan.precision,
+                              f"fp16 or fp32: {canonical} (at {path}) has no bf16")
+    return plan
+
+
+def any_plan_from_data(data: object, *, source: str = "<plan>",
+                       catalog: Catalog | None = None) -> Plan | MeshPlan:
+    """A format-1 :class:`.plan.Plan` or a format-2 :class:`MeshPlan`, by ``format_version``."""
+    if isinstance(data, dict) and data.get("format_version") == MESH_FORMAT_VERSION:
+        return mesh_plan_from_data(data, source=source, catalog=catalog)
+    return plan_from_data(data, source=source, catalog=catalog)
+
+
+def load_any_plan(path: str | Path, *, catalog: Catalog | None = None) -> Plan | MeshPlan:
+    """Load and check a plan file of either format."""
+    return any_plan_from_data(read_yaml(path), source=str(path), catalog=catalog)
+
+
+def save_any_plan(plan: Plan | MeshPlan, path: str | Path) -> None:
+    write_yaml(plan.to_data(), path)
+
+
+def meshes_of(plan: Plan) -> MeshPlan | None:
+    """The mesh plan that runs the format-1 ``plan`` as it is: consecutive stages on one device
+    type form a mesh of the plan's TP and DP. None where a stage index differs between replicas
+    in device type or memory policy (format 1 can say that; a mesh cannot)."""
+    first = plan.pipelines[0].stages
+    for pipe in plan.pipelines[1:]:
+        for a, b in zip(first, pipe.stages):
+            if (a.device_type, a.recompute, a.offload) != (b.device_type, b.recompute, b.offload):
+                return None
+    if plan.virtual_pipeline_size > 1 or plan.sequence_parallel or any(
+            st.warmup_microbatches is not None for st in first):
+        return None
+    replicas = [Replica(micro_batch_size=p.micro_batch_size, num_microbatches=p.num_microbatches)
+                for p in plan.pipelines]
+    meshes: list[Mesh] = []
+    for st in first:
+        stage = MeshStage(num_layers=st.num_layers, recompute=st.recompute, offload=st.offload)
+        if meshes and meshes[-1].device_type == st.device_type:
+            meshes[-1].stages.append(stage)
+        else:
+            meshes.append(Mesh(device_type=st.device_type,
+                               tensor_model_parallel_size=plan.tensor_model_parallel_size,
+                               replicas=list(replicas), stages=[stage]))
+    out = MeshPlan(format_version=2, model=plan.model, global_batch_size=plan.global_batch_size,
+                   meshes=meshes, precision=plan.precision,
+                   use_distributed_optimizer=plan.use_distributed_optimizer,
+                   overlap_grad_reduce=plan.overlap_grad_reduce, gpus=dict(plan.gpus))
+    out.catalog = plan.catalog
+    return out

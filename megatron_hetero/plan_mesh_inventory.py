@@ -1,0 +1,39 @@
+"""A mesh plan (:mod:`.plan_mesh`) against an inventory: the GPUs it asks for, each mesh's
+tensor-parallel group inside one node of its type, and every group placed
+(:func:`.cost.mesh.place_meshes`, the placement the simulator and the runtime use)."""
+
+from __future__ import annotations
+
+from .cost.mesh import place_meshes
+from .errors import Described, InfeasibleError, SchemaError
+from .plan_inventory import check_plan_gpus
+from .plan_mesh import MeshPlan
+
+__all__ = ["check_mesh_plan_against_inventory"]
+
+
+def check_mesh_plan_against_inventory(plan: MeshPlan, inventory, *, source: str = "<plan>") -> None:
+    """Raise :class:`SchemaError` naming the field where ``plan`` asks more of ``inventory``
+    than it has: a ``gpus`` entry that differs, more GPUs of a type, a mesh whose TP group is
+    wider than every node of its type (4-GPU and 8-GPU nodes differ), or groups that do not
+    all fit whole inside nodes."""
+    check_plan_gpus(plan, inventory, source=source)
+    have = inventory.gpu_counts()
+    for gpu, need in sorted(plan.device_counts().items()):
+        if need > have.get(gpu, 0):
+            raise SchemaError(source, "meshes", Described(f"{need} GPUs of type {gpu}"),
+                              f"at most {have.get(gpu, 0)} (what {inventory.source} has; it has "
+                              + ", ".join(f"{n}x {g}" for g, n in sorted(have.items())) + ")")
+    for k, mesh in enumerate(plan.meshes):
+        tp = mesh.tensor_model_parallel_size
+        widest = max(g.gpus_per_node for g in inventory.groups if g.gpu == mesh.device_type)
+        if tp > widest:
+            raise SchemaError(source, f"meshes[{k}].tensor_model_parallel_size", tp,
+                              f"at most {widest}, the GPUs per node of type {mesh.device_type} "
+                              f"in {inventory.source} (a tensor-parallel group stays inside a "
+                              "node)")
+    try:
+        place_meshes(plan, inventory)
+    except InfeasibleError as exc:
+        raise SchemaError(source, "meshes", Described("tensor-parallel groups that do not all "
+                                                      "fit whole inside nodes"), str(exc)) from None

@@ -1,0 +1,186 @@
+"""Mesh plans in the search (:mod:`megatron_hetero.plan_mesh`): each device type of a mixed
+pool its own tensor- and data-parallel size.
+
+The space, the simplest one that is real: one mesh per device type, the types memory-rich
+first along the pipeline or the reverse; per type a TP size among those that divide the
+heads and fit its node (4-GPU and 8-GPU nodes differ) and a pipeline depth, its replicas
+taking all of its GPUs in whole TP groups (``D = GPUs / (T x P)``), where consecutive meshes'
+``D`` divide one another (``BridgeCommunicator``); a micro-batch ``b`` per replica of the mesh
+with the most replicas, every other mesh's replicas taking the same samples per micro-batch
+(``b x D_max / D``), all of them the same micro-batch count. Each stage position's costs and
+cheapest fitting memory policy come from the stage tables (:mod:`.tables`, at the mesh's TP
+without sequence parallelism: a bridge carries whole ``[s, b, h]`` tensors); the layer split
+from :func:`.split.min_max_split` on seconds per micro-batch (every stage runs the same
+micro-batches). Candidates are visited in order of a lower bound on their estimate (``(m + P -
+1)`` times the slowest stage, the layers split as if each stage took any fraction of them at
+its no-recompute speed), until it passes the best few estimates, which are simulated (:func:`megatron_hetero.simulate_mesh.simulate_mesh`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..cost.stage import StageShape
+from ..errors import InfeasibleError
+from ..plan_inventory import embedded_gpus
+from ..plan_mesh import Mesh, MeshPlan, MeshStage, Replica
+from ..simulate import SimResult
+from ..simulate_mesh import simulate_mesh
+from . import space
+from .problem import Problem
+from .split import min_max_split
+from .tables import StageTables
+
+__all__ = ["MeshSearch", "best_mesh_plan"]
+
+
+@dataclass(frozen=True, slots=True)
+class _MeshShape:
+    """One mesh of a candidate: device type, TP, pipeline depth, replicas, micro-batch."""
+
+    device_type: str
+    tp: int
+    pp: int
+    dp: int
+    mbs: int
+
+
+class MeshSearch:
+    """Candidate mesh plans of one problem, ranked by estimate."""
+
+    def __init__(self, problem: Problem, tables: StageTables):
+        self.problem, self.tables = problem, tables
+        self.evaluated = 0
+
+    def layouts(self) -> list[list[tuple[str, int, int, int]]]:
+        """Every (type, TP, PP, DP) chain: one mesh per type, the types memory-rich first
+        (:attr:`.problem.Problem.types`) or the reverse."""
+        p, inv = self.problem, self.problem.inv
+        counts = inv.gpu_counts()
+        per_type = {}
+        for gpu in p.types:
+            widest = max(g.gpus_per_node for g in inv.groups if g.gpu == gpu)
+            options = []
+            for tp in space.tp_sizes(p):
+                if tp > widest:
+                    continue
+                groups = space.slots(inv, tp).get(gpu, 0)
+                if groups * tp != counts[gpu]:
+                    continue  # a TP size that strands GPUs of the type
+                for pp in range(1, min(groups, p.model.num_layers) + 1):
+                    if groups % pp == 0:
+                        options.append((gpu, tp, pp, groups // pp))
+            per_type[gpu] = options
+        out = []
+        for types in (p.types, p.types[::-1]):
+            for chain in itertools.product(*(per_type[t] for t in types)):
+                dps = [c[3] for c in chain]
+                if all(max(a, b) % min(a, b) == 0 for a, b in zip(dps, dps[1:])) \
+                        and sum(c[2] for c in chain) <= min(p.model.num_layers,
+                                                            p.opt.max_pipeline_stages):
+                    out.append(list(chain))
+        return out
+
+    def candidates(self, keep: int) -> list[tuple[float, MeshPlan]]:
+        """The ``keep`` best estimates over every layout and micro-batch size, visited in order
+        of a lower bound on their estimate until it passes the ``keep``-th."""
+        p = self.problem
+        L = p.model.num_layers
+        cost = self.problem.cost(self.problem.precision_for(p.types))
+        layer: dict[tuple, float] = {}  # one layer's seconds per micro-batch, by (type, mbs, TP)
+        todo = []
+        for chain in self.layouts():
+            dmax = max(c[3] for c in chain)
+            P = sum(c[2] for c in chain)
+            for b in p.opt.micro_batch_sizes:
+                batch = b * dmax
+                if p.gbs % batch or any(batch % c[3] for c in chain):
+                    continue
+                rate = 0.0
+                for t, tp, pp, dp in chain:
+                    key = (t, batch // dp, tp)
+                    if key not in layer:
+                        layer[key] = sum(cost.layer_times(*key))
+                    rate += pp / layer[key]
+                m = p.gbs // batch
+                # a lower bound on the estimate: (m + P - 1) times the slowest stage of the best
+                # split if each stage took any fraction of the layers at no-recompute speed
+                todo.append(((m + P - 1) * L / rate, len(todo), chain, batch))
+        todo.sort(key=lambda x: x[:2])
+        best: list[tuple[float, MeshPlan]] = []
+        for lb, _, chain, batch in todo:
+            if len(best) >= keep and lb >= best[-1][0]:
+                break
+            got = self.evaluate([_MeshShape(device_type=t, tp=tp, pp=pp, dp=dp, mbs=batch // dp)
+                                 for t, tp, pp, dp in chain], p.gbs // batch)
+            if got is not None:
+                best.append(got)
+                best.sort(key=lambda x: x[0])
+                del best[keep:]
+        return best
+
+    def evaluate(self, meshes: list[_MeshShape], m: int) -> tuple[float, MeshPlan] | None:
+        """The split and policies of one candidate, and its estimated step (None: nothing
+        fits)."""
+        self.evaluated += 1
+        p = self.problem
+        L, P = p.model.num_layers, sum(x.pp for x in meshes)
+        prec = p.precision_for({x.device_type for x in meshes})
+        rows, s = [], 0
+        for x in meshes:
+            for _ in range(x.pp):
+                position = StageShape(device_type=x.device_type, chunk_layers=(0,),
+                                      micro_batch_size=x.mbs, tensor_parallel_size=x.tp,
+                                      pipeline_size=P, stage=s, num_microbatches=m,
+                                      data_parallel_size=x.dp)
+                rows.append(self.tables.table(position, precision=prec).fit)
+                s += 1
+        got = min_max_split(np.stack([r.seconds for r in rows]), L)
+        if got is None:
+            return None
+        slowest, split = got
+        policies = iter([r.policy(n) for r, n in zip(rows, split)])
+        layers = iter(split)
+        plan = MeshPlan(
+            format_version=2, model=p.model, global_batch_size=p.gbs, precision=prec,
+            overlap_grad_reduce=p.opt.overlap_grad_reduce,
+            meshes=[Mesh(device_type=x.device_type, tensor_model_parallel_size=x.tp,
+                         replicas=[Replica(micro_batch_size=x.mbs, num_microbatches=m)] * x.dp,
+                         stages=[_stage(next(layers), next(policies)) for _ in range(x.pp)])
+                    for x in meshes])
+        return (m + P - 1) * slowest, plan
+
+
+def _stage(n: int, policy) -> MeshStage:
+    return MeshStage(num_layers=n, recompute=policy.recompute, offload=policy.offload)
+
+
+def best_mesh_plan(problem: Problem, tables: StageTables, *, uniform: SimResult,
+                   upper_bound_s: float) -> tuple[MeshPlan, SimResult, int] | None:
+    """The fastest simulated of the best estimated mesh plans that fits (its ``prediction``
+    beside the ``uniform`` plan's step and the upper bound), and the candidates estimated; None
+    on a pool of one device type (one mesh is a uniform plan, which the main search covers) or
+    where none fits."""
+    if len(problem.types) < 2:
+        return None
+    search = MeshSearch(problem, tables)
+    best = None
+    for _, plan in search.candidates(problem.opt.finalists):
+        try:
+            sim = simulate_mesh(plan, problem.cost(plan.precision), record_events=False)
+        except InfeasibleError:
+            continue
+        if sim.fits_memory and (best is None or sim.step_time_s < best[1].step_time_s):
+            best = (plan, sim)
+    if best is None:
+        return None
+    plan, sim = best
+    plan.prediction = {"step_time_s": round(sim.step_time_s, 6),
+                       "tokens_per_s": round(sim.tokens_per_s, 3), "mfu": round(sim.mfu, 6),
+                       "uniform_step_time_s": round(uniform.step_time_s, 6),
+                       "upper_bound_step_time_s": round(upper_bound_s, 6)}
+    plan.gpus = embedded_gpus(plan, problem.inv.catalog)
+    return plan, sim, search.evaluated

@@ -1,0 +1,98 @@
+"""The mesh search (tier 1): its space respects every type's node, mesh plans compete with the
+uniform-TP plans and win only where strictly faster, and ``tune`` writes the winner."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_hetero import cli
+from megatron_hetero.cost.model import CostModel
+from megatron_hetero.hardware import inventory_from_data
+from megatron_hetero.models import load_model
+from megatron_hetero.plan_mesh import MeshPlan, load_any_plan
+from megatron_hetero.plan_mesh_inventory import check_mesh_plan_against_inventory
+from megatron_hetero.simulate_mesh import simulate_mesh
+from megatron_hetero.tuner import TuneOptions, tune
+from megatron_hetero.tuner.meshes import MeshSearch
+from megatron_hetero.tuner.problem import Problem
+from megatron_hetero.tuner.tables import StageTables
+
+
+def _inventory(groups):
+    return inventory_from_data({"groups": [{"gpu": g, "nodes": n, "gpus_per_node": w}
+                                           for g, n, w in groups]}, source="inv.yaml")
+
+
+A100_T4 = [("A100-SXM-80GB", 1, 8), ("T4-16GB", 4, 4)]
+
+
+def test_layouts_keep_tp_inside_each_types_node_and_use_every_gpu():
+    inv = _inventory([("RTX3090-24GB", 2, 8), ("T4-16GB", 4, 4)])
+    problem = Problem(load_model("llama2-7b", seq_length=2048), inv, 128, {}, TuneOptions())
+    layouts = MeshSearch(problem, StageTables(problem)).layouts()
+    assert layouts
+    tps = {t: set() for t in ("RTX3090-24GB", "T4-16GB")}
+    for chain in layouts:
+        assert sorted(c[0] for c in chain) == ["RTX3090-24GB", "T4-16GB"]
+        for gpu, tp, pp, dp in chain:
+            assert tp * pp * dp == 16
+            tps[gpu].add(tp)
+        dps = [c[3] for c in chain]
+        assert all(max(a, b) % min(a, b) == 0 for a, b in zip(dps, dps[1:]))
+    assert tps == {"RTX3090-24GB": {1, 2, 4, 8}, "T4-16GB": {1, 2, 4}}
+
+
+def test_a_mesh_plan_wins_where_it_is_strictly_faster():
+    """Llama-2 13B on 8 A100 + 16 T4 (4-GPU nodes): the best mesh plan gives the T4s and the
+    A100s different TP sizes and beats every uniform-TP plan; it validates against the pool
+    and simulates to the figure the search reports."""
+    inv = _inventory(A100_T4)
+    model = load_model("llama2-13b", seq_length=4096)
+    r = tune(model, inv, 256, options=TuneOptions(meshes=True))
+    assert r.mesh_wins
+    plan, sim = r.best
+    assert isinstance(plan, MeshPlan) and sim is r.mesh_sim
+    assert sim.step_time_s < r.sim.step_time_s
+    assert len({m.tensor_model_parallel_size for m in plan.meshes}) > 1
+    check_mesh_plan_against_inventory(plan, inv, source="tuned")
+    again = simulate_mesh(plan, CostModel(model, inv, precision=plan.precision))
+    assert again.step_time_s == pytest.approx(sim.step_time_s, rel=1e-12)
+    assert plan.prediction["uniform_step_time_s"] == pytest.approx(r.sim.step_time_s, abs=1e-6)
+    off = tune(model, inv, 256)  # mesh search is opt-in: the runtime refuses mesh plans yet
+    assert off.mesh_plan is None and not off.mesh_wins
+    assert off.plan.to_data() == r.plan.to_data()  # the uniform-TP search is untouched
+
+
+def test_uniform_plan_kept_where_no_mesh_plan_is_faster():
+    inv = _inventory([("RTX3090-24GB", 2, 8), ("T4-16GB", 4, 4)])
+    r = tune(load_model("llama2-7b", seq_length=2048), inv, 128,
+             options=TuneOptions(meshes=True))
+    assert r.mesh_plan is not None and not r.mesh_wins
+    assert r.best == (r.plan, r.sim)
+    assert r.mesh_sim.step_time_s >= r.sim.step_time_s
+
+
+def test_no_mesh_search_on_one_device_type():
+    r = tune(load_model("llama2-7b", seq_length=2048), _inventory([("A100-SXM-80GB", 1, 8)]), 64,
+             options=TuneOptions(meshes=True))
+    assert r.mesh_plan is None and r.best == (r.plan, r.sim)
+
+
+def test_tune_command_writes_the_winning_mesh_plan(tmp_path, capsys):
+    inv = tmp_path / "inv.yaml"
+    inv.write_text("groups:\n  - {gpu: A100-SXM-80GB, nodes: 1, gpus_per_node: 8}\n"
+                   "  - {gpu: T4-16GB, nodes: 4, gpus_per_node: 4}\n")
+    out = tmp_path / "plan.yaml"
+    assert cli.main(["tune", str(inv), "--model", "llama2-13b", "--seq-length",
+                     "4096", "--global-batch-size", "256", "--output", str(out), "--quiet",
+                     "--meshes", "--timeline", str(tmp_path / "t.png"),
+                     "--report", str(tmp_path / "r.json")]) == 0
+    text = capsys.readouterr().out
+    assert "tuned   : mesh plan" in text and "speedup over the uniform-TP plan" in text
+    assert isinstance(load_any_plan(out), MeshPlan)
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["mesh_plan"]["speedup_over_uniform"] > 1
+    assert (tmp_path / "t.png").stat().st_size > 10_000
+    assert cli.main(["validate", str(out), "--inventory", str(inv)]) == 0
