@@ -7,8 +7,9 @@ device. The three legs run one after another (the whole tensor is copied, then s
 copied: torch.distributed's gloo backend works on host tensors), so the path is slower than its
 slowest leg: ``seconds = latency + bytes / host_link + bytes / network + bytes / host_link``.
 
-* the host link: :data:`DEFAULT_HOST_LINK_GB_S` each way (pinned copies over PCIe 4 x16; the
-  cost model's ``pcie_bandwidth_gb_s`` default is the same figure);
+* the host link: :data:`DEFAULT_HOST_LINK_GB_S` each way (pinned copies over PCIe 4 x16; it is
+  also the default of the cost model's ``pcie_bandwidth_gb_s``, the rate of offloaded
+  activations, which does not change the host path);
 * the network: the slower NIC of the two nodes (inventory ``nic_bandwidth_gb_s``, default
   :data:`~megatron_hetero.hardware.inventory.DEFAULT_NIC_GB_S`), at most the inventory's
   ``inter_group_bandwidth_gb_s``; where either node has ``rdma: false``, at most
