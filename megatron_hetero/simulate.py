@@ -63,7 +63,8 @@ class Event:
     chunk: int = 0
     """Model chunk of a forward or backward (0 unless the plan interleaves)."""
     host_staged: bool = False
-    """A gradient sync of a data-parallel group that spans vendors (gloo on the host path)."""
+    """The interval moves data across vendors on the host path: a ``T`` send, or the ``S`` sync
+    of a data-parallel group that spans vendors (gloo)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -240,10 +241,12 @@ def _pipeline_key(pipe) -> tuple:
                    st.warmup_microbatches) for st in pipe.stages))
 
 
-def _host_sends(plan: Plan, cost: CostModel, placement, d: int, evs) -> list[Event]:
+def _host_sends(plan: Plan, cost: CostModel, placement, d: int, evs,
+                given: Sequence[float] | None) -> list[Event]:
     """The sends of pipeline ``d`` over links across vendors, as ``T`` events: each forward
     sends to the next stage (the last stage's, interleaved, back to the first), each backward to
-    the previous one, when its compute ends (``evs``: the pipeline's recorded compute)."""
+    the previous one, when its compute ends (``evs``: the pipeline's recorded compute;
+    ``given``: the seconds of one send per link where the caller gives them)."""
     p, v = plan.pipeline_model_parallel_size, plan.virtual_pipeline_size
     row = placement.nodes[d]
     links = placement.pipeline_links(d, v > 1)
@@ -261,8 +264,9 @@ def _host_sends(plan: Plan, cost: CostModel, placement, d: int, evs) -> list[Eve
         else:
             continue
         if staged[edge]:
-            seconds = cost.p2p_seconds(pipe.micro_batch_size, links[edge],
-                                       tp=plan.tensor_model_parallel_size, sp=plan.sequence_parallel)
+            seconds = given[edge] if given is not None else cost.p2p_seconds(
+                pipe.micro_batch_size, links[edge], tp=plan.tensor_model_parallel_size,
+                sp=plan.sequence_parallel)
             out.append(Event(d, stage, "T", mb, end, end + seconds, c, host_staged=True))
     return out
 
@@ -369,7 +373,7 @@ def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True,
         finish, busy, _, evs = runs[d]
         if record_events:
             events.extend(Event(d, *ev) for ev in evs)
-            events.extend(_host_sends(plan, cost, placement, d, evs))
+            events.extend(_host_sends(plan, cost, placement, d, evs, pipeline_sends.get(d)))
         for s in range(p):
             mem = memory_of[rep[d]][s]
             fits = fits and mem.fits

@@ -12,8 +12,8 @@ per node in GB: when given, the simulator checks that what a node's GPUs offload
 optimizer state and module inputs, fits in it beside a reserve for the OS and processes, and
 the tuner keeps only plans that fit), ``nic_bandwidth_gb_s`` and ``rdma`` (the node's NIC
 as seen from host memory, for links between GPUs of two vendors, which are staged through the
-hosts: see :mod:`megatron_hetero.cost.host_path`); at the top: ``inter_group_bandwidth_gb_s``, ``gpus``,
-``name``.
+hosts: see :mod:`megatron_hetero.cost.host_path`); at the top:
+``inter_group_bandwidth_gb_s``, ``gpus``, ``name``.
 """
 
 from __future__ import annotations
@@ -74,7 +74,8 @@ class GPUGroup:
             raise SchemaError("", "gpus_per_node", self.gpus_per_node, "at least 1")
         if self.hosts is not None and len(self.hosts) != self.nodes:
             raise SchemaError("", "hosts", self.hosts, f"{self.nodes} host names (one per node)")
-        for key in ("intra_node_bandwidth_gb_s", "inter_node_bandwidth_gb_s", "nic_bandwidth_gb_s"):
+        for key in ("intra_node_bandwidth_gb_s", "inter_node_bandwidth_gb_s",
+                    "nic_bandwidth_gb_s"):
             value = getattr(self, key)
             if value is not None and value <= 0:
                 raise SchemaError("", key, value, "a positive bandwidth in GB/s")
@@ -133,7 +134,8 @@ class Inventory:
         return self.groups[index].inter_node_bandwidth_gb_s or DEFAULT_INTER_NODE_GB_S
 
     def nic_bandwidth(self, index: int) -> float:
-        """GB/s a node of group ``index`` sends from host memory (:attr:`GPUGroup.nic_bandwidth_gb_s`)."""
+        """GB/s a node of group ``index`` sends from host memory
+        (:attr:`GPUGroup.nic_bandwidth_gb_s`)."""
         return self.groups[index].nic_bandwidth_gb_s or DEFAULT_NIC_GB_S
 
     def vendor(self, index: int) -> str:
