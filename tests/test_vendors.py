@@ -235,3 +235,21 @@ def test_sends_over_a_host_staged_edge_are_recorded():
     assert all(e.host_staged and e.end - e.start == pytest.approx(seconds) for e in sends)
     nvidia = _plan(inv, [([("A100-SXM-80GB", 2), ("H100-SXM-80GB", 2)], 3)])
     assert not [e for e in simulate(nvidia, cost).events if e.kind == "T"]
+
+
+def test_tune_reports_what_crosses_vendors(tmp_path, capsys):
+    import json
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text("groups:\n  - {gpu: A100-SXM-80GB, nodes: 1, gpus_per_node: 8}\n"
+                   "  - {gpu: MI300X-192GB, nodes: 1, gpus_per_node: 8, rdma: false}\n")
+    report = tmp_path / "report.json"
+    assert main(["tune", str(inv), "--model", "llama2-7b", "--global-batch-size", "64", "--quiet",
+                 "-o", str(tmp_path / "plan.yaml"), "--report", str(report)]) == 0
+    out = capsys.readouterr().out
+    got = json.loads(report.read_text())["vendor_crossings"]
+    assert got["crossings"], got
+    for c in got["crossings"]:
+        assert sorted(c["vendors"]) == ["AMD", "NVIDIA"] and c["seconds_per_step"] > 0
+        assert f"across vendors: {c['kind']} {c['where']}" in out
+    assert 0 < got["host_staged_share"] < 1
+    assert "the runtime cannot run this plan yet" in out
