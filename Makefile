@@ -19,6 +19,7 @@ test: venv
 # Benchmarks: figures measured side by side in one run each (minutes on 2 cores).
 bench: venv
 	$(VENV)/bin/python scripts/bench_tuner.py
+	$(VENV)/bin/python scripts/bench_vendors.py
 	$(VENV)/bin/python scripts/bench_batch_scaling.py
 	$(VENV)/bin/python scripts/bench_warmup.py
 	$(VENV)/bin/python scripts/bench_meshes.py

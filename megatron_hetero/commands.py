@@ -7,7 +7,7 @@ import argparse
 from .hardware.inventory import load_inventory
 from .megatron_args import megatron_args, megatron_args_line, mesh_megatron_args
 from .errors import SchemaError
-from .plan_inventory import check_plan_against_inventory, check_plan_gpus
+from .plan_inventory import check_plan_against_inventory, check_plan_gpus, check_plan_vendors
 from .plan_mesh import MeshPlan, load_any_plan
 from .plan_mesh_inventory import check_mesh_plan_against_inventory
 
@@ -26,6 +26,7 @@ def validate_main(args: argparse.Namespace) -> int:
         return 0
     if inventory is not None:
         check_plan_against_inventory(plan, inventory, source=args.plan)
+    check_plan_vendors(plan, inventory.catalog if inventory else plan.catalog, source=args.plan)
     dp = plan.data_parallel_size
     if not plan.uniform_data_parallel and plan.global_batch_size % dp:
         # What the runtime refuses at start (runtime.plan_args.virtual_micro_batch_size).

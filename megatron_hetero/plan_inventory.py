@@ -9,7 +9,8 @@ from .errors import Described, SchemaError
 from .hardware.catalog import Catalog, GPUSpec, load_catalog
 from .plan import Plan
 
-__all__ = ["check_plan_against_inventory", "check_plan_gpus", "embedded_gpus"]
+__all__ = ["check_plan_against_inventory", "check_plan_gpus", "embedded_gpus",
+           "check_plan_vendors"]
 
 _COMPARED = [f.name for f in dataclasses.fields(GPUSpec) if f.name not in ("name", "notes")]
 
@@ -66,3 +67,38 @@ def check_plan_against_inventory(plan: Plan, inventory, *, source: str = "<plan>
             raise SchemaError(source, "pipelines", Described(f"{need} GPUs of type {gpu}"),
                               f"at most {whole}: {inventory.source} holds that many in whole "
                               f"tensor-parallel groups of {tp} inside a node")
+
+
+def check_plan_vendors(plan: Plan, catalog: Catalog, *, source: str = "<plan>") -> None:
+    """Raise :class:`SchemaError` if the plan needs a process group on a device backend whose
+    ranks are GPUs of two vendors (NCCL, RCCL and HCCL cannot join one communicator).
+
+    A tensor-parallel group is one stage's ranks, of one device type, inside one node: it never
+    spans vendors. The runtime builds every other group (the world group, each pipeline's, each
+    stage's data-parallel group, the embedding group) on the device backend; host (gloo) groups
+    across vendors are not built yet (docs/vendors.md), so a plan on two vendors' GPUs is
+    refused, at the first stage whose vendor differs from the first stage's, naming the groups
+    that would span vendors."""
+    def vendor(device_type: str) -> str:
+        return catalog.get(device_type, source=source).vendor
+
+    first = vendor(plan.pipelines[0].stages[0].device_type)
+    for d, pipe in enumerate(plan.pipelines):
+        for s, stage in enumerate(pipe.stages):
+            other = vendor(stage.device_type)
+            if other == first:
+                continue
+            groups = ["the world group"]
+            if any(vendor(st.device_type) != other for st in pipe.stages):
+                groups.append(f"pipelines[{d}]'s pipeline group")
+            if any(vendor(p.stages[s].device_type) != other for p in plan.pipelines):
+                groups.append(f"stage {s}'s data-parallel group")
+            stacks = " and ".join(sorted({catalog.get(t).stack.library
+                                          for t in plan.device_counts()}))
+            raise SchemaError(source, f"pipelines[{d}].stages[{s}].device_type",
+                              Described(f"{stage.device_type} ({other}) beside "
+                                        f"{plan.pipelines[0].stages[0].device_type} ({first})"),
+                              f"GPUs of one vendor: {', '.join(groups)} would span vendors on "
+                              f"a device backend ({stacks} cannot join one communicator), and "
+                              "the runtime builds no host (gloo) groups across vendors yet "
+                              "(docs/vendors.md); tune on one vendor's GPUs")

@@ -55,12 +55,16 @@ class Event:
     pipeline: int
     stage: int
     kind: str
-    """``F`` forward, ``B`` backward, ``S`` gradient sync, ``O`` optimizer step."""
+    """``F`` forward, ``B`` backward, ``S`` gradient sync, ``O`` optimizer step, ``T`` a send
+    over a host-staged link (recorded for links across vendors only), on its sender's row."""
     microbatch: int
     start: float
     end: float
     chunk: int = 0
     """Model chunk of a forward or backward (0 unless the plan interleaves)."""
+    host_staged: bool = False
+    """The interval moves data across vendors on the host path: a ``T`` send, or the ``S`` sync
+    of a data-parallel group that spans vendors (gloo)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -158,7 +162,7 @@ class SimResult:
                       for k in "FB" for c in range(chunks)} | {"S": colors["S"], "O": colors["O"]}
         bars: dict[tuple, list] = {}
         for e in self.events:
-            if e.pipeline < max_pipelines:
+            if e.pipeline < max_pipelines and e.kind != "T":
                 kind = f"{e.kind}{e.chunk}" if chunks > 1 and e.kind in "FB" else e.kind
                 bars.setdefault((e.pipeline, e.stage, kind), []).append((e.start, e.end - e.start))
         rows = sorted({(d, s) for d, s, _ in bars})
@@ -167,6 +171,13 @@ class SimResult:
         for (d, s, kind), spans in sorted(bars.items()):
             ax.broken_barh(spans, (index[(d, s)] - 0.4, 0.8), facecolors=colors[kind],
                            edgecolor="white", linewidth=0.2)
+        staged = [e for e in self.events if e.host_staged and e.pipeline < max_pipelines]
+        for e in staged:  # hatched: the transfer crosses vendors through the hosts; a send (T)
+            # is a strip under its sender's bars (it runs on the link, not the compute stream)
+            low, high = (0.25, 0.15) if e.kind == "T" else (-0.4, 0.8)
+            ax.broken_barh([(e.start, e.end - e.start)], (index[(e.pipeline, e.stage)] + low, high),
+                           facecolors="#DD8452" if e.kind == "T" else "none", edgecolor="black",
+                           hatch="///", linewidth=0.0)
         ax.set_yticks(range(len(rows)))
         ax.set_yticklabels([f"p{d} s{s} {self.stage(d, s).device_type}" for d, s in rows], fontsize=7)
         ax.invert_yaxis()
@@ -174,9 +185,17 @@ class SimResult:
             ax.set_xlim(0, seconds)
         ax.set_xlabel("seconds")
         ax.set_title(f"step {self.step_time_s:.3f} s (F forward, B backward, S grad sync, O optimizer"
+                     + ("; T send across vendors" if staged else "")
                      + (f"; Fc/Bc: model chunk c of {chunks}" if chunks > 1 else "") + ")")
         from matplotlib.patches import Patch
-        ax.legend(handles=[Patch(color=c, label=k) for k, c in colors.items()], loc="upper left",
+        handles = [Patch(color=c, label=k) for k, c in colors.items()]
+        if any(e.kind == "T" for e in staged):
+            handles.append(Patch(facecolor="#DD8452", edgecolor="black", hatch="///",
+                                 label="T send across vendors (host-staged)"))
+        if any(e.kind == "S" for e in staged):
+            handles.append(Patch(facecolor="white", edgecolor="black", hatch="///",
+                                 label="S across vendors (gloo, host-staged)"))
+        ax.legend(handles=handles, loc="upper left",
                   bbox_to_anchor=(1.0, 1.0), fontsize=7)  # beside the bars, not over them
         fig.tight_layout()
         fig.savefig(path, dpi=120)
@@ -220,6 +239,36 @@ def _pipeline_key(pipe) -> tuple:
                    st.offload.optimizer_fraction, st.offload.activations, st.offload.module_inputs,
                    tuple(st.chunk_layers) if st.chunk_layers else None,
                    st.warmup_microbatches) for st in pipe.stages))
+
+
+def _host_sends(plan: Plan, cost: CostModel, placement, d: int, evs,
+                given: Sequence[float] | None) -> list[Event]:
+    """The sends of pipeline ``d`` over links across vendors, as ``T`` events: each forward
+    sends to the next stage (the last stage's, interleaved, back to the first), each backward to
+    the previous one, when its compute ends (``evs``: the pipeline's recorded compute;
+    ``given``: the seconds of one send per link where the caller gives them)."""
+    p, v = plan.pipeline_model_parallel_size, plan.virtual_pipeline_size
+    row = placement.nodes[d]
+    links = placement.pipeline_links(d, v > 1)
+    staged = {e: placement.host_staged(row[e], row[(e + 1) % p]) for e in range(len(links))}
+    if not any(staged.values()):
+        return []
+    pipe = plan.pipelines[d]
+    out = []
+    for stage, kind, mb, _, end, *chunk in evs:
+        c = chunk[0] if chunk else 0
+        if kind == "F" and not (stage == p - 1 and c == v - 1):
+            edge = stage
+        elif kind == "B" and not (stage == 0 and c == 0):
+            edge = (stage - 1) % p
+        else:
+            continue
+        if staged[edge]:
+            seconds = given[edge] if given is not None else cost.p2p_seconds(
+                pipe.micro_batch_size, links[edge], tp=plan.tensor_model_parallel_size,
+                sp=plan.sequence_parallel)
+            out.append(Event(d, stage, "T", mb, end, end + seconds, c, host_staged=True))
+    return out
 
 
 def host_memory(plan: Plan, cost: CostModel, placement) -> list[HostMemory]:
@@ -286,6 +335,7 @@ def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True,
         params = cost.stage_params(shape)
         bw = placement.stage_bandwidth(s)
         comm = cost.dp_sync_seconds(params, D, bw)
+        staged = record_events and placement.stage_host_staged(s)
         finish = max(runs[d][0][s] for d in range(D))
         if plan.overlap_grad_reduce or cost.overlap_grad_reduce:
             # each model chunk's buckets go once its last backward starts on every replica,
@@ -313,7 +363,8 @@ def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True,
             sync_of[d][s] = (sync_end - max(start, runs[d][0][s])) + opt
             if record_events:
                 if comm:
-                    events.append(Event(d, s, "S", -1, sync_end - comm, sync_end))
+                    events.append(Event(d, s, "S", -1, sync_end - comm, sync_end,
+                                        host_staged=staged))
                 events.append(Event(d, s, "O", -1, sync_end, sync_end + opt))
     step = max(max(row) for row in stage_end)
     stages: list[StageResult] = []
@@ -322,6 +373,7 @@ def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True,
         finish, busy, _, evs = runs[d]
         if record_events:
             events.extend(Event(d, *ev) for ev in evs)
+            events.extend(_host_sends(plan, cost, placement, d, evs, pipeline_sends.get(d)))
         for s in range(p):
             mem = memory_of[rep[d]][s]
             fits = fits and mem.fits

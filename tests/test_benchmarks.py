@@ -32,6 +32,21 @@ def test_bench_tuner_quick():
         assert bound <= tuned, row
 
 
+def test_bench_vendors_on_the_13b_scenario():
+    scenario = REPO / "examples/scenarios/a100-mi300x-llama2-13b.yaml"
+    proc = subprocess.run([sys.executable, str(REPO / "scripts/bench_vendors.py"), "--rdma-only",
+                           str(scenario)], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("scenario"))
+    (row,) = [line.split() for line in lines[header + 2:] if line.startswith("a100-mi300x")]
+    tuned, fabric, single, speedup, bound, eff = (float(x) for x in row[2:8])
+    assert row[1] == "RDMA"
+    assert abs(speedup - single / tuned) < 0.01 and abs(eff - bound / tuned) < 0.01, row
+    assert bound <= tuned and bound <= fabric, row
+    assert tuned < single, row  # both vendors together beat the faster one alone
+
+
 def test_bench_meshes_quick():
     proc = subprocess.run([sys.executable, str(REPO / "scripts/bench_meshes.py"), "--quick"],
                           capture_output=True, text=True, timeout=300, cwd=REPO)

@@ -76,7 +76,9 @@ def test_unknown_command_is_a_usage_error():
     assert info.value.code == 2
 
 
-ACME_NPU = ("{vendor: Acme, bf16_tflops: 400, bf16: true, fp32_tflops: 60, memory_gb: 64, "
+# A custom card of the same vendor as the A100s it is tuned beside (a plan on two vendors'
+# GPUs is refused by validate: tests/test_vendors.py).
+ACME_NPU = ("{vendor: NVIDIA, bf16_tflops: 400, bf16: true, fp32_tflops: 60, memory_gb: 64, "
             "memory_bandwidth_gb_s: 2000, intra_node_link: PCIe5, intra_node_bandwidth_gb_s: 64, "
             "efficiency: 0.5, aliases: ['ACME NPU-9 Pro']}")
 

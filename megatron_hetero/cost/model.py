@@ -45,6 +45,7 @@ from typing import Literal, Mapping, NamedTuple
 from .. import models as M
 from ..hardware.inventory import Inventory
 from ..plan import ModelSpec, Offload, Plan, Recompute, chunk_recompute
+from .host_path import DEFAULT_HOST_LINK_GB_S
 from .placement import Placement, place
 from .profile_protocol import DeviceProfile
 from .schedule import peak_activations
@@ -64,7 +65,7 @@ class CostModel:
                  overlap_grad_reduce: bool = False,
                  workspace_gb: float = 2.0,
                  host_optimizer_gb_s: float = 5.0,
-                 pcie_bandwidth_gb_s: float = 25.0,
+                 pcie_bandwidth_gb_s: float = DEFAULT_HOST_LINK_GB_S,
                  host_reserve_gb: float = 64.0,
                  p2p_latency_s: float = 20e-6,
                  pipeline_overhead_s: tuple[float, float] = (0.0, 0.0)):

@@ -6,6 +6,9 @@ in Megatron rank order (stage by stage, and within a stage pipeline by pipeline)
 next GPUs of its device type, nodes taken in inventory order (group, node). A tensor-parallel
 group never straddles two nodes. So a stage's data-parallel replicas sit side by side, and
 consecutive stages share a node only when a node holds both.
+
+Between nodes of two vendors the link is the host path (:mod:`.host_path`): pipeline sends
+and data-parallel groups that cross vendors are staged through the hosts.
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ from dataclasses import dataclass, field
 
 from ..errors import InfeasibleError
 from ..hardware.inventory import Inventory
+from .host_path import crosses_vendors, host_path, staged_ring_gb_s
 
-__all__ = ["Node", "Placement", "place", "allocate"]
+__all__ = ["Node", "Placement", "place", "allocate", "between_groups_gb_s"]
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -57,7 +61,11 @@ class Placement:
             return inv.intra_node_bandwidth(a.group)
         if a.group == b.group:
             return inv.inter_node_bandwidth(a.group)
-        return inv.inter_group_bandwidth_gb_s
+        return between_groups_gb_s(inv, a.group, b.group)
+
+    def host_staged(self, a: Node, b: Node) -> bool:
+        """Whether the link between two nodes is the host path (their GPUs' vendors differ)."""
+        return a.group != b.group and crosses_vendors(self.inventory, (a.group, b.group))
 
     def stage_bandwidth(self, stage: int) -> float:
         """:meth:`slowest_bandwidth` of the data-parallel group of ``stage`` (its replicas)."""
@@ -65,6 +73,10 @@ class Placement:
         if got is None:
             got = self._dp[stage] = self.slowest_bandwidth([row[stage] for row in self.nodes])
         return got
+
+    def stage_host_staged(self, stage: int) -> bool:
+        """Whether the data-parallel group of ``stage`` spans vendors (syncs on the host path)."""
+        return crosses_vendors(self.inventory, {row[stage].group for row in self.nodes})
 
     def slowest_bandwidth(self, nodes: list[Node]) -> float:
         """GB/s of the slowest link inside a set of nodes (a data-parallel group)."""
@@ -74,9 +86,20 @@ class Placement:
         groups = {n.group for n in distinct}
         if len(groups) == 1:
             return self.inventory.inter_node_bandwidth(distinct[0].group)
+        staged = staged_ring_gb_s(self.inventory, groups, len(nodes))  # gloo on the host path
+        if staged is not None:
+            return staged
         return min([self.inventory.inter_group_bandwidth_gb_s]
                    + [self.inventory.inter_node_bandwidth(g) for g in sorted(groups)
                       if sum(1 for n in distinct if n.group == g) > 1])
+
+
+def between_groups_gb_s(inventory: Inventory, a: int, b: int) -> float:
+    """GB/s (one direction) between nodes of two different inventory groups: the host path's
+    where their vendors differ, else the inventory's ``inter_group_bandwidth_gb_s``."""
+    if crosses_vendors(inventory, (a, b)):
+        return host_path(inventory, (a, b)).bandwidth_gb_s
+    return inventory.inter_group_bandwidth_gb_s
 
 
 def allocate(requests: list[tuple[str, int, str]], inventory: Inventory) -> list[Node]:

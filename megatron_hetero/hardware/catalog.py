@@ -12,7 +12,29 @@ import yaml
 from .._schema import from_data
 from ..errors import Described, SchemaError
 
-__all__ = ["GPUSpec", "GPUOverride", "Catalog", "load_catalog"]
+__all__ = ["GPUSpec", "GPUOverride", "Catalog", "load_catalog", "DeviceStack", "VENDOR_STACKS"]
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class DeviceStack:
+    """How torch drives a vendor's accelerators."""
+
+    torch_device: str
+    """The torch device type (``torch.device(torch_device, i)``)."""
+    dist_backend: str
+    """The ``torch.distributed`` backend of its device tensors."""
+    library: str
+    """The collective library behind that backend (two vendors whose backends share a torch
+    name, as NCCL and RCCL do, still cannot join one group)."""
+
+
+VENDOR_STACKS: dict[str, DeviceStack] = {
+    "NVIDIA": DeviceStack(torch_device="cuda", dist_backend="nccl", library="NCCL"),
+    "AMD": DeviceStack(torch_device="cuda", dist_backend="nccl", library="RCCL (ROCm)"),
+    "Huawei": DeviceStack(torch_device="npu", dist_backend="hccl", library="HCCL (torch_npu)"),
+}
+"""The device stack of each vendor the catalog knows: ROCm builds of torch expose AMD GPUs as
+``cuda`` devices and RCCL under the ``nccl`` backend name; Ascend NPUs need ``torch_npu``."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -34,6 +56,11 @@ class GPUSpec:
     """Default achievable fraction of ``bf16_tflops`` on transformer layers."""
     aliases: list[str] = field(default_factory=list)
     notes: str | None = None
+    torch_device: str | None = None
+    """The torch device type; absent: the vendor's (:data:`VENDOR_STACKS`), else ``cuda``."""
+    dist_backend: str | None = None
+    """The ``torch.distributed`` backend of its device tensors; absent: the vendor's, else
+    ``nccl``."""
 
     def __post_init__(self) -> None:
         for key in ("bf16_tflops", "fp32_tflops", "memory_gb", "memory_bandwidth_gb_s",
@@ -42,6 +69,16 @@ class GPUSpec:
                 raise SchemaError("", key, getattr(self, key), "a positive number")
         if not 0 < self.efficiency <= 1:
             raise SchemaError("", "efficiency", self.efficiency, "a fraction in (0, 1]")
+
+    @property
+    def stack(self) -> DeviceStack:
+        """How torch drives this device: the entry's own fields over its vendor's defaults
+        (a vendor the table lacks defaults to ``cuda``/``nccl`` under its own library)."""
+        known = VENDOR_STACKS.get(self.vendor)
+        return DeviceStack(
+            torch_device=self.torch_device or (known.torch_device if known else "cuda"),
+            dist_backend=self.dist_backend or (known.dist_backend if known else "nccl"),
+            library=known.library if known else f"{self.vendor}'s")
 
     @property
     def memory_bytes(self) -> float:
@@ -69,6 +106,8 @@ class GPUOverride:
     efficiency: float | None = None
     aliases: list[str] | None = None
     notes: str | None = None
+    torch_device: str | None = None
+    dist_backend: str | None = None
 
 
 def _norm(name: str) -> str:

@@ -10,8 +10,10 @@ Optional per group: ``name``, ``hosts``, ``intra_node_bandwidth_gb_s``,
 ``inter_node_bandwidth_gb_s``, ``partition``, ``constraint`` and ``host_memory_gb`` (host RAM
 per node in GB: when given, the simulator checks that what a node's GPUs offload to the host,
 optimizer state and module inputs, fits in it beside a reserve for the OS and processes, and
-the tuner keeps only plans that fit); at the top: ``inter_group_bandwidth_gb_s``, ``gpus``,
-``name``.
+the tuner keeps only plans that fit), ``nic_bandwidth_gb_s`` and ``rdma`` (the node's NIC
+as seen from host memory, for links between GPUs of two vendors, which are staged through the
+hosts: see :mod:`megatron_hetero.cost.host_path`); at the top:
+``inter_group_bandwidth_gb_s``, ``gpus``, ``name``.
 """
 
 from __future__ import annotations
@@ -25,12 +27,15 @@ from ..errors import Described, SchemaError
 from .catalog import Catalog, GPUOverride, GPUSpec, load_catalog
 
 __all__ = ["GPUGroup", "Inventory", "load_inventory", "inventory_from_data",
-           "DEFAULT_INTER_NODE_GB_S", "DEFAULT_INTER_GROUP_GB_S"]
+           "DEFAULT_INTER_NODE_GB_S", "DEFAULT_INTER_GROUP_GB_S", "DEFAULT_NIC_GB_S"]
 
 DEFAULT_INTER_NODE_GB_S = 25.0
 """Default bandwidth between nodes of one group, one direction: 200 Gb/s InfiniBand."""
 DEFAULT_INTER_GROUP_GB_S = 12.5
 """Default bandwidth between nodes of different groups: 100 Gb/s."""
+DEFAULT_NIC_GB_S = 25.0
+"""Default NIC bandwidth per node from host memory, one direction: 200 Gb/s (RDMA-capable
+InfiniBand or RoCE, as datacenter NVIDIA, AMD and Ascend nodes have)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -55,6 +60,12 @@ class GPUGroup:
     """Slurm --constraint feature of these nodes."""
     host_memory_gb: float | None = None
     """Host RAM per node (GB); absent: host memory is not checked."""
+    nic_bandwidth_gb_s: float | None = None
+    """The node's NIC bandwidth from host memory (GB/s, one direction), used by links to GPUs of
+    another vendor (staged through the hosts); absent: :data:`DEFAULT_NIC_GB_S`."""
+    rdma: bool = True
+    """Whether the NIC moves host memory by RDMA (InfiniBand, RoCE); false: TCP, a single
+    stream's rate and a higher latency (:mod:`megatron_hetero.cost.host_path`)."""
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
@@ -63,7 +74,8 @@ class GPUGroup:
             raise SchemaError("", "gpus_per_node", self.gpus_per_node, "at least 1")
         if self.hosts is not None and len(self.hosts) != self.nodes:
             raise SchemaError("", "hosts", self.hosts, f"{self.nodes} host names (one per node)")
-        for key in ("intra_node_bandwidth_gb_s", "inter_node_bandwidth_gb_s"):
+        for key in ("intra_node_bandwidth_gb_s", "inter_node_bandwidth_gb_s",
+                    "nic_bandwidth_gb_s"):
             value = getattr(self, key)
             if value is not None and value <= 0:
                 raise SchemaError("", key, value, "a positive bandwidth in GB/s")
@@ -120,6 +132,15 @@ class Inventory:
 
     def inter_node_bandwidth(self, index: int) -> float:
         return self.groups[index].inter_node_bandwidth_gb_s or DEFAULT_INTER_NODE_GB_S
+
+    def nic_bandwidth(self, index: int) -> float:
+        """GB/s a node of group ``index`` sends from host memory
+        (:attr:`GPUGroup.nic_bandwidth_gb_s`)."""
+        return self.groups[index].nic_bandwidth_gb_s or DEFAULT_NIC_GB_S
+
+    def vendor(self, index: int) -> str:
+        """The vendor of group ``index``'s GPUs (its catalog entry's)."""
+        return self.spec(self.groups[index].gpu).vendor
 
 
 def inventory_from_data(data: object, *, source: str = "<inventory>") -> Inventory:

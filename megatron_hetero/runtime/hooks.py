@@ -50,7 +50,7 @@ from . import plan_args, policies
 from ._rebind import is_wrapper, rebind
 from .arguments import add_hetero_args
 from .meshes import refuse_mesh_plan
-from .placement import CPU_ENV, detect_device_type, place_this_rank
+from .placement import CPU_ENV, check_device_stacks, detect_device_type, place_this_rank
 
 __all__ = ["install", "installed", "RankState", "state", "reset", "LAUNCHER_RANK_ENV"]
 
@@ -153,6 +153,7 @@ def before_validate(args, argv=None) -> RankState | None:
         args, "use_precision_aware_optimizer", None),
         transformer_impl=getattr(args, "transformer_impl", None))
     _check_warmup_args(plan, args, source=path)
+    check_device_stacks(plan, source=path)
     launcher_rank, world = int(args.rank), int(args.world_size)
     device = detect_device_type(override=getattr(args, "hetero_device_type", None),
                                 catalog=plan.catalog,  # the built-in one plus the plan's gpus

@@ -13,6 +13,7 @@ message on every rank, before any model is built.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from collections import Counter, defaultdict
@@ -21,15 +22,19 @@ from dataclasses import dataclass
 from ..errors import HeteroError
 from ..hardware.catalog import Catalog, load_catalog
 from ..plan import Plan
+from ..plan_inventory import check_plan_vendors
 from .arguments import DEVICE_TYPE_ENV
 
 __all__ = ["RankInfo", "PlacementError", "assign_ranks", "detect_device_type",
-           "exchange_rank_infos", "place_this_rank", "CPU_ENV"]
+           "exchange_rank_infos", "place_this_rank", "check_device_stacks", "CPU_ENV"]
 
 CPU_ENV = "MEGATRON_HETERO_CPU"
 """Set to 1 to run on the CPU backend (gloo); the emulated device type is then the plan's."""
 
 _KEY_PREFIX = "megatron_hetero/placement"
+
+_STACK_MODULES = {"npu": "torch_npu"}
+"""Torch device types that need a module beside torch (imported for its side effects)."""
 
 
 class PlacementError(HeteroError):
@@ -206,3 +211,23 @@ def place_this_rank(plan: Plan, *, launcher_rank: int, world_size: int, device_t
         store = store or _launcher_store(launcher_rank, world_size, timeout_minutes)
         infos = exchange_rank_infos(mine, world_size, store)
     return assign_ranks(plan, infos, source=source)[launcher_rank]
+
+
+def check_device_stacks(plan: Plan, *, source: str) -> None:
+    """Refuse, before any model is built and with the same message on every rank, a plan this
+    runtime cannot carry on devices: GPUs of two vendors (every process group is built on one
+    device backend: :func:`~megatron_hetero.plan_inventory.check_plan_vendors`), or a device
+    type whose torch stack this process lacks (Ascend NPUs without ``torch_npu``). Skipped on
+    the CPU backend (``MEGATRON_HETERO_CPU=1``), where gloo serves every group."""
+    if os.environ.get(CPU_ENV, "") not in ("", "0"):
+        return
+    check_plan_vendors(plan, plan.catalog, source=source)
+    for device_type in sorted(plan.device_counts()):
+        stack = plan.catalog.get(device_type).stack
+        module = _STACK_MODULES.get(stack.torch_device)
+        if module is not None and importlib.util.find_spec(module) is None:
+            raise PlacementError(
+                f"{source}: the plan runs on {device_type} ({stack.torch_device} devices, "
+                f"{stack.dist_backend} backend), which needs the {module} package; this "
+                f"environment lacks it (install the vendor's {module} build of this torch "
+                "version on every node of that type: docs/vendors.md)")

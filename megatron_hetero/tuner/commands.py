@@ -109,7 +109,10 @@ def _check_timeline(path: str | None) -> None:
 def tune_main(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from .report import host_memory_lines, plan_table, report_dict, summary_lines
+    from ..cost import CostModel
+    from ..cost.crossings import vendor_crossings
+    from .report import (host_memory_lines, plan_table, report_dict, summary_lines, vendor_dict,
+                         vendor_lines)
     from .problem import TuneOptions
     from .search import tune
 
@@ -135,15 +138,16 @@ def tune_main(args: argparse.Namespace) -> int:
     save_plan(result.plan, args.output)
     sources = _figure_sources(result.plan, inventory, profiles)
     used_types = sorted(result.plan.device_counts())
+    cost = CostModel(model, inventory, profiles=profiles, precision=result.plan.precision)
+    crossings = vendor_crossings(result.plan, cost)
     if args.report:
         report = report_dict(result, args.output)
         report["figure_sources"] = sources.report(used_types)
+        report["vendor_crossings"] = vendor_dict(crossings, result.sim)
         with open(args.report, "w") as f:
             json.dump(report, f, indent=2)
     if args.timeline:
-        from ..cost import CostModel
         from ..simulate import simulate
-        cost = CostModel(model, inventory, profiles=profiles, precision=result.plan.precision)
         simulate(result.plan, cost).timeline_png(args.timeline)
     console = Console(soft_wrap=True)  # summary lines stay whole in logs and pipes
     if not args.quiet:
@@ -152,6 +156,8 @@ def tune_main(args: argparse.Namespace) -> int:
     console.print(summary_lines(result.plan, result.sim, "tuned   "), highlight=False)
     for line in host_memory_lines(result.sim):
         console.print(f"[bold red]warning[/]: {line}", highlight=False)
+    for line in vendor_lines(crossings, result.sim):
+        console.print(line, highlight=False)
     for line in sources.summary_lines(used_types):
         console.print(f"figures: {line}", highlight=False, soft_wrap=True)
     if result.baseline_sim is not None:
@@ -176,8 +182,9 @@ def simulate_main(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from ..cost import CostModel
+    from ..cost.crossings import vendor_crossings
     from ..simulate import simulate
-    from .report import host_memory_lines, plan_table, summary_lines
+    from .report import host_memory_lines, plan_table, summary_lines, vendor_lines
 
     _check_timeline(args.timeline)
     inventory = load_inventory(args.inventory)
@@ -208,6 +215,8 @@ def simulate_main(args: argparse.Namespace) -> int:
                       f"{s.memory.total / 1e9:.1f} GB of {s.memory.capacity / 1e9:.0f} GB")
     for line in host_memory_lines(sim):
         console.print(f"[bold red]warning[/]: {line}", highlight=False)
+    for line in vendor_lines(vendor_crossings(plan, cost), sim):
+        console.print(line, highlight=False)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(sim.to_dict(), f, indent=2)

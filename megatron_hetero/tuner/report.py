@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from ..cost.crossings import Crossing, host_staged_seconds
 from ..megatron_args import megatron_args
 from ..plan import Plan
 from ..simulate import SimResult
 
-__all__ = ["plan_table", "summary_lines", "host_memory_lines", "report_dict", "policy_text"]
+__all__ = ["plan_table", "summary_lines", "host_memory_lines", "report_dict", "policy_text",
+           "vendor_lines", "vendor_dict"]
 
 
 def _recompute_text(stage) -> str:
@@ -94,6 +96,28 @@ def host_memory_lines(sim: SimResult) -> list[str]:
             f"optimizer state and module inputs plus the host reserve), "
             f"{h.capacity_bytes / 1e9:.0f} GB available"
             for h in sim.host_nodes if not h.fits]
+
+
+def vendor_lines(crossings: list[Crossing], sim: SimResult) -> list[str]:
+    """One line per pipeline edge and data-parallel group that crosses vendors (staged through
+    the hosts), then their share of the step; none for a one-vendor plan."""
+    if not crossings:
+        return []
+    lines = [f"across vendors: {c.kind} {c.where} ({' -> '.join(c.vendors)}): host path "
+             f"{c.bandwidth_gb_s:.2f} GB/s, {c.seconds_per_step:.3f} s per step" for c in crossings]
+    busy = host_staged_seconds(crossings)
+    lines.append(f"across vendors: the busiest host-staged links {busy:.3f} s per step, "
+                 f"{busy / sim.step_time_s:.1%} of the step; the runtime cannot run this plan "
+                 "yet (it builds no host groups across vendors: docs/vendors.md)")
+    return lines
+
+
+def vendor_dict(crossings: list[Crossing], sim: SimResult) -> dict:
+    """The report's ``vendor_crossings``: each crossing and the busiest host-staged links'
+    seconds and share of the step."""
+    busy = host_staged_seconds(crossings)
+    return {"crossings": [c.to_dict() for c in crossings], "host_staged_seconds": busy,
+            "host_staged_share": busy / sim.step_time_s}
 
 
 def report_dict(result, plan_path: str | None) -> dict:

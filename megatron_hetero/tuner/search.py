@@ -35,7 +35,9 @@ from typing import Callable, Mapping
 
 import numpy as np
 
+from ..cost.host_path import staged_ring_gb_s
 from ..cost.model import CostModel
+from ..cost.placement import between_groups_gb_s
 from ..cost.profile_protocol import DeviceProfile
 from ..errors import InfeasibleError
 from ..hardware.inventory import Inventory
@@ -204,7 +206,11 @@ class _Search:
         (stage-major filling): the same node when a node holds both stages of all pipelines."""
         a, b = types[s], types[s + 1]
         if a != b:
-            return self.inv.inter_group_bandwidth_gb_s
+            got = self._links.get((a, b))
+            if got is None:
+                ga, gb = (next(i for i, g in enumerate(self.inv.groups) if g.gpu == t) for t in (a, b))
+                got = self._links[(a, b)] = between_groups_gb_s(self.inv, ga, gb)
+            return got
         key = (a, 2 * D * tp)
         got = self._links.get(key)
         if got is None:
@@ -228,7 +234,10 @@ class _Search:
             bw = self._links.get(key)
             if bw is None:
                 groups = [i for i, g in enumerate(self.inv.groups) if g.gpu in column]
-                if len(groups) > 1:
+                staged = staged_ring_gb_s(self.inv, groups, D)
+                if staged is not None:  # across vendors: gloo on the host path
+                    bw = staged
+                elif len(groups) > 1:
                     bw = self.inv.inter_group_bandwidth_gb_s
                 elif D * st.tp <= self.inv.groups[groups[0]].gpus_per_node:
                     bw = self.inv.intra_node_bandwidth(groups[0])
