@@ -10,6 +10,7 @@ as a string.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -26,19 +27,58 @@ _YAML12_FLOAT = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)"
 """Exponent numbers without a dot, which YAML 1.2 reads as floats and PyYAML as strings."""
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader that refuses a key given twice in one mapping (PyYAML keeps the
+    last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.get(key)
+            except TypeError:  # an unhashable key: PyYAML's own error follows
+                continue
+            if first is not None:
+                raise _DuplicateKey(key, first.start_mark, key_node.start_mark)
+            seen[key] = key_node
+        return super().construct_mapping(node, deep=deep)
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key, first, second):
+        super().__init__(key)
+        self.key, self.first, self.second = key, first, second
+
+
 def read_yaml(path: str | Path) -> Any:
-    """Read a YAML file; a missing file or a syntax error becomes a :class:`SchemaError`."""
+    """Read a YAML file strictly; a missing or unreadable file, bytes that are not UTF-8, a
+    syntax error or a key given twice becomes a :class:`SchemaError`."""
     path = Path(path)
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except OSError as exc:
         raise SchemaError(str(path), "", exc.strerror, "a readable YAML file") from None
     try:
-        return yaml.safe_load(text)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SchemaError(str(path), f"byte {exc.start}",
+                          Described(f"the byte 0x{raw[exc.start]:02x}, which is not UTF-8"),
+                          "a UTF-8 text file") from None
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader)
+    except _DuplicateKey as exc:
+        raise SchemaError(str(path), f"line {exc.second.line + 1}",
+                          Described(f"the key {exc.key!r} a second time (first on line "
+                                    f"{exc.first.line + 1})"),
+                          "each key once in a mapping") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise SchemaError(str(path), where, getattr(exc, "problem", str(exc)), "valid YAML") from None
+    except RecursionError:
+        raise SchemaError(str(path), "", Described("nesting too deep to read"),
+                          "a plan, inventory, model or profile document") from None
 
 
 def write_yaml(data: Any, path: str | Path) -> None:
@@ -100,12 +140,14 @@ def _convert(hint: Any, data: Any, source: str, path: str) -> Any:
         options = [a for a in typing.get_args(hint) if a is not type(None)]
         if data is None and len(options) < len(typing.get_args(hint)):
             return None
+        errors = []
         for option in options:
             try:
                 return _convert(option, data, source, path)
-            except SchemaError:
-                continue
-        raise SchemaError(source, path, data, _describe(hint))
+            except SchemaError as exc:
+                errors.append(exc)
+        finite = [e for e in errors if e.expected == "a finite number"]
+        raise finite[0] if finite else SchemaError(source, path, data, _describe(hint))
     if dataclasses.is_dataclass(hint):
         return _convert_dataclass(hint, data, source, path)
     if origin is Literal:
@@ -134,10 +176,15 @@ def _convert(hint: Any, data: Any, source: str, path: str) -> Any:
         if isinstance(data, int) and not isinstance(data, bool):
             return data
     elif hint is float:
+        value = None
         if isinstance(data, (int, float)) and not isinstance(data, bool):
-            return float(data)
-        if isinstance(data, str) and _YAML12_FLOAT.fullmatch(data):
-            return float(data)  # PyYAML (YAML 1.1) reads 5e1 and 1e-3 as strings; YAML 1.2 does not
+            value = float(data) if abs(data) < 1e300 else math.inf
+        elif isinstance(data, str) and _YAML12_FLOAT.fullmatch(data):
+            value = float(data)  # PyYAML (YAML 1.1) reads 5e1 and 1e-3 as strings; YAML 1.2 does not
+        if value is not None:
+            if math.isfinite(value):
+                return value
+            raise SchemaError(source, path, data, "a finite number")
     elif hint is str:
         if isinstance(data, str):
             return data

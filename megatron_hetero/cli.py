@@ -7,6 +7,7 @@ subcommand runs, so ``validate`` and ``tune`` never import torch.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import sys
 from typing import Sequence
@@ -165,22 +166,31 @@ _COMMANDS = [_add_validate, _add_args, _add_profile, _add_tune, _add_simulate, _
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    module, func = args.handler.split(":")
-    handler = getattr(importlib.import_module(module), func)
+    """Run one command. A user's mistake is one line and exit 1; Ctrl-C at any moment (start-up
+    included) one line and exit 130; files a command writes are put in place only once it has
+    succeeded (:mod:`megatron_hetero.outputs`)."""
+    command = "megatron-hetero"
     try:
+        args = build_parser().parse_args(argv)
+        command = f"megatron-hetero {args.command}"
+        module, func = args.handler.split(":")
+        handler = getattr(importlib.import_module(module), func)
         return int(handler(args) or 0)
     except HeteroError as exc:
-        print(f"megatron-hetero {args.command}: error: {exc}", file=sys.stderr)
+        print(f"{command}: error: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+            print(f"{command}: error: {exc.strerror}; every existing file is as it was (the "
+                  "outputs are put in place only once the command has succeeded)", file=sys.stderr)
+            return 1
         if exc.filename is None:  # not about a path the user gave: a bug, keep the traceback
             raise
-        print(f"megatron-hetero {args.command}: error: {exc.filename}: {exc.strerror}; expected "
+        print(f"{command}: error: {exc.filename}: {exc.strerror}; expected "
               "a path this command can read or write", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"megatron-hetero {args.command}: interrupted", file=sys.stderr)
+        print(f"{command}: interrupted", file=sys.stderr)
         return 130
 
 

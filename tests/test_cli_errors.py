@@ -51,7 +51,7 @@ def test_tune_output_in_missing_directory_is_one_line(tmp_path, capsys):
     assert main(["tune", str(inv), "--model", "llama2-7b", "--global-batch-size", "8", "-q",
                  "-o", str(out)]) == 1
     err = _one_line_error(capsys, "tune")
-    assert f"{out}: No such file or directory" in err
+    assert f"-o/--output {out}: the folder {str(out.parent)!r} does not exist" in err
 
 
 @pytest.mark.parametrize("command", [["profile", "--model", "llama2-7b", "--device", "cpu"],

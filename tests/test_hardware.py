@@ -92,7 +92,7 @@ def test_inventory_overrides_and_custom_gpus():
     ({"groups": [{"gpu": "A100", "nodes": 1, "gpus_per_node": 8, "host_memory_gb": "1TB"}]},
      "groups[0].host_memory_gb", "a number"),
     ({"groups": [{"gpu": "A100", "nodes": 1, "gpus_per_node": 8,
-                  "host_memory_gb": float("inf")}]}, "groups[0].host_memory_gb", "positive"),
+                  "host_memory_gb": float("inf")}]}, "groups[0].host_memory_gb", "a finite number"),
     ({"groups": [{"gpu": "A100", "nodes": 1, "gpus_per_node": 8}], "gpus": {"New": {"vendor": "X"}}},
      "gpus.New.bf16_tflops", "missing"),
     ({"groups": [{"gpu": "A100", "nodes": 1, "gpus_per_node": 8}],

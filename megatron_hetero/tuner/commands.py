@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from ..errors import HeteroError
 from ..hardware.inventory import load_inventory
 from ..models import load_model
-from ..plan import load_plan, save_plan
+from ..outputs import Outputs
+from ..plan import save_plan
 from ..plan_mesh import MeshPlan, load_any_plan
 from ..plan_inventory import check_plan_against_inventory
 
@@ -93,20 +95,53 @@ def _sizes(text: str, flag: str = "--micro-batch-sizes") -> tuple[int, ...]:
     return values
 
 
+_NEEDS_TOOL = {"pgf": ("LaTeX", ("lualatex", "xelatex", "pdflatex"))}
+"""Picture types matplotlib writes only with an external program, and the programs."""
+
+
 def _check_timeline(path: str | None) -> None:
-    """Refuse, before any work, a --timeline file type matplotlib cannot write."""
+    """Refuse, before any work, a --timeline file type matplotlib cannot write here."""
     if not path:
         return
-    from pathlib import Path
+    import shutil
 
     from matplotlib.backend_bases import FigureCanvasBase
     kinds = FigureCanvasBase.get_supported_filetypes()
-    if Path(path).suffix.lstrip(".").lower() not in kinds:
-        raise HeteroError(f"--timeline: {path!r}; expected a file name ending in one of "
-                          + ", ".join(f".{k}" for k in sorted(kinds)) + " (e.g. timeline.png)")
+    kind = Path(path).suffix.lstrip(".").lower()
+    usable = sorted(k for k in kinds if k not in _NEEDS_TOOL
+                    or any(shutil.which(t) for t in _NEEDS_TOOL[k][1]))
+    if kind not in usable:
+        why = (f" (.{kind} needs {_NEEDS_TOOL[kind][0]}, which is not installed)"
+               if kind in _NEEDS_TOOL else "")
+        raise HeteroError(f"--timeline: {path!r}{why}; expected a file name ending in one of "
+                          + ", ".join(f".{k}" for k in usable) + " (e.g. timeline.png)")
 
 
 def tune_main(args: argparse.Namespace) -> int:
+    if args.global_batch_size < 1:
+        raise HeteroError(f"--global-batch-size: {args.global_batch_size}; expected a positive integer")
+    if args.seq_length is not None and args.seq_length < 1:
+        raise HeteroError(f"--seq-length: {args.seq_length}; expected a positive integer")
+    _check_timeline(args.timeline)
+    with _outputs("tune", args, inputs={"INVENTORY": args.inventory},
+                  outputs={"-o/--output": args.output, "--report": args.report,
+                           "--timeline": args.timeline}) as out:
+        return _tune(args, out)
+
+
+def _outputs(command: str, args: argparse.Namespace, *, inputs: dict, outputs: dict) -> Outputs:
+    """The command's :class:`~megatron_hetero.outputs.Outputs`, its inputs completed by the
+    model file and profiles where the command takes them."""
+    inputs = dict(inputs)
+    model = getattr(args, "model", None)
+    if model and Path(model).exists():
+        inputs["--model"] = model
+    for i, profile in enumerate(getattr(args, "profile", None) or []):
+        inputs[f"--profile[{i}]"] = profile
+    return Outputs(command, inputs=inputs, outputs=outputs)
+
+
+def _tune(args: argparse.Namespace, out: Outputs) -> int:
     from rich.console import Console
 
     from ..cost import CostModel
@@ -116,11 +151,6 @@ def tune_main(args: argparse.Namespace) -> int:
     from .problem import TuneOptions
     from .search import tune
 
-    if args.global_batch_size < 1:
-        raise HeteroError(f"--global-batch-size: {args.global_batch_size}; expected a positive integer")
-    if args.seq_length is not None and args.seq_length < 1:
-        raise HeteroError(f"--seq-length: {args.seq_length}; expected a positive integer")
-    _check_timeline(args.timeline)
     inventory = load_inventory(args.inventory)
     model = load_model(args.model, seq_length=args.seq_length)
     tp_sizes = (None if args.tensor_parallel_sizes is None
@@ -134,8 +164,8 @@ def tune_main(args: argparse.Namespace) -> int:
     profiles = _profiles(args.profile, inventory)
     result = tune(model, inventory, args.global_batch_size, profiles=profiles, options=options)
     if result.mesh_wins:
-        return _tune_mesh_wins(args, result, inventory, profiles)
-    save_plan(result.plan, args.output)
+        return _tune_mesh_wins(args, result, inventory, profiles, out)
+    save_plan(result.plan, out.staged(args.output))
     sources = _figure_sources(result.plan, inventory, profiles)
     used_types = sorted(result.plan.device_counts())
     cost = CostModel(model, inventory, profiles=profiles, precision=result.plan.precision)
@@ -144,11 +174,11 @@ def tune_main(args: argparse.Namespace) -> int:
         report = report_dict(result, args.output)
         report["figure_sources"] = sources.report(used_types)
         report["vendor_crossings"] = vendor_dict(crossings, result.sim)
-        with open(args.report, "w") as f:
+        with open(out.staged(args.report), "w") as f:
             json.dump(report, f, indent=2)
     if args.timeline:
         from ..simulate import simulate
-        simulate(result.plan, cost).timeline_png(args.timeline)
+        simulate(result.plan, cost).timeline_png(out.staged(args.timeline))
     console = Console(soft_wrap=True)  # summary lines stay whole in logs and pipes
     if not args.quiet:
         console.print(plan_table(result.plan, result.sim, f"{model.name} on {_short(args.inventory)}"),
@@ -179,6 +209,13 @@ def tune_main(args: argparse.Namespace) -> int:
 
 
 def simulate_main(args: argparse.Namespace) -> int:
+    _check_timeline(args.timeline)
+    with _outputs("simulate", args, inputs={"PLAN": args.plan, "--inventory": args.inventory},
+                  outputs={"--json": args.json, "--timeline": args.timeline}) as out:
+        return _simulate(args, out)
+
+
+def _simulate(args: argparse.Namespace, out: Outputs) -> int:
     from rich.console import Console
 
     from ..cost import CostModel
@@ -186,11 +223,10 @@ def simulate_main(args: argparse.Namespace) -> int:
     from ..simulate import simulate
     from .report import host_memory_lines, plan_table, summary_lines, vendor_lines
 
-    _check_timeline(args.timeline)
     inventory = load_inventory(args.inventory)
     plan = load_any_plan(args.plan, catalog=inventory.catalog)
     if isinstance(plan, MeshPlan):
-        return _simulate_mesh_main(args, plan, inventory)
+        return _simulate_mesh_main(args, plan, inventory, out)
     check_plan_against_inventory(plan, inventory, source=args.plan)
     profiles = _profiles(args.profile, inventory)
     cost = CostModel(plan.model, inventory, profiles=profiles,
@@ -218,15 +254,15 @@ def simulate_main(args: argparse.Namespace) -> int:
     for line in vendor_lines(vendor_crossings(plan, cost), sim):
         console.print(line, highlight=False)
     if args.json:
-        with open(args.json, "w") as f:
+        with open(out.staged(args.json), "w") as f:
             json.dump(sim.to_dict(), f, indent=2)
     if args.timeline:
-        sim.timeline_png(args.timeline)
+        sim.timeline_png(out.staged(args.timeline))
         console.print(f"wrote {args.timeline}", highlight=False)
     return 0
 
 
-def _simulate_mesh_main(args: argparse.Namespace, plan: MeshPlan, inventory) -> int:
+def _simulate_mesh_main(args: argparse.Namespace, plan: MeshPlan, inventory, out: Outputs) -> int:
     """``simulate`` of a mesh plan: its meshes, the predicted step and every stage."""
     from ..cost import CostModel
     from ..plan_mesh_inventory import check_mesh_plan_against_inventory
@@ -245,15 +281,15 @@ def _simulate_mesh_main(args: argparse.Namespace, plan: MeshPlan, inventory) -> 
               f"bubble {s.bubble_s:.3f} s, sync {s.sync_s:.3f} s, idle {s.idle_s:.3f} s, memory "
               f"{s.memory.total / 1e9:.1f}/{s.memory.capacity / 1e9:.0f} GB")
     if args.json:
-        with open(args.json, "w") as f:
+        with open(out.staged(args.json), "w") as f:
             json.dump(sim.to_dict(), f, indent=2)
     if args.timeline:
-        sim.timeline_png(args.timeline)
+        sim.timeline_png(out.staged(args.timeline))
         print(f"wrote {args.timeline}")
     return 0
 
 
-def _tune_mesh_wins(args: argparse.Namespace, result, inventory, profiles) -> int:
+def _tune_mesh_wins(args: argparse.Namespace, result, inventory, profiles, out: Outputs) -> int:
     """``tune`` where the best mesh plan beats every uniform-TP plan: write it, and print it
     beside the uniform plan it beat."""
     from ..cost import CostModel
@@ -263,7 +299,7 @@ def _tune_mesh_wins(args: argparse.Namespace, result, inventory, profiles) -> in
     from .report import report_dict, summary_lines
 
     plan, sim = result.mesh_plan, result.mesh_sim
-    save_any_plan(plan, args.output)
+    save_any_plan(plan, out.staged(args.output))
     if args.report:
         report = report_dict(result, None)  # the uniform plan's figures, and the mesh plan's
         report["mesh_plan"] = {"predicted_step_time_s": sim.step_time_s, "mfu": sim.mfu,
@@ -271,11 +307,11 @@ def _tune_mesh_wins(args: argparse.Namespace, result, inventory, profiles) -> in
                                "speedup_over_uniform": result.sim.step_time_s / sim.step_time_s,
                                "megatron_args": megatron_args_line(plan, args.output),
                                "stages": [s.to_dict() for s in sim.stages]}
-        with open(args.report, "w") as f:
+        with open(out.staged(args.report), "w") as f:
             json.dump(report, f, indent=2)
     if args.timeline:
         cost = CostModel(plan.model, inventory, profiles=profiles, precision=plan.precision)
-        simulate_mesh(plan, cost).timeline_png(args.timeline)
+        simulate_mesh(plan, cost).timeline_png(out.staged(args.timeline))
     print(f"tuned   : mesh plan, step {sim.step_time_s:.3f} s, {sim.tokens_per_s:,.0f} tokens/s, "
           f"MFU {sim.mfu:.3f}\n{plan.describe()}")
     print(summary_lines(result.plan, result.sim, "uniform "))

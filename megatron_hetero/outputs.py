@@ -1,0 +1,86 @@
+"""The files a command writes: checked before any work, staged beside their targets, and put in
+place together only once the whole command has succeeded.
+
+``with Outputs(command, inputs={...}, outputs={...}) as out:`` refuses, before the work starts,
+an output that is one of the inputs or another output (the same file by resolved path, symlink
+or hard link), an output whose folder does not exist or cannot be written, and an output that
+is a folder. Inside the block every writer writes to ``out.staged(path)``: a hidden file in the
+target's folder with the target's extension (so writers that pick a format from it still do).
+When the block ends without an exception the staged files replace their targets (``os.replace``,
+atomic on one file system); when it raises (a user error, a full disk, Ctrl-C) they are removed
+and every existing file is as it was.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Mapping
+
+from .errors import HeteroError
+
+__all__ = ["Outputs"]
+
+
+def _same(a: Path, b: Path) -> bool:
+    if a.resolve() == b.resolve():
+        return True
+    try:
+        return a.exists() and b.exists() and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+class Outputs:
+    """The outputs of one command run (see the module docstring)."""
+
+    def __init__(self, command: str, *, inputs: Mapping[str, str | None],
+                 outputs: Mapping[str, str | None]):
+        self.command = command
+        self.targets = {name: Path(p) for name, p in outputs.items() if p}
+        self._staged: dict[Path, Path] = {}
+        ins = {name: Path(p) for name, p in inputs.items() if p}
+        names = list(self.targets)
+        for i, name in enumerate(names):
+            path = self.targets[name]
+            for in_name, in_path in ins.items():
+                if _same(path, in_path):
+                    raise HeteroError(f"{name} {path}: it is also the input {in_name}; expected "
+                                      "an output path that is not one of the inputs (nothing "
+                                      "was written)")
+            for other in names[:i]:
+                if _same(path, self.targets[other]):
+                    raise HeteroError(f"{name} {path}: it is also {other}; expected a separate "
+                                      "file for each output (nothing was written)")
+            folder = path.parent
+            if path.is_dir():
+                raise HeteroError(f"{name} {path}: a folder; expected a file path")
+            if not folder.is_dir():
+                raise HeteroError(f"{name} {path}: the folder {str(folder)!r} does not exist; "
+                                  "expected a path in an existing folder")
+            if not os.access(folder, os.W_OK | os.X_OK):
+                raise HeteroError(f"{name} {path}: the folder {str(folder)!r} is not writable; "
+                                  "expected a path this user can write")
+
+    def staged(self, target: str | Path) -> Path:
+        """Where to write ``target`` (one of the outputs) until the command has succeeded."""
+        target = Path(target)
+        if target not in self._staged:
+            self._staged[target] = target.parent / f".{target.stem}.partial-{os.getpid()}{target.suffix}"
+        return self._staged[target]
+
+    def __enter__(self) -> "Outputs":
+        return self
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if kind is None:
+            for target, staged in self._staged.items():
+                if staged.exists():
+                    os.replace(staged, target)
+        else:
+            for staged in self._staged.values():
+                try:
+                    staged.unlink()
+                except FileNotFoundError:
+                    pass
+        return False
