@@ -167,8 +167,11 @@ class StageTables:
                 precision: str) -> float:
         """One micro-batch's forward and backward seconds on stage ``s`` of the template
         ``types`` of ``st`` with ``layers`` under ``policy`` (the cost model's, remembered by a
-        tuple: the search asks for the same stages again and again)."""
-        quick = (precision, types[s], st.tp, st.mbs, st.vp, st.pp, s, layers, policy)
+        tuple: the search asks for the same stages again and again; as :func:`_timing` says,
+        the seconds depend on the stage's place only through first and last, and not on the
+        optimizer offload)."""
+        quick = (precision, types[s], st.tp, st.mbs, st.vp, s == 0, s == st.pp - 1, layers,
+                 policy.recompute, policy.offload.module_inputs, policy.offload.activations)
         got = self._seconds.get(quick)
         if got is None:
             shape = stage_shape(st, types, s, layers=layers, policy=policy)
