@@ -177,7 +177,8 @@ class SimResult:
 def _run_pipeline(plan: Plan, cost: CostModel, placement, times, d: int, key, cache: dict,
                   record: bool):
     """Simulate pipeline ``d`` (the non-interleaved or the interleaved schedule); ``key``
-    names its costs (pipelines alike share it) and runs are cached by it and the sends."""
+    names its costs (pipelines alike share it: :func:`_representatives`) and runs are cached
+    by it and the sends."""
     pipe = plan.pipelines[d]
     tp, sp = plan.tensor_model_parallel_size, plan.sequence_parallel
     bws = placement.pipeline_links(d, plan.virtual_pipeline_size > 1)
@@ -196,6 +197,21 @@ def _run_pipeline(plan: Plan, cost: CostModel, placement, times, d: int, key, ca
         got = (got[0], got[1], [x[0] for x in got[2]], [e[:5] for e in got[3]])
     cache[full] = got
     return got
+
+
+def _representatives(plan: Plan) -> list[int]:
+    """For each pipeline, the first pipeline with the same per-stage costs
+    (:func:`_pipeline_key`; pipelines that share one list of stages are alike at once)."""
+    first: dict[tuple, int] = {}
+    by_stages: dict[tuple, int] = {}
+    rep = []
+    for d, pipe in enumerate(plan.pipelines):
+        quick = (id(pipe.stages), pipe.micro_batch_size, pipe.num_microbatches)
+        r = by_stages.get(quick)
+        if r is None:
+            r = by_stages[quick] = first.setdefault(_pipeline_key(pipe), d)
+        rep.append(r)
+    return rep
 
 
 def _pipeline_key(pipe) -> tuple:
@@ -236,9 +252,7 @@ def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True) -> SimR
     placement = cost.placement(plan)
     p, D = plan.pipeline_model_parallel_size, plan.data_parallel_size
     # pipelines alike in every stage share their costs (large pools repeat one template)
-    first: dict[tuple, int] = {}
-    keys = [_pipeline_key(pipe) for pipe in plan.pipelines]
-    rep = [first.setdefault(key, d) for d, key in enumerate(keys)]
+    rep = _representatives(plan)
     shapes = {r: [StageShape.of(plan, r, s) for s in range(p)] for r in set(rep)}
     times_of = {r: [cost.chunk_times(shape) for shape in row] for r, row in shapes.items()}
     memory_of = {r: [cost.memory(shape) for shape in row] for r, row in shapes.items()}
@@ -246,7 +260,7 @@ def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True) -> SimR
             for r, rows in times_of.items()}
     times = [times_of[r] for r in rep]
     cache: dict[tuple, tuple] = {}
-    runs = [_run_pipeline(plan, cost, placement, times, d, keys[d], cache, record_events)
+    runs = [_run_pipeline(plan, cost, placement, times, d, rep[d], cache, record_events)
             for d in range(D)]
     events: list[Event] = []
     stage_end: list[list[float]] = [[0.0] * p for _ in range(D)]
