@@ -302,18 +302,16 @@ def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True) -> SimR
                 events.append(Event(d, s, "O", -1, sync_end, sync_end + opt))
     step = max(max(row) for row in stage_end)
     stages: list[StageResult] = []
-    fits = True
+    fits = all(mem.fits for row in memory_of.values() for mem in row)
     for d in range(D):
         finish, busy, _, evs = runs[d]
         if record_events:
             events.extend(Event(d, *ev) for ev in evs)
-        for s in range(p):
+        for s, st in enumerate(plan.pipelines[d].stages):
             mem = memory_of[rep[d]][s]
-            fits = fits and mem.fits
             bubble = finish[s] - busy[s]
             stages.append(StageResult(
-                pipeline=d, stage=s, device_type=plan.stage(d, s).device_type,
-                num_layers=plan.stage(d, s).num_layers,
+                pipeline=d, stage=s, device_type=st.device_type, num_layers=st.num_layers,
                 forward_s=sums[rep[d]][s][0], backward_s=sums[rep[d]][s][1], busy_s=busy[s],
                 bubble_s=bubble,
                 sync_s=sync_of[d][s], idle_s=max(0.0, step - busy[s] - bubble - sync_of[d][s]),
