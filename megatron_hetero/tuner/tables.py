@@ -205,20 +205,20 @@ _FULL_COLUMNS = 3
 
 
 @lru_cache(maxsize=256)
-def _menu_columns(menu: Menu, module_inputs: tuple[bool, ...], unfused: bool
+def _menu_columns(menu: Menu, module_inputs: tuple[bool, ...], selective: bool
                   ) -> tuple[slice | np.ndarray, tuple[tuple[bool, bool], ...]]:
-    """Where ``menu``'s options are among the columns of a table's grid (:meth:`_Builder.grid`,
-    over the ``module_inputs`` settings), in the order ties are broken (a slice where they are
-    contiguous); and each option's (selective, module inputs)."""
-    width = _FULL_COLUMNS + unfused  # columns per module-input setting
+    """Where ``menu``'s options are among the columns of a grid over the ``module_inputs``
+    settings, with a selective-recompute column each where ``selective`` (:class:`_Grid`),
+    in the order ties are broken (a slice where they are contiguous); and each option's
+    (selective, module inputs)."""
+    width = _FULL_COLUMNS + selective  # columns per module-input setting
     full = _FULL_COLUMNS if menu.optimizer_offload else 1
-    selective = menu.selective_recompute and unfused
     cols, kinds = [], []
     for mi in menu.module_inputs:
         first = module_inputs.index(mi) * width
         cols += range(first, first + full)
         kinds += [(False, mi)] * full
-        if selective:
+        if menu.selective_recompute and selective:
             cols.append(first + _FULL_COLUMNS)
             kinds.append((True, mi))
     if cols == list(range(cols[0], cols[-1] + 1)):
@@ -278,16 +278,24 @@ def _timing(position: StageShape) -> StageShape:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class _Grid:
-    """A table's options at every layer count (rows), one column each: per module-input
-    setting, the full-recompute columns of :meth:`_Builder.full_recompute`, then selective
-    recompute where attention is unfused."""
+    """Options of a table at every layer count (rows), one column each: per module-input
+    setting of ``module_inputs``, the full-recompute columns of
+    :meth:`_Builder.full_recompute`, then (where ``selective``) selective recompute; and
+    what :func:`.policy.option_costs` makes of them, per optimizer-offload flag."""
 
+    module_inputs: tuple[bool, ...]
+    selective: bool
     layers: np.ndarray
     """Layers of full recompute of each option (0 for selective recompute)."""
     memory: np.ndarray
     """Bytes each option needs with all its optimizer state on the device (``inf``: none)."""
     seconds: np.ndarray
     """Its seconds per micro-batch without optimizer offload."""
+    costed: dict[bool, tuple[np.ndarray, np.ndarray]]
+    """(fraction, cost) of each option, per optimizer-offload flag (filled when asked)."""
+
+    def covers(self, menu: Menu, selective: bool) -> bool:
+        return set(menu.module_inputs) <= set(self.module_inputs) and self.selective >= selective
 
 
 class _Builder:
@@ -318,7 +326,7 @@ class _Builder:
         self.m_avg = (problem.gbs // b) / pos.data_parallel_size
         self._lines: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self._shapes: dict[tuple, StageShape] = {}
-        self._costed: dict[bool, tuple[np.ndarray, np.ndarray]] = {}
+        self._grids: list[_Grid] = []
         self.capacity = cost.capacity(pos.device_type)
 
     def shape(self, k: int, recompute: Recompute = Recompute(), *,
@@ -363,11 +371,13 @@ class _Builder:
 
     def choose(self, menu: Menu) -> Choices:
         """The cheapest option of ``menu`` at every layer count, picked by :func:`.policy.pick`
-        from the options costed once per table (:meth:`costed`): full recompute at the ends
-        of the optimizer fractions (:meth:`full_recompute`) and selective recompute."""
-        cols, kinds = _menu_columns(menu, self.module_inputs, self.unfused)
-        fraction, cost = self.costed(optimizer_offload=menu.optimizer_offload)
-        fraction, cost, layers = fraction[:, cols], cost[:, cols], self.grid.layers[:, cols]
+        from the options of a grid (:meth:`grid`), costed once per grid (:meth:`costed`):
+        full recompute at the ends of the optimizer fractions (:meth:`full_recompute`) and
+        selective recompute."""
+        g = self.grid(menu)
+        cols, kinds = _menu_columns(menu, g.module_inputs, g.selective)
+        fraction, cost = self.costed(g, optimizer_offload=menu.optimizer_offload)
+        fraction, cost, layers = fraction[:, cols], cost[:, cols], g.layers[:, cols]
         if not menu.full_recompute:  # no recompute where it fits, else nothing
             cost = np.where(layers == 0, cost, np.inf)
         got = pick(fraction, cost)
@@ -376,34 +386,42 @@ class _Builder:
         return Choices(index=got.index, layers=layers, kinds=kinds, fraction=got.fraction,
                        seconds=seconds)
 
-    def costed(self, *, optimizer_offload: bool) -> tuple[np.ndarray, np.ndarray]:
-        """(fraction, cost) of the options of :attr:`grid`, by :func:`.policy.option_costs`."""
-        got = self._costed.get(optimizer_offload)
+    def costed(self, g: _Grid, *, optimizer_offload: bool) -> tuple[np.ndarray, np.ndarray]:
+        """(fraction, cost) of the options of ``g``, by :func:`.policy.option_costs`."""
+        got = g.costed.get(optimizer_offload)
         if got is None:
-            g = self.grid
-            got = self._costed[optimizer_offload] = option_costs(
+            got = g.costed[optimizer_offload] = option_costs(
                 g.memory, g.seconds, optimizer=self.optimizer, capacity=self.capacity,
                 offload_seconds=self.off_step / self.m_avg, optimizer_offload=optimizer_offload)
         return got
 
-    @cached_property
-    def grid(self) -> _Grid:
-        """The table's options: per module-input setting, the full-recompute columns of
-        :meth:`full_recompute`, then selective recompute where attention is unfused."""
-        k, mem, sec = self.full_recompute()
-        if self.unfused:
-            lines = [self.base_line(True, mi) for mi in self.module_inputs]
+    def grid(self, menu: Menu) -> _Grid:
+        """A grid with ``menu``'s options: one built before that has them (the search asks for
+        several menus of most tables, so the first of those over every module-input setting
+        serves the rest), else one with just the module-input settings and the selective
+        recompute ``menu`` offers (the baseline asks for some menus only)."""
+        selective = menu.selective_recompute and self.unfused
+        for g in self._grids:
+            if g.covers(menu, selective):
+                return g
+        k, mem, sec = self.full_recompute(menu.module_inputs)
+        if selective:
+            lines = [self.base_line(True, mi) for mi in menu.module_inputs]
             shape = (self.L + 1, len(lines), 1)
             k = np.concatenate((k, np.zeros(shape, dtype=np.int64)), axis=2)
             mem = np.concatenate((mem, np.stack([m for m, _ in lines], axis=1)[:, :, None]), axis=2)
             sec = np.concatenate((sec, np.stack([t for _, t in lines], axis=1)[:, :, None]), axis=2)
         columns = (self.L + 1, -1)
-        return _Grid(layers=k.reshape(columns), memory=mem.reshape(columns),
-                     seconds=sec.reshape(columns))
+        got = _Grid(module_inputs=menu.module_inputs, selective=selective,
+                    layers=k.reshape(columns), memory=mem.reshape(columns),
+                    seconds=sec.reshape(columns), costed={})
+        self._grids.append(got)
+        return got
 
-    def full_recompute(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(layers, memory, seconds) per layer count and module-input setting (the first two
-        axes) of three options (the last axis): the fewest layers of full recompute that fit
+    def full_recompute(self, module_inputs: tuple[bool, ...]
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(layers, memory, seconds) per layer count and setting of ``module_inputs`` (the
+        first two axes) of three options (the last axis): the fewest layers of full recompute that fit
         with no optimizer state offloaded; none (to fit, it offloads the least optimizer
         fraction that makes it); the fewest layers that fit with all of it offloaded. Memory
         is before offload (``inf`` where no count fits), seconds are per micro-batch.
@@ -413,11 +431,11 @@ class _Builder:
         layer's recompute at a fixed cost; the cost is linear in the fraction, and its least is
         at an end of the fractions that still need recompute (none, or where no layer does,
         or all). Ties go to the earlier column."""
-        lines = [self.base_line(False, mi) for mi in self.module_inputs]
+        lines = [self.base_line(False, mi) for mi in module_inputs]
         m0 = np.stack([m for m, _ in lines], axis=1)[:, :, None]
         t0 = np.stack([t for _, t in lines], axis=1)[:, :, None]
         room = self.room[:, None, :]
-        saving = np.array([self.saving[mi] for mi in self.module_inputs])[:, None]
+        saving = np.array([self.saving[mi] for mi in module_inputs])[:, None]
         with np.errstate(divide="ignore", invalid="ignore"):
             k = np.where(saving > 0, np.maximum(np.ceil((m0 + self.act - room) / saving), 1),
                          np.inf)
