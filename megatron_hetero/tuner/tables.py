@@ -236,6 +236,13 @@ def _rows(L: int) -> np.ndarray:
     return n
 
 
+def _side_by_side(lines: list[np.ndarray]) -> np.ndarray:
+    """Lines over the layer counts as the columns of a ``(L + 1, len(lines), 1)`` array."""
+    if len(lines) == 1:
+        return lines[0][:, None, None]
+    return np.stack(lines, axis=1)[:, :, None]
+
+
 def stage_shape(st: Structure, types, s: int, *, layers: int = 0, policy: Policy | None = None,
                 microbatches: int = 1) -> StageShape:
     """Stage ``s`` of the template ``types`` of ``st`` with ``layers`` in even chunks under
@@ -407,10 +414,9 @@ class _Builder:
         k, mem, sec = self.full_recompute(menu.module_inputs)
         if selective:
             lines = [self.base_line(True, mi) for mi in menu.module_inputs]
-            shape = (self.L + 1, len(lines), 1)
-            k = np.concatenate((k, np.zeros(shape, dtype=np.int64)), axis=2)
-            mem = np.concatenate((mem, np.stack([m for m, _ in lines], axis=1)[:, :, None]), axis=2)
-            sec = np.concatenate((sec, np.stack([t for _, t in lines], axis=1)[:, :, None]), axis=2)
+            k = np.concatenate((k, np.zeros_like(k[:, :, :1])), axis=2)
+            mem = np.concatenate((mem, _side_by_side([m for m, _ in lines])), axis=2)
+            sec = np.concatenate((sec, _side_by_side([t for _, t in lines])), axis=2)
         columns = (self.L + 1, -1)
         got = _Grid(module_inputs=menu.module_inputs, selective=selective,
                     layers=k.reshape(columns), memory=mem.reshape(columns),
@@ -432,13 +438,16 @@ class _Builder:
         at an end of the fractions that still need recompute (none, or where no layer does,
         or all). Ties go to the earlier column."""
         lines = [self.base_line(False, mi) for mi in module_inputs]
-        m0 = np.stack([m for m, _ in lines], axis=1)[:, :, None]
-        t0 = np.stack([t for _, t in lines], axis=1)[:, :, None]
+        m0, t0 = _side_by_side([m for m, _ in lines]), _side_by_side([t for _, t in lines])
         room = self.room[:, None, :]
-        saving = np.array([self.saving[mi] for mi in module_inputs])[:, None]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            k = np.where(saving > 0, np.maximum(np.ceil((m0 + self.act - room) / saving), 1),
-                         np.inf)
+        savings = [self.saving[mi] for mi in module_inputs]
+        saving = np.array(savings)[:, None]
+        if min(savings) > 0:
+            k = np.maximum(np.ceil((m0 + self.act - room) / saving), 1)
+        else:
+            with np.errstate(divide="ignore", invalid="ignore"):
+                k = np.where(saving > 0, np.maximum(np.ceil((m0 + self.act - room) / saving), 1),
+                             np.inf)
         k = np.where(m0 <= room, 0, k)
         ok = k <= self.n[:, None, None]
         k = np.where(ok, k, 0).astype(np.int64)
