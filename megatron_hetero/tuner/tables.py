@@ -236,6 +236,14 @@ def _rows(L: int) -> np.ndarray:
     return n
 
 
+@lru_cache(maxsize=256)
+def _steps(L: int, unit: int) -> np.ndarray:
+    """The layer counts 0..L less ``unit`` (:meth:`_Builder.line`; read-only)."""
+    got = _rows(L) - unit
+    got.flags.writeable = False
+    return got
+
+
 def _side_by_side(lines: list[np.ndarray]) -> np.ndarray:
     """Lines over the layer counts as the columns of a ``(L + 1, len(lines), 1)`` array."""
     if len(lines) == 1:
@@ -350,7 +358,9 @@ class _Builder:
     def line(self, f, unit: int = 1) -> np.ndarray:
         """``f`` at every layer count, from its values at ``unit`` and ``2 unit`` layers."""
         a, b = f(unit), f(2 * unit)
-        return a + (self.n - unit) * (b - a) / unit
+        if unit == 1:  # dividing by 1 changes nothing
+            return a + _steps(self.L, 1) * (b - a)
+        return a + _steps(self.L, unit) * (b - a) / unit
 
     def timing_line(self, what: tuple, f) -> np.ndarray:
         """:meth:`line` of ``f``, which depends on the position only through :func:`_timing`:
