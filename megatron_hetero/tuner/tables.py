@@ -200,6 +200,10 @@ class StageTables:
         return out
 
 
+_NO_RECOMPUTE, _SELECTIVE = Recompute(), Recompute(granularity="selective")
+_MODULE_INPUTS = {mi: Offload(module_inputs=mi) for mi in (False, True)}
+"""The policies the tables' lines are costed under (shared: the tables hold many shapes)."""
+
 _FULL_COLUMNS = 3
 """The full-recompute options of a table (:meth:`_Builder.full_recompute`)."""
 
@@ -344,7 +348,7 @@ class _Builder:
         self._grids: list[_Grid] = []
         self.capacity = cost.capacity(pos.device_type)
 
-    def shape(self, k: int, recompute: Recompute = Recompute(), *,
+    def shape(self, k: int, recompute: Recompute = _NO_RECOMPUTE, *,
               module_inputs: bool = False) -> StageShape:
         """The position with ``k`` layers in even chunks (each built once)."""
         key = (k, recompute, module_inputs)
@@ -352,7 +356,7 @@ class _Builder:
         if got is None:
             got = self._shapes[key] = self.pos.but(chunk_layers=even_chunks(k, self.v),
                                                    recompute=recompute,
-                                                   offload=Offload(module_inputs=module_inputs))
+                                                   offload=_MODULE_INPUTS[module_inputs])
         return got
 
     def line(self, f, unit: int = 1) -> np.ndarray:
@@ -376,11 +380,11 @@ class _Builder:
         """(memory, seconds per micro-batch) at every layer count, no full recompute."""
         key = (selective, module_inputs)
         if key not in self._lines:
-            r = Recompute(granularity="selective") if selective else Recompute()
+            r = _SELECTIVE if selective else _NO_RECOMPUTE
             cost = self.cost
             mem = self.line(lambda k: cost.memory(self.shape(k, r, module_inputs=module_inputs)).total,
                             self.v)
-            offload = Offload(module_inputs=module_inputs)
+            offload = _MODULE_INPUTS[module_inputs]
             sec = self.timing_line(key, lambda k: cost.times(self.timing.but(
                 chunk_layers=even_chunks(k, self.v), recompute=r, offload=offload)).total_s)
             self._lines[key] = (mem, sec)
