@@ -441,10 +441,11 @@ class _Builder:
     def full_recompute(self, module_inputs: tuple[bool, ...]
                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(layers, memory, seconds) per layer count and setting of ``module_inputs`` (the
-        first two axes) of three options (the last axis): the fewest layers of full recompute that fit
-        with no optimizer state offloaded; none (to fit, it offloads the least optimizer
-        fraction that makes it); the fewest layers that fit with all of it offloaded. Memory
-        is before offload (``inf`` where no count fits), seconds are per micro-batch.
+        first two axes) of three options (the last axis), one per column of :attr:`room`: the
+        fewest layers of full recompute that fit with no optimizer state offloaded; none (to
+        fit, it offloads the least optimizer fraction that makes it); the fewest layers that
+        fit with all of it offloaded. Memory is before offload (``inf`` where no count fits),
+        seconds are per micro-batch.
 
         On the linear model these are the only ones worth weighing: a further step of
         optimizer fraction saves a fixed number of bytes, so it spares a fixed share of a
@@ -467,11 +468,7 @@ class _Builder:
         k = np.where(ok, k, 0).astype(np.int64)
         # a layer of full recompute keeps its checkpoint; one layer is rebuilt at once
         mem = np.where(ok, np.where(k == 0, m0, m0 + self.act - k * saving), np.inf)
-        sec = t0 + k * self.fwd_layer
-        zero = np.zeros_like(k[:, :, :1])
-        return (np.concatenate((k[:, :, :1], zero, k[:, :, 1:]), axis=2),
-                np.concatenate((mem[:, :, :1], m0, mem[:, :, 1:]), axis=2),
-                np.concatenate((sec[:, :, :1], t0, sec[:, :, 1:]), axis=2))
+        return k, mem, t0 + k * self.fwd_layer
 
     def build(self) -> StageTable:
         cost, v = self.cost, self.v
@@ -479,7 +476,9 @@ class _Builder:
         D = self.pos.data_parallel_size
         self.off_step = self.timing_line(("optimizer offload", D), lambda k: cost.optimizer_offload_seconds(
             self.timing.but(chunk_layers=even_chunks(k, v), data_parallel_size=D)))
-        # the room with none and with all of the optimizer state offloaded
-        self.room = self.capacity + np.array([0.0, 1.0]) * self.optimizer[:, None]
+        # the room with none of the optimizer state offloaded, without a limit (so no
+        # recompute), and with all of it offloaded
+        self.room = np.stack((np.full(self.L + 1, self.capacity), np.full(self.L + 1, np.inf),
+                              self.capacity + self.optimizer), axis=1)
         self.module_inputs = (False, True) if self.problem.opt.activation_offload else (False,)
         return StageTable(self)
