@@ -76,9 +76,13 @@ class Choices:
     seconds: np.ndarray
     """Seconds per micro-batch, the offload's per-step cost spread over the average
     micro-batch count; ``inf`` where nothing fits, and at ``n`` = 0."""
+    fitting: list[bool]
+    """Whether anything fits at each ``n`` (a list: the search looks single counts up)."""
+    chosen: list[int]
+    """Layers of full recompute of the option chosen at each ``n``."""
 
     def fits(self, n: int) -> bool:
-        return float(self.seconds[n]) < np.inf
+        return self.fitting[n]
 
     def option(self, n: int) -> Option | None:
         if not self.fits(n):
@@ -97,7 +101,7 @@ class Choices:
 
     def layers_or(self, n: int, otherwise: int) -> int:
         """Layers of full recompute chosen at ``n`` (``otherwise`` where nothing fits)."""
-        return int(self.layers[n, int(self.index[n])]) if self.fits(n) else otherwise
+        return self.chosen[n] if self.fitting[n] else otherwise
 
 
 class StageTable:
@@ -238,6 +242,14 @@ def _rows(L: int) -> np.ndarray:
     n = np.arange(L + 1, dtype=float)
     n.flags.writeable = False
     return n
+
+
+@lru_cache(maxsize=64)
+def _row_indices(L: int) -> np.ndarray:
+    """0..L as indices (read-only)."""
+    got = np.arange(L + 1)
+    got.flags.writeable = False
+    return got
 
 
 @lru_cache(maxsize=256)
@@ -405,7 +417,8 @@ class _Builder:
         seconds = got.seconds
         seconds[0] = np.inf  # every stage the search splits holds a layer
         return Choices(index=got.index, layers=layers, kinds=kinds, fraction=got.fraction,
-                       seconds=seconds)
+                       seconds=seconds, fitting=(seconds < np.inf).tolist(),
+                       chosen=layers[_row_indices(self.L), got.index].tolist())
 
     def costed(self, g: _Grid, *, optimizer_offload: bool) -> tuple[np.ndarray, np.ndarray]:
         """(fraction, cost) of the options of ``g``, by :func:`.policy.option_costs`."""
