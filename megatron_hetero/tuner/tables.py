@@ -163,8 +163,8 @@ class StageTables:
         key = (_canonical(position), precision)
         got = self._tables.get(key)
         if got is None:
-            got = self._tables[key] = _Builder(self.problem, key[0], precision,
-                                                     timing_lines=self._timing_lines).build()
+            builder = _Builder(self.problem, key[0], precision, timing_lines=self._timing_lines)
+            got = self._tables[key] = builder.build()
         return got
 
     def seconds(self, st: Structure, types, s: int, *, layers: int, policy: Policy,
