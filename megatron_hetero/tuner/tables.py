@@ -34,7 +34,7 @@ import numpy as np
 from ..cost.schedule import peak_activations
 from ..cost.stage import StageShape
 from ..plan import Offload, Recompute
-from .policy import OFFLOAD_STEPS, Menu, Option, Policy, option_costs, pick
+from .policy import Menu, Option, Policy, option_costs, pick
 from .problem import Problem
 from .space import Structure
 
