@@ -205,9 +205,9 @@ class SimResult:
 def _run_pipeline(plan: Plan, cost: CostModel, placement, times, d: int, key, cache: dict,
                   record: bool, sends: tuple[float, ...] | None):
     """Simulate pipeline ``d`` (the non-interleaved or the interleaved schedule); ``key``
-    names its costs (pipelines alike share it) and runs are cached by it and the sends;
-    ``sends``: the seconds of one send over each of its links, where they are given rather
-    than placed."""
+    names its costs (pipelines alike share it: :func:`_representatives`) and runs are cached
+    by it and the sends; ``sends``: the seconds of one send over each of its links, where they
+    are given rather than placed."""
     pipe = plan.pipelines[d]
     if sends is None:
         bws = placement.pipeline_links(d, plan.virtual_pipeline_size > 1)
@@ -230,6 +230,21 @@ def _run_pipeline(plan: Plan, cost: CostModel, placement, times, d: int, key, ca
         got = (got[0], got[1], [x[0] for x in got[2]], [e[:5] for e in got[3]])
     cache[full] = got
     return got
+
+
+def _representatives(plan: Plan) -> list[int]:
+    """For each pipeline, the first pipeline with the same per-stage costs
+    (:func:`_pipeline_key`; pipelines that share one list of stages are alike at once)."""
+    first: dict[tuple, int] = {}
+    by_stages: dict[tuple, int] = {}
+    rep = []
+    for d, pipe in enumerate(plan.pipelines):
+        quick = (id(pipe.stages), pipe.micro_batch_size, pipe.num_microbatches)
+        r = by_stages.get(quick)
+        if r is None:
+            r = by_stages[quick] = first.setdefault(_pipeline_key(pipe), d)
+        rep.append(r)
+    return rep
 
 
 def _pipeline_key(pipe) -> tuple:
@@ -313,9 +328,7 @@ def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True,
     placement = cost.placement(plan)
     p, D = plan.pipeline_model_parallel_size, plan.data_parallel_size
     # pipelines alike in every stage share their costs (large pools repeat one template)
-    first: dict[tuple, int] = {}
-    keys = [_pipeline_key(pipe) for pipe in plan.pipelines]
-    rep = [first.setdefault(key, d) for d, key in enumerate(keys)]
+    rep = _representatives(plan)
     shapes = {r: [StageShape.of(plan, r, s) for s in range(p)] for r in set(rep)}
     times_of = {r: [cost.chunk_times(shape) for shape in row] for r, row in shapes.items()}
     memory_of = {r: [cost.memory(shape) for shape in row] for r, row in shapes.items()}
@@ -323,7 +336,7 @@ def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True,
             for r, rows in times_of.items()}
     times = [times_of[r] for r in rep]
     cache: dict[tuple, tuple] = {}
-    runs = [_run_pipeline(plan, cost, placement, times, d, keys[d], cache, record_events,
+    runs = [_run_pipeline(plan, cost, placement, times, d, rep[d], cache, record_events,
                           None if d not in pipeline_sends else tuple(pipeline_sends[d]))
             for d in range(D)]
     events: list[Event] = []
@@ -368,19 +381,17 @@ def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True,
                 events.append(Event(d, s, "O", -1, sync_end, sync_end + opt))
     step = max(max(row) for row in stage_end)
     stages: list[StageResult] = []
-    fits = True
+    fits = all(mem.fits for row in memory_of.values() for mem in row)
     for d in range(D):
         finish, busy, _, evs = runs[d]
         if record_events:
             events.extend(Event(d, *ev) for ev in evs)
             events.extend(_host_sends(plan, cost, placement, d, evs, pipeline_sends.get(d)))
-        for s in range(p):
+        for s, st in enumerate(plan.pipelines[d].stages):
             mem = memory_of[rep[d]][s]
-            fits = fits and mem.fits
             bubble = finish[s] - busy[s]
             stages.append(StageResult(
-                pipeline=d, stage=s, device_type=plan.stage(d, s).device_type,
-                num_layers=plan.stage(d, s).num_layers,
+                pipeline=d, stage=s, device_type=st.device_type, num_layers=st.num_layers,
                 forward_s=sums[rep[d]][s][0], backward_s=sums[rep[d]][s][1], busy_s=busy[s],
                 bubble_s=bubble,
                 sync_s=sync_of[d][s], idle_s=max(0.0, step - busy[s] - bubble - sync_of[d][s]),

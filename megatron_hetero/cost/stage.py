@@ -56,12 +56,7 @@ class StageShape:
     memos look shapes up many times each."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "num_layers", sum(self.chunk_layers))
-        if not self.chunk_layers or min(self.chunk_layers) < 0:
-            raise ValueError(f"chunk layers {self.chunk_layers}: one non-negative count per chunk")
-        if not 0 <= self.stage < self.pipeline_size:
-            raise ValueError(f"stage {self.stage} of a pipeline of {self.pipeline_size}")
-        object.__setattr__(self, "_hash", hash(_values(self)))
+        _derive(self, _values(self))
 
     def __hash__(self) -> int:
         return self._hash
@@ -91,13 +86,16 @@ class StageShape:
     def but(self, **changes) -> StageShape:
         """This shape with some fields changed (as :func:`dataclasses.replace`, checked the
         same way)."""
-        if not changes.keys() <= _FIELD_SET:
-            raise TypeError(f"StageShape has no field {sorted(changes.keys() - _FIELD_SET)[0]!r}")
+        values = list(_values(self))
+        for name, value in changes.items():
+            i = _INDEX.get(name)
+            if i is None:
+                raise TypeError(f"StageShape has no field {name!r}")
+            values[i] = value
         new = object.__new__(StageShape)
-        get = changes.get
-        for name, value in zip(_FIELDS, _values(self)):
-            object.__setattr__(new, name, get(name, value))
-        new.__post_init__()
+        for set_field, value in zip(_SETTERS, values):
+            set_field(new, value)
+        _derive(new, tuple(values))
         return new
 
     @property
@@ -131,9 +129,24 @@ class StageShape:
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(StageShape) if f.init)
-_FIELD_SET = frozenset(_FIELDS)
+_INDEX = {name: i for i, name in enumerate(_FIELDS)}
 _values = operator.attrgetter(*_FIELDS)
 """A shape's fields, in order, as a tuple (what it is equal and hashed by)."""
+_SETTERS = tuple(getattr(StageShape, name).__set__ for name in _FIELDS)
+"""Each field's slot setter, in order (:meth:`StageShape.but` fills a new shape with them)."""
+_set_num_layers = StageShape.num_layers.__set__
+_set_hash = StageShape._hash.__set__
+
+
+def _derive(shape: StageShape, values: tuple) -> None:
+    """Check ``shape`` (whose fields are ``values``) and set its derived fields."""
+    chunks = shape.chunk_layers
+    if not chunks or min(chunks) < 0:
+        raise ValueError(f"chunk layers {chunks}: one non-negative count per chunk")
+    if not 0 <= shape.stage < shape.pipeline_size:
+        raise ValueError(f"stage {shape.stage} of a pipeline of {shape.pipeline_size}")
+    _set_num_layers(shape, sum(chunks))
+    _set_hash(shape, hash(values))
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,11 @@ def baseline_policies(st: Structure, tables: list[list[StageTable]], n: int,
     fits and is faster; with ``module_inputs``, the module inputs offloaded everywhere with the
     fewest layers of recompute that then fit, where that is faster. None when nothing fits."""
     p, v, big = st.pp, st.vp, search_tables.problem.model.num_layers + 1
-    every = [tb for rows in tables for tb in rows]
+    every = list({id(tb): tb for rows in tables for tb in rows}.values())  # each table once
+    # one stage of each device type and place (first, last or neither): the others have the
+    # same seconds, all stages holding the same layers under the same policy
+    kinds = {(types[s], s == 0, s == p - 1): (types, s)
+             for types, _ in st.templates for s in range(p)}
 
     def slowest(option: Option) -> float:
         """The slowest stage's seconds per micro-batch with ``option`` on every stage."""
@@ -38,7 +42,7 @@ def baseline_policies(st: Structure, tables: list[list[StageTable]], n: int,
                         offload=Offload(module_inputs=option.module_inputs))
         return max(search_tables.seconds(st, types, s, layers=n, policy=policy,
                                          precision=precision)
-                   for types, _ in st.templates for s in range(p))
+                   for types, s in kinds.values())
 
     k = per_chunk_recompute(max(tb.base.layers_or(n, big) for tb in every), n, v)
     choice = Option(layers=k) if k <= n else None

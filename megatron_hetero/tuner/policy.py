@@ -153,7 +153,12 @@ def cheapest(memory: np.ndarray, seconds: np.ndarray, *, optimizer: np.ndarray,
                               optimizer_offload=optimizer_offload))
 
 
-_recompute = lru_cache(maxsize=65536)(Option.recompute)
+@lru_cache(maxsize=4096)
+def _settings(menu: Menu, n: int, unfused: bool) -> tuple[tuple[Recompute, Offload], ...]:
+    """The recompute and offload (before optimizer offload) of each of ``menu``'s options on a
+    stage of ``n`` layers (:func:`menu_options`), built once."""
+    return tuple((o.recompute(n), Offload(module_inputs=o.module_inputs))
+                 for o in _menu_options(menu, n, unfused))
 
 
 def cheapest_for_stage(cost: CostModel, shape: StageShape, menu: Menu) -> Policy | None:
@@ -167,14 +172,13 @@ def cheapest_for_stage(cost: CostModel, shape: StageShape, menu: Menu) -> Policy
     going to the earlier option, picked: its memory (the expensive part) is not asked, and
     :func:`cheapest` sees it as not an option. The pick is the same as over every option."""
     n, m = shape.num_layers, shape.num_microbatches
-    options = menu_options(menu, max_layers=n,
-                           unfused_attention=not cost.uses_flash_attention(shape.device_type))
-    offloads = {mi: Offload(module_inputs=mi) for mi in menu.module_inputs}
+    unfused = not cost.uses_flash_attention(shape.device_type)
+    settings = _settings(menu, n, unfused)
     capacity = cost.capacity(shape.device_type)
     mems, secs = [], []
     bound = math.inf  # the seconds of the cheapest option so far that fits without offload
-    for o in options:
-        got = shape.but(recompute=_recompute(o, n), offload=offloads[o.module_inputs])
+    for recompute, offload in settings:
+        got = shape.but(recompute=recompute, offload=offload)
         seconds = m * cost.times(got).total_s
         memory = math.inf
         if seconds < bound:
@@ -190,7 +194,7 @@ def cheapest_for_stage(cost: CostModel, shape: StageShape, menu: Menu) -> Policy
                     optimizer_offload=menu.optimizer_offload)
     if not np.isfinite(best.seconds):
         return None
-    o = options[int(best.index)]
-    return Policy(recompute=_recompute(o, n),
+    recompute, offload = settings[int(best.index)]
+    return Policy(recompute=recompute,
                   offload=Offload(optimizer_fraction=float(best.fraction),
-                                  module_inputs=o.module_inputs))
+                                  module_inputs=offload.module_inputs))

@@ -105,6 +105,10 @@ def layout_of(plan: Plan) -> Layout:
                   group=plan.microbatch_group_size)
 
 
+_UNSET = object()
+"""Not in a memo (a memo's value may be None)."""
+
+
 class _Policies:
     """The cheapest memory policy that fits each stage position of the plan's shape
     (:func:`.policy.cheapest_for_stage`, exact memory), remembered per position."""
@@ -114,18 +118,21 @@ class _Policies:
         self.tp, self.p, self.D = plan.tensor_model_parallel_size, plan.pipeline_model_parallel_size, \
             plan.data_parallel_size
         self.sp = plan.sequence_parallel and self.tp > 1
-        self._memo: dict[StageShape, Policy | None] = {}
+        self._memo: dict[tuple, Policy | None] = {}
 
     def choose(self, gpu: str, chunks: tuple[int, ...], s: int, *, micro_batch_size: int,
                microbatches: int, group: int | None) -> Policy | None:
-        shape = StageShape(device_type=gpu, chunk_layers=chunks, micro_batch_size=micro_batch_size,
-                           tensor_parallel_size=self.tp, sequence_parallel=self.sp,
-                           pipeline_size=self.p, stage=s, num_microbatches=microbatches,
-                           microbatch_group=group if len(chunks) > 1 else None,
-                           data_parallel_size=self.D)
-        if shape not in self._memo:
-            self._memo[shape] = cheapest_for_stage(self.cost, shape, self.menu)
-        return self._memo[shape]
+        group = group if len(chunks) > 1 else None
+        key = (gpu, chunks, s, micro_batch_size, microbatches, group)  # all that varies
+        got = self._memo.get(key, _UNSET)
+        if got is _UNSET:
+            shape = StageShape(device_type=gpu, chunk_layers=chunks,
+                               micro_batch_size=micro_batch_size, tensor_parallel_size=self.tp,
+                               sequence_parallel=self.sp, pipeline_size=self.p, stage=s,
+                               num_microbatches=microbatches, microbatch_group=group,
+                               data_parallel_size=self.D)
+            got = self._memo[key] = cheapest_for_stage(self.cost, shape, self.menu)
+        return got
 
 
 def _build(plan: Plan, lay: Layout, policies: _Policies, *, share: bool = True) -> Plan | None:

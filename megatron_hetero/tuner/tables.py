@@ -34,7 +34,7 @@ import numpy as np
 from ..cost.schedule import peak_activations
 from ..cost.stage import StageShape
 from ..plan import Offload, Recompute
-from .policy import OFFLOAD_STEPS, Menu, Option, Policy, option_costs, pick
+from .policy import Menu, Option, Policy, option_costs, pick
 from .problem import Problem
 from .space import Structure
 
@@ -65,25 +65,32 @@ def per_chunk_recompute(k: int, n: int, v: int) -> int:
 class Choices:
     """The cheapest policy of one menu that fits, for every layer count ``n`` (index 0..L)."""
 
+    index: np.ndarray
+    """The option (column of ``layers``) chosen at each ``n``."""
     layers: np.ndarray
-    """Layers of full recompute chosen at each ``n``."""
-    selective: np.ndarray
-    """Whether selective recompute is chosen instead."""
-    module_inputs: np.ndarray
+    """Layers of full recompute of each option at each ``n`` (0 for selective recompute)."""
+    kinds: tuple[tuple[bool, bool], ...]
+    """(selective, module inputs) of each option."""
     fraction: np.ndarray
     """The optimizer-state fraction offloaded."""
     seconds: np.ndarray
     """Seconds per micro-batch, the offload's per-step cost spread over the average
     micro-batch count; ``inf`` where nothing fits, and at ``n`` = 0."""
+    fitting: list[bool]
+    """Whether anything fits at each ``n`` (a list: the search looks single counts up)."""
+    chosen: list[int]
+    """Layers of full recompute of the option chosen at each ``n``."""
 
     def fits(self, n: int) -> bool:
-        return float(self.seconds[n]) < np.inf
+        return self.fitting[n]
 
     def option(self, n: int) -> Option | None:
         if not self.fits(n):
             return None
-        return Option(layers=int(self.layers[n]), selective=bool(self.selective[n]),
-                      module_inputs=bool(self.module_inputs[n]))
+        c = int(self.index[n])
+        selective, module_inputs = self.kinds[c]
+        return Option(layers=int(self.layers[n, c]), selective=selective,
+                      module_inputs=module_inputs)
 
     def policy(self, n: int) -> Policy:
         """The plan's policy at ``n`` layers (which must fit)."""
@@ -94,7 +101,7 @@ class Choices:
 
     def layers_or(self, n: int, otherwise: int) -> int:
         """Layers of full recompute chosen at ``n`` (``otherwise`` where nothing fits)."""
-        return int(self.layers[n]) if self.fits(n) else otherwise
+        return self.chosen[n] if self.fitting[n] else otherwise
 
 
 class StageTable:
@@ -147,6 +154,7 @@ class StageTables:
         self._tables: dict[tuple, StageTable] = {}
         self._seen: dict[tuple, StageTable] = {}
         self._seconds: dict[tuple, float] = {}
+        self._timing_lines: dict[tuple, np.ndarray] = {}
 
     def table(self, position: StageShape, *, precision: str) -> StageTable:
         """Costs of the stage position ``position`` (its layers and policy aside) for every
@@ -155,15 +163,19 @@ class StageTables:
         key = (_canonical(position), precision)
         got = self._tables.get(key)
         if got is None:
-            got = self._tables[key] = _Builder(self.problem, key[0], precision).build()
+            builder = _Builder(self.problem, key[0], precision, timing_lines=self._timing_lines)
+            got = self._tables[key] = builder.build()
         return got
 
     def seconds(self, st: Structure, types, s: int, *, layers: int, policy: Policy,
                 precision: str) -> float:
         """One micro-batch's forward and backward seconds on stage ``s`` of the template
         ``types`` of ``st`` with ``layers`` under ``policy`` (the cost model's, remembered by a
-        tuple: the search asks for the same stages again and again)."""
-        quick = (precision, types[s], st.tp, st.mbs, st.vp, st.pp, s, layers, policy)
+        tuple: the search asks for the same stages again and again; as :func:`_timing` says,
+        the seconds depend on the stage's place only through first and last, and not on the
+        optimizer offload)."""
+        quick = (precision, types[s], st.tp, st.mbs, st.vp, s == 0, s == st.pp - 1, layers,
+                 policy.recompute, policy.offload.module_inputs, policy.offload.activations)
         got = self._seconds.get(quick)
         if got is None:
             shape = stage_shape(st, types, s, layers=layers, policy=policy)
@@ -192,13 +204,67 @@ class StageTables:
         return out
 
 
+_NO_RECOMPUTE, _SELECTIVE = Recompute(), Recompute(granularity="selective")
+_MODULE_INPUTS = {mi: Offload(module_inputs=mi) for mi in (False, True)}
+"""The policies the tables' lines are costed under (shared: the tables hold many shapes)."""
+
 _FULL_COLUMNS = 3
 """The full-recompute options of a table (:meth:`_Builder.full_recompute`)."""
 
 
-def _columns(blocks: list[np.ndarray]) -> np.ndarray:
-    """Column blocks side by side."""
-    return blocks[0] if len(blocks) == 1 else np.concatenate(blocks, axis=1)
+@lru_cache(maxsize=256)
+def _menu_columns(menu: Menu, module_inputs: tuple[bool, ...], selective: bool
+                  ) -> tuple[slice | np.ndarray, tuple[tuple[bool, bool], ...]]:
+    """Where ``menu``'s options are among the columns of a grid over the ``module_inputs``
+    settings, with a selective-recompute column each where ``selective`` (:class:`_Grid`),
+    in the order ties are broken (a slice where they are contiguous); and each option's
+    (selective, module inputs)."""
+    width = _FULL_COLUMNS + selective  # columns per module-input setting
+    full = _FULL_COLUMNS if menu.optimizer_offload else 1
+    cols, kinds = [], []
+    for mi in menu.module_inputs:
+        first = module_inputs.index(mi) * width
+        cols += range(first, first + full)
+        kinds += [(False, mi)] * full
+        if menu.selective_recompute and selective:
+            cols.append(first + _FULL_COLUMNS)
+            kinds.append((True, mi))
+    if cols == list(range(cols[0], cols[-1] + 1)):
+        return slice(cols[0], cols[-1] + 1), tuple(kinds)
+    got = np.array(cols)
+    got.flags.writeable = False
+    return got, tuple(kinds)
+
+
+@lru_cache(maxsize=64)
+def _rows(L: int) -> np.ndarray:
+    """The layer counts 0..L as floats, shared by the tables of a model (read-only)."""
+    n = np.arange(L + 1, dtype=float)
+    n.flags.writeable = False
+    return n
+
+
+@lru_cache(maxsize=64)
+def _row_indices(L: int) -> np.ndarray:
+    """0..L as indices (read-only)."""
+    got = np.arange(L + 1)
+    got.flags.writeable = False
+    return got
+
+
+@lru_cache(maxsize=256)
+def _steps(L: int, unit: int) -> np.ndarray:
+    """The layer counts 0..L less ``unit`` (:meth:`_Builder.line`; read-only)."""
+    got = _rows(L) - unit
+    got.flags.writeable = False
+    return got
+
+
+def _side_by_side(lines: list[np.ndarray]) -> np.ndarray:
+    """Lines over the layer counts as the columns of a ``(L + 1, len(lines), 1)`` array."""
+    if len(lines) == 1:
+        return lines[0][:, None, None]
+    return np.stack(lines, axis=1)[:, :, None]
 
 
 def stage_shape(st: Structure, types, s: int, *, layers: int = 0, policy: Policy | None = None,
@@ -229,28 +295,51 @@ def _canonical(position: StageShape) -> StageShape:
     return position.but(pipeline_size=p, stage=s, num_microbatches=f)
 
 
+def _timing(position: StageShape) -> StageShape:
+    """A position with the same seconds per micro-batch and optimizer step as ``position``,
+    the same for all positions alike: a stage's times depend on its place only through
+    whether it is first or last (every stage of a pipeline pays the pipeline overhead), not
+    on its micro-batches, group or warm-up; its optimizer step depends on its data-parallel
+    size, which the tables key its line by."""
+    first, last = position.first, position.last
+    p, s = (1, 0) if first and last else (2, 0) if first else (2, 1) if last else (3, 1)
+    return position.but(pipeline_size=p, stage=s, num_microbatches=1, microbatch_group=None,
+                        warmup_microbatches=None, data_parallel_size=1)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class _Grid:
-    """A table's options with one module-input setting, costed at every layer count (rows):
-    full recompute per optimizer fraction step, then selective recompute where offered."""
+    """Options of a table at every layer count (rows), one column each: per module-input
+    setting of ``module_inputs``, the full-recompute columns of
+    :meth:`_Builder.full_recompute`, then (where ``selective``) selective recompute; and
+    what :func:`.policy.option_costs` makes of them, per optimizer-offload flag."""
 
+    module_inputs: tuple[bool, ...]
+    selective: bool
     layers: np.ndarray
-    """Layers of full recompute of each full-recompute column."""
-    fraction: np.ndarray
-    """The optimizer-state fraction each option offloads."""
-    cost: np.ndarray
-    """Its seconds per micro-batch with that offload (``inf``: it does not fit)."""
+    """Layers of full recompute of each option (0 for selective recompute)."""
+    memory: np.ndarray
+    """Bytes each option needs with all its optimizer state on the device (``inf``: none)."""
+    seconds: np.ndarray
+    """Its seconds per micro-batch without optimizer offload."""
+    costed: dict[bool, tuple[np.ndarray, np.ndarray]]
+    """(fraction, cost) of each option, per optimizer-offload flag (filled when asked)."""
+
+    def covers(self, menu: Menu, selective: bool) -> bool:
+        return set(menu.module_inputs) <= set(self.module_inputs) and self.selective >= selective
 
 
 class _Builder:
     """One table: the linear model of one stage position, and the menus picked on it."""
 
-    def __init__(self, problem: Problem, position: StageShape, precision: str):
-        self.problem, self.pos = problem, position
+    def __init__(self, problem: Problem, position: StageShape, precision: str, *,
+                 timing_lines: dict[tuple, np.ndarray]):
+        self.problem, self.pos, self.precision = problem, position, precision
+        self.timing = _timing(position)
+        self._timing_lines = timing_lines
         self.cost = cost = problem.cost(precision)
         self.L = L = problem.model.num_layers
-        self.n = np.arange(L + 1, dtype=float)
-        self.rows = np.arange(L + 1)
+        self.n = _rows(L)
         self.v = v = position.virtual_size
         pos = position
         b, tp, sp = pos.micro_batch_size, pos.tensor_parallel_size, pos.sp
@@ -268,13 +357,10 @@ class _Builder:
         self.m_avg = (problem.gbs // b) / pos.data_parallel_size
         self._lines: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self._shapes: dict[tuple, StageShape] = {}
-        self._full: dict[bool, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-        self._costed: dict[tuple[bool, bool], _Grid] = {}
+        self._grids: list[_Grid] = []
         self.capacity = cost.capacity(pos.device_type)
-        self.no_layers = np.zeros((L + 1, 1), dtype=np.int64)
-        self.n_column = self.n[:, None]
 
-    def shape(self, k: int, recompute: Recompute = Recompute(), *,
+    def shape(self, k: int, recompute: Recompute = _NO_RECOMPUTE, *,
               module_inputs: bool = False) -> StageShape:
         """The position with ``k`` layers in even chunks (each built once)."""
         key = (k, recompute, module_inputs)
@@ -282,115 +368,130 @@ class _Builder:
         if got is None:
             got = self._shapes[key] = self.pos.but(chunk_layers=even_chunks(k, self.v),
                                                    recompute=recompute,
-                                                   offload=Offload(module_inputs=module_inputs))
+                                                   offload=_MODULE_INPUTS[module_inputs])
         return got
 
     def line(self, f, unit: int = 1) -> np.ndarray:
         """``f`` at every layer count, from its values at ``unit`` and ``2 unit`` layers."""
         a, b = f(unit), f(2 * unit)
-        return a + (self.n - unit) * (b - a) / unit
+        if unit == 1:  # dividing by 1 changes nothing
+            return a + _steps(self.L, 1) * (b - a)
+        return a + _steps(self.L, unit) * (b - a) / unit
+
+    def timing_line(self, what: tuple, f) -> np.ndarray:
+        """:meth:`line` of ``f``, which depends on the position only through :func:`_timing`:
+        shared by the tables of all positions alike (read-only)."""
+        key = (self.precision, self.timing, what)
+        got = self._timing_lines.get(key)
+        if got is None:
+            got = self._timing_lines[key] = self.line(f)
+            got.flags.writeable = False
+        return got
 
     def base_line(self, selective: bool, module_inputs: bool) -> tuple[np.ndarray, np.ndarray]:
         """(memory, seconds per micro-batch) at every layer count, no full recompute."""
         key = (selective, module_inputs)
         if key not in self._lines:
-            r = Recompute(granularity="selective") if selective else Recompute()
+            r = _SELECTIVE if selective else _NO_RECOMPUTE
             cost = self.cost
             mem = self.line(lambda k: cost.memory(self.shape(k, r, module_inputs=module_inputs)).total,
                             self.v)
-            sec = self.line(lambda k: cost.times(self.shape(k, r, module_inputs=module_inputs)).total_s)
+            offload = _MODULE_INPUTS[module_inputs]
+            sec = self.timing_line(key, lambda k: cost.times(self.timing.but(
+                chunk_layers=even_chunks(k, self.v), recompute=r, offload=offload)).total_s)
             self._lines[key] = (mem, sec)
         return self._lines[key]
 
     def choose(self, menu: Menu) -> Choices:
         """The cheapest option of ``menu`` at every layer count, picked by :func:`.policy.pick`
-        from the options costed once per table (:meth:`costed`): full recompute at the ends
-        of the optimizer fractions (:meth:`full_recompute`) and selective recompute."""
-        width = _FULL_COLUMNS if menu.optimizer_offload else 1
-        fraction, cost, layers, selective, mi = [], [], [], [], []
-        for module_inputs in menu.module_inputs:
-            grid = self.costed(module_inputs, optimizer_offload=menu.optimizer_offload)
-            k = grid.layers[:, :width]
-            fraction.append(grid.fraction[:, :width])
-            # without full recompute: no recompute where it fits, else nothing
-            cost.append(grid.cost[:, :width] if menu.full_recompute
-                        else np.where(k == 0, grid.cost[:, :width], np.inf))
-            layers.append(k)
-            selective += [False] * width
-            mi += [module_inputs] * width
-            if menu.selective_recompute and self.unfused:
-                fraction.append(grid.fraction[:, -1:])
-                cost.append(grid.cost[:, -1:])
-                layers.append(self.no_layers)
-                selective.append(True)
-                mi.append(module_inputs)
-        got = pick(_columns(fraction), _columns(cost))
+        from the options of a grid (:meth:`grid`), costed once per grid (:meth:`costed`):
+        full recompute at the ends of the optimizer fractions (:meth:`full_recompute`) and
+        selective recompute."""
+        g = self.grid(menu)
+        cols, kinds = _menu_columns(menu, g.module_inputs, g.selective)
+        fraction, cost = self.costed(g, optimizer_offload=menu.optimizer_offload)
+        fraction, cost, layers = fraction[:, cols], cost[:, cols], g.layers[:, cols]
+        if not menu.full_recompute:  # no recompute where it fits, else nothing
+            cost = np.where(layers == 0, cost, np.inf)
+        got = pick(fraction, cost)
         seconds = got.seconds
         seconds[0] = np.inf  # every stage the search splits holds a layer
-        return Choices(layers=_columns(layers)[self.rows, got.index],
-                       selective=np.array(selective)[got.index],
-                       module_inputs=np.array(mi)[got.index], fraction=got.fraction,
-                       seconds=seconds)
+        return Choices(index=got.index, layers=layers, kinds=kinds, fraction=got.fraction,
+                       seconds=seconds, fitting=(seconds < np.inf).tolist(),
+                       chosen=layers[_row_indices(self.L), got.index].tolist())
 
-    def costed(self, module_inputs: bool, *, optimizer_offload: bool) -> _Grid:
-        """The table's options with ``module_inputs`` at every layer count, costed by
-        :func:`.policy.option_costs`: the full-recompute columns of :meth:`full_recompute`,
-        then selective recompute where attention is unfused."""
-        key = (module_inputs, optimizer_offload)
-        got = self._costed.get(key)
+    def costed(self, g: _Grid, *, optimizer_offload: bool) -> tuple[np.ndarray, np.ndarray]:
+        """(fraction, cost) of the options of ``g``, by :func:`.policy.option_costs`."""
+        got = g.costed.get(optimizer_offload)
         if got is None:
-            k, mem, sec = self.full_recompute(module_inputs)
-            if self.unfused:
-                m1, t1 = self.base_line(True, module_inputs)
-                mem = np.concatenate((mem, m1[:, None]), axis=1)
-                sec = np.concatenate((sec, t1[:, None]), axis=1)
-            fraction, cost = option_costs(mem, sec, optimizer=self.optimizer,
-                                          capacity=self.capacity,
-                                          offload_seconds=self.off_step / self.m_avg,
-                                          optimizer_offload=optimizer_offload)
-            got = self._costed[key] = _Grid(layers=k, fraction=fraction, cost=cost)
+            got = g.costed[optimizer_offload] = option_costs(
+                g.memory, g.seconds, optimizer=self.optimizer, capacity=self.capacity,
+                offload_seconds=self.off_step / self.m_avg, optimizer_offload=optimizer_offload)
         return got
 
-    def full_recompute(self, module_inputs: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(layers, memory, seconds) per layer count (rows) of three options (columns): the
-        fewest layers of full recompute that fit with no optimizer state offloaded; none
-        (to fit, it offloads the least optimizer fraction that makes it); the fewest layers
-        that fit with all of it offloaded. Memory is before offload (``inf`` where no count
-        fits), seconds are per micro-batch.
+    def grid(self, menu: Menu) -> _Grid:
+        """A grid with ``menu``'s options: one built before that has them (the search asks for
+        several menus of most tables, so the first of those over every module-input setting
+        serves the rest), else one with just the module-input settings and the selective
+        recompute ``menu`` offers (the baseline asks for some menus only)."""
+        selective = menu.selective_recompute and self.unfused
+        for g in self._grids:
+            if g.covers(menu, selective):
+                return g
+        k, mem, sec = self.full_recompute(menu.module_inputs)
+        if selective:
+            lines = [self.base_line(True, mi) for mi in menu.module_inputs]
+            k = np.concatenate((k, np.zeros_like(k[:, :, :1])), axis=2)
+            mem = np.concatenate((mem, _side_by_side([m for m, _ in lines])), axis=2)
+            sec = np.concatenate((sec, _side_by_side([t for _, t in lines])), axis=2)
+        columns = (self.L + 1, -1)
+        got = _Grid(module_inputs=menu.module_inputs, selective=selective,
+                    layers=k.reshape(columns), memory=mem.reshape(columns),
+                    seconds=sec.reshape(columns), costed={})
+        self._grids.append(got)
+        return got
+
+    def full_recompute(self, module_inputs: tuple[bool, ...]
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(layers, memory, seconds) per layer count and setting of ``module_inputs`` (the
+        first two axes) of three options (the last axis), one per column of :attr:`room`: the
+        fewest layers of full recompute that fit with no optimizer state offloaded; none (to
+        fit, it offloads the least optimizer fraction that makes it); the fewest layers that
+        fit with all of it offloaded. Memory is before offload (``inf`` where no count fits),
+        seconds are per micro-batch.
 
         On the linear model these are the only ones worth weighing: a further step of
         optimizer fraction saves a fixed number of bytes, so it spares a fixed share of a
         layer's recompute at a fixed cost; the cost is linear in the fraction, and its least is
         at an end of the fractions that still need recompute (none, or where no layer does,
         or all). Ties go to the earlier column."""
-        got = self._full.get(module_inputs)
-        if got is not None:
-            return got
-        m0, t0 = (x[:, None] for x in self.base_line(False, module_inputs))
-        room = self.room
-        saving = self.saving[module_inputs]
-        if saving > 0:
+        lines = [self.base_line(False, mi) for mi in module_inputs]
+        m0, t0 = _side_by_side([m for m, _ in lines]), _side_by_side([t for _, t in lines])
+        room = self.room[:, None, :]
+        savings = [self.saving[mi] for mi in module_inputs]
+        saving = np.array(savings)[:, None]
+        if min(savings) > 0:
             k = np.maximum(np.ceil((m0 + self.act - room) / saving), 1)
         else:
-            k = np.full(room.shape, np.inf)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                k = np.where(saving > 0, np.maximum(np.ceil((m0 + self.act - room) / saving), 1),
+                             np.inf)
         k = np.where(m0 <= room, 0, k)
-        ok = k <= self.n_column
+        ok = k <= self.n[:, None, None]
         k = np.where(ok, k, 0).astype(np.int64)
         # a layer of full recompute keeps its checkpoint; one layer is rebuilt at once
         mem = np.where(ok, np.where(k == 0, m0, m0 + self.act - k * saving), np.inf)
-        sec = t0 + k * self.fwd_layer
-        zero = self.no_layers
-        got = self._full[module_inputs] = (
-            np.concatenate((k[:, :1], zero, k[:, 1:]), axis=1),
-            np.concatenate((mem[:, :1], m0, mem[:, 1:]), axis=1),
-            np.concatenate((sec[:, :1], t0, sec[:, 1:]), axis=1))
-        return got
+        return k, mem, t0 + k * self.fwd_layer
 
     def build(self) -> StageTable:
         cost, v = self.cost, self.v
         self.optimizer = self.line(lambda k: cost.memory(self.shape(k)).optimizer, v)
-        self.off_step = self.line(lambda k: cost.optimizer_offload_seconds(self.shape(k)))
-        # the room with none and with all of the optimizer state offloaded
-        self.room = self.capacity + np.array([0.0, 1.0]) * self.optimizer[:, None]
+        D = self.pos.data_parallel_size
+        self.off_step = self.timing_line(("optimizer offload", D), lambda k: cost.optimizer_offload_seconds(
+            self.timing.but(chunk_layers=even_chunks(k, v), data_parallel_size=D)))
+        # the room with none of the optimizer state offloaded, without a limit (so no
+        # recompute), and with all of it offloaded
+        self.room = np.stack((np.full(self.L + 1, self.capacity), np.full(self.L + 1, np.inf),
+                              self.capacity + self.optimizer), axis=1)
         self.module_inputs = (False, True) if self.problem.opt.activation_offload else (False,)
         return StageTable(self)
