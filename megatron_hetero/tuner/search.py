@@ -56,7 +56,7 @@ from .shares import water_fill
 from .space import Structure, upper_bound_step_time
 from .split import min_max_split
 from .tables import StageTables, even_chunks, stage_shape
-from .warmup import best_warmups, slow_boundaries
+from .warmup import warmups_or_flat
 
 # TuneOptions, Structure and upper_bound_step_time live in .problem and .space; named here too
 __all__ = ["TuneOptions", "TuneResult", "Structure", "tune", "upper_bound_step_time"]
@@ -371,30 +371,6 @@ def _tuned_split(st: Structure, tables, L: int, *, offload: bool):
     return split, [[menu(tb).policy(split[s]) for s, tb in enumerate(rows)] for rows in tables]
 
 
-def _with_warmups(problem: Problem, search: _Search, tuned: list[_Candidate],
-                  best: tuple[Plan, SimResult]) -> tuple[tuple[Plan, SimResult], float, int]:
-    """``best`` with the per-stage warm-ups that beat Megatron's 1F1B on it (:mod:`.warmup`);
-    where ``best`` interleaves, the best non-interleaved plan, climbed and given its warm-ups,
-    wins instead when that is faster (it can hide a slow link that Megatron's interleaved
-    order, which keeps its own warm-ups, cannot). Returns (plan and simulation, the warm-ups'
-    gain over Megatron's 1F1B on that plan, simulations the non-interleaved climb ran)."""
-    cost = problem.cost(best[0].precision)
-    warm = best_warmups(*best, cost)
-    if best[0].virtual_pipeline_size == 1:
-        return (warm.plan, warm.sim), warm.gain, 0
-    flat = search.best_simulated([c for c in tuned if c.structure.vp == 1])
-    if flat is None or not slow_boundaries(*flat, problem.cost(flat[0].precision)):
-        return (warm.plan, warm.sim), warm.gain, 0  # no link worth hiding
-    sims = 0
-    if problem.opt.refine_rounds > 0:
-        plan, sim, sims = climb(problem, *flat, chunk_cap=1)
-        flat = (plan, sim)
-    other = best_warmups(*flat, problem.cost(flat[0].precision))
-    if other.sim.step_time_s < warm.sim.step_time_s * (1 - 1e-9):
-        warm = other
-    return (warm.plan, warm.sim), warm.gain, sims
-
-
 def tune(model: ModelSpec, inventory: Inventory, global_batch_size: int, *,
          profiles: Mapping[str, DeviceProfile] = {}, options: TuneOptions | None = None) -> TuneResult:
     """Search the fastest plan for ``model`` on ``inventory``; see the module docstring.
@@ -464,7 +440,8 @@ def _tune(model: ModelSpec, inventory: Inventory, global_batch_size: int, *,
                                           climbed=climbed)
                 best = (plan1, sim1)
         if best is not None and options.per_stage_warmup:
-            best, warmup_gain, more = _with_warmups(problem, search, tuned, best)
+            best, warmup_gain, more = warmups_or_flat(problem, best, lambda: search.best_simulated(
+                [c for c in tuned if c.structure.vp == 1]))
             sims += more
     finally:
         if progress is not None:

@@ -17,14 +17,17 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from typing import Callable
 
 from ..cost.model import CostModel
 from ..plan import Plan
 from ..schedule_order import megatron_warmup
 from ..simulate import SimResult, simulate
+from .problem import Problem
+from .refine import climb
 
 __all__ = ["SLOW_LINK_SHARE", "WarmupChoice", "best_warmups", "harp_warmups", "slow_boundaries",
-           "with_warmups"]
+           "warmups_or_flat", "with_warmups"]
 
 SLOW_LINK_SHARE = 0.1
 """A boundary's warm-up is weighed when one send over it takes at least this share of the
@@ -128,3 +131,28 @@ def with_warmups(plan: Plan, deltas: list[int]) -> Plan:
                   for s, (st, w) in enumerate(zip(pipe.stages, counts))]
         pipelines.append(dataclasses.replace(pipe, stages=stages))
     return dataclasses.replace(plan, pipelines=pipelines)
+
+
+def warmups_or_flat(problem: Problem, best: tuple[Plan, SimResult],
+                    best_flat: Callable[[], tuple[Plan, SimResult] | None]
+                    ) -> tuple[tuple[Plan, SimResult], float, int]:
+    """``best`` with the per-stage warm-ups that beat Megatron's 1F1B on it; where ``best``
+    interleaves, the best non-interleaved plan (``best_flat()``, asked only then), climbed and
+    given its warm-ups, wins instead when that is faster (it can hide a slow link that
+    Megatron's interleaved order, which keeps its own warm-ups, cannot). Returns (plan and
+    simulation, the warm-ups' gain over Megatron's 1F1B on that plan, simulations the
+    non-interleaved climb ran)."""
+    warm = best_warmups(*best, problem.cost(best[0].precision))
+    if best[0].virtual_pipeline_size == 1:
+        return (warm.plan, warm.sim), warm.gain, 0
+    flat = best_flat()
+    if flat is None or not slow_boundaries(*flat, problem.cost(flat[0].precision)):
+        return (warm.plan, warm.sim), warm.gain, 0  # no link worth hiding
+    sims = 0
+    if problem.opt.refine_rounds > 0:
+        plan, sim, sims = climb(problem, *flat, chunk_cap=1)
+        flat = (plan, sim)
+    other = best_warmups(*flat, problem.cost(flat[0].precision))
+    if other.sim.step_time_s < warm.sim.step_time_s * (1 - 1e-9):
+        warm = other
+    return (warm.plan, warm.sim), warm.gain, sims
