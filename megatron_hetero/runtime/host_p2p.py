@@ -60,7 +60,10 @@ class _Request:
         for work in self.works:
             work.wait(*args, **kwargs)
         if self.target is not None:
-            self.target.copy_(self.host)
+            import torch
+
+            with torch.no_grad():  # a received activation is a leaf that requires grad
+                self.target.copy_(self.host)
         self.works, self.keep, self.host, self.target = [], (), None, None
         return True
 
