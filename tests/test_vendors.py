@@ -264,3 +264,17 @@ def test_tune_reports_what_crosses_vendors(tmp_path, capsys):
         assert "the runtime cannot run a data-parallel group across vendors" in out
     else:
         assert "the runtime stages these edges through host memory over gloo" in out
+
+
+def test_rehearsal_links_take_the_host_path_across_vendors():
+    """The rehearsal (`rehearse`) delays each pipeline message by its link: an edge between
+    vendors by the host path's rate (here over TCP), an edge inside NVIDIA by the fabric's."""
+    from megatron_hetero.emulate.links import plan_links
+    inv = _inventory(rdma=False, inter_group=25)
+    plan = _plan(inv, [([("A100-SXM-80GB", 1), ("H100-SXM-80GB", 1), ("MI300X-192GB", 2)], 3)])
+    links = plan_links(plan, inv, latency_s=2e-5)
+    staged = host_path(inv, (1, 2))
+    assert links[(1, 2)].bandwidth_bytes_s == links[(2, 1)].bandwidth_bytes_s == pytest.approx(
+        staged.bandwidth_gb_s * 1e9)
+    assert links[(0, 1)].bandwidth_bytes_s == pytest.approx(25e9)
+    assert staged.bandwidth_gb_s < TCP_STREAM_GB_S < 25
