@@ -201,10 +201,10 @@ def prepare(plan: Plan, args, *, source: str, cpu_backend: bool) -> None:
                               "exchange on the whole pipeline group instead and are not "
                               "supported with it (docs/vendors.md)")
         args.distributed_backend = GLOO
-        staged = sum(1 for a, b in pipeline_edges(plan)
-                     if rank_vendors(plan)[a] != rank_vendors(plan)[b])
+        vendors = rank_vendors(plan)
+        staged = sum(1 for a, b in pipeline_edges(plan) if vendors[a] != vendors[b])
         if int(getattr(args, "rank", 0)) == 0:
-            print(f"megatron-hetero: GPUs of {len({*rank_vendors(plan)})} vendors: world group "
+            print(f"megatron-hetero: GPUs of {len(set(vendors))} vendors: world group "
                   f"gloo, {staged} pipeline edges across vendors staged through host memory",
                   flush=True)
     install(plan, cpu_backend=cpu_backend)
