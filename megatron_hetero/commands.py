@@ -39,6 +39,13 @@ def validate_main(args: argparse.Namespace) -> int:
           f"PP={plan.pipeline_model_parallel_size} DP={plan.data_parallel_size} "
           f"({plan.world_size} GPUs: {counts}); layers {plan.layer_split}; "
           f"micro-batches {[p.num_microbatches for p in plan.pipelines]}")
+    catalog = inventory.catalog if inventory else plan.catalog
+    vendors = sorted({catalog.get(t).vendor for t in plan.device_counts()})
+    if len(vendors) > 1:
+        print(f"{args.plan}: GPUs of {len(vendors)} vendors ({', '.join(vendors)}), each "
+              "data-parallel group inside one: the runtime runs the world group and the groups "
+              "across vendors on gloo and stages the pipeline edges between vendors through "
+              "host memory (docs/vendors.md)")
     return 0
 
 

@@ -10,7 +10,7 @@ from .hardware.catalog import Catalog, GPUSpec, load_catalog
 from .plan import Plan
 
 __all__ = ["check_plan_against_inventory", "check_plan_gpus", "embedded_gpus",
-           "check_plan_vendors"]
+           "check_plan_vendors", "GLOO_DEVICES"]
 
 _COMPARED = [f.name for f in dataclasses.fields(GPUSpec) if f.name not in ("name", "notes")]
 
@@ -69,36 +69,57 @@ def check_plan_against_inventory(plan: Plan, inventory, *, source: str = "<plan>
                               f"tensor-parallel groups of {tp} inside a node")
 
 
-def check_plan_vendors(plan: Plan, catalog: Catalog, *, source: str = "<plan>") -> None:
-    """Raise :class:`SchemaError` if the plan needs a process group on a device backend whose
-    ranks are GPUs of two vendors (NCCL, RCCL and HCCL cannot join one communicator).
+GLOO_DEVICES = ("cuda",)
+"""Accelerator device types whose tensors gloo's collectives take (it stages CUDA and ROCm
+tensors through pinned host memory itself); an ``npu`` tensor it refuses."""
 
-    A tensor-parallel group is one stage's ranks, of one device type, inside one node: it never
-    spans vendors. The runtime builds every other group (the world group, each pipeline's, each
-    stage's data-parallel group, the embedding group) on the device backend; host (gloo) groups
-    across vendors are not built yet (docs/vendors.md), so a plan on two vendors' GPUs is
-    refused, at the first stage whose vendor differs from the first stage's, naming the groups
-    that would span vendors."""
+
+def check_plan_vendors(plan: Plan, catalog: Catalog, *, source: str = "<plan>") -> None:
+    """Raise :class:`SchemaError` if the plan spans GPUs of several vendors in a way the
+    runtime cannot carry (docs/vendors.md).
+
+    NCCL, RCCL and HCCL cannot join one communicator, so on such a plan the runtime builds each
+    process group on the backend its members share: the vendor's inside one vendor, gloo across
+    vendors (the world group, pipeline groups, the embedding group), with pipeline messages
+    staged through host buffers. What it refuses:
+
+    * a data-parallel group across vendors (a stage whose replicas' GPUs are of two vendors):
+      Megatron's DDP and distributed optimizer reduce-scatter and all-gather the gradient
+      buffers on it every step; on gloo that is a full host round trip of every gradient, and
+      the planner never picks it (put the vendor boundary on a pipeline edge);
+    * a device type whose tensors gloo cannot take (Ascend ``npu``): Megatron's world-group
+      collectives (loss, grad norm, timers) run on device tensors.
+
+    A tensor-parallel group is one stage's ranks, of one device type: it never spans vendors.
+    """
     def vendor(device_type: str) -> str:
         return catalog.get(device_type, source=source).vendor
 
-    first = vendor(plan.pipelines[0].stages[0].device_type)
+    if len({vendor(t) for t in plan.device_counts()}) < 2:
+        return
+    libraries = " and ".join(sorted({catalog.get(t).stack.library for t in plan.device_counts()}))
+    first_pipe = plan.pipelines[0]
     for d, pipe in enumerate(plan.pipelines):
         for s, stage in enumerate(pipe.stages):
-            other = vendor(stage.device_type)
-            if other == first:
-                continue
-            groups = ["the world group"]
-            if any(vendor(st.device_type) != other for st in pipe.stages):
-                groups.append(f"pipelines[{d}]'s pipeline group")
-            if any(vendor(p.stages[s].device_type) != other for p in plan.pipelines):
-                groups.append(f"stage {s}'s data-parallel group")
-            stacks = " and ".join(sorted({catalog.get(t).stack.library
-                                          for t in plan.device_counts()}))
-            raise SchemaError(source, f"pipelines[{d}].stages[{s}].device_type",
-                              Described(f"{stage.device_type} ({other}) beside "
-                                        f"{plan.pipelines[0].stages[0].device_type} ({first})"),
-                              f"GPUs of one vendor: {', '.join(groups)} would span vendors on "
-                              f"a device backend ({stacks} cannot join one communicator), and "
-                              "the runtime builds no host (gloo) groups across vendors yet "
-                              "(docs/vendors.md); tune on one vendor's GPUs")
+            ours, theirs = vendor(stage.device_type), vendor(first_pipe.stages[s].device_type)
+            if ours != theirs:
+                raise SchemaError(source, f"pipelines[{d}].stages[{s}].device_type",
+                                  Described(f"{stage.device_type} ({ours}) beside "
+                                            f"{first_pipe.stages[s].device_type} ({theirs})"),
+                                  f"GPUs of one vendor in stage {s}'s data-parallel group: "
+                                  f"{libraries} cannot join one communicator, and the runtime "
+                                  "does not reduce gradients across vendors on gloo (every "
+                                  "gradient through host memory each step: docs/vendors.md); "
+                                  "put the vendor boundary on a pipeline edge (tune does)")
+    for d, pipe in enumerate(plan.pipelines):
+        for s, stage in enumerate(pipe.stages):
+            stack = catalog.get(stage.device_type).stack
+            if stack.torch_device not in GLOO_DEVICES:
+                raise SchemaError(source, f"pipelines[{d}].stages[{s}].device_type",
+                                  Described(f"{stage.device_type} ({stack.torch_device} "
+                                            f"devices) in a plan across vendors"),
+                                  "GPUs whose tensors gloo takes (cuda: NVIDIA, AMD ROCm): "
+                                  "across vendors the world group is gloo, and Megatron runs "
+                                  "its loss, grad-norm and timer collectives on it with device "
+                                  f"tensors, which gloo refuses for {stack.torch_device} "
+                                  "(docs/vendors.md); tune on one vendor's GPUs")

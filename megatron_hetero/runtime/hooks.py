@@ -12,7 +12,9 @@ original:
     plan implies (:mod:`.plan_args`), refuses policies this megatron-core cannot apply,
     places this process (:mod:`.placement`: ``args.rank`` becomes its Megatron rank, so
     Megatron's process groups follow the plan), and sets this rank's stage policies
-    (recompute, optimizer offload) on its own ``args``.
+    (recompute, optimizer offload) on its own ``args``; on a plan across vendors, makes the
+    world group gloo and installs the per-group backends and pipeline-edge routing
+    (:mod:`.vendors`, :mod:`.host_p2p`).
 ``megatron.training.arguments.core_transformer_config_from_args``
     this rank's stage policies on its own ``TransformerConfig`` (an interleaved plan's model
     chunks each get theirs: see ``get_model``).
@@ -46,7 +48,7 @@ from ..mcore.stage_policies import stage_config_kwargs
 from ..mcore.warmup_schedule import refusal, schedule_for, unsupported
 from ..plan import Plan, Slot, Stage, load_plan
 from ..schedule_order import has_extra_warmup, stage_schedule
-from . import plan_args, policies
+from . import plan_args, policies, vendors
 from ._rebind import is_wrapper, rebind
 from .arguments import add_hetero_args
 from .meshes import refuse_mesh_plan
@@ -164,6 +166,8 @@ def before_validate(args, argv=None) -> RankState | None:
                                     timeout_minutes=getattr(args, "distributed_timeout_minutes", 10))
     args.rank = megatron_rank
     os.environ["RANK"] = str(megatron_rank)
+    vendors.prepare(plan, args, source=path,
+                    cpu_backend=os.environ.get(CPU_ENV, "") not in ("", "0"))
     os.environ[LAUNCHER_RANK_ENV] = str(launcher_rank)
     slot = plan.slot_of_rank(megatron_rank)
     st = RankState(plan=plan, plan_path=path, launcher_rank=launcher_rank,

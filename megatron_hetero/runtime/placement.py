@@ -215,10 +215,11 @@ def place_this_rank(plan: Plan, *, launcher_rank: int, world_size: int, device_t
 
 def check_device_stacks(plan: Plan, *, source: str) -> None:
     """Refuse, before any model is built and with the same message on every rank, a plan this
-    runtime cannot carry on devices: GPUs of two vendors (every process group is built on one
-    device backend: :func:`~megatron_hetero.plan_inventory.check_plan_vendors`), or a device
-    type whose torch stack this process lacks (Ascend NPUs without ``torch_npu``). Skipped on
-    the CPU backend (``MEGATRON_HETERO_CPU=1``), where gloo serves every group."""
+    runtime cannot carry on devices: GPUs of several vendors other than across pipeline edges
+    (a data-parallel group across vendors, or Ascend NPUs beside another vendor:
+    :func:`~megatron_hetero.plan_inventory.check_plan_vendors`), or a device type whose torch
+    stack this process lacks (Ascend NPUs without ``torch_npu``). Skipped on the CPU backend
+    (``MEGATRON_HETERO_CPU=1``), where gloo serves every group."""
     if os.environ.get(CPU_ENV, "") not in ("", "0"):
         return
     check_plan_vendors(plan, plan.catalog, source=source)

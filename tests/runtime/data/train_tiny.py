@@ -80,6 +80,10 @@ if __name__ == "__main__":
     if out:
         import torch.distributed as dist
         LOG["rank"] = dist.get_rank()
+        from megatron_hetero.runtime import vendors
+        router = vendors.routes()  # a plan across vendors: messages through host buffers
+        if router is not None:
+            LOG["staged"] = [router.staged_sends, router.staged_recvs]
         launcher = os.environ.get("MEGATRON_HETERO_LAUNCHER_RANK", os.environ["RANK"])
         with open(f"{out}.{launcher}", "w") as f:
             json.dump(LOG, f)
