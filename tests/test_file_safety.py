@@ -149,6 +149,10 @@ def test_pgf_timeline_without_latex_is_refused_naming_latex(files, tmp_path, cap
     assert "needs LaTeX" in _error(capsys, "tune")
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_during_a_real_tune_is_one_line_and_exit_130(files, tmp_path):
     """SIGINT a second into the 1024-GPU search (several seconds): one line, exit 130, the old
     plan untouched."""
@@ -162,7 +166,9 @@ def test_ctrl_c_during_a_real_tune_is_one_line_and_exit_130(files, tmp_path):
         [sys.executable, "-m", "megatron_hetero.cli", "tune", str(big), "--model", "llama2-70b",
          "--global-batch-size", "2048", "--quiet", "-o", str(tmp_path / "plan.yaml")],
         stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(REPO)})
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        # a shell's background job inherits SIGINT ignored, and Python then keeps it ignored
+        preexec_fn=_default_sigint)
     time.sleep(1.0)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
