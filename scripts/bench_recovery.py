@@ -8,8 +8,9 @@ saves a torch_dist checkpoint at iteration 2 and ends there: the failure, as if 
 were lost right after that save. Then, with one A100 left:
 
   re-plan     ``megatron-hetero replan CKPT inventory-a100.yaml -o plan-b.yaml`` (a process)
-  restart     plan B's rank from process start to Megatron initialized (imports, process
-              groups), then to model and optimizer built (the load excluded)
+  restart     plan B's rank from process start to Megatron initialized (with pretrain_gpt.py:
+              to pretrain() with the imports, then initialize), then to model and optimizer
+              built (the load excluded)
   load        Megatron's load-checkpoint timer
   set-up      data loaders and the rest until the training loop starts
   first step  the first iteration under plan B (Megatron's elapsed time per iteration)
@@ -61,10 +62,12 @@ def _pretrain_gpt(tmp: Path) -> Path | None:
     return checkout / "pretrain_gpt.py"
 
 
-def _stamp(output: str, marker: str) -> float:
+def _stamp(output: str, marker: str, *, required: bool = True) -> float | None:
     """Epoch seconds of Megatron's ``[marker] datetime: ...`` line (its local clock)."""
     m = re.search(re.escape(marker) + r"\] datetime: " + _STAMP, output)
     if not m:
+        if not required:
+            return None
         raise SystemExit(f"no '{marker}' line in the run's output")
     return datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S.%f").timestamp()
 
@@ -140,13 +143,19 @@ def main() -> int:
         out = "\n".join(o for _, o, _ in second)
         load_s = _timer_ms(out, "load-checkpoint") / 1e3
         initialized = _stamp(out, "after megatron is initialized")
+        # pretrain_gpt.py records when pretrain() began (megatron-core 0.17's start-up stamps)
+        entered = _stamp(out, "before megatron-init", required=False)
         built = _stamp(out, "after model, optimizer, and learning rate scheduler are built")
         loop = _stamp(out, "before the start of training step")
         steps = _iterations(out)
         (it, first_end, first_ms), later = steps[0], steps[1:]
 
-    parts = [("re-plan (megatron-hetero replan)", replan_s),
-             ("restart: process start to Megatron initialized", initialized - started),
+    if entered is not None:
+        restart = [("restart: process start to pretrain() (imports)", entered - started),
+                   ("restart: Megatron initialized (process groups)", initialized - entered)]
+    else:
+        restart = [("restart: process start to Megatron initialized", initialized - started)]
+    parts = [("re-plan (megatron-hetero replan)", replan_s), *restart,
              ("restart: model and optimizer built", built - load_s - initialized),
              ("checkpoint load", load_s),
              ("set-up (data loaders) until the loop", loop - built),

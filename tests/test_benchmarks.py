@@ -75,10 +75,12 @@ def test_bench_recovery_prints_every_part():
     out = proc.stdout
     parts = dict((name.strip(), float(s)) for name, s in
                  re.findall(r"^  (.+?)\s+(-?[\d.]+) s$", out, flags=re.M))
-    assert [p.split(" (")[0] for p in parts] == [
-        "re-plan", "restart: process start to Megatron initialized",
-        "restart: model and optimizer built", "checkpoint load",
-        "set-up", "first step", "sum of the parts"], parts
+    names = [p.split(" (")[0] for p in parts]
+    starts = [n for n in names if n.startswith("restart: process start") or "initialized" in n]
+    assert starts in (["restart: process start to Megatron initialized"],  # the tests' script
+                      ["restart: process start to pretrain()", "restart: Megatron initialized"])
+    assert names == ["re-plan", *starts, "restart: model and optimizer built", "checkpoint load",
+                     "set-up", "first step", "sum of the parts"], parts
     *each, total = parts.values()
     assert all(s >= 0 for s in each) and abs(sum(each) - total) < 0.05
     wall = float(re.search(r"failure to end of first step \(wall\): ([\d.]+) s", out).group(1))

@@ -75,6 +75,7 @@ def _replan(args: argparse.Namespace, source: Path, out: Outputs) -> int:
 
     inventory = load_inventory(args.inventory)
     ckpt, old, old_path = _sources(args, source)
+    old_path = str(old_path) if old_path else None
     model = _model(args, ckpt, old, old_path)
     gbs = ckpt.arg("global_batch_size") if ckpt else old.global_batch_size
     origin = f"{ckpt.common_file} args.global_batch_size" if ckpt else f"{old_path} global_batch_size"
@@ -115,6 +116,8 @@ def _replan(args: argparse.Namespace, source: Path, out: Outputs) -> int:
         print(f"checkpoint {ckpt.folder}: iteration {ckpt.iteration}, {ckpt.format}, "
               f"{ckpt.size_bytes / 1e6:.1f} MB; saved under TP={a.get('tensor_model_parallel_size')}"
               f" PP={a.get('pipeline_model_parallel_size')} on {a.get('world_size')} ranks")
+    if ckpt and old_path:
+        print(f"old plan {old_path}: the same model and global batch as the checkpoint")
     print(f"model {model.name}: {model.num_layers} layers, hidden {model.hidden_size}, "
           f"{model.num_attention_heads} heads, vocabulary {model.vocab_size}, sequence "
           f"{model.seq_length}; global batch {gbs}; {plan.precision}")
