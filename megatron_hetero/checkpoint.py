@@ -144,11 +144,9 @@ def read_checkpoint(folder: str | Path) -> Checkpoint:
     size = sum(p.stat().st_size for p in sub.rglob("*") if p.is_file())
     meta = sub / "metadata.json"
     if not meta.is_file():
-        legacy = sorted(sub.glob("mp_rank_*/model_optim_rng.pt"))
-        if legacy:
-            common = _load_pickle(legacy[0])
+        if any(sub.glob("mp_rank_*/model_optim_rng.pt")):  # not read: replan refuses it
             return Checkpoint(folder=folder, iteration_folder=sub, iteration=iteration,
-                              format="torch", args=_args(common, legacy[0]), size_bytes=size)
+                              format="torch", args={}, size_bytes=size)
         raise SchemaError(str(meta), "", Described("no such file"),
                           "the format file of a torch_dist save (a save cut short?)")
     try:

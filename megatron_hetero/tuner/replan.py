@@ -244,6 +244,9 @@ def _loadable_tp_sizes(ckpt: Checkpoint | None, old, model: ModelSpec, args) -> 
         saved = ckpt.padded_vocab_size(tp0)
         fits = tuple(t for t in heads if ckpt.padded_vocab_size(t) == saved)
         why = f"the {saved} embedding rows saved in {ckpt.folder}"
+        sharding = ckpt.optimizer_sharding
+        if sharding is not None and sharding not in FULLY_RESHARDABLE and tp0 in fits:
+            fits = (tp0,)  # that optimizer state loads only under its TP (and PP) size
     elif isinstance(old, Plan):
         from ..models import padded_vocab_size
         saved = padded_vocab_size(model, old.tensor_model_parallel_size)
