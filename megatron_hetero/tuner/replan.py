@@ -231,8 +231,10 @@ def _check_tensors(ckpt: Checkpoint, model: ModelSpec) -> None:
 def _loadable_tp_sizes(ckpt: Checkpoint | None, old, model: ModelSpec, args) -> tuple[int, ...]:
     """Tensor-parallel sizes under which the saved tensors keep their global shapes: the
     embedding and output layer have ``vocab_size`` padded to a multiple of
-    ``make_vocab_size_divisible_by`` x TP rows, and Megatron's ``torch_dist`` loader reshards
-    pieces of a tensor, never its shape."""
+    ``make_vocab_size_divisible_by`` x TP rows. Under a size that pads to more rows,
+    megatron-core 0.17.1 loads the checkpoint without a word (a TP=1 save of 128 rows loaded
+    under TP=2, 256 rows, on CPU ranks), but the rows it did not save start untrained, and the
+    output layer's padding rows take part in the softmax: not the same training."""
     from .commands import _sizes
 
     asked = (_sizes(args.tensor_parallel_sizes, "--tensor-parallel-sizes")
