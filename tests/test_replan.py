@@ -211,3 +211,35 @@ def test_optimizer_state_that_reshards_only_across_data_parallel_is_refused(work
     err = _refused(work, capsys, _replan(work))
     assert "content_metadata.distrib_optim_sharding_type: found 'dp_reshardable'" in err
     assert "--dist-ckpt-optim-fully-reshardable" in err
+
+
+def test_replan_runs_without_torch(work):
+    """The whole command, checkpoint reading included, imports neither torch nor megatron."""
+    import subprocess
+    import sys
+
+    script = ("import sys; from megatron_hetero.cli import main; "
+              f"rc = main({_replan(work)!r}); "
+              "print(rc, sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'megatron'}))")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.stdout.splitlines()[-1] == "0 []", proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+def test_a_pickle_that_would_run_code_is_read_as_data(work, capsys):
+    """common.pt is read by an unpickler that builds no class it does not know: an object
+    whose unpickling would call os.system stays an inert stand-in."""
+    import os
+    import pickle
+    import zipfile
+
+    class Shell:
+        def __reduce__(self):
+            return (os.system, (f"touch {work / 'ran'}",))
+
+    common = work / "ckpt" / "iter_0000002" / "common.pt"
+    with zipfile.ZipFile(common, "w") as z:
+        z.writestr("common/data.pkl", pickle.dumps({"args": Shell()}))
+    err = _refused(work, capsys, _replan(work))
+    assert "common.pt: args: found nothing; expected Megatron-LM's saved arguments" in err
+    assert not (work / "ran").exists()
