@@ -24,7 +24,7 @@ from ..models import load_model
 from ..outputs import Outputs
 from ..plan import ModelSpec, Plan, save_plan
 from ..plan_inventory import check_plan_against_inventory
-from ..plan_mesh import MeshPlan, load_any_plan
+from ..plan_mesh import load_any_plan
 
 __all__ = ["add_replan_arguments", "replan_main"]
 
@@ -65,9 +65,7 @@ def replan_main(args: argparse.Namespace) -> int:
 
 
 def _replan(args: argparse.Namespace, source: Path, out: Outputs) -> int:
-    from ..cost import CostModel
     from ..cost.profile_file import load_profiles
-    from ..simulate import simulate
     from .commands import _sizes
     from .problem import TuneOptions
     from .report import summary_lines
@@ -75,7 +73,6 @@ def _replan(args: argparse.Namespace, source: Path, out: Outputs) -> int:
 
     inventory = load_inventory(args.inventory)
     ckpt, old, old_path = _sources(args, source)
-    old_path = str(old_path) if old_path else None
     model = _model(args, ckpt, old, old_path)
     gbs = ckpt.arg("global_batch_size") if ckpt else old.global_batch_size
     origin = f"{ckpt.common_file} args.global_batch_size" if ckpt else f"{old_path} global_batch_size"
@@ -108,9 +105,6 @@ def _replan(args: argparse.Namespace, source: Path, out: Outputs) -> int:
     if ckpt:
         _check_loads(ckpt, plan, args.output)
     save_plan(plan, out.staged(args.output))
-    cost = CostModel(model, inventory, profiles=profiles, precision=plan.precision,
-                     use_distributed_optimizer=plan.use_distributed_optimizer)
-    sim = simulate(plan, cost, record_events=False)
     if ckpt:
         a = ckpt.args
         print(f"checkpoint {ckpt.folder}: iteration {ckpt.iteration}, {ckpt.format}, "
@@ -121,7 +115,7 @@ def _replan(args: argparse.Namespace, source: Path, out: Outputs) -> int:
     print(f"model {model.name}: {model.num_layers} layers, hidden {model.hidden_size}, "
           f"{model.num_attention_heads} heads, vocabulary {model.vocab_size}, sequence "
           f"{model.seq_length}; global batch {gbs}; {plan.precision}")
-    print(summary_lines(plan, sim, "plan B  "))
+    print(summary_lines(plan, result.sim, "plan B  "))
     if ckpt:
         print(f"loads: {ckpt.format} reshards to TP={plan.tensor_model_parallel_size} "
               f"PP={plan.pipeline_model_parallel_size} DP={plan.data_parallel_size}; the "
