@@ -152,7 +152,7 @@ def main() -> int:
 
     if entered is not None:
         restart = [("restart: process start to pretrain() (imports)", entered - started),
-                   ("restart: Megatron initialized (process groups)", initialized - entered)]
+                   ("restart: Megatron initialized (initialize_megatron)", initialized - entered)]
     else:
         restart = [("restart: process start to Megatron initialized", initialized - started)]
     parts = [("re-plan (megatron-hetero replan)", replan_s), *restart,
