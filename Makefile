@@ -25,3 +25,4 @@ bench: venv
 	$(VENV)/bin/python scripts/bench_meshes.py
 	$(VENV)/bin/python scripts/bench_rehearse.py
 	$(VENV)/bin/python scripts/bench_runtime_overhead.py
+	$(VENV)/bin/python scripts/bench_recovery.py

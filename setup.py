@@ -25,6 +25,7 @@ setup(
         "scipy>=1.11",
         "rich>=13",
         "einops>=0.8",  # megatron-core's HyperCommGrid enumerates its groups with it (mesh plans)
+        "psutil>=5.9",  # megatron-core 0.17 writes torch_dist checkpoints only with it
     ],
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6.100", "matplotlib>=3.7"],

@@ -93,6 +93,20 @@ def _add_tune(sub) -> None:
     p.set_defaults(handler="megatron_hetero.tuner.commands:tune_main")
 
 
+def _add_replan(sub) -> None:
+    p = sub.add_parser("replan", help="re-plan a run from its checkpoint for the pool now",
+                       description="Tune a new plan on INVENTORY for the model, sequence length "
+                                   "and global batch size of a run's checkpoint (or old plan), "
+                                   "check that the checkpoint loads under it (torch_dist, model "
+                                   "shape, tensor-parallel sizes), write it and print the "
+                                   "restart command. Refuses, writing nothing, a legacy torch "
+                                   "checkpoint, another model's, an incomplete one, a pool that "
+                                   "cannot hold the model and another global batch size.")
+    from .tuner.replan import add_replan_arguments
+    add_replan_arguments(p)
+    p.set_defaults(handler="megatron_hetero.tuner.replan:replan_main")
+
+
 def _add_simulate(sub) -> None:
     p = sub.add_parser("simulate", help="predict the step time of a plan, stage by stage",
                        description="Simulate one 1F1B training step of PLAN on INV under the cost "
@@ -161,8 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_COMMANDS = [_add_validate, _add_args, _add_profile, _add_tune, _add_simulate, _add_rehearse,
-             _add_patch_megatron]
+_COMMANDS = [_add_validate, _add_args, _add_profile, _add_tune, _add_replan, _add_simulate,
+             _add_rehearse, _add_patch_megatron]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

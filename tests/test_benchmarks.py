@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+
+import pytest
 
 from .conftest import REPO
 
@@ -59,3 +62,29 @@ def test_bench_meshes_quick():
         assert speedup >= 1.0 and eff_best >= eff_uniform - 1e-9, r
         if r[3] != "-" and "(wins)" not in " ".join(r):
             assert float(r[3]) >= uniform - 1e-9 and speedup == 1.0, r
+
+
+@pytest.mark.slow
+def test_bench_recovery_prints_every_part():
+    """A node lost after a save: the parts from the failure to plan B's first step add up to
+    (at most) the wall time between them, and the checkpoint's size is its files' (3 CPU ranks
+    in all, one at a time)."""
+    proc = subprocess.run([sys.executable, str(REPO / "scripts/bench_recovery.py"), "--hidden", "32"],
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    parts = dict((name.strip(), float(s)) for name, s in
+                 re.findall(r"^  (.+?)\s+(-?[\d.]+) s$", out, flags=re.M))
+    names = [p.split(" (")[0] for p in parts]
+    starts = [n for n in names if n.startswith("restart: process start") or "initialized" in n]
+    assert starts in (["restart: process start to Megatron initialized"],  # the tests' script
+                      ["restart: process start to pretrain()", "restart: Megatron initialized"])
+    assert names == ["re-plan", *starts, "restart: model and optimizer built", "checkpoint load",
+                     "set-up", "first step", "sum of the parts"], parts
+    *each, total = parts.values()
+    assert all(s >= 0 for s in each) and abs(sum(each) - total) < 0.05
+    wall = float(re.search(r"failure to end of first step \(wall\): ([\d.]+) s", out).group(1))
+    assert total <= wall + 0.05, out
+    assert "plan B: TP=1 PP=1 DP=1 on 1 A100" in out
+    size = re.search(r"checkpoint: torch_dist, [\d.]+ MB \((\d+) bytes\), saved in [\d.]+ s", out)
+    assert size and int(size.group(1)) > 0, out

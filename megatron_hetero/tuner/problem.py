@@ -1,7 +1,8 @@
 """What one search is asked: the model, the inventory, the global batch, the knobs
 (:class:`TuneOptions`), and the cost models of its precisions.
 
-Every plan is bf16 where all its GPUs support it, else fp16 (:meth:`Problem.precision_for`);
+Every plan is bf16 where all its GPUs support it, else fp16, unless the options fix a
+precision (:meth:`Problem.precision_for`);
 each precision gets one :class:`~megatron_hetero.cost.model.CostModel`, built on first use and
 shared by the search space's lower bounds, the stage tables and the simulator.
 """
@@ -63,6 +64,12 @@ class TuneOptions:
     """Search mesh plans too (:mod:`.meshes`: each device type of a mixed pool its own TP and
     DP); one wins where it is strictly faster than the best uniform-TP plan. Off by default:
     the runtime refuses mesh plans until it can run them (docs/meshes.md)."""
+    precision: str | None = None
+    """Train every plan in this precision (``bf16``, ``fp16``, ``fp32``); None: bf16 where all
+    the plan's GPUs support it, else fp16. ``replan`` keeps the checkpoint's."""
+    use_distributed_optimizer: bool = True
+    """Plans shard optimizer state over data parallelism (``--use-distributed-optimizer``);
+    ``replan`` keeps the checkpoint's choice."""
     progress: bool = False
     """Show a progress bar (rich) while structures are evaluated."""
     cost_options: dict = field(default_factory=dict)
@@ -86,12 +93,17 @@ class Problem:
 
     def cost(self, precision: str) -> CostModel:
         if precision not in self._costs:
-            self._costs[precision] = CostModel(self.model, self.inv, profiles=self.profiles,
-                                               precision=precision, **self.opt.cost_options)
+            self._costs[precision] = CostModel(
+                self.model, self.inv, profiles=self.profiles, precision=precision,
+                use_distributed_optimizer=self.opt.use_distributed_optimizer,
+                **self.opt.cost_options)
         return self._costs[precision]
 
     def precision_for(self, types) -> str:
-        """bf16 when every type in ``types`` supports it, else fp16."""
+        """The options' precision; else bf16 when every type in ``types`` supports it, else
+        fp16."""
+        if self.opt.precision is not None:
+            return self.opt.precision
         key = frozenset(types)
         got = self._precisions.get(key)
         if got is None:

@@ -270,7 +270,8 @@ class _Search:
                 d += 1
         return Plan(format_version=1, model=self.model, global_batch_size=self.gbs,
                     tensor_model_parallel_size=st.tp, pipelines=pipelines,
-                    precision=cand.precision, use_distributed_optimizer=True,
+                    precision=cand.precision,
+                    use_distributed_optimizer=self.opt.use_distributed_optimizer,
                     sequence_parallel=st.tp > 1, virtual_pipeline_size=v,
                     overlap_grad_reduce=self.opt.overlap_grad_reduce)
 
