@@ -22,11 +22,17 @@ _EPILOG = "Run `megatron-hetero COMMAND --help` for a command's options."
 
 def _add_validate(sub) -> None:
     p = sub.add_parser("validate", help="check a plan (and that an inventory can host it)",
-                       description="Check PLAN against the plan schema and its invariants; with "
-                                   "--inventory, also that the inventory has the GPUs it needs. "
-                                   "Exits 0 when valid, 1 with the offending field path when not.")
+                       description="Check PLAN against the plan schema and its invariants and "
+                                   "the offload settings megatron-core refuses; with --inventory, "
+                                   "also that the inventory has the GPUs it needs and that every "
+                                   "stage fits its card's memory under the cost model (what the "
+                                   "runtime would stop at). Exits 0 when valid, 1 with the "
+                                   "offending field path when not.")
     p.add_argument("plan", metavar="PLAN", help="plan.yaml")
     p.add_argument("--inventory", metavar="INV", help="inventory.yaml the plan must fit")
+    p.add_argument("--no-memory-check", action="store_true",
+                   help="with --inventory, do not refuse a stage that needs more memory than "
+                        "its card under the cost model (or a node more host memory)")
     p.set_defaults(handler="megatron_hetero.commands:validate_main")
 
 
