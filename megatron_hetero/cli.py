@@ -12,6 +12,7 @@ import importlib
 import sys
 from typing import Sequence
 
+from . import interrupts
 from ._version import __version__
 from .errors import HeteroError
 
@@ -173,15 +174,19 @@ _COMMANDS = [_add_validate, _add_args, _add_profile, _add_tune, _add_simulate, _
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command. A user's mistake is one line and exit 1; Ctrl-C at any moment (start-up
-    included) one line and exit 130; files a command writes are put in place only once it has
-    succeeded (:mod:`megatron_hetero.outputs`)."""
+    included: :mod:`megatron_hetero.interrupts`) one line and exit 130; files a command writes
+    are put in place only once it has succeeded (:mod:`megatron_hetero.outputs`)."""
     command = "megatron-hetero"
     try:
+        interrupts.deliver()
         args = build_parser().parse_args(argv)
         command = f"megatron-hetero {args.command}"
         module, func = args.handler.split(":")
         handler = getattr(importlib.import_module(module), func)
-        return int(handler(args) or 0)
+        code = int(handler(args) or 0)
+        if interrupts.pending():  # raised where the interpreter swallowed it
+            raise KeyboardInterrupt
+        return code
     except HeteroError as exc:
         print(f"{command}: error: {exc}", file=sys.stderr)
         return 1
@@ -196,8 +201,11 @@ def main(argv: Sequence[str] | None = None) -> int:
               "a path this command can read or write", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        interrupts.ignore()
         print(f"{command}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        interrupts.restore()
 
 
 if __name__ == "__main__":

@@ -7,16 +7,20 @@ or hard link), an output whose folder does not exist or cannot be written, and a
 is a folder. Inside the block every writer writes to ``out.staged(path)``: a hidden file in the
 target's folder with the target's extension (so writers that pick a format from it still do).
 When the block ends without an exception the staged files replace their targets (``os.replace``,
-atomic on one file system); when it raises (a user error, a full disk, Ctrl-C) they are removed
+atomic on one file system), with SIGINT held back until the last one is in place, so that a
+Ctrl-C never leaves some outputs new and others old; when it raises (a user error, a full disk,
+Ctrl-C), or a Ctrl-C came that the interpreter swallowed (:mod:`.interrupts`), they are removed
 and every existing file is as it was.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 from typing import Mapping
 
+from . import interrupts
 from .errors import HeteroError
 
 __all__ = ["Outputs"]
@@ -73,14 +77,23 @@ class Outputs:
         return self
 
     def __exit__(self, kind, exc, tb) -> bool:
+        if kind is None and not interrupts.pending():
+            held = hasattr(signal, "pthread_sigmask")
+            if held:
+                signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            try:
+                for target, staged in self._staged.items():
+                    if staged.exists():
+                        os.replace(staged, target)
+            finally:
+                if held:  # a Ctrl-C held back is raised now, with every output in place
+                    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+            return False
+        for staged in self._staged.values():
+            try:
+                staged.unlink()
+            except FileNotFoundError:
+                pass
         if kind is None:
-            for target, staged in self._staged.items():
-                if staged.exists():
-                    os.replace(staged, target)
-        else:
-            for staged in self._staged.values():
-                try:
-                    staged.unlink()
-                except FileNotFoundError:
-                    pass
+            raise KeyboardInterrupt
         return False
