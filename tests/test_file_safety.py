@@ -7,9 +7,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -149,26 +146,7 @@ def test_pgf_timeline_without_latex_is_refused_naming_latex(files, tmp_path, cap
     assert "needs LaTeX" in _error(capsys, "tune")
 
 
-def test_ctrl_c_during_a_real_tune_is_one_line_and_exit_130(files, tmp_path):
-    """SIGINT a second into the 1024-GPU search (several seconds): one line, exit 130, the old
-    plan untouched."""
-    from megatron_hetero._schema import read_yaml, write_yaml
-
-    big = tmp_path / "big.yaml"
-    write_yaml(read_yaml(REPO / "examples/scenarios/1024-h100-a100-a800-llama2-70b.yaml")
-               ["inventory"], big)
-    files[big] = big.read_bytes()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "megatron_hetero.cli", "tune", str(big), "--model", "llama2-70b",
-         "--global-batch-size", "2048", "--quiet", "-o", str(tmp_path / "plan.yaml")],
-        stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(REPO)})
-    time.sleep(1.0)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err
-    assert err == "megatron-hetero tune: interrupted\n"
-    _unchanged(files)
+# Ctrl-C at every moment, start-up included: tests/test_interrupts.py
 
 
 # -- strict reading ----------------------------------------------------------------------------

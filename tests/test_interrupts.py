@@ -157,3 +157,32 @@ def test_ctrl_c_right_after_spawn(files, tmp_path):
     else:
         assert "KeyboardInterrupt" in err and f"{os.sep}megatron_hetero{os.sep}" not in err, err
     _unchanged(files, tmp_path)
+
+
+def test_a_ctrl_c_the_interpreter_swallowed_still_ends_with_130_and_no_output(tmp_path, capsys,
+                                                                           monkeypatch):
+    """Python drops a KeyboardInterrupt raised inside some of its own callbacks ("Exception
+    ignored in ..."); the command must not then go on to put its outputs in place or exit 0."""
+    from megatron_hetero import commands
+    from megatron_hetero.cli import main
+    from megatron_hetero.outputs import Outputs
+
+    target = tmp_path / "out.json"
+    target.write_text("old")
+
+    def swallowing(args):
+        with Outputs("validate", inputs={}, outputs={"--json": str(target)}) as out:
+            out.staged(target).write_text("new")
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                for _ in range(10**6):  # the handler runs at the next bytecode boundary
+                    pass
+            except KeyboardInterrupt:
+                pass  # as the interpreter's callback would
+        return 0
+
+    monkeypatch.setattr(commands, "validate_main", swallowing)
+    assert main(["validate", str(PLAN)]) == 130
+    assert capsys.readouterr().err == "megatron-hetero validate: interrupted\n"
+    assert target.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["out.json"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
