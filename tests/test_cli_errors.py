@@ -232,7 +232,8 @@ def test_validate_refuses_what_the_runtime_refuses_at_start(tmp_path, capsys):
 @pytest.mark.parametrize("extra,phrase", [
     (["--hidden-size", "63"], "--hidden-size 63: no head count divides it into even head sizes"),
     (["--hidden-size", "64", "--vocab-size", "0"], "--vocab-size 0: expected a positive integer"),
-    (["--hidden-size", "64", "-o", "/nonexistent-dir/p.yaml"], "the directory /nonexistent-dir does not exist"),
+    (["--hidden-size", "64", "-o", "/nonexistent-dir/p.yaml"], "the folder '/nonexistent-dir' does not exist"),
+    (["--hidden-size", "64", "-o", "/tmp"], "/tmp: a folder; expected a file path"),
 ])
 def test_profile_refuses_bad_options_before_measuring(extra, phrase, capsys):
     argv = ["profile", "--model", "llama2-7b", "--seq-length", "32", *extra]
