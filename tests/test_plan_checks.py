@@ -131,3 +131,29 @@ def test_activation_offload_with_what_megatron_refuses_beside_it(stage, path, ph
     assert main(["validate", str(bad)]) == 1
     err = _error(capsys, "validate")
     assert f"{bad}: {path}: found True" in err and phrase in err
+
+
+MESH = REPO / "examples/meshes/3090-t4-plan.yaml"
+MESH_INVENTORY = REPO / "examples/meshes/inventory.yaml"
+
+
+def test_a_mesh_plan_over_memory_names_the_mesh_stage(tmp_path, capsys):
+    bad = tmp_path / "mesh.yaml"  # layers 6, 6 on the 3090s, 20 on the T4s without recompute
+    bad.write_text(MESH.read_text()
+                   .replace("- {num_layers: 12, recompute: {granularity: selective}}",
+                            "- {num_layers: 20}")
+                   .replace("{num_layers: 10, offload: {module_inputs: true}}", "{num_layers: 6}"))
+    assert main(["validate", str(bad), "--inventory", str(MESH_INVENTORY)]) == 1
+    err = _error(capsys, "validate")
+    assert f"{bad}: meshes[1].stages[0]: found stage 2 (T4-16GB, layers 12-31) needs" in err
+    assert main(["validate", str(MESH), "--inventory", str(MESH_INVENTORY)]) == 0
+
+
+def test_a_mesh_plan_offloading_activations_at_pp3_is_refused(tmp_path, capsys):
+    bad = tmp_path / "mesh.yaml"
+    bad.write_text(MESH.read_text().replace(
+        "- {num_layers: 12, recompute: {granularity: selective}}",
+        "- {num_layers: 12, offload: {activations: true}}"))
+    assert main(["validate", str(bad)]) == 1
+    assert "meshes[1].stages[0].offload.activations: found True; expected false at PP=3" in \
+        _error(capsys, "validate")
