@@ -12,6 +12,7 @@ import importlib
 import sys
 from typing import Sequence
 
+from . import interrupts
 from ._version import __version__
 from .errors import HeteroError
 
@@ -22,11 +23,17 @@ _EPILOG = "Run `megatron-hetero COMMAND --help` for a command's options."
 
 def _add_validate(sub) -> None:
     p = sub.add_parser("validate", help="check a plan (and that an inventory can host it)",
-                       description="Check PLAN against the plan schema and its invariants; with "
-                                   "--inventory, also that the inventory has the GPUs it needs. "
-                                   "Exits 0 when valid, 1 with the offending field path when not.")
+                       description="Check PLAN against the plan schema and its invariants and "
+                                   "the offload settings megatron-core refuses; with --inventory, "
+                                   "also that the inventory has the GPUs it needs and that every "
+                                   "stage fits its card's memory under the cost model (what the "
+                                   "runtime would stop at). Exits 0 when valid, 1 with the "
+                                   "offending field path when not.")
     p.add_argument("plan", metavar="PLAN", help="plan.yaml")
     p.add_argument("--inventory", metavar="INV", help="inventory.yaml the plan must fit")
+    p.add_argument("--no-memory-check", action="store_true",
+                   help="with --inventory, do not refuse a stage that needs more memory than "
+                        "its card under the cost model (or a node more host memory)")
     p.set_defaults(handler="megatron_hetero.commands:validate_main")
 
 
@@ -181,15 +188,19 @@ _COMMANDS = [_add_validate, _add_args, _add_profile, _add_tune, _add_replan, _ad
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command. A user's mistake is one line and exit 1; Ctrl-C at any moment (start-up
-    included) one line and exit 130; files a command writes are put in place only once it has
-    succeeded (:mod:`megatron_hetero.outputs`)."""
+    included: :mod:`megatron_hetero.interrupts`) one line and exit 130; files a command writes
+    are put in place only once it has succeeded (:mod:`megatron_hetero.outputs`)."""
     command = "megatron-hetero"
     try:
+        interrupts.deliver()
         args = build_parser().parse_args(argv)
         command = f"megatron-hetero {args.command}"
         module, func = args.handler.split(":")
         handler = getattr(importlib.import_module(module), func)
-        return int(handler(args) or 0)
+        code = int(handler(args) or 0)
+        if interrupts.pending():  # raised where the interpreter swallowed it
+            raise KeyboardInterrupt
+        return code
     except HeteroError as exc:
         print(f"{command}: error: {exc}", file=sys.stderr)
         return 1
@@ -204,8 +215,11 @@ def main(argv: Sequence[str] | None = None) -> int:
               "a path this command can read or write", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        interrupts.ignore()
         print(f"{command}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        interrupts.restore()
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from .hardware.inventory import load_inventory
 from .megatron_args import megatron_args, megatron_args_line, mesh_megatron_args
 from .errors import SchemaError
 from .plan_inventory import check_plan_against_inventory, check_plan_gpus, check_plan_vendors
+from .plan_checks import check_fits, check_offload
 from .plan_mesh import MeshPlan, load_any_plan
 from .plan_mesh_inventory import check_mesh_plan_against_inventory
 
@@ -17,9 +18,11 @@ __all__ = ["validate_main", "args_main"]
 def validate_main(args: argparse.Namespace) -> int:
     inventory = load_inventory(args.inventory) if args.inventory else None
     plan = load_any_plan(args.plan, catalog=inventory.catalog if inventory else None)
+    check_offload(plan, source=args.plan)
     if isinstance(plan, MeshPlan):
         if inventory is not None:
             check_mesh_plan_against_inventory(plan, inventory, source=args.plan)
+            _check_memory(args, plan, inventory)
         print(f"{args.plan}: valid mesh plan for {plan.model.name}: {len(plan.meshes)} meshes, "
               f"PP={plan.pipeline_model_parallel_size} ({plan.world_size} GPUs); layers "
               f"{plan.layer_split}\n{plan.describe()}")
@@ -34,6 +37,8 @@ def validate_main(args: argparse.Namespace) -> int:
                           f"a multiple of the number of pipelines ({dp}) when their micro-batches "
                           "differ (Megatron's step accounting, micro-batch size x DP x "
                           "micro-batches, must equal it at run time)")
+    if inventory is not None:
+        _check_memory(args, plan, inventory)
     counts = ", ".join(f"{n}x {gpu}" for gpu, n in sorted(plan.device_counts().items()))
     print(f"{args.plan}: valid plan for {plan.model.name}: TP={plan.tensor_model_parallel_size} "
           f"PP={plan.pipeline_model_parallel_size} DP={plan.data_parallel_size} "
@@ -47,6 +52,22 @@ def validate_main(args: argparse.Namespace) -> int:
               "across vendors on gloo and stages the pipeline edges between vendors through "
               "host memory (docs/vendors.md)")
     return 0
+
+
+def _check_memory(args: argparse.Namespace, plan, inventory) -> None:
+    """Each stage's memory on its card (and each node's host memory) as the simulator counts
+    it, unless ``--no-memory-check``."""
+    if args.no_memory_check:
+        return
+    from .cost import CostModel
+    from .simulate import simulate
+    from .simulate_mesh import simulate_mesh
+
+    cost = CostModel(plan.model, inventory, precision=plan.precision,
+                     use_distributed_optimizer=plan.use_distributed_optimizer)
+    run = simulate_mesh if isinstance(plan, MeshPlan) else simulate
+    check_fits(plan, run(plan, cost, record_events=False), source=args.plan,
+               skip_hint="--no-memory-check skips this check")
 
 
 def args_main(args: argparse.Namespace) -> int:

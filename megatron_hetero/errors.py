@@ -42,5 +42,7 @@ class Described(str):
 
 
 def _show(value: object) -> str:
+    if isinstance(value, Described):  # our own words, shown whole
+        return str(value)
     text = repr(value)
     return text if len(text) <= 120 else text[:117] + "..."

@@ -37,7 +37,10 @@ def test_validate_against_inventory(tmp_path, capsys):
     assert main(["validate", str(PLAN), "--inventory", str(inv)]) == 1
     assert "V100-SXM2-32GB; expected at most 0" in capsys.readouterr().err
     inv.write_text(inv.read_text() + "  - {gpu: Tesla V100-SXM2-32GB, nodes: 1, gpus_per_node: 8}\n")
-    assert main(["validate", str(PLAN), "--inventory", str(inv)]) == 0
+    # the README's hand-written plan is tight: its V100 stage needs 44 GB under the cost model
+    assert main(["validate", str(PLAN), "--inventory", str(inv)]) == 1
+    assert "stage 1 (V100-SXM2-32GB, layers 14-31) needs 44.2 GB of 32 GB" in capsys.readouterr().err
+    assert main(["validate", str(PLAN), "--inventory", str(inv), "--no-memory-check"]) == 0
 
 
 def test_args_prints_one_shell_line(capsys):

@@ -232,7 +232,8 @@ def test_validate_refuses_what_the_runtime_refuses_at_start(tmp_path, capsys):
 @pytest.mark.parametrize("extra,phrase", [
     (["--hidden-size", "63"], "--hidden-size 63: no head count divides it into even head sizes"),
     (["--hidden-size", "64", "--vocab-size", "0"], "--vocab-size 0: expected a positive integer"),
-    (["--hidden-size", "64", "-o", "/nonexistent-dir/p.yaml"], "the directory /nonexistent-dir does not exist"),
+    (["--hidden-size", "64", "-o", "/nonexistent-dir/p.yaml"], "the folder '/nonexistent-dir' does not exist"),
+    (["--hidden-size", "64", "-o", "/tmp"], "/tmp: a folder; expected a file path"),
 ])
 def test_profile_refuses_bad_options_before_measuring(extra, phrase, capsys):
     argv = ["profile", "--model", "llama2-7b", "--seq-length", "32", *extra]
@@ -273,3 +274,33 @@ def test_tune_keeps_to_the_tensor_parallel_sizes_asked_for(tmp_path):
     assert main(["tune", str(INVENTORY), "--model", "llama2-7b", "--global-batch-size", "128",
                  "--tensor-parallel-sizes", "1", "-q", "-o", str(out)]) == 0
     assert yaml.safe_load(out.read_text())["tensor_model_parallel_size"] == 1
+
+
+# -- issue 18: bad inputs probed beyond the issue's examples -------------------------------------
+
+@pytest.mark.parametrize("extra, phrase", [
+    (["--time-scale", "inf"], "time_scale (--time-scale): found inf; expected a finite number >= 1"),
+    (["--time-scale", "nan"], "time_scale (--time-scale): found nan"),
+    (["--time-scale", "0"], "time_scale (--time-scale): found 0.0"),
+    (["--steps", "1"], "steps (--steps): found 1; expected at least 2"),
+    (["--hidden-size", "-64"], "hidden_size (--hidden-size): found -64"),
+    (["--link-latency", "nan"], "link_latency_s (--link-latency): found nan"),
+    (["--link-latency", "inf"], "link_latency_s (--link-latency): found inf"),
+])
+def test_rehearse_options_name_the_flag_and_refuse_infinities(extra, phrase, capsys):
+    """--time-scale inf was an OverflowError traceback from time.sleep in every rank."""
+    assert main(["rehearse", str(REPO / "tests/data/plan_a100_v100.yaml"), *extra]) == 1
+    assert phrase in _one_line_error(capsys, "rehearse")
+
+
+def test_a_huge_sequence_length_is_one_line_without_numpy_warnings(tmp_path, capsys):
+    """--seq-length 10^9 printed numpy's RuntimeWarning (inf x 0 in the offload costs) above
+    the error."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert main(["tune", str(REPO / "examples/llama2/7b/inventory.yaml"), "--model",
+                     "llama2-7b", "--global-batch-size", "64", "--quiet", "--seq-length",
+                     "1000000000", "-o", str(tmp_path / "p.yaml")]) == 1
+    assert "does not fit" in _one_line_error(capsys, "tune")

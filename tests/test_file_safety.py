@@ -7,9 +7,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -149,32 +146,7 @@ def test_pgf_timeline_without_latex_is_refused_naming_latex(files, tmp_path, cap
     assert "needs LaTeX" in _error(capsys, "tune")
 
 
-def _default_sigint() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-def test_ctrl_c_during_a_real_tune_is_one_line_and_exit_130(files, tmp_path):
-    """SIGINT a second into the 1024-GPU search (several seconds): one line, exit 130, the old
-    plan untouched."""
-    from megatron_hetero._schema import read_yaml, write_yaml
-
-    big = tmp_path / "big.yaml"
-    write_yaml(read_yaml(REPO / "examples/scenarios/1024-h100-a100-a800-llama2-70b.yaml")
-               ["inventory"], big)
-    files[big] = big.read_bytes()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "megatron_hetero.cli", "tune", str(big), "--model", "llama2-70b",
-         "--global-batch-size", "2048", "--quiet", "-o", str(tmp_path / "plan.yaml")],
-        stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        # a shell's background job inherits SIGINT ignored, and Python then keeps it ignored
-        preexec_fn=_default_sigint)
-    time.sleep(1.0)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err
-    assert err == "megatron-hetero tune: interrupted\n"
-    _unchanged(files)
+# Ctrl-C at every moment, start-up included: tests/test_interrupts.py
 
 
 # -- strict reading ----------------------------------------------------------------------------
@@ -231,3 +203,52 @@ def test_a_custom_gpu_with_nan_memory_names_the_file_and_field(tmp_path, capsys)
     assert main(["tune", str(inv), *TUNE, "-o", str(tmp_path / "p.yaml")]) == 1
     err = _error(capsys, "tune")
     assert str(inv) in err and "memory_gb" in err and "finite" in err
+
+
+# -- outputs that are not plain files ----------------------------------------------------------
+
+def test_an_output_that_is_a_pipe_is_written_to_and_never_replaced(files, tmp_path, capsys):
+    """``--json /dev/stdout`` (here a FIFO, as /dev/stdout is in a pipeline): the stream gets
+    the JSON, and stays a stream (it was once replaced by a regular file)."""
+    import stat
+    import threading
+
+    fifo = tmp_path / "stream"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()))
+    reader.start()
+    assert main(["simulate", str(REPO / "examples/llama2/7b/plan.yaml"), "--inventory",
+                 str(tmp_path / "inv.yaml"), "--json", str(fifo)]) == 0
+    reader.join(timeout=60)
+    assert json.loads(got[0])["step_time_s"] > 0
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    assert not [p for p in tmp_path.iterdir() if ".partial-" in p.name]
+
+
+def test_an_output_through_a_symlink_replaces_the_file_it_names(files, tmp_path):
+    inv, plan = tmp_path / "inv.yaml", tmp_path / "plan.yaml"
+    (tmp_path / "real").mkdir()
+    real = tmp_path / "real/tuned.yaml"
+    real.write_text("old\n")
+    link = tmp_path / "link.yaml"
+    link.symlink_to(real)
+    assert main(["tune", str(inv), *TUNE, "-o", str(link)]) == 0
+    assert link.is_symlink() and os.readlink(link) == str(real)
+    assert real.read_text().startswith("format_version: 1")
+    assert not [p for p in (tmp_path / "real").iterdir() if ".partial-" in p.name]
+
+
+def test_a_dangling_symlink_into_a_missing_folder_is_refused_first(files, tmp_path, capsys):
+    link = tmp_path / "link.yaml"
+    link.symlink_to(tmp_path / "nowhere/plan.yaml")
+    assert main(["tune", str(tmp_path / "inv.yaml"), *TUNE, "-o", str(link)]) == 1
+    assert "nowhere' does not exist" in _error(capsys, "tune")
+    assert link.is_symlink()
+
+
+def test_an_empty_output_path_is_refused_first(files, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["tune", str(tmp_path / "inv.yaml"), *TUNE, "-o", ""]) == 1
+    assert "-o/--output: an empty path" in _error(capsys, "tune")
+    _unchanged(files)

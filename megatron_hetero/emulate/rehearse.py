@@ -38,6 +38,7 @@ orchestration and the command line.
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass
 
@@ -90,14 +91,19 @@ class RehearsalConfig:
     the real cluster, scaled like the bandwidth; the cost model's default)."""
 
     def __post_init__(self) -> None:
+        # the rehearse command's option of each field is named: the CLI passes them through
         if self.steps < 2:
-            raise ValueError(f"steps must be at least 2 (the first is a warm-up), got {self.steps}")
+            raise ValueError(f"steps (--steps): found {self.steps}; expected at least 2 (the "
+                             "first is a warm-up)")
         if self.hidden_size < 8:
-            raise ValueError(f"hidden_size must be at least 8, got {self.hidden_size}")
-        if self.time_scale is not None and self.time_scale < 1:
-            raise ValueError(f"time_scale must be >= 1, got {self.time_scale}")
-        if not self.link_latency_s >= 0:
-            raise ValueError(f"link_latency_s must be >= 0, got {self.link_latency_s}")
+            raise ValueError(f"hidden_size (--hidden-size): found {self.hidden_size}; expected "
+                             "at least 8")
+        if self.time_scale is not None and not 1 <= self.time_scale < math.inf:
+            raise ValueError(f"time_scale (--time-scale): found {self.time_scale}; expected a "
+                             "finite number >= 1")
+        if not 0 <= self.link_latency_s < math.inf:
+            raise ValueError(f"link_latency_s (--link-latency): found {self.link_latency_s}; "
+                             "expected a finite number of seconds >= 0")
 
 
 def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Catalog | None = None,

@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 
 from ..errors import HeteroError
+from ..outputs import Outputs
 from ..plan import ModelSpec
 from .device import pick_device
 from .launch import run_profile
@@ -45,9 +46,12 @@ def profile_main(args) -> int:
         if args.vocab_size < 1:
             raise HeteroError(f"--vocab-size {args.vocab_size}: expected a positive integer")
         model = dataclasses.replace(model, vocab_size=args.vocab_size)
-    if args.output is not None and not Path(args.output).resolve().parent.is_dir():
-        raise HeteroError(f"-o {args.output}: the directory {Path(args.output).parent} does not "
-                          "exist; expected a path in an existing directory")
+    inputs = {"--model": args.model} if Path(args.model).exists() else {}
+    with Outputs("profile", inputs=inputs, outputs={"-o/--output": args.output}) as out:
+        return _profile(args, model, out)
+
+
+def _profile(args, model: ModelSpec, out: Outputs) -> int:
     pick_device(args.device)  # refuse --device cuda without CUDA before starting any rank
     request = ProfileRequest(
         model=model,
@@ -58,7 +62,7 @@ def profile_main(args) -> int:
         bandwidth=not args.no_bandwidth, pipeline=not getattr(args, "no_pipeline", False),
         idle_factor=getattr(args, "idle_factor", 0.0), progress=not args.quiet,
     )
-    data = run_profile(request, args.output)
+    data = run_profile(request, out.staged(args.output) if args.output else None)
     if data is None:  # a non-zero torchrun rank
         return 0
     eff = f"; layer efficiency {data.efficiency:.3f}" if data.efficiency else ""

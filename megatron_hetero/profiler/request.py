@@ -63,8 +63,10 @@ class ProfileRequest:
                     f"({m.num_attention_heads}) and query groups ({m.num_query_groups})")
         if self.layers < 1:
             raise HeteroError(f"--layers {self.layers}: expected at least 1")
-        if not self.idle_factor >= 0:
-            raise HeteroError(f"--idle-factor {self.idle_factor}: expected a number >= 0")
+        if not 0 <= self.idle_factor < float("inf"):
+            raise HeteroError(f"--idle-factor {self.idle_factor}: expected a finite number >= 0")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise HeteroError(f"--cpu-threads {self.cpu_threads}: expected at least 1")
         if self.pipeline_microbatches < 2:
             raise HeteroError(f"pipeline_microbatches {self.pipeline_microbatches}: expected at "
                               "least 2 (a 2-stage pipeline)")

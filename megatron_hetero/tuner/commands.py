@@ -56,6 +56,10 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", action="append", default=[], metavar="FILE",
                    help="measured profile.yaml of a device type (repeatable)")
     p.add_argument("--json", metavar="FILE", help="write the per-stage breakdown as JSON")
+    p.add_argument("--warn-only", action="store_true",
+                   help="a plan whose stage does not fit its card's memory (or a node its host "
+                        "memory) is simulated and printed with a warning, exit 0; without it, "
+                        "such a plan is one error, exit 1, and nothing is written")
 
 
 def _profiles(paths, inventory):
@@ -232,6 +236,7 @@ def _simulate(args: argparse.Namespace, out: Outputs) -> int:
     cost = CostModel(plan.model, inventory, profiles=profiles,
                      precision=plan.precision, use_distributed_optimizer=plan.use_distributed_optimizer)
     sim = simulate(plan, cost, record_events=bool(args.timeline))
+    _check_fits(args, plan, sim)
     console = Console(soft_wrap=True)
     console.print(plan_table(plan, sim, f"{_short(args.plan)} on {_short(args.inventory)}"),
                   soft_wrap=False)
@@ -262,6 +267,14 @@ def _simulate(args: argparse.Namespace, out: Outputs) -> int:
     return 0
 
 
+def _check_fits(args: argparse.Namespace, plan, sim) -> None:
+    """A plan that does not fit memory is an error, unless ``--warn-only``."""
+    if not args.warn_only:
+        from ..plan_checks import check_fits
+        check_fits(plan, sim, source=args.plan,
+                   skip_hint="--warn-only simulates it anyway, with a warning")
+
+
 def _simulate_mesh_main(args: argparse.Namespace, plan: MeshPlan, inventory, out: Outputs) -> int:
     """``simulate`` of a mesh plan: its meshes, the predicted step and every stage."""
     from ..cost import CostModel
@@ -273,6 +286,7 @@ def _simulate_mesh_main(args: argparse.Namespace, plan: MeshPlan, inventory, out
     cost = CostModel(plan.model, inventory, profiles=profiles, precision=plan.precision,
                      use_distributed_optimizer=plan.use_distributed_optimizer)
     sim = simulate_mesh(plan, cost, record_events=bool(args.timeline))
+    _check_fits(args, plan, sim)
     print(f"{_short(args.plan)} on {_short(args.inventory)}\n{plan.describe()}")
     print(f"predicted: step {sim.step_time_s:.3f} s, {sim.tokens_per_s:,.0f} tokens/s, "
           f"MFU {sim.mfu:.3f}; fits memory: {'yes' if sim.fits_memory else 'NO'}")

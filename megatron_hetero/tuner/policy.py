@@ -129,7 +129,9 @@ def option_costs(memory: np.ndarray, seconds: np.ndarray, *, optimizer: np.ndarr
         fraction = np.where(fits, 0.0, steps / OFFLOAD_STEPS)
         ok = fits | ((optimizer > 0) & (fraction <= 1.0)
                      & (memory - fraction * optimizer <= capacity))
-    return np.where(ok, fraction, 0.0), np.where(ok, seconds + fraction * offload_seconds, np.inf)
+        # entries that are not ok (an infinite fraction times 0 s among them) are dropped
+        cost = np.where(ok, seconds + fraction * offload_seconds, np.inf)
+    return np.where(ok, fraction, 0.0), cost
 
 
 def pick(fraction: np.ndarray, cost: np.ndarray) -> Pick:

@@ -187,7 +187,11 @@ def _write(tmp_path, host_memory_gb):
 def test_simulate_names_the_node_over_its_host_memory(tmp_path, capsys):
     plan, inv = _write(tmp_path, 64)  # the default 64 GB reserve alone fills it
     out_json = tmp_path / "sim.json"
-    assert main(["simulate", plan, "--inventory", inv, "--json", str(out_json)]) == 0
+    assert main(["simulate", plan, "--inventory", inv, "--json", str(out_json)]) == 1
+    err = capsys.readouterr().err  # a plan that does not fit is an error, and nothing is written
+    assert f"needs 64.0 GB of host memory of 64 GB" in err and err.count("\n") == 1
+    assert not out_json.exists()
+    assert main(["simulate", plan, "--inventory", inv, "--json", str(out_json), "--warn-only"]) == 0
     out = capsys.readouterr().out
     lines = [line for line in out.splitlines() if "host memory over" in line]
     # node 0 offloads, node 1 holds only the reserve (64 GB of 64 fits)

@@ -1,0 +1,127 @@
+"""What the runtime would stop at, checked from the plan before any rank starts (no torch):
+the offload settings megatron-core refuses whatever is installed, and each stage's memory on its
+card under the cost model.
+
+:func:`check_offload` holds megatron-core 0.17.1's own conditions on a stage's offload
+(``TransformerConfig.__post_init__``, ``validate_args``, ``OptimizerConfig``):
+
+* ``offload.activations`` (``cpu_offloading``) only at PP = 1 ("no support for Pipeline
+  parallelism with CPU offloading"), and never with recompute on the same stage;
+* ``offload.module_inputs`` (fine-grained activation offloading) never with
+  ``offload.activations`` on the same stage;
+* ``offload.optimizer_fraction > 0`` (the CPU-offload optimizer, which needs
+  ``--use-precision-aware-optimizer``) only with the distributed optimizer.
+
+What depends on the installed stack (Transformer Engine, its ``NVTE_CPU_OFFLOAD_V1``) is the
+runtime's check at start (:func:`megatron_hetero.runtime.policies.check_supported`).
+
+:func:`check_fits` reads the memory the simulator computes (:attr:`SimResult.stages`,
+:attr:`SimResult.host_nodes`): the first stage over its card, else the first node over its host
+memory, is one error naming the stage, its card, its layers and the figures.
+"""
+
+from __future__ import annotations
+
+from .errors import Described, SchemaError
+from .plan import Plan
+from .plan_mesh import MeshPlan
+from .simulate import SimResult
+
+__all__ = ["check_offload", "check_fits", "stage_layers"]
+
+
+def _stages(plan: Plan | MeshPlan):
+    """(field path of the stage, stage index along the pipeline, stage) for every stage."""
+    if isinstance(plan, MeshPlan):
+        s = 0
+        for k, mesh in enumerate(plan.meshes):
+            for j, stage in enumerate(mesh.stages):
+                yield f"meshes[{k}].stages[{j}]", s + j, stage
+            s += len(mesh.stages)
+        return
+    for d, pipe in enumerate(plan.pipelines):
+        for s, stage in enumerate(pipe.stages):
+            yield f"pipelines[{d}].stages[{s}]", s, stage
+
+
+def check_offload(plan: Plan | MeshPlan, *, source: str) -> None:
+    """Raise :class:`SchemaError` at the first stage whose offload megatron-core refuses (see
+    the module docstring)."""
+    pp = plan.pipeline_model_parallel_size
+    for where, _, stage in _stages(plan):
+        off = stage.offload
+        if off.activations and pp > 1:
+            raise SchemaError(source, f"{where}.offload.activations", True,
+                              f"false at PP={pp}: megatron-core's activation offload "
+                              "(cpu_offloading) runs only at PP = 1 (TransformerConfig: \"no "
+                              "support for Pipeline parallelism with CPU offloading\"); "
+                              "offload.module_inputs offloads activations with pipelines")
+        if off.activations and stage.recompute.granularity != "none":
+            raise SchemaError(source, f"{where}.offload.activations", True,
+                              f"false with recompute ({stage.recompute.granularity}) on the same "
+                              "stage: megatron-core's cpu_offloading refuses activation "
+                              "recomputation")
+        if off.activations and off.module_inputs:
+            raise SchemaError(source, f"{where}.offload.module_inputs", True,
+                              "false with offload.activations on the same stage: megatron-core's "
+                              "fine-grained activation offloading cannot run with cpu_offloading")
+        if off.optimizer_fraction > 0 and not plan.use_distributed_optimizer:
+            raise SchemaError(source, f"{where}.offload.optimizer_fraction",
+                              off.optimizer_fraction,
+                              "0 with use_distributed_optimizer: false: megatron-core's CPU-offload "
+                              "optimizer needs --use-precision-aware-optimizer, which it runs "
+                              "only with the distributed optimizer")
+
+
+def stage_layers(plan: Plan | MeshPlan, s: int) -> str:
+    """The model layers stage ``s`` holds, e.g. ``layers 10-19``, ``layers 0-5, 16-23``
+    (interleaved), ``no layers``."""
+    split = plan.layer_split
+    v = getattr(plan, "virtual_pipeline_size", 1)
+    if v > 1:
+        chunks = [st.chunk_layers for st in plan.pipelines[0].stages]
+        spans, start = [], 0
+        for c in range(v):
+            for i, row in enumerate(chunks):
+                if i == s and row[c]:
+                    spans.append((start, start + row[c] - 1))
+                start += row[c]
+    else:
+        start = sum(split[:s])
+        spans = [(start, start + split[s] - 1)] if split[s] else []
+    if not spans:
+        return "no layers"
+    return "layers " + ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in spans)
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.1f}"
+
+
+def check_fits(plan: Plan | MeshPlan, sim: SimResult, *, source: str, skip_hint: str) -> None:
+    """Raise :class:`SchemaError` when a stage of ``sim`` (the simulation of ``plan``) needs
+    more memory than its card, or a node more host memory than it has. ``skip_hint`` says how
+    to turn the check off."""
+    paths = [where for where, _, _ in _stages(plan)]
+    over = [st for st in sim.stages if not st.memory.fits]
+    if over:
+        st, m = over[0], over[0].memory
+        p = plan.pipeline_model_parallel_size
+        where = paths[st.pipeline * p + st.stage] if isinstance(plan, Plan) else paths[st.stage]
+        more = f"; {len(over) - 1} more stage(s) over" if len(over) > 1 else ""
+        raise SchemaError(source, where, Described(
+            f"stage {st.stage} ({st.device_type}, {stage_layers(plan, st.stage)}) needs "
+            f"{_gb(m.total)} GB of {m.capacity / 1e9:g} GB (weights {_gb(m.params)}, gradients "
+            f"{_gb(m.grads)}, optimizer {_gb(m.optimizer)}, activations {_gb(m.activations)}, "
+            f"workspace {_gb(m.workspace)} GB){more}"),
+            f"a stage that fits its card under the cost model (the runtime would run out of "
+            f"memory): more recompute or offload, more stages, or `tune`; {skip_hint}")
+    hosts = [h for h in sim.host_nodes if not h.fits]
+    if hosts:
+        h = hosts[0]
+        raise SchemaError(source, "pipelines", Described(
+            f"{h.node} needs {_gb(h.used_bytes)} GB of host memory of "
+            f"{h.capacity_bytes / 1e9:g} GB (offloaded optimizer state and module inputs plus "
+            f"the host reserve)"),
+            f"what the inventory's host_memory_gb holds: offload less on that node's stages; "
+            f"{skip_hint}")
