@@ -50,7 +50,17 @@ class _StrictLoader(yaml.SafeLoader):
                 None, None, f"{shown}, which cannot be read as !!{node.tag.rsplit(':', 1)[-1]}",
                 node.start_mark) from None
 
+    def construct_document(self, node):
+        try:  # a set, a mapping or a list is built by a generator run from here
+            return super().construct_document(node)
+        except (ValueError, TypeError, IndexError, AttributeError, OverflowError) as exc:
+            raise yaml.constructor.ConstructorError(None, None, f"a value that cannot be read "
+                                                    f"({exc})", node.start_mark) from None
+
     def construct_mapping(self, node, deep=False):
+        if not isinstance(node, yaml.MappingNode):  # !!set or !!omap on a scalar or a list
+            raise yaml.constructor.ConstructorError(
+                None, None, f"expected a mapping node, but found {node.id}", node.start_mark)
         seen: dict = {}
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=True)

@@ -17,10 +17,18 @@ from functools import lru_cache
 
 from .cost.schedule import rank_order_cached
 
-__all__ = ["one_f_one_b", "interleaved_1f1b", "pipeline_run", "DIRECT_MICROBATCHES"]
+__all__ = ["one_f_one_b", "interleaved_1f1b", "pipeline_run", "DIRECT_MICROBATCHES", "PROBE_MOST",
+           "EXACT_MOST"]
 
 DIRECT_MICROBATCHES = 256
 """Pipelines of up to this many micro-batches are simulated op by op (:func:`pipeline_run`)."""
+
+PROBE_MOST = 16384
+"""The longest probe of the steady state, in micro-batches (:func:`_steady_state_run`)."""
+
+EXACT_MOST = 2 * PROBE_MOST
+"""A pipeline whose steady state shows no period within :data:`PROBE_MOST` micro-batches is
+simulated op by op up to this many micro-batches, and extrapolated from its probe beyond."""
 
 _TOLERANCE = 1e-9
 """Relative agreement asked of the repeats of the steady state."""
@@ -33,62 +41,101 @@ def pipeline_run(fwd: list[list[float]], bwd: list[list[float]], send_f: list[fl
     more than :data:`DIRECT_MICROBATCHES` micro-batches (without ``record``: its events would
     be as many) is extrapolated from its steady state (:func:`_steady_state_run`) when that
     repeats within a short probe, else simulated op by op."""
-    if record or m <= DIRECT_MICROBATCHES:
+    if record:
         return interleaved_1f1b(fwd, bwd, send_f, send_b, m, record=record, group=group,
                                 warmups=warmups)
-    got = _steady_state_run(fwd, bwd, send_f, send_b, m, group=group, warmups=warmups)
+    key = (tuple(map(tuple, fwd)), tuple(map(tuple, bwd)), tuple(send_f), tuple(send_b), m,
+           group, None if warmups is None else tuple(warmups))
+    got = _RUNS.get(key)
     if got is None:
-        return interleaved_1f1b(fwd, bwd, send_f, send_b, m, group=group, warmups=warmups)
-    return got
+        if len(_RUNS) >= _RUNS_MOST:
+            _RUNS.clear()
+        got = _RUNS[key] = _fresh_run(fwd, bwd, send_f, send_b, m, group=group, warmups=warmups)
+    free, busy, last_b, _ = got
+    return list(free), list(busy), [list(row) for row in last_b], []
+
+
+_RUNS: dict[tuple, tuple] = {}
+"""Runs by their durations, sends, length and order: the search simulates plans that share
+most of their pipelines (a local-search move changes one or two), and a run is a pure function
+of these."""
+
+_RUNS_MOST = 4096
+
+
+def _fresh_run(fwd, bwd, send_f, send_b, m: int, *, group: int | None,
+               warmups: tuple[int, ...] | None):
+    if m > DIRECT_MICROBATCHES:
+        got = _steady_state_run(fwd, bwd, send_f, send_b, m, group=group, warmups=warmups)
+        if got is not None:
+            return got
+    return interleaved_1f1b(fwd, bwd, send_f, send_b, m, group=group, warmups=warmups)
 
 
 def _steady_state_run(fwd, bwd, send_f, send_b, m: int, *, group: int | None,
                       warmups: tuple[int, ...] | None):
-    """:func:`interleaved_1f1b`'s answer for ``m`` micro-batches from three short runs, or None
-    when the steady state does not repeat within them (or ``m`` is too short to gain).
+    """:func:`interleaved_1f1b`'s answer for ``m`` micro-batches from one probe of its steady
+    state, or None when that shows no period and ``m`` is short enough (:data:`EXACT_MOST`)
+    to simulate op by op.
 
     The order repeats every ``q`` micro-batches (1; interleaved, the micro-batch group). A probe
-    of a few hundred micro-batches at most gives each stage's end of its backward of every
-    micro-batch; the period ``c`` (a multiple of ``q``) is the shortest after which all of them,
-    past the warm-up and before the drain, end the same time later (a longer probe while none
-    does: a transient can outlast the warm-up, as long as ``m`` stays twice the probe). Two runs of ``n`` and
-    ``n + c`` micro-batches, ``n`` as long as the probe and congruent to ``m`` modulo ``c``, must
-    then differ by that time in every figure; ``m`` adds ``(m - n) / c`` such periods."""
+    of ``n`` micro-batches, ``n`` congruent to ``m`` modulo ``q``, gives the end of every op;
+    the period ``c`` (a multiple of ``q``) is the shortest after which every op of every
+    micro-batch past the warm-up and before the drain ends the same time later. Every op then
+    depends on ops that repeat, so the drain of ``m`` micro-batches is that of ``n`` moved on
+    by ``(m - n) / c`` such times (``n`` made congruent to ``m`` modulo ``c`` first: one more
+    run where ``c`` is not ``q``). The probe looks for ``c = q`` first (the common case), then
+    for periods up to ``q * p``, then doubles its length (a transient can outlast the warm-up),
+    up to :data:`PROBE_MOST` micro-batches. Beyond :data:`EXACT_MOST` micro-batches a run whose
+    probe shows no period is moved on by its last probe's last ``q * p`` micro-batches (the
+    error is then that of a transient longer than the probe, not bounded here)."""
     p, v = len(fwd), len(fwd[0])
     q = 1 if v == 1 else (p if group is None else group)
-    tail = 2 * p + v * q + max(warmups or (0,))  # micro-batches whose backwards may drain
-    longest = q * p  # the longest period looked for
+    tail = 2 * p + v * q + max(warmups or (0,))  # micro-batches whose ops may drain
+    longest = q  # the longest period looked for: q first, then q * p
     start = tail  # past the warm-up and its transient; doubled while none repeats
     while True:
         probe = start + 3 * longest + tail
         probe += (m - probe) % q  # the same remainder modulo q as m
-        if m < 2 * probe:
-            return None
+        if m < 2 * probe or probe > PROBE_MOST:
+            if m <= EXACT_MOST:
+                return None
+            probe = min(probe, PROBE_MOST - PROBE_MOST % q + m % q)
+            run = _run(fwd, bwd, send_f, send_b, probe, group=group, record=False,
+                       warmups=warmups)
+            ends = _ends(run, probe, p, v)
+            period, first = longest, probe - tail - longest
+            break
         run = _run(fwd, bwd, send_f, send_b, probe, group=group, record=False,
                    warmups=warmups)
-        end, (stage, dur_of, _, _, mb_of) = run[3], run[5]
-        ends = [[0.0] * p for _ in range(probe)]
-        for k, s in enumerate(stage):
-            if dur_of[k] == v:  # the backward of chunk 0
-                ends[mb_of[k]][s] = end[k]
+        ends = _ends(run, probe, p, v)
         period = _period(ends, first=start, stop=probe - tail, step=q, longest=longest)
         if period is not None:
+            first = probe - tail - period
             break
-        start *= 2
+        if longest < q * p:
+            longest = q * p
+        else:
+            start *= 2
+    shifts = [y - x for x, y in zip(ends[first], ends[first + period])]
     n = probe + (m - probe) % period
-    one = run if n == probe else _run(fwd, bwd, send_f, send_b, n, group=group,
-                                              record=False, warmups=warmups)
-    two = _run(fwd, bwd, send_f, send_b, n + period, group=group, record=False,
-               warmups=warmups)
-    a, b = _figures(one), _figures(two)
-    shift = b[0] - a[0]
-    if not all(_close(y - x, shift, scale=y) for x, y in zip(a, b)):
-        return None
+    if n != probe:
+        run = _run(fwd, bwd, send_f, send_b, n, group=group, record=False, warmups=warmups)
     periods = (m - n) // period
-    free = [x + periods * shift for x in one[0]]
-    last_b = [[x + periods * shift for x in row] for row in one[2]]
+    shift = max(shifts)
+    free = [x + periods * shift for x in run[0]]
+    last_b = [[x + periods * shift for x in row] for row in run[2]]
     busy = [m * sum(list(f) + list(b)) for f, b in zip(fwd, bwd)]  # as _run sums
     return free, busy, last_b, []
+
+
+def _ends(run, n: int, p: int, v: int) -> list[list[float]]:
+    """Per micro-batch of a run of ``n``, the end of each of its ops, by stage, kind and chunk."""
+    end, (stage, dur_of, _, _, mb_of) = run[3], run[5]
+    ends = [[0.0] * (2 * v * p) for _ in range(n)]
+    for k, s in enumerate(stage):
+        ends[mb_of[k]][s * 2 * v + dur_of[k]] = end[k]
+    return ends
 
 
 def _period(ends: list[list[float]], *, first: int, stop: int, step: int,

@@ -198,3 +198,39 @@ def test_the_seeds_load():
     for kind, (load, paths) in LOADERS.items():
         for path in paths():
             assert load(path) is not None
+
+
+def _bomb(levels: int = 9) -> str:
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    for i in range(1, levels):
+        lines.append(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]")
+    return "\n".join(lines) + "\n"
+
+
+NAMED = {
+    # found by the fuzzer: PyYAML's constructors raise ValueError, IndexError, AttributeError
+    "!!int with no digits": ("a: !!int\n", "line 1, column 4"),
+    "!!int of a sign alone": ("a: !!int --\n", "cannot be read as !!int"),
+    "!!float with no digits": ("a: !!float\n", "cannot be read as !!float"),
+    "!!timestamp of a word": ("a: !!timestamp x\n", "cannot be read as !!timestamp"),
+    "an integer of 5000 digits": ("a: " + "9" * 5000 + "\n", "cannot be read as !!int"),
+    "!!set on a scalar": ("a: !!set \\\n", "expected a mapping node, but found scalar"),
+    # a few lines that expand to 9^9 values through aliases (minutes and gigabytes before)
+    "alias bomb": (_bomb(), "more than 1,000,000 values"),
+    "an alias inside its own anchor": ("&a [*a]\n", "contains itself"),
+    # a key with a line break stays on one line, quoted
+    "key with a line break": ('"gr\\noups": []\n', "'gr\\noups'"),
+    "key with a tab": ('"\\tname": x\n', "'\\tname'"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(LOADERS))
+@pytest.mark.parametrize("case", sorted(NAMED))
+def test_named_bad_documents(kind, case):
+    text, words = NAMED[case]
+    path = _DIR / f"named-{kind}.yaml"
+    path.write_text(text)
+    with pytest.raises(HeteroError) as got:
+        LOADERS[kind][0](path)
+    assert str(path) in str(got.value) and words in str(got.value)
+    assert "\n" not in str(got.value)
