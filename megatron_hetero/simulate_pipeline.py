@@ -75,49 +75,42 @@ def _fresh_run(fwd, bwd, send_f, send_b, m: int, *, group: int | None,
 def _steady_state_run(fwd, bwd, send_f, send_b, m: int, *, group: int | None,
                       warmups: tuple[int, ...] | None):
     """:func:`interleaved_1f1b`'s answer for ``m`` micro-batches from one probe of its steady
-    state, or None when that shows no period and ``m`` is short enough (:data:`EXACT_MOST`)
-    to simulate op by op.
+    state, or None when no probe up to :data:`PROBE_MOST` micro-batches shows a period and
+    ``m`` is short enough (:data:`EXACT_MOST`) to simulate op by op.
 
-    The order repeats every ``q`` micro-batches (1; interleaved, the micro-batch group). A probe
-    of ``n`` micro-batches, ``n`` congruent to ``m`` modulo ``q``, gives the end of every op;
-    the period ``c`` (a multiple of ``q``) is the shortest after which every op of every
-    micro-batch past the warm-up and before the drain ends the same time later. Every op then
-    depends on ops that repeat, so the drain of ``m`` micro-batches is that of ``n`` moved on
-    by ``(m - n) / c`` such times (``n`` made congruent to ``m`` modulo ``c`` first: one more
-    run where ``c`` is not ``q``). The probe looks for ``c = q`` first (the common case), then
-    for periods up to ``q * p``, then doubles its length (a transient can outlast the warm-up),
-    up to :data:`PROBE_MOST` micro-batches. Beyond :data:`EXACT_MOST` micro-batches a run whose
-    probe shows no period is moved on by its last probe's last ``q * p`` micro-batches (the
-    error is then that of a transient longer than the probe, not bounded here)."""
+    The order repeats every ``q`` micro-batches (1; interleaved, the micro-batch group), and an
+    op waits only on ops of micro-batches less than ``tail`` away. A probe of ``n``
+    micro-batches, ``n`` congruent to ``m`` modulo ``q``, gives the end of every op; its period
+    ``c`` is the least multiple of ``q`` (up to ``q * p``) such that every op of the
+    ``c + tail`` micro-batches before the drain ends the same time after the same op ``c``
+    micro-batches earlier. Each later op then waits on ops that repeat, so the run of ``m``
+    micro-batches is the probe's with ``(m - n) / c`` such times added (``n`` made congruent to
+    ``m`` modulo ``c`` first: one more run where ``c`` is not ``q``). Where the probe shows no
+    period (a transient can outlast the warm-up by hundreds of micro-batches where two stages'
+    paces are close) the next one is twice as long. Beyond :data:`EXACT_MOST` micro-batches a
+    run whose last probe shows no period is moved on by that probe's last ``q * p``
+    micro-batches (its error is then that of a transient longer than the probe)."""
     p, v = len(fwd), len(fwd[0])
     q = 1 if v == 1 else (p if group is None else group)
-    tail = 2 * p + v * q + max(warmups or (0,))  # micro-batches whose ops may drain
-    longest = q  # the longest period looked for: q first, then q * p
-    start = tail  # past the warm-up and its transient; doubled while none repeats
+    tail = 2 * p + v * q + max(warmups or (0,))  # micro-batches an op's wait may reach
+    probe, ran = 3 * tail + 2 * q, 0
     while True:
-        probe = start + 3 * longest + tail
         probe += (m - probe) % q  # the same remainder modulo q as m
         if m < 2 * probe or probe > PROBE_MOST:
-            if m <= EXACT_MOST:
+            if m <= EXACT_MOST or ran < 3 * tail + 2 * q * p:
                 return None
-            probe = min(probe, PROBE_MOST - PROBE_MOST % q + m % q)
-            run = _run(fwd, bwd, send_f, send_b, probe, group=group, record=False,
-                       warmups=warmups)
-            ends = _ends(run, probe, p, v)
-            period, first = longest, probe - tail - longest
+            probe, period = ran, q * p  # too long to simulate: the last probe's last periods
             break
+        ran = probe
         run = _run(fwd, bwd, send_f, send_b, probe, group=group, record=False,
                    warmups=warmups)
         ends = _ends(run, probe, p, v)
-        period = _period(ends, first=start, stop=probe - tail, step=q, longest=longest)
+        period = _period(ends, stop=probe - tail, step=q, longest=q * p, reach=tail)
         if period is not None:
-            first = probe - tail - period
             break
-        if longest < q * p:
-            longest = q * p
-        else:
-            start *= 2
-    shifts = [y - x for x, y in zip(ends[first], ends[first + period])]
+        probe *= 2
+    last = probe - tail - 1
+    shifts = [y - x for x, y in zip(ends[last - period], ends[last])]
     n = probe + (m - probe) % period
     if n != probe:
         run = _run(fwd, bwd, send_f, send_b, n, group=group, record=False, warmups=warmups)
@@ -138,24 +131,20 @@ def _ends(run, n: int, p: int, v: int) -> list[list[float]]:
     return ends
 
 
-def _period(ends: list[list[float]], *, first: int, stop: int, step: int,
-            longest: int) -> int | None:
-    """The least multiple ``c`` of ``step`` up to ``longest`` such that every stage's ends in
-    micro-batches ``first .. stop`` recur ``c`` micro-batches later by one common shift."""
+def _period(ends: list[list[float]], *, stop: int, step: int, longest: int,
+            reach: int) -> int | None:
+    """The least multiple ``c`` of ``step`` up to ``longest`` such that every op of the
+    ``c + reach`` micro-batches before ``stop`` ends one common time after the same op ``c``
+    micro-batches earlier (None: no such ``c`` fits in ``ends`` past ``reach``)."""
     for c in range(step, longest + 1, step):
-        if first + c >= stop:
+        first = stop - 2 * c - reach
+        if first < reach:
             return None
-        shift = ends[first + c][0] - ends[first][0]
+        shift = ends[stop - 1][0] - ends[stop - 1 - c][0]
         if all(_close(ends[i + c][s] - ends[i][s], shift, scale=ends[i + c][s])
                for i in range(first, stop - c) for s in range(len(ends[i]))):
             return c
     return None
-
-
-def _figures(run) -> list[float]:
-    """The times of a run that move with its length: each stage's finish and its last
-    backwards' starts."""
-    return list(run[0]) + [x for row in run[2] for x in row]
 
 
 def _close(x: float, y: float, *, scale: float) -> bool:
