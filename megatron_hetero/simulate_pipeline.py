@@ -104,7 +104,7 @@ def _steady_state_run(fwd, bwd, send_f, send_b, m: int, *, group: int | None,
         ran = probe
         run = _run(fwd, bwd, send_f, send_b, probe, group=group, record=False,
                    warmups=warmups)
-        ends = _ends(run, probe, p, v)
+        ends = _ends(run, probe, p, v, first=max(0, probe - 2 * tail - 2 * q * p))
         period = _period(ends, stop=probe - tail, step=q, longest=q * p, reach=tail)
         if period is not None:
             break
@@ -122,12 +122,15 @@ def _steady_state_run(fwd, bwd, send_f, send_b, m: int, *, group: int | None,
     return free, busy, last_b, []
 
 
-def _ends(run, n: int, p: int, v: int) -> list[list[float]]:
-    """Per micro-batch of a run of ``n``, the end of each of its ops, by stage, kind and chunk."""
+def _ends(run, n: int, p: int, v: int, *, first: int) -> list[list[float] | None]:
+    """Per micro-batch of a run of ``n`` from ``first`` on (None before), the end of each of
+    its ops, by stage, kind and chunk."""
     end, (stage, dur_of, _, _, mb_of) = run[3], run[5]
-    ends = [[0.0] * (2 * v * p) for _ in range(n)]
-    for k, s in enumerate(stage):
-        ends[mb_of[k]][s * 2 * v + dur_of[k]] = end[k]
+    ends: list[list[float] | None] = [None] * first + [[0.0] * (2 * v * p)
+                                                       for _ in range(n - first)]
+    for k, i in enumerate(mb_of):
+        if i >= first:
+            ends[i][stage[k] * 2 * v + dur_of[k]] = end[k]
     return ends
 
 
