@@ -24,6 +24,7 @@ from megatron_hetero.cost.profile_file import load_profile, save_profile
 from megatron_hetero.errors import HeteroError
 from megatron_hetero.hardware.catalog import load_catalog
 from megatron_hetero.hardware.inventory import load_inventory
+from megatron_hetero.jobspec import read_hostfile
 from megatron_hetero.models import PRESETS, load_model
 from megatron_hetero.plan_mesh import load_any_plan
 
@@ -36,6 +37,13 @@ _DIR = Path(tempfile.mkdtemp(prefix="fuzz-loaders-"))
 def _model_file() -> Path:
     path = _DIR / "seed-model.yaml"
     path.write_text(yaml.safe_dump(to_data(PRESETS["llama3-8b"]), sort_keys=False))
+    return path
+
+
+def _hostfile() -> Path:
+    path = _DIR / "seed-hosts.txt"
+    path.write_text("# slurm nodes\nnode01 A100-SXM-80GB 8\nnode02 a100-sxm-80gb 8  # any case\n"
+                    "node03 V100-SXM2-32GB\n")
     return path
 
 
@@ -54,7 +62,10 @@ LOADERS = {
                                            REPO / "examples/llama2/7b/inventory.yaml"]),
     "model": (lambda p: load_model(str(p)), lambda: [_model_file()]),
     "profile": (lambda p: load_profile(p, catalog=load_catalog()), lambda: [_profile_file()]),
+    "hostfile": (lambda p: read_hostfile(p, load_catalog(), default_gpus=4),
+                 lambda: [_hostfile()]),
 }
+YAML_KINDS = sorted(set(LOADERS) - {"hostfile"})
 
 
 @functools.cache
@@ -126,6 +137,8 @@ def _mutate(data, path, op, value):
 
 @st.composite
 def mutated_data(draw, kind):
+    if kind == "hostfile":
+        return draw(mutated_text(kind))
     seed = yaml.safe_load(draw(st.sampled_from(_seeds(kind))))
     for _ in range(draw(st.integers(1, 3))):
         paths = list(_paths(seed))
@@ -194,6 +207,25 @@ def test_text_mutations_of_valid_files(data):
     _load(kind, data.draw(mutated_text(kind)))
 
 
+HOSTFILES = {
+    # a traceback each: found by the fuzzer
+    "a byte that is not UTF-8": (b"node01 A100-SXM-80GB 8\n\xff\n", "byte 23"),
+    # ... and by reading the loader
+    "a superscript digit, which str.isdigit accepts": ("node01 A100-SXM-80GB \u00b2\n".encode(),
+                                                       "expected a positive integer"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTFILES))
+def test_named_bad_hostfiles(case):
+    raw, words = HOSTFILES[case]
+    path = _DIR / "named-hosts.txt"
+    path.write_bytes(raw)
+    with pytest.raises(HeteroError) as got:
+        LOADERS["hostfile"][0](path)
+    assert str(path) in str(got.value) and words in str(got.value)
+
+
 def test_the_seeds_load():
     for kind, (load, paths) in LOADERS.items():
         for path in paths():
@@ -224,7 +256,7 @@ NAMED = {
 }
 
 
-@pytest.mark.parametrize("kind", sorted(LOADERS))
+@pytest.mark.parametrize("kind", YAML_KINDS)
 @pytest.mark.parametrize("case", sorted(NAMED))
 def test_named_bad_documents(kind, case):
     text, words = NAMED[case]
