@@ -92,8 +92,8 @@ def _steady_state_run(fwd, bwd, send_f, send_b, m: int, *, group: int | None,
     micro-batches (its error is then that of a transient longer than the probe)."""
     p, v = len(fwd), len(fwd[0])
     q = 1 if v == 1 else (p if group is None else group)
-    tail = 2 * p + v * q + max(warmups or (0,))  # micro-batches an op's wait may reach
-    probe, ran = 3 * tail + 2 * q, 0
+    tail = p + q + max(warmups or (0,))  # micro-batches an op's wait may reach
+    probe, ran = 6 * tail + 2 * q, 0  # the common transient settles within the first probe
     while True:
         probe += (m - probe) % q  # the same remainder modulo q as m
         if m < 2 * probe or probe > PROBE_MOST:
