@@ -6,9 +6,10 @@ Every op starts when its stage is free and the op it waits for has ended and its
 (or gradients) have crossed the link (under Megatron's non-interleaved 1F1B a stage is free
 only once its op's send has crossed too: :func:`_run`); the durations are the same for every micro-batch. Such a
 schedule is a max-plus linear system: past its warm-up the ends of the ops repeat, every ``c``
-micro-batches, shifted by the same time. :func:`pipeline_run` simulates a short probe of the
-pipeline, finds that period from it, checks it on two more short runs and moves their ends on
-by the whole periods a long run adds; where no period shows it simulates every op.
+micro-batches, shifted by the same time. :func:`pipeline_run` simulates one short probe of
+the pipeline, reads that period off its end and moves the probe's ends on by the whole periods
+a long run adds; where no period shows within :data:`PROBE_MOST` micro-batches it simulates
+every op up to :data:`EXACT_MOST`, and extrapolates the last probe beyond.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def pipeline_run(fwd: list[list[float]], bwd: list[list[float]], send_f: list[fl
     """What :func:`interleaved_1f1b` returns, in time that does not grow with ``m``: a run of
     more than :data:`DIRECT_MICROBATCHES` micro-batches (without ``record``: its events would
     be as many) is extrapolated from its steady state (:func:`_steady_state_run`) when that
-    repeats within a short probe, else simulated op by op."""
+    repeats within a short probe, else simulated op by op. Runs are cached by their inputs
+    (:data:`_RUNS`); the lists returned are the caller's."""
     if record:
         return interleaved_1f1b(fwd, bwd, send_f, send_b, m, record=record, group=group,
                                 warmups=warmups)
@@ -61,6 +63,7 @@ most of their pipelines (a local-search move changes one or two), and a run is a
 of these."""
 
 _RUNS_MOST = 4096
+"""Runs :data:`_RUNS` holds before it starts again (each is a few lists of ``p`` numbers)."""
 
 
 def _fresh_run(fwd, bwd, send_f, send_b, m: int, *, group: int | None,
