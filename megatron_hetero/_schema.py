@@ -10,6 +10,7 @@ as a string.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 import types
@@ -27,11 +28,39 @@ _YAML12_FLOAT = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)"
 """Exponent numbers without a dot, which YAML 1.2 reads as floats and PyYAML as strings."""
 
 
+MOST_VALUES = 1_000_000
+"""The most values (mappings, lists and scalars, each alias counted as often as it is used) a
+document may hold: far beyond any plan, inventory, model or profile, and a bound on what an
+alias bomb (a few lines of anchors that expand to billions of values) costs to refuse."""
+
+
 class _StrictLoader(yaml.SafeLoader):
     """PyYAML's safe loader that refuses a key given twice in one mapping (PyYAML keeps the
-    last one silently)."""
+    last one silently), and turns a scalar its constructors cannot read (``!!int`` with no
+    digits, ``!!timestamp x``, an integer of more than 4300 digits) into a YAML error at the
+    scalar."""
+
+    def construct_object(self, node, deep=False):
+        try:
+            return super().construct_object(node, deep=deep)
+        except (ValueError, TypeError, IndexError, AttributeError, OverflowError) as exc:
+            value = node.value if isinstance(node.value, str) else ""
+            shown = repr(value) if len(value) <= 40 else repr(value[:37]) + "..."
+            raise yaml.constructor.ConstructorError(
+                None, None, f"{shown}, which cannot be read as !!{node.tag.rsplit(':', 1)[-1]}",
+                node.start_mark) from None
+
+    def construct_document(self, node):
+        try:  # a set, a mapping or a list is built by a generator run from here
+            return super().construct_document(node)
+        except (ValueError, TypeError, IndexError, AttributeError, OverflowError) as exc:
+            raise yaml.constructor.ConstructorError(None, None, f"a value that cannot be read "
+                                                    f"({exc})", node.start_mark) from None
 
     def construct_mapping(self, node, deep=False):
+        if not isinstance(node, yaml.MappingNode):  # !!set or !!omap on a scalar or a list
+            raise yaml.constructor.ConstructorError(
+                None, None, f"expected a mapping node, but found {node.id}", node.start_mark)
         seen: dict = {}
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=True)
@@ -66,7 +95,7 @@ def read_yaml(path: str | Path) -> Any:
                           Described(f"the byte 0x{raw[exc.start]:02x}, which is not UTF-8"),
                           "a UTF-8 text file") from None
     try:
-        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader)
+        data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader)
     except _DuplicateKey as exc:
         raise SchemaError(str(path), f"line {exc.second.line + 1}",
                           Described(f"the key {exc.key!r} a second time (first on line "
@@ -79,6 +108,40 @@ def read_yaml(path: str | Path) -> Any:
     except RecursionError:
         raise SchemaError(str(path), "", Described("nesting too deep to read"),
                           "a plan, inventory, model or profile document") from None
+    _count_values(data, str(path))
+    return data
+
+
+def _count_values(data: Any, source: str) -> None:
+    """Refuse a document of more than :data:`MOST_VALUES` values once its aliases are
+    expanded, or one that holds itself (``&a [*a]``). Each distinct object is visited once."""
+    sizes: dict[int, int] = {}
+    open_ids: set[int] = set()
+    stack: list[tuple[Any, bool]] = [(data, False)]
+    while stack:
+        obj, done = stack.pop()
+        if not isinstance(obj, (dict, list)):
+            continue
+        key = id(obj)
+        children = list(obj.values()) + list(obj) if isinstance(obj, dict) else obj
+        if done:
+            open_ids.discard(key)
+            total = len(children) + sum(sizes.get(id(c), 0) for c in children)
+            sizes[key] = total
+            if total > MOST_VALUES:
+                raise SchemaError(source, "", Described(f"more than {MOST_VALUES:,} values "
+                                                        "(aliases expanded)"),
+                                  "a plan, inventory, model or profile document") from None
+            continue
+        if key in sizes:
+            continue
+        if key in open_ids:
+            raise SchemaError(source, "", Described("a value that contains itself (an alias "
+                                                    "inside its own anchor)"),
+                              "a document without cycles")
+        open_ids.add(key)
+        stack.append((obj, True))
+        stack.extend((c, False) for c in children if isinstance(c, (dict, list)))
 
 
 def write_yaml(data: Any, path: str | Path) -> None:
@@ -108,6 +171,10 @@ def to_data(obj: Any) -> Any:
 
 
 def _join(path: str, key: str) -> str:
+    """``path.key``; a key that is empty, has a line break or other unprintable character, or
+    leading or trailing space is quoted, so that a message stays one readable line."""
+    if not key or not key.isprintable() or key.strip() != key:
+        key = repr(key)
     return f"{path}.{key}" if path else key
 
 
@@ -195,12 +262,19 @@ def _convert(hint: Any, data: Any, source: str, path: str) -> Any:
     raise SchemaError(source, path, data, _describe(hint))
 
 
+@functools.cache
+def _fields(cls: type) -> tuple[dict[str, Any], dict[str, dataclasses.Field]]:
+    """The type hints of ``cls`` and its fields read from a file (resolving the hints costs
+    more than converting a small mapping, and they never change)."""
+    return typing.get_type_hints(cls), {f.name: f for f in dataclasses.fields(cls)
+                                        if f.init and not f.metadata.get("internal")}
+
+
 def _convert_dataclass(cls: type, data: Any, source: str, path: str) -> Any:
     if not isinstance(data, dict):
         found = Described("an empty document") if data is None and not path else data
         raise SchemaError(source, path, found, _describe(cls))
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init and not f.metadata.get("internal")}
+    hints, fields = _fields(cls)
     unknown = [k for k in data if k not in fields]
     if unknown:
         raise SchemaError(

@@ -160,7 +160,16 @@ def read_hostfile(path: str | Path, catalog: Catalog, *, default_gpus: int | Non
                   ) -> list[HostEntry]:
     """Read ``HOST GPU_TYPE [NUM_GPUS]`` lines (``#`` comments and blank lines ignored)."""
     entries = []
-    for lineno, raw in enumerate(Path(path).read_text().splitlines(), start=1):
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise HeteroError(f"{path}: {exc.strerror}; expected a readable hostfile") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise HeteroError(f"{path}: byte {exc.start}: found the byte 0x{data[exc.start]:02x}, "
+                          "which is not UTF-8; expected a UTF-8 text file") from None
+    for lineno, raw in enumerate(text.splitlines(), start=1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
@@ -173,7 +182,7 @@ def read_hostfile(path: str | Path, catalog: Catalog, *, default_gpus: int | Non
         if canonical is None:
             catalog.get(gpu, source=where)
         if len(fields) == 3:
-            if not fields[2].isdigit() or int(fields[2]) < 1:
+            if not (fields[2].isascii() and fields[2].isdigit()) or int(fields[2]) < 1:
                 raise HeteroError(f"{where}: NUM_GPUS {fields[2]!r}: expected a positive integer")
             num = int(fields[2])
         elif default_gpus is not None:

@@ -38,13 +38,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .cost.model import CostModel
+from .errors import HeteroError
 from .cost.stage import Memory, StageShape
 from .models import step_model_flops
 from .plan import Plan
 from .schedule_order import has_extra_warmup, pipeline_warmups
 from .simulate_pipeline import pipeline_run
 
-__all__ = ["simulate", "host_memory", "nodes_host_memory", "SimResult", "StageResult", "HostMemory",
+__all__ = ["simulate", "check_recordable", "RECORD_MOST", "host_memory", "nodes_host_memory", "SimResult", "StageResult", "HostMemory",
            "Event"]
 
 
@@ -318,6 +319,27 @@ def nodes_host_memory(used: Mapping, cost: CostModel) -> list[HostMemory]:
     return out
 
 
+RECORD_MOST = 2_000_000
+"""The most compute ops a timeline records (:func:`check_recordable`): a few hundred megabytes
+of events, far more than a picture shows."""
+
+
+def recorded_ops(plan: Plan) -> int:
+    """The compute ops a recorded step of ``plan`` holds: a forward and a backward of every
+    micro-batch on every stage and chunk."""
+    p, v = plan.pipeline_model_parallel_size, plan.virtual_pipeline_size
+    return sum(2 * p * v * pipe.num_microbatches for pipe in plan.pipelines)
+
+
+def check_recordable(ops: int) -> None:
+    """Refuse, with one line, a timeline of more than :data:`RECORD_MOST` compute ops (whose
+    events would take minutes and gigabytes to record: a global batch of 10^6 or more)."""
+    if ops > RECORD_MOST:
+        raise HeteroError(f"--timeline: a step of {ops:,} forwards and backwards to draw; "
+                          f"expected at most {RECORD_MOST:,} (a smaller --global-batch-size, "
+                          "or no --timeline)")
+
+
 def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True,
              pipeline_sends: Mapping[int, Sequence[float]] | None = None) -> SimResult:
     """Simulate one training step of ``plan`` under ``cost``. ``pipeline_sends``: for the
@@ -325,6 +347,8 @@ def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True,
     interleaved, from the last stage back to the first) instead of the placed link's (the
     rehearsal's emulated links)."""
     pipeline_sends = pipeline_sends or {}
+    if record_events:
+        check_recordable(recorded_ops(plan))
     placement = cost.placement(plan)
     p, D = plan.pipeline_model_parallel_size, plan.data_parallel_size
     # pipelines alike in every stage share their costs (large pools repeat one template)

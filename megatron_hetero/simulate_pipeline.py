@@ -6,9 +6,10 @@ Every op starts when its stage is free and the op it waits for has ended and its
 (or gradients) have crossed the link (under Megatron's non-interleaved 1F1B a stage is free
 only once its op's send has crossed too: :func:`_run`); the durations are the same for every micro-batch. Such a
 schedule is a max-plus linear system: past its warm-up the ends of the ops repeat, every ``c``
-micro-batches, shifted by the same time. :func:`pipeline_run` simulates a short probe of the
-pipeline, finds that period from it, checks it on two more short runs and moves their ends on
-by the whole periods a long run adds; where no period shows it simulates every op.
+micro-batches, shifted by the same time. :func:`pipeline_run` simulates one short probe of
+the pipeline, reads that period off its end and moves the probe's ends on by the whole periods
+a long run adds; where no period shows within :data:`PROBE_MOST` micro-batches it simulates
+every op up to :data:`EXACT_MOST`, and extrapolates the last probe beyond.
 """
 
 from __future__ import annotations
@@ -17,10 +18,18 @@ from functools import lru_cache
 
 from .cost.schedule import rank_order_cached
 
-__all__ = ["one_f_one_b", "interleaved_1f1b", "pipeline_run", "DIRECT_MICROBATCHES"]
+__all__ = ["one_f_one_b", "interleaved_1f1b", "pipeline_run", "DIRECT_MICROBATCHES", "PROBE_MOST",
+           "EXACT_MOST"]
 
 DIRECT_MICROBATCHES = 256
 """Pipelines of up to this many micro-batches are simulated op by op (:func:`pipeline_run`)."""
+
+PROBE_MOST = 16384
+"""The longest probe of the steady state, in micro-batches (:func:`_steady_state_run`)."""
+
+EXACT_MOST = 2 * PROBE_MOST
+"""A pipeline whose steady state shows no period within :data:`PROBE_MOST` micro-batches is
+simulated op by op up to this many micro-batches, and extrapolated from its probe beyond."""
 
 _TOLERANCE = 1e-9
 """Relative agreement asked of the repeats of the steady state."""
@@ -32,83 +41,116 @@ def pipeline_run(fwd: list[list[float]], bwd: list[list[float]], send_f: list[fl
     """What :func:`interleaved_1f1b` returns, in time that does not grow with ``m``: a run of
     more than :data:`DIRECT_MICROBATCHES` micro-batches (without ``record``: its events would
     be as many) is extrapolated from its steady state (:func:`_steady_state_run`) when that
-    repeats within a short probe, else simulated op by op."""
-    if record or m <= DIRECT_MICROBATCHES:
+    repeats within a short probe, else simulated op by op. Runs are cached by their inputs
+    (:data:`_RUNS`); the lists returned are the caller's."""
+    if record:
         return interleaved_1f1b(fwd, bwd, send_f, send_b, m, record=record, group=group,
                                 warmups=warmups)
-    got = _steady_state_run(fwd, bwd, send_f, send_b, m, group=group, warmups=warmups)
+    key = (tuple(map(tuple, fwd)), tuple(map(tuple, bwd)), tuple(send_f), tuple(send_b), m,
+           group, None if warmups is None else tuple(warmups))
+    got = _RUNS.get(key)
     if got is None:
-        return interleaved_1f1b(fwd, bwd, send_f, send_b, m, group=group, warmups=warmups)
-    return got
+        if len(_RUNS) >= _RUNS_MOST:
+            _RUNS.clear()
+        got = _RUNS[key] = _fresh_run(fwd, bwd, send_f, send_b, m, group=group, warmups=warmups)
+    free, busy, last_b, _ = got
+    return list(free), list(busy), [list(row) for row in last_b], []
+
+
+_RUNS: dict[tuple, tuple] = {}
+"""Runs by their durations, sends, length and order: the search simulates plans that share
+most of their pipelines (a local-search move changes one or two), and a run is a pure function
+of these."""
+
+_RUNS_MOST = 4096
+"""Runs :data:`_RUNS` holds before it starts again (each is a few lists of ``p`` numbers)."""
+
+
+def _fresh_run(fwd, bwd, send_f, send_b, m: int, *, group: int | None,
+               warmups: tuple[int, ...] | None):
+    if m > DIRECT_MICROBATCHES:
+        got = _steady_state_run(fwd, bwd, send_f, send_b, m, group=group, warmups=warmups)
+        if got is not None:
+            return got
+    return interleaved_1f1b(fwd, bwd, send_f, send_b, m, group=group, warmups=warmups)
 
 
 def _steady_state_run(fwd, bwd, send_f, send_b, m: int, *, group: int | None,
                       warmups: tuple[int, ...] | None):
-    """:func:`interleaved_1f1b`'s answer for ``m`` micro-batches from three short runs, or None
-    when the steady state does not repeat within them (or ``m`` is too short to gain).
+    """:func:`interleaved_1f1b`'s answer for ``m`` micro-batches from one probe of its steady
+    state, or None when no probe up to :data:`PROBE_MOST` micro-batches shows a period and
+    ``m`` is short enough (:data:`EXACT_MOST`) to simulate op by op.
 
-    The order repeats every ``q`` micro-batches (1; interleaved, the micro-batch group). A probe
-    of a few hundred micro-batches at most gives each stage's end of its backward of every
-    micro-batch; the period ``c`` (a multiple of ``q``) is the shortest after which all of them,
-    past the warm-up and before the drain, end the same time later (a longer probe while none
-    does: a transient can outlast the warm-up, as long as ``m`` stays twice the probe). Two runs of ``n`` and
-    ``n + c`` micro-batches, ``n`` as long as the probe and congruent to ``m`` modulo ``c``, must
-    then differ by that time in every figure; ``m`` adds ``(m - n) / c`` such periods."""
+    The order repeats every ``q`` micro-batches (1; interleaved, the micro-batch group), and an
+    op waits only on ops of micro-batches less than ``tail`` away. A probe of ``n``
+    micro-batches, ``n`` congruent to ``m`` modulo ``q``, gives the end of every op; its period
+    ``c`` is the least multiple of ``q`` (up to ``q * p``) such that every op of the
+    ``c + tail`` micro-batches before the drain ends the same time after the same op ``c``
+    micro-batches earlier. Each later op then waits on ops that repeat, so the run of ``m``
+    micro-batches is the probe's with ``(m - n) / c`` such times added (``n`` made congruent to
+    ``m`` modulo ``c`` first: one more run where ``c`` is not ``q``). Where the probe shows no
+    period (a transient can outlast the warm-up by hundreds of micro-batches where two stages'
+    paces are close) the next one is twice as long. Beyond :data:`EXACT_MOST` micro-batches a
+    run whose last probe shows no period is moved on by that probe's last ``q * p``
+    micro-batches (its error is then that of a transient longer than the probe)."""
     p, v = len(fwd), len(fwd[0])
     q = 1 if v == 1 else (p if group is None else group)
-    tail = 2 * p + v * q + max(warmups or (0,))  # micro-batches whose backwards may drain
-    longest = q * p  # the longest period looked for
-    start = tail  # past the warm-up and its transient; doubled while none repeats
+    tail = p + q + max(warmups or (0,))  # micro-batches an op's wait may reach
+    probe, ran = 6 * tail + 2 * q, 0  # the common transient settles within the first probe
     while True:
-        probe = start + 3 * longest + tail
         probe += (m - probe) % q  # the same remainder modulo q as m
-        if m < 2 * probe:
-            return None
+        if m < 2 * probe or probe > PROBE_MOST:
+            if m <= EXACT_MOST or ran < 3 * tail + 2 * q * p:
+                return None
+            probe, period = ran, q * p  # too long to simulate: the last probe's last periods
+            break
+        ran = probe
         run = _run(fwd, bwd, send_f, send_b, probe, group=group, record=False,
                    warmups=warmups)
-        end, (stage, dur_of, _, _, mb_of) = run[3], run[5]
-        ends = [[0.0] * p for _ in range(probe)]
-        for k, s in enumerate(stage):
-            if dur_of[k] == v:  # the backward of chunk 0
-                ends[mb_of[k]][s] = end[k]
-        period = _period(ends, first=start, stop=probe - tail, step=q, longest=longest)
+        ends = _ends(run, probe, p, v, first=max(0, probe - 2 * tail - 2 * q * p))
+        period = _period(ends, stop=probe - tail, step=q, longest=q * p, reach=tail)
         if period is not None:
             break
-        start *= 2
+        probe *= 2
+    last = probe - tail - 1
+    shifts = [y - x for x, y in zip(ends[last - period], ends[last])]
     n = probe + (m - probe) % period
-    one = run if n == probe else _run(fwd, bwd, send_f, send_b, n, group=group,
-                                              record=False, warmups=warmups)
-    two = _run(fwd, bwd, send_f, send_b, n + period, group=group, record=False,
-               warmups=warmups)
-    a, b = _figures(one), _figures(two)
-    shift = b[0] - a[0]
-    if not all(_close(y - x, shift, scale=y) for x, y in zip(a, b)):
-        return None
+    if n != probe:
+        run = _run(fwd, bwd, send_f, send_b, n, group=group, record=False, warmups=warmups)
     periods = (m - n) // period
-    free = [x + periods * shift for x in one[0]]
-    last_b = [[x + periods * shift for x in row] for row in one[2]]
+    shift = max(shifts)
+    free = [x + periods * shift for x in run[0]]
+    last_b = [[x + periods * shift for x in row] for row in run[2]]
     busy = [m * sum(list(f) + list(b)) for f, b in zip(fwd, bwd)]  # as _run sums
     return free, busy, last_b, []
 
 
-def _period(ends: list[list[float]], *, first: int, stop: int, step: int,
-            longest: int) -> int | None:
-    """The least multiple ``c`` of ``step`` up to ``longest`` such that every stage's ends in
-    micro-batches ``first .. stop`` recur ``c`` micro-batches later by one common shift."""
+def _ends(run, n: int, p: int, v: int, *, first: int) -> list[list[float] | None]:
+    """Per micro-batch of a run of ``n`` from ``first`` on (None before), the end of each of
+    its ops, by stage, kind and chunk."""
+    end, (stage, dur_of, _, _, mb_of) = run[3], run[5]
+    ends: list[list[float] | None] = [None] * first + [[0.0] * (2 * v * p)
+                                                       for _ in range(n - first)]
+    for k, i in enumerate(mb_of):
+        if i >= first:
+            ends[i][stage[k] * 2 * v + dur_of[k]] = end[k]
+    return ends
+
+
+def _period(ends: list[list[float]], *, stop: int, step: int, longest: int,
+            reach: int) -> int | None:
+    """The least multiple ``c`` of ``step`` up to ``longest`` such that every op of the
+    ``c + reach`` micro-batches before ``stop`` ends one common time after the same op ``c``
+    micro-batches earlier (None: no such ``c`` fits in ``ends`` past ``reach``)."""
     for c in range(step, longest + 1, step):
-        if first + c >= stop:
+        first = stop - 2 * c - reach
+        if first < reach:
             return None
-        shift = ends[first + c][0] - ends[first][0]
+        shift = ends[stop - 1][0] - ends[stop - 1 - c][0]
         if all(_close(ends[i + c][s] - ends[i][s], shift, scale=ends[i + c][s])
                for i in range(first, stop - c) for s in range(len(ends[i]))):
             return c
     return None
-
-
-def _figures(run) -> list[float]:
-    """The times of a run that move with its length: each stage's finish and its last
-    backwards' starts."""
-    return list(run[0]) + [x for row in run[2] for x in row]
 
 
 def _close(x: float, y: float, *, scale: float) -> bool:

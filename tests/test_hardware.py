@@ -135,3 +135,22 @@ def test_inventory_gpu_alias_taken_by_another_entry_is_refused():
                                "groups": [{"gpu": "H100", "nodes": 1, "gpus_per_node": 8}]})
     assert inv.catalog.resolve("NVIDIA H100 80GB HBM3") == "H100-SXM-80GB"
     assert inv.spec("H100-SXM-80GB").efficiency == 0.5
+
+
+def test_many_custom_gpus_copy_the_catalog_once(tmp_path, monkeypatch):
+    # each entry of `gpus:` used to copy the whole catalog and re-index its aliases: quadratic
+    from megatron_hetero.hardware import catalog as catalog_module
+    from megatron_hetero.hardware.inventory import load_inventory
+    built = []
+    real = catalog_module.Catalog.__init__
+    monkeypatch.setattr(catalog_module.Catalog, "__init__",
+                        lambda self, specs: (built.append(len(specs)), real(self, specs))[1])
+    entries = "\n".join(
+        f"  G{i}: {{vendor: nvidia, bf16_tflops: 300, bf16: true, fp32_tflops: 20, memory_gb: 80,"
+        f" memory_bandwidth_gb_s: 2000, intra_node_link: nvlink, intra_node_bandwidth_gb_s: 300,"
+        f" efficiency: 0.5, aliases: [gpu-{i}]}}" for i in range(300))
+    path = tmp_path / "inv.yaml"
+    path.write_text("groups:\n  - {gpu: gpu-299, nodes: 1, gpus_per_node: 8}\ngpus:\n" + entries + "\n")
+    inv = load_inventory(path)
+    assert inv.groups[0].gpu == "G299" and inv.spec("gpu-7").name == "G7"
+    assert len(built) == 2  # the built-in catalog, then one copy for the whole `gpus:`

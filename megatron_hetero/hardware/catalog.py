@@ -146,7 +146,7 @@ class Catalog:
         """This catalog with an inventory's ``gpus:`` applied: a name the catalog knows (or one
         of its aliases) overrides the given fields of that entry; another name adds an entry,
         which must then give every field."""
-        catalog = self
+        catalog = Catalog(self._specs)
         for name, ov in overrides.items():
             given = {k: v for k, v in dataclasses.asdict(ov).items() if v is not None}
             canonical = catalog.resolve(name)
@@ -159,7 +159,7 @@ class Catalog:
                 spec = from_data(GPUSpec, base, source=source, path=where)
             else:
                 spec = from_data(GPUSpec, given, source=source, path=where)
-            catalog = catalog._with(canonical or name, spec, source=source, where=where)
+            catalog._put(canonical or name, spec, source=source, where=where)
         return catalog
 
     def with_entries(self, entries: Mapping[str, GPUSpec], *, source: str,
@@ -167,7 +167,7 @@ class Catalog:
         """This catalog with full entries (a plan's ``gpus:``) added or replacing the entry of
         the same canonical name. A key must be a canonical name: an alias of another entry is
         refused, as is an alias that another entry already answers to."""
-        catalog = self
+        catalog = Catalog(self._specs)
         for name, spec in entries.items():
             where = f"{path}.{name}"
             canonical = catalog.resolve(name)
@@ -176,18 +176,27 @@ class Catalog:
                                                            f"{canonical}"),
                                   f"the canonical name {canonical!r} (to replace that entry) or "
                                   "a name the catalog does not know (to add one)")
-            catalog = catalog._with(name, spec, source=source, where=where)
+            catalog._put(name, spec, source=source, where=where)
         return catalog
 
-    def _with(self, name: str, spec: GPUSpec, *, source: str, where: str) -> "Catalog":
+    def _put(self, name: str, spec: GPUSpec, *, source: str, where: str) -> None:
+        """Add or replace entry ``name`` of this new catalog (one being built: a catalog is
+        copied once for a whole ``gpus:``, not once per entry, which was quadratic)."""
         for i, alias in enumerate(spec.aliases):
             owner = self.resolve(alias)
             if owner is not None and owner != name:
                 raise SchemaError(source, f"{where}.aliases[{i}]", alias,
                                   f"a name no other catalog entry answers to ({owner} does)")
-        specs = dict(self._specs)
-        specs[name] = dataclasses.replace(spec, name=name)
-        return Catalog(specs)
+        old = self._specs.get(name)
+        self._specs[name] = dataclasses.replace(spec, name=name)
+        if old is not None and old.aliases:  # the replaced entry's aliases go with it
+            self._by_key = {}
+            for n, sp in self._specs.items():
+                for key in [n, *sp.aliases]:
+                    self._by_key.setdefault(_norm(key), n)
+            return
+        for key in [name, *spec.aliases]:
+            self._by_key.setdefault(_norm(key), name)
 
 
 def _builtin() -> dict[str, Any]:

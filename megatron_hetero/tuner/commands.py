@@ -127,6 +127,9 @@ def tune_main(args: argparse.Namespace) -> int:
     if args.seq_length is not None and args.seq_length < 1:
         raise HeteroError(f"--seq-length: {args.seq_length}; expected a positive integer")
     _check_timeline(args.timeline)
+    if args.timeline:  # at least a forward and a backward of every micro-batch of the batch
+        from ..simulate import check_recordable
+        check_recordable(2 * args.global_batch_size // max(_sizes(args.micro_batch_sizes)))
     with _outputs("tune", args, inputs={"INVENTORY": args.inventory},
                   outputs={"-o/--output": args.output, "--report": args.report,
                            "--timeline": args.timeline}) as out:

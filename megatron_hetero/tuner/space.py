@@ -167,9 +167,11 @@ def _divisible_templates(templates, global_batch_size: int):
 
 def structures(problem: Problem) -> list[tuple[float, Structure]]:
     """All structures with a lower bound on their step time, sorted by it. The bound: every
-    pipeline perfectly balanced (its per-micro-batch time the whole model's time on its
-    stages' combined speed, TP communication included), fill and drain of ``p - 1``
-    micro-batches each (``(p - 1) / v`` interleaved), shares water-filled continuously."""
+    pipeline's fill and drain of ``p - 1`` micro-batches each (``(p - 1) / v`` interleaved)
+    perfectly balanced (its per-micro-batch time the whole model's time on its stages'
+    combined speed, TP communication included), every other micro-batch paced by the least
+    slowest stage whole layers allow (:func:`_whole_layers`), shares water-filled
+    continuously."""
     opt, gbs = problem.opt, problem.gbs
     L = problem.model.num_layers
     rates: dict[tuple, float] = {}  # micro-batches per second of one pipeline
@@ -192,20 +194,18 @@ def structures(problem: Problem) -> list[tuple[float, Structure]]:
                     if gbs % Dm:  # the runtime needs it (Megatron's step accounting)
                         tm = _divisible_templates(tm, gbs)
                         Dm = sum(n for _, n in tm)
-                    speed = 0.0  # micro-batches per second over all pipelines
+                    paces = []  # (balanced seconds per micro-batch, whole-layer ones, pipelines)
                     for types, n in tm:
                         # the stage order does not change the bound: key by type counts
                         counts = tuple((t, types.count(t)) for t in sorted(set(types)))
                         key = (prec, counts, tp, mbs)
-                        rate = rates.get(key)
-                        if rate is None:
-                            rate = 0.0
-                            for t, k in counts:
-                                lf, lb = cost.layer_times(t, mbs, tp)
-                                rate += k / (L * (lf + lb))
-                            rates[key] = rate
-                        speed += n * rate
-                    lb = (total + Dm * (pp - 1)) / speed
+                        got = rates.get(key)
+                        if got is None:
+                            layer = [(sum(cost.layer_times(t, mbs, tp)), k) for t, k in counts]
+                            got = rates[key] = (sum(k / (L * x) for x, k in layer),
+                                                _whole_layers(layer, L))
+                        paces.append((1 / got[0], got[1], n))
+                    lb = _bound(paces, total, pp - 1)
                     out.append((lb, Structure(tp, pp, mbs, tm)))
                     if pp == 1 or total % pp or total // pp < Dm:
                         continue
@@ -214,7 +214,7 @@ def structures(problem: Problem) -> list[tuple[float, Structure]]:
                         # express (an even split), so that the baseline is not understated
                         if v > opt.max_virtual_pipeline_size and L % (pp * v):
                             continue
-                        out.append(((total + Dm * (pp - 1) / v) / speed,
+                        out.append((_bound(paces, total, (pp - 1) / v),
                                     Structure(tp, pp, mbs, tm, v)))
     out.sort(key=lambda x: (x[0], x[1].tp, x[1].pp, x[1].mbs, x[1].vp, x[1].templates))
     unique, seen = [], set()
@@ -223,6 +223,31 @@ def structures(problem: Problem) -> list[tuple[float, Structure]]:
             seen.add(item[1])
             unique.append(item)
     return unique
+
+
+def _whole_layers(layer: list[tuple[float, int]], L: int) -> float:
+    """The least time ``T`` such that stages of these (seconds per layer, stages) can hold
+    ``L`` whole layers with none over ``T``: a bound on the slowest stage, which at a large
+    batch sets the pace (80 layers on 61 stages: two on some, 1.5 times the balanced time)."""
+    def fits(T: float) -> bool:
+        return sum(k * math.floor(T / x * (1 + 1e-12)) for x, k in layer) >= L
+    candidates = sorted({x * j for x, k in layer for j in range(1, -(-L // k) + 1)})
+    lo, hi = 0, len(candidates) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(candidates[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return candidates[lo]
+
+
+def _bound(paces: list[tuple[float, float, int]], total: int, fill: float) -> float:
+    """The step time bound of :func:`structures` for pipelines of (balanced seconds per
+    micro-batch ``b``, whole-layer slowest stage ``T``, count): a pipeline of ``m``
+    micro-batches takes at least ``(fill + 1) b + (m - 1) T``, the shares are continuous."""
+    return ((total + sum(n * ((fill + 1) * b / T - 1) for b, T, n in paces))
+            / sum(n / T for _, T, n in paces))
 
 
 def infeasible_message(problem: Problem) -> str:

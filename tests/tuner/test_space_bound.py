@@ -1,0 +1,47 @@
+"""The search's lower bound (tuner.space.structures): whole layers pace a large batch, and the
+bound stays below every structure's estimate, so the walk prunes nothing it would keep."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_hetero._schema import read_yaml
+from megatron_hetero.hardware import inventory_from_data
+from megatron_hetero.models import load_model
+from megatron_hetero.tuner.problem import Problem, TuneOptions
+from megatron_hetero.tuner.search import _Search
+from megatron_hetero.tuner.space import _whole_layers, structures
+
+SCENARIOS = Path(__file__).resolve().parents[2] / "examples" / "scenarios"
+
+
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(st.floats(0.01, 5.0), st.integers(1, 3)), min_size=1, max_size=3),
+       st.integers(1, 9))
+def test_whole_layers_is_the_least_slowest_stage(layer, L):
+    stages = [x for x, k in layer for _ in range(k)]
+    best = min(max(n * x for n, x in zip(split, stages))
+               for split in itertools.product(range(L + 1), repeat=len(stages))
+               if sum(split) == L)
+    assert _whole_layers(layer, L) == pytest.approx(best, rel=1e-12)
+
+
+@pytest.mark.parametrize("gbs", [128, 16384])
+def test_the_bound_is_below_every_estimate(gbs):
+    data = read_yaml(SCENARIOS / "a100-v100-llama2-7b.yaml")
+    inventory = inventory_from_data(data["inventory"], source="scenario")
+    model = load_model(data["model"], seq_length=data.get("seq_length"))
+    problem = Problem(model, inventory, gbs, {}, TuneOptions())
+    search = _Search(problem)
+    checked = 0
+    for lb, structure in structures(problem)[:150]:
+        got = search.evaluate(structure, baseline=False)
+        if got is not None:
+            checked += 1
+            assert lb <= got.score * (1 + 1e-9), structure
+    assert checked > 20
