@@ -10,11 +10,7 @@ import pytest
 
 from megatron_hetero.plan import plan_from_data, save_plan
 
-import os
-import subprocess
-from pathlib import Path
-
-from .launching import PRETRAIN_GPT_ARGS, launch, logged_losses
+from .launching import PRETRAIN_GPT_ARGS, launch, logged_losses, megatron_lm_checkout, needs_megatron_git
 from .plans import A100, V100, make_plan
 
 pytestmark = pytest.mark.slow
@@ -224,25 +220,6 @@ def test_mismatch_and_conflict_stop_with_one_message(tmp_path):
     assert "--pipeline-model-parallel-size: the command line has 4; the plan implies 2" in out
 
 
-MEGATRON_GIT = Path(os.environ.get("MEGATRON_LM_GIT", "/work/.mirror/NVIDIA+Megatron-LM/repo"))
-
-
-needs_megatron_git = pytest.mark.skipif(
-    not MEGATRON_GIT.is_dir(),
-    reason=f"no Megatron-LM git clone at {MEGATRON_GIT} (set MEGATRON_LM_GIT)")
-
-
-def _megatron_lm_checkout(tmp_path) -> Path:
-    """Megatron-LM 0.17.1's scripts (its megatron.core/training come from megatron-core 0.17.1)."""
-    archive = subprocess.run(["git", "--git-dir", str(MEGATRON_GIT), "archive", "core_v0.17.1",
-                              "pretrain_gpt.py", "gpt_builders.py", "model_provider.py",
-                              "megatron/legacy"], capture_output=True, check=True).stdout
-    checkout = tmp_path / "Megatron-LM"
-    checkout.mkdir()
-    subprocess.run(["tar", "-x", "-C", str(checkout)], input=archive, check=True)
-    return checkout
-
-
 @needs_megatron_git
 @pytest.mark.parametrize("tp", [1, 2])
 def test_unchanged_pretrain_gpt_uneven_data_parallel(tmp_path, tp):
@@ -250,7 +227,7 @@ def test_unchanged_pretrain_gpt_uneven_data_parallel(tmp_path, tp):
     2-replica 3:1 plan logs the same training and validation losses and grad norms as one
     replica (with TP=2 the replicas' batches go through Megatron's tensor-parallel batch
     broadcast too)."""
-    checkout = _megatron_lm_checkout(tmp_path)
+    checkout = megatron_lm_checkout(tmp_path)
     before = (checkout / "pretrain_gpt.py").read_bytes()
     uneven, single = tmp_path / "uneven.yaml", tmp_path / "single.yaml"
     save_plan(make_plan(split=(2,), tp=tp, replicas=[(1, 3), (1, 1)]), uneven)
@@ -284,7 +261,7 @@ def test_unchanged_pretrain_gpt_interleaved_uneven_plan(tmp_path):
     """Megatron-LM 0.17.1's own pretrain_gpt.py runs an interleaved plan (PP=2, model chunks of
     1+1 and 2+1 layers) with replicas of 4 and 2 micro-batches: training and validation losses
     and grad norms as one replica running all 6 micro-batches through the same chunks."""
-    checkout = _megatron_lm_checkout(tmp_path)
+    checkout = megatron_lm_checkout(tmp_path)
     uneven, single = tmp_path / "uneven.yaml", tmp_path / "single.yaml"
     chunks = [[1, 1], [2, 1]]
     plan = make_plan(chunks=chunks, devices=[[A100, V100]] * 2, replicas=[(1, 4), (1, 2)])
