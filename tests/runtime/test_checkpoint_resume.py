@@ -10,7 +10,7 @@ Megatron builds the same mock dataset; ``--exit-interval`` stops a run early, af
   checkpoint: the chain starts from ``ref``'s step-1 checkpoint.
 * ``A`` (4 ranks): PP=2 with 2 interleaved chunks per stage, layout ``E|t|t*2|tL`` (the first
   chunk holds the embedding only), 2 replicas of 4 and 2 micro-batches, full recompute on
-  stage 1 only. It loads ``ref`` at step 1 (PP 1 -> 2, DP 1 -> 2) and trains steps 2-4,
+  stage 1 only, the gradient reduction overlapped (as the tuner writes plans). It loads ``ref`` at step 1 (PP 1 -> 2, DP 1 -> 2) and trains steps 2-4,
   saving after 2 and 4.
 * ``A2`` (4 ranks, the same plan): loads ``A`` at step 2 and trains steps 3-4 again.
 * ``B`` (3 ranks: fewer): PP=1, 3 replicas of 3, 2 and 1 micro-batches. It loads ``A`` at step 4
@@ -25,6 +25,7 @@ and gradient norm (nothing in the product knows about it).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections import Counter
@@ -48,9 +49,9 @@ RECOMPUTE = {"granularity": "full", "method": "block", "num_layers": 1}
 
 PLANS = {
     "ref": (1, make_plan(split=(4,), replicas=[(1, 6)], distributed_optimizer=True)),
-    "A": (4, make_plan(chunks=[[0, 2], [1, 1]], devices=[[A100, V100]] * 2,
-                       replicas=[(1, 4), (1, 2)], recompute=[None, RECOMPUTE],
-                       distributed_optimizer=True)),
+    "A": (4, dataclasses.replace(make_plan(
+        chunks=[[0, 2], [1, 1]], devices=[[A100, V100]] * 2, replicas=[(1, 4), (1, 2)],
+        recompute=[None, RECOMPUTE], distributed_optimizer=True), overlap_grad_reduce=True)),
     "B": (3, make_plan(split=(4,), replicas=[(1, 3), (1, 2), (1, 1)],
                        distributed_optimizer=True)),
     "C": (4, make_plan(split=(0, 4), tp=2, devices=[[A100, V100]], replicas=[(2, 3)],
