@@ -21,11 +21,16 @@ it adapts the few places where Megatron-LM's *training* package insists on a GPU
   fresh AdamW does on its first step; loading then overwrites all of it. Loading the fully
   reshardable format (``--dist-ckpt-optim-fully-reshardable``) then copies every tensor of a
   parameter's AdamW state from the checkpoint, ``step`` included, which that format keeps
-  apart (``KeyError: 'step'`` in ``_set_main_param_and_optimizer_states``): the step, already
-  set from the checkpoint's parameter groups, is left as it is. And ``load_state_dict`` gives
+  apart (``KeyError: 'step'`` in ``_set_main_param_and_optimizer_states``); the default
+  ``dp_reshardable`` format copies a ``step`` that is the fresh optimizer's (0: every resumed
+  step then takes Adam's first-step bias correction). The step, already set from the
+  checkpoint's parameter groups, is left as it is in both. And ``load_state_dict`` gives
   every parameter's state the *same* ``step`` tensor, which torch's AdamW then advances once
   per parameter in every step (a wrong bias correction after any resume): each parameter gets
-  its own copy.
+  its own copy. In fp32 the main parameters are views of the model's (which require grad), and
+  the default ``dp_reshardable`` format copies into them outside ``no_grad`` (``RuntimeError: a
+  view of a leaf Variable that requires grad is being used in an in-place operation``): the copy
+  runs under ``no_grad``, as the fully reshardable format's already does.
 
 Nothing here is used on a GPU run; :func:`prepare_cpu_run` refuses when CUDA is available.
 """
@@ -123,9 +128,13 @@ def _wrap_optimizer_state_dict(original):
 def _wrap_set_states(original):
     @functools.wraps(original)
     def _set_main_param_and_optimizer_states(self, model_param, tensors):
-        if "step" not in tensors:
-            tensors = {**tensors, "step": None}  # Megatron skips what is not a tensor
-        return original(self, model_param, tensors)
+        import torch
+
+        # the step comes from the checkpoint's parameter groups (load_state_dict set it); a
+        # "step" here is the fresh optimizer's. Megatron skips what is not a tensor.
+        tensors = {**tensors, "step": None}
+        with torch.no_grad():
+            return original(self, model_param, tensors)
     return _set_main_param_and_optimizer_states
 
 
