@@ -111,6 +111,31 @@ def test_resume_from_a_checkpoint_reads_the_same_samples(tmp_path):
     assert losses["uneven"] == pytest.approx(losses["single"], rel=1e-5)
 
 
+def test_default_torch_dist_format_resumes_on_more_replicas(tmp_path):
+    """Megatron's default checkpoint (torch_dist, distributed optimizer, its dp_reshardable
+    state) saved by one replica after step 1 resumes under a 3:1 plan: steps 2 and 3 see every
+    sample's loss as the uninterrupted replica does (the Adam state and step came back)."""
+    one, uneven = tmp_path / "one.yaml", tmp_path / "uneven.yaml"
+    save_plan(make_plan(split=(2,), replicas=[(1, 4)], distributed_optimizer=True), one)
+    save_plan(make_plan(split=(2,), replicas=[(1, 3), (1, 1)], distributed_optimizer=True),
+              uneven)
+    ckpt, common = tmp_path / "ckpt", ["--ckpt-format", "torch_dist"]
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    [(code, out, ref)] = launch(1, str(one), tmp_path / "a", iters=3,
+                                extra=common + ["--save", str(ckpt), "--save-interval", "1"])
+    assert code == 0, out[-3000:]
+    two = launch(2, str(uneven), tmp_path / "b", iters=3,
+                 extra=common + ["--load", str(ckpt), "--ckpt-step", "1"])
+    for code, out, _ in two:
+        assert code == 0, out[-3000:]
+    assert "dp_reshardable" in two[0][1]
+    want = {i: loss for [i], (loss, _) in zip(ref["indices"], ref["losses"]) if i >= 4}
+    got = {i: loss for _, _, log in two for [i], (loss, _) in zip(log["indices"], log["losses"])}
+    assert sorted(got) == sorted(want) == list(range(4, 12))
+    for i, loss in want.items():
+        assert got[i] == pytest.approx(loss, rel=1e-5), i
+
+
 def test_stage_specific_recompute_and_placement(tmp_path):
     """Recompute only on the stage the plan names; launcher ranks in the wrong order are
     placed on the stage of their device type."""
