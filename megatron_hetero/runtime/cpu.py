@@ -11,7 +11,26 @@ it adapts the few places where Megatron-LM's *training* package insists on a GPU
   (placed) Megatron rank before it runs, and it sees one device while it runs;
 * the memory report (``torch.cuda.memory_*``) answers zeros;
 * the dataset helpers are compiled only where their Makefile ships (a pip-installed
-  megatron-core has none; synthetic data does not need them).
+  megatron-core has none; synthetic data does not need them);
+* the distributed optimizer over torch's own AdamW (no Apex, no Transformer Engine: the CPU
+  stack) reads Adam's ``step`` from every parameter's state in ``state_dict()`` and asserts
+  there is exactly one (megatron-core 0.17.1 ``DistributedOptimizer.state_dict``). Before the
+  first step the state is empty, so loading a checkpoint (which builds the sharded state dict
+  of the fresh optimizer first) fails with a bare ``AssertionError``. The state is allocated
+  first as Megatron's own optimizer would (``init_state_fn``) with ``step`` 0, which is what a
+  fresh AdamW does on its first step; loading then overwrites all of it. Loading the fully
+  reshardable format (``--dist-ckpt-optim-fully-reshardable``) then copies every tensor of a
+  parameter's AdamW state from the checkpoint, ``step`` included, which that format keeps
+  apart (``KeyError: 'step'`` in ``_set_main_param_and_optimizer_states``); the default
+  ``dp_reshardable`` format copies a ``step`` that is the fresh optimizer's (0: every resumed
+  step then takes Adam's first-step bias correction). The step, already set from the
+  checkpoint's parameter groups, is left as it is in both. And ``load_state_dict`` gives
+  every parameter's state the *same* ``step`` tensor, which torch's AdamW then advances once
+  per parameter in every step (a wrong bias correction after any resume): each parameter gets
+  its own copy. In fp32 the main parameters are views of the model's (which require grad), and
+  the default ``dp_reshardable`` format copies into them outside ``no_grad`` (``RuntimeError: a
+  view of a leaf Variable that requires grad is being used in an in-place operation``): the copy
+  runs under ``no_grad``, as the fully reshardable format's already does.
 
 Nothing here is used on a GPU run; :func:`prepare_cpu_run` refuses when CUDA is available.
 """
@@ -89,6 +108,65 @@ def _wrap_compile_helpers(original):
     return compile_helpers
 
 
+def _wrap_optimizer_state_dict(original):
+    @functools.wraps(original)
+    def state_dict(self, *a, **kw):
+        import torch
+        from megatron.core.optimizer import distrib_optimizer
+
+        inner = self.optimizer
+        if (not distrib_optimizer.HAVE_APEX_OR_TE and isinstance(inner, torch.optim.Optimizer)
+                and len(inner.state) == 0 and callable(getattr(self, "init_state_fn", None))):
+            self.init_state_fn(inner, self.config)
+            for group in inner.param_groups:
+                for param in group["params"]:
+                    inner.state[param].setdefault("step", torch.tensor(0.0))
+        return original(self, *a, **kw)
+    return state_dict
+
+
+def _wrap_set_states(original):
+    @functools.wraps(original)
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        import torch
+
+        # the step comes from the checkpoint's parameter groups (load_state_dict set it); a
+        # "step" here is the fresh optimizer's. Megatron skips what is not a tensor.
+        tensors = {**tensors, "step": None}
+        with torch.no_grad():
+            return original(self, model_param, tensors)
+    return _set_main_param_and_optimizer_states
+
+
+def _wrap_load_state_dict(original):
+    @functools.wraps(original)
+    def load_state_dict(self, *a, **kw):
+        import torch
+
+        result = original(self, *a, **kw)
+        inner = self.optimizer
+        if isinstance(inner, torch.optim.Optimizer):
+            for state in inner.state.values():
+                if isinstance(state.get("step"), torch.Tensor):
+                    state["step"] = state["step"].clone()
+        return result
+    return load_state_dict
+
+
+def _patch_torch_optimizer_checkpoints() -> None:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for name, wrap in (("state_dict", _wrap_optimizer_state_dict),
+                       ("load_state_dict", _wrap_load_state_dict),
+                       ("_set_main_param_and_optimizer_states", _wrap_set_states)):
+        original = getattr(DistributedOptimizer, name, None)
+        if original is None or getattr(original, "_megatron_hetero_wrapper", False):
+            continue
+        wrapper = wrap(original)
+        wrapper._megatron_hetero_wrapper = True
+        setattr(DistributedOptimizer, name, wrapper)
+
+
 def prepare_cpu_run() -> None:
     """Make ``megatron.training.pretrain`` run on this process's CPU (see the module docstring)."""
     import torch
@@ -106,6 +184,7 @@ def prepare_cpu_run() -> None:
            _wrap_initialize_distributed)
     rebind("megatron.training.initialize", "_set_random_seed", _wrap_set_random_seed)
     rebind("megatron.core.datasets.utils", "compile_helpers", _wrap_compile_helpers)
+    _patch_torch_optimizer_checkpoints()
     import megatron.training.arguments as margs
 
     if hasattr(margs, "get_device_arch_version"):

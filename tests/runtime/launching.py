@@ -4,13 +4,22 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 TRAIN_SCRIPT = Path(__file__).with_name("data") / "train_tiny.py"
 MCORE017 = Path(sys.prefix) / "mcore017"
+MEGATRON_GIT = Path(os.environ.get("MEGATRON_LM_GIT", "/work/.mirror/NVIDIA+Megatron-LM/repo"))
+RECORDING_SCRIPT = Path(__file__).with_name("data") / "pretrain_gpt_recording.py"
+
+needs_megatron_git = pytest.mark.skipif(
+    not MEGATRON_GIT.is_dir(),
+    reason=f"no Megatron-LM git clone at {MEGATRON_GIT} (set MEGATRON_LM_GIT)")
 
 # Megatron arguments the tiny script needs on CPU; the plan supplies the model and batches.
 BASE_ARGS = [
@@ -25,6 +34,20 @@ BASE_ARGS = [
 # Megatron-LM's own pretrain_gpt.py with its mock GPT dataset.
 PRETRAIN_GPT_ARGS = [a for a in BASE_ARGS if a != "--no-create-attention-mask-in-dataloader"] + [
     "--mock-data", "--split", "100,0,0"]
+
+
+def megatron_lm_checkout(tmp_path) -> Path:
+    """Megatron-LM 0.17.1's scripts (its megatron.core/training come from megatron-core 0.17.1),
+    with the tests' recording wrapper (``data/pretrain_gpt_recording.py``) beside
+    ``pretrain_gpt.py``."""
+    archive = subprocess.run(["git", "--git-dir", str(MEGATRON_GIT), "archive", "core_v0.17.1",
+                              "pretrain_gpt.py", "gpt_builders.py", "model_provider.py",
+                              "megatron/legacy"], capture_output=True, check=True).stdout
+    checkout = tmp_path / "Megatron-LM"
+    checkout.mkdir()
+    subprocess.run(["tar", "-x", "-C", str(checkout)], input=archive, check=True)
+    shutil.copy(RECORDING_SCRIPT, checkout / RECORDING_SCRIPT.name)
+    return checkout
 
 
 # The baseline without the plugin: the same CPU preparation, no hooks, the plan's arguments

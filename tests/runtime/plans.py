@@ -9,7 +9,7 @@ A100, V100, H100 = "A100-SXM-80GB", "V100-SXM2-32GB", "H100-SXM-80GB"
 
 def make_plan(*, split=(1, 1), devices=None, replicas=((1, 1),), tp=1, recompute=None,
               offload=None, hidden=16, heads=4, vocab=128, seq=8, precision="fp32",
-              chunks=None, group=None) -> Plan:
+              chunks=None, group=None, distributed_optimizer=False) -> Plan:
     """``replicas``: (micro_batch_size, num_microbatches) per pipeline; ``devices[d][s]``,
     ``recompute[s]`` and ``offload[s]`` per stage (recompute/offload the same in every pipeline);
     ``chunks[s]``: an interleaved plan's layers per model chunk of stage s (``split`` follows);
@@ -38,7 +38,7 @@ def make_plan(*, split=(1, 1), devices=None, replicas=((1, 1),), tp=1, recompute
         "global_batch_size": sum(m * n for m, n in replicas),
         "precision": precision,
         "tensor_model_parallel_size": tp,
-        "use_distributed_optimizer": False,
+        "use_distributed_optimizer": distributed_optimizer,
         "virtual_pipeline_size": len(chunks[0]) if chunks else 1,
         "pipelines": pipelines,
     }

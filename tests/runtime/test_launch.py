@@ -10,11 +10,7 @@ import pytest
 
 from megatron_hetero.plan import plan_from_data, save_plan
 
-import os
-import subprocess
-from pathlib import Path
-
-from .launching import PRETRAIN_GPT_ARGS, launch, logged_losses
+from .launching import PRETRAIN_GPT_ARGS, launch, logged_losses, megatron_lm_checkout, needs_megatron_git
 from .plans import A100, V100, make_plan
 
 pytestmark = pytest.mark.slow
@@ -113,6 +109,31 @@ def test_resume_from_a_checkpoint_reads_the_same_samples(tmp_path):
             assert [i for [i] in second[1][2]["indices"]] == [11, 15]
     assert len(losses["single"]) == 2
     assert losses["uneven"] == pytest.approx(losses["single"], rel=1e-5)
+
+
+def test_default_torch_dist_format_resumes_on_more_replicas(tmp_path):
+    """Megatron's default checkpoint (torch_dist, distributed optimizer, its dp_reshardable
+    state) saved by one replica after step 1 resumes under a 3:1 plan: steps 2 and 3 see every
+    sample's loss as the uninterrupted replica does (the Adam state and step came back)."""
+    one, uneven = tmp_path / "one.yaml", tmp_path / "uneven.yaml"
+    save_plan(make_plan(split=(2,), replicas=[(1, 4)], distributed_optimizer=True), one)
+    save_plan(make_plan(split=(2,), replicas=[(1, 3), (1, 1)], distributed_optimizer=True),
+              uneven)
+    ckpt, common = tmp_path / "ckpt", ["--ckpt-format", "torch_dist"]
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    [(code, out, ref)] = launch(1, str(one), tmp_path / "a", iters=3,
+                                extra=common + ["--save", str(ckpt), "--save-interval", "1"])
+    assert code == 0, out[-3000:]
+    two = launch(2, str(uneven), tmp_path / "b", iters=3,
+                 extra=common + ["--load", str(ckpt), "--ckpt-step", "1"])
+    for code, out, _ in two:
+        assert code == 0, out[-3000:]
+    assert "dp_reshardable" in two[0][1]
+    want = {i: loss for [i], (loss, _) in zip(ref["indices"], ref["losses"]) if i >= 4}
+    got = {i: loss for _, _, log in two for [i], (loss, _) in zip(log["indices"], log["losses"])}
+    assert sorted(got) == sorted(want) == list(range(4, 12))
+    for i, loss in want.items():
+        assert got[i] == pytest.approx(loss, rel=1e-5), i
 
 
 def test_stage_specific_recompute_and_placement(tmp_path):
@@ -224,25 +245,6 @@ def test_mismatch_and_conflict_stop_with_one_message(tmp_path):
     assert "--pipeline-model-parallel-size: the command line has 4; the plan implies 2" in out
 
 
-MEGATRON_GIT = Path(os.environ.get("MEGATRON_LM_GIT", "/work/.mirror/NVIDIA+Megatron-LM/repo"))
-
-
-needs_megatron_git = pytest.mark.skipif(
-    not MEGATRON_GIT.is_dir(),
-    reason=f"no Megatron-LM git clone at {MEGATRON_GIT} (set MEGATRON_LM_GIT)")
-
-
-def _megatron_lm_checkout(tmp_path) -> Path:
-    """Megatron-LM 0.17.1's scripts (its megatron.core/training come from megatron-core 0.17.1)."""
-    archive = subprocess.run(["git", "--git-dir", str(MEGATRON_GIT), "archive", "core_v0.17.1",
-                              "pretrain_gpt.py", "gpt_builders.py", "model_provider.py",
-                              "megatron/legacy"], capture_output=True, check=True).stdout
-    checkout = tmp_path / "Megatron-LM"
-    checkout.mkdir()
-    subprocess.run(["tar", "-x", "-C", str(checkout)], input=archive, check=True)
-    return checkout
-
-
 @needs_megatron_git
 @pytest.mark.parametrize("tp", [1, 2])
 def test_unchanged_pretrain_gpt_uneven_data_parallel(tmp_path, tp):
@@ -250,7 +252,7 @@ def test_unchanged_pretrain_gpt_uneven_data_parallel(tmp_path, tp):
     2-replica 3:1 plan logs the same training and validation losses and grad norms as one
     replica (with TP=2 the replicas' batches go through Megatron's tensor-parallel batch
     broadcast too)."""
-    checkout = _megatron_lm_checkout(tmp_path)
+    checkout = megatron_lm_checkout(tmp_path)
     before = (checkout / "pretrain_gpt.py").read_bytes()
     uneven, single = tmp_path / "uneven.yaml", tmp_path / "single.yaml"
     save_plan(make_plan(split=(2,), tp=tp, replicas=[(1, 3), (1, 1)]), uneven)
@@ -284,7 +286,7 @@ def test_unchanged_pretrain_gpt_interleaved_uneven_plan(tmp_path):
     """Megatron-LM 0.17.1's own pretrain_gpt.py runs an interleaved plan (PP=2, model chunks of
     1+1 and 2+1 layers) with replicas of 4 and 2 micro-batches: training and validation losses
     and grad norms as one replica running all 6 micro-batches through the same chunks."""
-    checkout = _megatron_lm_checkout(tmp_path)
+    checkout = megatron_lm_checkout(tmp_path)
     uneven, single = tmp_path / "uneven.yaml", tmp_path / "single.yaml"
     chunks = [[1, 1], [2, 1]]
     plan = make_plan(chunks=chunks, devices=[[A100, V100]] * 2, replicas=[(1, 4), (1, 2)])

@@ -65,3 +65,32 @@ def test_bad_resume_point_is_refused():
     with pytest.raises(ValueError, match="does not fit"):
         HeteroBatchSampler(total_samples=10, consumed_samples=0, global_batch_size=4, offset=3,
                            micro_batch_size=1, num_microbatches=2)
+
+
+@st.composite
+def _two_plans(draw):
+    """Two plans of the same global batch size with different replicas."""
+    a = draw(replicas_st)
+    g = sum(m * n for m, n in a)
+    b, left = [], g
+    while left:
+        mbs = draw(st.integers(1, min(4, left)))
+        n = draw(st.integers(1, left // mbs))
+        b.append((mbs, n))
+        left -= mbs * n
+    return a, b
+
+
+@settings(max_examples=200, deadline=None)
+@given(plans=_two_plans(), before=st.integers(0, 4), after=st.integers(0, 4))
+def test_no_sample_lost_or_read_twice_across_a_plan_change(plans, before, after):
+    """Plan A reads ``before`` global batches, plan B resumes at A's consumed samples and reads
+    ``after`` more: together they read the first ``before + after`` global batches once each."""
+    a, b = (make_plan(replicas=r) for r in plans)
+    g = a.global_batch_size
+    assert b.global_batch_size == g
+    total = (before + after) * g
+    first = _all(a, before * g)
+    second = _all(b, total, consumed=before * g)
+    read = [i for part in (first, second) for batches_d in part for mb in batches_d for i in mb]
+    assert sorted(read) == list(range(total))
