@@ -180,7 +180,9 @@ def _lost(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     inventory_from_data(data, source=args.output)  # the pool left still validates
     write_yaml(data, args.output)
     print(",".join(lost_nodes))
-    print(f"megatron-hetero node-loss: lost {shown}; the pool left is in {args.output}",
+    gone = ", ".join(f"{n} ({states.get(n, 'unknown')})" for n in lost_nodes)
+    print(f"megatron-hetero node-loss: lost {gone} of the job's nodes ({shown}); the pool left "
+          f"is in {args.output}",
           file=sys.stderr)
     return 0
 

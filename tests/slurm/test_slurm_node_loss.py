@@ -69,7 +69,7 @@ def test_node_loss_replans_and_resumes_on_the_node_left(lost_node, tmp_path, mco
     assert "FAILED" in states, log[-4000:]
     assert f"on {lost_node} fails" in log
     assert f"lost node(s) {lost_node}; re-planning" in log, log[-4000:]
-    again = re.search(r"resubmitted as job (\d+) under plan B (\S+), excluding (\S+)", log)
+    again = re.search(r"resubmitted as job (\d+) under plan B (\S+), excluding ([^,\s]+)", log)
     assert again, log[-4000:]
     second, plan_b = again.group(1), Path(again.group(2))
     assert plan_b == tmp_path / f"plan-after-job{first}.yaml" and again.group(3) == lost_node
