@@ -3,9 +3,9 @@
 Run as ``python flaky_train.py <megatron args>`` (under ``python -m megatron_hetero.launch``).
 While the file ``$FLAKY_MARKER`` does not exist (the first job), every rank adds
 ``--exit-interval $FLAKY_EXIT_INTERVAL`` (Megatron saves a checkpoint there and stops), and
-after training the ranks on node ``$FLAKY_NODE`` create the marker, drain their node as a
-health check would (``scontrol update ... state=drain``; skipped with ``FLAKY_DRAIN=0``) and exit
-3: a job step that fails on one node. Later jobs train as asked. ``$FLAKY_SCRIPT`` is the
+after training the ranks on node ``$FLAKY_NODE`` create the marker, take their node out as
+a health check would (``scontrol update ... state=$FLAKY_STATE``: ``drain``, the default, or
+``down``; ``none``: left as it is) and exit 3: a job step that fails on one node. Later jobs train as asked. ``$FLAKY_SCRIPT`` is the
 training script to run (none: no training).
 """
 
@@ -30,8 +30,9 @@ if script:
 node = os.environ.get("SLURMD_NODENAME", "")
 if first and node == os.environ["FLAKY_NODE"]:
     marker.write_text(node)
-    if os.environ.get("FLAKY_DRAIN", "1") == "1":
-        subprocess.run(["scontrol", "update", f"nodename={node}", "state=drain",
+    state = os.environ.get("FLAKY_STATE", "drain")
+    if state != "none":
+        subprocess.run(["scontrol", "update", f"nodename={node}", f"state={state}",
                         "reason=megatron-hetero test: simulated node loss"], check=True)
     print(f"flaky: rank {os.environ.get('RANK')} on {node} fails", flush=True)
     sys.exit(3)

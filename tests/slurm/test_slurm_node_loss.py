@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import re
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -92,20 +93,53 @@ def test_node_loss_replans_and_resumes_on_the_node_left(lost_node, tmp_path, mco
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("drain, refusal", [
-    ("0", "but no node of the job is drained, down or not responding"),
-    ("1", "holds no complete checkpoint yet"),
+@pytest.mark.parametrize("state, refusal", [
+    ("none", "but no node of the job is drained, down or not responding"),
+    ("drain", "holds no complete checkpoint yet"),
 ])
-def test_node_loss_refusals_stop_the_job(lost_node, tmp_path, drain, refusal):
+def test_node_loss_refusals_stop_the_job(lost_node, tmp_path, state, refusal):
     """A step that fails with every node healthy is no node loss; a lost node before the first
     save leaves nothing to resume: either way the job stops with the reason, submitting nothing."""
     plan, pool = _plan_a(tmp_path)
     out = tmp_path / "job.out"
     env = launch_env(MH_ON_NODE_LOSS="replan", MH_NODE_LOSS_WAIT="0", MH_LAUNCH="patched",
                      MH_PRETRAIN_SCRIPT=str(FLAKY), FLAKY_MARKER=str(tmp_path / "lost"),
-                     FLAKY_NODE=lost_node, FLAKY_DRAIN=drain)
+                     FLAKY_NODE=lost_node, FLAKY_STATE=state)
     job = _submit(plan, pool, out, env, "--save", str(tmp_path / "ckpt"))
     log, states, _ = wait_job(job, out, timeout=120, expect_ok=False)
     assert "FAILED" in states and "the step failed (exit" in log, log[-3000:]
     assert refusal in log and "resubmitted" not in log, log[-3000:]
     assert not list(tmp_path.glob("plan-after-job*"))
+
+
+@pytest.mark.slow
+def test_node_down_in_a_mixed_job_is_requeued_and_resumes(lost_node, tmp_path):
+    """A node set DOWN during the step of a heterogeneous job whose component it is: Slurm
+    (22.05) ends the whole job, batch script included, even with --no-kill, and requeues it as
+    submitted (--requeue, which submit.sh adds in the mode): same components, exclude list
+    unchanged. The requeued job runs the same plan with --load added."""
+    busy = subprocess.run(["squeue", "-h", "-w", lost_node, "-o", "%i"], capture_output=True,
+                          text=True, timeout=30).stdout.split()
+    if busy:
+        pytest.skip(f"jobs {busy} run on {lost_node}: setting it DOWN would end them")
+    plan, pool = _plan_a(tmp_path)
+    out, ckpt = tmp_path / "job.out", tmp_path / "ckpt"
+    env = launch_env(MH_ON_NODE_LOSS="replan", MH_NODE_LOSS_WAIT="0", MH_LAUNCH="patched",
+                     MH_PRETRAIN_SCRIPT=str(FLAKY), FLAKY_MARKER=str(tmp_path / "lost"),
+                     FLAKY_NODE=lost_node, FLAKY_STATE="down")
+    job = _submit(plan, pool, out, env, "--save", str(ckpt))
+    deadline = time.monotonic() + 120
+    while True:  # until Slurm has requeued it
+        info = subprocess.run(["scontrol", "-o", "show", "job", job], capture_output=True,
+                              text=True, timeout=30).stdout
+        if "Restarts=1" in info or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert "Restarts=1" in info, info
+    assert "ExcNodeList=(null)" in info  # Slurm does not exclude the failed node itself
+    assert "node loss mode" in out.read_text()
+    # a requeued job waits a while before it may start again: let it start now
+    subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], timeout=30)
+    log, states, info = wait_job(job, out, timeout=120)
+    assert "requeued by Slurm (restart 1): resuming from" in log, log[-3000:]
+    assert f"--save {ckpt} --load {ckpt}" in log and "resubmitted" not in log
