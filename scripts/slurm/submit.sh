@@ -57,8 +57,9 @@ command -v "$PY" >/dev/null || die "MH_PYTHON=$PY: not found"
 
 # Node-loss mode: a node that goes down must not take the job, and its batch script, with it
 # (--no-kill; a heterogeneous job that loses a whole component still ends); where Slurm ends the
-# job on a node failure all the same, it requeues it (--requeue) and it resumes from --load.
-[[ ${MH_ON_NODE_LOSS:-} != replan ]] || sbatch_common+=(--common=--no-kill --common=--requeue)
+# job on a node failure all the same, it requeues it (--requeue) and it resumes from --load,
+# appending to the same output file.
+[[ ${MH_ON_NODE_LOSS:-} != replan ]] || sbatch_common+=(--common=--no-kill --common=--requeue --common=--open-mode=append)
 "$PY" -m megatron_hetero.cli validate "$plan" >/dev/null || die "the plan $plan does not validate"
 het_text=$("$PY" -m megatron_hetero.jobspec "$plan" "${spec[@]}" "${sbatch_common[@]}" --print sbatch-args) \
     || die "cannot make Slurm components for $plan"

@@ -180,3 +180,8 @@ def test_submit_passes_pool_and_options_on_for_the_node_loss_mode(plan4, tmp_pat
     seen = env_out.read_text()
     assert f"MH_INVENTORY={pool}\n" in seen and "MH_SUBMIT_SPEC=--no-gres\n" in seen
     assert "MH_SUBMIT_COMMON=--common=--time=5\n" in seen and f"MH_BATCH_SCRIPT={BATCH}" in seen
+    # the mode asks Slurm to keep the job when a node goes down, else to requeue it
+    proc = _run([SUBMIT, plan4, "--inventory", pool, "--no-gres", "--dry-run"],
+                MH_PRETRAIN_SCRIPT=str(script), MH_ON_NODE_LOSS="replan")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("--no-kill --requeue --open-mode=append --nodes=1") == 2
