@@ -23,6 +23,7 @@ No torch import: this runs in the batch step.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -138,10 +139,9 @@ def remaining_inventory(inventory: Inventory, lost: Mapping[str, Sequence[str]])
         if group["nodes"] > 0:
             groups.append(group)
     if not groups:
-        names = sorted(n for g in inventory.groups for n in (g.hosts or ()))
         raise HeteroError(f"{inventory.source}: no nodes left once the lost nodes are taken out "
-                          f"(the pool had {inventory.num_gpus} GPUs{': ' + ', '.join(names) if names else ''}); "
-                          "the job stops: resume the nodes or submit to a larger pool")
+                          f"(the pool had {inventory.num_gpus} GPUs); the job stops: resume the "
+                          "nodes or submit to a larger pool")
     data["groups"] = groups
     return data
 
@@ -241,15 +241,16 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
-    import os
-
     env = os.environ if env is None else env
     args = _parser().parse_args(argv)
     try:
         if args.command in ("checkpoint", "restart-args"):
             megatron = args.megatron[1:] if args.megatron[:1] == ["--"] else args.megatron
             folder = checkpoint_folder(megatron, override=args.checkpoint or None)
-            print(folder if args.command == "checkpoint" else "\n".join(restart_args(megatron, folder)))
+            if args.command == "checkpoint":
+                print(folder)
+            else:
+                print("\n".join(restart_args(megatron, folder)))
             return 0
         return _lost(args, env) if args.command == "lost" else _resubmit(args)
     except (HeteroError, OSError) as exc:

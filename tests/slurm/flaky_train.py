@@ -5,8 +5,8 @@ While the file ``$FLAKY_MARKER`` does not exist (the first job), every rank adds
 ``--exit-interval $FLAKY_EXIT_INTERVAL`` (Megatron saves a checkpoint there and stops), and
 after training the ranks on node ``$FLAKY_NODE`` create the marker, take their node out as
 a health check would (``scontrol update ... state=$FLAKY_STATE``: ``drain``, the default, or
-``down``; ``none``: left as it is) and exit 3: a job step that fails on one node. Later jobs train as asked. ``$FLAKY_SCRIPT`` is the
-training script to run (none: no training).
+``down``; ``none``: left as it is) and exit 3: a job step that fails on one node. Later jobs
+train as asked. ``$FLAKY_SCRIPT`` is the training script to run (none: no training).
 """
 
 import os

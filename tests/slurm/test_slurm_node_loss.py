@@ -86,29 +86,38 @@ def test_node_loss_replans_and_resumes_on_the_node_left(lost_node, tmp_path, mco
     assert "NodeList=mh-a100" in info
     resumed = log[log.index(f"job {second}:"):]  # the same output file, appended to
     assert f"plan {plan_b}" in resumed and "node loss mode" in resumed
-    assert "successfully loaded checkpoint" in resumed and "at iteration 2" in resumed, resumed[-4000:]
+    assert "successfully loaded checkpoint" in resumed and "at iteration 2" in resumed, \
+        resumed[-4000:]
     losses = logged_losses(resumed)
     assert len(losses) == 2 and all(math.isfinite(x) and x > 0 for x in losses), resumed[-4000:]
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("state, refusal", [
-    ("none", "but no node of the job is drained, down or not responding"),
-    ("drain", "holds no complete checkpoint yet"),
+@pytest.mark.parametrize("state, tracker, refusal", [
+    ("none", None, "but no node of the job is drained, down or not responding"),
+    ("drain", None, "holds no complete checkpoint yet"),
+    ("drain", "2", "replan: error: "),  # the tracker names a save that is not there
 ])
-def test_node_loss_refusals_stop_the_job(lost_node, tmp_path, state, refusal):
+def test_node_loss_refusals_stop_the_job(lost_node, tmp_path, state, tracker, refusal):
     """A step that fails with every node healthy is no node loss; a lost node before the first
-    save leaves nothing to resume: either way the job stops with the reason, submitting nothing."""
+    save leaves nothing to resume; a checkpoint replan refuses stops the job with replan's
+    message: each time the job stops with the reason, submitting nothing."""
     plan, pool = _plan_a(tmp_path)
-    out = tmp_path / "job.out"
+    out, ckpt = tmp_path / "job.out", tmp_path / "ckpt"
+    if tracker:
+        ckpt.mkdir()
+        (ckpt / "latest_checkpointed_iteration.txt").write_text(tracker)
     env = launch_env(MH_ON_NODE_LOSS="replan", MH_NODE_LOSS_WAIT="0", MH_LAUNCH="patched",
                      MH_PRETRAIN_SCRIPT=str(FLAKY), FLAKY_MARKER=str(tmp_path / "lost"),
                      FLAKY_NODE=lost_node, FLAKY_STATE=state)
-    job = _submit(plan, pool, out, env, "--save", str(tmp_path / "ckpt"))
+    job = _submit(plan, pool, out, env, "--save", str(ckpt))
     log, states, _ = wait_job(job, out, timeout=120, expect_ok=False)
     assert "FAILED" in states and "the step failed (exit" in log, log[-3000:]
     assert refusal in log and "resubmitted" not in log, log[-3000:]
+    if tracker:
+        assert "iter_0000002: no such folder" in log
+        assert "megatron-hetero replan refused (its message above): the job stops" in log
     assert not list(tmp_path.glob("plan-after-job*"))
 
 
@@ -139,7 +148,8 @@ def test_node_down_in_a_mixed_job_is_requeued_and_resumes(lost_node, tmp_path):
     assert "ExcNodeList=(null)" in info  # Slurm does not exclude the failed node itself
     assert "node loss mode" in out.read_text()
     # a requeued job waits a while before it may start again: let it start now
-    subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], timeout=30)
+    for part in re.findall(r"\bJobId=(\d+)", info):  # each component of the job
+        subprocess.run(["scontrol", "update", f"jobid={part}", "StartTime=now"], timeout=30)
     log, states, info = wait_job(job, out, timeout=120)
     assert "requeued by Slurm (restart 1): resuming from" in log, log[-3000:]
     assert f"--save {ckpt} --load {ckpt}" in log and "resubmitted" not in log
