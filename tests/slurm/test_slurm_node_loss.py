@@ -116,7 +116,7 @@ def test_node_loss_refusals_stop_the_job(lost_node, tmp_path, state, tracker, re
     assert "FAILED" in states and "the step failed (exit" in log, log[-3000:]
     assert refusal in log and "resubmitted" not in log, log[-3000:]
     if tracker:
-        assert "iter_0000002: no such folder" in log
+        assert "iter_0000002: found no such folder" in log
         assert "megatron-hetero replan refused (its message above): the job stops" in log
     assert not list(tmp_path.glob("plan-after-job*"))
 
