@@ -158,6 +158,11 @@ def test_batch_script_node_loss_mode_needs_pool_and_checkpoint(plan4, tmp_path):
     proc = _run(["bash", BATCH, "--train-iters", "4"], **base, MH_ON_NODE_LOSS="replan",
                 MH_INVENTORY=str(pool))
     assert proc.returncode == 1 and "needs the run's checkpoint folder: pass --save DIR" in proc.stderr
+    # a job Slurm requeued (after a node went down) resumes from the checkpoint: --load added
+    proc = _run(["bash", BATCH, "--save", tmp_path / "ck"], **base, MH_ON_NODE_LOSS="replan",
+                MH_INVENTORY=str(pool), SLURM_RESTART_COUNT="1", SLURM_NTASKS="3")
+    assert f"requeued by Slurm (restart 1): resuming from {tmp_path / 'ck'}" in proc.stdout
+    assert proc.returncode == 1 and "the job has 3 tasks" in proc.stderr
 
 
 def test_submit_passes_pool_and_options_on_for_the_node_loss_mode(plan4, tmp_path):
