@@ -15,7 +15,8 @@
 # MEGATRON ARGS are your own Megatron-LM arguments (data, tokenizer, iterations...).
 #
 # Environment: MEGATRON_LM (or MH_PRETRAIN_SCRIPT), MH_PYTHON (default python3), MH_LAUNCH,
-# MH_MASTER_PORT, MH_SRUN_ARGS are passed on to the batch script (see megatron_hetero.sbatch).
+# MH_MASTER_PORT, MH_SRUN_ARGS, MH_ON_NODE_LOSS and its settings are passed on to the batch script
+# (see megatron_hetero.sbatch; --inventory also sets MH_INVENTORY for the node-loss mode).
 # MH_SET_DEVICE_TYPES=1 exports each component's GPU type to its tasks as
 # MEGATRON_HETERO_DEVICE_TYPE (for GPUs the catalog does not name, and for CPU emulation).
 set -euo pipefail
@@ -54,12 +55,31 @@ if [[ -z ${MH_PRETRAIN_SCRIPT:-} ]]; then
 fi
 command -v "$PY" >/dev/null || die "MH_PYTHON=$PY: not found"
 
+# Node-loss mode: a node that goes down must not take the job, and its batch script, with it
+# (--no-kill; a heterogeneous job that loses a whole component still ends); where Slurm ends the
+# job on a node failure all the same, it requeues it (--requeue) and it resumes from --load,
+# appending to the same output file.
+[[ ${MH_ON_NODE_LOSS:-} != replan ]] || sbatch_common+=(--common=--no-kill --common=--requeue --common=--open-mode=append)
 "$PY" -m megatron_hetero.cli validate "$plan" >/dev/null || die "the plan $plan does not validate"
 het_text=$("$PY" -m megatron_hetero.jobspec "$plan" "${spec[@]}" "${sbatch_common[@]}" --print sbatch-args) \
     || die "cannot make Slurm components for $plan"
 mapfile -t het_args <<<"$het_text"
 MH_PLAN=$(realpath "$plan")
 export MH_PLAN
+# For the batch script's node-loss mode (MH_ON_NODE_LOSS=replan): the pool, and this command's
+# selectors and sbatch options, one a line, for the resubmission under plan B.
+pass_on=()
+for ((i = 0; i < ${#spec[@]}; i++)); do
+    case ${spec[$i]} in
+        --inventory) i=$((i + 1)); MH_INVENTORY=$(realpath "${spec[$i]}"); export MH_INVENTORY ;;
+        --inventory=*) MH_INVENTORY=$(realpath "${spec[$i]#--inventory=}"); export MH_INVENTORY ;;
+        *) pass_on+=("${spec[$i]}") ;;
+    esac
+done
+MH_SUBMIT_SPEC=$(printf '%s\n' "${pass_on[@]}")
+MH_SUBMIT_COMMON=$(printf '%s\n' "${sbatch_common[@]}")
+MH_BATCH_SCRIPT=$batch
+export MH_SUBMIT_SPEC MH_SUBMIT_COMMON MH_BATCH_SCRIPT
 if [[ ${MH_SET_DEVICE_TYPES:-0} == 1 ]]; then
     MH_DEVICE_TYPES=$("$PY" -m megatron_hetero.jobspec "$plan" "${spec[@]}" --print device-types) \
         || die "cannot list the plan's device types"

@@ -143,3 +143,50 @@ def test_slurm_setup_is_idempotent(slurm_cluster):
     assert proc.returncode == 0, proc.stderr
     assert "ready:" in proc.stdout
     assert "starting" not in proc.stdout and "writing" not in proc.stdout, proc.stdout
+
+
+def test_batch_script_node_loss_mode_needs_pool_and_checkpoint(plan4, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    base = dict(SLURM_JOB_ID="7", MH_PLAN=str(plan4), MH_PRETRAIN_SCRIPT=str(script))
+    proc = _run(["bash", BATCH], **base, MH_ON_NODE_LOSS="retry")
+    assert proc.returncode == 1 and "MH_ON_NODE_LOSS=retry: expected 'replan'" in proc.stderr
+    proc = _run(["bash", BATCH], **base, MH_ON_NODE_LOSS="replan")
+    assert proc.returncode == 1 and "needs MH_INVENTORY" in proc.stderr
+    pool = tmp_path / "pool.yaml"
+    pool.write_text("groups:\n  - {gpu: A100-SXM-80GB, nodes: 1, gpus_per_node: 2}\n")
+    proc = _run(["bash", BATCH, "--train-iters", "4"], **base, MH_ON_NODE_LOSS="replan",
+                MH_INVENTORY=str(pool))
+    assert proc.returncode == 1 and "needs the run's checkpoint folder: pass --save DIR" in proc.stderr
+    # a job Slurm requeued (after a node went down) resumes from the checkpoint: --load added
+    proc = _run(["bash", BATCH, "--save", tmp_path / "ck"], **base, MH_ON_NODE_LOSS="replan",
+                MH_INVENTORY=str(pool), SLURM_RESTART_COUNT="1", SLURM_NTASKS="3")
+    assert f"requeued by Slurm (restart 1): resuming from {tmp_path / 'ck'}" in proc.stdout
+    assert proc.returncode == 1 and "the job has 3 tasks" in proc.stderr
+
+
+def test_submit_passes_pool_and_options_on_for_the_node_loss_mode(plan4, tmp_path):
+    """submit.sh exports MH_INVENTORY, its selectors and --sbatch options (one a line) to the
+    batch script, which gives them to the resubmission under plan B."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "sbatch").write_text("#!/bin/sh\nenv | grep '^MH_' > \"$MH_ENV_OUT\"\n")
+    (fake / "sbatch").chmod(0o755)
+    pool = tmp_path / "pool.yaml"
+    pool.write_text("groups:\n  - {gpu: A100-SXM-80GB, nodes: 1, gpus_per_node: 2, partition: a}\n"
+                    "  - {gpu: V100-SXM2-32GB, nodes: 1, gpus_per_node: 2, partition: v}\n")
+    script = tmp_path / "train.py"
+    script.write_text("")
+    env_out = tmp_path / "env"
+    proc = _run([SUBMIT, plan4, "--inventory", pool, "--no-gres", "--sbatch=--time=5"],
+                MH_PRETRAIN_SCRIPT=str(script), MH_ENV_OUT=str(env_out),
+                PATH=f"{fake}{os.pathsep}{_env()['PATH']}")
+    assert proc.returncode == 0, proc.stderr
+    seen = env_out.read_text()
+    assert f"MH_INVENTORY={pool}\n" in seen and "MH_SUBMIT_SPEC=--no-gres\n" in seen
+    assert "MH_SUBMIT_COMMON=--common=--time=5\n" in seen and f"MH_BATCH_SCRIPT={BATCH}" in seen
+    # the mode asks Slurm to keep the job when a node goes down, else to requeue it
+    proc = _run([SUBMIT, plan4, "--inventory", pool, "--no-gres", "--dry-run"],
+                MH_PRETRAIN_SCRIPT=str(script), MH_ON_NODE_LOSS="replan")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("--no-kill --requeue --open-mode=append --nodes=1") == 2

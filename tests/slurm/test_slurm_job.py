@@ -49,7 +49,13 @@ def sbatch_wait(plan: Path, out: Path, env: dict, *megatron_args: str, timeout: 
     assert proc.returncode == 0, f"submit.sh exit {proc.returncode}: {proc.stderr}"
     job = re.search(r"Submitted batch job (\d+)", proc.stdout)
     assert job, proc.stdout
-    job = job.group(1)
+    return wait_job(job.group(1), out, timeout=timeout, expect_ok=expect_ok)[:2]
+
+
+def wait_job(job: str, out: Path, *, timeout: int = 240, expect_ok: bool = True
+             ) -> tuple[str, list[str], str]:
+    """Wait for Slurm job ``job``; return its output file's text, the states of its components
+    and its ``scontrol -o show job`` record."""
     deadline = time.monotonic() + timeout
     while True:
         info = subprocess.run(["scontrol", "-o", "show", "job", job], capture_output=True,
@@ -68,7 +74,7 @@ def sbatch_wait(plan: Path, out: Path, env: dict, *megatron_args: str, timeout: 
     if expect_ok:
         assert set(states) == {"COMPLETED"} and set(codes) == {"0:0"}, \
             f"job {job}: states {states}, exit codes {codes}; job output:\n{log}"
-    return log, states
+    return log, states, info
 
 
 def probes(log: str) -> dict[int, tuple]:
