@@ -21,6 +21,7 @@ from typing import Literal
 from ._schema import from_data, read_yaml, to_data, write_yaml
 from .errors import Described, SchemaError
 from .hardware.catalog import Catalog, GPUSpec, load_catalog
+from .limits import check_model_sizes
 from .schedule_order import check_warmups, group_fits
 
 __all__ = ["ModelSpec", "Recompute", "Offload", "Stage", "Pipeline", "Plan", "Slot",
@@ -50,10 +51,7 @@ class ModelSpec:
     add_bias_linear: bool = False
 
     def __post_init__(self) -> None:
-        for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                    "num_query_groups", "vocab_size", "seq_length"):
-            if getattr(self, key) < 1:
-                raise SchemaError("", key, getattr(self, key), "a positive integer")
+        check_model_sizes(self)
         if self.hidden_size % self.num_attention_heads:
             raise SchemaError("", "hidden_size", self.hidden_size,
                               f"a multiple of num_attention_heads ({self.num_attention_heads})")

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from .._schema import from_data, read_yaml
 from ..errors import Described, SchemaError
+from ..limits import check_gpus
 from .catalog import Catalog, GPUOverride, GPUSpec, load_catalog
 
 __all__ = ["GPUGroup", "Inventory", "load_inventory", "inventory_from_data",
@@ -72,6 +73,7 @@ class GPUGroup:
             raise SchemaError("", "nodes", self.nodes, "at least 1")
         if self.gpus_per_node < 1:
             raise SchemaError("", "gpus_per_node", self.gpus_per_node, "at least 1")
+        check_gpus(self.nodes * self.gpus_per_node, path="nodes", found=self.nodes)
         if self.hosts is not None and len(self.hosts) != self.nodes:
             raise SchemaError("", "hosts", self.hosts, f"{self.nodes} host names (one per node)")
         for key in ("intra_node_bandwidth_gb_s", "inter_node_bandwidth_gb_s",
@@ -107,6 +109,7 @@ class Inventory:
         if self.inter_group_bandwidth_gb_s <= 0:
             raise SchemaError("", "inter_group_bandwidth_gb_s", self.inter_group_bandwidth_gb_s,
                               "a positive bandwidth in GB/s")
+        check_gpus(self.num_gpus, path="groups", found=Described(f"{len(self.groups)} groups"))
 
     @property
     def num_gpus(self) -> int:
