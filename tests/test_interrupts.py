@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -82,15 +83,16 @@ def _unchanged(files, tmp_path) -> None:
         [p.name for p in files] + ["site"])  # nothing partial, nothing new
 
 
-def _spawn(tmp_path, argv, *, sigint=signal.SIG_DFL, **env):
+def _spawn(tmp_path, argv, *, sigint=signal.SIG_DFL, own_group: bool = False, **env):
     """The CLI as a user runs it; its SIGINT disposition is ``sigint`` whatever this test run
-    inherited (a background job's is "ignored")."""
+    inherited (a background job's is "ignored"); ``own_group``: in a process group of its own,
+    as a terminal's foreground job is, so that the test can signal the group."""
     return subprocess.Popen(
         [sys.executable, "-m", "megatron_hetero.cli", *argv], stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE, text=True, cwd=tmp_path,
         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(REPO)]),
              **env},
-        preexec_fn=lambda: signal.signal(signal.SIGINT, sigint))
+        preexec_fn=lambda: signal.signal(signal.SIGINT, sigint), start_new_session=own_group)
 
 
 def _tune(tmp_path, *, big: bool = True):
@@ -146,6 +148,25 @@ def test_a_command_started_with_sigint_ignored_keeps_ignoring_it(files, tmp_path
     assert proc.returncode == 0, err
     assert (tmp_path / "plan.yaml").read_bytes() != files[tmp_path / "plan.yaml"]
     assert (tmp_path / "t.png").is_file()
+
+
+@pytest.mark.slow
+def test_ctrl_c_to_the_terminals_group_as_rehearse_starts_its_ranks(files, tmp_path):
+    """A terminal's Ctrl-C reaches the CPU ranks too. Sent as they start: one line and 130, and
+    no rank prints a traceback of its own, neither a KeyboardInterrupt nor, forked after the
+    command has gone, a failure to read the queue's lock."""
+    proc = _spawn(tmp_path, ["rehearse", str(tmp_path / "plan.yaml"), "--steps", "2"],
+                  own_group=True, MARK_CALL="multiprocessing.forkserver:connect_to_new_process")
+    assert proc.stderr.readline() == "[rehearse] calibrating the CPU and gloo\n"
+    # the first rank asked of the server, which is still importing torch and megatron-core
+    assert proc.stderr.readline() == \
+        "called multiprocessing.forkserver:connect_to_new_process\n"
+    time.sleep(1.0)  # inside the server's imports (seconds); anywhere later must be as clean
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    err = "".join(line for line in err.splitlines(keepends=True)
+                  if not line.startswith("called multiprocessing"))  # the marker, per rank
+    assert proc.returncode == 130 and err == "megatron-hetero rehearse: interrupted\n", err
 
 
 def test_ctrl_c_while_validating(files, tmp_path):

@@ -24,6 +24,7 @@ machine's cores).
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
@@ -71,6 +72,49 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _start_forkserver_ignoring_sigint() -> None:
+    """Start the forkserver (once per process) with SIGINT ignored, which it keeps and the ranks
+    it forks inherit. Ctrl-C on a terminal reaches its whole process group: a rank still
+    starting would print its own ``KeyboardInterrupt`` traceback. The caller alone takes the
+    signal, and :func:`spawn` kills the ranks on the way out."""
+    import signal
+    from multiprocessing import forkserver
+
+    try:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread: signals are the main thread's to change
+        forkserver.ensure_running()
+        return
+    try:
+        forkserver.ensure_running()  # forks and execs the server: milliseconds
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@contextlib.contextmanager
+def _sigint_held():
+    """Hold SIGINT back while the ranks start, then hand it to the handler found. A rank whose
+    start was interrupted is still forked by the server (it may be busy importing torch) after
+    this process has gone, and prints a traceback as it reads the queue's lock; once started,
+    the caller's ``finally`` kills it."""
+    import signal
+
+    held: list[int] = []
+    try:
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if held and callable(previous):
+        previous(signal.SIGINT, None)
+    elif held and previous == signal.SIG_DFL:
+        os.kill(os.getpid(), signal.SIGINT)
+
+
 def _worker(fn, rank, world_size, port, args, kwargs, results, init_pg, threads, env):
     os.environ.clear()  # the forkserver's environment is the one it started with
     os.environ.update(env)
@@ -107,8 +151,10 @@ def spawn(fn: Callable[..., Any], world_size: int, *, args: Sequence = (),
     if world_size < 1:
         raise ValueError(f"world_size must be positive, got {world_size}")
     ctx = mp.get_context(start_method)
-    if start_method == "forkserver" and preload:
-        ctx.set_forkserver_preload(list(preload))
+    if start_method == "forkserver":
+        if preload:
+            ctx.set_forkserver_preload(list(preload))
+        _start_forkserver_ignoring_sigint()
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, name=f"rank{r}", daemon=True,
@@ -116,11 +162,12 @@ def spawn(fn: Callable[..., Any], world_size: int, *, args: Sequence = (),
                                init_process_group, threads_per_rank,
                                {**os.environ, **(env or {})}))
              for r in range(world_size)]
-    for p in procs:
-        p.start()
     values: dict[int, Any] = {}
     deadline = time.monotonic() + timeout_s
     try:
+        with _sigint_held():  # a rank asked for is started, then killed below on Ctrl-C
+            for p in procs:
+                p.start()
         while len(values) < world_size:
             try:
                 rank, ok, payload = results.get(timeout=0.2)

@@ -65,3 +65,19 @@ def test_spawn_hard_timeout():
     with pytest.raises(SpawnTimeout) as info:
         spawn(_sleep, 2, timeout_s=2, init_process_group=False)
     assert info.value.pending == [0, 1]
+
+
+def _sigint_ignored(rank, world_size):
+    import signal
+    return signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+
+
+@pytest.mark.slow
+def test_ranks_ignore_sigint_and_the_caller_keeps_its_handler():
+    """Ctrl-C on a terminal reaches every process of its group; only the caller takes it (and
+    kills the ranks), so a rank that is starting prints no traceback of its own."""
+    import signal
+
+    before = signal.getsignal(signal.SIGINT)
+    assert spawn(_sigint_ignored, 2, init_process_group=False) == [True, True]
+    assert signal.getsignal(signal.SIGINT) is before
