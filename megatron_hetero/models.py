@@ -39,6 +39,7 @@ from typing import Literal
 
 from ._schema import from_data, read_yaml
 from .errors import HeteroError, SchemaError
+from .limits import MODEL_SIZES
 from .plan import ModelSpec
 
 __all__ = ["PRESETS", "model_preset", "load_model", "shrink_model", "padded_vocab_size",
@@ -76,9 +77,15 @@ def model_preset(name: str, *, seq_length: int | None = None) -> ModelSpec:
     spec = PRESETS[name]
     if seq_length is None:
         return dataclasses.replace(spec)
-    if seq_length < 1:
-        raise SchemaError("--seq-length", "", seq_length, "a positive integer")
-    return dataclasses.replace(spec, seq_length=seq_length)
+    return dataclasses.replace(spec, seq_length=_checked_seq_length(seq_length))
+
+
+def _checked_seq_length(seq_length: int) -> int:
+    """``--seq-length``, named as the flag (not as a field of the model file it replaces)."""
+    most = MODEL_SIZES["seq_length"]
+    if not 1 <= seq_length <= most:
+        raise SchemaError("--seq-length", "", seq_length, f"a positive integer of at most {most:,}")
+    return seq_length
 
 
 def load_model(name_or_path: str, *, seq_length: int | None = None) -> ModelSpec:
@@ -90,7 +97,7 @@ def load_model(name_or_path: str, *, seq_length: int | None = None) -> ModelSpec
         model_preset(name_or_path)  # raises the message listing the presets
     data = read_yaml(path)
     if isinstance(data, dict) and seq_length is not None:
-        data = {**data, "seq_length": seq_length}
+        data = {**data, "seq_length": _checked_seq_length(seq_length)}
     return from_data(ModelSpec, data, source=str(path))
 
 

@@ -260,6 +260,8 @@ def test_rope_needs_an_even_head_size():
     ("two", "--tensor-parallel-sizes: 'two'; expected positive integers"),
     ("0,2", "--tensor-parallel-sizes: '0,2'; expected positive integers"),
     ("3,5", "tensor-parallel sizes [3, 5]: none divides llama2-7b's 32 attention heads"),
+    ("1,,2", "--tensor-parallel-sizes: '1,,2'; expected positive integers"),  # was [1, 2]
+    ("1,2,", "--tensor-parallel-sizes: '1,2,'; expected positive integers"),
 ])
 def test_tune_refuses_tensor_parallel_sizes_it_cannot_use(sizes, phrase, tmp_path, capsys):
     assert main(["tune", str(INVENTORY), "--model", "llama2-7b", "--global-batch-size", "128",
@@ -294,13 +296,25 @@ def test_rehearse_options_name_the_flag_and_refuse_infinities(extra, phrase, cap
 
 
 def test_a_huge_sequence_length_is_one_line_without_numpy_warnings(tmp_path, capsys):
-    """--seq-length 10^9 printed numpy's RuntimeWarning (inf x 0 in the offload costs) above
-    the error."""
+    """--seq-length 10^7 (within the limit of models.py) printed numpy's RuntimeWarning (inf x 0
+    in the offload costs) above the error; 10^9 is refused as the flag's value."""
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert main(["tune", str(REPO / "examples/llama2/7b/inventory.yaml"), "--model",
                      "llama2-7b", "--global-batch-size", "64", "--quiet", "--seq-length",
-                     "1000000000", "-o", str(tmp_path / "p.yaml")]) == 1
+                     "10000000", "-o", str(tmp_path / "p.yaml")]) == 1
     assert "does not fit" in _one_line_error(capsys, "tune")
+    import dataclasses
+
+    from megatron_hetero._schema import write_yaml
+    from megatron_hetero.models import model_preset
+
+    write_yaml(dataclasses.asdict(model_preset("llama2-7b")), tmp_path / "m.yaml")
+    for model in ("llama2-7b", str(tmp_path / "m.yaml")):
+        assert main(["tune", str(REPO / "examples/llama2/7b/inventory.yaml"), "--model", model,
+                     "--global-batch-size", "64", "--seq-length", "1000000000",
+                     "-o", str(tmp_path / "p.yaml")]) == 1
+        assert ("error: --seq-length: found 1000000000; expected a positive integer of at most "
+                "33,554,432") in _one_line_error(capsys, "tune")

@@ -15,7 +15,8 @@ from ..plan import save_plan
 from ..plan_mesh import MeshPlan, load_any_plan
 from ..plan_inventory import check_plan_against_inventory
 
-__all__ = ["tune_main", "simulate_main", "add_tune_arguments", "add_simulate_arguments"]
+__all__ = ["tune_main", "simulate_main", "add_tune_arguments", "add_simulate_arguments",
+           "parse_sizes"]
 
 
 def add_tune_arguments(p: argparse.ArgumentParser) -> None:
@@ -89,9 +90,11 @@ def _short(path: str) -> str:
     return "/".join(Path(path).parts[-2:])
 
 
-def _sizes(text: str, flag: str = "--micro-batch-sizes") -> tuple[int, ...]:
+def parse_sizes(text: str, flag: str = "--micro-batch-sizes") -> tuple[int, ...]:
+    """``"1,2,4"`` -> ``(1, 2, 4)``; an empty item (``1,,2``), a non-integer or a size below 1
+    is the user's mistake, named with ``flag``."""
     try:
-        values = tuple(sorted({int(v) for v in text.split(",") if v.strip()}))
+        values = tuple(sorted({int(v) for v in text.split(",")}))
     except ValueError:
         values = ()
     if not values or min(values) < 1:
@@ -129,7 +132,7 @@ def tune_main(args: argparse.Namespace) -> int:
     _check_timeline(args.timeline)
     if args.timeline:  # at least a forward and a backward of every micro-batch of the batch
         from ..simulate import check_recordable
-        check_recordable(2 * args.global_batch_size // max(_sizes(args.micro_batch_sizes)))
+        check_recordable(2 * args.global_batch_size // max(parse_sizes(args.micro_batch_sizes)))
     with _outputs("tune", args, inputs={"INVENTORY": args.inventory},
                   outputs={"-o/--output": args.output, "--report": args.report,
                            "--timeline": args.timeline}) as out:
@@ -161,8 +164,8 @@ def _tune(args: argparse.Namespace, out: Outputs) -> int:
     inventory = load_inventory(args.inventory)
     model = load_model(args.model, seq_length=args.seq_length)
     tp_sizes = (None if args.tensor_parallel_sizes is None
-                else _sizes(args.tensor_parallel_sizes, "--tensor-parallel-sizes"))
-    options = TuneOptions(micro_batch_sizes=_sizes(args.micro_batch_sizes),
+                else parse_sizes(args.tensor_parallel_sizes, "--tensor-parallel-sizes"))
+    options = TuneOptions(micro_batch_sizes=parse_sizes(args.micro_batch_sizes),
                           tensor_parallel_sizes=tp_sizes,
                           optimizer_offload=not args.no_optimizer_offload,
                           activation_offload=not args.no_activation_offload,

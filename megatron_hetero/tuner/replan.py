@@ -66,7 +66,7 @@ def replan_main(args: argparse.Namespace) -> int:
 
 def _replan(args: argparse.Namespace, source: Path, out: Outputs) -> int:
     from ..cost.profile_file import load_profiles
-    from .commands import _sizes
+    from .commands import parse_sizes
     from .problem import TuneOptions
     from .report import summary_lines
     from .search import tune
@@ -84,7 +84,7 @@ def _replan(args: argparse.Namespace, source: Path, out: Outputs) -> int:
         raise SchemaError(old_path, "global_batch_size", old.global_batch_size,
                           f"{gbs}, the checkpoint's ({origin}); is it this run's plan?")
     tp_sizes = _loadable_tp_sizes(ckpt, old, model, args)
-    options = TuneOptions(micro_batch_sizes=_sizes(args.micro_batch_sizes),
+    options = TuneOptions(micro_batch_sizes=parse_sizes(args.micro_batch_sizes),
                           tensor_parallel_sizes=tp_sizes,
                           precision=ckpt.precision if ckpt else old.precision,
                           use_distributed_optimizer=bool(ckpt.args.get("use_distributed_optimizer"))
@@ -229,9 +229,9 @@ def _loadable_tp_sizes(ckpt: Checkpoint | None, old, model: ModelSpec, args) -> 
     megatron-core 0.17.1 loads the checkpoint without a word (a TP=1 save of 128 rows loaded
     under TP=2, 256 rows, on CPU ranks), but the rows it did not save start untrained, and the
     output layer's padding rows take part in the softmax: not the same training."""
-    from .commands import _sizes
+    from .commands import parse_sizes
 
-    asked = (_sizes(args.tensor_parallel_sizes, "--tensor-parallel-sizes")
+    asked = (parse_sizes(args.tensor_parallel_sizes, "--tensor-parallel-sizes")
              if args.tensor_parallel_sizes else tuple(range(1, model.num_attention_heads + 1)))
     heads = [t for t in asked if model.num_attention_heads % t == 0
              and model.num_query_groups % t == 0]
