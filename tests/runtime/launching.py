@@ -47,6 +47,7 @@ def megatron_lm_checkout(tmp_path) -> Path:
     checkout.mkdir()
     subprocess.run(["tar", "-x", "-C", str(checkout)], input=archive, check=True)
     shutil.copy(RECORDING_SCRIPT, checkout / RECORDING_SCRIPT.name)
+    shutil.copy(RECORDING_SCRIPT.with_name("recording.py"), checkout / "recording.py")
     return checkout
 
 

@@ -8,6 +8,7 @@ import torch
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.utils import get_attr_wrapped_model
 from megatron.training import get_args, pretrain
 from megatron.training.arguments import core_transformer_config_from_args
 
@@ -68,14 +69,26 @@ def forward_step(data_iterator, model):
     if batch is None:  # middle/last pipeline stages without data
         return model(None, None, attention_mask=None), partial(loss_func, None)
     LOG["indices"].append(batch["index"].tolist())
+    if RECORD and get_attr_wrapped_model(model, "pre_process"):
+        for i in batch["index"].tolist():  # the samples that enter the model here
+            recording.read(i)  # (every chunk of an interleaved stage pulls its own batches)
     out = model(batch["tokens"], batch["position_ids"], attention_mask=None, labels=batch["labels"])
     return out, partial(loss_func, batch["loss_mask"])
 
 
+RECORD = bool(os.environ.get("SAMPLES_LOG"))  # recording.py's samples, steps and ranks
+
 if __name__ == "__main__":
     datasets_provider.is_distributed = True
-    pretrain(datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
-             args_defaults={"tokenizer_type": "NullTokenizer"})
+    if RECORD:
+        import recording
+        recording.record_steps()
+    try:
+        pretrain(datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
+                 args_defaults={"tokenizer_type": "NullTokenizer"})
+    finally:  # --exit-interval ends the run with sys.exit
+        if RECORD:
+            recording.dump()
     out = os.environ.get("TINY_LOG")
     if out:
         import torch.distributed as dist
