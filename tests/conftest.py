@@ -34,3 +34,12 @@ def mcore017_env() -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(MCORE017), str(REPO)])
     return env
+
+
+def one_line_error(capsys, command: str) -> str:
+    """What ``megatron-hetero COMMAND`` printed on stderr, checked to be our one-line error (no
+    traceback): the README's promise for every user mistake."""
+    err = capsys.readouterr().err
+    assert err.startswith(f"megatron-hetero {command}: error: "), err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err

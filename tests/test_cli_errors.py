@@ -8,23 +8,16 @@ import pytest
 
 from megatron_hetero.cli import main
 
-from .conftest import REPO
+from .conftest import REPO, one_line_error
 
 PLAN = REPO / "tests/data/plan_a100_v100.yaml"
 INVENTORY = REPO / "examples/llama2/7b/inventory.yaml"
 
 
-def _one_line_error(capsys, command: str) -> str:
-    err = capsys.readouterr().err
-    assert err.startswith(f"megatron-hetero {command}: error: ")
-    assert err.count("\n") == 1 and "Traceback" not in err, err
-    return err
-
-
 def test_missing_file_names_it_without_placeholder_path(tmp_path, capsys):
     missing = tmp_path / "nope.yaml"
     assert main(["validate", str(missing)]) == 1
-    err = _one_line_error(capsys, "validate")
+    err = one_line_error(capsys, "validate")
     assert f"{missing}: found 'No such file or directory'; expected a readable YAML file" in err
     assert "<root>" not in err
 
@@ -33,14 +26,14 @@ def test_empty_file_is_called_empty(tmp_path, capsys):
     empty = tmp_path / "plan.yaml"
     empty.write_text("")
     assert main(["args", str(empty)]) == 1
-    err = _one_line_error(capsys, "args")
+    err = one_line_error(capsys, "args")
     assert f"{empty}: found an empty document; expected a mapping (Plan)" in err
 
 
 def test_unknown_model_names_the_option(capsys):
     assert main(["tune", str(INVENTORY), "--model", "llama9-1b", "--global-batch-size", "8",
                  "-q", "-o", "/dev/null"]) == 1
-    err = _one_line_error(capsys, "tune")
+    err = one_line_error(capsys, "tune")
     assert "--model: found 'llama9-1b'; expected a preset (llama2-7b" in err
 
 
@@ -50,7 +43,7 @@ def test_tune_output_in_missing_directory_is_one_line(tmp_path, capsys):
     inv.write_text("groups:\n  - {gpu: A100-SXM-80GB, nodes: 1, gpus_per_node: 8}\n")
     assert main(["tune", str(inv), "--model", "llama2-7b", "--global-batch-size", "8", "-q",
                  "-o", str(out)]) == 1
-    err = _one_line_error(capsys, "tune")
+    err = one_line_error(capsys, "tune")
     assert f"-o/--output {out}: the folder {str(out.parent)!r} does not exist" in err
 
 
@@ -61,7 +54,7 @@ def test_zero_sequence_length_is_refused_not_replaced_by_the_default(command, ca
     # `--seq-length 0` used to fall back to the preset's 4096 in `profile` (a silent full-size
     # run on CPU that takes minutes) instead of being refused.
     assert main([*command, "--seq-length", "0"]) == 1
-    err = _one_line_error(capsys, command[0])
+    err = one_line_error(capsys, command[0])
     assert "--seq-length" in err and "expected a positive integer" in err
 
 
@@ -120,7 +113,7 @@ def test_patch_that_does_not_apply_is_one_line_and_leaves_the_checkout_alone(tmp
                                                                              check):
     root = _fake_megatron(tmp_path, "print('not the release pretrain_gpt.py')\n")
     assert main(["patch-megatron", str(root)] + (["--check"] if check else [])) == 1
-    err = _one_line_error(capsys, "patch-megatron")
+    err = one_line_error(capsys, "patch-megatron")
     assert "core_r0.16 patch" in err and "does not apply (" in err and "FAILED" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["megatron", "pretrain_gpt.py"]
     assert (root / "pretrain_gpt.py").read_text() == "print('not the release pretrain_gpt.py')\n"
@@ -128,7 +121,7 @@ def test_patch_that_does_not_apply_is_one_line_and_leaves_the_checkout_alone(tmp
 
 def test_patch_megatron_on_a_plain_directory(tmp_path, capsys):
     assert main(["patch-megatron", str(tmp_path)]) == 1
-    assert "no pretrain_gpt.py (give the Megatron-LM checkout's root)" in _one_line_error(
+    assert "no pretrain_gpt.py (give the Megatron-LM checkout's root)" in one_line_error(
         capsys, "patch-megatron")
 
 
@@ -141,7 +134,7 @@ def test_exponent_without_a_dot_is_a_number(tmp_path, capsys):
     assert load_inventory(inv).groups[0].intra_node_bandwidth_gb_s == 300.0
     inv.write_text(inv.read_text().replace("3e2", "3x2"))
     assert main(["validate", str(PLAN), "--inventory", str(inv)]) == 1
-    assert "intra_node_bandwidth_gb_s: found '3x2'; expected a number" in _one_line_error(
+    assert "intra_node_bandwidth_gb_s: found '3x2'; expected a number" in one_line_error(
         capsys, "validate")
 
 
@@ -165,7 +158,7 @@ def test_validate_counts_gpus_in_whole_tensor_parallel_groups(tmp_path, capsys):
     inv.write_text("groups:\n  - {gpu: A100-SXM-80GB, nodes: 3, gpus_per_node: 3}\n")
     for command in ("validate", "simulate"):
         assert main([command, str(plan), "--inventory", str(inv)]) == 1
-        err = _one_line_error(capsys, command)
+        err = one_line_error(capsys, command)
         assert "pipelines: found 8 GPUs of type A100-SXM-80GB; expected at most 6" in err
         assert "whole tensor-parallel groups of 2" in err
     inv.write_text("groups:\n  - {gpu: A100-SXM-80GB, nodes: 2, gpus_per_node: 4}\n")
@@ -180,7 +173,7 @@ def test_timeline_of_a_type_matplotlib_cannot_write_is_refused_first(command, tm
     # Used to end in matplotlib's ValueError traceback, after the search.
     out = tmp_path / "timeline.txt"
     assert main([*command, "--timeline", str(out)]) == 1
-    err = _one_line_error(capsys, command[0])
+    err = one_line_error(capsys, command[0])
     assert f"--timeline: '{out}'; expected a file name ending in one of" in err and ".png" in err
     assert not out.exists()
 
@@ -198,7 +191,7 @@ def test_args_of_a_plan_on_an_inventory_defined_gpu(tmp_path, capsys):
     plan.write_text(PLAN.read_text().replace("A100-SXM-80GB", "MyNPU-32GB")
                     .replace("V100-SXM2-32GB", "MyNPU-32GB"))
     assert main(["args", str(plan)]) == 1
-    assert "found 'MyNPU-32GB'; expected a GPU in the catalog" in _one_line_error(capsys, "args")
+    assert "found 'MyNPU-32GB'; expected a GPU in the catalog" in one_line_error(capsys, "args")
     assert main(["args", str(plan), "--inventory", str(inv)]) == 0
     assert capsys.readouterr().out.rstrip().endswith(f"--hetero-plan {plan}")
 
@@ -222,7 +215,7 @@ def test_validate_refuses_what_the_runtime_refuses_at_start(tmp_path, capsys):
         virtual_micro_batch_size(load_plan(plan))
     assert main(["validate", str(plan)]) == 1
     assert ("global_batch_size: found 128; expected a multiple of the number of pipelines (3)"
-            in _one_line_error(capsys, "validate"))
+            in one_line_error(capsys, "validate"))
     data["global_batch_size"] = 129
     data["pipelines"][2]["num_microbatches"] = 43
     plan.write_text(yaml.safe_dump(data))  # uniform 43:43:43 runs at any global batch
@@ -266,7 +259,7 @@ def test_rope_needs_an_even_head_size():
 def test_tune_refuses_tensor_parallel_sizes_it_cannot_use(sizes, phrase, tmp_path, capsys):
     assert main(["tune", str(INVENTORY), "--model", "llama2-7b", "--global-batch-size", "128",
                  "--tensor-parallel-sizes", sizes, "-q", "-o", str(tmp_path / "p.yaml")]) == 1
-    assert phrase in _one_line_error(capsys, "tune")
+    assert phrase in one_line_error(capsys, "tune")
     assert not (tmp_path / "p.yaml").exists()
 
 
@@ -292,7 +285,7 @@ def test_tune_keeps_to_the_tensor_parallel_sizes_asked_for(tmp_path):
 def test_rehearse_options_name_the_flag_and_refuse_infinities(extra, phrase, capsys):
     """--time-scale inf was an OverflowError traceback from time.sleep in every rank."""
     assert main(["rehearse", str(REPO / "tests/data/plan_a100_v100.yaml"), *extra]) == 1
-    assert phrase in _one_line_error(capsys, "rehearse")
+    assert phrase in one_line_error(capsys, "rehearse")
 
 
 def test_a_huge_sequence_length_is_one_line_without_numpy_warnings(tmp_path, capsys):
@@ -305,7 +298,7 @@ def test_a_huge_sequence_length_is_one_line_without_numpy_warnings(tmp_path, cap
         assert main(["tune", str(REPO / "examples/llama2/7b/inventory.yaml"), "--model",
                      "llama2-7b", "--global-batch-size", "64", "--quiet", "--seq-length",
                      "10000000", "-o", str(tmp_path / "p.yaml")]) == 1
-    assert "does not fit" in _one_line_error(capsys, "tune")
+    assert "does not fit" in one_line_error(capsys, "tune")
     import dataclasses
 
     from megatron_hetero._schema import write_yaml
@@ -317,4 +310,4 @@ def test_a_huge_sequence_length_is_one_line_without_numpy_warnings(tmp_path, cap
                      "--global-batch-size", "64", "--seq-length", "1000000000",
                      "-o", str(tmp_path / "p.yaml")]) == 1
         assert ("error: --seq-length: found 1000000000; expected a positive integer of at most "
-                "33,554,432") in _one_line_error(capsys, "tune")
+                "33,554,432") in one_line_error(capsys, "tune")

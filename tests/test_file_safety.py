@@ -14,18 +14,11 @@ import pytest
 from megatron_hetero.cli import main
 from megatron_hetero.outputs import Outputs
 
-from .conftest import REPO
+from .conftest import REPO, one_line_error
 
 PLAN = REPO / "tests/data/plan_a100_v100.yaml"
 INVENTORY = REPO / "examples/llama2/7b/inventory.yaml"
 TUNE = ["--model", "llama2-7b", "--global-batch-size", "64", "--quiet"]
-
-
-def _error(capsys, command: str) -> str:
-    err = capsys.readouterr().err
-    assert err.startswith(f"megatron-hetero {command}: error: "), err
-    assert err.count("\n") == 1 and "Traceback" not in err, err
-    return err
 
 
 @pytest.fixture
@@ -66,7 +59,7 @@ def test_an_output_that_is_an_input_or_another_output_is_refused_first(case, fil
     t0 = time.process_time()
     assert main(argv) == 1
     assert time.process_time() - t0 < 0.5  # refused before the search
-    err = _error(capsys, argv[0])
+    err = one_line_error(capsys, argv[0])
     assert "it is also" in err and "nothing was written" in err
     _unchanged(files)
 
@@ -82,7 +75,7 @@ def test_a_failing_writer_leaves_the_old_files(files, tmp_path, capsys, monkeypa
 
     monkeypatch.setattr(json, "dump", full_disk)
     assert main(["tune", str(inv), *TUNE, "-o", str(plan), "--report", str(report)]) == 1
-    err = _error(capsys, "tune")
+    err = one_line_error(capsys, "tune")
     assert "No space left on device" in err and "every existing file is as it was" in err
     _unchanged(files)
 
@@ -116,7 +109,7 @@ def test_outputs_are_put_in_place_together_on_success(files, tmp_path):
                                             (".", "a folder")])
 def test_output_folders_are_checked_before_the_search(target, phrase, files, tmp_path, capsys):
     assert main(["tune", str(tmp_path / "inv.yaml"), *TUNE, "-o", str(tmp_path / target)]) == 1
-    assert phrase in _error(capsys, "tune")
+    assert phrase in one_line_error(capsys, "tune")
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
@@ -124,7 +117,7 @@ def test_a_read_only_folder_is_refused(files, tmp_path, capsys):
     ro = tmp_path / "ro"
     ro.mkdir(mode=0o500)
     assert main(["tune", str(tmp_path / "inv.yaml"), *TUNE, "-o", str(ro / "p.yaml")]) == 1
-    assert "not writable" in _error(capsys, "tune")
+    assert "not writable" in one_line_error(capsys, "tune")
 
 
 def test_outputs_remove_their_staged_files_on_any_exception(tmp_path):
@@ -143,7 +136,7 @@ def test_pgf_timeline_without_latex_is_refused_naming_latex(files, tmp_path, cap
     monkeypatch.setattr(shutil, "which", lambda name: None)
     assert main(["tune", str(tmp_path / "inv.yaml"), *TUNE, "--timeline",
                  str(tmp_path / "t.pgf")]) == 1
-    assert "needs LaTeX" in _error(capsys, "tune")
+    assert "needs LaTeX" in one_line_error(capsys, "tune")
 
 
 # Ctrl-C at every moment, start-up included: tests/test_interrupts.py
@@ -157,7 +150,7 @@ def test_a_key_given_twice_names_both_lines(tmp_path, capsys):
                    "inter_group_bandwidth_gb_s: 10\n"
                    "groups:\n  - {gpu: V100-SXM2-32GB, nodes: 1, gpus_per_node: 8}\n")
     assert main(["tune", str(inv), *TUNE, "-o", str(tmp_path / "p.yaml")]) == 1
-    err = _error(capsys, "tune")
+    err = one_line_error(capsys, "tune")
     assert "line 4" in err and "'groups' a second time (first on line 1)" in err
 
 
@@ -166,7 +159,7 @@ def test_a_key_given_twice_inside_a_flow_mapping(tmp_path, capsys):
     plan.write_text(PLAN.read_text().replace("precision: fp16", "precision: fp16\nprecision: bf16"))
     assert "precision: bf16" in plan.read_text()
     assert main(["validate", str(plan)]) == 1
-    assert "'precision' a second time" in _error(capsys, "validate")
+    assert "'precision' a second time" in one_line_error(capsys, "validate")
 
 
 @pytest.mark.parametrize("kind", ["plan", "inventory", "model"])
@@ -179,7 +172,7 @@ def test_bytes_that_are_not_utf8_name_the_file_and_offset(kind, tmp_path, capsys
             "model": ["tune", str(INVENTORY), "--model", str(bad), "--global-batch-size", "64",
                       "-o", str(tmp_path / "p.yaml")]}[kind]
     assert main(argv) == 1
-    err = _error(capsys, argv[0])
+    err = one_line_error(capsys, argv[0])
     assert f"{bad}: byte 20: found the byte 0xff, which is not UTF-8; expected a UTF-8" in err
 
 
@@ -189,7 +182,7 @@ def test_nan_and_infinities_are_refused_with_the_field_path(value, tmp_path, cap
     inv.write_text("groups:\n  - {gpu: A100-SXM-80GB, nodes: 1, gpus_per_node: 8}\n"
                    f"inter_group_bandwidth_gb_s: {value}\n")
     assert main(["tune", str(inv), *TUNE, "-o", str(tmp_path / "p.yaml")]) == 1
-    err = _error(capsys, "tune")
+    err = one_line_error(capsys, "tune")
     assert "inter_group_bandwidth_gb_s" in err and "expected a finite number" in err
 
 
@@ -201,7 +194,7 @@ def test_a_custom_gpu_with_nan_memory_names_the_file_and_field(tmp_path, capsys)
         "intra_node_bandwidth_gb_s: 32, efficiency: 0.5}\n"
         "groups:\n  - {gpu: X-1, nodes: 1, gpus_per_node: 8}\n")
     assert main(["tune", str(inv), *TUNE, "-o", str(tmp_path / "p.yaml")]) == 1
-    err = _error(capsys, "tune")
+    err = one_line_error(capsys, "tune")
     assert str(inv) in err and "memory_gb" in err and "finite" in err
 
 
@@ -243,12 +236,12 @@ def test_a_dangling_symlink_into_a_missing_folder_is_refused_first(files, tmp_pa
     link = tmp_path / "link.yaml"
     link.symlink_to(tmp_path / "nowhere/plan.yaml")
     assert main(["tune", str(tmp_path / "inv.yaml"), *TUNE, "-o", str(link)]) == 1
-    assert "nowhere' does not exist" in _error(capsys, "tune")
+    assert "nowhere' does not exist" in one_line_error(capsys, "tune")
     assert link.is_symlink()
 
 
 def test_an_empty_output_path_is_refused_first(files, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(["tune", str(tmp_path / "inv.yaml"), *TUNE, "-o", ""]) == 1
-    assert "-o/--output: an empty path" in _error(capsys, "tune")
+    assert "-o/--output: an empty path" in one_line_error(capsys, "tune")
     _unchanged(files)

@@ -12,16 +12,10 @@ from megatron_hetero.errors import SchemaError
 from megatron_hetero.limits import MODEL_SIZES, MOST_GPUS
 from megatron_hetero.models import model_preset as get_model
 
-from .conftest import REPO
+from .conftest import REPO, one_line_error
 
 INVENTORY = REPO / "examples/llama2/7b/inventory.yaml"
 PLAN = REPO / "examples/llama2/7b/plan.yaml"
-
-
-def _error(capsys, command: str) -> str:
-    err = capsys.readouterr().err
-    assert err.startswith(f"megatron-hetero {command}: error: ") and err.count("\n") == 1, err
-    return err
 
 
 def _model_file(tmp_path, **sizes):
@@ -37,7 +31,7 @@ def test_each_model_size_above_its_limit_is_named(key, tmp_path, capsys):
     model = _model_file(tmp_path, **{key: MODEL_SIZES[key] * 1000})
     assert main(["tune", str(INVENTORY), "--model", str(model), "--global-batch-size", "64",
                  "-o", str(tmp_path / "p.yaml")]) == 1
-    err = _error(capsys, "tune")
+    err = one_line_error(capsys, "tune")
     assert f"m.yaml: {key}: " in err and f"at most {MODEL_SIZES[key]:,}" in err
     assert not (tmp_path / "p.yaml").exists()
 
@@ -48,7 +42,7 @@ def test_a_million_layers_in_a_plan_is_refused_with_its_field_path(tmp_path, cap
     write_yaml(data, tmp_path / "p.yaml")
     assert main(["validate", str(tmp_path / "p.yaml")]) == 1
     assert "p.yaml: model.num_layers: found 1000000; expected a positive integer of at most " \
-           "512" in _error(capsys, "validate")
+           "512" in one_line_error(capsys, "validate")
 
 
 def test_the_limits_are_inclusive():
@@ -77,7 +71,7 @@ def test_more_gpus_than_any_cluster_are_refused_before_the_search(groups, path, 
     write_yaml({"groups": groups}, tmp_path / "inv.yaml")
     assert main(["tune", str(tmp_path / "inv.yaml"), "--model", "llama2-7b",
                  "--global-batch-size", "64", "-o", str(tmp_path / "p.yaml")]) == 1
-    err = _error(capsys, "tune")
+    err = one_line_error(capsys, "tune")
     assert f"inv.yaml: {path}: " in err and f"at most {MOST_GPUS:,} GPUs in all" in err
 
 

@@ -13,18 +13,11 @@ from megatron_hetero.plan import load_plan
 from megatron_hetero.plan_checks import stage_layers
 from megatron_hetero.simulate import simulate
 
-from .conftest import REPO
+from .conftest import REPO, one_line_error
 
 PLAN = REPO / "tests/data/plan_a100_v100.yaml"
 INVENTORY = REPO / "examples/llama2/7b/inventory.yaml"
 FITS = REPO / "examples/llama2/7b/plan.yaml"  # tuned: interleaved, fits
-
-
-def _error(capsys, command: str) -> str:
-    err = capsys.readouterr().err
-    assert err.startswith(f"megatron-hetero {command}: error: "), err
-    assert err.count("\n") == 1 and "Traceback" not in err, err
-    return err
 
 
 @pytest.fixture
@@ -43,7 +36,7 @@ def too_big(tmp_path):
 
 def test_validate_names_the_stage_card_layers_and_figures(too_big, capsys):
     assert main(["validate", str(too_big), "--inventory", str(INVENTORY)]) == 1
-    err = _error(capsys, "validate")
+    err = one_line_error(capsys, "validate")
     # the simulator's own figures
     plan = load_plan(too_big)
     sim = simulate(plan, CostModel(plan.model, load_inventory(INVENTORY), precision=plan.precision),
@@ -70,7 +63,7 @@ def test_without_an_inventory_memory_is_not_checked(too_big):
 def test_simulate_fails_on_a_plan_that_does_not_fit_and_writes_nothing(too_big, tmp_path, capsys):
     out = tmp_path / "sim.json"
     assert main(["simulate", str(too_big), "--inventory", str(INVENTORY), "--json", str(out)]) == 1
-    err = _error(capsys, "simulate")
+    err = one_line_error(capsys, "simulate")
     assert "stage 0 (A100-SXM-80GB, layers 0-13) needs" in err and "--warn-only" in err
     assert not out.exists() and capsys.readouterr().out == ""
     assert main(["simulate", str(too_big), "--inventory", str(INVENTORY), "--json", str(out),
@@ -101,7 +94,7 @@ def test_offload_megatron_refuses_is_refused_with_the_field_path(edit, path, phr
     bad = tmp_path / "plan.yaml"
     bad.write_text(text)
     assert main(["validate", str(bad)]) == 1
-    err = _error(capsys, "validate")
+    err = one_line_error(capsys, "validate")
     assert f"{bad}: {path}: found" in err and phrase in err
 
 
@@ -129,7 +122,7 @@ def test_activation_offload_with_what_megatron_refuses_beside_it(stage, path, ph
                                                                  capsys):
     bad = _single_stage(tmp_path, stage)
     assert main(["validate", str(bad)]) == 1
-    err = _error(capsys, "validate")
+    err = one_line_error(capsys, "validate")
     assert f"{bad}: {path}: found True" in err and phrase in err
 
 
@@ -144,7 +137,7 @@ def test_a_mesh_plan_over_memory_names_the_mesh_stage(tmp_path, capsys):
                             "- {num_layers: 20}")
                    .replace("{num_layers: 10, offload: {module_inputs: true}}", "{num_layers: 6}"))
     assert main(["validate", str(bad), "--inventory", str(MESH_INVENTORY)]) == 1
-    err = _error(capsys, "validate")
+    err = one_line_error(capsys, "validate")
     assert f"{bad}: meshes[1].stages[0]: found stage 2 (T4-16GB, layers 12-31) needs" in err
     assert main(["validate", str(MESH), "--inventory", str(MESH_INVENTORY)]) == 0
 
@@ -156,4 +149,4 @@ def test_a_mesh_plan_offloading_activations_at_pp3_is_refused(tmp_path, capsys):
         "- {num_layers: 12, offload: {activations: true}}"))
     assert main(["validate", str(bad)]) == 1
     assert "meshes[1].stages[0].offload.activations: found True; expected false at PP=3" in \
-        _error(capsys, "validate")
+        one_line_error(capsys, "validate")
