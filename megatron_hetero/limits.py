@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from .errors import SchemaError
 
-__all__ = ["MODEL_SIZES", "MOST_GPUS", "check_model_sizes", "check_gpus"]
+__all__ = ["MODEL_SIZES", "MOST_GPUS", "check_model_size", "check_model_sizes", "check_gpus"]
 
 MODEL_SIZES = {
     "num_layers": 512,
@@ -27,14 +27,21 @@ MOST_GPUS = 1 << 20
 """The most GPUs an inventory may hold (1,048,576); placement grows with the GPUs."""
 
 
+def check_model_size(key: str, value: int, *, source: str = "", path: str | None = None) -> int:
+    """``value`` of the model size ``key`` is a positive integer within :data:`MODEL_SIZES`;
+    the error names ``source`` and ``path`` (default: the field ``key``)."""
+    most = MODEL_SIZES[key]
+    if not 1 <= value <= most:
+        raise SchemaError(source, key if path is None else path, value,
+                          f"a positive integer of at most {most:,} (larger than any model this "
+                          "tool can plan)")
+    return value
+
+
 def check_model_sizes(spec: object) -> None:
-    """Each size of a :class:`~megatron_hetero.plan.ModelSpec` is a positive integer within
-    :data:`MODEL_SIZES`."""
-    for key, most in MODEL_SIZES.items():
-        value = getattr(spec, key)
-        if not 1 <= value <= most:
-            raise SchemaError("", key, value, f"a positive integer of at most {most:,} "
-                                              "(larger than any model this tool can plan)")
+    """Each size of a :class:`~megatron_hetero.plan.ModelSpec` is within :data:`MODEL_SIZES`."""
+    for key in MODEL_SIZES:
+        check_model_size(key, getattr(spec, key))
 
 
 def check_gpus(count: int, *, path: str, found: object) -> None:

@@ -39,7 +39,7 @@ from typing import Literal
 
 from ._schema import from_data, read_yaml
 from .errors import HeteroError, SchemaError
-from .limits import MODEL_SIZES
+from .limits import check_model_size
 from .plan import ModelSpec
 
 __all__ = ["PRESETS", "model_preset", "load_model", "shrink_model", "padded_vocab_size",
@@ -82,10 +82,7 @@ def model_preset(name: str, *, seq_length: int | None = None) -> ModelSpec:
 
 def _checked_seq_length(seq_length: int) -> int:
     """``--seq-length``, named as the flag (not as a field of the model file it replaces)."""
-    most = MODEL_SIZES["seq_length"]
-    if not 1 <= seq_length <= most:
-        raise SchemaError("--seq-length", "", seq_length, f"a positive integer of at most {most:,}")
-    return seq_length
+    return check_model_size("seq_length", seq_length, source="--seq-length", path="")
 
 
 def load_model(name_or_path: str, *, seq_length: int | None = None) -> ModelSpec:
