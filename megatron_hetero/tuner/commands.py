@@ -16,7 +16,19 @@ from ..plan_mesh import MeshPlan, load_any_plan
 from ..plan_inventory import check_plan_against_inventory
 
 __all__ = ["tune_main", "simulate_main", "add_tune_arguments", "add_simulate_arguments",
-           "parse_sizes"]
+           "add_search_space_arguments", "parse_sizes"]
+
+
+def add_search_space_arguments(p: argparse.ArgumentParser, *, tp_default: str) -> None:
+    """The options of what the search measures and tries (``tune`` and ``replan``); read them
+    with :func:`parse_sizes`. ``tp_default`` says which tensor-parallel sizes are tried without
+    ``--tensor-parallel-sizes``."""
+    p.add_argument("--profile", action="append", default=[], metavar="FILE",
+                   help="measured profile.yaml of a device type (repeatable)")
+    p.add_argument("--micro-batch-sizes", default="1,2,4,8", metavar="LIST",
+                   help="micro-batch sizes to try (default 1,2,4,8)")
+    p.add_argument("--tensor-parallel-sizes", metavar="LIST",
+                   help=f"tensor-parallel sizes to try (default: {tp_default})")
 
 
 def add_tune_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,13 +42,8 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
                    help="where to write the plan (default plan.yaml)")
     p.add_argument("--report", metavar="JSON", help="write the JSON report here")
     p.add_argument("--timeline", metavar="PNG", help="write a Gantt chart of the predicted step")
-    p.add_argument("--profile", action="append", default=[], metavar="FILE",
-                   help="measured profile.yaml of a device type (repeatable)")
-    p.add_argument("--micro-batch-sizes", default="1,2,4,8", metavar="LIST",
-                   help="micro-batch sizes to try (default 1,2,4,8)")
-    p.add_argument("--tensor-parallel-sizes", metavar="LIST",
-                   help="tensor-parallel sizes to try (default: every size that divides the "
-                        "attention heads and query groups and fits in a node)")
+    add_search_space_arguments(p, tp_default="every size that divides the attention heads and "
+                                              "query groups and fits in a node")
     p.add_argument("--no-optimizer-offload", action="store_true",
                    help="fit memory with recompute only (optimizer offload needs megatron-core's "
                         "CPU-offload optimizer and --use-precision-aware-optimizer)")

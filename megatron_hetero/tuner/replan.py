@@ -46,13 +46,10 @@ def add_replan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", metavar="M", help="a preset or model YAML the checkpoint must hold")
     p.add_argument("--global-batch-size", type=int, metavar="N",
                    help="must equal the checkpoint's (Megatron resumes its sample count)")
-    p.add_argument("--profile", action="append", default=[], metavar="FILE",
-                   help="measured profile.yaml of a device type (repeatable)")
-    p.add_argument("--micro-batch-sizes", default="1,2,4,8", metavar="LIST",
-                   help="micro-batch sizes to try (default 1,2,4,8)")
-    p.add_argument("--tensor-parallel-sizes", metavar="LIST",
-                   help="tensor-parallel sizes to try (default: every size the checkpoint loads "
-                        "under that divides the heads and fits in a node)")
+    from .commands import add_search_space_arguments
+
+    add_search_space_arguments(p, tp_default="every size the checkpoint loads under that divides "
+                                             "the heads and fits in a node")
 
 
 def replan_main(args: argparse.Namespace) -> int:
