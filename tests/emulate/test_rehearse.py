@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import pytest
 import yaml
@@ -169,24 +170,12 @@ def test_custom_devices_of_the_plan_play_at_their_relative_speed(tmp_path, capsy
 
 
 # -- two vendors: the pipeline edge between them is the host path ---------------------------------
-_TWO_VENDOR_MODEL = {"name": "two-vendor", "num_layers": 4, "hidden_size": 2048,
-                     "ffn_hidden_size": 5504, "num_attention_heads": 16, "num_query_groups": 16,
-                     "vocab_size": 8000, "seq_length": 2048}
+_EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "rehearse"
+"""examples/rehearse/a100-mi300x.yaml: an A100 stage (NVIDIA, 1 layer) feeding an MI300X stage
+(AMD, 3 layers), 4 micro-batches; a100-mi300x-tcp.yaml: one node of each, TCP NICs."""
 
 
-def _two_vendor_files(tmp_path, *, rdma):
-    """An A100 stage (NVIDIA, 1 layer) feeding an MI300X stage (AMD, 3 layers: about 3x the
-    A100's speed), 4 micro-batches, and an inventory of one node of each joined over NICs."""
-    data = _plan_data([("A100-SXM-80GB", 1), ("MI300X-192GB", 3)], micro=4,
-                      model=_TWO_VENDOR_MODEL)
-    data["precision"] = "bf16"
-    inventory = {"inter_group_bandwidth_gb_s": 25,
-                 "groups": [{"gpu": gpu, "nodes": 1, "gpus_per_node": 1, "rdma": rdma}
-                            for gpu in ("A100-SXM-80GB", "MI300X-192GB")]}
-    return _write(tmp_path, data), _write(tmp_path, inventory, "inventory.yaml")
-
-
-def test_link_across_vendors_is_the_host_path_as_the_cost_model_prices_it(tmp_path):
+def test_link_across_vendors_is_the_host_path_as_the_cost_model_prices_it():
     """The rehearsal's link between an A100 and an MI300X rank is the host path (device to
     host, the TCP NIC, host to device): a shrunk message takes the rehearsal's stretch times
     what the cost model charges the real one, and the prediction charges it on the pipeline."""
@@ -199,9 +188,8 @@ def test_link_across_vendors_is_the_host_path_as_the_cost_model_prices_it(tmp_pa
     from megatron_hetero.hardware.inventory import load_inventory
     from megatron_hetero.plan import load_plan
 
-    plan_path, inv_path = _two_vendor_files(tmp_path, rdma=False)
-    inventory = load_inventory(inv_path)
-    plan = load_plan(plan_path, catalog=inventory.catalog)
+    inventory = load_inventory(str(_EXAMPLES / "a100-mi300x-tcp.yaml"))
+    plan = load_plan(str(_EXAMPLES / "a100-mi300x.yaml"), catalog=inventory.catalog)
     shrunk = shrink_plan(plan, 64)
     calibration = Calibration(layer_flops_per_s=1e9, allreduce_gb_s=1.0, p2p_latency_s=1e-4,
                               parts={(part, 1): (1e-2, 2e-2)
@@ -224,13 +212,13 @@ def test_link_across_vendors_is_the_host_path_as_the_cost_model_prices_it(tmp_pa
 
 
 @pytest.mark.slow
-def test_two_vendor_rehearsal_meets_its_prediction(tmp_path, capsys):
+def test_two_vendor_rehearsal_meets_its_prediction(capsys):
     """A100 -> MI300X with the edge staged through the hosts over TCP NICs (the link is about
     half of the step): the rehearsal emulates the host path, names its legs, and its measured
     step is within 10% of the prediction, median of 3 runs (issue 14, item 6: the one timed
     check the issue asks for; single runs scatter more on a shared machine, docs/calibration.md).
     Time scale 3: at 1 the 0.1 s steps carry a per-step overhead the cost model lacks."""
-    plan, inventory = _two_vendor_files(tmp_path, rdma=False)
+    plan, inventory = (str(_EXAMPLES / n) for n in ("a100-mi300x.yaml", "a100-mi300x-tcp.yaml"))
     ratios = []
     for _ in range(3):
         assert main(["rehearse", plan, "--inventory", inventory, "--emulate-links", "--steps", "4",
