@@ -170,9 +170,9 @@ def test_custom_devices_of_the_plan_play_at_their_relative_speed(tmp_path, capsy
 
 
 # -- two vendors: the pipeline edge between them is the host path ---------------------------------
-_EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "rehearse"
-"""examples/rehearse/a100-mi300x.yaml: an A100 stage (NVIDIA, 1 layer) feeding an MI300X stage
-(AMD, 3 layers), 4 micro-batches; a100-mi300x-tcp.yaml: one node of each, TCP NICs."""
+_EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "rehearse" / "a100-mi300x"
+"""plan.yaml: an A100 stage (NVIDIA, 1 layer) feeding an MI300X stage (AMD, 3 layers), 4
+micro-batches; tcp.yaml: one node of each, TCP NICs."""
 
 
 def test_link_across_vendors_is_the_host_path_as_the_cost_model_prices_it():
@@ -188,8 +188,8 @@ def test_link_across_vendors_is_the_host_path_as_the_cost_model_prices_it():
     from megatron_hetero.hardware.inventory import load_inventory
     from megatron_hetero.plan import load_plan
 
-    inventory = load_inventory(str(_EXAMPLES / "a100-mi300x-tcp.yaml"))
-    plan = load_plan(str(_EXAMPLES / "a100-mi300x.yaml"), catalog=inventory.catalog)
+    inventory = load_inventory(str(_EXAMPLES / "tcp.yaml"))
+    plan = load_plan(str(_EXAMPLES / "plan.yaml"), catalog=inventory.catalog)
     shrunk = shrink_plan(plan, 64)
     calibration = Calibration(layer_flops_per_s=1e9, allreduce_gb_s=1.0, p2p_latency_s=1e-4,
                               parts={(part, 1): (1e-2, 2e-2)
@@ -218,7 +218,7 @@ def test_two_vendor_rehearsal_meets_its_prediction(capsys):
     step is within 10% of the prediction, median of 3 runs (issue 14, item 6: the one timed
     check the issue asks for; single runs scatter more on a shared machine, docs/calibration.md).
     Time scale 3: at 1 the 0.1 s steps carry a per-step overhead the cost model lacks."""
-    plan, inventory = (str(_EXAMPLES / n) for n in ("a100-mi300x.yaml", "a100-mi300x-tcp.yaml"))
+    plan, inventory = (str(_EXAMPLES / n) for n in ("plan.yaml", "tcp.yaml"))
     ratios = []
     for _ in range(3):
         assert main(["rehearse", plan, "--inventory", inventory, "--emulate-links", "--steps", "4",
