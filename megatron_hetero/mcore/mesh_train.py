@@ -266,7 +266,7 @@ def build_mesh_rank(plan: MeshPlan, rank: int, optimizer_config, *, config=None,
                     pg_collection=pgs)
     if init is not None:
         init(gpt, slot)
-    module = MeshStageModule(gpt, mesh=slot.mesh, last=last_mesh)
+    module = MeshStageModule(gpt, mesh=slot.mesh, last=post)  # post: returns the loss
     dist_opt = optimizer_config.use_distributed_optimizer
     ddp = mesh_ddp(module, pgs, overlap_grad_reduce=overlap_grad_reduce,
                    use_distributed_optimizer=dist_opt)

@@ -20,7 +20,7 @@ BASE = yaml.safe_load((REPO / "examples/meshes/3090-t4-plan.yaml").read_text())
 CLIP = 0.05  # below every step's norm (about 1.2-1.3 on this model): clipping happens
 
 
-def _plan(tmp_path, meshes, *, replicas=None, recompute=None) -> str:
+def _plan(tmp_path, meshes, *, replicas=None, recompute=None, stages=None) -> str:
     data = copy.deepcopy(BASE)
     data["model"].update(num_layers=4, hidden_size=8, ffn_hidden_size=16, num_attention_heads=2,
                          num_query_groups=2, vocab_size=64, seq_length=3)
@@ -29,7 +29,8 @@ def _plan(tmp_path, meshes, *, replicas=None, recompute=None) -> str:
     data["meshes"] = [
         {"device_type": "RTX3090-24GB", "tensor_model_parallel_size": tp,
          "replicas": replicas or [{"micro_batch_size": 2 // dp, "num_microbatches": 2}] * dp,
-         "stages": [{"num_layers": 2}]} for tp, dp in meshes]
+         "stages": [{"num_layers": n} for n in (stages or {}).get(k, [2])]}
+        for k, (tp, dp) in enumerate(meshes)]
     if recompute:
         data["meshes"][1]["stages"][0]["recompute"] = recompute
     path = tmp_path / "plan.yaml"
@@ -69,6 +70,14 @@ def test_mesh_plan_trains_equal_to_one_process(mcore017_env, tmp_path, meshes, w
     """Three Adam steps with clipping, plain and distributed optimizer: losses, forward-only
     loss, final parameters and every rank's gradient norm equal one process's."""
     _check(_train(mcore017_env, _plan(tmp_path, meshes, recompute=recompute)), world)
+
+
+def test_meshes_of_two_stages_train_equal_to_one_process(mcore017_env, tmp_path):
+    """Two meshes of two stages (one layer each): a stage takes its input from the stage
+    before it in its mesh, and the last mesh's first stage passes its output on (only the
+    model's last stage returns the loss)."""
+    _check(_train(mcore017_env, _plan(tmp_path, [(1, 1), (1, 1)], stages={0: [1, 1],
+                                                                          1: [1, 1]})), 4)
 
 
 def test_uneven_replicas_train_equal_to_one_process(mcore017_env, tmp_path):
