@@ -41,7 +41,7 @@ def mesh_reference_plan(plan: MeshPlan) -> MeshPlan:
     """The same model and global batch on one process: one mesh of one stage, TP 1, one
     replica running the global batch in micro-batches of the largest size that divides every
     micro-batch of ``plan`` as its data order has them."""
-    if any(not m.even for m in plan.meshes):
+    if plan.per_token_loss:
         mbs = math.gcd(*(r.micro_batch_size for r in plan.meshes[0].replicas))
     else:
         first = plan.meshes[0]
@@ -71,7 +71,7 @@ def _sample_index(plan: MeshPlan, slot: MeshSlot, step: int, micro: int, row: in
     mesh = plan.meshes[slot.mesh]
     replica = mesh.replicas[slot.replica]
     base = step * plan.global_batch_size
-    if any(not m.even for m in plan.meshes):
+    if plan.per_token_loss:
         offset = sum(r.samples for r in mesh.replicas[:slot.replica])
         return base + offset + micro * replica.micro_batch_size + row
     b = replica.micro_batch_size

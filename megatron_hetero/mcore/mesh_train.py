@@ -44,8 +44,9 @@ __all__ = ["MeshRank", "per_token_loss", "mesh_transformer_config", "training_pr
 
 def per_token_loss(plan: MeshPlan) -> bool:
     """Whether the loss is summed over tokens and the gradients divided by the global batch's
-    tokens (``calculate_per_token_loss``): where some mesh's replicas differ."""
-    return any(not mesh.even for mesh in plan.meshes)
+    tokens (``calculate_per_token_loss``): where some mesh's replicas differ
+    (:attr:`~megatron_hetero.plan_mesh.MeshPlan.per_token_loss`, what ``args`` prints)."""
+    return plan.per_token_loss
 
 
 def _is_loss_rank(plan: MeshPlan, slot: MeshSlot) -> bool:
