@@ -16,6 +16,8 @@ import yaml
 
 from ..conftest import REPO
 
+pytestmark = pytest.mark.slow  # each test spawns 3-4 ranks three times
+
 BASE = yaml.safe_load((REPO / "examples/meshes/3090-t4-plan.yaml").read_text())
 CLIP = 0.05  # below every step's norm (about 1.2-1.3 on this model): clipping happens
 
