@@ -14,7 +14,7 @@ start-up calibration alone, the measured median of the reported steps and measur
 Must run under megatron-core 0.17.1:
 
     PYTHONPATH=.venv/mcore017:. .venv/bin/python scripts/bench_mesh_rehearse.py [--steps 4] \
-        [--time-scale T] [--verbose]
+        [--time-scale T] [--hidden-size 64] [--verbose]
 """
 
 from __future__ import annotations
@@ -49,11 +49,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4, help="steps; the first is a warm-up")
     ap.add_argument("--time-scale", type=float, default=None,
                     help="extra slowdown of every device (default: the rehearsal's automatic)")
+    ap.add_argument("--hidden-size", type=int, default=64, help="hidden size of the shrunk model")
     ap.add_argument("--verbose", action="store_true", help="print each rehearsal's table")
     args = ap.parse_args()
     rows = []
     for name, plan in plans().items():
-        config = RehearsalConfig(steps=args.steps, time_scale=args.time_scale)
+        config = RehearsalConfig(steps=args.steps, time_scale=args.time_scale,
+                                 hidden_size=args.hidden_size)
         res = rehearse_mesh(plan, config, source=name)
         if args.verbose:
             print(format_mesh_report(res, source=name, real=plan.model), flush=True)
