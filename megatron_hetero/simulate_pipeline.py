@@ -14,7 +14,9 @@ every op up to :data:`EXACT_MOST`, and extrapolates the last probe beyond.
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
+from operator import itemgetter
 
 from .cost.schedule import rank_order_cached
 
@@ -107,7 +109,8 @@ def _steady_state_run(fwd, bwd, send_f, send_b, m: int, *, group: int | None,
         ran = probe
         run = _run(fwd, bwd, send_f, send_b, probe, group=group, record=False,
                    warmups=warmups)
-        ends = _ends(run, probe, p, v, first=max(0, probe - 2 * tail - 2 * q * p))
+        ends = _ends(run, probe, p, v, first=max(0, probe - 2 * tail - 2 * q * p),
+                     group=group, warmups=warmups)
         period = _period(ends, stop=probe - tail, step=q, longest=q * p, reach=tail)
         if period is not None:
             break
@@ -125,16 +128,13 @@ def _steady_state_run(fwd, bwd, send_f, send_b, m: int, *, group: int | None,
     return free, busy, last_b, []
 
 
-def _ends(run, n: int, p: int, v: int, *, first: int) -> list[list[float] | None]:
+def _ends(run, n: int, p: int, v: int, *, first: int, group: int | None,
+          warmups: tuple[int, ...] | None) -> list[tuple[float, ...] | None]:
     """Per micro-batch of a run of ``n`` from ``first`` on (None before), the end of each of
     its ops, by stage, kind and chunk."""
-    end, (stage, dur_of, _, _, mb_of) = run[3], run[5]
-    ends: list[list[float] | None] = [None] * first + [[0.0] * (2 * v * p)
-                                                       for _ in range(n - first)]
-    for k, i in enumerate(mb_of):
-        if i >= first:
-            ends[i][stage[k] * 2 * v + dur_of[k]] = end[k]
-    return ends
+    end = run[3]
+    getters = _slot_getters(p, n, v, group, None if warmups is None else tuple(warmups))
+    return [None] * first + [get(end) for get in getters[first:]]
 
 
 def _period(ends: list[list[float]], *, stop: int, step: int, longest: int,
@@ -257,32 +257,70 @@ def _run(fwd, bwd, send_f, send_b, m: int, *, group: int | None, record: bool,
     next link, and after a backward until it has crossed the previous one. The interleaved
     schedule (Megatron overlaps its p2p there) and the per-stage warm-up schedule
     (:mod:`megatron_hetero.mcore.warmup_schedule` waits for a send only when it needs the
-    buffer) go on computing."""
+    buffer) go on computing.
+
+    Each op starts at ``max(free[stage], end[waited] + link)`` (an op that waits for none
+    waits for an end of minus infinity, a dependency over no link adds 0.0: the same sums)."""
     p, v = len(fwd), len(fwd[0])
-    columns, last_b = _compiled_order(p, m, v, group, None if warmups is None else tuple(warmups))
-    stage, dur_of, dep_of, link_of, _ = columns
+    key = (p, m, v, group, None if warmups is None else tuple(warmups))
+    columns, last_b = _compiled_order(*key)
     durs = [list(f) + list(b) for f, b in zip(fwd, bwd)]
     held = durs  # how long an op keeps its stage
     if v == 1 and warmups is None:
         held = [[f[0] + (send_f[s] if s < p - 1 else 0.0), b[0] + (send_b[s - 1] if s else 0.0)]
                 for s, (f, b) in enumerate(zip(fwd, bwd))]
-    links = [list(send_f), list(send_b)]
-    end = [0.0] * len(stage)
-    start = [0.0] * len(stage) if record else None
+    dur = [x for row in durs for x in row]
+    hold = [x for row in held for x in row]
+    link = [*send_f[:p], *[0.0] * (p - len(send_f)), *send_b[:p], *[0.0] * (p - len(send_b)), 0.0]
+    end = [-math.inf]  # end[k + 1]: op k's end; end[0]: that of no op
     free = [0.0] * p
-    for k, s in enumerate(stage):
-        t = free[s]
-        d = dep_of[k]
-        j = dur_of[k]
-        if d >= 0:
-            lk = link_of[k]
-            ready = end[d] + (links[j >= v][lk] if lk >= 0 else 0.0)
+    start: list[float] | None = None
+    if record:
+        start = []
+        for s, i, d, lk in _loop_order(*key):
+            t = free[s]
+            ready = end[d] + link[lk]
             if ready > t:
                 t = ready
-        if record:
-            start[k] = t
-        end[k] = t + durs[s][j]
-        free[s] = t + held[s][j]
+            start.append(t)
+            end.append(t + dur[i])
+            free[s] = t + hold[i]
+    else:
+        append = end.append
+        for s, i, d, lk in _loop_order(*key):
+            t = free[s]
+            ready = end[d] + link[lk]
+            if ready > t:
+                t = ready
+            append(t + dur[i])
+            free[s] = t + hold[i]
+    del end[0]
     busy = [m * sum(row) for row in durs]
     last_b_start = [[end[k] - durs[s][v + c] for c, k in enumerate(last_b[s])] for s in range(p)]
     return free, busy, last_b_start, end, start, columns
+
+
+@lru_cache(maxsize=256)
+def _loop_order(p: int, m: int, v: int, group: int | None = None,
+                warmups: tuple[int, ...] | None = None) -> tuple[tuple[int, int, int, int], ...]:
+    """:func:`_compiled_order`'s ops as :func:`_run`'s loop reads them: per op its stage, its
+    duration's index in the stages' durations laid end to end (``stage * 2 * v + kind * v +
+    chunk``), one more than the index of the op it waits for (0: none) and the index of the
+    link it crosses in ``send_f + send_b + [0.0]``, each of ``p`` links (``2 * p``: none)."""
+    (stage, dur_of, dep_of, link_of, _), _ = _compiled_order(p, m, v, group, warmups)
+    slot = [s * 2 * v + j for s, j in zip(stage, dur_of)]
+    link = [2 * p if lk < 0 else lk + p * (j >= v) for j, lk in zip(dur_of, link_of)]
+    return tuple(zip(stage, slot, [d + 1 for d in dep_of], link))
+
+
+@lru_cache(maxsize=64)
+def _slot_getters(p: int, m: int, v: int, group: int | None = None,
+                  warmups: tuple[int, ...] | None = None) -> tuple[itemgetter, ...]:
+    """Per micro-batch, what picks its ops' ends out of :func:`_run`'s, by stage, kind and chunk
+    (:func:`_ends`)."""
+    (stage, dur_of, _, _, mb_of), _ = _compiled_order(p, m, v, group, warmups)
+    w = 2 * v
+    where = [[0] * (w * p) for _ in range(m)]
+    for k, (s, j, i) in enumerate(zip(stage, dur_of, mb_of)):
+        where[i][s * w + j] = k
+    return tuple(itemgetter(*row) for row in where)
