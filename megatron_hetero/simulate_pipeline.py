@@ -18,6 +18,8 @@ import math
 from functools import lru_cache
 from operator import itemgetter
 
+import numpy as np
+
 from .cost.schedule import rank_order_cached
 
 __all__ = ["one_f_one_b", "interleaved_1f1b", "pipeline_run", "DIRECT_MICROBATCHES", "PROBE_MOST",
@@ -137,24 +139,26 @@ def _ends(run, n: int, p: int, v: int, *, first: int, group: int | None,
     return [None] * first + [get(end) for get in getters[first:]]
 
 
-def _period(ends: list[list[float]], *, stop: int, step: int, longest: int,
+def _period(ends: list[tuple[float, ...]], *, stop: int, step: int, longest: int,
             reach: int) -> int | None:
     """The least multiple ``c`` of ``step`` up to ``longest`` such that every op of the
     ``c + reach`` micro-batches before ``stop`` ends one common time after the same op ``c``
-    micro-batches earlier (None: no such ``c`` fits in ``ends`` past ``reach``)."""
+    micro-batches earlier, within :data:`_TOLERANCE` of its end (None: no such ``c`` fits in
+    ``ends`` past ``reach``)."""
+    low = max(reach, stop - 2 * longest - reach)  # the earliest micro-batch any c compares
+    if stop - 2 * step - reach < reach:
+        return None
+    grid = np.array(ends[low:stop])
     for c in range(step, longest + 1, step):
         first = stop - 2 * c - reach
         if first < reach:
             return None
         shift = ends[stop - 1][0] - ends[stop - 1 - c][0]
-        if all(_close(ends[i + c][s] - ends[i][s], shift, scale=ends[i + c][s])
-               for i in range(first, stop - c) for s in range(len(ends[i]))):
+        later = grid[first + c - low:]
+        if (np.abs((later - grid[first - low:stop - c - low]) - shift)
+                <= _TOLERANCE * np.maximum(np.abs(later), 1e-30)).all():
             return c
     return None
-
-
-def _close(x: float, y: float, *, scale: float) -> bool:
-    return abs(x - y) <= _TOLERANCE * max(abs(scale), 1e-30)
 
 
 def one_f_one_b(fwd: list[float], bwd: list[float], send_f: list[float], send_b: list[float],
