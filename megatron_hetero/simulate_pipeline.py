@@ -101,6 +101,7 @@ def _steady_state_run(fwd, bwd, send_f, send_b, m: int, *, group: int | None,
     q = 1 if v == 1 else (p if group is None else group)
     tail = p + q + max(warmups or (0,))  # micro-batches an op's wait may reach
     probe, ran = 6 * tail + 2 * q, 0  # the common transient settles within the first probe
+    run = None  # each longer probe resumes from the one before (_run's since)
     while True:
         probe += (m - probe) % q  # the same remainder modulo q as m
         if m < 2 * probe or probe > PROBE_MOST:
@@ -110,7 +111,7 @@ def _steady_state_run(fwd, bwd, send_f, send_b, m: int, *, group: int | None,
             break
         ran = probe
         run = _run(fwd, bwd, send_f, send_b, probe, group=group, record=False,
-                   warmups=warmups)
+                   warmups=warmups, since=run)
         ends = _ends(run, probe, p, v, first=max(0, probe - 2 * tail - 2 * q * p),
                      group=group, warmups=warmups)
         period = _period(ends, stop=probe - tail, step=q, longest=q * p, reach=tail)
@@ -121,7 +122,8 @@ def _steady_state_run(fwd, bwd, send_f, send_b, m: int, *, group: int | None,
     shifts = [y - x for x, y in zip(ends[last - period], ends[last])]
     n = probe + (m - probe) % period
     if n != probe:
-        run = _run(fwd, bwd, send_f, send_b, n, group=group, record=False, warmups=warmups)
+        run = _run(fwd, bwd, send_f, send_b, n, group=group, record=False, warmups=warmups,
+                   since=run)
     periods = (m - n) // period
     shift = max(shifts)
     free = [x + periods * shift for x in run[0]]
@@ -238,9 +240,9 @@ def interleaved_1f1b(fwd: list[list[float]], bwd: list[list[float]], send_f: lis
     stage and chunk; events are (stage, kind, microbatch, start, end, chunk). ``warmups``:
     each stage's warm-up forwards where the plan sets them (non-interleaved; default
     Megatron's)."""
-    free, busy, last_b_start, end, start, columns = _run(fwd, bwd, send_f, send_b, m,
-                                                        group=group, record=record,
-                                                        warmups=warmups)
+    free, busy, last_b_start, end, start, columns, _ = _run(fwd, bwd, send_f, send_b, m,
+                                                           group=group, record=record,
+                                                           warmups=warmups)
     events: list[tuple] = []
     if record:
         stage, dur_of, _, _, mb_of = columns
@@ -251,9 +253,10 @@ def interleaved_1f1b(fwd: list[list[float]], bwd: list[list[float]], send_f: lis
 
 
 def _run(fwd, bwd, send_f, send_b, m: int, *, group: int | None, record: bool,
-         warmups: tuple[int, ...] | None = None):
+         warmups: tuple[int, ...] | None = None, since: tuple | None = None):
     """One pass over the compiled order: (finish, busy and last backwards' starts per stage,
-    every op's end, every op's start when ``record``, the order's columns).
+    every op's end, every op's start when ``record``, the order's columns, what a longer run
+    resumes from).
 
     Megatron's non-interleaved 1F1B (``v = 1``, ``warmups`` None) waits for each send before
     its next op (``send_forward`` and the batched send-and-receive wait on their requests, and
@@ -264,7 +267,11 @@ def _run(fwd, bwd, send_f, send_b, m: int, *, group: int | None, record: bool,
     buffer) go on computing.
 
     Each op starts at ``max(free[stage], end[waited] + link)`` (an op that waits for none
-    waits for an end of minus infinity, a dependency over no link adds 0.0: the same sums)."""
+    waits for an end of minus infinity, a dependency over no link adds 0.0: the same sums).
+    ``since``: an earlier run of the same durations (not recorded) whose order begins with the
+    same ops: this one takes their ends and the stages' free times from it, up to the last of
+    its copies of those (every :data:`_STRIDE` ops) within the ops both share. Every op's end
+    depends only on the ops before it, so the figures are those of a run from the start."""
     p, v = len(fwd), len(fwd[0])
     key = (p, m, v, group, None if warmups is None else tuple(warmups))
     columns, last_b = _compiled_order(*key)
@@ -279,6 +286,7 @@ def _run(fwd, bwd, send_f, send_b, m: int, *, group: int | None, record: bool,
     end = [-math.inf]  # end[k + 1]: op k's end; end[0]: that of no op
     free = [0.0] * p
     start: list[float] | None = None
+    resume = None
     if record:
         start = []
         for s, i, d, lk in _loop_order(*key):
@@ -290,18 +298,41 @@ def _run(fwd, bwd, send_f, send_b, m: int, *, group: int | None, record: bool,
             end.append(t + dur[i])
             free[s] = t + hold[i]
     else:
+        ops, done, kept = _loop_order(*key), 0, []
+        if since is not None:  # whole strides of ops both orders share
+            done = _shared_ops(since[6][0], key) // _STRIDE
+            kept = since[6][1][:done]
+            if done:
+                end += since[3][:done * _STRIDE]
+                free = list(kept[-1])
         append = end.append
-        for s, i, d, lk in _loop_order(*key):
-            t = free[s]
-            ready = end[d] + link[lk]
-            if ready > t:
-                t = ready
-            append(t + dur[i])
-            free[s] = t + hold[i]
+        for low in range(done * _STRIDE, len(ops), _STRIDE):
+            for s, i, d, lk in ops[low:low + _STRIDE]:
+                t = free[s]
+                ready = end[d] + link[lk]
+                if ready > t:
+                    t = ready
+                append(t + dur[i])
+                free[s] = t + hold[i]
+            kept.append(tuple(free))
+        resume = (key, kept)
     del end[0]
     busy = [m * sum(row) for row in durs]
     last_b_start = [[end[k] - durs[s][v + c] for c, k in enumerate(last_b[s])] for s in range(p)]
-    return free, busy, last_b_start, end, start, columns
+    return free, busy, last_b_start, end, start, columns, resume
+
+
+_STRIDE = 256
+"""Ops between the copies of the stages' free times a run keeps for a longer one to resume from
+(:func:`_run`'s ``since``)."""
+
+
+@lru_cache(maxsize=256)
+def _shared_ops(key: tuple, other: tuple) -> int:
+    """How many ops the orders of :func:`_loop_order` ``key`` and ``other`` share from their
+    first (the ops before a run's drain are those of any longer run)."""
+    a, b = _loop_order(*key), _loop_order(*other)
+    return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 @lru_cache(maxsize=256)
