@@ -180,53 +180,57 @@ def _compiled_order(p: int, m: int, v: int, group: int | None = None,
     """Every op of a ``p``-stage pipeline of ``m`` micro-batches and ``v`` chunks (micro-batch
     group ``group``, default ``p``: :func:`.cost.schedule.rank_order`) in one order
     that respects each rank's run order and every cross-stage dependency (a topological
-    order, which does not depend on the durations), as flat columns: the op's stage, its
-    duration index (``kind * v + chunk``), the index of the op it waits for (-1: none), the
-    link that dependency crosses (-1: none), its micro-batch; and per (stage, chunk) the index
-    of its last backward. The simulation is then one pass over these columns."""
-    ops = [rank_order_cached(p, s, m, v, group, None if warmups is None else warmups[s])
-           for s in range(p)]
-    vm = v * m
-    where = [-1] * (2 * p * vm)  # op (stage, kind, chunk, micro-batch) -> its position
-    stage, dur_of, dep_of, link_of, mb_of = [], [], [], [], []
+    order, which does not depend on the durations), as the simulation's loop reads them: per
+    op its stage, its duration's index in the stages' durations laid end to end (``stage * 2
+    * v + kind * v + chunk``), one more than the index of the op it waits for (0: none) and the
+    index of the link that dependency crosses in ``send_f + send_b + [0.0]``, each of ``p``
+    links (``2 * p``: none); each op's micro-batch; and per (stage, chunk) the index of its
+    last backward. The simulation is then one pass over these ops."""
+    ranks = [rank_order_cached(p, s, m, v, group, None if warmups is None else warmups[s])
+             for s in range(p)]
+    vm, none = v * m, 2 * p
+    where = [0] * (2 * p * vm)  # op (stage, kind, chunk, micro-batch) -> its position + 1
+    ops: list[tuple[int, int, int, int]] = []
+    mb_of: list[int] = []
     ptr = [0] * p
-    remaining = sum(len(o) for o in ops)
+    remaining = sum(len(o) for o in ranks)
     while remaining:
         progressed = False
         for s in range(p):
-            seq = ops[s]
+            seq, k = ranks[s], ptr[s]
             n = len(seq)
-            while ptr[s] < n:
-                kind, i, c = seq[ptr[s]]
+            while k < n:
+                kind, i, c = seq[k]
                 if kind == 0:
                     if s > 0:
                         dep, link = ((s - 1) * 2 * vm + c * m + i), s - 1
                     elif c > 0:
                         dep, link = ((p - 1) * 2 * vm + (c - 1) * m + i), p - 1
                     else:
-                        dep, link = -1, -1
+                        dep, link = -1, none
                 elif s < p - 1:
-                    dep, link = ((s + 1) * 2 * vm + vm + c * m + i), s
+                    dep, link = ((s + 1) * 2 * vm + vm + c * m + i), p + s
                 elif c < v - 1:
-                    dep, link = (vm + (c + 1) * m + i), p - 1
+                    dep, link = (vm + (c + 1) * m + i), p + p - 1
                 else:
-                    dep, link = (s * 2 * vm + c * m + i), -1
+                    dep, link = (s * 2 * vm + c * m + i), none
                 if dep >= 0:
                     dep = where[dep]
-                    if dep < 0:
+                    if not dep:
                         break
-                where[s * 2 * vm + kind * vm + c * m + i] = len(stage)
-                stage.append(s)
-                dur_of.append(kind * v + c)
-                dep_of.append(dep)
-                link_of.append(link)
+                else:
+                    dep = 0
+                ops.append((s, (2 * s + kind) * v + c, dep, link))
                 mb_of.append(i)
-                ptr[s] += 1
-                remaining -= 1
-                progressed = True
+                where[s * 2 * vm + kind * vm + c * m + i] = len(ops)
+                k += 1
+            if k > ptr[s]:
+                remaining -= k - ptr[s]
+                ptr[s], progressed = k, True
         assert progressed, "1F1B schedule deadlocked"
-    last_b = tuple(tuple(where[s * 2 * vm + vm + c * m + m - 1] for c in range(v)) for s in range(p))
-    return (tuple(stage), tuple(dur_of), tuple(dep_of), tuple(link_of), tuple(mb_of)), last_b
+    last_b = tuple(tuple(where[s * 2 * vm + vm + c * m + m - 1] - 1 for c in range(v))
+                   for s in range(p))
+    return tuple(ops), tuple(mb_of), last_b
 
 
 def interleaved_1f1b(fwd: list[list[float]], bwd: list[list[float]], send_f: list[float],
@@ -245,18 +249,18 @@ def interleaved_1f1b(fwd: list[list[float]], bwd: list[list[float]], send_f: lis
                                                            warmups=warmups)
     events: list[tuple] = []
     if record:
-        stage, dur_of, _, _, mb_of = columns
+        ops, mb_of = columns
         v = len(fwd[0])
-        events = [(s, "FB"[dur_of[k] >= v], mb_of[k], start[k], end[k], dur_of[k] % v)
-                  for k, s in enumerate(stage)]
+        events = [(s, "FB"[i % (2 * v) >= v], mb, start[k], end[k], i % v)
+                  for k, ((s, i, _, _), mb) in enumerate(zip(ops, mb_of))]
     return free, busy, last_b_start, events
 
 
 def _run(fwd, bwd, send_f, send_b, m: int, *, group: int | None, record: bool,
          warmups: tuple[int, ...] | None = None, since: tuple | None = None):
     """One pass over the compiled order: (finish, busy and last backwards' starts per stage,
-    every op's end, every op's start when ``record``, the order's columns, what a longer run
-    resumes from).
+    every op's end, every op's start when ``record``, the order's ops and their micro-batches,
+    what a longer run resumes from).
 
     Megatron's non-interleaved 1F1B (``v = 1``, ``warmups`` None) waits for each send before
     its next op (``send_forward`` and the batched send-and-receive wait on their requests, and
@@ -274,7 +278,7 @@ def _run(fwd, bwd, send_f, send_b, m: int, *, group: int | None, record: bool,
     depends only on the ops before it, so the figures are those of a run from the start."""
     p, v = len(fwd), len(fwd[0])
     key = (p, m, v, group, None if warmups is None else tuple(warmups))
-    columns, last_b = _compiled_order(*key)
+    ops, mb_of, last_b = _compiled_order(*key)
     durs = [list(f) + list(b) for f, b in zip(fwd, bwd)]
     held = durs  # how long an op keeps its stage
     if v == 1 and warmups is None:
@@ -289,7 +293,7 @@ def _run(fwd, bwd, send_f, send_b, m: int, *, group: int | None, record: bool,
     resume = None
     if record:
         start = []
-        for s, i, d, lk in _loop_order(*key):
+        for s, i, d, lk in ops:
             t = free[s]
             ready = end[d] + link[lk]
             if ready > t:
@@ -298,7 +302,7 @@ def _run(fwd, bwd, send_f, send_b, m: int, *, group: int | None, record: bool,
             end.append(t + dur[i])
             free[s] = t + hold[i]
     else:
-        ops, done, kept = _loop_order(*key), 0, []
+        done, kept = 0, []
         if since is not None:  # whole strides of ops both orders share
             done = _shared_ops(since[6][0], key) // _STRIDE
             kept = since[6][1][:done]
@@ -319,7 +323,7 @@ def _run(fwd, bwd, send_f, send_b, m: int, *, group: int | None, record: bool,
     del end[0]
     busy = [m * sum(row) for row in durs]
     last_b_start = [[end[k] - durs[s][v + c] for c, k in enumerate(last_b[s])] for s in range(p)]
-    return free, busy, last_b_start, end, start, columns, resume
+    return free, busy, last_b_start, end, start, (ops, mb_of), resume
 
 
 _STRIDE = 256
@@ -329,23 +333,10 @@ _STRIDE = 256
 
 @lru_cache(maxsize=256)
 def _shared_ops(key: tuple, other: tuple) -> int:
-    """How many ops the orders of :func:`_loop_order` ``key`` and ``other`` share from their
-    first (the ops before a run's drain are those of any longer run)."""
-    a, b = _loop_order(*key), _loop_order(*other)
+    """How many ops the orders of :func:`_compiled_order` ``key`` and ``other`` share from
+    their first (the ops before a run's drain are those of any longer run)."""
+    a, b = _compiled_order(*key)[0], _compiled_order(*other)[0]
     return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
-@lru_cache(maxsize=256)
-def _loop_order(p: int, m: int, v: int, group: int | None = None,
-                warmups: tuple[int, ...] | None = None) -> tuple[tuple[int, int, int, int], ...]:
-    """:func:`_compiled_order`'s ops as :func:`_run`'s loop reads them: per op its stage, its
-    duration's index in the stages' durations laid end to end (``stage * 2 * v + kind * v +
-    chunk``), one more than the index of the op it waits for (0: none) and the index of the
-    link it crosses in ``send_f + send_b + [0.0]``, each of ``p`` links (``2 * p``: none)."""
-    (stage, dur_of, dep_of, link_of, _), _ = _compiled_order(p, m, v, group, warmups)
-    slot = [s * 2 * v + j for s, j in zip(stage, dur_of)]
-    link = [2 * p if lk < 0 else lk + p * (j >= v) for j, lk in zip(dur_of, link_of)]
-    return tuple(zip(stage, slot, [d + 1 for d in dep_of], link))
 
 
 @lru_cache(maxsize=64)
@@ -353,9 +344,8 @@ def _slot_getters(p: int, m: int, v: int, group: int | None = None,
                   warmups: tuple[int, ...] | None = None) -> tuple[itemgetter, ...]:
     """Per micro-batch, what picks its ops' ends out of :func:`_run`'s, by stage, kind and chunk
     (:func:`_ends`)."""
-    (stage, dur_of, _, _, mb_of), _ = _compiled_order(p, m, v, group, warmups)
-    w = 2 * v
-    where = [[0] * (w * p) for _ in range(m)]
-    for k, (s, j, i) in enumerate(zip(stage, dur_of, mb_of)):
-        where[i][s * w + j] = k
+    ops, mb_of, _ = _compiled_order(p, m, v, group, warmups)
+    where = [[0] * (2 * v * p) for _ in range(m)]
+    for k, (op, i) in enumerate(zip(ops, mb_of)):
+        where[i][op[1]] = k
     return tuple(itemgetter(*row) for row in where)
