@@ -189,6 +189,26 @@ def _compiled_order(p: int, m: int, v: int, group: int | None = None,
     ranks = [rank_order_cached(p, s, m, v, group, None if warmups is None else warmups[s])
              for s in range(p)]
     vm, none = v * m, 2 * p
+    tables = []  # per stage, by kind * v + chunk: (the op it waits for, less its micro-batch
+    for s in range(p):  # (-1: none); the link that crosses; the op, less its micro-batch; slot)
+        row = []
+        for kind in (0, 1):
+            for c in range(v):
+                if kind == 0:
+                    if s > 0:
+                        dep, link = (s - 1) * 2 * vm + c * m, s - 1
+                    elif c > 0:
+                        dep, link = (p - 1) * 2 * vm + (c - 1) * m, p - 1
+                    else:
+                        dep, link = -1, none
+                elif s < p - 1:
+                    dep, link = (s + 1) * 2 * vm + vm + c * m, p + s
+                elif c < v - 1:
+                    dep, link = vm + (c + 1) * m, p + p - 1
+                else:  # the last chunk's backward on the last stage: after its forward
+                    dep, link = s * 2 * vm + c * m, none
+                row.append((dep, link, s * 2 * vm + kind * vm + c * m, (2 * s + kind) * v + c))
+        tables.append(row)
     where = [0] * (2 * p * vm)  # op (stage, kind, chunk, micro-batch) -> its position + 1
     ops: list[tuple[int, int, int, int]] = []
     mb_of: list[int] = []
@@ -197,32 +217,20 @@ def _compiled_order(p: int, m: int, v: int, group: int | None = None,
     while remaining:
         progressed = False
         for s in range(p):
-            seq, k = ranks[s], ptr[s]
+            seq, k, row = ranks[s], ptr[s], tables[s]
             n = len(seq)
             while k < n:
                 kind, i, c = seq[k]
-                if kind == 0:
-                    if s > 0:
-                        dep, link = ((s - 1) * 2 * vm + c * m + i), s - 1
-                    elif c > 0:
-                        dep, link = ((p - 1) * 2 * vm + (c - 1) * m + i), p - 1
-                    else:
-                        dep, link = -1, none
-                elif s < p - 1:
-                    dep, link = ((s + 1) * 2 * vm + vm + c * m + i), p + s
-                elif c < v - 1:
-                    dep, link = (vm + (c + 1) * m + i), p + p - 1
+                dep, link, own, slot = row[kind * v + c]
+                if dep < 0:
+                    dep = 0
                 else:
-                    dep, link = (s * 2 * vm + c * m + i), none
-                if dep >= 0:
-                    dep = where[dep]
+                    dep = where[dep + i]
                     if not dep:
                         break
-                else:
-                    dep = 0
-                ops.append((s, (2 * s + kind) * v + c, dep, link))
+                ops.append((s, slot, dep, link))
                 mb_of.append(i)
-                where[s * 2 * vm + kind * vm + c * m + i] = len(ops)
+                where[own + i] = len(ops)
                 k += 1
             if k > ptr[s]:
                 remaining -= k - ptr[s]
