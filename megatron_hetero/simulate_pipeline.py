@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
-from operator import itemgetter
 
 import numpy as np
 
@@ -112,20 +111,21 @@ def _steady_state_run(fwd, bwd, send_f, send_b, m: int, *, group: int | None,
         ran = probe
         run = _run(fwd, bwd, send_f, send_b, probe, group=group, record=False,
                    warmups=warmups, since=run)
-        ends = _ends(run, probe, p, v, first=max(0, probe - 2 * tail - 2 * q * p),
-                     group=group, warmups=warmups)
-        period = _period(ends, stop=probe - tail, step=q, longest=q * p, reach=tail)
+        first = max(0, probe - 2 * tail - 2 * q * p)
+        ends = _ends(run, probe, p, v, first=first, group=group, warmups=warmups)
+        period = _period(ends, first=first, stop=probe - tail, step=q, longest=q * p,
+                         reach=tail)
         if period is not None:
             break
         probe *= 2
-    last = probe - tail - 1
-    shifts = [y - x for x, y in zip(ends[last - period], ends[last])]
+    last = probe - tail - 1 - first
+    shifts = ends[last] - ends[last - period]
     n = probe + (m - probe) % period
     if n != probe:
         run = _run(fwd, bwd, send_f, send_b, n, group=group, record=False, warmups=warmups,
                    since=run)
     periods = (m - n) // period
-    shift = max(shifts)
+    shift = float(shifts.max())
     free = [x + periods * shift for x in run[0]]
     last_b = [[x + periods * shift for x in row] for row in run[2]]
     busy = [m * sum(list(f) + list(b)) for f, b in zip(fwd, bwd)]  # as _run sums
@@ -133,31 +133,27 @@ def _steady_state_run(fwd, bwd, send_f, send_b, m: int, *, group: int | None,
 
 
 def _ends(run, n: int, p: int, v: int, *, first: int, group: int | None,
-          warmups: tuple[int, ...] | None) -> list[tuple[float, ...] | None]:
-    """Per micro-batch of a run of ``n`` from ``first`` on (None before), the end of each of
-    its ops, by stage, kind and chunk."""
-    end = run[3]
-    getters = _slot_getters(p, n, v, group, None if warmups is None else tuple(warmups))
-    return [None] * first + [get(end) for get in getters[first:]]
+          warmups: tuple[int, ...] | None) -> np.ndarray:
+    """Per micro-batch of a run of ``n`` from ``first`` on (a row), the end of each of its ops,
+    by stage, kind and chunk."""
+    where = _slots(p, n, v, group, None if warmups is None else tuple(warmups))[first:]
+    low = int(where.min())
+    return np.array(run[3][low:])[where - low]
 
 
-def _period(ends: list[tuple[float, ...]], *, stop: int, step: int, longest: int,
+def _period(ends: np.ndarray, *, first: int, stop: int, step: int, longest: int,
             reach: int) -> int | None:
     """The least multiple ``c`` of ``step`` up to ``longest`` such that every op of the
     ``c + reach`` micro-batches before ``stop`` ends one common time after the same op ``c``
     micro-batches earlier, within :data:`_TOLERANCE` of its end (None: no such ``c`` fits in
-    ``ends`` past ``reach``)."""
-    low = max(reach, stop - 2 * longest - reach)  # the earliest micro-batch any c compares
-    if stop - 2 * step - reach < reach:
-        return None
-    grid = np.array(ends[low:stop])
+    ``ends``, micro-batches ``first`` on, past ``reach``)."""
     for c in range(step, longest + 1, step):
-        first = stop - 2 * c - reach
-        if first < reach:
+        low = stop - 2 * c - reach
+        if low < reach:
             return None
-        shift = ends[stop - 1][0] - ends[stop - 1 - c][0]
-        later = grid[first + c - low:]
-        if (np.abs((later - grid[first - low:stop - c - low]) - shift)
+        shift = ends[stop - 1 - first, 0] - ends[stop - 1 - c - first, 0]
+        later = ends[low + c - first:stop - first]
+        if (np.abs((later - ends[low - first:stop - c - first]) - shift)
                 <= _TOLERANCE * np.maximum(np.abs(later), 1e-30)).all():
             return c
     return None
@@ -348,12 +344,12 @@ def _shared_ops(key: tuple, other: tuple) -> int:
 
 
 @lru_cache(maxsize=64)
-def _slot_getters(p: int, m: int, v: int, group: int | None = None,
-                  warmups: tuple[int, ...] | None = None) -> tuple[itemgetter, ...]:
-    """Per micro-batch, what picks its ops' ends out of :func:`_run`'s, by stage, kind and chunk
-    (:func:`_ends`)."""
+def _slots(p: int, m: int, v: int, group: int | None = None,
+           warmups: tuple[int, ...] | None = None) -> np.ndarray:
+    """Per micro-batch (a row) and its op by stage, kind and chunk (``stage * 2 * v + kind * v
+    + chunk``), the op's index in :func:`_compiled_order` (:func:`_ends`)."""
     ops, mb_of, _ = _compiled_order(p, m, v, group, warmups)
-    where = [[0] * (2 * v * p) for _ in range(m)]
-    for k, (op, i) in enumerate(zip(ops, mb_of)):
-        where[i][op[1]] = k
-    return tuple(itemgetter(*row) for row in where)
+    where = np.zeros((m, 2 * v * p), dtype=np.int64)
+    where[np.array(mb_of), np.array([op[1] for op in ops])] = np.arange(len(ops))
+    where.flags.writeable = False
+    return where
