@@ -321,13 +321,15 @@ class Plan:
                     raise SchemaError("", path, stage.chunk_layers,
                                       f"{first[s].chunk_layers}, as in pipelines[0] (a stage index "
                                       "has the same chunks in every pipeline)")
-            # whole groups of p: the layouts the tuner searches keep them (Megatron itself
-            # takes any count whose remainder over its group is 0 or at least p)
+            # whole groups of p, or of the plan's group: the layouts the tuner searches keep
+            # them (Megatron itself takes any count whose remainder over its group is 0 or at
+            # least p)
             m = pipe.num_microbatches
-            if m % p:
+            if m % p and g is None:
                 raise SchemaError("", f"pipelines[{d}].num_microbatches", m,
                                   f"a multiple of the {p} pipeline stages (whole groups of "
-                                  "micro-batches under the interleaved schedule)")
+                                  "micro-batches under the interleaved schedule), or a "
+                                  "microbatch_group_size whose groups it fills")
             if g is not None and not group_fits(g, p, [m]):
                 raise SchemaError("", "microbatch_group_size", g,
                                   f"between the {p} pipeline stages and pipelines[{d}]'s {m} "

@@ -41,7 +41,7 @@ from .errors import Described, SchemaError
 
 __all__ = ["StageSchedule", "stage_schedule", "one_f_one_b", "megatron_warmup",
            "pipeline_warmups", "has_extra_warmup", "stage_program", "check_warmups",
-           "group_fits"]
+           "group_fits", "whole_group"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -190,6 +190,14 @@ def check_warmups(plan) -> None:
                                   f"warms up {counts[s + 1]}, and each stage warms up at least "
                                   f"one more micro-batch than the next, or all {m} (as "
                                   "Megatron's p - s - 1 does)")
+
+
+def whole_group(p: int, microbatches) -> int | None:
+    """The least micro-batch group ``g`` from ``p`` up to ``2 p`` that divides every count of
+    ``microbatches``: ``p`` (Megatron's default) where ``p`` does, else a group the plan names in
+    ``microbatch_group_size`` so that Megatron's interleaved schedule runs whole groups (a
+    global batch of 256 micro-batches on 3 stages: groups of 4); None where none does."""
+    return next((g for g in range(p, 2 * p + 1) if all(m % g == 0 for m in microbatches)), None)
 
 
 def group_fits(g: int, p: int, microbatches) -> bool:

@@ -277,6 +277,23 @@ def test_interleaving_needs_micro_batches_in_groups_of_the_pipeline_size():
         plan_from_data(data)
 
 
+def test_a_micro_batch_group_lets_the_counts_skip_the_pipeline_size():
+    """69 and 57 micro-batches on 2 stages run in whole groups of 3 (57 % 2 = 1): accepted with
+    microbatch_group_size 3, as Megatron's interleaved schedule takes them; a group they do
+    not fill is refused."""
+    from megatron_hetero.schedule_order import whole_group
+    data = _interleaved([6, 8], [10, 8])
+    data["pipelines"][0]["num_microbatches"] = 69
+    data["pipelines"][1]["num_microbatches"] = 57
+    data["global_batch_size"] = 69 * data["pipelines"][0]["micro_batch_size"] + \
+        57 * data["pipelines"][1]["micro_batch_size"]
+    assert plan_from_data(dict(data, microbatch_group_size=3)).microbatch_group_size == 3
+    with pytest.raises(SchemaError, match=r"microbatch_group_size: found 4"):
+        plan_from_data(dict(data, microbatch_group_size=4))  # 69 % 4 = 1 < 2
+    assert whole_group(2, [69, 57]) == 3 and whole_group(3, [256]) == 4
+    assert whole_group(2, [8, 6]) == 2 and whole_group(3, [7]) is None
+
+
 def test_micro_batch_group_round_trips_and_is_left_out_when_unset(tmp_path):
     data = dict(_interleaved([6, 8], [10, 8]), microbatch_group_size=4)  # 70 % 4, 58 % 4 = 2
     plan = plan_from_data(data)

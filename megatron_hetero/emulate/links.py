@@ -26,6 +26,15 @@ the same way: ``time_stretch`` (emulated seconds per real second of compute) mul
 time, and ``bytes_ratio`` (the shrunk message's bytes over the real one's) divides the
 bandwidth, so that a shrunk message takes ``time_stretch`` times what the real one takes on
 the real link.
+
+Across vendors. Where the two GPUs are of two vendors the link is the host path
+(:mod:`megatron_hetero.cost.host_path`): device to host, the NIC, host to device, one after
+another; its :class:`Link` keeps that :class:`~megatron_hetero.cost.host_path.HostPath` and
+takes its rate, and the per-message latency is ``latency_s`` as on every link, which is how the
+cost model prices a pipeline send over it (``CostModel.p2p_seconds`` at the host path's rate).
+A staged message therefore takes ``time_stretch x (latency + bytes / host link + bytes / network
++ bytes / host link)`` of its real bytes, holding the sending stage until it has arrived as the
+runtime's synchronous copies and Megatron's 1F1B do.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from ..cost.host_path import HostPath, host_path
 from ..cost.placement import place
 from ..plan import Plan, Slot
 
@@ -50,6 +60,9 @@ class Link:
     """Bytes per second of a shrunk message."""
     latency_s: float
     """Seconds added to every message."""
+    host_path: HostPath | None = None
+    """Where the two GPUs are of two vendors: the host path the link plays (its legs' rates;
+    ``bandwidth_bytes_s`` is their rate one after another, scaled); None inside one vendor."""
 
     def seconds(self, nbytes: float) -> float:
         return nbytes / self.bandwidth_bytes_s + self.latency_s
@@ -70,9 +83,13 @@ def plan_links(plan: Plan, inventory, *, latency_s: float, time_stretch: float =
     out: dict[tuple[int, int], Link] = {}
     for d in range(plan.data_parallel_size):
         for a, b in pairs:
-            gb_s = placement.link_bandwidth(placement.node(d, a), placement.node(d, b))
+            na, nb = placement.node(d, a), placement.node(d, b)
+            gb_s = placement.link_bandwidth(na, nb)
+            staged = (host_path(inventory, (na.group, nb.group))
+                      if placement.host_staged(na, nb) else None)
+            assert staged is None or gb_s == staged.bandwidth_gb_s
             link = Link(bandwidth_bytes_s=gb_s * 1e9 * bytes_ratio / time_stretch,
-                        latency_s=latency_s * time_stretch)
+                        latency_s=latency_s * time_stretch, host_path=staged)
             for t in range(tp):
                 ra = plan.rank_of_slot(Slot(pipeline=d, stage=a, tensor_rank=t))
                 rb = plan.rank_of_slot(Slot(pipeline=d, stage=b, tensor_rank=t))

@@ -176,6 +176,7 @@ def format_report(result: RehearsalResult, *, source: str = "PLAN",
         lines.append(f"links: emulated from the inventory, scaled {result.link_stretch:.3g}x like "
                      f"the compute; slowest {slowest.bandwidth_bytes_s / 1e6:.3g} MB/s of shrunk "
                      f"messages + {slowest.latency_s * 1e6:.3g} us")
+        lines.extend(_host_staged_lines(result))
     if result.kept_module_inputs:
         lines.append(module_inputs_note(result.kept_module_inputs))
     worst = max((st.drift_s for st in result.stages), default=0.0)
@@ -196,3 +197,22 @@ def format_report(result: RehearsalResult, *, source: str = "PLAN",
                      f"prediction is {result.a_priori_step_s:.3f} s)")
     lines.append("losses: " + ", ".join(f"{x:.4f}" for x in result.losses))
     return "\n".join(lines)
+
+
+def _host_staged_lines(result: RehearsalResult) -> list[str]:
+    """One line per pair of ranks whose link is the host path (GPUs of two vendors)."""
+    plan, stretch = result.plan, result.link_stretch or 1.0
+    pairs = {(min(a, b), max(a, b)): link for (a, b), link in result.links.items()
+             if link.host_path is not None}
+    lines = []
+    for (a, b), link in sorted(pairs.items()):
+        hp = link.host_path
+        lines.append(
+            f"  host-staged: ranks {a} <-> {b} ({plan.device_type_of_rank(a)} <-> "
+            f"{plan.device_type_of_rank(b)}): device-to-host {hp.host_link_gb_s:.3g} GB/s, "
+            f"network {hp.network_gb_s:.3g} GB/s ({'RDMA' if hp.rdma else 'TCP'}), host-to-device "
+            f"{hp.host_link_gb_s:.3g} GB/s one after another: {hp.bandwidth_gb_s:.3g} GB/s + "
+            f"{link.latency_s / stretch * 1e6:.3g} us a message, as the cost model prices a "
+            f"pipeline send")
+    return lines
+

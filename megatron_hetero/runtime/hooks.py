@@ -25,8 +25,8 @@ original:
 ``megatron.training.training.get_forward_backward_func``
     (uneven plans) runs this replica's ``num_microbatches`` x ``micro_batch_size`` in every
     step while Megatron's step accounting keeps counting the global batch (the interleaved
-    schedule too: every replica's count is a multiple of the pipeline size, the schedule's
-    micro-batch group); on a replica whose plan stages ask for more warm-up than Megatron's
+    schedule too: every replica's count fills the schedule's micro-batch groups, of the
+    pipeline size or of the plan's ``microbatch_group_size``); on a replica whose plan stages ask for more warm-up than Megatron's
     (``warmup_microbatches``), the schedule is the per-stage warm-up one built from
     megatron-core's pieces (:mod:`megatron_hetero.mcore.warmup_schedule`).
 ``megatron.training.training.build_pretraining_data_loader``

@@ -31,7 +31,8 @@ class TuneOptions:
     max_pipeline_stages: int = 64
     max_virtual_pipeline_size: int = 4
     """Model chunks per stage tried: 1 (plain 1F1B) up to this (interleaved 1F1B), where every
-    chunk gets a layer and the micro-batches form whole groups of the pipeline size. The
+    chunk gets a layer and the micro-batches form whole groups of the pipeline size (or of a
+    micro-batch group up to twice it: :func:`~megatron_hetero.schedule_order.whole_group`). The
     baseline (plain Megatron) tries every chunk count its even split allows, more than this
     too, so that a cap here never makes the baseline look slower than plain Megatron can be."""
     optimizer_offload: bool = True

@@ -14,7 +14,8 @@ simulator says is faster:
   its own cap: :attr:`TuneOptions.refine_max_virtual_pipeline_size`), each stage's layers spread
   evenly, the remainder on the early or the late chunks; an end chunk may be left with just
   the embedding or the loss (which the structured search does not try);
-* one unit of micro-batches (``p`` when interleaved, else 1) from the pipeline that finishes
+* one unit of micro-batches (when interleaved ``p``, or the group the counts are whole groups
+  of where ``p`` does not divide them; else 1) from the pipeline that finishes
   last to the one that finishes first;
 * with interleaving, the micro-batch group (Megatron's
   ``--microbatch-group-size-per-virtual-pipeline-stage``, by default ``p``) to the next value
@@ -50,6 +51,7 @@ from ..cost.model import CostModel
 from ..cost.stage import StageShape
 from ..errors import InfeasibleError, SchemaError
 from ..plan import Pipeline, Plan, Stage, group_fits
+from ..schedule_order import whole_group
 from ..simulate import SimResult, simulate
 from .policy import Menu, Policy, cheapest_for_stage
 from .problem import Problem, TuneOptions
@@ -77,14 +79,15 @@ class Layout:
 
     def valid(self, p: int) -> bool:
         """Every virtual stage holds a layer but the two ends (embedding or loss only), and with
-        ``v`` > 1 every pipeline's micro-batches form whole groups of ``p`` and take the
-        micro-batch group (:func:`group_fits`)."""
+        ``v`` > 1 every pipeline's micro-batches form whole groups of ``p`` (or of the
+        layout's group, which they must then fill) and take the micro-batch group
+        (:func:`group_fits`)."""
         inner = self.seq[1:-1] if len(self.seq) > 1 else self.seq
         if min(inner, default=1) < 1 or min(self.seq) < 0:
             return False
         if self.v == 1 and (min(self.seq) < 1 or self.group is not None):
             return False
-        if self.v > 1 and any(m % p for m in self.microbatches):
+        if self.v > 1 and any(m % (self.group or p) and m % p for m in self.microbatches):
             return False
         if self.group is not None and not group_fits(self.group, p, self.microbatches):
             return False
@@ -221,13 +224,16 @@ def _even_layouts(lay: Layout, p: int, chunk_counts, totals_for, order):
     """``lay`` at each of ``chunk_counts`` with stage totals ``totals_for(w, microbatches)``
     (None: skip) in stage order ``order``, each stage spread evenly over its chunks with the
     remainder late or early; the micro-batches regrouped into whole groups of ``p`` when
-    interleaved, keeping ``lay``'s micro-batch group where it still fits."""
+    interleaved (of :func:`~megatron_hetero.schedule_order.whole_group`'s group, which the layout
+    then takes, where ``p`` does not divide their total), keeping ``lay``'s micro-batch group
+    where it still fits."""
+    unit = whole_group(p, [sum(lay.microbatches)])
     for w in chunk_counts:
-        mb = lay.microbatches if w == 1 else _regroup(lay.microbatches, p)
+        mb = lay.microbatches if w == 1 else unit and _regroup(lay.microbatches, unit)
         totals = None if mb is None else totals_for(w, mb)
         if totals is None:
             continue
-        group = _kept_group(lay.group, p, mb) if w > 1 else None
+        group = (_kept_group(lay.group, p, mb) or (None if unit == p else unit)) if w > 1 else None
         for early in ((False, True) if w > 1 else (False,)):
             yield replace(lay, seq=_spread(totals, w, early), v=w, microbatches=mb, order=order,
                           group=group)
@@ -261,7 +267,7 @@ def _moves(lay: Layout, p: int, max_v: int, sim: SimResult):
     # one unit of micro-batches from the pipeline that finishes last to the one first done
     D = len(lay.microbatches)
     if D > 1:
-        unit = p if v > 1 else 1
+        unit = 1 if v == 1 else whole_group(p, lay.microbatches) or p
         finish = [max(r.busy_s + r.bubble_s for r in sim.stages if r.pipeline == d) for d in range(D)]
         late = max(range(D), key=lambda d: (finish[d], -d))
         early_d = min(range(D), key=lambda d: (finish[d], d))

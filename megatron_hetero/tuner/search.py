@@ -45,6 +45,7 @@ from ..hardware.inventory import Inventory
 from ..plan import ModelSpec, Pipeline, Plan, Stage
 from ..plan_inventory import embedded_gpus
 from ..plan_mesh import MeshPlan
+from ..schedule_order import whole_group
 from ..simulate import SimResult, simulate
 from . import space
 from .baseline import baseline_policies, best_group
@@ -138,7 +139,8 @@ class _Search:
         total = self.gbs // mbs
         if baseline and (L % (p * v) or total % D or (v > 1 and (total // D) % p)):
             return None
-        if v > 1 and (total % p or total // p < D or L < p * v):
+        unit = whole_group(p, [total]) if v > 1 else 1  # micro-batch groups when interleaved
+        if v > 1 and (unit is None or total // unit < D or L < p * v):
             return None
         prec = self.problem.precision_for({t for types, _ in st.templates for t in types})
         cost = self.problem.cost(prec)
@@ -174,11 +176,11 @@ class _Search:
             per += [c] * count
         if baseline:
             mb = [total // D] * D
-        elif v > 1:  # whole groups of p micro-batches (Megatron's interleaved schedule)
-            units = water_fill(fixed, [c * p for c in per], total // p)
+        elif v > 1:  # whole micro-batch groups (Megatron's interleaved schedule)
+            units = water_fill(fixed, [c * unit for c in per], total // unit)
             if units is None:
                 return None
-            mb = [u * p for u in units]
+            mb = [u * unit for u in units]
         else:
             mb = water_fill(fixed, per, total)
             if mb is None:
@@ -273,6 +275,7 @@ class _Search:
                     precision=cand.precision,
                     use_distributed_optimizer=self.opt.use_distributed_optimizer,
                     sequence_parallel=st.tp > 1, virtual_pipeline_size=v,
+                    microbatch_group_size=_group_size(st.pp, v, cand.microbatches),
                     overlap_grad_reduce=self.opt.overlap_grad_reduce)
 
     def walk(self, structures, *, baseline: bool, tick: Callable[[], None]) -> list[_Candidate]:
@@ -478,3 +481,10 @@ def _tune(model: ModelSpec, inventory: Inventory, global_batch_size: int, *,
                       mesh_plan=mesh[0] if mesh else None, mesh_sim=mesh[1] if mesh else None,
                       mesh_candidates=mesh[2] if mesh else 0)
 
+
+def _group_size(p: int, v: int, microbatches) -> int | None:
+    """The plan's ``microbatch_group_size`` for micro-batch counts the search made whole groups
+    of (:func:`~megatron_hetero.schedule_order.whole_group`): None (Megatron's default, ``p``)
+    where ``p`` divides them or the pipeline is not interleaved."""
+    g = whole_group(p, microbatches) if v > 1 else None
+    return None if g == p else g

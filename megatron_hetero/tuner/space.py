@@ -14,8 +14,10 @@ follow each:
 
 Every structure with ``p > 1`` is also offered interleaved (Megatron's virtual pipeline stages,
 ``v`` = 2 .. ``max_virtual_pipeline_size`` model chunks per stage, and beyond that the chunk
-counts plain Megatron's even split allows) where the micro-batches form whole groups of ``p``;
-its lower bound divides the fill and drain by ``v``. The pipeline count of a structure always
+counts plain Megatron's even split allows) where the micro-batches form whole groups of ``p``,
+or of a larger group up to ``2 p`` (:func:`~megatron_hetero.schedule_order.whole_group`: a
+global batch of 256 micro-batches on 3 stages runs groups of 4, the plan's
+``microbatch_group_size``); its lower bound divides the fill and drain by ``v``. The pipeline count of a structure always
 divides the global batch (:func:`_divisible_templates`).
 """
 
@@ -30,6 +32,7 @@ from ..cost.model import CostModel
 from ..cost.stage import StageShape
 from ..hardware.inventory import Inventory
 from ..plan import ModelSpec, Recompute
+from ..schedule_order import whole_group
 from .problem import Problem
 
 __all__ = ["Structure", "infeasible_message", "structures", "templates", "subsets", "orders", "slots", "tp_sizes",
@@ -207,7 +210,8 @@ def structures(problem: Problem) -> list[tuple[float, Structure]]:
                         paces.append((1 / got[0], got[1], n))
                     lb = _bound(paces, total, pp - 1)
                     out.append((lb, Structure(tp, pp, mbs, tm)))
-                    if pp == 1 or total % pp or total // pp < Dm:
+                    unit = whole_group(pp, [total])  # micro-batch groups of the interleaving
+                    if pp == 1 or unit is None or total // unit < Dm:
                         continue
                     for v in range(2, L // pp + 1):
                         # beyond max_virtual_pipeline_size only what plain Megatron can

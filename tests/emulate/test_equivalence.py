@@ -299,3 +299,21 @@ def test_micro_batch_group_runs_in_the_order_the_simulator_assumes():
         assert chunks != [c for k, _, c in rank_order(2, r.stage, 6, 2) if k == 0]
     ref = train_plan(reference_plan(plan), config)
     assert compare_results(result, ref, rtol=RTOL, atol=1e-7) is None
+
+
+def test_micro_batches_that_skip_the_pipeline_size_run_in_whole_groups():
+    """9 micro-batches on 2 stages with 2 chunks each, in groups of 3 (the tuner's plans for a
+    global batch the pipeline size does not divide): Megatron's interleaved schedule takes them
+    and runs the order ``cost.schedule.rank_order`` says, and training matches one process."""
+    from megatron_hetero.cost.schedule import rank_order
+    plan = tiny_plan(None, [(1, 9)], chunks=[[1, 1], [3, 1]], microbatch_group_size=3)
+    config = TrainConfig(steps=1, optimizer="sgd", lr=0.1, eval_forward_only=False)
+    result = train_plan(plan, config, hooks_factory=_order_hooks)
+    for r in result.ranks:
+        seq, chunks = r.extra
+        want = rank_order(2, r.stage, 9, 2, 3)
+        assert seq == ["FB"[k] for k, _, _ in want], r.rank
+        assert chunks == [c for k, _, c in want if k == 0], r.rank
+    ref = train_plan(reference_plan(plan), config)
+    assert compare_results(result, ref, rtol=RTOL, atol=1e-7) is None
+

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import pytest
 import yaml
@@ -166,3 +167,67 @@ def test_custom_devices_of_the_plan_play_at_their_relative_speed(tmp_path, capsy
     inv = _write(tmp_path, inventory, "inventory.yaml")
     assert main(["rehearse", path, "--inventory", inv, "--steps", "2"]) == 1
     assert "gpus.Acme-Slow.bf16_tflops: found 100.0; expected 125.0" in capsys.readouterr().err
+
+
+# -- two vendors: the pipeline edge between them is the host path ---------------------------------
+_EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "rehearse" / "a100-mi300x"
+"""plan.yaml: an A100 stage (NVIDIA, 1 layer) feeding an MI300X stage (AMD, 3 layers), 4
+micro-batches; tcp.yaml: one node of each, TCP NICs."""
+
+
+def test_link_across_vendors_is_the_host_path_as_the_cost_model_prices_it():
+    """The rehearsal's link between an A100 and an MI300X rank is the host path (device to
+    host, the TCP NIC, host to device): a shrunk message takes the rehearsal's stretch times
+    what the cost model charges the real one, and the prediction charges it on the pipeline."""
+    from megatron_hetero.cost.host_path import host_path
+    from megatron_hetero.cost.model import CostModel
+    from megatron_hetero.emulate.calibration import Calibration
+    from megatron_hetero.emulate.links import rehearsal_links
+    from megatron_hetero.emulate.prediction import predict
+    from megatron_hetero.emulate.speed import device_slowdowns
+    from megatron_hetero.hardware.inventory import load_inventory
+    from megatron_hetero.plan import load_plan
+
+    inventory = load_inventory(str(_EXAMPLES / "tcp.yaml"))
+    plan = load_plan(str(_EXAMPLES / "plan.yaml"), catalog=inventory.catalog)
+    shrunk = shrink_plan(plan, 64)
+    calibration = Calibration(layer_flops_per_s=1e9, allreduce_gb_s=1.0, p2p_latency_s=1e-4,
+                              parts={(part, 1): (1e-2, 2e-2)
+                                     for part in ("layer", "embedding", "output")})
+    factors = device_slowdowns(plan, inventory.catalog)
+    assert factors["MI300X-192GB"] == 1.0 and factors["A100-SXM-80GB"] > 2
+    links, stretch = rehearsal_links(plan, shrunk, inventory, calibration=calibration,
+                                     factor=1.0, latency_s=20e-6)
+    staged = host_path(inventory, (0, 1))
+    assert links[(0, 1)].host_path == links[(1, 0)].host_path == staged and not staged.rdma
+    assert staged.bandwidth_gb_s == pytest.approx(1 / (2 / 25 + 1 / 2.5))
+    cost = CostModel(plan.model, inventory, precision="bf16")
+    assert stretch == pytest.approx(0.03 / sum(cost.layer_times("MI300X-192GB", 1, 1)))
+    real = cost.p2p_seconds(1, staged.bandwidth_gb_s)  # 20 us + the bytes over the legs
+    shrunk_bytes = 4.0 * shrunk.model.seq_length * shrunk.model.hidden_size
+    assert links[(0, 1)].seconds(shrunk_bytes) == pytest.approx(stretch * real)
+    alone = predict(shrunk, calibration, factors).step_time_s
+    staged_step = predict(shrunk, calibration, factors, links=links).step_time_s
+    assert staged_step > alone + 2 * links[(0, 1)].seconds(shrunk_bytes)  # fill and drain
+
+
+@pytest.mark.slow
+def test_two_vendor_rehearsal_meets_its_prediction(capsys):
+    """A100 -> MI300X with the edge staged through the hosts over TCP NICs (the link is about
+    half of the step): the rehearsal emulates the host path, names its legs, and its measured
+    step is within 10% of the prediction, median of 3 runs (issue 14, item 6: the one timed
+    check the issue asks for; single runs scatter more on a shared machine, docs/calibration.md).
+    Time scale 3: at 1 the 0.1 s steps carry a per-step overhead the cost model lacks."""
+    plan, inventory = (str(_EXAMPLES / n) for n in ("plan.yaml", "tcp.yaml"))
+    ratios = []
+    for _ in range(3):
+        assert main(["rehearse", plan, "--inventory", inventory, "--emulate-links", "--steps", "4",
+                     "--time-scale", "3"]) == 0
+        out = capsys.readouterr().out
+        assert ("host-staged: ranks 0 <-> 1 (A100-SXM-80GB <-> MI300X-192GB): device-to-host "
+                "25 GB/s, network 2.5 GB/s (TCP), host-to-device 25 GB/s one after another: "
+                "2.08 GB/s + 20 us a message") in out
+        line = next(x for x in out.splitlines() if x.startswith("step time: measured"))
+        measured, predicted = [float(w) for w in line.split() if w.replace(".", "").isdigit()][:2]
+        ratios.append(measured / predicted)
+    assert sorted(ratios)[1] == pytest.approx(1.0, abs=0.1), ratios
