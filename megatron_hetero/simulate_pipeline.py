@@ -14,7 +14,10 @@ every op up to :data:`EXACT_MOST`, and extrapolates the last probe beyond.
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
+
+import numpy as np
 
 from .cost.schedule import rank_order_cached
 
@@ -97,6 +100,7 @@ def _steady_state_run(fwd, bwd, send_f, send_b, m: int, *, group: int | None,
     q = 1 if v == 1 else (p if group is None else group)
     tail = p + q + max(warmups or (0,))  # micro-batches an op's wait may reach
     probe, ran = 6 * tail + 2 * q, 0  # the common transient settles within the first probe
+    run = None  # each longer probe resumes from the one before (_run's since)
     while True:
         probe += (m - probe) % q  # the same remainder modulo q as m
         if m < 2 * probe or probe > PROBE_MOST:
@@ -106,55 +110,53 @@ def _steady_state_run(fwd, bwd, send_f, send_b, m: int, *, group: int | None,
             break
         ran = probe
         run = _run(fwd, bwd, send_f, send_b, probe, group=group, record=False,
-                   warmups=warmups)
-        ends = _ends(run, probe, p, v, first=max(0, probe - 2 * tail - 2 * q * p))
-        period = _period(ends, stop=probe - tail, step=q, longest=q * p, reach=tail)
+                   warmups=warmups, since=run)
+        first = max(0, probe - 2 * tail - 2 * q * p)
+        ends = _ends(run, probe, p, v, first=first, group=group, warmups=warmups)
+        period = _period(ends, first=first, stop=probe - tail, step=q, longest=q * p,
+                         reach=tail)
         if period is not None:
             break
         probe *= 2
-    last = probe - tail - 1
-    shifts = [y - x for x, y in zip(ends[last - period], ends[last])]
+    last = probe - tail - 1 - first
+    shifts = ends[last] - ends[last - period]
     n = probe + (m - probe) % period
     if n != probe:
-        run = _run(fwd, bwd, send_f, send_b, n, group=group, record=False, warmups=warmups)
+        run = _run(fwd, bwd, send_f, send_b, n, group=group, record=False, warmups=warmups,
+                   since=run)
     periods = (m - n) // period
-    shift = max(shifts)
+    shift = float(shifts.max())
     free = [x + periods * shift for x in run[0]]
     last_b = [[x + periods * shift for x in row] for row in run[2]]
     busy = [m * sum(list(f) + list(b)) for f, b in zip(fwd, bwd)]  # as _run sums
     return free, busy, last_b, []
 
 
-def _ends(run, n: int, p: int, v: int, *, first: int) -> list[list[float] | None]:
-    """Per micro-batch of a run of ``n`` from ``first`` on (None before), the end of each of
-    its ops, by stage, kind and chunk."""
-    end, (stage, dur_of, _, _, mb_of) = run[3], run[5]
-    ends: list[list[float] | None] = [None] * first + [[0.0] * (2 * v * p)
-                                                       for _ in range(n - first)]
-    for k, i in enumerate(mb_of):
-        if i >= first:
-            ends[i][stage[k] * 2 * v + dur_of[k]] = end[k]
-    return ends
+def _ends(run, n: int, p: int, v: int, *, first: int, group: int | None,
+          warmups: tuple[int, ...] | None) -> np.ndarray:
+    """Per micro-batch of a run of ``n`` from ``first`` on (a row), the end of each of its ops,
+    by stage, kind and chunk."""
+    where = _slots(p, n, v, group, None if warmups is None else tuple(warmups))[first:]
+    low = int(where.min())
+    return np.array(run[3][low:])[where - low]
 
 
-def _period(ends: list[list[float]], *, stop: int, step: int, longest: int,
+def _period(ends: np.ndarray, *, first: int, stop: int, step: int, longest: int,
             reach: int) -> int | None:
     """The least multiple ``c`` of ``step`` up to ``longest`` such that every op of the
     ``c + reach`` micro-batches before ``stop`` ends one common time after the same op ``c``
-    micro-batches earlier (None: no such ``c`` fits in ``ends`` past ``reach``)."""
+    micro-batches earlier, within :data:`_TOLERANCE` of its end (None: no such ``c`` fits in
+    ``ends``, micro-batches ``first`` on, past ``reach``)."""
     for c in range(step, longest + 1, step):
-        first = stop - 2 * c - reach
-        if first < reach:
+        low = stop - 2 * c - reach
+        if low < reach:
             return None
-        shift = ends[stop - 1][0] - ends[stop - 1 - c][0]
-        if all(_close(ends[i + c][s] - ends[i][s], shift, scale=ends[i + c][s])
-               for i in range(first, stop - c) for s in range(len(ends[i]))):
+        shift = ends[stop - 1 - first, 0] - ends[stop - 1 - c - first, 0]
+        later = ends[low + c - first:stop - first]
+        if (np.abs((later - ends[low - first:stop - c - first]) - shift)
+                <= _TOLERANCE * np.maximum(np.abs(later), 1e-30)).all():
             return c
     return None
-
-
-def _close(x: float, y: float, *, scale: float) -> bool:
-    return abs(x - y) <= _TOLERANCE * max(abs(scale), 1e-30)
 
 
 def one_f_one_b(fwd: list[float], bwd: list[float], send_f: list[float], send_b: list[float],
@@ -174,53 +176,65 @@ def _compiled_order(p: int, m: int, v: int, group: int | None = None,
     """Every op of a ``p``-stage pipeline of ``m`` micro-batches and ``v`` chunks (micro-batch
     group ``group``, default ``p``: :func:`.cost.schedule.rank_order`) in one order
     that respects each rank's run order and every cross-stage dependency (a topological
-    order, which does not depend on the durations), as flat columns: the op's stage, its
-    duration index (``kind * v + chunk``), the index of the op it waits for (-1: none), the
-    link that dependency crosses (-1: none), its micro-batch; and per (stage, chunk) the index
-    of its last backward. The simulation is then one pass over these columns."""
-    ops = [rank_order_cached(p, s, m, v, group, None if warmups is None else warmups[s])
-           for s in range(p)]
-    vm = v * m
-    where = [-1] * (2 * p * vm)  # op (stage, kind, chunk, micro-batch) -> its position
-    stage, dur_of, dep_of, link_of, mb_of = [], [], [], [], []
+    order, which does not depend on the durations), as the simulation's loop reads them: per
+    op its stage, its duration's index in the stages' durations laid end to end (``stage * 2
+    * v + kind * v + chunk``), one more than the index of the op it waits for (0: none) and the
+    index of the link that dependency crosses in ``send_f + send_b + [0.0]``, each of ``p``
+    links (``2 * p``: none); each op's micro-batch; and per (stage, chunk) the index of its
+    last backward. The simulation is then one pass over these ops."""
+    ranks = [rank_order_cached(p, s, m, v, group, None if warmups is None else warmups[s])
+             for s in range(p)]
+    vm, none = v * m, 2 * p
+    tables = []  # per stage, by kind * v + chunk: (the op it waits for, less its micro-batch
+    for s in range(p):  # (-1: none); the link that crosses; the op, less its micro-batch; slot)
+        row = []
+        for kind in (0, 1):
+            for c in range(v):
+                if kind == 0:
+                    if s > 0:
+                        dep, link = (s - 1) * 2 * vm + c * m, s - 1
+                    elif c > 0:
+                        dep, link = (p - 1) * 2 * vm + (c - 1) * m, p - 1
+                    else:
+                        dep, link = -1, none
+                elif s < p - 1:
+                    dep, link = (s + 1) * 2 * vm + vm + c * m, p + s
+                elif c < v - 1:
+                    dep, link = vm + (c + 1) * m, p + p - 1
+                else:  # the last chunk's backward on the last stage: after its forward
+                    dep, link = s * 2 * vm + c * m, none
+                row.append((dep, link, s * 2 * vm + kind * vm + c * m, (2 * s + kind) * v + c))
+        tables.append(row)
+    where = [0] * (2 * p * vm)  # op (stage, kind, chunk, micro-batch) -> its position + 1
+    ops: list[tuple[int, int, int, int]] = []
+    mb_of: list[int] = []
     ptr = [0] * p
-    remaining = sum(len(o) for o in ops)
+    remaining = sum(len(o) for o in ranks)
     while remaining:
         progressed = False
         for s in range(p):
-            seq = ops[s]
+            seq, k, row = ranks[s], ptr[s], tables[s]
             n = len(seq)
-            while ptr[s] < n:
-                kind, i, c = seq[ptr[s]]
-                if kind == 0:
-                    if s > 0:
-                        dep, link = ((s - 1) * 2 * vm + c * m + i), s - 1
-                    elif c > 0:
-                        dep, link = ((p - 1) * 2 * vm + (c - 1) * m + i), p - 1
-                    else:
-                        dep, link = -1, -1
-                elif s < p - 1:
-                    dep, link = ((s + 1) * 2 * vm + vm + c * m + i), s
-                elif c < v - 1:
-                    dep, link = (vm + (c + 1) * m + i), p - 1
+            while k < n:
+                kind, i, c = seq[k]
+                dep, link, own, slot = row[kind * v + c]
+                if dep < 0:
+                    dep = 0
                 else:
-                    dep, link = (s * 2 * vm + c * m + i), -1
-                if dep >= 0:
-                    dep = where[dep]
-                    if dep < 0:
+                    dep = where[dep + i]
+                    if not dep:
                         break
-                where[s * 2 * vm + kind * vm + c * m + i] = len(stage)
-                stage.append(s)
-                dur_of.append(kind * v + c)
-                dep_of.append(dep)
-                link_of.append(link)
+                ops.append((s, slot, dep, link))
                 mb_of.append(i)
-                ptr[s] += 1
-                remaining -= 1
-                progressed = True
+                where[own + i] = len(ops)
+                k += 1
+            if k > ptr[s]:
+                remaining -= k - ptr[s]
+                ptr[s], progressed = k, True
         assert progressed, "1F1B schedule deadlocked"
-    last_b = tuple(tuple(where[s * 2 * vm + vm + c * m + m - 1] for c in range(v)) for s in range(p))
-    return (tuple(stage), tuple(dur_of), tuple(dep_of), tuple(link_of), tuple(mb_of)), last_b
+    last_b = tuple(tuple(where[s * 2 * vm + vm + c * m + m - 1] - 1 for c in range(v))
+                   for s in range(p))
+    return tuple(ops), tuple(mb_of), last_b
 
 
 def interleaved_1f1b(fwd: list[list[float]], bwd: list[list[float]], send_f: list[float],
@@ -234,22 +248,23 @@ def interleaved_1f1b(fwd: list[list[float]], bwd: list[list[float]], send_f: lis
     stage and chunk; events are (stage, kind, microbatch, start, end, chunk). ``warmups``:
     each stage's warm-up forwards where the plan sets them (non-interleaved; default
     Megatron's)."""
-    free, busy, last_b_start, end, start, columns = _run(fwd, bwd, send_f, send_b, m,
-                                                        group=group, record=record,
-                                                        warmups=warmups)
+    free, busy, last_b_start, end, start, columns, _ = _run(fwd, bwd, send_f, send_b, m,
+                                                           group=group, record=record,
+                                                           warmups=warmups)
     events: list[tuple] = []
     if record:
-        stage, dur_of, _, _, mb_of = columns
+        ops, mb_of = columns
         v = len(fwd[0])
-        events = [(s, "FB"[dur_of[k] >= v], mb_of[k], start[k], end[k], dur_of[k] % v)
-                  for k, s in enumerate(stage)]
+        events = [(s, "FB"[i % (2 * v) >= v], mb, start[k], end[k], i % v)
+                  for k, ((s, i, _, _), mb) in enumerate(zip(ops, mb_of))]
     return free, busy, last_b_start, events
 
 
 def _run(fwd, bwd, send_f, send_b, m: int, *, group: int | None, record: bool,
-         warmups: tuple[int, ...] | None = None):
+         warmups: tuple[int, ...] | None = None, since: tuple | None = None):
     """One pass over the compiled order: (finish, busy and last backwards' starts per stage,
-    every op's end, every op's start when ``record``, the order's columns).
+    every op's end, every op's start when ``record``, the order's ops and their micro-batches,
+    what a longer run resumes from).
 
     Megatron's non-interleaved 1F1B (``v = 1``, ``warmups`` None) waits for each send before
     its next op (``send_forward`` and the batched send-and-receive wait on their requests, and
@@ -257,32 +272,84 @@ def _run(fwd, bwd, send_f, send_b, m: int, *, group: int | None, record: bool,
     next link, and after a backward until it has crossed the previous one. The interleaved
     schedule (Megatron overlaps its p2p there) and the per-stage warm-up schedule
     (:mod:`megatron_hetero.mcore.warmup_schedule` waits for a send only when it needs the
-    buffer) go on computing."""
+    buffer) go on computing.
+
+    Each op starts at ``max(free[stage], end[waited] + link)`` (an op that waits for none
+    waits for an end of minus infinity, a dependency over no link adds 0.0: the same sums).
+    ``since``: an earlier run of the same durations (not recorded) whose order begins with the
+    same ops: this one takes their ends and the stages' free times from it, up to the last of
+    its copies of those (every :data:`_STRIDE` ops) within the ops both share. Every op's end
+    depends only on the ops before it, so the figures are those of a run from the start."""
     p, v = len(fwd), len(fwd[0])
-    columns, last_b = _compiled_order(p, m, v, group, None if warmups is None else tuple(warmups))
-    stage, dur_of, dep_of, link_of, _ = columns
+    key = (p, m, v, group, None if warmups is None else tuple(warmups))
+    ops, mb_of, last_b = _compiled_order(*key)
     durs = [list(f) + list(b) for f, b in zip(fwd, bwd)]
     held = durs  # how long an op keeps its stage
     if v == 1 and warmups is None:
         held = [[f[0] + (send_f[s] if s < p - 1 else 0.0), b[0] + (send_b[s - 1] if s else 0.0)]
                 for s, (f, b) in enumerate(zip(fwd, bwd))]
-    links = [list(send_f), list(send_b)]
-    end = [0.0] * len(stage)
-    start = [0.0] * len(stage) if record else None
+    dur = [x for row in durs for x in row]
+    hold = [x for row in held for x in row]
+    link = [*send_f[:p], *[0.0] * (p - len(send_f)), *send_b[:p], *[0.0] * (p - len(send_b)), 0.0]
+    end = [-math.inf]  # end[k + 1]: op k's end; end[0]: that of no op
     free = [0.0] * p
-    for k, s in enumerate(stage):
-        t = free[s]
-        d = dep_of[k]
-        j = dur_of[k]
-        if d >= 0:
-            lk = link_of[k]
-            ready = end[d] + (links[j >= v][lk] if lk >= 0 else 0.0)
+    start: list[float] | None = None
+    resume = None
+    if record:
+        start = []
+        for s, i, d, lk in ops:
+            t = free[s]
+            ready = end[d] + link[lk]
             if ready > t:
                 t = ready
-        if record:
-            start[k] = t
-        end[k] = t + durs[s][j]
-        free[s] = t + held[s][j]
+            start.append(t)
+            end.append(t + dur[i])
+            free[s] = t + hold[i]
+    else:
+        done, kept = 0, []
+        if since is not None:  # whole strides of ops both orders share
+            done = _shared_ops(since[6][0], key) // _STRIDE
+            kept = since[6][1][:done]
+            if done:
+                end += since[3][:done * _STRIDE]
+                free = list(kept[-1])
+        append = end.append
+        for low in range(done * _STRIDE, len(ops), _STRIDE):
+            for s, i, d, lk in ops[low:low + _STRIDE]:
+                t = free[s]
+                ready = end[d] + link[lk]
+                if ready > t:
+                    t = ready
+                append(t + dur[i])
+                free[s] = t + hold[i]
+            kept.append(tuple(free))
+        resume = (key, kept)
+    del end[0]
     busy = [m * sum(row) for row in durs]
     last_b_start = [[end[k] - durs[s][v + c] for c, k in enumerate(last_b[s])] for s in range(p)]
-    return free, busy, last_b_start, end, start, columns
+    return free, busy, last_b_start, end, start, (ops, mb_of), resume
+
+
+_STRIDE = 256
+"""Ops between the copies of the stages' free times a run keeps for a longer one to resume from
+(:func:`_run`'s ``since``)."""
+
+
+@lru_cache(maxsize=256)
+def _shared_ops(key: tuple, other: tuple) -> int:
+    """How many ops the orders of :func:`_compiled_order` ``key`` and ``other`` share from
+    their first (the ops before a run's drain are those of any longer run)."""
+    a, b = _compiled_order(*key)[0], _compiled_order(*other)[0]
+    return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+@lru_cache(maxsize=64)
+def _slots(p: int, m: int, v: int, group: int | None = None,
+           warmups: tuple[int, ...] | None = None) -> np.ndarray:
+    """Per micro-batch (a row) and its op by stage, kind and chunk (``stage * 2 * v + kind * v
+    + chunk``), the op's index in :func:`_compiled_order` (:func:`_ends`)."""
+    ops, mb_of, _ = _compiled_order(p, m, v, group, warmups)
+    where = np.zeros((m, 2 * v * p), dtype=np.int64)
+    where[np.array(mb_of), np.array([op[1] for op in ops])] = np.arange(len(ops))
+    where.flags.writeable = False
+    return where

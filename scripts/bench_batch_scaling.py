@@ -11,13 +11,16 @@ of the figures.
 
 ``--against REV`` runs each search in a fresh process under this tree and under git revision
 REV's package (a temporary worktree, scripts/_trees.py), alternating which runs first, and
-prints both trees' CPU seconds and ratios side by side (the op-by-op comparison is left out).
+prints both trees' CPU seconds and ratios side by side (the op-by-op comparison is left out);
+``--repeat N`` runs each N times per tree and prints the least. Both modes print the UTC time
+and the load average when they start and end.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -35,6 +38,12 @@ from megatron_hetero.tuner import TuneOptions, tune  # noqa: E402
 
 DEFAULT = ("a100-v100-llama2-7b", "4090-3090-a100-llama2-7b", "h100-a100-llama2-13b")
 SIZES = (128, 16384, 10**6, 10**9)
+
+
+def _when() -> str:
+    """The UTC time and the load averages (1, 5, 15 min), for the figures' conditions."""
+    return (time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()) + ", load average "
+            + " ".join(f"{x:.2f}" for x in os.getloadavg()))
 
 
 def _one(path: Path, g: int) -> dict:
@@ -55,26 +64,33 @@ def _fresh(tree: Path, path: Path, g: int) -> dict:
     return json.loads(proc.stdout.splitlines()[-1])
 
 
-def against(paths: list[Path], rev: str) -> int:
-    """Both trees' searches side by side, each in a fresh process."""
-    print(f"old: {rev} ({_trees.describe(rev)})\nnew: this tree ({_trees.REPO})\n")
+def against(paths: list[Path], rev: str, repeat: int = 1) -> int:
+    """Both trees' searches side by side, each in a fresh process, the least CPU time of
+    ``repeat`` such pairs."""
+    print(f"old: {rev} ({_trees.describe(rev)})\nnew: this tree ({_trees.REPO})\n"
+          f"start: {_when()}\n")
     print(f"{'scenario':28s} {'GPUs':>5s} {'GBS':>10s} {'old cpu':>8s} {'x base':>7s} "
           f"{'new cpu':>8s} {'x base':>7s} {'structures':>10s}  step new/old - 1")
     with _trees.rev_tree(rev) as old:
         for i, path in enumerate(paths):
             base: dict[str, float] = {}
             for k, g in enumerate(SIZES):
-                got = {}
-                for which in (("old", "new") if (i + k) % 2 == 0 else ("new", "old")):
-                    got[which] = _fresh(old if which == "old" else _trees.REPO, path, g)
+                got: dict[str, dict] = {}
+                for r in range(repeat):
+                    for which in (("old", "new") if (i + k + r) % 2 == 0 else ("new", "old")):
+                        one = _fresh(old if which == "old" else _trees.REPO, path, g)
+                        if which not in got or one["cpu"] < got[which]["cpu"]:
+                            got[which] = one
+                for which in got:
                     base.setdefault(which, got[which]["cpu"])
                 o, n = got["old"], got["new"]
                 print(f"{path.stem:28s} {n['gpus']:5d} {g:10d} {o['cpu']:8.2f} "
                       f"{o['cpu'] / base['old']:7.2f} {n['cpu']:8.2f} {n['cpu'] / base['new']:7.2f} "
                       f"{n['structures']:10d}  {n['step'] / o['step'] - 1:.1e}")
                 sys.stdout.flush()
-    print("\ncpu: the search's CPU seconds in a fresh process; x base: over the same tree's "
-          "search at GBS 128; structures: the new tree's structures evaluated; step: the relative "
+    print(f"\nend: {_when()}")
+    print(f"\ncpu: the search's CPU seconds in a fresh process (the least of {repeat}); x base: "
+          "over the same tree's search at GBS 128; structures: the new tree's structures evaluated; step: the relative "
           "difference of the tuned plans' step times.")
     return 0
 
@@ -103,6 +119,8 @@ def main(argv=None) -> int:
     ap.add_argument("scenarios", nargs="*", help="scenario files (default: %s)" % ", ".join(DEFAULT))
     ap.add_argument("--against", metavar="REV",
                     help="side by side with git revision REV's package, fresh processes")
+    ap.add_argument("--repeat", type=int, default=1, metavar="N",
+                    help="with --against: run each search N times per tree, print the least")
     ap.add_argument("--json-one", nargs=2, metavar=("SCENARIO", "GBS"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.json_one:
@@ -110,7 +128,8 @@ def main(argv=None) -> int:
         return 0
     paths = [Path(p) for p in args.scenarios] or [SCENARIOS / f"{n}.yaml" for n in DEFAULT]
     if args.against:
-        return against(paths, args.against)
+        return against(paths, args.against, max(1, args.repeat))
+    print(f"start: {_when()}\n")
     print(f"{'scenario':28s} {'GPUs':>5s} {'GBS':>10s} {'cpu s':>7s} {'x base':>7s} "
           f"{'structures':>10s} {'sims':>5s} {'step s':>12s}")
     for path in paths:
@@ -143,6 +162,7 @@ def main(argv=None) -> int:
             print(f"  16384 plan, pipeline of {len(fwd)} stages x {len(fwd[0])} chunks, {m} "
                   f"micro-batches: op by op {t1 - t0:.4f} s, steady state {t2 - t1:.4f} s "
                   f"({(t1 - t0) / max(t2 - t1, 1e-9):.0f}x), largest relative difference {err:.1e}")
+    print(f"\nend: {_when()}")
     print("\ncpu s: the search's CPU seconds in this process; x base: over the search at GBS 128; "
           "sims: simulations of the local search.")
     return 0
