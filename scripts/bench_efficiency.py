@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_tuner import SCENARIOS, load_scenario  # noqa: E402
 
 from megatron_hetero import models as M  # noqa: E402
+from megatron_hetero.errors import InfeasibleError  # noqa: E402
 from megatron_hetero.simulate import simulate  # noqa: E402
 from megatron_hetero.tuner import TuneOptions, tune  # noqa: E402
 from megatron_hetero.tuner.problem import Problem  # noqa: E402
@@ -107,7 +108,7 @@ def main(argv=None) -> int:
             for t in tp_sizes(Problem(model, inventory, gbs, {}, TuneOptions())):
                 try:
                     r = tune(model, inventory, gbs, options=TuneOptions(tensor_parallel_sizes=(t,)))
-                except Exception as exc:  # noqa: BLE001 - a size with no plan that fits
+                except InfeasibleError as exc:  # no plan of this size fits
                     print(f"{'  TP' + str(t) + ' only':34} no plan: {str(exc).splitlines()[0][:80]}")
                     continue
                 print(row(f"  TP{t} only", r, inventory), flush=True)
