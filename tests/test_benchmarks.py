@@ -64,6 +64,29 @@ def test_bench_meshes_quick():
             assert float(r[3]) >= uniform - 1e-9 and speedup == 1.0, r
 
 
+def test_bench_efficiency_shares_add_up():
+    """The rate-weighted shares of the step are what separates the plan from the bound: they add
+    up to 1 - efficiency; with the links inside a node free the same plan is no slower; and
+    ``--per-tp`` prints one row per searched TP size, the tuned plan's among them."""
+    scenario = REPO / "examples/scenarios/3090-t4-llama2-7b.yaml"
+    proc = subprocess.run([sys.executable, str(REPO / "scripts/bench_efficiency.py"), "--per-tp",
+                           str(scenario)], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].split()[:11] == ["scenario", "step", "s", "bound", "s", "effic.", "free", "TP",
+                                     "unused", "busy+", "bubble"], lines[0]
+    rows = [line.split() for line in lines[1:] if re.match(r"^(3090-t4-llama2-7b|  TP\d only) ", line)]
+    tuned, *per_tp = rows
+    assert [r[0] for r in per_tp] == ["TP1", "TP2", "TP4", "TP8"], proc.stdout
+    for r in rows:
+        values = [float(x) for x in (r[1:10] if r is tuned else r[2:11])]
+        step, bound, eff, free, *shares = values
+        assert abs(eff - bound / step) < 1e-3 and free >= eff - 1e-3, r
+        assert abs(sum(shares) / 100 - (1 - eff)) < 2e-3, r
+    # the tuned plan is the best of the per-size ones
+    assert float(tuned[3]) >= max(float(r[4]) for r in per_tp) - 1e-3, proc.stdout
+
+
 @pytest.mark.slow
 def test_bench_recovery_prints_every_part():
     """A node lost after a save: the parts from the failure to plan B's first step add up to
