@@ -48,13 +48,14 @@ from ..mcore.stage_policies import stage_config_kwargs
 from ..mcore.warmup_schedule import refusal, schedule_for, unsupported
 from ..plan import Plan, Slot, Stage, load_plan
 from ..schedule_order import has_extra_warmup, stage_schedule
-from . import plan_args, policies, vendors
+from . import mesh_run, plan_args, policies, vendors
 from ._rebind import is_wrapper, rebind
 from .arguments import add_hetero_args
-from .meshes import refuse_mesh_plan
+from .meshes import mesh_plan_of
 from .placement import CPU_ENV, check_device_stacks, detect_device_type, place_this_rank
 
-__all__ = ["install", "installed", "RankState", "state", "reset", "LAUNCHER_RANK_ENV"]
+__all__ = ["install", "installed", "RankState", "state", "mesh_state", "reset",
+           "LAUNCHER_RANK_ENV"]
 
 LAUNCHER_RANK_ENV = "MEGATRON_HETERO_LAUNCHER_RANK"
 """Set by the hooks to the launcher's rank; ``RANK`` becomes the placed Megatron rank."""
@@ -102,6 +103,7 @@ class RankState:
 
 
 _state: RankState | None = None
+_mesh: mesh_run.MeshRankState | None = None
 
 
 def state() -> RankState | None:
@@ -109,10 +111,15 @@ def state() -> RankState | None:
     return _state
 
 
+def mesh_state() -> mesh_run.MeshRankState | None:
+    """This process's slot in a mesh plan, once ``validate_args`` ran with one."""
+    return _mesh
+
+
 def reset() -> None:
     """Forget this process's state (tests)."""
-    global _state
-    _state = None
+    global _state, _mesh
+    _state = _mesh = None
 
 
 # -- the wrappers ------------------------------------------------------------------------------
@@ -141,15 +148,19 @@ def _emulated_device(plan: Plan, launcher_rank: int) -> str | None:
     return None
 
 
-def before_validate(args, argv=None) -> RankState | None:
+def before_validate(args, argv=None) -> RankState | mesh_run.MeshRankState | None:
     """Apply the plan to this rank's parsed ``args`` (see the module docstring)."""
-    global _state
+    global _state, _mesh
     path = getattr(args, "hetero_plan", None)
     if not path:
         return None
-    refuse_mesh_plan(path)
-    plan = load_plan(path)
     argv = sys.argv[1:] if argv is None else argv
+    mesh_plan = mesh_plan_of(path)  # refused on megatron-core 0.16
+    if mesh_plan is not None:
+        _mesh = mesh_run.before_validate(args, mesh_plan, path=path, argv=argv)
+        os.environ[LAUNCHER_RANK_ENV] = str(_mesh.rank)
+        return _mesh
+    plan = load_plan(path)
     plan_args.check_and_apply(args, plan, argv, source=path)
     policies.check_supported(plan, source=path, use_precision_aware_optimizer=getattr(
         args, "use_precision_aware_optimizer", None),
@@ -215,7 +226,12 @@ def after_validate(args) -> None:
 def _wrap_validate_args(original):
     @functools.wraps(original)
     def validate_args(args, *a, **kw):
-        before_validate(args)
+        st = before_validate(args)
+        if isinstance(st, mesh_run.MeshRankState):
+            with mesh_run.mesh_view(args, st):
+                result = original(args, *a, **kw)
+            mesh_run.after_validate(args, st)
+            return result
         result = original(args, *a, **kw)
         after_validate(args)
         return result
@@ -243,6 +259,9 @@ def apply_stage_config(config, chunk: int | None = None) -> object:
 def _wrap_get_model(original):
     @functools.wraps(original)
     def get_model(model_provider_func, *a, **kw):
+        if _mesh is not None:
+            return _mesh_get_model(original, model_provider_func, *a, **kw)
+
         @functools.wraps(model_provider_func)
         def provider(*pa, **pkw):
             _building_chunk[0] = pkw.get("vp_stage")
@@ -254,9 +273,33 @@ def _wrap_get_model(original):
     return get_model
 
 
+def _mesh_get_model(original, model_provider_func, *a, **kw):
+    """``get_model`` on a rank of a mesh plan (:mod:`.mesh_run`)."""
+    st = _mesh
+
+    @functools.wraps(model_provider_func)
+    def provider(*pa, **pkw):
+        pkw["pre_process"] = pkw.get("pre_process", True) and st.slot.mesh == 0
+        pkw["post_process"] = pkw.get("post_process", True) and st.last_mesh
+        return mesh_run.adapt_stage_model(model_provider_func(*pa, **pkw), st)
+
+    model = original(provider, *a, **kw)
+    if all(hasattr(chunk, "buffers") for chunk in model):  # Megatron's DDP
+        mesh_run.scale_gradients(model, st)
+    if st.communicator is None:
+        mesh_run.build_communicator(st)
+    return model
+
+
 def _wrap_config(original):
     @functools.wraps(original)
     def core_transformer_config_from_args(*a, **kw):
+        if _mesh is not None:
+            config = mesh_run.mesh_config(original, _mesh, *a, **kw)
+            stage = _mesh.mesh.stages[_mesh.slot.stage]
+            for key, value in stage_config_kwargs(stage, None).items():
+                setattr(config, key, value)
+            return config
         return apply_stage_config(original(*a, **kw))
     return core_transformer_config_from_args
 
@@ -289,6 +332,8 @@ def _uneven() -> bool:
 def _wrap_get_fb(original):
     @functools.wraps(original)
     def get_forward_backward_func(*a, **kw):
+        if _mesh is not None:
+            return mesh_run.mesh_schedule(_mesh)
         fb = original(*a, **kw)
         if _state is not None:
             # the plan's per-stage warm-up where it asks for more than Megatron's on this replica
@@ -330,6 +375,44 @@ def _wrap_loader(original):
     return build_pretraining_data_loader
 
 
+def _wrap_initialize_model_parallel(original):
+    @functools.wraps(original)
+    def initialize_model_parallel(*a, **kw):
+        if _mesh is None:
+            return original(*a, **kw)
+        return mesh_run.initialize_per_mesh(original, _mesh, *a, **kw)
+    return initialize_model_parallel
+
+
+def _wrap_stage_check(*, last: bool):
+    def make(original):
+        @functools.wraps(original)
+        def check(*a, **kw):
+            if _mesh is None:
+                return original(*a, **kw)
+            return mesh_run.global_stage_check(original, _mesh, last=last)(*a, **kw)
+        return check
+    return make
+
+
+def _wrap_finalize(original):
+    mesh_finalize = mesh_run.mesh_finalize(original)
+
+    @functools.wraps(original)
+    def finalize_model_grads(*a, **kw):
+        return (original if _mesh is None else mesh_finalize)(*a, **kw)
+    return finalize_model_grads
+
+
+def _wrap_grad_norm(original):
+    @functools.wraps(original)
+    def get_grad_norm_fp32(*a, **kw):
+        if _mesh is None:
+            return original(*a, **kw)
+        return mesh_run.whole_model_norm(original, _mesh)(*a, **kw)
+    return get_grad_norm_fp32
+
+
 # -- installation ------------------------------------------------------------------------------
 
 _TARGETS = (
@@ -339,6 +422,12 @@ _TARGETS = (
     ("megatron.training.training", "get_model", _wrap_get_model),
     ("megatron.training.training", "get_forward_backward_func", _wrap_get_fb),
     ("megatron.training.training", "build_pretraining_data_loader", _wrap_loader),
+    # mesh plans only (each calls straight through otherwise)
+    ("megatron.core.parallel_state", "initialize_model_parallel", _wrap_initialize_model_parallel),
+    ("megatron.core.parallel_state", "is_pipeline_first_stage", _wrap_stage_check(last=False)),
+    ("megatron.core.parallel_state", "is_pipeline_last_stage", _wrap_stage_check(last=True)),
+    ("megatron.training.training", "finalize_model_grads", _wrap_finalize),
+    ("megatron.core.optimizer.clip_grads", "get_grad_norm_fp32", _wrap_grad_norm),
 )
 
 
