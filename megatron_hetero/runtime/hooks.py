@@ -51,6 +51,7 @@ from ..schedule_order import has_extra_warmup, stage_schedule
 from . import mesh_run, plan_args, policies, vendors
 from ._rebind import is_wrapper, rebind
 from .arguments import add_hetero_args
+from .mesh_checkpoint import check_mixed_grids
 from .meshes import mesh_plan_of
 from .placement import CPU_ENV, check_device_stacks, detect_device_type, place_this_rank
 
@@ -413,6 +414,15 @@ def _wrap_grad_norm(original):
     return get_grad_norm_fp32
 
 
+def _wrap_sharding_check(original):
+    mixed = check_mixed_grids(original)
+
+    @functools.wraps(original)
+    def _validate_sharding_for_key(*a, **kw):
+        return (original if _mesh is None else mixed)(*a, **kw)
+    return _validate_sharding_for_key
+
+
 # -- installation ------------------------------------------------------------------------------
 
 _TARGETS = (
@@ -428,6 +438,8 @@ _TARGETS = (
     ("megatron.core.parallel_state", "is_pipeline_last_stage", _wrap_stage_check(last=True)),
     ("megatron.training.training", "finalize_model_grads", _wrap_finalize),
     ("megatron.core.optimizer.clip_grads", "get_grad_norm_fp32", _wrap_grad_norm),
+    ("megatron.core.dist_checkpointing.validation", "_validate_sharding_for_key",
+     _wrap_sharding_check),
 )
 
 
