@@ -51,7 +51,7 @@ from ..schedule_order import has_extra_warmup, stage_schedule
 from . import mesh_run, plan_args, policies, vendors
 from ._rebind import is_wrapper, rebind
 from .arguments import add_hetero_args
-from .mesh_checkpoint import check_mixed_grids
+from .mesh_checkpoint import check_mixed_grids, rng_state_per_mesh
 from .meshes import mesh_plan_of
 from .placement import CPU_ENV, check_device_stacks, detect_device_type, place_this_rank
 
@@ -423,6 +423,15 @@ def _wrap_sharding_check(original):
     return _validate_sharding_for_key
 
 
+def _wrap_rng_state(original):
+    @functools.wraps(original)
+    def get_rng_state(*a, **kw):
+        if _mesh is None:
+            return original(*a, **kw)
+        return rng_state_per_mesh(original, _mesh.slot.mesh)(*a, **kw)
+    return get_rng_state
+
+
 # -- installation ------------------------------------------------------------------------------
 
 _TARGETS = (
@@ -440,6 +449,7 @@ _TARGETS = (
     ("megatron.core.optimizer.clip_grads", "get_grad_norm_fp32", _wrap_grad_norm),
     ("megatron.core.dist_checkpointing.validation", "_validate_sharding_for_key",
      _wrap_sharding_check),
+    ("megatron.training.checkpointing", "get_rng_state", _wrap_rng_state),
 )
 
 

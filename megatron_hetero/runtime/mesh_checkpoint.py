@@ -48,3 +48,17 @@ def check_mixed_grids(original):
                 f"{held} of {math.prod(first.global_shape)} elements")]
         return []
     return _validate_sharding_for_key
+
+
+def rng_state_per_mesh(original, mesh: int):
+    """Megatron's ``get_rng_state``, its ``torch_dist`` object (one per pipeline and tensor rank
+    of a ``(PP, TP)`` grid) keyed per mesh: the meshes' grids differ, one key cannot hold them."""
+    @functools.wraps(original)
+    def get_rng_state(*a, **kw):
+        from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+        out = original(*a, **kw)
+        if isinstance(out, ShardedObject):
+            out.key = f"{out.key}.mesh{mesh}"
+        return out
+    return get_rng_state
