@@ -1,9 +1,14 @@
 """Hooks that apply ``--hetero-plan`` inside an unchanged Megatron-LM training script.
 
-:func:`install` wraps six of Megatron-LM's own functions (rebinding every module-level name
-that refers to them, so ``from megatron.training.arguments import validate_args`` done before or
+:func:`install` wraps Megatron-LM's own functions (rebinding every module-level name that
+refers to them, so ``from megatron.training.arguments import validate_args`` done before or
 after installing sees the wrapper). Nothing of Megatron is copied; each wrapper calls the
-original:
+original. A mesh plan (``format_version: 2``) goes to :mod:`.mesh_run` from the same wrappers
+and from six more that call straight through otherwise (``initialize_model_parallel``,
+``is_pipeline_first_stage``/``is_pipeline_last_stage``, ``finalize_model_grads``,
+``get_grad_norm_fp32``, and the checkpoint's sharding check and RNG state:
+:mod:`.mesh_checkpoint`); on megatron-core 0.16 it is refused before anything is built
+(:mod:`.meshes`). For a format-1 plan:
 
 ``megatron.training.arguments.parse_args``
     adds ``--hetero-plan`` / ``--hetero-device-type`` to the script's ``extra_args_provider``.
@@ -51,7 +56,6 @@ from ..schedule_order import has_extra_warmup, stage_schedule
 from . import mesh_run, plan_args, policies, vendors
 from ._rebind import is_wrapper, rebind
 from .arguments import add_hetero_args
-from .mesh_checkpoint import check_mixed_grids, rng_state_per_mesh
 from .meshes import mesh_plan_of
 from .placement import CPU_ENV, check_device_stacks, detect_device_type, place_this_rank
 
@@ -261,7 +265,7 @@ def _wrap_get_model(original):
     @functools.wraps(original)
     def get_model(model_provider_func, *a, **kw):
         if _mesh is not None:
-            return _mesh_get_model(original, model_provider_func, *a, **kw)
+            return mesh_run.get_model(original, _mesh, model_provider_func, *a, **kw)
 
         @functools.wraps(model_provider_func)
         def provider(*pa, **pkw):
@@ -272,24 +276,6 @@ def _wrap_get_model(original):
                 _building_chunk[0] = None
         return original(provider, *a, **kw)
     return get_model
-
-
-def _mesh_get_model(original, model_provider_func, *a, **kw):
-    """``get_model`` on a rank of a mesh plan (:mod:`.mesh_run`)."""
-    st = _mesh
-
-    @functools.wraps(model_provider_func)
-    def provider(*pa, **pkw):
-        pkw["pre_process"] = pkw.get("pre_process", True) and st.slot.mesh == 0
-        pkw["post_process"] = pkw.get("post_process", True) and st.last_mesh
-        return mesh_run.adapt_stage_model(model_provider_func(*pa, **pkw), st)
-
-    model = original(provider, *a, **kw)
-    if all(hasattr(chunk, "buffers") for chunk in model):  # Megatron's DDP
-        mesh_run.scale_gradients(model, st)
-    if st.communicator is None:
-        mesh_run.build_communicator(st)
-    return model
 
 
 def _wrap_config(original):
@@ -376,62 +362,6 @@ def _wrap_loader(original):
     return build_pretraining_data_loader
 
 
-def _wrap_initialize_model_parallel(original):
-    @functools.wraps(original)
-    def initialize_model_parallel(*a, **kw):
-        if _mesh is None:
-            return original(*a, **kw)
-        return mesh_run.initialize_per_mesh(original, _mesh, *a, **kw)
-    return initialize_model_parallel
-
-
-def _wrap_stage_check(*, last: bool):
-    def make(original):
-        @functools.wraps(original)
-        def check(*a, **kw):
-            if _mesh is None:
-                return original(*a, **kw)
-            return mesh_run.global_stage_check(original, _mesh, last=last)(*a, **kw)
-        return check
-    return make
-
-
-def _wrap_finalize(original):
-    mesh_finalize = mesh_run.mesh_finalize(original)
-
-    @functools.wraps(original)
-    def finalize_model_grads(*a, **kw):
-        return (original if _mesh is None else mesh_finalize)(*a, **kw)
-    return finalize_model_grads
-
-
-def _wrap_grad_norm(original):
-    @functools.wraps(original)
-    def get_grad_norm_fp32(*a, **kw):
-        if _mesh is None:
-            return original(*a, **kw)
-        return mesh_run.whole_model_norm(original, _mesh)(*a, **kw)
-    return get_grad_norm_fp32
-
-
-def _wrap_sharding_check(original):
-    mixed = check_mixed_grids(original)
-
-    @functools.wraps(original)
-    def _validate_sharding_for_key(*a, **kw):
-        return (original if _mesh is None else mixed)(*a, **kw)
-    return _validate_sharding_for_key
-
-
-def _wrap_rng_state(original):
-    @functools.wraps(original)
-    def get_rng_state(*a, **kw):
-        if _mesh is None:
-            return original(*a, **kw)
-        return rng_state_per_mesh(original, _mesh.slot.mesh)(*a, **kw)
-    return get_rng_state
-
-
 # -- installation ------------------------------------------------------------------------------
 
 _TARGETS = (
@@ -441,16 +371,8 @@ _TARGETS = (
     ("megatron.training.training", "get_model", _wrap_get_model),
     ("megatron.training.training", "get_forward_backward_func", _wrap_get_fb),
     ("megatron.training.training", "build_pretraining_data_loader", _wrap_loader),
-    # mesh plans only (each calls straight through otherwise)
-    ("megatron.core.parallel_state", "initialize_model_parallel", _wrap_initialize_model_parallel),
-    ("megatron.core.parallel_state", "is_pipeline_first_stage", _wrap_stage_check(last=False)),
-    ("megatron.core.parallel_state", "is_pipeline_last_stage", _wrap_stage_check(last=True)),
-    ("megatron.training.training", "finalize_model_grads", _wrap_finalize),
-    ("megatron.core.optimizer.clip_grads", "get_grad_norm_fp32", _wrap_grad_norm),
-    ("megatron.core.dist_checkpointing.validation", "_validate_sharding_for_key",
-     _wrap_sharding_check),
-    ("megatron.training.checkpointing", "get_rng_state", _wrap_rng_state),
 )
+_TARGETS += mesh_run.mesh_only_targets(mesh_state)  # each calls straight through otherwise
 
 
 def installed() -> bool:

@@ -65,7 +65,7 @@ from .placement import CPU_ENV
 __all__ = ["MeshRankState", "before_validate", "mesh_view", "after_validate",
            "initialize_per_mesh", "global_stage_check", "mesh_config", "adapt_stage_model",
            "scale_gradients", "build_communicator", "mesh_schedule", "mesh_finalize",
-           "whole_model_norm", "MeshLayerLayout"]
+           "whole_model_norm", "MeshLayerLayout", "get_model", "mesh_only_targets"]
 
 _PER_MESH_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
                    "--micro-batch-size", "--num-layers-per-virtual-pipeline-stage",
@@ -423,3 +423,53 @@ def whole_model_norm(original, st: MeshRankState):
         dist.all_reduce(part)
         return float(part[0]) ** (1.0 / p)
     return get_grad_norm_fp32
+
+
+def get_model(original, st: MeshRankState, model_provider_func, *a, **kw):
+    """Megatron's ``get_model`` on a rank of a mesh plan (see the module docstring)."""
+    @functools.wraps(model_provider_func)
+    def provider(*pa, **pkw):
+        pkw["pre_process"] = pkw.get("pre_process", True) and st.slot.mesh == 0
+        pkw["post_process"] = pkw.get("post_process", True) and st.last_mesh
+        return adapt_stage_model(model_provider_func(*pa, **pkw), st)
+
+    model = original(provider, *a, **kw)
+    if all(hasattr(chunk, "buffers") for chunk in model):  # Megatron's DDP
+        scale_gradients(model, st)
+    if st.communicator is None:
+        build_communicator(st)
+    return model
+
+
+def mesh_only_targets(current) -> tuple:
+    """``(module, function, make wrapper)`` of the functions only a mesh plan changes, for
+    :func:`megatron_hetero.runtime.hooks.install`; each wrapper calls the original while
+    ``current()`` (this process's :class:`MeshRankState`) is None."""
+    from .mesh_checkpoint import check_mixed_grids, rng_state_per_mesh
+
+    def through(mesh_version):
+        def make(original):
+            @functools.wraps(original)
+            def wrapper(*a, **kw):
+                st = current()
+                if st is None:
+                    return original(*a, **kw)
+                return mesh_version(original, st)(*a, **kw)
+            return wrapper
+        return make
+
+    return (
+        ("megatron.core.parallel_state", "initialize_model_parallel",
+         through(lambda o, st: functools.partial(initialize_per_mesh, o, st))),
+        ("megatron.core.parallel_state", "is_pipeline_first_stage",
+         through(lambda o, st: global_stage_check(o, st, last=False))),
+        ("megatron.core.parallel_state", "is_pipeline_last_stage",
+         through(lambda o, st: global_stage_check(o, st, last=True))),
+        ("megatron.training.training", "finalize_model_grads",
+         through(lambda o, st: mesh_finalize(o))),
+        ("megatron.core.optimizer.clip_grads", "get_grad_norm_fp32", through(whole_model_norm)),
+        ("megatron.core.dist_checkpointing.validation", "_validate_sharding_for_key",
+         through(lambda o, st: check_mixed_grids(o))),
+        ("megatron.training.checkpointing", "get_rng_state",
+         through(lambda o, st: rng_state_per_mesh(o, st.slot.mesh))),
+    )
