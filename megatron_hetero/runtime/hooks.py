@@ -53,7 +53,7 @@ from ..mcore.stage_policies import stage_config_kwargs
 from ..mcore.warmup_schedule import refusal, schedule_for, unsupported
 from ..plan import Plan, Slot, Stage, load_plan
 from ..schedule_order import has_extra_warmup, stage_schedule
-from . import mesh_run, plan_args, policies, vendors
+from . import mesh_model, mesh_run, plan_args, policies, vendors
 from ._rebind import is_wrapper, rebind
 from .arguments import add_hetero_args
 from .meshes import mesh_plan_of
@@ -265,7 +265,7 @@ def _wrap_get_model(original):
     @functools.wraps(original)
     def get_model(model_provider_func, *a, **kw):
         if _mesh is not None:
-            return mesh_run.get_model(original, _mesh, model_provider_func, *a, **kw)
+            return mesh_model.get_model(original, _mesh, model_provider_func, *a, **kw)
 
         @functools.wraps(model_provider_func)
         def provider(*pa, **pkw):
@@ -282,7 +282,7 @@ def _wrap_config(original):
     @functools.wraps(original)
     def core_transformer_config_from_args(*a, **kw):
         if _mesh is not None:
-            config = mesh_run.mesh_config(original, _mesh, *a, **kw)
+            config = mesh_model.mesh_config(original, _mesh, *a, **kw)
             stage = _mesh.mesh.stages[_mesh.slot.stage]
             for key, value in stage_config_kwargs(stage, None).items():
                 setattr(config, key, value)
@@ -349,6 +349,9 @@ def build_replica_data_loader(dataset, consumed_samples, *, num_workers: int = 0
 def _wrap_loader(original):
     @functools.wraps(original)
     def build_pretraining_data_loader(dataset, consumed_samples, *a, **kw):
+        if dataset is not None and mesh_run.uneven(_mesh):
+            return mesh_run.replica_data_loader(dataset, consumed_samples, _mesh,
+                                                num_workers=getattr(_mesh.args, "num_workers", 0))
         if dataset is None or not _uneven():
             return original(dataset, consumed_samples, *a, **kw)
         from megatron.core import parallel_state

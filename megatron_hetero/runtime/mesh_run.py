@@ -20,30 +20,28 @@ copied, each step calls Megatron's own function or megatron-core's multimodule p
 ``parallel_state.is_pipeline_first_stage`` / ``is_pipeline_last_stage``
     the whole model's first and last stage (the mesh's groups alone would make every mesh's
     first stage "first"): the training loop's loss on the last mesh, ``get_batch``'s inputs.
-``core_transformer_config_from_args``
-    the ``TransformerConfig`` of the whole model's pipeline (its size and layout), its layer
-    numbers found from the rank's *global* stage (:class:`MeshLayerLayout`): each layer keeps
-    the one-process model's number, in checkpoints too. ``variable_seq_lengths`` (the
-    multimodule schedule needs it).
-``get_model``
+``core_transformer_config_from_args``, ``get_model`` (:mod:`.mesh_model`)
+    the whole model's pipeline size and layout in the config, each layer numbered from the
+    rank's *global* stage (the one-process model's numbers, in checkpoints too);
     pre-/post-process from the global stage; the model's input and output in the multimodule
-    communicator's ``{mesh name: tensor}`` (:func:`adapt_stage_model`); Megatron's own DDP over
-    the mesh's data-parallel group with its gradient scale set to ``1 / D_last``
-    (:func:`megatron_hetero.mcore.mesh_stage.gradient_scale`); then megatron-core's
-    ``MultiModulePipelineCommunicator`` over the grids (collective).
+    communicator's ``{mesh name: tensor}``; Megatron's own DDP over the mesh's data-parallel
+    group, scaled by ``1 / D_last``; then megatron-core's ``MultiModulePipelineCommunicator``.
 ``get_forward_backward_func``
     megatron-core's ``forward_backward_pipelining_without_interleaving`` with the communicator
-    and the rank's ``MultiModuleProcessGroupCollection``.
+    and the rank's ``MultiModuleProcessGroupCollection`` (replicas that differ: each runs its
+    own micro-batches under Megatron's global step accounting, as format 1's uneven plans).
 ``finalize_model_grads``
-    Megatron's own, over the mesh's groups (the multimodule collection names none).
+    Megatron's own, over the mesh's groups (the multimodule collection names none); with
+    per-token loss (replicas that differ) the global batch's token count reaches every mesh.
 ``clip_grads.get_grad_norm_fp32``
     Megatron's own gives the norm over the rank's mesh; the norm of the whole model is the sum of
     every mesh's square (:func:`whole_model_norm`), so clipping and the logged norm cover it.
 
-The data loader needs nothing: Megatron's sampler over the mesh's data-parallel rank and size
-reads replica ``r``'s share ``[r b, (r + 1) b)`` of every global micro-batch of ``D b`` samples,
-and ``D b`` is the same in every mesh (the plan checks it), so a sample meets itself at every
-bridge.
+The data loader: with every replica alike Megatron's sampler over the mesh's data-parallel
+rank and size reads replica ``r``'s share ``[r b, (r + 1) b)`` of every global micro-batch of
+``D b`` samples, and ``D b`` is the same in every mesh (the plan checks it), so a sample meets
+itself at every bridge. Replicas that differ (every mesh then has the same replicas) read their
+consecutive shares of the global batch (:func:`replica_data_loader`).
 """
 
 from __future__ import annotations
@@ -63,9 +61,8 @@ from . import plan_args, policies
 from .placement import CPU_ENV
 
 __all__ = ["MeshRankState", "before_validate", "mesh_view", "after_validate",
-           "initialize_per_mesh", "global_stage_check", "mesh_config", "adapt_stage_model",
-           "scale_gradients", "build_communicator", "mesh_schedule", "mesh_finalize",
-           "whole_model_norm", "MeshLayerLayout", "get_model", "mesh_only_targets"]
+           "initialize_per_mesh", "global_stage_check", "mesh_schedule", "mesh_finalize",
+           "whole_model_norm", "mesh_only_targets", "replica_data_loader", "uneven", "even_plan"]
 
 _PER_MESH_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
                    "--micro-batch-size", "--num-layers-per-virtual-pipeline-stage",
@@ -88,6 +85,8 @@ class MeshRankState:
     """megatron-core's ``MultiModulePipelineCommunicator`` (after ``get_model``)."""
     config: object = None
     """The model's ``TransformerConfig`` (the communicator's config)."""
+    args: object = None
+    """Megatron's ``args`` of this rank."""
 
     @property
     def mesh(self):
@@ -133,10 +132,6 @@ def before_validate(args, plan: MeshPlan, *, path: str, argv) -> MeshRankState:
     if world != plan.world_size:
         raise HeteroError(f"{path}: the mesh plan has {plan.world_size} ranks "
                           f"({plan.device_counts()}); the job has {world}")
-    if any(not m.even for m in plan.meshes):
-        raise HeteroError(f"{path}: meshes[*].replicas: replicas that differ inside a mesh need "
-                          "the per-token loss counted over every mesh, which the mesh runtime "
-                          "does not do yet; give every replica of a mesh the same micro-batches")
     if plan.pipeline_model_parallel_size > 1 and not plan.model.untie_embeddings_and_output_weights:
         raise HeteroError(f"{path}: model.untie_embeddings_and_output_weights: found false; "
                           "expected true (a mesh plan's first and last stage share no "
@@ -144,7 +139,8 @@ def before_validate(args, plan: MeshPlan, *, path: str, argv) -> MeshRankState:
     given = plan_args.given_flags(argv)
     conflicts = [f"  {flag}: each rank takes its mesh's from the plan; leave it out"
                  for flag in _PER_MESH_FLAGS if flag in given]
-    for flag in ("--ddp-average-in-collective", "--calculate-per-token-loss"):
+    for flag in ("--ddp-average-in-collective",) + (
+            ("--calculate-per-token-loss",) if even_plan(plan) else ()):
         if flag in given:
             conflicts.append(f"  {flag}: not with a mesh plan (the gradients are scaled by "
                              "1 / D of the last mesh after a sum over each mesh)")
@@ -166,11 +162,13 @@ def before_validate(args, plan: MeshPlan, *, path: str, argv) -> MeshRankState:
     if conflicts:
         raise plan_args.ArgumentConflict(f"{path}: the command line contradicts the plan:\n"
                                          + "\n".join(conflicts))
-    st = MeshRankState(plan=plan, plan_path=path, rank=rank, slot=plan.slot_of_rank(rank))
+    st = MeshRankState(plan=plan, plan_path=path, rank=rank, slot=plan.slot_of_rank(rank),
+                       args=args)
     mesh = st.mesh
     args.tensor_model_parallel_size = mesh.tensor_model_parallel_size
     args.pipeline_model_parallel_size = len(mesh.stages)
-    args.micro_batch_size = mesh.replicas[st.slot.replica].micro_batch_size
+    args.micro_batch_size = (mesh.replicas[st.slot.replica].micro_batch_size if even_plan(plan)
+                             else _virtual_micro_batch_size(plan, path))
     args.pipeline_model_parallel_layout = _mesh_layout(plan, st)
     args.sequence_parallel = False
     args.ddp_average_in_collective = False
@@ -179,6 +177,24 @@ def before_validate(args, plan: MeshPlan, *, path: str, argv) -> MeshRankState:
         if hasattr(args, key) or key.startswith("recompute_"):
             setattr(args, key, value)
     return st
+
+
+def even_plan(plan: MeshPlan) -> bool:
+    """Every replica of every mesh alike."""
+    return all(m.even for m in plan.meshes)
+
+
+def _virtual_micro_batch_size(plan: MeshPlan, path: str) -> int:
+    """Uneven replicas (every mesh then has the same ``D`` and the same replicas): the
+    ``--micro-batch-size`` Megatron's step accounting sees, ``micro-batch x D x count`` being
+    the global batch, while each replica runs its own (as format 1's uneven plans do)."""
+    d, gbs = plan.meshes[0].data_parallel_size, plan.global_batch_size
+    for m in (plan.meshes[0].replicas[0].micro_batch_size, 1):
+        if gbs % (m * d) == 0:
+            return m
+    raise HeteroError(f"{path}: global_batch_size {gbs} is not a multiple of the {d} replicas: "
+                      "Megatron's step accounting (micro-batch size x DP x micro-batches) "
+                      "cannot equal it")
 
 
 @contextlib.contextmanager
@@ -254,113 +270,6 @@ def global_stage_check(original, st: MeshRankState, *, last: bool):
     return check
 
 
-# -- the model ---------------------------------------------------------------------------------
-
-def _layout_class():
-    from megatron.core.transformer.pipeline_parallel_layer_layout import (
-        PipelineParallelLayerLayout,
-    )
-
-    class MeshLayerLayout(PipelineParallelLayerLayout):
-        """The whole model's layout, asked with a rank of one mesh's pipeline group: the
-        stage is ``first_stage`` plus that rank."""
-
-        def __init__(self, layout: str, pipeline_model_parallel_size: int, first_stage: int):
-            super().__init__(layout, pipeline_model_parallel_size)
-            self.first_stage = first_stage
-
-        def _global(self, pp_rank):
-            from megatron.core import parallel_state
-
-            if pp_rank is None:
-                pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-            return self.first_stage + pp_rank
-
-        def get_num_layers_to_build(self, layer_type=None, vp_stage=None, pp_rank=None):
-            kw = {} if layer_type is None else {"layer_type": layer_type}
-            return super().get_num_layers_to_build(vp_stage=vp_stage,
-                                                   pp_rank=self._global(pp_rank), **kw)
-
-        def get_layer_offset(self, layer_type=None, vp_stage=None, pp_rank=None):
-            kw = {} if layer_type is None else {"layer_type": layer_type}
-            return super().get_layer_offset(vp_stage=vp_stage, pp_rank=self._global(pp_rank),
-                                            **kw)
-
-    return MeshLayerLayout
-
-
-def MeshLayerLayout(layout: str, pipeline_model_parallel_size: int, first_stage: int):
-    """megatron-core's ``PipelineParallelLayerLayout`` of the whole model whose stage is
-    ``first_stage`` plus the mesh's pipeline rank it is asked with."""
-    return _layout_class()(layout, pipeline_model_parallel_size, first_stage)
-
-
-def mesh_config(original, st: MeshRankState, args, *a, **kw):
-    """Megatron's ``core_transformer_config_from_args`` with the whole model's pipeline."""
-    plan = st.plan
-    saved = args.pipeline_model_parallel_size, args.pipeline_model_parallel_layout
-    args.pipeline_model_parallel_size = plan.pipeline_model_parallel_size
-    args.pipeline_model_parallel_layout = (plan.layout() if plan.pipeline_model_parallel_size > 1
-                                           else None)
-    try:
-        config = original(args, *a, **kw)
-    finally:
-        args.pipeline_model_parallel_size, args.pipeline_model_parallel_layout = saved
-    if plan.pipeline_model_parallel_size > 1:
-        config.pipeline_model_parallel_layout = MeshLayerLayout(
-            plan.layout(), plan.pipeline_model_parallel_size, st.first_stage)
-    config.variable_seq_lengths = True  # the multimodule schedule's shapes travel with them
-    st.config = config
-    return config
-
-
-def adapt_stage_model(model, st: MeshRankState):
-    """The model's input from the previous mesh's entry of the communicator's dictionary, its
-    output under its own mesh's name (the last mesh's loss as it is): what
-    :class:`megatron_hetero.mcore.mesh_stage.MeshStageModule` does, on the module itself so
-    that Megatron's wrappers, checkpoints and ``get_attr_wrapped_model`` see it unchanged."""
-    from ..mcore.mesh_grids import module_name
-
-    set_input, forward = model.set_input_tensor, model.forward
-    previous = module_name(st.slot.mesh - 1) if st.slot.mesh else None
-
-    def set_input_tensor(tensors):
-        got = tensors[0] if isinstance(tensors, list) else tensors
-        if isinstance(got, dict):
-            got = got.get(previous) if previous else None
-        set_input(got)
-
-    model.set_input_tensor = set_input_tensor
-    if not st.last_mesh:
-        name = module_name(st.slot.mesh)
-
-        @functools.wraps(forward)
-        def named_forward(*a, **kw):
-            return {name: forward(*a, **kw)}
-        model.forward = named_forward
-    return model
-
-
-def scale_gradients(model_chunks, st: MeshRankState) -> None:
-    """Megatron's DDP divides the sum over the mesh's replicas by the mesh's ``D``; a mesh
-    plan's is ``1 / D`` of the last mesh on every mesh."""
-    from ..mcore.mesh_stage import gradient_scale
-
-    factor = gradient_scale(st.plan)
-    for chunk in model_chunks:
-        for buffer in [*chunk.buffers, *chunk.expert_parallel_buffers]:
-            buffer.gradient_scaling_factor = factor
-            for bucket in buffer.buckets:
-                bucket.gradient_scaling_factor = factor
-
-
-def build_communicator(st: MeshRankState) -> None:
-    """megatron-core's multimodule communicator over the grids (collective: every rank)."""
-    from ..mcore.mesh_grids import mesh_communicator
-
-    st.communicator = mesh_communicator(st.plan, st.grids, st.config)
-
-
 def _collection(st: MeshRankState):
     from ..mcore.mesh_stage import mesh_process_groups, multimodule_collection
 
@@ -374,19 +283,36 @@ def mesh_schedule(st: MeshRankState):
     )
 
     collection = _collection(st)
+    replica = st.mesh.replicas[st.slot.replica]
 
     @functools.wraps(forward_backward_pipelining_without_interleaving)
     def forward_backward(*a, **kw):
         kw["p2p_communicator"], kw["pg_collection"] = st.communicator, collection
-        return forward_backward_pipelining_without_interleaving(*a, **kw)
+        if even_plan(st.plan) or st.args is None or kw.get("num_microbatches") != \
+                st.plan.global_batch_size // (st.args.micro_batch_size * st.mesh.data_parallel_size):
+            return forward_backward_pipelining_without_interleaving(*a, **kw)
+        # uneven replicas: this replica's own micro-batches under Megatron's global accounting
+        kw["num_microbatches"], kw["micro_batch_size"] = (replica.num_microbatches,
+                                                          replica.micro_batch_size)
+        saved, st.args.micro_batch_size = st.args.micro_batch_size, replica.micro_batch_size
+        try:  # get_batch_on_this_tp_rank reads it
+            return forward_backward_pipelining_without_interleaving(*a, **kw)
+        finally:
+            st.args.micro_batch_size = saved
     return forward_backward
 
 
-def mesh_finalize(original):
+def mesh_finalize(original, st: MeshRankState):
     """Megatron's ``finalize_model_grads`` over the rank's mesh groups where the schedule hands
-    it the multimodule collection."""
+    it the multimodule collection. With per-token loss the tokens of the global batch are
+    counted on the model's last stage (each replica's tensor rank 0) and summed over the
+    world; Megatron's own sums the count over the mesh's replicas, so it gets ``1 / D`` of it
+    from each."""
     @functools.wraps(original)
     def finalize_model_grads(model, num_tokens=None, pg_collection=None, **kw):
+        import torch
+        import torch.distributed as dist
+
         from megatron.core import parallel_state as ps
         from megatron.core.process_groups_config import (
             MultiModuleProcessGroupCollection,
@@ -399,6 +325,13 @@ def mesh_finalize(original):
             pgs.dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
             pgs.embd, pgs.pos_embd = None, None  # untied: no embedding group across meshes
             pg_collection = pgs
+        if num_tokens is not None:
+            mine = st.last_mesh and st.slot.stage == len(st.mesh.stages) - 1 \
+                and st.slot.tensor_rank == 0
+            total = torch.tensor([float(num_tokens) if mine else 0.0], dtype=torch.float64,
+                                 device=num_tokens.device)
+            dist.all_reduce(total)
+            num_tokens = (total / st.mesh.data_parallel_size).reshape(())
         return original(model, num_tokens, pg_collection=pg_collection, **kw)
     return finalize_model_grads
 
@@ -425,20 +358,28 @@ def whole_model_norm(original, st: MeshRankState):
     return get_grad_norm_fp32
 
 
-def get_model(original, st: MeshRankState, model_provider_func, *a, **kw):
-    """Megatron's ``get_model`` on a rank of a mesh plan (see the module docstring)."""
-    @functools.wraps(model_provider_func)
-    def provider(*pa, **pkw):
-        pkw["pre_process"] = pkw.get("pre_process", True) and st.slot.mesh == 0
-        pkw["post_process"] = pkw.get("post_process", True) and st.last_mesh
-        return adapt_stage_model(model_provider_func(*pa, **pkw), st)
+def replica_data_loader(dataset, consumed_samples, st: MeshRankState, *, num_workers: int = 0):
+    """Uneven replicas: a DataLoader reading replica ``r``'s consecutive share of every global
+    batch (the replicas before it first), in its own micro-batches (:mod:`.sampler`)."""
+    import torch
 
-    model = original(provider, *a, **kw)
-    if all(hasattr(chunk, "buffers") for chunk in model):  # Megatron's DDP
-        scale_gradients(model, st)
-    if st.communicator is None:
-        build_communicator(st)
-    return model
+    from .sampler import HeteroBatchSampler
+
+    replicas = st.mesh.replicas
+    mine = replicas[st.slot.replica]
+    sampler = HeteroBatchSampler(
+        total_samples=len(dataset), consumed_samples=consumed_samples,
+        global_batch_size=st.plan.global_batch_size,
+        offset=sum(r.samples for r in replicas[:st.slot.replica]),
+        micro_batch_size=mine.micro_batch_size, num_microbatches=mine.num_microbatches)
+    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
+                                       pin_memory=torch.cuda.is_available(),
+                                       persistent_workers=num_workers > 0)
+
+
+def uneven(st: MeshRankState | None) -> bool:
+    """Whether ``st``'s plan has replicas that differ (per-token loss, own micro-batches)."""
+    return st is not None and not even_plan(st.plan)
 
 
 def mesh_only_targets(current) -> tuple:
@@ -466,7 +407,7 @@ def mesh_only_targets(current) -> tuple:
         ("megatron.core.parallel_state", "is_pipeline_last_stage",
          through(lambda o, st: global_stage_check(o, st, last=True))),
         ("megatron.training.training", "finalize_model_grads",
-         through(lambda o, st: mesh_finalize(o))),
+         through(mesh_finalize)),
         ("megatron.core.optimizer.clip_grads", "get_grad_norm_fp32", through(whole_model_norm)),
         ("megatron.core.dist_checkpointing.validation", "_validate_sharding_for_key",
          through(lambda o, st: check_mixed_grids(o))),

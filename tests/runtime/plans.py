@@ -47,11 +47,12 @@ def make_plan(*, split=(1, 1), devices=None, replicas=((1, 1),), tp=1, recompute
     return plan_from_data(data, source="test-plan")
 
 
-def make_mesh_plan(meshes, *, global_batch=4, num_microbatches=2, hidden=16, heads=4,
-                   vocab=128, seq=8, precision="fp32", distributed_optimizer=True):
+def make_mesh_plan(meshes, *, global_batch=4, num_microbatches=2, replicas=None, hidden=16,
+                   heads=4, vocab=128, seq=8, precision="fp32", distributed_optimizer=True):
     """A mesh plan (format 2) of the same tiny model: ``meshes`` is
     ``[(tp, dp, [layers per stage], recompute or None), ...]``; every mesh's replicas run
-    ``num_microbatches`` micro-batches of ``global_batch / (dp x num_microbatches)``."""
+    ``num_microbatches`` micro-batches of ``global_batch / (dp x num_microbatches)``, or, with
+    ``replicas`` (``[(micro_batch_size, num_microbatches), ...]``), those in every mesh."""
     from megatron_hetero.plan_mesh import mesh_plan_from_data
 
     data = {
@@ -64,8 +65,10 @@ def make_mesh_plan(meshes, *, global_batch=4, num_microbatches=2, hidden=16, hea
         "precision": precision,
         "use_distributed_optimizer": distributed_optimizer,
         "meshes": [{"device_type": A100, "tensor_model_parallel_size": tp,
-                    "replicas": [{"micro_batch_size": global_batch // (dp * num_microbatches),
-                                  "num_microbatches": num_microbatches}] * dp,
+                    "replicas": ([{"micro_batch_size": b, "num_microbatches": n}
+                                  for b, n in replicas] if replicas else
+                                 [{"micro_batch_size": global_batch // (dp * num_microbatches),
+                                   "num_microbatches": num_microbatches}] * dp),
                     "stages": [{"num_layers": n, **({"recompute": rec} if rec else {})}
                                for n in layers]}
                    for tp, dp, layers, rec in meshes],

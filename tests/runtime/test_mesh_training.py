@@ -13,7 +13,9 @@ fp32 rtol 1e-5:
 * ``tp1-tp2`` (3 ranks): layers 1-2 at TP 1, layers 3-4 at TP 2 (the bridge broadcasts);
 * ``dp2-dp1`` (3 ranks): 2 replicas of 2 micro-batches of 1, then 1 replica of 2 x 2 (fan-in);
 * ``tp2dp1-tp1dp2`` (4 ranks): TP 2 x DP 1 then TP 1 x DP 2 (fan-out);
-* ``recompute`` (3 ranks): ``tp1-tp2`` with full recompute on the second mesh.
+* ``recompute`` (3 ranks): ``tp1-tp2`` with full recompute on the second mesh;
+* ``pp2-tp2`` (4 ranks): two stages of one layer at TP 1, then one of two layers at TP 2;
+* ``tp2-pp2`` (4 ranks): the reverse (the model's last mesh of two stages).
 
 ``tp1-tp2`` also saves after steps 2 and 4, and ``resume`` (the same plan) loads its step 2 and
 trains steps 3-4 again, writing the same step-4 checkpoint; that checkpoint holds the one
@@ -45,6 +47,8 @@ MESH_PLANS = {  # name: (ranks, [(tp, dp, layers per stage, recompute), ...])
     "dp2-dp1": (3, [(1, 2, [2], None), (1, 1, [2], None)]),
     "tp2dp1-tp1dp2": (4, [(2, 1, [2], None), (1, 2, [2], None)]),
     "recompute": (3, [(1, 1, [2], None), (2, 1, [2], FULL)]),
+    "pp2-tp2": (4, [(1, 1, [1, 1], None), (2, 1, [2], None)]),
+    "tp2-pp2": (4, [(2, 1, [2], None), (1, 1, [1, 1], None)]),
 }
 
 
@@ -100,8 +104,9 @@ def test_mesh_plan_trains_equal_to_one_process(chain, name):
     assert sorted(ref) == [1, 2, 3, 4] and sorted(got) == [2, 3, 4]
     _close(got, ref)
     ranks, meshes = MESH_PLANS[name]
-    last = sum(t * d for t, d, _, _ in meshes[:-1])
-    for r, record in enumerate(rec[name]):  # the loss only on the last mesh; the norm everywhere
+    t, d, _, _ = meshes[-1]
+    last = ranks - t * d  # the first rank of the model's last stage
+    for r, record in enumerate(rec[name]):  # the loss only on the last stage; the norm everywhere
         assert [s[0] for s in record["steps"]] == [1, 2, 3]
         assert all((s[1] is not None) == (r >= last) for s in record["steps"]), (name, r)
         assert [s[2] for s in record["steps"]] == [s[2] for s in rec[name][-1]["steps"]]
