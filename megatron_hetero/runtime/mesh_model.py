@@ -115,11 +115,35 @@ def scale_gradients(model_chunks, st: MeshRankState) -> None:
                 bucket.gradient_scaling_factor = factor
 
 
+_RECEIVING = ("recv_forward", "recv_backward", "send_forward_recv_backward",
+              "send_backward_recv_forward")
+
+
+def _unwrapped(method):
+    """A communicator method whose ``{module: [tensor]}`` entries become ``{module: tensor}``."""
+    @functools.wraps(method)
+    def receive(*a, **kw):
+        got = method(*a, **kw)
+        if isinstance(got, dict):
+            got = {k: v[0] if isinstance(v, list) and len(v) == 1 else v for k, v in got.items()}
+        return got
+    return receive
+
+
 def build_communicator(st: MeshRankState) -> None:
-    """megatron-core's multimodule communicator over the grids (collective: every rank)."""
+    """megatron-core's multimodule communicator over the grids (collective: every rank).
+
+    Between two stages of one mesh it hands over what the mesh's ``P2PCommunicator`` returns
+    for the schedule's shapes (``[()]`` with variable sequence lengths): a list of one tensor,
+    where a bridge hands the tensor. Megatron's training config frees pipeline outputs
+    (``deallocate_pipeline_outputs``), whose backward takes a tensor, not a list: the
+    receiving methods give the tensor."""
     from ..mcore.mesh_grids import mesh_communicator
 
-    st.communicator = mesh_communicator(st.plan, st.grids, st.config)
+    comm = mesh_communicator(st.plan, st.grids, st.config)
+    for name in _RECEIVING:
+        setattr(comm, name, _unwrapped(getattr(comm, name)))
+    st.communicator = comm
 
 
 def get_model(original, st: MeshRankState, model_provider_func, *a, **kw):

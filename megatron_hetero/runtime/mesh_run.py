@@ -323,7 +323,9 @@ def mesh_finalize(original, st: MeshRankState):
             pgs = ProcessGroupCollection()
             pgs.tp, pgs.pp = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
             pgs.dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
-            pgs.embd, pgs.pos_embd = None, None  # untied: no embedding group across meshes
+            # the mesh's own (untied embeddings: no group across meshes)
+            pgs.embd = ps.get_embedding_group(check_initialized=False)
+            pgs.pos_embd = ps.get_position_embedding_group(check_initialized=False)
             pg_collection = pgs
         if num_tokens is not None:
             mine = st.last_mesh and st.slot.stage == len(st.mesh.stages) - 1 \

@@ -15,7 +15,9 @@ fp32 rtol 1e-5:
 * ``tp2dp1-tp1dp2`` (4 ranks): TP 2 x DP 1 then TP 1 x DP 2 (fan-out);
 * ``recompute`` (3 ranks): ``tp1-tp2`` with full recompute on the second mesh;
 * ``pp2-tp2`` (4 ranks): two stages of one layer at TP 1, then one of two layers at TP 2;
-* ``tp2-pp2`` (4 ranks): the reverse (the model's last mesh of two stages).
+* ``tp2-pp2`` (4 ranks): the reverse (the model's last mesh of two stages);
+* ``uneven`` (4 ranks): two meshes of two replicas running 3 and 1 micro-batches of 1
+  (per-token loss, the token count summed over every mesh).
 
 ``tp1-tp2`` also saves after steps 2 and 4, and ``resume`` (the same plan) loads its step 2 and
 trains steps 3-4 again, writing the same step-4 checkpoint; that checkpoint holds the one
@@ -49,7 +51,9 @@ MESH_PLANS = {  # name: (ranks, [(tp, dp, layers per stage, recompute), ...])
     "recompute": (3, [(1, 1, [2], None), (2, 1, [2], FULL)]),
     "pp2-tp2": (4, [(1, 1, [1, 1], None), (2, 1, [2], None)]),
     "tp2-pp2": (4, [(2, 1, [2], None), (1, 1, [1, 1], None)]),
+    "uneven": (4, [(1, 2, [2], None), (1, 2, [2], None)]),  # replicas of 3 and 1 micro-batches
 }
+REPLICAS = {"uneven": [(1, 3), (1, 1)]}
 
 
 def _runs(root: Path):
@@ -78,7 +82,7 @@ def chain(tmp_path_factory):
     save_plan(make_plan(split=(4,), replicas=[(2, 2)], distributed_optimizer=True),
               root / "ref.yaml")
     for name, (_, meshes) in MESH_PLANS.items():
-        save_any_plan(make_mesh_plan(meshes), root / f"{name}.yaml")
+        save_any_plan(make_mesh_plan(meshes, replicas=REPLICAS.get(name)), root / f"{name}.yaml")
     records, walls = {}, {}
     for run, plan, ranks, extra in _runs(root):
         work = root / run
