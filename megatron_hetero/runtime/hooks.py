@@ -163,7 +163,7 @@ def before_validate(args, argv=None) -> RankState | mesh_run.MeshRankState | Non
     mesh_plan = mesh_plan_of(path)  # refused on megatron-core 0.16
     if mesh_plan is not None:
         _mesh = mesh_run.before_validate(args, mesh_plan, path=path, argv=argv)
-        os.environ[LAUNCHER_RANK_ENV] = str(_mesh.rank)
+        os.environ[LAUNCHER_RANK_ENV] = str(_mesh.launcher_rank)
         return _mesh
     plan = load_plan(path)
     plan_args.check_and_apply(args, plan, argv, source=path)

@@ -58,7 +58,7 @@ from ..errors import HeteroError
 from ..megatron_args import mesh_megatron_args
 from ..plan_mesh import MeshPlan, MeshSlot
 from . import plan_args, policies
-from .placement import CPU_ENV
+from .placement import CPU_ENV, detect_device_type, device_type_of_rank, place_this_rank
 
 __all__ = ["MeshRankState", "before_validate", "mesh_view", "after_validate",
            "initialize_per_mesh", "global_stage_check", "mesh_schedule", "mesh_finalize",
@@ -77,7 +77,9 @@ class MeshRankState:
     plan: MeshPlan
     plan_path: str
     rank: int
-    """This process's rank: the launcher's, which the plan's rank numbering places."""
+    """This process's rank in the plan's numbering (its Megatron rank)."""
+    launcher_rank: int
+    device_type: str
     slot: MeshSlot
     grids: list | None = None
     """megatron-core's ``HyperCommGrid`` of every mesh (after ``initialize_model_parallel``)."""
@@ -107,7 +109,8 @@ class MeshRankState:
 
     def describe(self) -> str:
         m, r = self.mesh, self.mesh.replicas[self.slot.replica]
-        return (f"megatron-hetero: rank {self.rank} ({m.device_type}): mesh {self.slot.mesh} "
+        return (f"megatron-hetero: launcher rank {self.launcher_rank} ({self.device_type}) -> "
+                f"rank {self.rank}: mesh {self.slot.mesh} "
                 f"(TP {m.tensor_model_parallel_size}, DP {m.data_parallel_size}, PP "
                 f"{len(m.stages)}) stage {self.slot.stage} replica {self.slot.replica} tp "
                 f"{self.slot.tensor_rank}; global stage {self.global_stage} of "
@@ -127,11 +130,18 @@ def _mesh_layout(plan: MeshPlan, st: MeshRankState) -> str | None:
 
 
 def before_validate(args, plan: MeshPlan, *, path: str, argv) -> MeshRankState:
-    """Check the command line against ``plan`` and give this rank its mesh's sizes."""
-    rank, world = int(args.rank), int(args.world_size)
-    if world != plan.world_size:
-        raise HeteroError(f"{path}: the mesh plan has {plan.world_size} ranks "
-                          f"({plan.device_counts()}); the job has {world}")
+    """Check the command line against ``plan``, place this process (its device type) on a rank
+    of the plan and give it its mesh's sizes."""
+    launcher_rank, world = int(args.rank), int(args.world_size)
+    emulated = (device_type_of_rank(plan, launcher_rank)
+                if os.environ.get(CPU_ENV, "") not in ("", "0") and launcher_rank < plan.world_size
+                else None)
+    device = detect_device_type(override=getattr(args, "hetero_device_type", None),
+                                catalog=plan.catalog, emulated=emulated,
+                                where=f"launcher rank {launcher_rank}: ", unknown_ok=True)
+    rank = place_this_rank(plan, launcher_rank=launcher_rank, world_size=world,
+                           device_type=device, source=path,
+                           timeout_minutes=getattr(args, "distributed_timeout_minutes", 10))
     if plan.pipeline_model_parallel_size > 1 and not plan.model.untie_embeddings_and_output_weights:
         raise HeteroError(f"{path}: model.untie_embeddings_and_output_weights: found false; "
                           "expected true (a mesh plan's first and last stage share no "
@@ -162,8 +172,10 @@ def before_validate(args, plan: MeshPlan, *, path: str, argv) -> MeshRankState:
     if conflicts:
         raise plan_args.ArgumentConflict(f"{path}: the command line contradicts the plan:\n"
                                          + "\n".join(conflicts))
-    st = MeshRankState(plan=plan, plan_path=path, rank=rank, slot=plan.slot_of_rank(rank),
-                       args=args)
+    st = MeshRankState(plan=plan, plan_path=path, rank=rank, launcher_rank=launcher_rank,
+                       device_type=device, slot=plan.slot_of_rank(rank), args=args)
+    args.rank = rank
+    os.environ["RANK"] = str(rank)
     mesh = st.mesh
     args.tensor_model_parallel_size = mesh.tensor_model_parallel_size
     args.pipeline_model_parallel_size = len(mesh.stages)

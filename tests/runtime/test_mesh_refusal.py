@@ -35,13 +35,21 @@ def test_format_1_plans_pass_the_gate():
 _ON_017 = """
 import argparse, sys
 from megatron_hetero.errors import HeteroError
-from megatron_hetero.runtime import hooks
-args = argparse.Namespace(hetero_plan={path!r}, rank=5, world_size={world})
+from megatron_hetero.runtime import hooks, placement
+# the other 31 launcher ranks, as the rank exchange would report them: the 3090s last
+types = ["T4-16GB"] * 16 + ["RTX3090-24GB"] * 16
+placement._launcher_store = lambda *a, **kw: None
+placement.exchange_rank_infos = lambda mine, world, store: [
+    placement.RankInfo(launcher_rank=r, device_type=types[r], host="h", local_rank=r)
+    for r in range(world)]
+args = argparse.Namespace(hetero_plan={path!r}, rank=21, world_size={world},
+                          hetero_device_type="RTX3090-24GB")
 try:
     st = hooks.before_validate(args, argv={argv!r})
 except HeteroError as exc:
     print("refused:", exc)
     sys.exit(0)
+print("rank", st.launcher_rank, st.rank, args.rank)
 print("slot", st.slot.mesh, st.slot.stage, st.slot.replica, st.slot.tensor_rank)
 print("args", args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
       args.micro_batch_size, args.pipeline_model_parallel_layout, args.num_layers,
@@ -58,9 +66,11 @@ def _on_017(env, *, world=32, argv=()) -> str:
 
 
 def test_mesh_plan_on_017_gives_each_rank_its_mesh(mcore017_env):
-    """Rank 5 of the 3090 + T4 plan: mesh 0 (TP 1, DP 8, 2 stages), its TP, PP, micro-batch and
-    its mesh's segments of the layout; the common arguments from the plan."""
+    """Launcher rank 21, a 3090 where the launcher put the T4s first, is placed on the plan's
+    rank 5 (the 3090 mesh comes first in the plan): mesh 0 (TP 1, DP 8, 2 stages), its TP, PP,
+    micro-batch and its mesh's segments of the layout; the common arguments from the plan."""
     out = _on_017(mcore017_env)
+    assert "rank 21 5 5" in out
     assert "slot 0 0 5 0" in out
     assert "args 1 2 1 Et*10|t*10 32 128" in out
 
@@ -75,4 +85,6 @@ def test_mesh_plan_on_017_refuses_what_each_mesh_sets(mcore017_env):
 
 def test_mesh_plan_on_017_refuses_another_world_size(mcore017_env):
     out = _on_017(mcore017_env, world=8)
-    assert "refused:" in out and "the mesh plan has 32 ranks" in out and "the job has 8" in out
+    assert "refused:" in out
+    assert ("the plan needs world size 32 (16x RTX3090-24GB, 16x T4-16GB; mesh 0: TP=1 x DP=8 x "
+            "PP=2; mesh 1: TP=2 x DP=8 x PP=1); the launcher started 8 ranks") in out

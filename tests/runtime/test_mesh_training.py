@@ -17,7 +17,9 @@ fp32 rtol 1e-5:
 * ``pp2-tp2`` (4 ranks): two stages of one layer at TP 1, then one of two layers at TP 2;
 * ``tp2-pp2`` (4 ranks): the reverse (the model's last mesh of two stages);
 * ``uneven`` (4 ranks): two meshes of two replicas running 3 and 1 micro-batches of 1
-  (per-token loss, the token count summed over every mesh).
+  (per-token loss, the token count summed over every mesh);
+* ``placed`` (3 ranks): ``tp1-tp2`` with the first mesh on an A100 and the second on V100s,
+  which the launcher starts first: each process is placed on its device type's rank.
 
 ``tp1-tp2`` also saves after steps 2 and 4, and ``resume`` (the same plan) loads its step 2 and
 trains steps 3-4 again, writing the same step-4 checkpoint; that checkpoint holds the one
@@ -37,7 +39,7 @@ from megatron_hetero.plan_mesh import save_any_plan
 
 from .launching import (BASE_ARGS, MEGATRON_GIT, PRETRAIN_GPT_ARGS, RECORDING_SCRIPT, TRAIN_SCRIPT,
                         launch, megatron_lm_checkout)
-from .plans import make_mesh_plan, make_plan
+from .plans import A100, V100, make_mesh_plan, make_plan
 from .test_checkpoint_resume import CHECKPOINT_ARGS, _assert_same_state, _close, _steps, _tensors
 
 pytestmark = pytest.mark.slow
@@ -52,8 +54,12 @@ MESH_PLANS = {  # name: (ranks, [(tp, dp, layers per stage, recompute), ...])
     "pp2-tp2": (4, [(1, 1, [1, 1], None), (2, 1, [2], None)]),
     "tp2-pp2": (4, [(2, 1, [2], None), (1, 1, [1, 1], None)]),
     "uneven": (4, [(1, 2, [2], None), (1, 2, [2], None)]),  # replicas of 3 and 1 micro-batches
+    "placed": (3, [(1, 1, [2], None), (2, 1, [2], None)]),  # A100 TP 1 -> V100 TP 2
 }
 REPLICAS = {"uneven": [(1, 3), (1, 1)]}
+DEVICES = {"placed": [A100, V100]}
+LAUNCHER_TYPES = {"placed": [V100, V100, A100]}  # the launcher puts the V100s first
+PLACED = {"placed": [1, 2, 0]}  # Megatron rank of each launcher rank
 
 
 def _runs(root: Path):
@@ -82,7 +88,8 @@ def chain(tmp_path_factory):
     save_plan(make_plan(split=(4,), replicas=[(2, 2)], distributed_optimizer=True),
               root / "ref.yaml")
     for name, (_, meshes) in MESH_PLANS.items():
-        save_any_plan(make_mesh_plan(meshes, replicas=REPLICAS.get(name)), root / f"{name}.yaml")
+        save_any_plan(make_mesh_plan(meshes, replicas=REPLICAS.get(name),
+                                     devices=DEVICES.get(name)), root / f"{name}.yaml")
     records, walls = {}, {}
     for run, plan, ranks, extra in _runs(root):
         work = root / run
@@ -90,13 +97,19 @@ def chain(tmp_path_factory):
         start = time.perf_counter()
         results = launch(ranks, str(root / f"{plan}.yaml"), work, script=script,
                          base_args=base_args, iters=STEPS, extra=CHECKPOINT_ARGS + extra,
-                         env={"SAMPLES_LOG": str(work / "samples")}, timeout=500)
+                         env={"SAMPLES_LOG": str(work / "samples")}, timeout=500,
+                         launcher_types=LAUNCHER_TYPES.get(run))
         walls[run] = time.perf_counter() - start
         for code, out, _ in results:
             assert code == 0, f"{run}: {out[-3000:]}"
         records[run] = [json.loads((work / f"samples.{r}").read_text()) for r in range(ranks)]
     print("wall time per run (s):", {k: round(v, 1) for k, v in walls.items()})
     return {"records": records, "root": root, "script": script}
+
+
+def _by_rank(records: list) -> list:
+    """Records in Megatron rank order (the launcher's order may differ: ``placed``)."""
+    return sorted(records, key=lambda rec: rec["rank"])
 
 
 @pytest.mark.parametrize("name", list(MESH_PLANS))
@@ -110,10 +123,21 @@ def test_mesh_plan_trains_equal_to_one_process(chain, name):
     ranks, meshes = MESH_PLANS[name]
     t, d, _, _ = meshes[-1]
     last = ranks - t * d  # the first rank of the model's last stage
-    for r, record in enumerate(rec[name]):  # the loss only on the last stage; the norm everywhere
+    records = _by_rank(rec[name])
+    assert [r["rank"] for r in records] == list(range(ranks))
+    for r, record in enumerate(records):  # the loss only on the last stage; the norm everywhere
         assert [s[0] for s in record["steps"]] == [1, 2, 3]
         assert all((s[1] is not None) == (r >= last) for s in record["steps"]), (name, r)
-        assert [s[2] for s in record["steps"]] == [s[2] for s in rec[name][-1]["steps"]]
+        assert [s[2] for s in record["steps"]] == [s[2] for s in records[-1]["steps"]]
+
+
+def test_ranks_placed_by_device_type(chain):
+    """``placed``: the launcher started the two V100s first; each process plays the plan's
+    rank of its device type (the A100 mesh's rank 0), and trains equal to one process
+    (above)."""
+    for run in ("placed", "tp1-tp2"):
+        want = PLACED.get(run, list(range(len(chain["records"][run]))))
+        assert [rec["rank"] for rec in chain["records"][run]] == want, run
 
 
 @pytest.mark.parametrize("name", list(MESH_PLANS))
@@ -128,7 +152,7 @@ def test_first_mesh_reads_every_sample_once(chain, name):
         want.setdefault(it, []).append(idx)
     got = {}
     for replica in range(dp):
-        record = rec[name][replica * tp]  # mesh 0, stage 0, this replica, tensor rank 0
+        record = _by_rank(rec[name])[replica * tp]  # mesh 0, stage 0, this replica, tensor rank 0
         assert record["dp"] == replica and record["tp"] == 0
         for it, idx in record["read"]:
             got.setdefault(it, []).append(idx)
