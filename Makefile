@@ -26,3 +26,4 @@ bench: venv
 	$(VENV)/bin/python scripts/bench_rehearse.py
 	$(VENV)/bin/python scripts/bench_runtime_overhead.py
 	$(VENV)/bin/python scripts/bench_recovery.py
+	PYTHONPATH=$(VENV)/mcore017:. $(VENV)/bin/python scripts/bench_mesh_rehearse.py

@@ -6,7 +6,9 @@ and/or ``--constraint`` feature, taken from ``--partition TYPE=NAME`` / ``--cons
 TYPE=FEATURE`` or else from the inventory group's ``partition`` / ``constraint`` fields.
 Components come in the order of the plan's ranks (the type of rank 0 first), so that Slurm's
 task numbering of a heterogeneous step already follows the plan where it can; the runtime
-places ranks on slots by their detected device type in any case.
+places ranks on slots by their detected device type in any case. Mesh plans (format 2) are
+taken too (their GPUs per type, the meshes' types in rank order), though the runtime does not
+run them yet.
 
 Run as ``python -m megatron_hetero.jobspec PLAN [...] --print sbatch-args`` (one argument a
 line, components separated by ``:``), ``--print device-types`` (comma-separated, one per
@@ -27,7 +29,8 @@ from typing import Mapping, Sequence
 from .errors import HeteroError, SchemaError
 from .hardware.catalog import Catalog, load_catalog
 from .hardware.inventory import Inventory, load_inventory
-from .plan import Plan, load_plan
+from .plan import Plan
+from .plan_mesh import MeshPlan, load_any_plan
 
 __all__ = ["SlurmComponent", "HostEntry", "slurm_components", "sbatch_args", "parse_mapping",
            "read_hostfile", "check_hosts", "main"]
@@ -90,14 +93,16 @@ def parse_mapping(items: Sequence[str], catalog: Catalog, *, option: str) -> dic
     return out
 
 
-def _types_in_rank_order(plan: Plan) -> list[str]:
+def _types_in_rank_order(plan: Plan | MeshPlan) -> list[str]:
+    if isinstance(plan, MeshPlan):  # a mesh's ranks are consecutive
+        return list(dict.fromkeys(mesh.device_type for mesh in plan.meshes))
     seen: dict[str, None] = {}
     for rank in range(plan.world_size):
         seen.setdefault(plan.device_type_of_rank(rank), None)
     return list(seen)
 
 
-def slurm_components(plan: Plan, inventory: Inventory | None = None, *,
+def slurm_components(plan: Plan | MeshPlan, inventory: Inventory | None = None, *,
                      gpus_per_node: int | None = None,
                      partitions: Mapping[str, str] | None = None,
                      constraints: Mapping[str, str] | None = None,
@@ -117,7 +122,8 @@ def slurm_components(plan: Plan, inventory: Inventory | None = None, *,
         if inventory is not None:
             group = next((g for g in inventory.groups if g.gpu == gpu), None)
             if group is None:
-                raise SchemaError(source, "pipelines", f"device type {gpu}",
+                where = "meshes" if isinstance(plan, MeshPlan) else "pipelines"
+                raise SchemaError(source, where, f"device type {gpu}",
                                   f"a type that {inventory.source} has ("
                                   + ", ".join(sorted({g.gpu for g in inventory.groups})) + ")")
         gpn = gpus_per_node or (group.gpus_per_node if group else None)
@@ -196,7 +202,7 @@ def read_hostfile(path: str | Path, catalog: Catalog, *, default_gpus: int | Non
     return entries
 
 
-def check_hosts(plan: Plan, entries: Sequence[HostEntry], *, source: str = "<plan>",
+def check_hosts(plan: Plan | MeshPlan, entries: Sequence[HostEntry], *, source: str = "<plan>",
                 hostfile: str = "<hostfile>") -> None:
     """Raise :class:`HeteroError` unless the hosts offer exactly the GPUs the plan needs."""
     have: Counter[str] = Counter()
@@ -234,7 +240,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         inventory = load_inventory(args.inventory) if args.inventory else None
-        plan = load_plan(args.plan, catalog=inventory.catalog if inventory else load_catalog())
+        plan = load_any_plan(args.plan,
+                             catalog=inventory.catalog if inventory else load_catalog())
         catalog = plan.catalog  # with the plan's own gpus entries
         if args.what == "world-size":
             print(plan.world_size)

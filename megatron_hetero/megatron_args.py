@@ -124,7 +124,7 @@ def mesh_megatron_args(plan: MeshPlan, plan_path: str | None = None) -> list[str
         args.append("--overlap-grad-reduce")
     if any(st.offload.optimizer_fraction > 0 for m in plan.meshes for st in m.stages):
         args.append("--use-precision-aware-optimizer")
-    if any(not m.even for m in plan.meshes):
+    if plan.per_token_loss:
         args.append("--calculate-per-token-loss")
     args += _recompute_args(st.recompute for m in plan.meshes for st in m.stages)
     if plan_path is not None:

@@ -242,6 +242,12 @@ class MeshPlan:
     def world_size(self) -> int:
         return sum(mesh.world_size for mesh in self.meshes)
 
+    @property
+    def per_token_loss(self) -> bool:
+        """The loss is summed over tokens and the gradients divided by the global batch's tokens
+        (Megatron's ``--calculate-per-token-loss``): where some mesh's replicas differ."""
+        return any(not mesh.even for mesh in self.meshes)
+
     def rank_offset(self, mesh: int) -> int:
         """The first rank of mesh ``mesh`` (its grid's ``rank_offset``)."""
         return sum(m.world_size for m in self.meshes[:mesh])

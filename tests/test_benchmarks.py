@@ -88,3 +88,20 @@ def test_bench_recovery_prints_every_part():
     assert "plan B: TP=1 PP=1 DP=1 on 1 A100" in out
     size = re.search(r"checkpoint: torch_dist, [\d.]+ MB \((\d+) bytes\), saved in [\d.]+ s", out)
     assert size and int(size.group(1)) > 0, out
+
+
+@pytest.mark.slow
+def test_bench_mesh_rehearse_prints_both_plans(mcore017_env):
+    """Both mesh plans rehearse (2 steps, hidden 32, 4 CPU ranks each, one after the other) and
+    their row's ratio is measured over predicted."""
+    proc = subprocess.run([sys.executable, str(REPO / "scripts/bench_mesh_rehearse.py"), "--steps",
+                           "2", "--hidden-size", "32"], env=mcore017_env, capture_output=True,
+                          text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {r[0]: r for r in (line.split() for line in proc.stdout.splitlines())
+            if r and r[0] in ("fan-in", "fan-out")}
+    assert set(rows) == {"fan-in", "fan-out"}, proc.stdout
+    for r in rows.values():
+        predicted, measured, ratio = float(r[1]), float(r[3]), float(r[4])
+        assert predicted > 0 and measured > 0
+        assert ratio == pytest.approx(measured / predicted, abs=0.006), r

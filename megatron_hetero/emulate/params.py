@@ -15,18 +15,19 @@ from typing import Any
 
 from ..plan import Plan
 
-__all__ = ["canonical_names", "init_params", "local_params", "merge_params"]
+__all__ = ["canonical_names", "init_params", "local_params", "merge_params", "merge_shards"]
 
 
-def canonical_names(model, tied_last_stage: bool) -> dict[str, str]:
-    """Local parameter name -> layout-independent name."""
+def canonical_names(model, tied_last_stage: bool, *, layer_offset: int = 0) -> dict[str, str]:
+    """Local parameter name -> layout-independent name (``layer_offset``: the model's layers
+    before this one's first, where its layers number from 1: a mesh plan's stage)."""
     names = {}
     layers = model.decoder.layers if hasattr(model, "decoder") else []
     for name, _ in model.named_parameters():
         canon = name
         if name.startswith("decoder.layers."):
             local, rest = name[len("decoder.layers."):].split(".", 1)
-            canon = f"decoder.layers.{layers[int(local)].layer_number - 1}.{rest}"
+            canon = f"decoder.layers.{layers[int(local)].layer_number - 1 + layer_offset}.{rest}"
         elif name == "output_layer.weight" and tied_last_stage:
             canon = "embedding.word_embeddings.weight"
         names[name] = canon
@@ -55,13 +56,16 @@ def _shard(full, param, tp: int, tp_rank: int, glu: bool):
     return full.chunk(tp, dim=dim)[tp_rank]
 
 
-def init_params(model, plan: Plan, seed: int, std: float, tp_rank: int, tied_last: bool) -> None:
+def init_params(model, plan: Plan, seed: int, std: float, tp_rank: int, tied_last: bool, *,
+                tensor_parallel_size: int | None = None, layer_offset: int = 0) -> None:
     """Every parameter of ``model`` (one model chunk, on tensor rank ``tp_rank``) drawn from a
     generator seeded by ``seed`` and its layout-independent name: biases small, norms near 1,
-    matrices with standard deviation ``std``; this rank's shard of the full tensor."""
+    matrices with standard deviation ``std``; this rank's shard of the full tensor.
+    ``tensor_parallel_size`` (default the plan's) and ``layer_offset`` (see
+    :func:`canonical_names`) place a mesh plan's stage."""
     import torch
-    names = canonical_names(model, tied_last)
-    tp = plan.tensor_model_parallel_size
+    names = canonical_names(model, tied_last, layer_offset=layer_offset)
+    tp = tensor_parallel_size or plan.tensor_model_parallel_size
     with torch.no_grad():
         for name, param in model.named_parameters():
             canon = names[name]
@@ -77,14 +81,14 @@ def init_params(model, plan: Plan, seed: int, std: float, tp_rank: int, tied_las
 
 
 def local_params(models, chunks: list[tuple[bool, bool]], plan: Plan,
-                 tied: bool) -> dict[str, tuple[Any, int | None, bool]]:
+                 tied: bool, *, layer_offset: int = 0) -> dict[str, tuple[Any, int | None, bool]]:
     """This rank's parameters of its model chunks (``chunks``: (pre, post) of each): name ->
     (tensor copy, tensor-parallel partition dim or None, is fused GLU), without the last stage's
-    copy of a shared embedding."""
+    copy of a shared embedding (``layer_offset``: see :func:`canonical_names`)."""
     params = {}
     for model, (pre, post) in zip(models, chunks):
         tied_copy = tied and post and not pre
-        names = canonical_names(model, tied_copy)
+        names = canonical_names(model, tied_copy, layer_offset=layer_offset)
         for name, p in model.named_parameters():
             if tied_copy and name == "output_layer.weight":
                 continue  # the last stage's copy of the shared embedding
@@ -96,16 +100,22 @@ def local_params(models, chunks: list[tuple[bool, bool]], plan: Plan,
 def merge_params(plan: Plan, ranks) -> dict[str, Any]:
     """Full parameters by layout-independent name, from the ``RankResult.params`` of data-parallel
     replica 0's ranks (tensor-parallel shards concatenated)."""
-    import torch
-    tp = plan.tensor_model_parallel_size
-    merged: dict[str, Any] = {}
     by_name: dict[str, dict[int, tuple]] = {}
     for r in ranks:
         if r.pipeline != 0:
             continue
         for name, (tensor, dim, glu) in r.params.items():
             by_name.setdefault(name, {})[r.tensor_rank] = (tensor, dim, glu)
+    return merge_shards(by_name)
+
+
+def merge_shards(by_name: dict[str, dict[int, tuple]]) -> dict[str, Any]:
+    """Full parameters from every tensor rank's shard: ``by_name[name][tensor rank]`` =
+    (tensor, partition dim or None, is fused GLU)."""
+    import torch
+    merged: dict[str, Any] = {}
     for name, shards in by_name.items():
+        tp = len(shards)
         tensor, dim, glu = shards[0]
         if dim is None or tp == 1:
             merged[name] = tensor

@@ -8,6 +8,7 @@ import contextlib
 
 from ..errors import HeteroError
 from ..plan import Plan
+from ..plan_mesh import MeshPlan
 from .calibration import _all_reduce_seconds, _renice
 
 __all__ = ["rehearsal_hooks", "user_error"]
@@ -97,8 +98,8 @@ def _world_allreduce_gb_s(plan: Plan) -> float:
     return 2 * (n - 1) / n * buf.numel() * 4 / _all_reduce_seconds(buf, 4) / 1e9
 
 
-def rehearsal_hooks(plan: Plan, rank: int, *, factors: dict[str, float], time_scale: float,
-                    caps: dict[int, tuple[float, float, float]] | None,
+def rehearsal_hooks(plan: Plan | MeshPlan, rank: int, *, factors: dict[str, float],
+                    time_scale: float, caps: dict[int, tuple[float, float, float]] | None,
                     enforce_caps: bool = True, nice: int = 0, links=None):
     """``hooks_factory`` of the rehearsal (runs inside each rank process): the rank's
     :class:`~.trainer.RankHooks` emulating its device's speed (``factors[device] / time_scale``
@@ -114,20 +115,29 @@ def rehearsal_hooks(plan: Plan, rank: int, *, factors: dict[str, float], time_sc
     if links:
         emulate_links(links, rank)
     allreduce_gb_s = _world_allreduce_gb_s(plan)
-    slot = plan.slot_of_rank(rank)
-    device = plan.stage(slot.pipeline, slot.stage).device_type
+    device, pipeline, stage = _place(plan, rank)
     speed = SpeedEmulation(slowdown=factors[device] / time_scale, time_scale=time_scale,
                            device_type=device, absorb_contention=True)
     meter = None
     if caps is not None:
         cap, device_bytes, scale = caps[rank]
-        meter = MemoryMeter(rank=rank, pipeline=slot.pipeline, stage=slot.stage,
+        meter = MemoryMeter(rank=rank, pipeline=pipeline, stage=stage,
                             device_type=device, cap=cap if enforce_caps else None,
                             device_bytes=device_bytes, scale=scale)
     emu = _RankEmulation(speed, meter)
     emu.allreduce_gb_s = allreduce_gb_s
     return RankHooks(compute=emu.compute, on_step_end=emu.on_step_end, report=emu.report,
                      on_built=emu.on_built)
+
+
+def _place(plan: Plan | MeshPlan, rank: int) -> tuple[str, int, int]:
+    """(device type, pipeline, stage) of ``rank``; of a mesh plan's rank: its replica in its mesh
+    and its stage in the whole pipeline."""
+    slot = plan.slot_of_rank(rank)
+    if isinstance(plan, MeshPlan):
+        before = sum(len(m.stages) for m in plan.meshes[:slot.mesh])
+        return plan.meshes[slot.mesh].device_type, slot.replica, before + slot.stage
+    return plan.stage(slot.pipeline, slot.stage).device_type, slot.pipeline, slot.stage
 
 
 def user_error(exc) -> HeteroError | None:

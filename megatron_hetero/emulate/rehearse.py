@@ -214,15 +214,18 @@ def rehearse_main(args) -> int:
     import sys
 
     from ..hardware.inventory import load_inventory
-    from ..plan import load_plan
     from ..plan_inventory import check_plan_against_inventory
+    from ..plan_mesh import MeshPlan, load_any_plan
+    from ..plan_mesh_inventory import check_mesh_plan_against_inventory
 
     os.environ.setdefault("PYTHONWARNINGS", "ignore")  # megatron's Apex/TE notices, per rank
     inventory = load_inventory(args.inventory) if args.inventory else None
-    plan = load_plan(args.plan, catalog=inventory.catalog if inventory else None)
+    plan = load_any_plan(args.plan, catalog=inventory.catalog if inventory else None)
     catalog = plan.catalog  # the built-in (or the inventory's) catalog plus the plan's gpus
     if inventory is not None:
-        check_plan_against_inventory(plan, inventory, source=args.plan)
+        check = (check_mesh_plan_against_inventory if isinstance(plan, MeshPlan)
+                 else check_plan_against_inventory)
+        check(plan, inventory, source=args.plan)
     try:
         config = RehearsalConfig(steps=args.steps, hidden_size=args.hidden_size,
                                  time_scale=args.time_scale, memory_cap=not args.no_memory_cap,
@@ -231,10 +234,13 @@ def rehearse_main(args) -> int:
                                  link_latency_s=args.link_latency)
     except ValueError as exc:
         raise HeteroError(str(exc)) from None
-    result = rehearse(plan, config, catalog=catalog, verify=args.verify, source=args.plan,
-                      progress=lambda msg: print(f"[rehearse] {msg}", file=sys.stderr, flush=True),
-                      inventory=inventory)
-    print(format_report(result, source=args.plan, real=plan.model))
+    progress = lambda msg: print(f"[rehearse] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    if isinstance(plan, MeshPlan):
+        result = _rehearse_mesh_plan(plan, config, args, catalog, progress)
+    else:
+        result = rehearse(plan, config, catalog=catalog, verify=args.verify, source=args.plan,
+                          progress=progress, inventory=inventory)
+        print(format_report(result, source=args.plan, real=plan.model))
     if args.verify:
         if result.verify_message is not None:
             print(f"verify: FAILED: the {plan.world_size}-rank run diverges from the "
@@ -243,3 +249,16 @@ def rehearse_main(args) -> int:
         print(f"verify: losses and final parameters match the single-process run "
               f"(fp32, rtol 1e-5, atol 1e-5) over {config.steps} steps")
     return 0
+
+
+def _rehearse_mesh_plan(plan, config: RehearsalConfig, args, catalog, progress):
+    """``rehearse`` of a mesh plan (:mod:`.mesh_rehearse`): no memory caps or link emulation."""
+    from .mesh_rehearse import format_mesh_report, rehearse_mesh
+
+    if config.emulate_links:
+        raise HeteroError(f"{args.plan}: link emulation (--emulate-links) is not built for mesh "
+                          "plans (format 2) yet")
+    result = rehearse_mesh(plan, config, catalog=catalog, verify=args.verify, source=args.plan,
+                           progress=progress)
+    print(format_mesh_report(result, source=args.plan, real=plan.model))
+    return result

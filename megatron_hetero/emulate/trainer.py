@@ -235,12 +235,17 @@ _compute_hook: list[Callable[[str], ContextManager] | None] = [None]
 
 
 def _install_backward_hook() -> None:
-    """Wrap megatron-core's ``schedules.backward_step`` once so RankHooks.compute sees it."""
+    """Wrap megatron-core's ``schedules.backward_step`` (and, where it exists, the multimodule
+    schedule's ``backward_step_multimodule``) once so RankHooks.compute sees it."""
     from megatron.core.pipeline_parallel import schedules
-    if getattr(schedules.backward_step, "_hetero_wrapped", False):
-        return
-    original = schedules.backward_step
+    for name in ("backward_step", "backward_step_multimodule"):
+        original = getattr(schedules, name, None)
+        if original is None or getattr(original, "_hetero_wrapped", False):
+            continue
+        setattr(schedules, name, _wrapped_backward(original))
 
+
+def _wrapped_backward(original):
     @functools.wraps(original)
     def backward_step(*args, **kwargs):
         hook = _compute_hook[0]
@@ -248,7 +253,7 @@ def _install_backward_hook() -> None:
             return original(*args, **kwargs)
 
     backward_step._hetero_wrapped = True
-    schedules.backward_step = backward_step
+    return backward_step
 
 
 def _build_chunks(plan: Plan, slot: Slot, stage: Stage, config: TrainConfig):

@@ -14,6 +14,9 @@ and megatron-core run on CPU processes.
 - :mod:`.spawn`: ``spawn(fn, world_size)``, N gloo processes with results and failures collected.
 - :mod:`.warmup_schedule`: the non-interleaved 1F1B with the plan's per-stage warm-up, from
   megatron-core's ``forward_step``, ``backward_step`` and ``P2PCommunicator`` (``schedule_for``).
+- :mod:`.mesh_grids`, :mod:`.mesh_stage`, :mod:`.mesh_train`: a mesh plan's grids and bridges,
+  one rank's model slice and schedule collection, and its training with Megatron's DDP,
+  optimizer and ``finalize_model_grads`` per mesh (``build_mesh_rank``; megatron-core 0.17).
 
 ``runtime``, ``emulate`` and ``profiler`` build megatron-core objects through this package and
 never import one another. It depends on :mod:`megatron_hetero.plan` (and its

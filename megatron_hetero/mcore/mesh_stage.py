@@ -5,7 +5,8 @@ process-group collection.
 ``forward_backward_pipelining_without_interleaving`` with a ``MultiModulePipelineCommunicator``
 hands each stage ``[{module name: tensor}]`` and sends what the stage returns as
 ``{module name: tensor}``; :class:`MeshStageModule` adapts a ``GPTModel`` to that: it takes
-the previous mesh's tensor as its input and names its output after its own mesh (the last
+its own mesh's tensor (from the stage before it in the mesh), else the previous mesh's (across
+the bridge) as its input and names its output after its own mesh (the last
 mesh returns the loss as it is). Megatron-core 0.17.1 still reads two globals on this path:
 the TP group of ``GPTModel``'s vocab-parallel loss and the attention's memory buffer
 (:func:`use_mesh_globals`).
@@ -36,8 +37,9 @@ class MeshStageModule(torch.nn.Module):
 
     def set_input_tensor(self, tensors) -> None:
         got = tensors[0] if isinstance(tensors, list) else tensors
-        if isinstance(got, dict):
-            got = got.get(module_name(self.mesh - 1)) if self.mesh else None
+        if isinstance(got, dict):  # from the stage before in this mesh, else from the bridge
+            own, before = module_name(self.mesh), module_name(self.mesh - 1)
+            got = got[own] if own in got else (got.get(before) if self.mesh else None)
         self.gpt.set_input_tensor(got)
 
     def forward(self, *args, **kwargs):

@@ -27,10 +27,11 @@ def layer_spec(model: ModelSpec, device: str = "cpu"):
 
 
 def gpt_model(model: ModelSpec, config, *, pre_process: bool = True, post_process: bool = True,
-              vp_stage: int | None = None, device: str = "cpu"):
+              vp_stage: int | None = None, device: str = "cpu", pg_collection=None):
     """The ``GPTModel`` (or pipeline stage of it: ``pre_process`` holds the embedding,
     ``post_process`` the final norm and output layer; ``vp_stage`` the model chunk of an
-    interleaved plan) of ``model`` on ``config``, with the layer spec of ``device``. Built where
+    interleaved plan) of ``model`` on ``config``, with the layer spec of ``device``, on
+    ``parallel_state``'s groups or ``pg_collection``'s (a mesh plan's rank). Built where
     ``config`` says (``use_cpu_initialization``); moving it is the caller's."""
     from megatron.core.models.gpt import GPTModel
 
@@ -40,7 +41,8 @@ def gpt_model(model: ModelSpec, config, *, pre_process: bool = True, post_proces
                     pre_process=pre_process, post_process=post_process,
                     share_embeddings_and_output_weights=tied,
                     position_embedding_type=model.position_embedding_type,
-                    **({"vp_stage": vp_stage} if vp_stage is not None else {}))
+                    **({"vp_stage": vp_stage} if vp_stage is not None else {}),
+                    **({"pg_collection": pg_collection} if pg_collection is not None else {}))
 
 
 def wrap_ddp(models: Sequence, *, overlap_grad_reduce: bool = False,

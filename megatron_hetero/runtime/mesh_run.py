@@ -192,8 +192,8 @@ def before_validate(args, plan: MeshPlan, *, path: str, argv) -> MeshRankState:
 
 
 def even_plan(plan: MeshPlan) -> bool:
-    """Every replica of every mesh alike."""
-    return all(m.even for m in plan.meshes)
+    """Every replica of every mesh alike (no per-token loss)."""
+    return not plan.per_token_loss
 
 
 def _virtual_micro_batch_size(plan: MeshPlan, path: str) -> int:

@@ -109,3 +109,23 @@ def test_main_prints_and_fails_with_one_line(plan4, capsys):
     assert jobspec.main([str(plan4), "--gpus-per-node", "2"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("megatron-hetero jobspec: error:") and err.count("\n") == 1
+
+
+def test_mesh_plan_components_follow_its_meshes(capsys):
+    """A mesh plan (format 2): one component per device type in the meshes' rank order, with
+    the GPUs each type's meshes need; a host file is checked against them."""
+    from megatron_hetero.plan_mesh import load_any_plan
+
+    from ..conftest import REPO
+
+    path = REPO / "examples/meshes/3090-t4-plan.yaml"
+    plan = load_any_plan(path)
+    comps = jobspec.slurm_components(plan, gpus_per_node=4,
+                                     partitions={"RTX3090-24GB": "a", "T4-16GB": "b"})
+    assert [(c.device_type, c.num_gpus, c.nodes) for c in comps] == [
+        ("RTX3090-24GB", 16, 4), ("T4-16GB", 16, 4)]
+    assert jobspec.main([str(path), "--print", "world-size"]) == 0
+    assert capsys.readouterr().out.strip() == "32"
+    assert jobspec.main([str(path), "--gpus-per-node", "8", "--print", "device-types",
+                         "--partition", "RTX3090-24GB=a", "--partition", "T4-16GB=b"]) == 0
+    assert capsys.readouterr().out.strip() == "RTX3090-24GB,T4-16GB"

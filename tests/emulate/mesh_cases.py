@@ -1,0 +1,26 @@
+"""Runs of the mesh-trainer tests (importable by name; each test runs one in a subprocess under
+megatron-core 0.17.1)."""
+
+from __future__ import annotations
+
+
+def train_against_one_process(plan_path: str, clip_grad: float) -> dict:
+    """Train the mesh plan at ``plan_path`` 3 steps with Adam and gradient clipping at
+    ``clip_grad``, with the plain and with the distributed optimizer, and its one-process
+    reference once; return each run's losses, every rank's gradient norms and the first
+    divergence from the reference (losses, forward-only loss, parameters: rtol 1e-5, atol 1e-5,
+    1% of an Adam step) or None."""
+    from megatron_hetero.emulate.mesh_trainer import mesh_reference_plan, train_mesh_plan
+    from megatron_hetero.emulate.trainer import TrainConfig, compare_results
+    from megatron_hetero.plan_mesh import load_any_plan
+
+    plan = load_any_plan(plan_path)
+    out = {}
+    ref = train_mesh_plan(mesh_reference_plan(plan), TrainConfig(steps=3, clip_grad=clip_grad))
+    out["reference"] = {"losses": ref.losses, "grad_norms": ref.ranks[0].grad_norms}
+    for name, dist_opt in (("plain", False), ("distributed", True)):
+        got = train_mesh_plan(plan, TrainConfig(steps=3, clip_grad=clip_grad,
+                                                use_distributed_optimizer=dist_opt))
+        out[name] = {"losses": got.losses, "grad_norms": [r.grad_norms for r in got.ranks],
+                     "diverges": compare_results(got, ref, rtol=1e-5, atol=1e-5)}
+    return out

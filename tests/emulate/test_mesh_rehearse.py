@@ -1,0 +1,59 @@
+"""``megatron-hetero rehearse`` of a mesh plan (format 2): refused on megatron-core 0.16 naming
+0.17; on 0.17.1 the CPU ranks play each mesh's device at its relative speed, the simulator
+predicts the step, and --verify matches one process. (The step time measured against the
+prediction is a benchmark, scripts/bench_mesh_rehearse.py: no timed assertions here.)"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from megatron_hetero.cli import main
+from megatron_hetero.emulate.mesh_rehearse import shrink_mesh_plan
+from megatron_hetero.hardware.catalog import load_catalog
+from megatron_hetero.plan_mesh import load_any_plan
+
+from ..conftest import REPO, one_line_error
+
+PLAN = REPO / "examples/meshes/rehearse-plan.yaml"
+
+
+def test_shrunk_mesh_plan_keeps_meshes_split_and_replicas():
+    plan = load_any_plan(PLAN)
+    shrunk = shrink_mesh_plan(plan, 32)
+    assert shrunk.model.hidden_size == 32 and shrunk.model.num_layers == plan.model.num_layers
+    assert shrunk.model.num_attention_heads % 2 == 0  # the T4 mesh's TP
+    assert shrunk.layer_split == plan.layer_split
+    assert [(m.device_type, m.tensor_model_parallel_size, m.replicas) for m in shrunk.meshes] == \
+        [(m.device_type, m.tensor_model_parallel_size, m.replicas) for m in plan.meshes]
+
+
+def test_mesh_plan_refused_on_megatron_core_016(capsys):
+    import megatron.core.package_info as info
+    if not info.__version__.startswith("0.16"):
+        pytest.skip(f"megatron-core {info.__version__} is installed")
+    assert main(["rehearse", str(PLAN), "--steps", "2"]) == 1
+    err = one_line_error(capsys, "rehearse")
+    assert "needs megatron-core 0.17" in err and "0.16" in err
+
+
+@pytest.mark.slow
+def test_mesh_plan_rehearses_and_verifies(mcore017_env):
+    out = subprocess.run([sys.executable, "-m", "megatron_hetero.cli", "rehearse", str(PLAN),
+                          "--steps", "2", "--hidden-size", "32", "--verify"],
+                         env=mcore017_env | {"PYTHONWARNINGS": "ignore"}, cwd=REPO,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-2000:]
+    text = out.stdout
+    rows = [line.split() for line in text.splitlines() if "|" in line and "GB " in line]
+    assert [(r[0], r[1], r[2], r[3], r[4]) for r in rows] == [
+        ("0", "0", "0", "RTX3090-24GB", "1"), ("0", "0", "1", "RTX3090-24GB", "1"),
+        ("1", "1", "0", "T4-16GB", "2")]
+    fast, slow = float(rows[0][7].rstrip("x")), float(rows[2][7].rstrip("x"))
+    cat = load_catalog()
+    want = cat.get("RTX3090-24GB").achievable_flops / cat.get("T4-16GB").achievable_flops
+    assert slow / fast == pytest.approx(want, rel=0.01)
+    assert "measured/predicted" in text and "by the mesh simulator" in text
+    assert "verify: losses and final parameters match" in text
