@@ -19,7 +19,10 @@ fp32 rtol 1e-5:
 * ``uneven`` (4 ranks): two meshes of two replicas running 3 and 1 micro-batches of 1
   (per-token loss, the token count summed over every mesh);
 * ``placed`` (3 ranks): ``tp1-tp2`` with the first mesh on an A100 and the second on V100s,
-  which the launcher starts first: each process is placed on its device type's rank.
+  which the launcher starts first: each process is placed on its device type's rank;
+* ``plain`` (3 ranks): ``dp2-dp1`` with Adam outside the distributed optimizer (each replica
+  holds its mesh's whole gradient: the norm counts it once), against ``ref-plain``, the one
+  process without it.
 
 ``tp1-tp2`` also saves after steps 2 and 4, and ``resume`` (the same plan) loads its step 2 and
 trains steps 3-4 again, writing the same step-4 checkpoint; that checkpoint holds the one
@@ -55,7 +58,10 @@ MESH_PLANS = {  # name: (ranks, [(tp, dp, layers per stage, recompute), ...])
     "tp2-pp2": (4, [(2, 1, [2], None), (1, 1, [1, 1], None)]),
     "uneven": (4, [(1, 2, [2], None), (1, 2, [2], None)]),  # replicas of 3 and 1 micro-batches
     "placed": (3, [(1, 1, [2], None), (2, 1, [2], None)]),  # A100 TP 1 -> V100 TP 2
+    "plain": (3, [(1, 2, [2], None), (1, 1, [2], None)]),  # dp2-dp1, no distributed optimizer
 }
+PLAIN = {"plain", "ref-plain"}  # Adam without the distributed optimizer (its own reference)
+REFERENCE = {"plain": "ref-plain"}
 REPLICAS = {"uneven": [(1, 3), (1, 1)]}
 DEVICES = {"placed": [A100, V100]}
 LAUNCHER_TYPES = {"placed": [V100, V100, A100]}  # the launcher puts the V100s first
@@ -64,9 +70,11 @@ PLACED = {"placed": [1, 2, 0]}  # Megatron rank of each launcher rank
 
 def _runs(root: Path):
     """(run, plan file, ranks, extra arguments), in the order they run."""
-    ref, tp = str(root / "ckpt-ref"), str(root / "ckpt-tp1-tp2")
-    runs = [("ref", "ref", 1, ["--save", ref, "--save-interval", "1"])]
+    tp = str(root / "ckpt-tp1-tp2")
+    runs = [(ref, ref, 1, ["--save", str(root / f"ckpt-{ref}"), "--save-interval", "1"])
+            for ref in ("ref", "ref-plain")]
     for name, (ranks, _) in MESH_PLANS.items():
+        ref = str(root / f"ckpt-{REFERENCE.get(name, 'ref')}")
         extra = ["--load", ref, "--ckpt-step", "1", "--no-load-rng"]  # ref's rng: one grid
         if name == "tp1-tp2":
             extra += ["--save", tp, "--save-interval", "2"]
@@ -85,11 +93,14 @@ def chain(tmp_path_factory):
     else:
         script, base_args = TRAIN_SCRIPT, BASE_ARGS
     print("training script:", script)
-    save_plan(make_plan(split=(4,), replicas=[(2, 2)], distributed_optimizer=True),
-              root / "ref.yaml")
+    for ref in ("ref", "ref-plain"):
+        save_plan(make_plan(split=(4,), replicas=[(2, 2)],
+                            distributed_optimizer=ref not in PLAIN), root / f"{ref}.yaml")
     for name, (_, meshes) in MESH_PLANS.items():
         save_any_plan(make_mesh_plan(meshes, replicas=REPLICAS.get(name),
-                                     devices=DEVICES.get(name)), root / f"{name}.yaml")
+                                     devices=DEVICES.get(name),
+                                     distributed_optimizer=name not in PLAIN),
+                      root / f"{name}.yaml")
     records, walls = {}, {}
     for run, plan, ranks, extra in _runs(root):
         work = root / run
@@ -117,7 +128,7 @@ def test_mesh_plan_trains_equal_to_one_process(chain, name):
     """Steps 2-4 of each mesh plan: the loss (on the last mesh) and the gradient norm (the
     whole model's, on every rank) equal the one process's within rtol 1e-5."""
     rec = chain["records"]
-    ref, got = _steps(rec["ref"]), _steps(rec[name])
+    ref, got = _steps(rec[REFERENCE.get(name, "ref")]), _steps(rec[name])
     assert sorted(ref) == [1, 2, 3, 4] and sorted(got) == [2, 3, 4]
     _close(got, ref)
     ranks, meshes = MESH_PLANS[name]
