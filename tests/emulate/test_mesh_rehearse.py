@@ -1,7 +1,8 @@
 """``megatron-hetero rehearse`` of a mesh plan (format 2): refused on megatron-core 0.16 naming
 0.17; on 0.17.1 the CPU ranks play each mesh's device at its relative speed, the simulator
-predicts the step, and --verify matches one process. (The step time measured against the
-prediction is a benchmark, scripts/bench_mesh_rehearse.py: no timed assertions here.)"""
+predicts the step, and --verify matches one process. The one timed check is the one issue 15
+asks for (as tests/emulate/test_rehearse.py's for format 1): the measured step within 10% of
+the prediction, median of 3 rehearsals; scripts/bench_mesh_rehearse.py prints the figures."""
 
 from __future__ import annotations
 
@@ -57,3 +58,21 @@ def test_mesh_plan_rehearses_and_verifies(mcore017_env):
     assert slow / fast == pytest.approx(want, rel=0.01)
     assert "measured/predicted" in text and "by the mesh simulator" in text
     assert "verify: losses and final parameters match" in text
+
+
+@pytest.mark.slow
+def test_mesh_rehearsal_meets_its_prediction(mcore017_env):
+    """``examples/meshes/rehearse-plan.yaml`` (3090s TP1 x DP2 -> T4s TP2 x DP1: a fan-in
+    bridge and a TP broadcast) rehearsed 3 times: the median of measured / predicted is within
+    10% (issue 15, item 5). A shared, loaded machine misses it (docs/meshes.md, "Rehearsal of
+    a mesh plan": gloo's messages then wait milliseconds for a core each)."""
+    ratios = []
+    for _ in range(3):
+        out = subprocess.run([sys.executable, "-m", "megatron_hetero.cli", "rehearse", str(PLAN),
+                              "--steps", "4", "--hidden-size", "64"],
+                             env=mcore017_env | {"PYTHONWARNINGS": "ignore"}, cwd=REPO,
+                             capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-2000:]
+        line = next(x for x in out.stdout.splitlines() if x.startswith("step time: measured"))
+        ratios.append(float(line.rsplit("measured/predicted", 1)[1].split()[0]))
+    assert sorted(ratios)[1] == pytest.approx(1.0, abs=0.1), ratios
