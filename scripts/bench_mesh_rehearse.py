@@ -53,6 +53,7 @@ def main() -> None:
     ap.add_argument("--verbose", action="store_true", help="print each rehearsal's table")
     args = ap.parse_args()
     rows = []
+    start = (time.strftime('%H:%M', time.gmtime()), os.getloadavg()[0])
     for name, plan in plans().items():
         config = RehearsalConfig(steps=args.steps, time_scale=args.time_scale,
                                  hidden_size=args.hidden_size)
@@ -61,7 +62,8 @@ def main() -> None:
             print(format_mesh_report(res, source=name, real=plan.model), flush=True)
         rows.append((name, res))
     load = os.getloadavg()[0]
-    print(f"\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average {load:.1f}")
+    print(f"\n{time.strftime('%Y-%m-%d', time.gmtime())} {start[0]} -> "
+          f"{time.strftime('%H:%M UTC', time.gmtime())}, load average {start[1]:.1f} -> {load:.1f}")
     print(f"{'plan':<8} {'predicted s':>11} {'a priori s':>10} {'measured s':>10} "
           f"{'ratio':>6}  steps measured")
     for name, res in rows:
