@@ -8,6 +8,9 @@ Plans (4 CPU ranks each, Llama-2 7B's 32 layers shrunk in width):
   T4 TP2 x DP1 (the bridge joins two micro-batches and broadcasts in the T4s' TP group);
 - ``fan-out``: the same meshes in the other order, 14 layers on the T4s, 18 on the 3090s.
 
+Neither fits its cards' memory (Llama-2 7B on four 16-24 GB cards without the distributed
+optimizer): memory is metered, not capped.
+
 For each it prints the predicted step (the cost model and ``simulate_mesh`` on the emulated
 cluster, compute rescaled by the CPU time the ranks measured), the prediction from the
 start-up calibration alone, the measured median of the reported steps and measured/predicted.
@@ -56,7 +59,7 @@ def main() -> None:
     start = (time.strftime('%H:%M', time.gmtime()), os.getloadavg()[0])
     for name, plan in plans().items():
         config = RehearsalConfig(steps=args.steps, time_scale=args.time_scale,
-                                 hidden_size=args.hidden_size)
+                                 hidden_size=args.hidden_size, memory_cap=False)
         res = rehearse_mesh(plan, config, source=name)
         if args.verbose:
             print(format_mesh_report(res, source=name, real=plan.model), flush=True)
