@@ -8,6 +8,9 @@ Plans (4 CPU ranks each, Llama-2 7B's 32 layers shrunk in width):
   T4 TP2 x DP1 (the bridge joins two micro-batches and broadcasts in the T4s' TP group);
 - ``fan-out``: the same meshes in the other order, 14 layers on the T4s, 18 on the 3090s.
 
+Neither fits its cards' memory (Llama-2 7B on four 16-24 GB cards without the distributed
+optimizer): memory is metered, not capped.
+
 For each it prints the predicted step (the cost model and ``simulate_mesh`` on the emulated
 cluster, compute rescaled by the CPU time the ranks measured), the prediction from the
 start-up calibration alone, the measured median of the reported steps and measured/predicted.
@@ -53,15 +56,17 @@ def main() -> None:
     ap.add_argument("--verbose", action="store_true", help="print each rehearsal's table")
     args = ap.parse_args()
     rows = []
+    start = (time.strftime('%H:%M', time.gmtime()), os.getloadavg()[0])
     for name, plan in plans().items():
         config = RehearsalConfig(steps=args.steps, time_scale=args.time_scale,
-                                 hidden_size=args.hidden_size)
+                                 hidden_size=args.hidden_size, memory_cap=False)
         res = rehearse_mesh(plan, config, source=name)
         if args.verbose:
             print(format_mesh_report(res, source=name, real=plan.model), flush=True)
         rows.append((name, res))
     load = os.getloadavg()[0]
-    print(f"\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average {load:.1f}")
+    print(f"\n{time.strftime('%Y-%m-%d', time.gmtime())} {start[0]} -> "
+          f"{time.strftime('%H:%M UTC', time.gmtime())}, load average {start[1]:.1f} -> {load:.1f}")
     print(f"{'plan':<8} {'predicted s':>11} {'a priori s':>10} {'measured s':>10} "
           f"{'ratio':>6}  steps measured")
     for name, res in rows:

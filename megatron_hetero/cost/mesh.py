@@ -13,8 +13,10 @@ The bridge (megatron-core's ``BridgeCommunicator``) between mesh ``a`` (``D_a`` 
   receives ``D_a / D_b`` tensors one after another and joins them (fan-in); with ``D_a < D_b``
   each leader of ``a`` splits its tensor and sends the ``D_b / D_a`` pieces one after another
   (fan-out). Every transfer is a shape message and a tensor of ``min(b_a, b_b)`` samples over
-  the link the two leaders' nodes share; the hub leader (the one that joins or splits) does
-  its transfers in sequence, so the bridge takes the slowest hub's sum. Then the receiving
+  the link the two leaders' nodes share. The hub leader (the one that joins or splits) posts
+  the shape messages of all its transfers in one batch (``_communicate_shapes``: one latency)
+  and then its tensors one after another (blocking ``dist.send``/``dist.recv``), so the bridge
+  takes the slowest hub's ``latency + sum(latency + bytes / bandwidth)``. Then the receiving
   leader broadcasts the ``[s, b_b, h]`` tensor (shape, then data) to its ``T_b - 1`` tensor
   peers on their node's link (``nbytes / bandwidth``, a pipelined broadcast).
 * backward: the same transfers carry the gradients the other way (the hub splits or joins
@@ -144,7 +146,7 @@ def bridge_seconds(cost, bridge: Bridge) -> tuple[float, float]:
     :class:`~megatron_hetero.cost.model.CostModel`)."""
     lat = cost.p2p_latency_s
     piece = cost.hidden_bytes(min(bridge.src_micro_batch, bridge.dst_micro_batch), 1)
-    transfers = max(sum(2 * lat + piece / (bw * 1e9) for bw in hub) for hub in bridge.hubs)
+    transfers = max(lat + sum(lat + piece / (bw * 1e9) for bw in hub) for hub in bridge.hubs)
 
     def broadcast(tp: int, micro_batch: int, gb_s: float) -> float:
         if tp == 1:

@@ -37,6 +37,7 @@ from typing import Iterable, Iterator
 from ..errors import HeteroError
 from ..hardware.catalog import Catalog, load_catalog
 from ..plan import Plan
+from ..plan_mesh import MeshPlan
 
 __all__ = ["MemoryCapError", "MemoryMeter", "memory_caps", "cpu_rank_bytes", "plan_cost_model"]
 
@@ -95,10 +96,12 @@ def cpu_rank_bytes(shrunk: Plan, catalog: Catalog | None = None, *,
     return out
 
 
-def memory_caps(real: Plan, shrunk: Plan, catalog: Catalog | None = None, *,
+def memory_caps(real: Plan | MeshPlan, shrunk: Plan | MeshPlan,
+                catalog: Catalog | None = None, *,
                 activation_scale: float = 1.0, cpu_shards_optimizer: bool = False
                 ) -> dict[int, tuple[float, float, float]]:
-    """For every rank: (cap bytes, device bytes, scale) under the rule in the module docstring.
+    """For every rank: (cap bytes, device bytes, scale) under the rule in the module docstring
+    (``real`` and ``shrunk`` both format-1 plans or both mesh plans).
 
     ``estimate`` is the tuner's cost model (:meth:`CostModel.stage_memory`): for the real plan
     as the tuner sees it (its precision, fused attention, workspace reserve); for the shrunk
@@ -116,15 +119,27 @@ def memory_caps(real: Plan, shrunk: Plan, catalog: Catalog | None = None, *,
                                workspace_gb=0.0, use_distributed_optimizer=cpu_shards_optimizer)
     caps = {}
     for rank in range(real.world_size):
-        slot = real.slot_of_rank(rank)
-        device = catalog.get(real.stage(slot.pipeline, slot.stage).device_type).memory_bytes
-        r = real_cost.stage_memory(real, slot.pipeline, slot.stage)
-        c = cpu_cost.stage_memory(shrunk, slot.pipeline, slot.stage)
+        device_type, r = _rank_memory(real_cost, real, rank)
+        device = catalog.get(device_type).memory_bytes
+        c = _rank_memory(cpu_cost, shrunk, rank)[1]
         # the cost model counts 16-bit activations; the CPU ranks keep fp32 ones
         cpu_need = c.params + c.grads + c.optimizer + 2 * activation_scale * c.activations
         scale = cpu_need / r.total
         caps[rank] = (device * scale, device, scale)
     return caps
+
+
+def _rank_memory(cost, plan, rank: int):
+    """(device type, the cost model's peak memory) of one tensor rank of ``plan`` (a format-1
+    plan or a mesh plan: its mesh's TP, its replica's micro-batch, its global stage index)."""
+    slot = plan.slot_of_rank(rank)
+    if isinstance(plan, MeshPlan):
+        from ..cost.mesh import mesh_stage_shape
+
+        return (plan.meshes[slot.mesh].device_type,
+                cost.memory(mesh_stage_shape(plan, slot.mesh, slot.stage, slot.replica)))
+    return (plan.stage(slot.pipeline, slot.stage).device_type,
+            cost.stage_memory(plan, slot.pipeline, slot.stage))
 
 
 # -- measurement ----------------------------------------------------------------------------------

@@ -8,12 +8,14 @@ one CPU process per plan rank, each playing its mesh's GPU type.
 3. *Calibrate* the CPU and gloo on two processes at each micro-batch size of the plan
    (:func:`.calibration.calibrate`, one per device type's idle gaps).
 4. *Run* N steps of the mesh trainer (:mod:`.mesh_trainer`) under the speed emulation
-   (:func:`.rank_hooks.rehearsal_hooks`); the first step is a warm-up and is not reported.
+   (:func:`.rank_hooks.rehearsal_hooks`) and, as for format 1, each rank's memory metered
+   and capped at its device's memory scaled with the model (:func:`.memory.memory_caps`, the
+   cost model's memory of the rank's mesh stage); the first step is a warm-up.
 5. *Predict* the same emulated cluster with the cost model and the mesh simulator
    (:func:`megatron_hetero.simulate_mesh.simulate_mesh`), the calibrated compute rescaled by the
    CPU time the ranks measured (:mod:`.drift`), and report both.
 
-Not rehearsed on mesh plans (yet): memory caps, link emulation.
+Not rehearsed on mesh plans (yet): link emulation.
 """
 
 from __future__ import annotations
@@ -55,6 +57,10 @@ class MeshStageReport:
     cpu_s: float
     """Mean CPU seconds of compute per reported step."""
     predicted_busy_s: float
+    peak_bytes: float | None = None
+    """The rank's metered peak memory (None where memory was not metered)."""
+    cap_bytes: float | None = None
+    """Its cap: its device's memory scaled as the model was (:func:`.memory.memory_caps`)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -116,7 +122,7 @@ def _calibration_plan(shrunk: MeshPlan, b: int) -> Plan:
 
 
 def _calibrate(shrunk: MeshPlan, factors: dict[str, float], *, seed: int,
-               nice: int) -> dict[str, Calibration]:
+               nice: int, meter: bool) -> dict[str, Calibration]:
     """One calibration per device type (its idle gaps), at every micro-batch size of the plan."""
     sizes = sorted({r.micro_batch_size for m in shrunk.meshes for r in m.replicas})
     by_idle: dict[float, Calibration] = {}
@@ -127,13 +133,14 @@ def _calibrate(shrunk: MeshPlan, factors: dict[str, float], *, seed: int,
         merged = None
         for b in sizes:
             c = calibrate(_calibration_plan(shrunk, b), seed=seed, nice=nice, idle_factor=idle,
-                          meter=False)
+                          meter=meter)
             if merged is None:
                 merged = c
             else:
                 merged.parts.update(c.parts)
                 merged.step_overhead.update(c.step_overhead)
                 merged.pipeline_overhead.update(c.pipeline_overhead)
+                merged.layer_activation_bytes.update(c.layer_activation_bytes)
         by_idle[idle] = merged
     return {d: by_idle[round(max(0.0, f - 1.0), 3)] for d, f in factors.items()}
 
@@ -178,10 +185,13 @@ def rehearse_mesh(plan: MeshPlan, config, *, catalog: Catalog | None = None,
                   verify: bool = False, source: str = "PLAN", progress=None,
                   calibration: dict[str, Calibration] | None = None) -> MeshRehearsalResult:
     """Shrink, calibrate, run and predict the mesh plan ``plan`` (see the module docstring);
-    ``config`` is the rehearsal's :class:`.rehearse.RehearsalConfig` (its memory cap, memory
-    metering and link emulation are not used on mesh plans)."""
+    ``config`` is the rehearsal's :class:`.rehearse.RehearsalConfig` (its link emulation is
+    not used on mesh plans)."""
+    from ..mcore.spawn import SpawnError
+    from .calibration import activation_scale
+    from .memory import memory_caps
     from .mesh_trainer import mesh_reference_plan, train_mesh_plan
-    from .rank_hooks import rehearsal_hooks
+    from .rank_hooks import rehearsal_hooks, user_error
     from .trainer import TrainConfig, compare_results
 
     _check_megatron_core(source)
@@ -192,17 +202,29 @@ def rehearse_mesh(plan: MeshPlan, config, *, catalog: Catalog | None = None,
         raise HeteroError(f"{source}: the plan has {shrunk.world_size} ranks; this rehearsal "
                           f"starts at most {config.max_ranks} CPU processes on one machine")
     slowdowns = _device_slowdowns(plan, catalog)
+    metered = config.meter_memory or config.memory_cap
     time_scale = config.time_scale or _auto_time_scale(plan, slowdowns)
     factors = {d: s * time_scale for d, s in slowdowns.items()}
     if calibration is None:
         say("calibrating the CPU and gloo")
-        calibration = _calibrate(shrunk, factors, seed=config.seed, nice=config.nice)
+        calibration = _calibrate(shrunk, factors, seed=config.seed, nice=config.nice,
+                                 meter=metered)
     say(f"running {config.steps} steps on {shrunk.world_size} CPU ranks")
     tconf = TrainConfig(steps=config.steps, seed=config.seed, gather_params=verify,
                         eval_forward_only=verify, timeout_s=config.timeout_s)
+    dist_opt = bool(tconf.use_distributed_optimizer)
+    fastest = calibration[min(factors, key=lambda d: (factors[d], d))]
+    caps = memory_caps(plan, shrunk, catalog, cpu_shards_optimizer=dist_opt,
+                       activation_scale=activation_scale(shrunk, fastest)) if metered else None
     hooks = functools.partial(rehearsal_hooks, factors=factors, time_scale=time_scale,
-                              caps=None, nice=config.nice)
-    result = train_mesh_plan(shrunk, tconf, hooks_factory=hooks)
+                              caps=caps, enforce_caps=config.memory_cap, nice=config.nice)
+    try:
+        result = train_mesh_plan(shrunk, tconf, hooks_factory=hooks)
+    except SpawnError as exc:
+        user = user_error(exc)
+        if user is not None:
+            raise user from None
+        raise
     verify_message = None
     if verify:
         say("training the same model, data and seed in one process")
@@ -211,7 +233,6 @@ def rehearse_mesh(plan: MeshPlan, config, *, catalog: Catalog | None = None,
 
     steps = range(1, config.steps)  # step 0 is the warm-up
     step_times = [max(r.step_times[k] for r in result.ranks) for k in steps]
-    dist_opt = bool(tconf.use_distributed_optimizer)
     a_priori = predict_mesh(shrunk, calibration, factors, distributed_optimizer=dist_opt)
     leads = [r for r in result.ranks if r.tensor_rank == 0]
     device_of = functools.partial(_device_of, shrunk)
@@ -231,7 +252,8 @@ def rehearse_mesh(plan: MeshPlan, config, *, catalog: Catalog | None = None,
             num_microbatches=mesh.replicas[slot.replica].num_microbatches,
             factor=r.extra["factor"], busy_s=_mean([r.extra["busy"][k] for k in steps]),
             cpu_s=_mean([r.extra["cpu"][k] for k in steps]),
-            predicted_busy_s=sim.stage(r.pipeline, r.stage).busy_s))
+            predicted_busy_s=sim.stage(r.pipeline, r.stage).busy_s,
+            peak_bytes=r.extra.get("peak_bytes"), cap_bytes=caps[r.rank][0] if caps else None))
     return MeshRehearsalResult(plan=shrunk, stages=stages, step_times=step_times,
                                predicted_step_s=sim.step_time_s,
                                a_priori_step_s=a_priori.step_time_s, cpu_drift=drift,
@@ -271,13 +293,15 @@ def format_mesh_report(result: MeshRehearsalResult, *, source: str = "PLAN",
         plan.describe(),
         "",
         f"{'mesh':>4} {'stage':>5} {'repl':>4}  {'device':<18} {'TP':>2} {'layers':>6} "
-        f"{'micro':>5} {'slow':>6} | {'busy s':>7} {'cpu s':>7} | {'pred busy':>9}",
+        f"{'micro':>5} {'slow':>6} | {'busy s':>7} {'cpu s':>7} | {'pred busy':>9} | "
+        f"{'peak MB':>8} {'cap MB':>8}",
     ]
     for st in result.stages:
         lines.append(f"{st.mesh:>4} {st.stage:>5} {st.replica:>4}  {st.device_type:<18} "
                      f"{st.tensor_model_parallel_size:>2} {st.num_layers:>6} "
                      f"{st.num_microbatches:>5} {st.factor:>5.2f}x | {st.busy_s:>7.3f} "
-                     f"{st.cpu_s:>7.3f} | {st.predicted_busy_s:>9.3f}")
+                     f"{st.cpu_s:>7.3f} | {st.predicted_busy_s:>9.3f} | "
+                     f"{_mb(st.peak_bytes):>8} {_mb(st.cap_bytes):>8}")
     lines += [
         "",
         f"step time: measured {result.step_s:.3f} s (median of {len(result.step_times)}: "
@@ -287,7 +311,11 @@ def format_mesh_report(result: MeshRehearsalResult, *, source: str = "PLAN",
         f"  (the ranks' compute took {result.cpu_drift:.2f}x the CPU time the start-up "
         f"calibration measured; from that calibration alone the prediction is "
         f"{result.a_priori_step_s:.3f} s)",
-        "not rehearsed on mesh plans: memory caps, link emulation",
+        "not rehearsed on mesh plans: link emulation",
         "losses: " + ", ".join(f"{x:.4f}" for x in result.losses),
     ]
     return "\n".join(lines)
+
+
+def _mb(nbytes: float | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / 2**20:.1f}"

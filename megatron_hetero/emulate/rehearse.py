@@ -252,7 +252,7 @@ def rehearse_main(args) -> int:
 
 
 def _rehearse_mesh_plan(plan, config: RehearsalConfig, args, catalog, progress):
-    """``rehearse`` of a mesh plan (:mod:`.mesh_rehearse`): no memory caps or link emulation."""
+    """``rehearse`` of a mesh plan (:mod:`.mesh_rehearse`): no link emulation."""
     from .mesh_rehearse import format_mesh_report, rehearse_mesh
 
     if config.emulate_links:

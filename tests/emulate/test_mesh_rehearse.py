@@ -1,7 +1,8 @@
 """``megatron-hetero rehearse`` of a mesh plan (format 2): refused on megatron-core 0.16 naming
 0.17; on 0.17.1 the CPU ranks play each mesh's device at its relative speed, the simulator
-predicts the step, and --verify matches one process. (The step time measured against the
-prediction is a benchmark, scripts/bench_mesh_rehearse.py: no timed assertions here.)"""
+predicts the step, and --verify matches one process. The one timed check is the one issue 15
+asks for (as tests/emulate/test_rehearse.py's for format 1): the measured step within 10% of
+the prediction, median of 3 rehearsals; scripts/bench_mesh_rehearse.py prints the figures."""
 
 from __future__ import annotations
 
@@ -39,10 +40,42 @@ def test_mesh_plan_refused_on_megatron_core_016(capsys):
     assert "needs megatron-core 0.17" in err and "0.16" in err
 
 
+def test_mesh_memory_caps_scale_each_mesh_device():
+    """Each rank's cap is its mesh's device memory scaled by the CPU bytes over the real bytes
+    of its mesh stage (its TP, its replica's micro-batch), as for format-1 plans."""
+    from megatron_hetero.cost.mesh import mesh_stage_shape
+    from megatron_hetero.emulate.memory import memory_caps, plan_cost_model
+
+    plan = load_any_plan(PLAN)
+    shrunk = shrink_mesh_plan(plan, 32)
+    cat = load_catalog()
+    caps = memory_caps(plan, shrunk, cat)
+    assert sorted(caps) == [0, 1, 2, 3]
+    assert caps[0] == caps[1] and caps[2] == caps[3]  # replicas alike; TP peers alike
+    assert caps[0][1] == cat.get("RTX3090-24GB").memory_bytes
+    assert caps[2][1] == cat.get("T4-16GB").memory_bytes
+    real = plan_cost_model(plan, cat, precision=plan.precision,
+                           use_distributed_optimizer=plan.use_distributed_optimizer)
+    cpu = plan_cost_model(shrunk, cat, precision="fp32", flash_attention=False, workspace_gb=0.0,
+                          use_distributed_optimizer=False)
+    r, c = (m.memory(mesh_stage_shape(p, 1, 0, 0)) for m, p in ((real, plan), (cpu, shrunk)))
+    want = (c.params + c.grads + c.optimizer + 2 * c.activations) / r.total
+    assert caps[2][2] == pytest.approx(want) and caps[2][0] == pytest.approx(want * caps[2][1])
+
+
 @pytest.mark.slow
 def test_mesh_plan_rehearses_and_verifies(mcore017_env):
+    """The example plan (Llama-2 7B on four 16-24 GB cards, no distributed optimizer) does not
+    fit its cards: capped, the rehearsal stops at the first rank past its scaled memory; with
+    --no-memory-cap it runs, meters each rank's peak and matches one process."""
+    env = mcore017_env | {"PYTHONWARNINGS": "ignore"}
+    capped = subprocess.run([sys.executable, "-m", "megatron_hetero.cli", "rehearse", str(PLAN),
+                             "--steps", "2", "--hidden-size", "32"],
+                            env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert capped.returncode == 1 and "ran out of memory" in capped.stderr, capped.stderr[-3000:]
+    assert "Traceback" not in capped.stderr
     out = subprocess.run([sys.executable, "-m", "megatron_hetero.cli", "rehearse", str(PLAN),
-                          "--steps", "2", "--hidden-size", "32", "--verify"],
+                          "--steps", "2", "--hidden-size", "32", "--verify", "--no-memory-cap"],
                          env=mcore017_env | {"PYTHONWARNINGS": "ignore"}, cwd=REPO,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-2000:]
@@ -52,8 +85,28 @@ def test_mesh_plan_rehearses_and_verifies(mcore017_env):
         ("0", "0", "0", "RTX3090-24GB", "1"), ("0", "0", "1", "RTX3090-24GB", "1"),
         ("1", "1", "0", "T4-16GB", "2")]
     fast, slow = float(rows[0][7].rstrip("x")), float(rows[2][7].rstrip("x"))
+    peaks = [float(r[-2]) for r in rows]
+    assert all(p > 0 for p in peaks) and rows[0][-1] != "-"  # metered, and its cap shown
     cat = load_catalog()
     want = cat.get("RTX3090-24GB").achievable_flops / cat.get("T4-16GB").achievable_flops
     assert slow / fast == pytest.approx(want, rel=0.01)
     assert "measured/predicted" in text and "by the mesh simulator" in text
     assert "verify: losses and final parameters match" in text
+
+
+@pytest.mark.slow
+def test_mesh_rehearsal_meets_its_prediction(mcore017_env):
+    """``examples/meshes/rehearse-plan.yaml`` (3090s TP1 x DP2 -> T4s TP2 x DP1: a fan-in
+    bridge and a TP broadcast) rehearsed 3 times: the median of measured / predicted is within
+    10% (issue 15, item 5). A shared, loaded machine misses it (docs/meshes.md, "Rehearsal of
+    a mesh plan": gloo's messages then wait milliseconds for a core each)."""
+    ratios = []
+    for _ in range(3):
+        out = subprocess.run([sys.executable, "-m", "megatron_hetero.cli", "rehearse", str(PLAN),
+                              "--steps", "4", "--hidden-size", "64", "--no-memory-cap"],
+                             env=mcore017_env | {"PYTHONWARNINGS": "ignore"}, cwd=REPO,
+                             capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-2000:]
+        line = next(x for x in out.stdout.splitlines() if x.startswith("step time: measured"))
+        ratios.append(float(line.rsplit("measured/predicted", 1)[1].split()[0]))
+    assert sorted(ratios)[1] == pytest.approx(1.0, abs=0.1), ratios

@@ -52,8 +52,9 @@ def test_one_mesh_equals_the_uniform_plan_exactly(tp, dp, split, m):
 
 
 def test_bridge_grows_with_the_data_parallel_ratio():
-    """Joining k micro-batch pieces of one sample each on one leader: k transfers in sequence;
-    the receiving TP group's broadcast adds the joined tensor once."""
+    """Joining k micro-batch pieces of one sample each on one leader: the k shape messages in
+    one batch (one latency), then k transfers in sequence; the receiving TP group's broadcast
+    adds the joined tensor once."""
     bw = 12.5
     one = bridge_seconds(COST, Bridge(src_tp=1, dst_tp=1, src_micro_batch=1, dst_micro_batch=1,
                                       hubs=((bw,),), src_broadcast_gb_s=32, dst_broadcast_gb_s=16))
@@ -64,7 +65,9 @@ def test_bridge_grows_with_the_data_parallel_ratio():
         got = bridge_seconds(COST, Bridge(src_tp=1, dst_tp=1, src_micro_batch=1, dst_micro_batch=k,
                                           hubs=((bw,) * k,), src_broadcast_gb_s=32,
                                           dst_broadcast_gb_s=16))
-        assert got[0] == pytest.approx(k * one[0]) and got[0] > last[0]
+        shapes = COST.p2p_latency_s  # posted together (megatron-core's _communicate_shapes)
+        assert got[0] == pytest.approx(shapes + k * (one[0] - shapes)) and got[0] > last[0]
+        assert got[0] == got[1]  # the gradients split back the same way
         last = got
     # a TP=2 receiver broadcasts the joined [s, 4, h] tensor on its node's link
     joined = bridge_seconds(COST, Bridge(src_tp=1, dst_tp=2, src_micro_batch=1, dst_micro_batch=4,
