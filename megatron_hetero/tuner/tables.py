@@ -430,22 +430,26 @@ class _Builder:
         return got
 
     def grid(self, menu: Menu) -> _Grid:
-        """A grid with ``menu``'s options: one built before that has them (the search asks for
-        several menus of most tables, so the first of those over every module-input setting
-        serves the rest), else one with just the module-input settings and the selective
-        recompute ``menu`` offers (the baseline asks for some menus only)."""
+        """A grid with ``menu``'s options: one built before that has them, else one over every
+        module-input setting of the search (and ``menu``'s), with selective recompute where
+        attention is unfused, so that it serves every later menu of the table (the search
+        asks for several menus of most tables; the baseline for two or three of its own). A
+        column's figures do not depend on the others beside it."""
         selective = menu.selective_recompute and self.unfused
         for g in self._grids:
             if g.covers(menu, selective):
                 return g
-        k, mem, sec = self.full_recompute(menu.module_inputs)
+        settings = tuple(mi for mi in (False, True)
+                         if mi in self.module_inputs or mi in menu.module_inputs)
+        k, mem, sec = self.full_recompute(settings)
+        selective = self.unfused
         if selective:
-            lines = [self.base_line(True, mi) for mi in menu.module_inputs]
+            lines = [self.base_line(True, mi) for mi in settings]
             k = np.concatenate((k, np.zeros_like(k[:, :, :1])), axis=2)
             mem = np.concatenate((mem, _side_by_side([m for m, _ in lines])), axis=2)
             sec = np.concatenate((sec, _side_by_side([t for _, t in lines])), axis=2)
         columns = (self.L + 1, -1)
-        got = _Grid(module_inputs=menu.module_inputs, selective=selective,
+        got = _Grid(module_inputs=settings, selective=selective,
                     layers=k.reshape(columns), memory=mem.reshape(columns),
                     seconds=sec.reshape(columns), costed={})
         self._grids.append(got)
