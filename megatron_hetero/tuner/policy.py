@@ -185,8 +185,12 @@ def _option_seconds(cost: CostModel, shape: StageShape, menu: Menu,
     """The seconds of one micro-batch's forward and backward on ``shape`` under each of
     ``settings`` (``menu``'s on the stage's layers): the cost model's, kept per
     :func:`timing_position`, which the stage positions of one place share (the local search
-    asks for every middle stage of a pipeline)."""
+    asks for every middle stage of a pipeline). :meth:`CostModel.times` costs the stage as a
+    whole, so an interleaved stage's chunks are one chunk of its layers here (the climb moves
+    layers between chunks)."""
     timing = timing_position(shape)
+    if timing.virtual_size > 1:
+        timing = timing.but(chunk_layers=(timing.num_layers,))
     memo = _OPTION_SECONDS.get(cost)
     if memo is None:
         memo = _OPTION_SECONDS[cost] = {}
