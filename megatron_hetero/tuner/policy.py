@@ -125,14 +125,27 @@ def option_costs(memory: np.ndarray, seconds: np.ndarray, *, optimizer: np.ndarr
     optimizer = np.asarray(optimizer, dtype=float)[..., None]
     offload_seconds = np.asarray(offload_seconds, dtype=float)[..., None]
     fits = memory <= capacity
+    # in place, each entry by the same operations as
+    # fraction = ceil((memory - capacity) (1 + 1e-9) / optimizer x STEPS) / STEPS
+    fraction = memory - capacity
     with np.errstate(divide="ignore", invalid="ignore"):
-        steps = np.ceil((memory - capacity) * (1 + 1e-9) / optimizer * OFFLOAD_STEPS)
-        fraction = np.where(fits, 0.0, steps / OFFLOAD_STEPS)
-        ok = fits | ((optimizer > 0) & (fraction <= 1.0)
-                     & (memory - fraction * optimizer <= capacity))
+        fraction *= 1 + 1e-9
+        fraction /= optimizer
+        fraction *= OFFLOAD_STEPS
+        np.ceil(fraction, out=fraction)
+        fraction /= OFFLOAD_STEPS
+        np.copyto(fraction, 0.0, where=fits)
+        ok = memory - fraction * optimizer <= capacity
+        ok &= fraction <= 1.0
+        ok &= optimizer > 0
+        ok |= fits
         # entries that are not ok (an infinite fraction times 0 s among them) are dropped
-        cost = np.where(ok, seconds + fraction * offload_seconds, np.inf)
-    return np.where(ok, fraction, 0.0), cost
+        cost = fraction * offload_seconds
+        cost += seconds
+    bad = ~ok
+    np.copyto(cost, np.inf, where=bad)
+    np.copyto(fraction, 0.0, where=bad)
+    return fraction, cost
 
 
 def pick(fraction: np.ndarray, cost: np.ndarray) -> Pick:
@@ -143,8 +156,19 @@ def pick(fraction: np.ndarray, cost: np.ndarray) -> Pick:
         return Pick(index=np.zeros(lead, dtype=np.int64), fraction=np.zeros(lead),
                     seconds=np.full(lead, np.inf))
     index = np.argmin(cost, axis=-1)
-    lead = np.indices(index.shape, sparse=True)
+    if cost.ndim == 2:  # the tables' (layer counts, options): the same entries, sooner
+        lead = (_arange(cost.shape[0]),)
+    else:
+        lead = np.indices(index.shape, sparse=True)
     return Pick(index=index, fraction=fraction[(*lead, index)], seconds=cost[(*lead, index)])
+
+
+@lru_cache(maxsize=64)
+def _arange(n: int) -> np.ndarray:
+    """0..n - 1 (read-only, shared)."""
+    got = np.arange(n)
+    got.flags.writeable = False
+    return got
 
 
 def cheapest(memory: np.ndarray, seconds: np.ndarray, *, optimizer: np.ndarray,
