@@ -5,7 +5,9 @@
 
 One process per rank, started by torchrun or srun as usual (``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``). ``--cpu`` (or ``MEGATRON_HETERO_CPU=1``) runs
-megatron-core on the CPU backend over gloo, for rehearsals and CI.
+megatron-core on the CPU backend over gloo, for rehearsals and CI. A mesh plan (``format_version:
+2``) runs the same way on megatron-core 0.17 (docs/meshes.md, "Runtime"); on 0.16 every rank
+refuses it before the model is built.
 """
 
 from __future__ import annotations

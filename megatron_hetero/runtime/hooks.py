@@ -1,9 +1,14 @@
 """Hooks that apply ``--hetero-plan`` inside an unchanged Megatron-LM training script.
 
-:func:`install` wraps six of Megatron-LM's own functions (rebinding every module-level name
-that refers to them, so ``from megatron.training.arguments import validate_args`` done before or
+:func:`install` wraps Megatron-LM's own functions (rebinding every module-level name that
+refers to them, so ``from megatron.training.arguments import validate_args`` done before or
 after installing sees the wrapper). Nothing of Megatron is copied; each wrapper calls the
-original:
+original. A mesh plan (``format_version: 2``) goes to :mod:`.mesh_run` from the same wrappers
+and from six more that call straight through otherwise (``initialize_model_parallel``,
+``is_pipeline_first_stage``/``is_pipeline_last_stage``, ``finalize_model_grads``,
+``get_grad_norm_fp32``, and the checkpoint's sharding check and RNG state:
+:mod:`.mesh_checkpoint`); on megatron-core 0.16 it is refused before anything is built
+(:mod:`.meshes`). For a format-1 plan:
 
 ``megatron.training.arguments.parse_args``
     adds ``--hetero-plan`` / ``--hetero-device-type`` to the script's ``extra_args_provider``.
@@ -48,13 +53,14 @@ from ..mcore.stage_policies import stage_config_kwargs
 from ..mcore.warmup_schedule import refusal, schedule_for, unsupported
 from ..plan import Plan, Slot, Stage, load_plan
 from ..schedule_order import has_extra_warmup, stage_schedule
-from . import plan_args, policies, vendors
+from . import mesh_model, mesh_run, plan_args, policies, vendors
 from ._rebind import is_wrapper, rebind
 from .arguments import add_hetero_args
-from .meshes import refuse_mesh_plan
+from .meshes import mesh_plan_of
 from .placement import CPU_ENV, check_device_stacks, detect_device_type, place_this_rank
 
-__all__ = ["install", "installed", "RankState", "state", "reset", "LAUNCHER_RANK_ENV"]
+__all__ = ["install", "installed", "RankState", "state", "mesh_state", "reset",
+           "LAUNCHER_RANK_ENV"]
 
 LAUNCHER_RANK_ENV = "MEGATRON_HETERO_LAUNCHER_RANK"
 """Set by the hooks to the launcher's rank; ``RANK`` becomes the placed Megatron rank."""
@@ -102,6 +108,7 @@ class RankState:
 
 
 _state: RankState | None = None
+_mesh: mesh_run.MeshRankState | None = None
 
 
 def state() -> RankState | None:
@@ -109,10 +116,15 @@ def state() -> RankState | None:
     return _state
 
 
+def mesh_state() -> mesh_run.MeshRankState | None:
+    """This process's slot in a mesh plan, once ``validate_args`` ran with one."""
+    return _mesh
+
+
 def reset() -> None:
     """Forget this process's state (tests)."""
-    global _state
-    _state = None
+    global _state, _mesh
+    _state = _mesh = None
 
 
 # -- the wrappers ------------------------------------------------------------------------------
@@ -141,15 +153,19 @@ def _emulated_device(plan: Plan, launcher_rank: int) -> str | None:
     return None
 
 
-def before_validate(args, argv=None) -> RankState | None:
+def before_validate(args, argv=None) -> RankState | mesh_run.MeshRankState | None:
     """Apply the plan to this rank's parsed ``args`` (see the module docstring)."""
-    global _state
+    global _state, _mesh
     path = getattr(args, "hetero_plan", None)
     if not path:
         return None
-    refuse_mesh_plan(path)
-    plan = load_plan(path)
     argv = sys.argv[1:] if argv is None else argv
+    mesh_plan = mesh_plan_of(path)  # refused on megatron-core 0.16
+    if mesh_plan is not None:
+        _mesh = mesh_run.before_validate(args, mesh_plan, path=path, argv=argv)
+        os.environ[LAUNCHER_RANK_ENV] = str(_mesh.launcher_rank)
+        return _mesh
+    plan = load_plan(path)
     plan_args.check_and_apply(args, plan, argv, source=path)
     policies.check_supported(plan, source=path, use_precision_aware_optimizer=getattr(
         args, "use_precision_aware_optimizer", None),
@@ -215,7 +231,12 @@ def after_validate(args) -> None:
 def _wrap_validate_args(original):
     @functools.wraps(original)
     def validate_args(args, *a, **kw):
-        before_validate(args)
+        st = before_validate(args)
+        if isinstance(st, mesh_run.MeshRankState):
+            with mesh_run.mesh_view(args, st):
+                result = original(args, *a, **kw)
+            mesh_run.after_validate(args, st)
+            return result
         result = original(args, *a, **kw)
         after_validate(args)
         return result
@@ -243,6 +264,9 @@ def apply_stage_config(config, chunk: int | None = None) -> object:
 def _wrap_get_model(original):
     @functools.wraps(original)
     def get_model(model_provider_func, *a, **kw):
+        if _mesh is not None:
+            return mesh_model.get_model(original, _mesh, model_provider_func, *a, **kw)
+
         @functools.wraps(model_provider_func)
         def provider(*pa, **pkw):
             _building_chunk[0] = pkw.get("vp_stage")
@@ -257,6 +281,12 @@ def _wrap_get_model(original):
 def _wrap_config(original):
     @functools.wraps(original)
     def core_transformer_config_from_args(*a, **kw):
+        if _mesh is not None:
+            config = mesh_model.mesh_config(original, _mesh, *a, **kw)
+            stage = _mesh.mesh.stages[_mesh.slot.stage]
+            for key, value in stage_config_kwargs(stage, None).items():
+                setattr(config, key, value)
+            return config
         return apply_stage_config(original(*a, **kw))
     return core_transformer_config_from_args
 
@@ -289,6 +319,8 @@ def _uneven() -> bool:
 def _wrap_get_fb(original):
     @functools.wraps(original)
     def get_forward_backward_func(*a, **kw):
+        if _mesh is not None:
+            return mesh_run.mesh_schedule(_mesh)
         fb = original(*a, **kw)
         if _state is not None:
             # the plan's per-stage warm-up where it asks for more than Megatron's on this replica
@@ -317,6 +349,9 @@ def build_replica_data_loader(dataset, consumed_samples, *, num_workers: int = 0
 def _wrap_loader(original):
     @functools.wraps(original)
     def build_pretraining_data_loader(dataset, consumed_samples, *a, **kw):
+        if dataset is not None and mesh_run.uneven(_mesh):
+            return mesh_run.replica_data_loader(dataset, consumed_samples, _mesh,
+                                                num_workers=getattr(_mesh.args, "num_workers", 0))
         if dataset is None or not _uneven():
             return original(dataset, consumed_samples, *a, **kw)
         from megatron.core import parallel_state
@@ -340,6 +375,7 @@ _TARGETS = (
     ("megatron.training.training", "get_forward_backward_func", _wrap_get_fb),
     ("megatron.training.training", "build_pretraining_data_loader", _wrap_loader),
 )
+_TARGETS += mesh_run.mesh_only_targets(mesh_state)  # each calls straight through otherwise
 
 
 def installed() -> bool:

@@ -5,8 +5,8 @@ They run under megatron-core's multimodule pipeline: one ``HyperCommGrid`` per m
 communicator of ``forward_backward_pipelining_without_interleaving`` with a
 ``MultiModuleProcessGroupCollection`` (docs/meshes.md). That schedule takes them from
 megatron-core 0.17 on; 0.16.1 ships the grid and the communicators but not the schedule's
-multimodule path. The runtime that builds them is not written yet, so every rank refuses a mesh
-plan here, before the model is built, naming what it needs.
+multimodule path, so there every rank refuses a mesh plan here, before the model is built, naming
+the version it needs. On 0.17 :mod:`.mesh_run` runs it.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import importlib
 
 from .._schema import read_yaml
 from ..errors import HeteroError
-from ..plan_mesh import MESH_FORMAT_VERSION
+from ..plan_mesh import MESH_FORMAT_VERSION, MeshPlan, mesh_plan_from_data
 
-__all__ = ["refuse_mesh_plan", "MULTIMODULE_SCHEDULE_VERSION"]
+__all__ = ["mesh_plan_of", "MULTIMODULE_SCHEDULE_VERSION"]
 
 MULTIMODULE_SCHEDULE_VERSION = (0, 17)
 """The first megatron-core whose non-interleaved 1F1B runs a multimodule pipeline."""
@@ -28,13 +28,13 @@ def _installed() -> tuple[str, tuple[int, ...]]:
     return text, tuple(int(x) for x in text.split(".")[:2] if x.isdigit())
 
 
-def refuse_mesh_plan(path: str) -> None:
-    """Raise :class:`HeteroError` if ``path`` holds a mesh plan: on megatron-core older than
-    :data:`MULTIMODULE_SCHEDULE_VERSION` naming the version it needs, else saying that the mesh
-    runtime is not built yet. Plans of format 1 pass."""
+def mesh_plan_of(path: str) -> MeshPlan | None:
+    """The mesh plan in ``path`` (None for a format-1 plan), checked; on megatron-core older
+    than :data:`MULTIMODULE_SCHEDULE_VERSION` a :class:`HeteroError` naming the version it
+    needs, before anything is built."""
     data = read_yaml(path)
     if not (isinstance(data, dict) and data.get("format_version") == MESH_FORMAT_VERSION):
-        return
+        return None
     text, version = _installed()
     if version < MULTIMODULE_SCHEDULE_VERSION:
         need = ".".join(map(str, MULTIMODULE_SCHEDULE_VERSION))
@@ -42,7 +42,4 @@ def refuse_mesh_plan(path: str) -> None:
             f"{path}: a mesh plan (format_version 2) needs megatron-core {need} or later, whose "
             f"forward_backward_pipelining_without_interleaving runs MultiModulePipelineCommunicator "
             f"with a MultiModuleProcessGroupCollection; megatron-core {text} is installed")
-    raise HeteroError(
-        f"{path}: mesh plans (format_version 2) do not run yet (megatron-core {text} has what "
-        "they need; docs/meshes.md says how the runtime will build them): simulate it, or "
-        "`tune` without `--meshes` for the best plan that runs")
+    return mesh_plan_from_data(data, source=path)

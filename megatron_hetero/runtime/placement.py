@@ -23,10 +23,12 @@ from ..errors import HeteroError
 from ..hardware.catalog import Catalog, load_catalog
 from ..plan import Plan
 from ..plan_inventory import check_plan_vendors
+from ..plan_mesh import MeshPlan
 from .arguments import DEVICE_TYPE_ENV
 
 __all__ = ["RankInfo", "PlacementError", "assign_ranks", "detect_device_type",
-           "exchange_rank_infos", "place_this_rank", "check_device_stacks", "CPU_ENV"]
+           "exchange_rank_infos", "place_this_rank", "check_device_stacks", "CPU_ENV",
+           "device_type_of_rank"]
 
 CPU_ENV = "MEGATRON_HETERO_CPU"
 """Set to 1 to run on the CPU backend (gloo); the emulated device type is then the plan's."""
@@ -105,7 +107,26 @@ def _counts_text(counts: Counter) -> str:
     return ", ".join(f"{n}x {gpu}" for gpu, n in sorted(counts.items())) or "nothing"
 
 
-def assign_ranks(plan: Plan, infos: list[RankInfo], *, source: str = "plan") -> list[int]:
+def device_type_of_rank(plan: Plan | MeshPlan, rank: int) -> str:
+    """The device type the plan puts on Megatron rank ``rank`` (a mesh plan: its mesh's)."""
+    if isinstance(plan, MeshPlan):
+        return plan.meshes[plan.slot_of_rank(rank).mesh].device_type
+    return plan.device_type_of_rank(rank)
+
+
+def _tensor_groups(plan: Plan | MeshPlan) -> list[tuple[int, int]]:
+    """(first rank, size) of every tensor-parallel group, in rank order (each mesh its own
+    size)."""
+    if isinstance(plan, MeshPlan):
+        return [(plan.rank_offset(k) + first, m.tensor_model_parallel_size)
+                for k, m in enumerate(plan.meshes)
+                for first in range(0, m.world_size, m.tensor_model_parallel_size)]
+    tp = plan.tensor_model_parallel_size
+    return [(first, tp) for first in range(0, plan.world_size, tp)]
+
+
+def assign_ranks(plan: Plan | MeshPlan, infos: list[RankInfo], *,
+                 source: str = "plan") -> list[int]:
     """Megatron rank of every launcher rank (``result[launcher_rank]``).
 
     Slots are handed out per device type in Megatron rank order, one tensor-parallel group at a
@@ -133,17 +154,16 @@ def assign_ranks(plan: Plan, infos: list[RankInfo], *, source: str = "plan") -> 
     if [i.launcher_rank for i in by_rank] != list(range(world)):
         raise PlacementError(f"{source}: launcher ranks are not 0..{world - 1}: "
                              f"{[i.launcher_rank for i in by_rank][:16]}")
-    if all(plan.device_type_of_rank(i.launcher_rank) == i.device_type for i in by_rank):
+    if all(device_type_of_rank(plan, i.launcher_rank) == i.device_type for i in by_rank):
         return list(range(world))
 
-    tp = plan.tensor_model_parallel_size
     pool: dict[str, list[RankInfo]] = defaultdict(list)
     for info in sorted(infos, key=lambda i: (i.host, i.local_rank, i.launcher_rank)):
         pool[info.device_type].append(info)
     taken = Counter()
     result = [-1] * world
-    for first in range(0, world, tp):  # one tensor-parallel group = tp consecutive Megatron ranks
-        gpu = plan.device_type_of_rank(first)
+    for first, tp in _tensor_groups(plan):  # a tensor-parallel group: consecutive Megatron ranks
+        gpu = device_type_of_rank(plan, first)
         start = taken[gpu]
         for t, info in enumerate(pool[gpu][start:start + tp]):
             result[info.launcher_rank] = first + t
@@ -191,7 +211,8 @@ def _launcher_store(launcher_rank: int, world_size: int, timeout_minutes: float)
     return store
 
 
-def place_this_rank(plan: Plan, *, launcher_rank: int, world_size: int, device_type: str,
+def place_this_rank(plan: Plan | MeshPlan, *, launcher_rank: int, world_size: int,
+                    device_type: str,
                     source: str = "plan", store=None, timeout_minutes: float = 10.0) -> int:
     """This process's Megatron rank under ``plan``; exchanges device types with every rank."""
     import socket
@@ -199,10 +220,14 @@ def place_this_rank(plan: Plan, *, launcher_rank: int, world_size: int, device_t
     if world_size != plan.world_size:
         # Every rank sees the same WORLD_SIZE, so every rank raises the same message.
         wanted = plan.device_counts()
+        shape = ("; ".join(f"mesh {k}: TP={m.tensor_model_parallel_size} x "
+                           f"DP={m.data_parallel_size} x PP={len(m.stages)}"
+                           for k, m in enumerate(plan.meshes)) if isinstance(plan, MeshPlan)
+                 else f"TP={plan.tensor_model_parallel_size} x DP={plan.data_parallel_size} x "
+                      f"PP={plan.pipeline_model_parallel_size}")
         raise PlacementError(
             f"{source}: the plan needs world size {plan.world_size} ({_counts_text(wanted)}; "
-            f"TP={plan.tensor_model_parallel_size} x DP={plan.data_parallel_size} x "
-            f"PP={plan.pipeline_model_parallel_size}); the launcher started {world_size} ranks")
+            f"{shape}); the launcher started {world_size} ranks")
     mine = RankInfo(launcher_rank=launcher_rank, device_type=device_type,
                     host=socket.gethostname(), local_rank=int(os.environ.get("LOCAL_RANK", "0")))
     if world_size == 1:

@@ -28,8 +28,8 @@ from ..errors import HeteroError
 from ..megatron_args import GROUP_FLAG, megatron_args
 from ..plan import Plan
 
-__all__ = ["Implied", "implied_arguments", "given_flags", "check_and_apply", "ArgumentConflict",
-           "virtual_micro_batch_size"]
+__all__ = ["Implied", "implied_arguments", "implied_from_tokens", "given_flags",
+           "check_and_apply", "ArgumentConflict", "virtual_micro_batch_size"]
 
 # Flags whose value is a number; everything else with a value is a string.
 _STORE_FALSE = {"--disable-bias-linear": "add_bias_linear"}
@@ -75,7 +75,11 @@ def _typed(text: str) -> Any:
 
 def implied_arguments(plan: Plan) -> list[Implied]:
     """The plan's implied arguments as (flag, Megatron ``args`` attribute, value)."""
-    tokens = megatron_args(plan)
+    return implied_from_tokens(megatron_args(plan))
+
+
+def implied_from_tokens(tokens: Sequence[str]) -> list[Implied]:
+    """Megatron arguments (``--flag [value]`` tokens) as (flag, ``args`` attribute, value)."""
     out: list[Implied] = []
     i = 0
     while i < len(tokens):

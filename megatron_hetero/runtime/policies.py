@@ -94,7 +94,7 @@ def set_launch_env(argv, environ=None) -> bool:
     when the command line's ``--hetero-plan`` offloads module inputs on some stage (TE reads it
     at import; with TE >= 2.10 Megatron's fine-grained offload asserts it). True when the plan
     needs it."""
-    from ..plan import load_plan
+    from ..plan_mesh import MeshPlan, load_any_plan
 
     environ = os.environ if environ is None else environ
     path = None
@@ -103,7 +103,11 @@ def set_launch_env(argv, environ=None) -> bool:
             path = argv[i + 1]
         elif tok.startswith("--hetero-plan="):
             path = tok.split("=", 1)[1]
-    if path is None or not load_plan(path).offloads_module_inputs:
+    plan = None if path is None else load_any_plan(path)
+    offloads = plan is not None and (
+        any(st.offload.module_inputs for m in plan.meshes for st in m.stages)
+        if isinstance(plan, MeshPlan) else plan.offloads_module_inputs)
+    if not offloads:
         return False
     environ.setdefault(NVTE_ENV, "1")
     return True

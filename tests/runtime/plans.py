@@ -45,3 +45,35 @@ def make_plan(*, split=(1, 1), devices=None, replicas=((1, 1),), tp=1, recompute
     if group is not None:
         data["microbatch_group_size"] = group
     return plan_from_data(data, source="test-plan")
+
+
+def make_mesh_plan(meshes, *, global_batch=4, num_microbatches=2, replicas=None, devices=None,
+                   hidden=16, heads=4, vocab=128, seq=8, precision="fp32",
+                   distributed_optimizer=True):
+    """A mesh plan (format 2) of the same tiny model: ``meshes`` is
+    ``[(tp, dp, [layers per stage], recompute or None), ...]``; every mesh's replicas run
+    ``num_microbatches`` micro-batches of ``global_batch / (dp x num_microbatches)``, or, with
+    ``replicas`` (``[(micro_batch_size, num_microbatches), ...]``), those in every mesh;
+    ``devices[k]`` mesh k's device type (default A100)."""
+    from megatron_hetero.plan_mesh import mesh_plan_from_data
+
+    data = {
+        "format_version": 2,
+        "model": {"name": "tiny", "num_layers": sum(sum(m[2]) for m in meshes),
+                  "hidden_size": hidden, "ffn_hidden_size": 4 * hidden,
+                  "num_attention_heads": heads, "num_query_groups": heads, "vocab_size": vocab,
+                  "seq_length": seq},
+        "global_batch_size": global_batch,
+        "precision": precision,
+        "use_distributed_optimizer": distributed_optimizer,
+        "meshes": [{"device_type": devices[k] if devices else A100,
+                    "tensor_model_parallel_size": tp,
+                    "replicas": ([{"micro_batch_size": b, "num_microbatches": n}
+                                  for b, n in replicas] if replicas else
+                                 [{"micro_batch_size": global_batch // (dp * num_microbatches),
+                                   "num_microbatches": num_microbatches}] * dp),
+                    "stages": [{"num_layers": n, **({"recompute": rec} if rec else {})}
+                               for n in layers]}
+                   for k, (tp, dp, layers, rec) in enumerate(meshes)],
+    }
+    return mesh_plan_from_data(data, source="test-mesh-plan")

@@ -1,5 +1,6 @@
-"""A mesh plan under the runtime hooks: refused on every rank before the model is built,
-naming the megatron-core it needs on 0.16 (tier 1/2: no process group)."""
+"""A mesh plan under the runtime hooks on megatron-core 0.16: refused on every rank before the
+model is built, naming the megatron-core it needs (tier 1/2: no process group). On 0.17 the
+hooks run it (``test_mesh_training.py``); what they refuse there is checked here too."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from megatron_hetero.errors import HeteroError
 from megatron_hetero.runtime import hooks
-from megatron_hetero.runtime.meshes import refuse_mesh_plan
+from megatron_hetero.runtime.meshes import mesh_plan_of
 
 from ..conftest import EXAMPLE_PLANS, REPO
 
@@ -23,18 +24,67 @@ def test_mesh_plan_refused_on_megatron_core_016_naming_017():
                                           r"MultiModulePipelineCommunicator.*0\.16\.1 is installed"):
         hooks.before_validate(argparse.Namespace(hetero_plan=str(MESH), rank=0, world_size=32),
                               argv=[])
+    assert hooks.mesh_state() is None
 
 
 def test_format_1_plans_pass_the_gate():
     for path in EXAMPLE_PLANS:
-        refuse_mesh_plan(str(path))
+        assert mesh_plan_of(str(path)) is None
 
 
-def test_mesh_plan_refused_on_017_as_not_built_yet(mcore017_env):
-    script = ("from megatron_hetero.runtime.meshes import refuse_mesh_plan\n"
-              f"refuse_mesh_plan({str(MESH)!r})\n")
-    out = subprocess.run([sys.executable, "-c", script], env=mcore017_env, capture_output=True,
+_ON_017 = """
+import argparse, sys
+from megatron_hetero.errors import HeteroError
+from megatron_hetero.runtime import hooks, placement
+# the other 31 launcher ranks, as the rank exchange would report them: the 3090s last
+types = ["T4-16GB"] * 16 + ["RTX3090-24GB"] * 16
+placement._launcher_store = lambda *a, **kw: None
+placement.exchange_rank_infos = lambda mine, world, store: [
+    placement.RankInfo(launcher_rank=r, device_type=types[r], host="h", local_rank=r)
+    for r in range(world)]
+args = argparse.Namespace(hetero_plan={path!r}, rank=21, world_size={world},
+                          hetero_device_type="RTX3090-24GB")
+try:
+    st = hooks.before_validate(args, argv={argv!r})
+except HeteroError as exc:
+    print("refused:", exc)
+    sys.exit(0)
+print("rank", st.launcher_rank, st.rank, args.rank)
+print("slot", st.slot.mesh, st.slot.stage, st.slot.replica, st.slot.tensor_rank)
+print("args", args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+      args.micro_batch_size, args.pipeline_model_parallel_layout, args.num_layers,
+      args.global_batch_size)
+"""
+
+
+def _on_017(env, *, world=32, argv=()) -> str:
+    script = _ON_017.format(path=str(MESH), world=world, argv=list(argv))
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                          text=True, timeout=300)
-    assert out.returncode == 1
-    assert "mesh plans (format_version 2) do not run yet (megatron-core 0.17.1 has what they " \
-           "need" in out.stderr
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
+def test_mesh_plan_on_017_gives_each_rank_its_mesh(mcore017_env):
+    """Launcher rank 21, a 3090 where the launcher put the T4s first, is placed on the plan's
+    rank 5 (the 3090 mesh comes first in the plan): mesh 0 (TP 1, DP 8, 2 stages), its TP, PP,
+    micro-batch and its mesh's segments of the layout; the common arguments from the plan."""
+    out = _on_017(mcore017_env)
+    assert "rank 21 5 5" in out
+    assert "slot 0 0 5 0" in out
+    assert "args 1 2 1 Et*10|t*10 32 128" in out
+
+
+def test_mesh_plan_on_017_refuses_what_each_mesh_sets(mcore017_env):
+    out = _on_017(mcore017_env, argv=["--tensor-model-parallel-size", "2",
+                                      "--global-batch-size", "64"])
+    assert "refused:" in out
+    assert "--tensor-model-parallel-size: each rank takes its mesh's from the plan" in out
+    assert "--global-batch-size: the command line has" in out
+
+
+def test_mesh_plan_on_017_refuses_another_world_size(mcore017_env):
+    out = _on_017(mcore017_env, world=8)
+    assert "refused:" in out
+    assert ("the plan needs world size 32 (16x RTX3090-24GB, 16x T4-16GB; mesh 0: TP=1 x DP=8 x "
+            "PP=2; mesh 1: TP=2 x DP=8 x PP=1); the launcher started 8 ranks") in out

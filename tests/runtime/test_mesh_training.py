@@ -1,0 +1,202 @@
+"""Mesh plans (format 2) under Megatron-LM's own training loop on megatron-core 0.17.1, through
+``python -m megatron_hetero.launch`` on CPU ranks (gloo): Megatron-LM 0.17.1's ``pretrain_gpt.py``
+(mock data) where its git clone is at hand, else the tests' own ``data/train_tiny.py`` (the same
+``megatron.training.pretrain``), with the distributed optimizer (Adam), gradient clipping at 1.0
+and ``--ckpt-format torch_dist``.
+
+Megatron initialises weights per pipeline rank, so a plan only shares the one process's weights
+through a checkpoint: ``ref`` (one process, 4 layers, 2 micro-batches of 2, global batch 4)
+trains steps 1-4 and saves after each; every mesh plan loads ``ref``'s step-1 checkpoint and
+trains steps 2-4, each step's loss and gradient norm (whole model) equal to ``ref``'s within
+fp32 rtol 1e-5:
+
+* ``tp1-tp2`` (3 ranks): layers 1-2 at TP 1, layers 3-4 at TP 2 (the bridge broadcasts);
+* ``dp2-dp1`` (3 ranks): 2 replicas of 2 micro-batches of 1, then 1 replica of 2 x 2 (fan-in);
+* ``tp2dp1-tp1dp2`` (4 ranks): TP 2 x DP 1 then TP 1 x DP 2 (fan-out);
+* ``recompute`` (3 ranks): ``tp1-tp2`` with full recompute on the second mesh;
+* ``pp2-tp2`` (4 ranks): two stages of one layer at TP 1, then one of two layers at TP 2;
+* ``tp2-pp2`` (4 ranks): the reverse (the model's last mesh of two stages);
+* ``uneven`` (4 ranks): two meshes of two replicas running 3 and 1 micro-batches of 1
+  (per-token loss, the token count summed over every mesh);
+* ``placed`` (3 ranks): ``tp1-tp2`` with the first mesh on an A100 and the second on V100s,
+  which the launcher starts first: each process is placed on its device type's rank;
+* ``plain`` (3 ranks): ``dp2-dp1`` with Adam outside the distributed optimizer (each replica
+  holds its mesh's whole gradient: the norm counts it once), against ``ref-plain``, the one
+  process without it.
+
+``tp1-tp2`` also saves after steps 2 and 4, and ``resume`` (the same plan) loads its step 2 and
+trains steps 3-4 again, writing the same step-4 checkpoint; that checkpoint holds the one
+process's step-4 state under the same keys (each layer under its global number).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_hetero.plan import save_plan
+from megatron_hetero.plan_mesh import save_any_plan
+
+from .launching import (BASE_ARGS, MEGATRON_GIT, PRETRAIN_GPT_ARGS, RECORDING_SCRIPT, TRAIN_SCRIPT,
+                        launch, megatron_lm_checkout)
+from .plans import A100, V100, make_mesh_plan, make_plan
+from .test_checkpoint_resume import CHECKPOINT_ARGS, _assert_same_state, _close, _steps, _tensors
+
+pytestmark = pytest.mark.slow
+
+STEPS = 4
+FULL = {"granularity": "full", "method": "uniform", "num_layers": 1}
+MESH_PLANS = {  # name: (ranks, [(tp, dp, layers per stage, recompute), ...])
+    "tp1-tp2": (3, [(1, 1, [2], None), (2, 1, [2], None)]),
+    "dp2-dp1": (3, [(1, 2, [2], None), (1, 1, [2], None)]),
+    "tp2dp1-tp1dp2": (4, [(2, 1, [2], None), (1, 2, [2], None)]),
+    "recompute": (3, [(1, 1, [2], None), (2, 1, [2], FULL)]),
+    "pp2-tp2": (4, [(1, 1, [1, 1], None), (2, 1, [2], None)]),
+    "tp2-pp2": (4, [(2, 1, [2], None), (1, 1, [1, 1], None)]),
+    "uneven": (4, [(1, 2, [2], None), (1, 2, [2], None)]),  # replicas of 3 and 1 micro-batches
+    "placed": (3, [(1, 1, [2], None), (2, 1, [2], None)]),  # A100 TP 1 -> V100 TP 2
+    "plain": (3, [(1, 2, [2], None), (1, 1, [2], None)]),  # dp2-dp1, no distributed optimizer
+}
+PLAIN = {"plain", "ref-plain"}  # Adam without the distributed optimizer (its own reference)
+REFERENCE = {"plain": "ref-plain"}
+REPLICAS = {"uneven": [(1, 3), (1, 1)]}
+DEVICES = {"placed": [A100, V100]}
+LAUNCHER_TYPES = {"placed": [V100, V100, A100]}  # the launcher puts the V100s first
+PLACED = {"placed": [1, 2, 0]}  # Megatron rank of each launcher rank
+
+
+def _runs(root: Path):
+    """(run, plan file, ranks, extra arguments), in the order they run."""
+    tp = str(root / "ckpt-tp1-tp2")
+    runs = [(ref, ref, 1, ["--save", str(root / f"ckpt-{ref}"), "--save-interval", "1"])
+            for ref in ("ref", "ref-plain")]
+    for name, (ranks, _) in MESH_PLANS.items():
+        ref = str(root / f"ckpt-{REFERENCE.get(name, 'ref')}")
+        extra = ["--load", ref, "--ckpt-step", "1", "--no-load-rng"]  # ref's rng: one grid
+        if name == "tp1-tp2":
+            extra += ["--save", tp, "--save-interval", "2"]
+        runs.append((name, name, ranks, extra))
+    runs.append(("resume", "tp1-tp2", 3, ["--load", tp, "--ckpt-step", "2",
+                                          "--save", str(root / "ckpt-resume"),
+                                          "--save-interval", "2"]))
+    return runs
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory):
+    root = tmp_path_factory.mktemp("meshes")
+    if MEGATRON_GIT.is_dir():
+        script, base_args = megatron_lm_checkout(root) / RECORDING_SCRIPT.name, PRETRAIN_GPT_ARGS
+    else:
+        script, base_args = TRAIN_SCRIPT, BASE_ARGS
+    print("training script:", script)
+    for ref in ("ref", "ref-plain"):
+        save_plan(make_plan(split=(4,), replicas=[(2, 2)],
+                            distributed_optimizer=ref not in PLAIN), root / f"{ref}.yaml")
+    for name, (_, meshes) in MESH_PLANS.items():
+        save_any_plan(make_mesh_plan(meshes, replicas=REPLICAS.get(name),
+                                     devices=DEVICES.get(name),
+                                     distributed_optimizer=name not in PLAIN),
+                      root / f"{name}.yaml")
+    records, walls = {}, {}
+    for run, plan, ranks, extra in _runs(root):
+        work = root / run
+        work.mkdir()
+        start = time.perf_counter()
+        results = launch(ranks, str(root / f"{plan}.yaml"), work, script=script,
+                         base_args=base_args, iters=STEPS, extra=CHECKPOINT_ARGS + extra,
+                         env={"SAMPLES_LOG": str(work / "samples")}, timeout=500,
+                         launcher_types=LAUNCHER_TYPES.get(run))
+        walls[run] = time.perf_counter() - start
+        for code, out, _ in results:
+            assert code == 0, f"{run}: {out[-3000:]}"
+        records[run] = [json.loads((work / f"samples.{r}").read_text()) for r in range(ranks)]
+    print("wall time per run (s):", {k: round(v, 1) for k, v in walls.items()})
+    return {"records": records, "root": root, "script": script}
+
+
+def _by_rank(records: list) -> list:
+    """Records in Megatron rank order (the launcher's order may differ: ``placed``)."""
+    return sorted(records, key=lambda rec: rec["rank"])
+
+
+@pytest.mark.parametrize("name", list(MESH_PLANS))
+def test_mesh_plan_trains_equal_to_one_process(chain, name):
+    """Steps 2-4 of each mesh plan: the loss (on the last mesh) and the gradient norm (the
+    whole model's, on every rank) equal the one process's within rtol 1e-5."""
+    rec = chain["records"]
+    ref, got = _steps(rec[REFERENCE.get(name, "ref")]), _steps(rec[name])
+    assert sorted(ref) == [1, 2, 3, 4] and sorted(got) == [2, 3, 4]
+    _close(got, ref)
+    ranks, meshes = MESH_PLANS[name]
+    t, d, _, _ = meshes[-1]
+    last = ranks - t * d  # the first rank of the model's last stage
+    records = _by_rank(rec[name])
+    assert [r["rank"] for r in records] == list(range(ranks))
+    for r, record in enumerate(records):  # the loss only on the last stage; the norm everywhere
+        assert [s[0] for s in record["steps"]] == [1, 2, 3]
+        assert all((s[1] is not None) == (r >= last) for s in record["steps"]), (name, r)
+        assert [s[2] for s in record["steps"]] == [s[2] for s in records[-1]["steps"]]
+
+
+def test_ranks_placed_by_device_type(chain):
+    """``placed``: the launcher started the two V100s first; each process plays the plan's
+    rank of its device type (the A100 mesh's rank 0), and trains equal to one process
+    (above)."""
+    for run in ("placed", "tp1-tp2"):
+        want = PLACED.get(run, list(range(len(chain["records"][run]))))
+        assert [rec["rank"] for rec in chain["records"][run]] == want, run
+
+
+@pytest.mark.parametrize("name", list(MESH_PLANS))
+def test_first_mesh_reads_every_sample_once(chain, name):
+    """The first mesh's replicas (their tensor rank 0) read, in each step, exactly the samples
+    the one process read in that step (each replica its share)."""
+    rec = chain["records"]
+    _, meshes = MESH_PLANS[name]
+    tp, dp = meshes[0][0], meshes[0][1]
+    want = {}
+    for it, idx in rec["ref"][0]["read"]:
+        want.setdefault(it, []).append(idx)
+    got = {}
+    for replica in range(dp):
+        record = _by_rank(rec[name])[replica * tp]  # mesh 0, stage 0, this replica, tensor rank 0
+        assert record["dp"] == replica and record["tp"] == 0
+        for it, idx in record["read"]:
+            got.setdefault(it, []).append(idx)
+    assert sorted(got) == [1, 2, 3]
+    for it, idx in got.items():
+        assert sorted(idx) == sorted(want[it]), it
+
+
+def test_same_mesh_plan_resume_equals_the_uninterrupted_job(chain, tmp_path):
+    """``tp1-tp2`` resumed from its own step-2 checkpoint trains steps 3-4 as before and writes
+    the same step-4 checkpoint (weights and the distributed optimizer's Adam state)."""
+    rec = chain["records"]
+    full, resumed = _steps(rec["tp1-tp2"]), _steps(rec["resume"])
+    assert sorted(resumed) == [3, 4]
+    _close(resumed, full)
+    root = chain["root"]
+    a = _tensors(root / "ckpt-tp1-tp2" / "iter_0000004", tmp_path)
+    b = _tensors(root / "ckpt-resume" / "iter_0000004", tmp_path)
+    assert a.keys() == b.keys()
+    assert any(k.startswith("/optimizer.state.exp_avg_sq.") for k in a)
+    _assert_same_state(a, b, keys=a)
+
+
+def test_mesh_checkpoint_holds_the_one_process_state(chain, tmp_path):
+    """The step-4 checkpoint written under ``tp1-tp2`` (layers 1-2 whole on one rank, layers 3-4
+    split over two tensor ranks) holds the one process's step-4 state under the same keys: the
+    stacked layers whole, the optimizer state too."""
+    root = chain["root"]
+    mesh = _tensors(root / "ckpt-tp1-tp2" / "iter_0000004", tmp_path)
+    ref = _tensors(root / "ckpt-ref" / "iter_0000004", tmp_path)
+    layers = [k for k in ref if k.startswith("/decoder.layers.")]
+    assert layers and all(ref[k].shape[0] == 4 for k in layers)
+    assert set(layers) <= set(mesh)
+    common = [k for k in ref if k in mesh]
+    assert any(k.startswith("/optimizer.state.exp_avg.decoder.layers.") for k in common)
+    _assert_same_state(mesh, ref, keys=common)
