@@ -394,10 +394,7 @@ class CostModel:
     def _chunk_activations(self, device_type: str, b: int, tp: int, sp: bool,
                            module_inputs: bool, chunk_layers: tuple[int, ...], first: bool,
                            last: bool, recompute: Recompute) -> tuple[list[float], int]:
-        """Of an interleaved stage (:meth:`memory`): the bytes one micro-batch leaves in each
-        model chunk, and the most layers a chunk's full recompute rebuilds at once (cached:
-        the stages of many pipeline sizes and places share them; the list is not to be
-        changed)."""
+        """Per chunk, one micro-batch's bytes; and a recompute's most layers at once (cached)."""
         v = len(chunk_layers)
         keys = _chunk_recompute(recompute, chunk_layers)
         common = (device_type, b, tp, sp, module_inputs)

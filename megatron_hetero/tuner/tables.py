@@ -423,10 +423,8 @@ class _Builder:
 
     def grid(self, menu: Menu) -> _Grid:
         """A grid with ``menu``'s options: one built before that has them, else one over every
-        module-input setting of the search (and ``menu``'s), with selective recompute where
-        attention is unfused, so that it serves every later menu of the table (the search
-        asks for several menus of most tables; the baseline for two or three of its own). A
-        column's figures do not depend on the others beside it."""
+        module-input setting (and selective recompute where attention is unfused) that serves
+        every later menu of the table (a column's figures do not depend on the others)."""
         selective = menu.selective_recompute and self.unfused
         for g in self._grids:
             if g.covers(menu, selective):
