@@ -36,6 +36,7 @@ No torch here: the tuner, the simulator and the plan use it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from .errors import Described, SchemaError
 
@@ -197,6 +198,13 @@ def whole_group(p: int, microbatches) -> int | None:
     ``microbatches``: ``p`` (Megatron's default) where ``p`` does, else a group the plan names in
     ``microbatch_group_size`` so that Megatron's interleaved schedule runs whole groups (a
     global batch of 256 micro-batches on 3 stages: groups of 4); None where none does."""
+    return _whole_group(p, tuple(microbatches))
+
+
+@lru_cache(maxsize=65536)
+def _whole_group(p: int, microbatches: tuple[int, ...]) -> int | None:
+    """:func:`whole_group`, once per pipeline size and counts (the search asks for the same
+    pipeline sizes and global batch over and over)."""
     return next((g for g in range(p, 2 * p + 1) if all(m % g == 0 for m in microbatches)), None)
 
 

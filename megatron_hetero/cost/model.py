@@ -115,6 +115,8 @@ class CostModel:
         self._activations = lru_cache(maxsize=None)(self._activations)
         self.layer_activation_bytes = lru_cache(maxsize=None)(self.layer_activation_bytes)
         self.memory = lru_cache(maxsize=None)(self.memory)
+        self.params = lru_cache(maxsize=None)(self.params)
+        self._chunk_activations = lru_cache(maxsize=None)(self._chunk_activations)
         self._placements: dict[tuple, Placement] = {}
 
     # -- device figures -------------------------------------------------------------------------
@@ -374,23 +376,32 @@ class CostModel:
             acts += self._module_input_margin(shape)
             acts += self._transient_layers(shape.recompute, shape.num_layers) * self._layer(shape)
         else:
-            keys = _chunk_recompute(shape.recompute, shape.chunk_layers)
-            common = (shape.device_type, shape.micro_batch_size, shape.tensor_parallel_size,
-                      shape.sp, shape.offload.module_inputs)
-            per_chunk = [self._activations(_Part(*common, n, shape.first and c == 0,
-                                                 shape.last and c == v - 1, keys[c]))
-                         for c, n in enumerate(shape.chunk_layers)]
+            per_chunk, transient = self._chunk_activations(
+                shape.device_type, shape.micro_batch_size, shape.tensor_parallel_size, shape.sp,
+                shape.offload.module_inputs, shape.chunk_layers, shape.first, shape.last,
+                shape.recompute)
             if shape.offload.activations:
                 acts = max(per_chunk)
             else:
                 acts = peak_activations(p, s, m, v, per_chunk, shape.microbatch_group)
-            acts += max(self._transient_layers(r, n) for r, n in zip(keys, shape.chunk_layers)) * \
-                self._layer(shape)
+            acts += transient * self._layer(shape)
             acts += self._module_input_margin(shape)
         return Memory(params=params * self.param_bytes, grads=params * self.grad_bytes,
                       optimizer=shard * self.optim_bytes * (1.0 - shape.offload.optimizer_fraction),
                       activations=acts, workspace=self.workspace_bytes,
                       capacity=self.capacity(shape.device_type))
+
+    def _chunk_activations(self, device_type: str, b: int, tp: int, sp: bool,
+                           module_inputs: bool, chunk_layers: tuple[int, ...], first: bool,
+                           last: bool, recompute: Recompute) -> tuple[list[float], int]:
+        """Per chunk, one micro-batch's bytes; and a recompute's most layers at once (cached)."""
+        v = len(chunk_layers)
+        keys = _chunk_recompute(recompute, chunk_layers)
+        common = (device_type, b, tp, sp, module_inputs)
+        per_chunk = [self._activations(_Part(*common, n, first and c == 0, last and c == v - 1,
+                                             keys[c]))
+                     for c, n in enumerate(chunk_layers)]
+        return per_chunk, max(self._transient_layers(r, n) for r, n in zip(keys, chunk_layers))
 
     def _layer(self, shape: StageShape) -> float:
         """One layer's activations of one micro-batch without recompute."""

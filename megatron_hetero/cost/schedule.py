@@ -99,6 +99,13 @@ def peak_activations(p: int, r: int, m: int, v: int, weights: list[float],
         m = min(m, enough)
     else:  # a last group of m % g: the same steady states, then the same last group and drain
         m = min(m, enough + g + m % g)
+    return _peak(p, r, m, v, g, tuple(weights))
+
+
+@lru_cache(maxsize=65536)
+def _peak(p: int, r: int, m: int, v: int, g: int, weights: tuple[float, ...]) -> float:
+    """:func:`peak_activations` once its ``m`` is cut to the orders that reach every state
+    (cached: stages of many pipelines and batches share it)."""
     return float((_held_states(p, r, m, v, g) @ np.asarray(weights, dtype=float)).max())
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from functools import lru_cache
 from importlib import resources
 from typing import Any, Mapping
 
@@ -205,9 +206,17 @@ def _builtin() -> dict[str, Any]:
 
 
 def load_catalog() -> Catalog:
-    """The built-in catalog."""
+    """The built-in catalog (a new one each time: callers may add entries to theirs)."""
+    return Catalog(_builtin_specs())
+
+
+@lru_cache(maxsize=1)
+def _builtin_specs() -> dict[str, GPUSpec]:
+    """The built-in entries, read once per process (``tune`` reads them again to find what a
+    plan must carry, :func:`~megatron_hetero.plan_inventory.embedded_gpus`); the entries are
+    frozen and :class:`Catalog` copies the mapping."""
     specs = {}
     for name, data in _builtin().items():
         spec = from_data(GPUSpec, data, source="megatron_hetero/hardware/catalog.yaml", path=name)
         specs[name] = dataclasses.replace(spec, name=name)
-    return Catalog(specs)
+    return specs

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
+from weakref import WeakKeyDictionary
 
 import numpy as np
 
@@ -31,7 +32,7 @@ from ..plan import Offload, Recompute
 
 __all__ = ["OFFLOAD_STEPS", "Menu", "Option", "Policy", "Pick", "menu_options", "option_costs",
            "pick", "cheapest",
-           "cheapest_for_stage"]
+           "cheapest_for_stage", "timing_position"]
 
 OFFLOAD_STEPS = 20
 """Optimizer-state fractions are offloaded in steps of 1/20 (5 %)."""
@@ -124,14 +125,27 @@ def option_costs(memory: np.ndarray, seconds: np.ndarray, *, optimizer: np.ndarr
     optimizer = np.asarray(optimizer, dtype=float)[..., None]
     offload_seconds = np.asarray(offload_seconds, dtype=float)[..., None]
     fits = memory <= capacity
+    # in place, each entry by the same operations as
+    # fraction = ceil((memory - capacity) (1 + 1e-9) / optimizer x STEPS) / STEPS
+    fraction = memory - capacity
     with np.errstate(divide="ignore", invalid="ignore"):
-        steps = np.ceil((memory - capacity) * (1 + 1e-9) / optimizer * OFFLOAD_STEPS)
-        fraction = np.where(fits, 0.0, steps / OFFLOAD_STEPS)
-        ok = fits | ((optimizer > 0) & (fraction <= 1.0)
-                     & (memory - fraction * optimizer <= capacity))
+        fraction *= 1 + 1e-9
+        fraction /= optimizer
+        fraction *= OFFLOAD_STEPS
+        np.ceil(fraction, out=fraction)
+        fraction /= OFFLOAD_STEPS
+        np.copyto(fraction, 0.0, where=fits)
+        ok = memory - fraction * optimizer <= capacity
+        ok &= fraction <= 1.0
+        ok &= optimizer > 0
+        ok |= fits
         # entries that are not ok (an infinite fraction times 0 s among them) are dropped
-        cost = np.where(ok, seconds + fraction * offload_seconds, np.inf)
-    return np.where(ok, fraction, 0.0), cost
+        cost = fraction * offload_seconds
+        cost += seconds
+    bad = ~ok
+    np.copyto(cost, np.inf, where=bad)
+    np.copyto(fraction, 0.0, where=bad)
+    return fraction, cost
 
 
 def pick(fraction: np.ndarray, cost: np.ndarray) -> Pick:
@@ -142,8 +156,19 @@ def pick(fraction: np.ndarray, cost: np.ndarray) -> Pick:
         return Pick(index=np.zeros(lead, dtype=np.int64), fraction=np.zeros(lead),
                     seconds=np.full(lead, np.inf))
     index = np.argmin(cost, axis=-1)
-    lead = np.indices(index.shape, sparse=True)
+    if cost.ndim == 2:  # the tables' (layer counts, options): the same entries, sooner
+        lead = (_arange(cost.shape[0]),)
+    else:
+        lead = np.indices(index.shape, sparse=True)
     return Pick(index=index, fraction=fraction[(*lead, index)], seconds=cost[(*lead, index)])
+
+
+@lru_cache(maxsize=64)
+def _arange(n: int) -> np.ndarray:
+    """0..n - 1 (read-only, shared)."""
+    got = np.arange(n)
+    got.flags.writeable = False
+    return got
 
 
 def cheapest(memory: np.ndarray, seconds: np.ndarray, *, optimizer: np.ndarray,
@@ -163,6 +188,44 @@ def _settings(menu: Menu, n: int, unfused: bool) -> tuple[tuple[Recompute, Offlo
                  for o in _menu_options(menu, n, unfused))
 
 
+def timing_position(position: StageShape) -> StageShape:
+    """A position with the same seconds per micro-batch and optimizer step as ``position``,
+    the same for all positions alike: a stage's times depend on its place only through
+    whether it is first or last (every stage of a pipeline pays the pipeline overhead), not
+    on its micro-batches, group or warm-up; its optimizer step depends on its data-parallel
+    size, which is set to 1 here (callers that need it set it back)."""
+    first, last = position.first, position.last
+    p, s = (1, 0) if first and last else (2, 0) if first else (2, 1) if last else (3, 1)
+    return position.but(pipeline_size=p, stage=s, num_microbatches=1, microbatch_group=None,
+                        warmup_microbatches=None, data_parallel_size=1)
+
+
+_OPTION_SECONDS: WeakKeyDictionary[CostModel, dict] = WeakKeyDictionary()
+"""Per cost model, :func:`_option_seconds` by timing position and menu."""
+
+
+def _option_seconds(cost: CostModel, shape: StageShape, menu: Menu,
+                    settings: tuple[tuple[Recompute, Offload], ...]) -> list[float]:
+    """The seconds of one micro-batch's forward and backward on ``shape`` under each of
+    ``settings`` (``menu``'s on the stage's layers): the cost model's, kept per
+    :func:`timing_position`, which the stage positions of one place share (the local search
+    asks for every middle stage of a pipeline). :meth:`CostModel.times` costs the stage as a
+    whole, so an interleaved stage's chunks are one chunk of its layers here (the climb moves
+    layers between chunks)."""
+    timing = timing_position(shape)
+    if timing.virtual_size > 1:
+        timing = timing.but(chunk_layers=(timing.num_layers,))
+    memo = _OPTION_SECONDS.get(cost)
+    if memo is None:
+        memo = _OPTION_SECONDS[cost] = {}
+    key = (timing, menu)
+    got = memo.get(key)
+    if got is None:
+        got = memo[key] = [cost.times(timing.but(recompute=recompute, offload=offload)).total_s
+                           for recompute, offload in settings]
+    return got
+
+
 def cheapest_for_stage(cost: CostModel, shape: StageShape, menu: Menu) -> Policy | None:
     """The cheapest policy of ``menu`` that fits ``shape`` (its recompute and offload are
     replaced) under the exact memory model, by its seconds per step: the replica's
@@ -179,12 +242,12 @@ def cheapest_for_stage(cost: CostModel, shape: StageShape, menu: Menu) -> Policy
     capacity = cost.capacity(shape.device_type)
     mems, secs = [], []
     bound = math.inf  # the seconds of the cheapest option so far that fits without offload
-    for recompute, offload in settings:
-        got = shape.but(recompute=recompute, offload=offload)
-        seconds = m * cost.times(got).total_s
+    for (recompute, offload), total in zip(settings, _option_seconds(cost, shape, menu,
+                                                                     settings)):
+        seconds = m * total
         memory = math.inf
         if seconds < bound:
-            memory = cost.memory(got).total
+            memory = cost.memory(shape.but(recompute=recompute, offload=offload)).total
             if memory <= capacity:
                 bound = seconds
         mems.append(memory)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 
 __all__ = ["min_max_split"]
@@ -18,22 +20,18 @@ def min_max_split(costs: np.ndarray, total: int) -> tuple[float, list[int]] | No
     p = costs.shape[0]
     if p > total:
         return None
-    inf = np.inf
-    n_idx = np.arange(1, total + 1)
-    l_idx = np.arange(total + 1)
-    prev_pos = l_idx[:, None] - n_idx[None, :]  # layers left for earlier stages
-    valid = prev_pos >= 0
-    prev_pos = np.where(valid, prev_pos, 0)
-    best = np.full(total + 1, inf)
+    prev_pos, rows = _indices(total)
+    # best[l]: the least slowest stage of the stages so far holding l layers; best[total + 1]
+    # is inf, what a stage asked for more layers than are left reads
+    best = np.full(total + 2, np.inf)
     best[0] = 0.0
     choice = np.zeros((p, total + 1), dtype=np.int64)
     for s in range(p):
         cand = np.maximum(best[prev_pos], costs[s, 1:][None, :])
-        cand[~valid] = inf
         # first argmin: the fewest layers on this stage among ties, so later stages take more
         pick = cand.argmin(axis=1)
         choice[s] = pick + 1
-        best = cand[np.arange(total + 1), pick]
+        best[:total + 1] = cand[rows, pick]
     if not np.isfinite(best[total]):
         return None
     split = []
@@ -44,3 +42,16 @@ def min_max_split(costs: np.ndarray, total: int) -> tuple[float, list[int]] | No
         left -= n
     assert left == 0
     return float(best[total]), split[::-1]
+
+
+@lru_cache(maxsize=64)
+def _indices(total: int) -> tuple[np.ndarray, np.ndarray]:
+    """For :func:`min_max_split` of ``total`` layers: per (layers so far ``l``, layers on this
+    stage ``n`` from 1) the layers left for the earlier stages, ``l - n``, or ``total + 1``
+    (an infinite entry) where ``n > l``; and the rows ``0 .. total`` (both read-only)."""
+    left = np.arange(total + 1)[:, None] - np.arange(1, total + 1)[None, :]
+    left[left < 0] = total + 1
+    rows = np.arange(total + 1)
+    left.flags.writeable = False
+    rows.flags.writeable = False
+    return left, rows

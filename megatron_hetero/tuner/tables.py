@@ -34,7 +34,7 @@ import numpy as np
 from ..cost.schedule import peak_activations
 from ..cost.stage import StageShape
 from ..plan import Offload, Recompute
-from .policy import Menu, Option, Policy, option_costs, pick
+from .policy import Menu, Option, Policy, option_costs, pick, timing_position
 from .problem import Problem
 from .space import Structure
 
@@ -171,9 +171,9 @@ class StageTables:
                 precision: str) -> float:
         """One micro-batch's forward and backward seconds on stage ``s`` of the template
         ``types`` of ``st`` with ``layers`` under ``policy`` (the cost model's, remembered by a
-        tuple: the search asks for the same stages again and again; as :func:`_timing` says,
-        the seconds depend on the stage's place only through first and last, and not on the
-        optimizer offload)."""
+        tuple: the search asks for the same stages again and again; as
+        :func:`.policy.timing_position` says, the seconds depend on the stage's place only
+        through first and last, and not on the optimizer offload)."""
         quick = (precision, types[s], st.tp, st.mbs, st.vp, s == 0, s == st.pp - 1, layers,
                  policy.recompute, policy.offload.module_inputs, policy.offload.activations)
         got = self._seconds.get(quick)
@@ -264,7 +264,10 @@ def _side_by_side(lines: list[np.ndarray]) -> np.ndarray:
     """Lines over the layer counts as the columns of a ``(L + 1, len(lines), 1)`` array."""
     if len(lines) == 1:
         return lines[0][:, None, None]
-    return np.stack(lines, axis=1)[:, :, None]
+    out = np.empty((len(lines[0]), len(lines), 1))
+    for i, line in enumerate(lines):
+        out[:, i, 0] = line
+    return out
 
 
 def stage_shape(st: Structure, types, s: int, *, layers: int = 0, policy: Policy | None = None,
@@ -295,18 +298,6 @@ def _canonical(position: StageShape) -> StageShape:
     return position.but(pipeline_size=p, stage=s, num_microbatches=f)
 
 
-def _timing(position: StageShape) -> StageShape:
-    """A position with the same seconds per micro-batch and optimizer step as ``position``,
-    the same for all positions alike: a stage's times depend on its place only through
-    whether it is first or last (every stage of a pipeline pays the pipeline overhead), not
-    on its micro-batches, group or warm-up; its optimizer step depends on its data-parallel
-    size, which the tables key its line by."""
-    first, last = position.first, position.last
-    p, s = (1, 0) if first and last else (2, 0) if first else (2, 1) if last else (3, 1)
-    return position.but(pipeline_size=p, stage=s, num_microbatches=1, microbatch_group=None,
-                        warmup_microbatches=None, data_parallel_size=1)
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class _Grid:
     """Options of a table at every layer count (rows), one column each: per module-input
@@ -335,7 +326,7 @@ class _Builder:
     def __init__(self, problem: Problem, position: StageShape, precision: str, *,
                  timing_lines: dict[tuple, np.ndarray]):
         self.problem, self.pos, self.precision = problem, position, precision
-        self.timing = _timing(position)
+        self.timing = timing_position(position)  # the tables key its lines by D
         self._timing_lines = timing_lines
         self.cost = cost = problem.cost(precision)
         self.L = L = problem.model.num_layers
@@ -379,8 +370,9 @@ class _Builder:
         return a + _steps(self.L, unit) * (b - a) / unit
 
     def timing_line(self, what: tuple, f) -> np.ndarray:
-        """:meth:`line` of ``f``, which depends on the position only through :func:`_timing`:
-        shared by the tables of all positions alike (read-only)."""
+        """:meth:`line` of ``f``, which depends on the position only through
+        :func:`.policy.timing_position`: shared by the tables of all positions alike
+        (read-only)."""
         key = (self.precision, self.timing, what)
         got = self._timing_lines.get(key)
         if got is None:
@@ -430,22 +422,24 @@ class _Builder:
         return got
 
     def grid(self, menu: Menu) -> _Grid:
-        """A grid with ``menu``'s options: one built before that has them (the search asks for
-        several menus of most tables, so the first of those over every module-input setting
-        serves the rest), else one with just the module-input settings and the selective
-        recompute ``menu`` offers (the baseline asks for some menus only)."""
+        """A grid with ``menu``'s options: one built before that has them, else one over every
+        module-input setting (and selective recompute where attention is unfused) that serves
+        every later menu of the table (a column's figures do not depend on the others)."""
         selective = menu.selective_recompute and self.unfused
         for g in self._grids:
             if g.covers(menu, selective):
                 return g
-        k, mem, sec = self.full_recompute(menu.module_inputs)
+        settings = tuple(mi for mi in (False, True)
+                         if mi in self.module_inputs or mi in menu.module_inputs)
+        k, mem, sec = self.full_recompute(settings)
+        selective = self.unfused
         if selective:
-            lines = [self.base_line(True, mi) for mi in menu.module_inputs]
+            lines = [self.base_line(True, mi) for mi in settings]
             k = np.concatenate((k, np.zeros_like(k[:, :, :1])), axis=2)
             mem = np.concatenate((mem, _side_by_side([m for m, _ in lines])), axis=2)
             sec = np.concatenate((sec, _side_by_side([t for _, t in lines])), axis=2)
         columns = (self.L + 1, -1)
-        got = _Grid(module_inputs=menu.module_inputs, selective=selective,
+        got = _Grid(module_inputs=settings, selective=selective,
                     layers=k.reshape(columns), memory=mem.reshape(columns),
                     seconds=sec.reshape(columns), costed={})
         self._grids.append(got)
@@ -470,17 +464,25 @@ class _Builder:
         room = self.room[:, None, :]
         savings = [self.saving[mi] for mi in module_inputs]
         saving = np.array(savings)[:, None]
-        if min(savings) > 0:
-            k = np.maximum(np.ceil((m0 + self.act - room) / saving), 1)
-        else:
-            with np.errstate(divide="ignore", invalid="ignore"):
-                k = np.where(saving > 0, np.maximum(np.ceil((m0 + self.act - room) / saving), 1),
-                             np.inf)
-        k = np.where(m0 <= room, 0, k)
+        # in place, each entry by the same operations: the fewest layers that fit
+        # (ceil((m0 + act - room) / saving), at least 1; none where m0 fits; inf where a
+        # layer saves nothing), 0 where that is more than the stage has
+        top = m0 + self.act
+        k = top - room
+        with np.errstate(divide="ignore", invalid="ignore"):
+            k /= saving
+        np.ceil(k, out=k)
+        np.maximum(k, 1, out=k)
+        if min(savings) <= 0:
+            np.copyto(k, np.inf, where=saving <= 0)
+        np.copyto(k, 0.0, where=m0 <= room)
         ok = k <= self.n[:, None, None]
-        k = np.where(ok, k, 0).astype(np.int64)
+        np.copyto(k, 0.0, where=~ok)
+        k = k.astype(np.int64)
         # a layer of full recompute keeps its checkpoint; one layer is rebuilt at once
-        mem = np.where(ok, np.where(k == 0, m0, m0 + self.act - k * saving), np.inf)
+        mem = top - k * saving
+        np.copyto(mem, m0, where=k == 0)
+        np.copyto(mem, np.inf, where=~ok)
         return k, mem, t0 + k * self.fwd_layer
 
     def build(self) -> StageTable:

@@ -1,0 +1,181 @@
+"""The search's caches and in-place rewrites give what the plain computations give, bit for bit
+(issue 18: the 64-GPU search made faster without changing a figure)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from megatron_hetero.cost import CostModel
+from megatron_hetero.cost.schedule import peak_activations, peak_in_flight, rank_order
+from megatron_hetero.hardware.catalog import load_catalog
+from megatron_hetero.hardware.inventory import inventory_from_data
+from megatron_hetero.models import model_preset
+from megatron_hetero.plan import Offload, Recompute
+from megatron_hetero.tuner.policy import (OFFLOAD_STEPS, Menu, cheapest_for_stage, option_costs,
+                                          pick, timing_position)
+
+from ..shapes import stage
+
+GPU = "A100-SXM-80GB"
+UNFUSED = "V100-SXM2-32GB"
+
+
+def _cost() -> CostModel:
+    inv = inventory_from_data({"groups": [{"gpu": GPU, "nodes": 2, "gpus_per_node": 8},
+                                          {"gpu": UNFUSED, "nodes": 2, "gpus_per_node": 8}]})
+    return CostModel(model_preset("llama2-13b"), inv)
+
+
+def _shapes():
+    """Stages of both types, at every place, plain and interleaved, under several policies."""
+    out = []
+    for gpu in (GPU, UNFUSED):
+        for chunks in ((5,), (3, 2), (2, 2, 1)):
+            n = sum(chunks)
+            for place in ("only", "first", "middle", "last"):
+                for k in (0, 1, n):
+                    for mi in (False, True):
+                        out.append(stage(gpu, chunks, place=place, tensor_parallel_size=2,
+                                         sequence_parallel=True,
+                                         recompute=Recompute.full_layers(k, of=n),
+                                         offload=Offload(module_inputs=mi, optimizer_fraction=0.25),
+                                         data_parallel_size=2))
+            out.append(stage(gpu, chunks, recompute=Recompute(granularity="selective")))
+    return out
+
+
+def test_memory_and_times_from_warm_caches_match_a_fresh_cost_model():
+    # the cost model caches parts of a stage's memory (parameters, each chunk's activations,
+    # the in-flight peak) by their inputs: a stage costed after hundreds of others gets what a
+    # cost model that never saw another stage gives
+    warm = _cost()
+    shapes = _shapes()
+    for shape in reversed(shapes):
+        warm.memory(shape)
+        warm.times(shape)
+    for shape in shapes:
+        fresh = _cost()
+        assert warm.memory(shape) == fresh.memory(shape)
+        assert warm.times(shape) == fresh.times(shape)
+        assert warm.params(shape.num_layers, first=shape.first, last=shape.last, tp=2) == \
+            fresh.params(shape.num_layers, first=shape.first, last=shape.last, tp=2)
+
+
+def test_timing_position_has_the_same_times():
+    cost = _cost()
+    for shape in _shapes():
+        timing = timing_position(shape)
+        assert (timing.first, timing.last) == (shape.first, shape.last)
+        assert cost.times(timing) == cost.times(shape)
+        assert cost.chunk_times(timing) == cost.chunk_times(shape)
+        # an interleaved stage costed whole: its chunks do not matter to times()
+        assert cost.times(timing.but(chunk_layers=(timing.num_layers,))) == cost.times(shape)
+
+
+def _cheapest_plainly(cost: CostModel, shape, menu: Menu):
+    """cheapest_for_stage's pick over every option, each costed on its own shape."""
+    from megatron_hetero.tuner.policy import _settings, cheapest
+    settings = _settings(menu, shape.num_layers, not cost.uses_flash_attention(shape.device_type))
+    mems, secs = [], []
+    for recompute, offload in settings:
+        got = shape.but(recompute=recompute, offload=offload)
+        mems.append(cost.memory(got).total)
+        secs.append(shape.num_microbatches * cost.times(got).total_s)
+    plain = shape.but(offload=Offload())
+    best = cheapest(np.array(mems), np.array(secs), optimizer=cost.memory(plain).optimizer,
+                    capacity=cost.capacity(shape.device_type),
+                    offload_seconds=cost.optimizer_offload_seconds(plain),
+                    optimizer_offload=menu.optimizer_offload)
+    if not np.isfinite(best.seconds):
+        return None
+    recompute, offload = settings[int(best.index)]
+    return recompute, float(best.fraction), offload.module_inputs
+
+
+@pytest.mark.parametrize("micro_batch_size", [1, 4, 16])
+def test_cheapest_for_stage_with_kept_seconds_is_the_plain_pick(micro_batch_size):
+    # the option seconds are kept per timing position and shared by stages of one place; the
+    # policy is the one every option costed on its own picks
+    cost = _cost()
+    menu = Menu()
+    picked = 0
+    for gpu in (GPU, UNFUSED):
+        for chunks in ((10,), (20,), (6, 6), (10, 9, 9)):
+            for s in range(4):
+                shape = stage(gpu, chunks, micro_batch_size=micro_batch_size, pipeline_size=4,
+                              stage=s, num_microbatches=8, tensor_parallel_size=1)
+                got = cheapest_for_stage(cost, shape, menu)
+                want = _cheapest_plainly(cost, shape, menu)
+                if want is None:
+                    assert got is None
+                    continue
+                picked += 1
+                assert (got.recompute, got.offload.optimizer_fraction,
+                        got.offload.module_inputs) == want
+    assert picked
+
+
+def _option_costs_plainly(memory, seconds, *, optimizer, capacity, offload_seconds):
+    optimizer = np.asarray(optimizer, dtype=float)[..., None]
+    offload_seconds = np.asarray(offload_seconds, dtype=float)[..., None]
+    fits = memory <= capacity
+    with np.errstate(divide="ignore", invalid="ignore"):
+        steps = np.ceil((memory - capacity) * (1 + 1e-9) / optimizer * OFFLOAD_STEPS)
+        fraction = np.where(fits, 0.0, steps / OFFLOAD_STEPS)
+        ok = fits | ((optimizer > 0) & (fraction <= 1.0)
+                     & (memory - fraction * optimizer <= capacity))
+        cost = np.where(ok, seconds + fraction * offload_seconds, np.inf)
+    return np.where(ok, fraction, 0.0), cost
+
+
+def test_option_costs_in_place_are_the_plain_formula():
+    rng = np.random.default_rng(18)
+    for _ in range(300):
+        rows, cols = int(rng.integers(1, 90)), int(rng.integers(1, 9))
+        memory = rng.uniform(0, 2e10, (rows, cols))
+        memory[rng.random((rows, cols)) < 0.2] = np.inf  # not an option
+        seconds = rng.uniform(0, 5, (rows, cols))
+        optimizer = rng.uniform(0, 1e10, rows)
+        optimizer[rng.random(rows) < 0.1] = 0.0
+        offload = rng.uniform(0, 3, rows)
+        offload[rng.random(rows) < 0.1] = 0.0
+        capacity = float(rng.uniform(5e9, 1.5e10))
+        got = option_costs(memory, seconds, optimizer=optimizer, capacity=capacity,
+                           offload_seconds=offload, optimizer_offload=True)
+        want = _option_costs_plainly(memory, seconds, optimizer=optimizer, capacity=capacity,
+                                     offload_seconds=offload)
+        for a, b in zip(got, want):
+            assert a.shape == b.shape and np.array_equal(a, b)
+        p = pick(*got)
+        i = np.argmin(got[1], axis=-1)
+        assert np.array_equal(p.index, i)
+        assert np.array_equal(p.seconds, got[1][np.arange(rows), i])
+        assert np.array_equal(p.fraction, got[0][np.arange(rows), i])
+
+
+@pytest.mark.parametrize("p,v,group", [(2, 2, None), (4, 3, None), (3, 2, 4), (4, 2, 6)])
+def test_cached_peak_is_the_walk_over_the_whole_order(p, v, group):
+    rng = np.random.default_rng(p * 10 + v)
+    for m in (p, 2 * p, 3 * p + (group or p), 40):
+        if group is not None and (m < group or (m % group and m % group < p)):
+            continue
+        for r in range(p):
+            for _ in range(3):
+                weights = [float(x) for x in rng.uniform(0, 5, v)]
+                order = rank_order(p, r, m, v, group)
+                assert peak_activations(p, r, m, v, weights, group) == \
+                    pytest.approx(peak_in_flight(order, weights), rel=1e-12)
+                # again, from the cache
+                assert peak_activations(p, r, m, v, list(weights), group) == \
+                    peak_activations(p, r, m, v, weights, group)
+
+
+def test_builtin_catalog_read_once_but_each_caller_gets_its_own():
+    a, b = load_catalog(), load_catalog()
+    assert a is not b and a.names() == b.names()
+    spec = dataclasses.replace(a.get(GPU), aliases=[])
+    c = a.with_entries({"MyGPU": spec}, source="test")
+    assert "MyGPU" in c and "MyGPU" not in load_catalog() and "MyGPU" not in a
