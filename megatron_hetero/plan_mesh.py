@@ -159,6 +159,11 @@ class MeshPlan:
         if not self.meshes:
             raise SchemaError("", "meshes", self.meshes, "at least one mesh")
         m = self.model
+        if not m.untie_embeddings_and_output_weights and len(self.layer_split) > 1:
+            raise SchemaError("", "model.untie_embeddings_and_output_weights", False,
+                              "true in a mesh plan of more than one stage (its first and last "
+                              "stage share no embedding group to tie the output layer to the "
+                              "embedding)")
         for k, mesh in enumerate(self.meshes):
             tp = mesh.tensor_model_parallel_size
             if m.num_attention_heads % tp or m.num_query_groups % tp:

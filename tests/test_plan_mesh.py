@@ -98,6 +98,21 @@ def test_errors_name_the_field(data, path, expected):
     assert err.path == path and expected in err.expected, str(err)
 
 
+def test_tied_embeddings_are_refused_where_the_model_has_several_stages():
+    """The output layer tied to the embedding needs an embedding group between the model's first
+    and last stage, which a mesh plan does not have: refused with the field's path; a plan of one
+    stage keeps it (nothing to tie across)."""
+    data = copy.deepcopy(BASE)
+    data["model"]["untie_embeddings_and_output_weights"] = False
+    err = _error(data)
+    assert err.path == "model.untie_embeddings_and_output_weights", str(err)
+    assert "no embedding group" in err.expected
+    one = copy.deepcopy(data)
+    one["meshes"] = [one["meshes"][0]]
+    one["meshes"][0]["stages"] = [{"num_layers": 32}]
+    assert mesh_plan_from_data(one, source="p.yaml").layer_split == [32]
+
+
 def test_micro_batch_must_split_evenly_across_a_bridge():
     data = _with(m1=("replicas", _replicas(4, 3, 16)))  # 8 x 1 samples -> 4 x 3
     data["global_batch_size"] = 128

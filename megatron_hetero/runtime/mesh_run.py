@@ -142,10 +142,6 @@ def before_validate(args, plan: MeshPlan, *, path: str, argv) -> MeshRankState:
     rank = place_this_rank(plan, launcher_rank=launcher_rank, world_size=world,
                            device_type=device, source=path,
                            timeout_minutes=getattr(args, "distributed_timeout_minutes", 10))
-    if plan.pipeline_model_parallel_size > 1 and not plan.model.untie_embeddings_and_output_weights:
-        raise HeteroError(f"{path}: model.untie_embeddings_and_output_weights: found false; "
-                          "expected true (a mesh plan's first and last stage share no "
-                          "embedding group)")
     given = plan_args.given_flags(argv)
     conflicts = [f"  {flag}: each rank takes its mesh's from the plan; leave it out"
                  for flag in _PER_MESH_FLAGS if flag in given]

@@ -97,3 +97,16 @@ def test_tune_command_writes_the_winning_mesh_plan(tmp_path, capsys):
     assert report["mesh_plan"]["speedup_over_uniform"] > 1
     assert (tmp_path / "t.png").stat().st_size > 10_000
     assert cli.main(["validate", str(out), "--inventory", str(inv)]) == 0
+
+
+def test_no_mesh_plan_for_a_model_with_tied_embeddings():
+    """A mesh plan of several stages cannot tie the output layer to the embedding (the schema
+    refuses it), so the mesh search offers none for such a model; the uniform plan stands."""
+    import dataclasses
+
+    inv = _inventory(A100_T4)
+    model = dataclasses.replace(load_model("llama2-13b", seq_length=4096),
+                                untie_embeddings_and_output_weights=False)
+    r = tune(model, inv, 512, options=TuneOptions(meshes=True))
+    assert r.mesh_plan is None and not r.mesh_wins
+    assert r.best[0] is r.plan
