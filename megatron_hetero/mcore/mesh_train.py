@@ -36,7 +36,8 @@ from .mesh_grids import gloo_bridges, mesh_communicator, mesh_grids
 from .mesh_stage import (MeshStageModule, gradient_scale, mesh_process_groups,
                          multimodule_collection, use_mesh_globals)
 
-__all__ = ["MeshRank", "per_token_loss", "mesh_transformer_config", "training_process_groups",
+__all__ = ["MeshRank", "per_token_loss", "is_loss_rank", "global_batch_tokens",
+           "mesh_transformer_config", "training_process_groups",
            "mesh_ddp", "mesh_optimizer", "use_whole_model_grad_norm",
            "mesh_finalize_model_grads", "whole_model_loss", "wire_schedule", "build_mesh_rank",
            "mesh_schedule"]
@@ -49,11 +50,27 @@ def per_token_loss(plan: MeshPlan) -> bool:
     return plan.per_token_loss
 
 
-def _is_loss_rank(plan: MeshPlan, slot: MeshSlot) -> bool:
-    """Tensor rank 0 of the model's last stage: one rank per last-mesh replica."""
+def is_loss_rank(plan: MeshPlan, slot: MeshSlot) -> bool:
+    """Tensor rank 0 of the model's last stage: one rank per last-mesh replica, the ranks whose
+    token counts and losses are the global batch's."""
     last = len(plan.meshes) - 1
     return (slot.mesh == last and slot.stage == len(plan.meshes[last].stages) - 1
             and slot.tensor_rank == 0)
+
+
+def global_batch_tokens(plan: MeshPlan, slot: MeshSlot, num_tokens):
+    """The tokens of the whole global batch, on every rank (collective over the world): the sum
+    of ``num_tokens`` (this rank's count of its micro-batches' tokens) over the
+    :func:`is_loss_rank` ranks, every other rank adding 0. A float64 scalar tensor."""
+    import torch
+    import torch.distributed as dist
+
+    tokens = torch.zeros(1, dtype=torch.float64,
+                         device=getattr(num_tokens, "device", None) or "cpu")
+    if is_loss_rank(plan, slot):
+        tokens += float(num_tokens)
+    dist.all_reduce(tokens)
+    return tokens.reshape(())
 
 
 def mesh_transformer_config(plan: MeshPlan, slot: MeshSlot, **settings):
@@ -153,21 +170,15 @@ def mesh_finalize_model_grads(plan: MeshPlan, slot: MeshSlot, pgs) -> Callable:
     DDP's ``1 / D_k``, or, with per-token loss, one over the global batch's tokens, summed over
     the world from the last mesh's count."""
     d = plan.meshes[slot.mesh].data_parallel_size
-    loss_rank = _is_loss_rank(plan, slot)
     correction = d * gradient_scale(plan)
 
     def finalize(model, num_tokens=None, pg_collection=None, force_all_reduce=False):
-        import torch
-        import torch.distributed as dist
         from megatron.core.distributed import finalize_model_grads
 
         finalize_model_grads(model, None, pg_collection=pgs, force_all_reduce=force_all_reduce)
         if num_tokens is not None:
-            tokens = torch.zeros(1, dtype=torch.float64)
-            if loss_rank:
-                tokens += float(num_tokens)
-            dist.all_reduce(tokens)
-            scale = 1.0 / float(tokens) if float(tokens) > 0 else 1.0
+            tokens = float(global_batch_tokens(plan, slot, num_tokens))
+            scale = 1.0 / tokens if tokens > 0 else 1.0
         else:
             scale = correction
         if scale != 1.0:
@@ -186,7 +197,7 @@ def whole_model_loss(plan: MeshPlan, slot: MeshSlot, losses_reduced: list,
     import torch.distributed as dist
 
     totals = torch.zeros(2, dtype=torch.float64)
-    if _is_loss_rank(plan, slot):
+    if is_loss_rank(plan, slot):
         for item in losses_reduced:
             totals += item[key].double()
     dist.all_reduce(totals)

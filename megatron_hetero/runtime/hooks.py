@@ -6,7 +6,7 @@ after installing sees the wrapper). Nothing of Megatron is copied; each wrapper 
 original. A mesh plan (``format_version: 2``) goes to :mod:`.mesh_run` from the same wrappers
 and from six more that call straight through otherwise (``initialize_model_parallel``,
 ``is_pipeline_first_stage``/``is_pipeline_last_stage``, ``finalize_model_grads``,
-``get_grad_norm_fp32``, and the checkpoint's sharding check and RNG state:
+``get_megatron_optimizer``, and the checkpoint's sharding check and RNG state:
 :mod:`.mesh_checkpoint`); on megatron-core 0.16 it is refused before anything is built
 (:mod:`.meshes`). For a format-1 plan:
 

@@ -33,9 +33,10 @@ copied, each step calls Megatron's own function or megatron-core's multimodule p
 ``finalize_model_grads``
     Megatron's own, over the mesh's groups (the multimodule collection names none); with
     per-token loss (replicas that differ) the global batch's token count reaches every mesh.
-``clip_grads.get_grad_norm_fp32``
-    Megatron's own gives the norm over the rank's mesh; the norm of the whole model is the sum of
-    every mesh's square (:func:`whole_model_norm`), so clipping and the logged norm cover it.
+``get_megatron_optimizer``
+    Megatron's own, over the mesh's groups; then its gradient norm, and so clipping and the
+    logged norm, taken over the whole model as the CPU rehearsal's optimizer takes it
+    (:func:`megatron_hetero.mcore.mesh_train.use_whole_model_grad_norm`, :func:`whole_model_optimizer`).
 
 The data loader: with every replica alike Megatron's sampler over the mesh's data-parallel
 rank and size reads replica ``r``'s share ``[r b, (r + 1) b)`` of every global micro-batch of
@@ -62,7 +63,7 @@ from .placement import CPU_ENV, detect_device_type, device_type_of_rank, place_t
 
 __all__ = ["MeshRankState", "before_validate", "mesh_view", "after_validate",
            "initialize_per_mesh", "global_stage_check", "mesh_schedule", "mesh_finalize",
-           "whole_model_norm", "mesh_only_targets", "replica_data_loader", "uneven", "even_plan"]
+           "whole_model_optimizer", "mesh_only_targets", "replica_data_loader", "uneven", "even_plan"]
 
 _PER_MESH_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
                    "--micro-batch-size", "--num-layers-per-virtual-pipeline-stage",
@@ -318,14 +319,13 @@ def mesh_finalize(original, st: MeshRankState):
     from each."""
     @functools.wraps(original)
     def finalize_model_grads(model, num_tokens=None, pg_collection=None, **kw):
-        import torch
-        import torch.distributed as dist
-
         from megatron.core import parallel_state as ps
         from megatron.core.process_groups_config import (
             MultiModuleProcessGroupCollection,
             ProcessGroupCollection,
         )
+
+        from ..mcore.mesh_train import global_batch_tokens
 
         if isinstance(pg_collection, MultiModuleProcessGroupCollection):
             pgs = ProcessGroupCollection()
@@ -335,37 +335,26 @@ def mesh_finalize(original, st: MeshRankState):
             pgs.embd = ps.get_embedding_group(check_initialized=False)
             pgs.pos_embd = ps.get_position_embedding_group(check_initialized=False)
             pg_collection = pgs
-        if num_tokens is not None:
-            mine = st.last_mesh and st.slot.stage == len(st.mesh.stages) - 1 \
-                and st.slot.tensor_rank == 0
-            total = torch.tensor([float(num_tokens) if mine else 0.0], dtype=torch.float64,
-                                 device=num_tokens.device)
-            dist.all_reduce(total)
-            num_tokens = (total / st.mesh.data_parallel_size).reshape(())
+        if num_tokens is not None:  # Megatron's own sums it again over the mesh's replicas
+            total = global_batch_tokens(st.plan, st.slot, num_tokens)
+            num_tokens = total / st.mesh.data_parallel_size
         return original(model, num_tokens, pg_collection=pg_collection, **kw)
     return finalize_model_grads
 
 
-def whole_model_norm(original, st: MeshRankState):
-    """Megatron's ``get_grad_norm_fp32`` (over the rank's mesh: its model-parallel group, or
-    the distributed optimizer's instance group, the mesh's ranks), then the whole model's: each
-    rank adds its mesh's square divided by the mesh's ranks, over the world."""
+def whole_model_optimizer(original, st: MeshRankState):
+    """Megatron's ``get_megatron_optimizer`` over the rank's mesh, its gradient norm then taken
+    over the whole model (:func:`megatron_hetero.mcore.mesh_train.use_whole_model_grad_norm`:
+    squared norms summed over the world, each replica of a mesh adding its share)."""
     @functools.wraps(original)
-    def get_grad_norm_fp32(grads_for_norm, norm_type=2, grad_stats_parallel_group=None):
-        import torch
-        import torch.distributed as dist
+    def get_megatron_optimizer(config, *a, **kw):
+        from ..mcore.mesh_train import use_whole_model_grad_norm
 
-        norm = original(grads_for_norm, norm_type=norm_type,
-                        grad_stats_parallel_group=grad_stats_parallel_group)
-        p = float(norm_type)
-        if p == float("inf"):
-            raise HeteroError(f"{st.plan_path}: the infinity norm is not summed over meshes")
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        part = torch.tensor([float(norm) ** p / st.mesh.world_size], dtype=torch.float64,
-                            device=device)
-        dist.all_reduce(part)
-        return float(part[0]) ** (1.0 / p)
-    return get_grad_norm_fp32
+        optimizer = original(config, *a, **kw)
+        use_whole_model_grad_norm(st.plan, st.slot, optimizer,
+                                  distributed=config.use_distributed_optimizer)
+        return optimizer
+    return get_megatron_optimizer
 
 
 def replica_data_loader(dataset, consumed_samples, st: MeshRankState, *, num_workers: int = 0):
@@ -418,7 +407,7 @@ def mesh_only_targets(current) -> tuple:
          through(lambda o, st: global_stage_check(o, st, last=True))),
         ("megatron.training.training", "finalize_model_grads",
          through(mesh_finalize)),
-        ("megatron.core.optimizer.clip_grads", "get_grad_norm_fp32", through(whole_model_norm)),
+        ("megatron.training.training", "get_megatron_optimizer", through(whole_model_optimizer)),
         ("megatron.core.dist_checkpointing.validation", "_validate_sharding_for_key",
          through(lambda o, st: check_mixed_grids(o))),
         ("megatron.training.checkpointing", "get_rng_state",
