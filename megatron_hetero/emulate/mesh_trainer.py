@@ -25,13 +25,12 @@ layout-independent names (:mod:`.params`), so a mesh plan and its one-process re
 from __future__ import annotations
 
 import math
-import time
 from typing import Callable
 
 from ..plan_mesh import Mesh, MeshPlan, MeshSlot, MeshStage, Replica
 from .params import init_params, local_params, merge_shards
-from .trainer import (RankHooks, RankResult, TrainConfig, TrainResult, _compute_hook,
-                      _forward_step, _install_backward_hook, sample_tokens)
+from .trainer import (RankHooks, RankResult, TrainConfig, TrainResult, forward_step,
+                      sample_tokens, train_steps)
 
 __all__ = ["mesh_reference_plan", "mesh_micro_batches", "train_mesh_rank", "train_mesh_plan",
            "global_stage", "layer_offset"]
@@ -110,7 +109,6 @@ def train_mesh_rank(plan: MeshPlan, rank: int, config: TrainConfig | None = None
                     hooks: RankHooks | None = None) -> RankResult:
     """Train ``plan`` as rank ``rank`` (see the module docstring). The default gloo process group
     of ``plan.world_size`` ranks must be initialized."""
-    import torch
     import torch.distributed as dist
 
     from ..mcore.cpu_backend import enable_cpu_backend
@@ -139,35 +137,15 @@ def train_mesh_rank(plan: MeshPlan, rank: int, config: TrainConfig | None = None
                             overlap_grad_reduce=plan.overlap_grad_reduce, gloo=True)
     if hooks.on_built:
         hooks.on_built([built.ddp], built.optimizer)
-    _install_backward_hook()
 
     def run(step: int, forward_only: bool) -> float:
         data = mesh_micro_batches(plan, slot, step, config.seed)
-        reduced = mesh_schedule(built, _forward_step, data, forward_only=forward_only)
+        reduced = mesh_schedule(built, forward_step, data, forward_only=forward_only)
         return whole_model_loss(plan, slot, reduced)
 
-    losses, times, grad_norms = [], [], []
     try:
-        _compute_hook[0] = hooks.compute
-        for step in range(config.steps):
-            t0 = time.perf_counter()
-            built.ddp.zero_grad_buffer()
-            built.optimizer.zero_grad()
-            loss = run(step, forward_only=False)
-            ok, grad_norm, _zeros = built.optimizer.step()
-            assert ok, "the fp32 optimizer step reported failure"
-            losses.append(loss)
-            grad_norms.append(float(grad_norm))
-            times.append(time.perf_counter() - t0)
-            if hooks.on_step_end:
-                hooks.on_step_end(step, times[-1])
-        _compute_hook[0] = None
-        eval_loss = None
-        if config.eval_forward_only:
-            built.ddp.eval()
-            with torch.no_grad():
-                eval_loss = run(config.steps, forward_only=True)
-            built.ddp.train()
+        losses, times, grad_norms, eval_loss = train_steps(run, [built.ddp], built.optimizer,
+                                                           config, hooks)
         params = {}
         if config.gather_params:
             chunk = (built.first, built.last)
@@ -177,7 +155,6 @@ def train_mesh_rank(plan: MeshPlan, rank: int, config: TrainConfig | None = None
                           grad_norms=grad_norms, step_times=times, params=params,
                           extra=hooks.report() if hooks.report else None)
     finally:
-        _compute_hook[0] = None
         from megatron.core.pipeline_parallel.bridge_communicator import BridgeCommunicator
         BridgeCommunicator.destroy_broadcast_pgs()
 

@@ -78,7 +78,7 @@ from .params import init_params, local_params, merge_params
 
 __all__ = ["TrainConfig", "RankHooks", "RankResult", "TrainResult", "train_rank", "train_plan",
            "reference_plan", "with_tiny_model", "compare_results", "sample_tokens",
-           "micro_batches"]
+           "micro_batches", "forward_step", "train_steps"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -315,12 +315,54 @@ def _loss_func(loss_mask, output_tensor):
     return loss, tokens, {"lm loss": torch.cat([loss.detach().view(1), tokens.float().view(1)])}
 
 
-def _forward_step(data_iterator, model_chunk):
+def forward_step(data_iterator, model_chunk):
+    """The schedule's ``forward_step_func``: one micro-batch through ``model_chunk`` (inside
+    ``RankHooks.compute("forward")`` while :func:`train_steps` trains) and its loss function."""
     batch = next(data_iterator)
     hook = _compute_hook[0]  # RankHooks.compute while training, None in evaluation
     with hook("forward") if hook else contextlib.nullcontext():
         out = model_chunk(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return out, functools.partial(_loss_func, batch["loss_mask"])
+
+
+def train_steps(run: Callable[[int, bool], float], ddps: list, optimizer, config: TrainConfig,
+                hooks: RankHooks) -> tuple[list[float], list[float], list[float], float | None]:
+    """``config.steps`` steps of ``run(step, forward_only)`` (one pass of the schedule over the
+    step's micro-batches, returning the step's loss over the whole model) each followed by
+    ``optimizer.step()``, with ``hooks.compute`` around every micro-batch's forward and backward
+    and ``hooks.on_step_end`` after each step; then, with ``config.eval_forward_only``, one
+    forward-only pass. Returns the losses, the wall seconds and the gradient norms of the
+    steps, and the forward-only loss (None without it)."""
+    import torch
+
+    _install_backward_hook()
+    losses, times, grad_norms = [], [], []
+    _compute_hook[0] = hooks.compute
+    try:
+        for step in range(config.steps):
+            t0 = time.perf_counter()
+            for ddp in ddps:
+                ddp.zero_grad_buffer()
+            optimizer.zero_grad()
+            loss = run(step, False)
+            ok, grad_norm, _zeros = optimizer.step()
+            assert ok, "the fp32 optimizer step reported failure"
+            losses.append(loss)
+            grad_norms.append(float(grad_norm))
+            times.append(time.perf_counter() - t0)
+            if hooks.on_step_end:
+                hooks.on_step_end(step, times[-1])
+    finally:
+        _compute_hook[0] = None
+    eval_loss = None
+    if config.eval_forward_only:
+        for ddp in ddps:
+            ddp.eval()
+        with torch.no_grad():
+            eval_loss = run(config.steps, True)
+        for ddp in ddps:
+            ddp.train()
+    return losses, times, grad_norms, eval_loss
 
 
 def train_rank(plan: Plan, rank: int, config: TrainConfig | None = None,
@@ -358,7 +400,6 @@ def train_rank(plan: Plan, rank: int, config: TrainConfig | None = None,
         ddps, optimizer = _wrap_for_training(plan, models, config)
         if hooks.on_built:
             hooks.on_built(ddps, optimizer)
-        _install_backward_hook()
         forward_backward = schedule_for(plan, slot.pipeline, get_forward_backward_func())
         last_stage = ps.is_pipeline_last_stage()  # holds the loss (on its last chunk)
 
@@ -367,7 +408,7 @@ def train_rank(plan: Plan, rank: int, config: TrainConfig | None = None,
             # takes one iterator per chunk)
             data = [micro_batches(plan, slot.pipeline, step, config.seed) for _ in ddps]
             reduced = forward_backward(
-                forward_step_func=_forward_step, data_iterator=data if v > 1 else data[0],
+                forward_step_func=forward_step, data_iterator=data if v > 1 else data[0],
                 model=ddps, num_microbatches=pipe.num_microbatches,
                 seq_length=m.seq_length, micro_batch_size=pipe.micro_batch_size,
                 forward_only=forward_only)
@@ -378,30 +419,7 @@ def train_rank(plan: Plan, rank: int, config: TrainConfig | None = None,
             dist.all_reduce(totals)
             return float(totals[0] / totals[1])
 
-        losses, times, grad_norms = [], [], []
-        _compute_hook[0] = hooks.compute
-        for step in range(config.steps):
-            t0 = time.perf_counter()
-            for ddp in ddps:
-                ddp.zero_grad_buffer()
-            optimizer.zero_grad()
-            loss = run(step, forward_only=False)
-            ok, grad_norm, _zeros = optimizer.step()
-            assert ok, "the fp32 optimizer step reported failure"
-            losses.append(loss)
-            grad_norms.append(float(grad_norm))
-            times.append(time.perf_counter() - t0)
-            if hooks.on_step_end:
-                hooks.on_step_end(step, times[-1])
-        _compute_hook[0] = None
-        eval_loss = None
-        if config.eval_forward_only:
-            for ddp in ddps:
-                ddp.eval()
-            with torch.no_grad():
-                eval_loss = run(config.steps, forward_only=True)
-            for ddp in ddps:
-                ddp.train()
+        losses, times, grad_norms, eval_loss = train_steps(run, ddps, optimizer, config, hooks)
 
         params = (local_params(models, chunks, plan, not m.untie_embeddings_and_output_weights)
                   if config.gather_params else {})
@@ -410,7 +428,6 @@ def train_rank(plan: Plan, rank: int, config: TrainConfig | None = None,
                           grad_norms=grad_norms, step_times=times,
                           params=params, extra=hooks.report() if hooks.report else None)
     finally:
-        _compute_hook[0] = None
         ps.destroy_model_parallel()
 
 

@@ -26,7 +26,9 @@ fp32 rtol 1e-5:
 
 ``tp1-tp2`` also saves after steps 2 and 4, and ``resume`` (the same plan) loads its step 2 and
 trains steps 3-4 again, writing the same step-4 checkpoint; that checkpoint holds the one
-process's step-4 state under the same keys (each layer under its global number).
+process's step-4 state under the same keys (each layer under its global number). ``from-mesh``
+(a format-1 plan of two stages, TP 1) loads that mesh plan's step-2 checkpoint and trains steps
+3-4 equal to the one process: a checkpoint crosses from a mesh plan back to a plain one.
 """
 
 from __future__ import annotations
@@ -82,6 +84,8 @@ def _runs(root: Path):
     runs.append(("resume", "tp1-tp2", 3, ["--load", tp, "--ckpt-step", "2",
                                           "--save", str(root / "ckpt-resume"),
                                           "--save-interval", "2"]))
+    # the mesh plan's rng state is keyed per mesh: a plain plan takes the weights and optimizer
+    runs.append(("from-mesh", "pp2", 2, ["--load", tp, "--ckpt-step", "2", "--no-load-rng"]))
     return runs
 
 
@@ -96,6 +100,8 @@ def chain(tmp_path_factory):
     for ref in ("ref", "ref-plain"):
         save_plan(make_plan(split=(4,), replicas=[(2, 2)],
                             distributed_optimizer=ref not in PLAIN), root / f"{ref}.yaml")
+    save_plan(make_plan(split=(2, 2), replicas=[(2, 2)], distributed_optimizer=True),
+              root / "pp2.yaml")
     for name, (_, meshes) in MESH_PLANS.items():
         save_any_plan(make_mesh_plan(meshes, replicas=REPLICAS.get(name),
                                      devices=DEVICES.get(name),
@@ -185,6 +191,16 @@ def test_same_mesh_plan_resume_equals_the_uninterrupted_job(chain, tmp_path):
     assert a.keys() == b.keys()
     assert any(k.startswith("/optimizer.state.exp_avg_sq.") for k in a)
     _assert_same_state(a, b, keys=a)
+
+
+def test_a_plain_plan_resumes_a_mesh_plans_checkpoint(chain):
+    """A format-1 plan (two stages, TP 1, the distributed optimizer) loads ``tp1-tp2``'s step-2
+    checkpoint (layers 3-4 saved from two tensor ranks) and trains steps 3-4 equal to the one
+    process: Megatron's resharding carries the weights and the Adam state out of a mesh plan."""
+    rec = chain["records"]
+    got = _steps(rec["from-mesh"])
+    assert sorted(got) == [3, 4]
+    _close(got, _steps(rec["ref"]))
 
 
 def test_mesh_checkpoint_holds_the_one_process_state(chain, tmp_path):
