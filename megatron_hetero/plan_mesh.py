@@ -331,6 +331,14 @@ def mesh_plan_from_data(data: object, *, source: str = "<plan>",
         if plan.precision == "bf16" and not catalog.get(canonical).bf16:
             raise SchemaError(source, "precision", plan.precision,
                               f"fp16 or fp32: {canonical} (at {path}) has no bf16")
+        first = catalog.get(plan.meshes[0].device_type)
+        if catalog.get(canonical).stack.library != first.stack.library:
+            raise SchemaError(source, path, mesh.device_type,
+                              f"a device on {first.stack.library}, as meshes[0] "
+                              f"({plan.meshes[0].device_type}): a mesh plan's bridges and groups "
+                              "use one collective library; a pool of several vendors takes a "
+                              "format-1 plan, whose pipeline edges between vendors go through "
+                              "the host (docs/vendors.md)")
     return plan
 
 

@@ -113,6 +113,15 @@ def test_tied_embeddings_are_refused_where_the_model_has_several_stages():
     assert mesh_plan_from_data(one, source="p.yaml").layer_split == [32]
 
 
+def test_meshes_of_two_vendors_are_refused_at_the_device_type():
+    """A bridge between an NVIDIA mesh and an AMD one would need a group across NCCL and RCCL:
+    refused at the second vendor's ``device_type``, pointing to format 1's host path."""
+    data = _with(m1=("device_type", "MI300X-192GB"))
+    err = _error(data)
+    assert err.path == "meshes[1].device_type", str(err)
+    assert "one collective library" in err.expected and "format-1" in err.expected
+
+
 def test_micro_batch_must_split_evenly_across_a_bridge():
     data = _with(m1=("replicas", _replicas(4, 3, 16)))  # 8 x 1 samples -> 4 x 3
     data["global_batch_size"] = 128

@@ -162,10 +162,13 @@ def best_mesh_plan(problem: Problem, tables: StageTables, *, uniform: SimResult,
                    upper_bound_s: float) -> tuple[MeshPlan, SimResult, int] | None:
     """The fastest simulated of the best estimated mesh plans that fits (its ``prediction``
     beside the ``uniform`` plan's step and the upper bound), and the candidates estimated; None
-    on a pool of one device type (one mesh is a uniform plan, which the main search covers),
-    for a model whose output layer is tied to its embedding, or where none fits."""
-    if len(problem.types) < 2 or not problem.model.untie_embeddings_and_output_weights:
-        return None  # (tied embeddings: a mesh plan of several stages cannot tie them)
+    on a pool of one device type (one mesh is a uniform plan, which the main search covers), on
+    a pool of several vendors' collective libraries (the bridges need one), for a model whose
+    output layer is tied to its embedding, or where none fits."""
+    libraries = {problem.inv.catalog.get(t).stack.library for t in problem.types}
+    if len(problem.types) < 2 or len(libraries) > 1 \
+            or not problem.model.untie_embeddings_and_output_weights:
+        return None  # one library for the bridges; a mesh plan cannot tie the embeddings
     search = MeshSearch(problem, tables)
     best = None
     for _, plan in search.candidates(problem.opt.finalists):

@@ -110,3 +110,12 @@ def test_no_mesh_plan_for_a_model_with_tied_embeddings():
     r = tune(model, inv, 512, options=TuneOptions(meshes=True))
     assert r.mesh_plan is None and not r.mesh_wins
     assert r.best[0] is r.plan
+
+
+def test_no_mesh_plan_across_vendors():
+    """On A100s beside MI300Xs the mesh search offers nothing (its bridges would join NCCL and
+    RCCL ranks), so ``tune --meshes`` keeps the format-1 plan with host-staged edges."""
+    inv = _inventory([("A100-SXM-80GB", 2, 8), ("MI300X-192GB", 1, 8)])
+    r = tune(load_model("llama2-13b", seq_length=4096), inv, 256,
+             options=TuneOptions(meshes=True))
+    assert r.mesh_plan is None and r.best[0] is r.plan
