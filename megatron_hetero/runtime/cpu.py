@@ -41,7 +41,7 @@ import contextlib
 import functools
 import os
 
-from ._rebind import rebind
+from ._rebind import is_wrapper, mark_wrapper, rebind
 
 __all__ = ["prepare_cpu_run", "init_cpu_process_group"]
 
@@ -160,10 +160,10 @@ def _patch_torch_optimizer_checkpoints() -> None:
                        ("load_state_dict", _wrap_load_state_dict),
                        ("_set_main_param_and_optimizer_states", _wrap_set_states)):
         original = getattr(DistributedOptimizer, name, None)
-        if original is None or getattr(original, "_megatron_hetero_wrapper", False):
+        if original is None or is_wrapper(original, "cpu"):
             continue
         wrapper = wrap(original)
-        wrapper._megatron_hetero_wrapper = True
+        mark_wrapper(wrapper, original, "cpu")
         setattr(DistributedOptimizer, name, wrapper)
 
 
@@ -179,11 +179,13 @@ def prepare_cpu_run() -> None:
                  "max_memory_reserved"):
         setattr(torch.cuda, name, lambda *a, **k: 0)
     torch.cuda.memory_stats = lambda *a, **k: {}
-    rebind("megatron.training.initialize", "initialize_megatron", _wrap_initialize_megatron)
+    rebind("megatron.training.initialize", "initialize_megatron", _wrap_initialize_megatron,
+           layer="cpu")
     rebind("megatron.training.initialize", "_initialize_distributed",
-           _wrap_initialize_distributed)
-    rebind("megatron.training.initialize", "_set_random_seed", _wrap_set_random_seed)
-    rebind("megatron.core.datasets.utils", "compile_helpers", _wrap_compile_helpers)
+           _wrap_initialize_distributed, layer="cpu")
+    rebind("megatron.training.initialize", "_set_random_seed", _wrap_set_random_seed,
+           layer="cpu")
+    rebind("megatron.core.datasets.utils", "compile_helpers", _wrap_compile_helpers, layer="cpu")
     _patch_torch_optimizer_checkpoints()
     import megatron.training.arguments as margs
 

@@ -179,9 +179,9 @@ def install(plan: Plan, *, cpu_backend: bool) -> None:
     if not spans_vendors(plan):
         return
     _active.append(_Active(plan=plan, cpu_backend=cpu_backend, choices=[]))
-    rebind("megatron.core.parallel_state", "create_group", _wrap_create_group)
+    rebind("megatron.core.parallel_state", "create_group", _wrap_create_group, layer="vendors")
     rebind("megatron.core.parallel_state", "initialize_model_parallel",
-           _wrap_initialize_model_parallel)
+           _wrap_initialize_model_parallel, layer="vendors")
 
 
 def prepare(plan: Plan, args, *, source: str, cpu_backend: bool) -> None:
