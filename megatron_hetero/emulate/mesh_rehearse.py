@@ -187,12 +187,12 @@ def rehearse_mesh(plan: MeshPlan, config, *, catalog: Catalog | None = None,
     """Shrink, calibrate, run and predict the mesh plan ``plan`` (see the module docstring);
     ``config`` is the rehearsal's :class:`.rehearse.RehearsalConfig` (its link emulation is
     not used on mesh plans)."""
-    from ..mcore.spawn import SpawnError
     from .calibration import activation_scale
     from .memory import memory_caps
     from .mesh_trainer import mesh_reference_plan, train_mesh_plan
-    from .rank_hooks import rehearsal_hooks, user_error
-    from .trainer import TrainConfig, compare_results
+    from .rank_hooks import rehearsal_hooks
+    from .rehearse import train_and_verify
+    from .trainer import TrainConfig
 
     _check_megatron_core(source)
     catalog = catalog or plan.catalog or load_catalog()
@@ -218,18 +218,8 @@ def rehearse_mesh(plan: MeshPlan, config, *, catalog: Catalog | None = None,
                        activation_scale=activation_scale(shrunk, fastest)) if metered else None
     hooks = functools.partial(rehearsal_hooks, factors=factors, time_scale=time_scale,
                               caps=caps, enforce_caps=config.memory_cap, nice=config.nice)
-    try:
-        result = train_mesh_plan(shrunk, tconf, hooks_factory=hooks)
-    except SpawnError as exc:
-        user = user_error(exc)
-        if user is not None:
-            raise user from None
-        raise
-    verify_message = None
-    if verify:
-        say("training the same model, data and seed in one process")
-        ref = train_mesh_plan(mesh_reference_plan(shrunk), tconf)
-        verify_message = compare_results(result, ref, rtol=1e-5, atol=1e-5)
+    result, verify_message = train_and_verify(train_mesh_plan, mesh_reference_plan, shrunk,
+                                              tconf, hooks=hooks, verify=verify, say=say)
 
     steps = range(1, config.steps)  # step 0 is the warm-up
     step_times = [max(r.step_times[k] for r in result.ranks) for k in steps]

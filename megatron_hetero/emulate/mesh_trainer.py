@@ -30,7 +30,7 @@ from typing import Callable
 from ..plan_mesh import Mesh, MeshPlan, MeshSlot, MeshStage, Replica
 from .params import init_params, local_params, merge_shards
 from .trainer import (RankHooks, RankResult, TrainConfig, TrainResult, forward_step,
-                      sample_tokens, train_steps)
+                      sample_tokens, train_on_ranks, train_steps)
 
 __all__ = ["mesh_reference_plan", "mesh_micro_batches", "train_mesh_rank", "train_mesh_plan",
            "global_stage", "layer_offset"]
@@ -159,12 +159,6 @@ def train_mesh_rank(plan: MeshPlan, rank: int, config: TrainConfig | None = None
         BridgeCommunicator.destroy_broadcast_pgs()
 
 
-def _rank_entry(rank: int, world_size: int, plan: MeshPlan, config: TrainConfig,
-                hooks_factory) -> RankResult:
-    hooks = hooks_factory(plan, rank) if hooks_factory else None
-    return train_mesh_rank(plan, rank, config, hooks)
-
-
 def train_mesh_plan(plan: MeshPlan, config: TrainConfig | None = None,
                     hooks_factory: Callable[[MeshPlan, int], RankHooks] | None = None,
                     env: dict[str, str] | None = None) -> TrainResult:
@@ -172,16 +166,14 @@ def train_mesh_plan(plan: MeshPlan, config: TrainConfig | None = None,
     global loss per step, the forward-only loss after training, every parameter under its
     layout-independent name (from replica 0 of each mesh, tensor-parallel shards joined) and
     each rank's step times."""
-    from ..mcore.spawn import spawn
+    return train_on_ranks(train_mesh_rank, plan, config, hooks_factory, env, _merge_params)
 
-    config = config or TrainConfig()
-    ranks = spawn(_rank_entry, plan.world_size, args=(plan, config, hooks_factory),
-                  timeout_s=config.timeout_s, threads_per_rank=config.threads_per_rank, env=env)
+
+def _merge_params(ranks: list[RankResult]) -> dict:
+    """Every parameter from replica 0 of each mesh, its tensor-parallel shards joined."""
     by_name: dict[str, dict[int, tuple]] = {}
     for r in ranks:
         if r.pipeline == 0:
             for name, shard in r.params.items():
                 by_name.setdefault(name, {})[r.tensor_rank] = shard
-    return TrainResult(losses=ranks[0].losses, eval_loss=ranks[0].eval_loss,
-                       params=merge_shards(by_name) if config.gather_params else {},
-                       step_times={r.rank: r.step_times for r in ranks}, ranks=ranks)
+    return merge_shards(by_name)

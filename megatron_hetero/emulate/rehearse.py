@@ -54,7 +54,7 @@ from .rank_hooks import rehearsal_hooks, user_error
 from .report import RehearsalResult, format_report, stage_reports
 from .shrink import shrink_plan, without_module_inputs
 
-__all__ = ["RehearsalConfig", "rehearse", "rehearse_main"]
+__all__ = ["RehearsalConfig", "rehearse", "rehearse_main", "train_and_verify"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -106,15 +106,38 @@ class RehearsalConfig:
                              "expected a finite number of seconds >= 0")
 
 
+def train_and_verify(train, reference, plan, config, *, hooks, verify: bool, say):
+    """``train(plan, config, hooks_factory=hooks)`` on CPU ranks, a rank's plan mistake (out of
+    memory under the caps) raised as its one-line error; with ``verify``, also
+    ``train(reference(plan), config)`` in one process and :func:`.trainer.compare_results` of
+    the two. Returns the result and the comparison's message (None: not verified or equal).
+    Format-1 and mesh plans (:mod:`.mesh_rehearse`) both run through it."""
+    from ..mcore.spawn import SpawnError
+    from .trainer import compare_results
+
+    try:
+        result = train(plan, config, hooks_factory=hooks)
+    except SpawnError as exc:
+        user = user_error(exc)
+        if user is not None:
+            raise user from None
+        raise
+    if not verify:
+        return result, None
+    say("training the same model, data and seed in one process")
+    ref = train(reference(plan), config)
+    # atol: 1% of one Adam step (lr 1e-3); see tests/emulate/test_equivalence.py
+    return result, compare_results(result, ref, rtol=1e-5, atol=1e-5)
+
+
 def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Catalog | None = None,
              verify: bool = False, source: str = "PLAN", progress=None,
              calibration: Calibration | None = None, inventory=None) -> RehearsalResult:
     """Shrink, check, calibrate, run and predict ``plan`` (see the module docstring);
     ``inventory`` gives the links of ``config.emulate_links``."""
-    from ..mcore.spawn import SpawnError
     from .memory import memory_caps
     from .speed import device_slowdowns
-    from .trainer import TrainConfig, compare_results, reference_plan, train_plan
+    from .trainer import TrainConfig, reference_plan, train_plan
 
     config = config or RehearsalConfig()
     if config.emulate_links and inventory is None:
@@ -145,19 +168,8 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
     hooks = functools.partial(rehearsal_hooks, factors=factors, time_scale=time_scale,
                               caps=caps if metered else None, enforce_caps=config.memory_cap,
                               nice=config.nice, links=links)
-    try:
-        result = train_plan(shrunk, tconf, hooks_factory=hooks)
-    except SpawnError as exc:
-        user = user_error(exc)
-        if user is not None:
-            raise user from None
-        raise
-    verify_message = None
-    if verify:
-        say("training the same model, data and seed in one process")
-        ref = train_plan(reference_plan(shrunk), tconf)
-        # atol: 1% of one Adam step (lr 1e-3); see tests/emulate/test_equivalence.py
-        verify_message = compare_results(result, ref, rtol=1e-5, atol=1e-5)
+    result, verify_message = train_and_verify(train_plan, reference_plan, shrunk, tconf,
+                                              hooks=hooks, verify=verify, say=say)
 
     steps = range(1, config.steps)  # step 0 is the warm-up
     step_times = [max(r.step_times[k] for r in result.ranks) for k in steps]

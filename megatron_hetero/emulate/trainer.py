@@ -78,7 +78,7 @@ from .params import init_params, local_params, merge_params
 
 __all__ = ["TrainConfig", "RankHooks", "RankResult", "TrainResult", "train_rank", "train_plan",
            "reference_plan", "with_tiny_model", "compare_results", "sample_tokens",
-           "micro_batches", "forward_step", "train_steps"]
+           "micro_batches", "forward_step", "train_steps", "train_on_ranks"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -431,24 +431,34 @@ def train_rank(plan: Plan, rank: int, config: TrainConfig | None = None,
         ps.destroy_model_parallel()
 
 
-def _rank_entry(rank: int, world_size: int, plan: Plan, config: TrainConfig,
+def _rank_entry(rank: int, world_size: int, train, plan, config: TrainConfig,
                 hooks_factory) -> RankResult:
     hooks = hooks_factory(plan, rank) if hooks_factory else None
-    return train_rank(plan, rank, config, hooks)
+    return train(plan, rank, config, hooks)
+
+
+def train_on_ranks(train, plan, config: TrainConfig | None, hooks_factory, env, merge_params_of
+                   ) -> TrainResult:
+    """Run ``train(plan, rank, config, hooks)`` (:func:`train_rank`, or a mesh plan's) on
+    ``plan.world_size`` CPU processes, ``hooks_factory(plan, rank)`` making each rank's hooks,
+    and merge what they return: rank 0's losses, the parameters ``merge_params_of(ranks)``
+    (with ``config.gather_params``), every rank's step times."""
+    from ..mcore.spawn import spawn
+
+    config = config or TrainConfig()
+    ranks = spawn(_rank_entry, plan.world_size, args=(train, plan, config, hooks_factory),
+                  timeout_s=config.timeout_s, threads_per_rank=config.threads_per_rank, env=env)
+    params = merge_params_of(ranks) if config.gather_params else {}
+    return TrainResult(losses=ranks[0].losses, eval_loss=ranks[0].eval_loss, params=params,
+                       step_times={r.rank: r.step_times for r in ranks}, ranks=ranks)
 
 
 def train_plan(plan: Plan, config: TrainConfig | None = None,
                hooks_factory: Callable[[Plan, int], RankHooks] | None = None,
                env: dict[str, str] | None = None) -> TrainResult:
     """Train ``plan`` on ``plan.world_size`` CPU processes and merge what they return."""
-    from ..mcore.spawn import spawn
-
-    config = config or TrainConfig()
-    ranks = spawn(_rank_entry, plan.world_size, args=(plan, config, hooks_factory),
-                  timeout_s=config.timeout_s, threads_per_rank=config.threads_per_rank, env=env)
-    params = merge_params(plan, ranks) if config.gather_params else {}
-    return TrainResult(losses=ranks[0].losses, eval_loss=ranks[0].eval_loss, params=params,
-                       step_times={r.rank: r.step_times for r in ranks}, ranks=ranks)
+    return train_on_ranks(train_rank, plan, config, hooks_factory, env,
+                          functools.partial(merge_params, plan))
 
 
 def compare_results(result: TrainResult, reference: TrainResult, *, rtol: float = 1e-5,
