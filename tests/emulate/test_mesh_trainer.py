@@ -6,38 +6,18 @@ replicas differ."""
 
 from __future__ import annotations
 
-import copy
 import json
 import subprocess
 import sys
 
 import pytest
-import yaml
 
 from ..conftest import REPO
+from ..mcore.tiny_mesh_plans import tiny_mesh_plan as _plan
 
 pytestmark = pytest.mark.slow  # each test spawns 3-4 ranks three times
 
-BASE = yaml.safe_load((REPO / "examples/meshes/3090-t4-plan.yaml").read_text())
 CLIP = 0.05  # below every step's norm (about 1.2-1.3 on this model): clipping happens
-
-
-def _plan(tmp_path, meshes, *, replicas=None, recompute=None, stages=None) -> str:
-    data = copy.deepcopy(BASE)
-    data["model"].update(num_layers=4, hidden_size=8, ffn_hidden_size=16, num_attention_heads=2,
-                         num_query_groups=2, vocab_size=64, seq_length=3)
-    data["precision"] = "fp32"
-    data["global_batch_size"] = 4
-    data["meshes"] = [
-        {"device_type": "RTX3090-24GB", "tensor_model_parallel_size": tp,
-         "replicas": replicas or [{"micro_batch_size": 2 // dp, "num_microbatches": 2}] * dp,
-         "stages": [{"num_layers": n} for n in (stages or {}).get(k, [2])]}
-        for k, (tp, dp) in enumerate(meshes)]
-    if recompute:
-        data["meshes"][1]["stages"][0]["recompute"] = recompute
-    path = tmp_path / "plan.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return str(path)
 
 
 def _train(env, plan_path: str) -> dict:

@@ -13,23 +13,9 @@ import pytest
 import yaml
 
 from ..conftest import REPO
+from .tiny_mesh_plans import tiny_mesh_plan as _plan
 
 BASE = yaml.safe_load((REPO / "examples/meshes/3090-t4-plan.yaml").read_text())
-
-
-def _plan(tmp_path, meshes) -> str:
-    data = copy.deepcopy(BASE)
-    data["model"].update(num_layers=4, hidden_size=8, ffn_hidden_size=16, num_attention_heads=2,
-                         num_query_groups=2, vocab_size=64, seq_length=3)
-    data["precision"] = "fp32"
-    data["global_batch_size"] = 4
-    data["meshes"] = [
-        {"device_type": "RTX3090-24GB", "tensor_model_parallel_size": tp,
-         "replicas": [{"micro_batch_size": 2 // dp, "num_microbatches": 2}] * dp,
-         "stages": [{"num_layers": 2}]} for tp, dp in meshes]
-    path = tmp_path / "plan.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return str(path)
 
 
 def _run(env, plan_path: str, world: int) -> list[dict]:
