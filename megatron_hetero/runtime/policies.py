@@ -37,6 +37,7 @@ import os
 from functools import cache
 
 from ..errors import HeteroError
+from ..mcore.cpu_backend import cpu_backend_enabled
 from ..mcore.stage_policies import module_input_kwargs, recompute_kwargs
 from ..optional import have_transformer_engine
 from ..plan import Plan, Stage
@@ -214,6 +215,8 @@ def _module_input_problems(stage: Stage, where: str, transformer_impl) -> list[s
     if not module_input_offload_supported():
         return [f"{where}: the installed megatron-core has no fine-grained activation "
                 f"offloading (TransformerConfig.fine_grained_activation_offloading)"]
+    if cpu_backend_enabled():
+        return []  # CPU ranks run it on the local layers (runtime/cpu_offload.py)
     if not have_transformer_engine():
         return [f"{where}: megatron-core's fine-grained activation offloading runs through "
                 f"Transformer Engine, which is not installed"]
