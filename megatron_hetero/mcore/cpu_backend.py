@@ -25,7 +25,10 @@ mechanism 5 below) and forward-only schedules, p2p (batched, and the interleaved
 overlapped ``isend``/``irecv``), ``DistributedDataParallel`` (gradient reduction overlapped or not)
 with grad buffers, ``finalize_model_grads`` (per-token loss too), the fp32 optimizer from
 ``get_megatron_optimizer`` (torch Adam or SGD; plain or Megatron's distributed optimizer) with
-grad clipping, activation recompute (full and selective), the RNG tracker and TP=2.
+grad clipping, activation recompute (full and selective), the RNG tracker and TP=2; with
+:mod:`megatron_hetero.runtime.cpu_offload` also megatron-core's CPU-offload optimizer and its
+fine-grained activation offloading (pinned memory, ``record_stream`` and TE's ``cpu_offload``
+flag are covered here).
 
 How
 ---
@@ -33,10 +36,11 @@ Nothing in megatron-core is edited. Five mechanisms, all listed in :data:`REDIRE
 
 1. A ``TorchFunctionMode`` (:class:`_CudaToCpuMode`) pushed for the rest of the process maps
    every CUDA device argument (``device="cuda"``, ``device=torch.cuda.current_device()``,
-   ``.cuda()``, ``.to("cuda")``) to the CPU, and makes ``Tensor.type()`` answer the CUDA type
-   name that megatron-core's fp32 checks compare with.
+   ``.cuda()``, ``.to("cuda")``) to the CPU, makes ``Tensor.type()`` answer the CUDA type
+   name that megatron-core's fp32 checks compare with, and drops pinned-memory requests.
 2. ``torch.cuda`` attributes that megatron-core calls on the CPU path get CPU equivalents
-   (streams and events become no-op objects, the CUDA RNG state becomes the CPU generator's).
+   (streams and events become no-op objects, on which ``Tensor.record_stream`` is a no-op; the
+   CUDA RNG state becomes the CPU generator's).
 3. megatron-core's own CUDA RNG helpers (``_get_cuda_rng_state``/``_set_cuda_rng_state``) use the
    CPU generator, so ``model_parallel_cuda_manual_seed`` and ``get_cuda_rng_tracker().fork()``
    work: the tracker's streams become states of the CPU generator.

@@ -8,7 +8,8 @@ this module adds what is the runtime's own:
 
 * the stage's Megatron ``args`` (:func:`stage_args`), optimizer offload among them:
   ``optimizer_cpu_offload`` + ``optimizer_offload_fraction`` (megatron-core's
-  ``HybridDeviceOptimizer``; needs ``--use-precision-aware-optimizer``);
+  ``HybridDeviceOptimizer``; needs ``--use-precision-aware-optimizer``, and 16-bit parameters
+  except on the CPU backend, see :mod:`.cpu_offload`);
 * activation offload (``cpu_offloading``) only where the installed megatron-core accepts it
   together with the plan's pipeline parallelism (0.16 and 0.17 refuse PP > 1) and Transformer
   Engine (which runs it) is installed;
@@ -204,6 +205,12 @@ def check_supported(plan: Plan, *, source: str = "plan", use_precision_aware_opt
                 elif use_precision_aware_optimizer is False:
                     problems.append(f"{where}.optimizer_fraction: optimizer offload needs "
                                     f"--use-precision-aware-optimizer on the command line")
+                elif plan.precision == "fp32" and not cpu_backend_enabled():
+                    problems.append(f"{where}.optimizer_fraction: megatron-core's CPU-offload "
+                                    f"optimizer does not run with fp32 parameters under the "
+                                    f"distributed optimizer (it refuses their shards, views of "
+                                    f"the parameters: can't optimize a non-leaf Tensor); use "
+                                    f"bf16 or fp16 (CPU ranks have a fix: runtime/cpu_offload.py)")
     if problems:
         raise PolicyUnsupported(f"{source}: the plan asks for memory policies this Megatron "
                                 f"cannot apply:\n  " + "\n  ".join(problems))

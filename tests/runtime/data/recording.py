@@ -23,14 +23,19 @@ RANKS = {}
 OFFLOAD = {}
 
 
-def read(idx) -> None:
-    """Record that this rank read sample ``idx`` in the current step."""
+def _ranks() -> None:
     from megatron.core import parallel_state as ps
-    from megatron.training import get_args
 
-    if not RANKS:
+    if not RANKS and ps.model_parallel_is_initialized():
         RANKS.update(dp=ps.get_data_parallel_rank(), pp=ps.get_pipeline_model_parallel_rank(),
                      tp=ps.get_tensor_model_parallel_rank())
+
+
+def read(idx) -> None:
+    """Record that this rank read sample ``idx`` in the current step."""
+    from megatron.training import get_args
+
+    _ranks()
     READ.append([int(getattr(get_args(), "curr_iteration", -1)), int(idx)])
 
 
@@ -89,6 +94,7 @@ def dump() -> None:
     """Write the records where ``SAMPLES_LOG`` says (nothing when it is unset)."""
     out = os.environ.get("SAMPLES_LOG")
     if out:
+        _ranks()  # ranks that read no sample (train_tiny.py's later stages)
         launcher = os.environ.get("MEGATRON_HETERO_LAUNCHER_RANK", os.environ["RANK"])
         with open(f"{out}.{launcher}", "w") as f:
             json.dump({"rank": int(os.environ["RANK"]), **RANKS, "read": READ, "steps": STEPS,
