@@ -25,7 +25,10 @@ mechanism 5 below) and forward-only schedules, p2p (batched, and the interleaved
 overlapped ``isend``/``irecv``), ``DistributedDataParallel`` (gradient reduction overlapped or not)
 with grad buffers, ``finalize_model_grads`` (per-token loss too), the fp32 optimizer from
 ``get_megatron_optimizer`` (torch Adam or SGD; plain or Megatron's distributed optimizer) with
-grad clipping, activation recompute (full and selective), the RNG tracker and TP=2.
+grad clipping, activation recompute (full and selective), the RNG tracker and TP=2; with
+:mod:`megatron_hetero.runtime.cpu_offload` also megatron-core's CPU-offload optimizer and its
+fine-grained activation offloading (pinned memory, ``record_stream`` and TE's ``cpu_offload``
+flag are covered here).
 
 How
 ---
@@ -33,10 +36,11 @@ Nothing in megatron-core is edited. Five mechanisms, all listed in :data:`REDIRE
 
 1. A ``TorchFunctionMode`` (:class:`_CudaToCpuMode`) pushed for the rest of the process maps
    every CUDA device argument (``device="cuda"``, ``device=torch.cuda.current_device()``,
-   ``.cuda()``, ``.to("cuda")``) to the CPU, and makes ``Tensor.type()`` answer the CUDA type
-   name that megatron-core's fp32 checks compare with.
+   ``.cuda()``, ``.to("cuda")``) to the CPU, makes ``Tensor.type()`` answer the CUDA type
+   name that megatron-core's fp32 checks compare with, and drops pinned-memory requests.
 2. ``torch.cuda`` attributes that megatron-core calls on the CPU path get CPU equivalents
-   (streams and events become no-op objects, the CUDA RNG state becomes the CPU generator's).
+   (streams and events become no-op objects, on which ``Tensor.record_stream`` is a no-op; the
+   CUDA RNG state becomes the CPU generator's).
 3. megatron-core's own CUDA RNG helpers (``_get_cuda_rng_state``/``_set_cuda_rng_state``) use the
    CPU generator, so ``model_parallel_cuda_manual_seed`` and ``get_cuda_rng_tracker().fork()``
    work: the tracker's streams become states of the CPU generator.
@@ -84,6 +88,12 @@ REDIRECTS: tuple[tuple[str, str, str], ...] = (
     ("torch", "Tensor.cuda", "the device mode returns the tensor itself (already on the CPU)"),
     ("torch", "Tensor.type", "the device mode answers 'torch.cuda.FloatTensor' for CPU float32 "
      "tensors, which megatron-core's fp32 optimizer and clip_grads assert"),
+    ("torch", "pin_memory", "the device mode drops pin_memory=True from factory calls and "
+     "Tensor.pin_memory() returns the tensor: torch without an accelerator has no pinned "
+     "memory, and host memory is all there is (the CPU-offload optimizer's host copies and "
+     "gradients, fine-grained activation offloading's host pool)"),
+    ("torch", "Tensor.record_stream", "a no-op for the no-op stand-in streams below (CPU memory "
+     "is not stream-ordered; fine-grained activation offloading records its copies' streams)"),
     ("torch.cuda", "current_device", "returns 0; the device mode maps device 0 to the CPU"),
     ("torch.cuda", "set_device", "no-op: one CPU per process"),
     ("torch.cuda", "synchronize", "no-op: CPU ops run synchronously"),
@@ -109,6 +119,10 @@ REDIRECTS: tuple[tuple[str, str, str], ...] = (
      "reads the CPU generator (it indexes torch.cuda.default_generators otherwise)"),
     ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state",
      "sets the CPU generator (it indexes torch.cuda.default_generators otherwise)"),
+    ("megatron.core.extensions.transformer_engine", "cpu_offload",
+     "Transformer Engine's cpu_offload module, None without TE: fine-grained activation "
+     "offloading raises without it, only to set its CPUOffloadEnabled flag, which only TE's own "
+     "layers read. A stand-in object with that flag"),
     ("megatron.core.pipeline_parallel.p2p_communication", "_p2p_ops",
      "the overlapped p2p of the interleaved schedule: each isend's buffer is kept alive until "
      "its wait(). Megatron frees a pipeline output's storage right after sending it "
@@ -160,7 +174,9 @@ def _make_mode():
             dev = kwargs.get("device")
             if dev is not None and _is_cuda(dev):
                 kwargs = dict(kwargs, device=cpu)
-            if func is torch.Tensor.cuda:
+            if kwargs.get("pin_memory"):
+                kwargs = dict(kwargs, pin_memory=False)
+            if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
                 return args[0]
             if func in to_methods and len(args) > 1:
                 a = args[1]
@@ -202,6 +218,12 @@ class _NoStream:
 _NO_STREAM = _NoStream()
 
 
+class _TeCpuOffloadFlag:
+    """Stands in for Transformer Engine's ``cpu_offload`` module (see REDIRECTS)."""
+
+    CPUOffloadEnabled = False
+
+
 class _SendKeepAlive:
     """A send request that holds its buffer's storage until ``wait()`` (see REDIRECTS)."""
 
@@ -235,6 +257,7 @@ def _keep_send_buffers(original):
 
 def _cuda_standins() -> dict[tuple[str, str], object]:
     import torch
+    from megatron.core.extensions import transformer_engine as te_extensions
     from megatron.core.pipeline_parallel import p2p_communication
 
     def get_rng_state(device="cuda"):
@@ -273,6 +296,8 @@ def _cuda_standins() -> dict[tuple[str, str], object]:
         ("torch.cuda.random", "manual_seed"): manual_seed,
         ("torch.cuda.nvtx", "range_push"): nop,
         ("torch.cuda.nvtx", "range_pop"): nop,
+        ("megatron.core.extensions.transformer_engine", "cpu_offload"):
+            te_extensions.cpu_offload or _TeCpuOffloadFlag(),
         ("megatron.core.tensor_parallel.random", "_get_cuda_rng_state"): _get_cuda_rng_state,
         ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state"): _set_cuda_rng_state,
         ("megatron.core.pipeline_parallel.p2p_communication", "_p2p_ops"):
@@ -304,6 +329,20 @@ def _install_raisers() -> None:
                 or not inspect.isfunction(value)):
             continue
         setattr(torch.cuda, name, _raiser(name, value))
+
+
+def _patch_record_stream() -> None:
+    import torch
+
+    original = torch.Tensor.record_stream
+
+    def record_stream(self, stream):
+        if isinstance(stream, _NoStream):
+            return None
+        return original(self, stream)
+
+    record_stream.__wrapped__ = original
+    torch.Tensor.record_stream = record_stream
 
 
 def _patch_backward_apply(mode) -> None:
@@ -367,6 +406,7 @@ def enable_cpu_backend() -> None:
                 value = _distinct(value, attr)
             setattr(importlib.import_module(module), attr, value)
         _install_raisers()
+        _patch_record_stream()
         _mode = _make_mode()
         _patch_backward_apply(_mode)
         _mode.__enter__()  # stays pushed for the rest of the process (this thread)

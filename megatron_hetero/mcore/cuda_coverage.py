@@ -61,6 +61,8 @@ CPU_PATH_MODULES: tuple[str, ...] = (
     "models.common.language_module.language_module",
     "models.common.embeddings.language_model_embedding",
     "models.common.embeddings.rotary_pos_embedding",
+    "optimizer.cpu_offloading.hybrid_optimizer",  # a plan's offload.optimizer_fraction
+    "pipeline_parallel.fine_grained_activation_offload",  # a plan's offload.module_inputs
 )
 
 #: ``(module under megatron.core, use, reason)``: CUDA uses in CPU_PATH_MODULES that the
@@ -85,6 +87,11 @@ NOT_REDIRECTED: tuple[tuple[str, str, str], ...] = (
     ("tensor_parallel.layers", "torch.cuda.amp.custom_bwd", "torch < 2.4 only"),
     ("tensor_parallel.layers", "device_type='cuda'", "partial(torch.amp.custom_fwd/custom_bwd, "
      "device_type='cuda'): no CUDA autocast is active on CPU, so a pass-through"),
+    ("optimizer.cpu_offloading.hybrid_optimizer", ".is_cuda", "the split of device and host "
+     "parameters: megatron_hetero.runtime.cpu_offload makes the optimizer's own parameters "
+     "count as device parameters while it splits (megatron.training on CPU ranks)"),
+    ("pipeline_parallel.fine_grained_activation_offload", "default 'cuda'", "GPUTensorPool's "
+     "default device; megatron-core builds it only as the host pool (device='cpu')"),
     ("transformer.mlp", "torch.cuda.OutOfMemoryError", "an exception class in an except clause"),
     ("transformer.module", "torch.cuda.FloatTensor", "fp16/bf16 conversion helpers (fp32 runs "
      "do not convert)"),

@@ -8,6 +8,7 @@ Importing this package does not import torch or megatron; the submodules that ne
 ``sampler``     each replica's share of every global batch, resumable
 ``policies``    per-stage recompute and offload as per-rank settings; refusal of what cannot work
 ``cpu``         megatron.training on the CPU backend (``MEGATRON_HETERO_CPU=1``)
+``cpu_offload`` megatron-core's optimizer offload and fine-grained activation offloading there
 ``patching``    ``megatron-hetero patch-megatron``
 ``arguments``   ``--hetero-plan`` / ``--hetero-device-type``
 """

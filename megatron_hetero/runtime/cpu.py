@@ -31,6 +31,8 @@ it adapts the few places where Megatron-LM's *training* package insists on a GPU
   the default ``dp_reshardable`` format copies into them outside ``no_grad`` (``RuntimeError: a
   view of a leaf Variable that requires grad is being used in an in-place operation``): the copy
   runs under ``no_grad``, as the fully reshardable format's already does.
+* megatron-core's optimizer offload and fine-grained activation offloading (a plan's
+  ``offload.optimizer_fraction`` and ``offload.module_inputs``): :mod:`.cpu_offload`.
 
 Nothing here is used on a GPU run; :func:`prepare_cpu_run` refuses when CUDA is available.
 """
@@ -42,6 +44,7 @@ import functools
 import os
 
 from ._rebind import is_wrapper, mark_wrapper, rebind
+from .cpu_offload import prepare_cpu_offload
 
 __all__ = ["prepare_cpu_run", "init_cpu_process_group"]
 
@@ -114,8 +117,15 @@ def _wrap_optimizer_state_dict(original):
         import torch
         from megatron.core.optimizer import distrib_optimizer
 
+        from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+        from .cpu_offload import allocate_hdo_state
+
         inner = self.optimizer
-        if (not distrib_optimizer.HAVE_APEX_OR_TE and isinstance(inner, torch.optim.Optimizer)
+        if (not distrib_optimizer.HAVE_APEX_OR_TE and isinstance(inner, HybridDeviceOptimizer)
+                and len(inner.state) == 0):
+            allocate_hdo_state(inner)
+        elif (not distrib_optimizer.HAVE_APEX_OR_TE and isinstance(inner, torch.optim.Optimizer)
                 and len(inner.state) == 0 and callable(getattr(self, "init_state_fn", None))):
             self.init_state_fn(inner, self.config)
             for group in inner.param_groups:
@@ -187,6 +197,7 @@ def prepare_cpu_run() -> None:
            layer="cpu")
     rebind("megatron.core.datasets.utils", "compile_helpers", _wrap_compile_helpers, layer="cpu")
     _patch_torch_optimizer_checkpoints()
+    prepare_cpu_offload()
     import megatron.training.arguments as margs
 
     if hasattr(margs, "get_device_arch_version"):

@@ -8,13 +8,15 @@ this module adds what is the runtime's own:
 
 * the stage's Megatron ``args`` (:func:`stage_args`), optimizer offload among them:
   ``optimizer_cpu_offload`` + ``optimizer_offload_fraction`` (megatron-core's
-  ``HybridDeviceOptimizer``; needs ``--use-precision-aware-optimizer``);
+  ``HybridDeviceOptimizer``; needs ``--use-precision-aware-optimizer``, and 16-bit parameters
+  except on the CPU backend, see :mod:`.cpu_offload`);
 * activation offload (``cpu_offloading``) only where the installed megatron-core accepts it
   together with the plan's pipeline parallelism (0.16 and 0.17 refuse PP > 1) and Transformer
   Engine (which runs it) is installed;
 * module-input offload (megatron-core's fine-grained activation offloading on the stage's
   ``args`` and on every model chunk's config; every other stage sets
-  ``fine_grained_activation_offloading=False`` explicitly) needs Transformer Engine, and with
+  ``fine_grained_activation_offloading=False`` explicitly) needs Transformer Engine (except on
+  the CPU backend, where :mod:`.cpu_offload` runs it on the local layers), and with
   TE >= 2.10 ``NVTE_CPU_OFFLOAD_V1=1`` in the environment before TE is imported
   (``megatron_hetero.launch`` sets it for such plans through :func:`set_launch_env`; Megatron
   asserts it).
@@ -37,6 +39,7 @@ import os
 from functools import cache
 
 from ..errors import HeteroError
+from ..mcore.cpu_backend import cpu_backend_enabled
 from ..mcore.stage_policies import module_input_kwargs, recompute_kwargs
 from ..optional import have_transformer_engine
 from ..plan import Plan, Stage
@@ -202,6 +205,12 @@ def check_supported(plan: Plan, *, source: str = "plan", use_precision_aware_opt
                 elif use_precision_aware_optimizer is False:
                     problems.append(f"{where}.optimizer_fraction: optimizer offload needs "
                                     f"--use-precision-aware-optimizer on the command line")
+                elif plan.precision == "fp32" and not cpu_backend_enabled():
+                    problems.append(f"{where}.optimizer_fraction: megatron-core's CPU-offload "
+                                    f"optimizer does not run with fp32 parameters under the "
+                                    f"distributed optimizer (it refuses their shards, views of "
+                                    f"the parameters: can't optimize a non-leaf Tensor); use "
+                                    f"bf16 or fp16 (CPU ranks have a fix: runtime/cpu_offload.py)")
     if problems:
         raise PolicyUnsupported(f"{source}: the plan asks for memory policies this Megatron "
                                 f"cannot apply:\n  " + "\n  ".join(problems))
@@ -214,6 +223,8 @@ def _module_input_problems(stage: Stage, where: str, transformer_impl) -> list[s
     if not module_input_offload_supported():
         return [f"{where}: the installed megatron-core has no fine-grained activation "
                 f"offloading (TransformerConfig.fine_grained_activation_offloading)"]
+    if cpu_backend_enabled():
+        return []  # CPU ranks run it on the local layers (runtime/cpu_offload.py)
     if not have_transformer_engine():
         return [f"{where}: megatron-core's fine-grained activation offloading runs through "
                 f"Transformer Engine, which is not installed"]

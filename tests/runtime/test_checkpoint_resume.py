@@ -13,8 +13,11 @@ Megatron builds the same mock dataset; ``--exit-interval`` stops a run early, af
   checkpoint: the chain starts from ``ref``'s step-1 checkpoint.
 * ``A`` (4 ranks): PP=2 with 2 interleaved chunks per stage, layout ``E|t|t*2|tL`` (the first
   chunk holds the embedding only), 2 replicas of 4 and 2 micro-batches, full recompute on
-  stage 1 only, the gradient reduction overlapped (as the tuner writes plans). It loads ``ref`` at step 1 (PP 1 -> 2, DP 1 -> 2) and trains steps 2-4,
-  saving after 2 and 4.
+  stage 1 only, offload on stage 0 only (half of its optimizer state on the host through
+  megatron-core's CPU-offload optimizer, and its module inputs through fine-grained activation
+  offloading), the gradient reduction overlapped (as the tuner writes plans). It loads ``ref``
+  at step 1 (PP 1 -> 2, DP 1 -> 2, no offload -> offload) and trains steps 2-4, saving after 2
+  and 4.
 * ``A2`` (4 ranks, the same plan): loads ``A`` at step 2 and trains steps 3-4 again.
 * ``B`` (3 ranks: fewer): PP=1, 3 replicas of 3, 2 and 1 micro-batches. It loads ``A`` at step 4
   (PP 2 -> 1, interleaved -> not, DP 2 -> 3, shares 4:2 -> 3:2:1) and trains steps 5-6.
@@ -22,7 +25,9 @@ Megatron builds the same mock dataset; ``--exit-interval`` stops a run early, af
   3 micro-batches of 2. It loads ``B`` at step 6 (TP 1 -> 2, PP 1 -> 2, DP 3 -> 1) and trains
   steps 7-8.
 
-``data/recording.py`` records each rank's samples and each step's loss and gradient norm, through
+``data/recording.py`` records each rank's samples, each step's loss and gradient norm and what
+the rank offloaded (with megatron-core's offload threshold lowered to 1 element, so that the
+tiny model's module inputs are offloaded), through
 the wrapper ``data/pretrain_gpt_recording.py`` or inside ``train_tiny.py`` (nothing in the product
 knows about it).
 """
@@ -50,12 +55,14 @@ CHECKPOINT_ARGS = ["--ckpt-format", "torch_dist", "--dist-ckpt-optim-fully-resha
                    # the same padded vocabulary at TP 1 and 2 (Megatron pads to 64 x TP)
                    "--make-vocab-size-divisible-by", "64"]
 RECOMPUTE = {"granularity": "full", "method": "block", "num_layers": 1}
+OFFLOAD = {"optimizer_fraction": 0.5, "module_inputs": True}
 
 PLANS = {
     "ref": (1, make_plan(split=(4,), replicas=[(1, 6)], distributed_optimizer=True)),
     "A": (4, dataclasses.replace(make_plan(
         chunks=[[0, 2], [1, 1]], devices=[[A100, V100]] * 2, replicas=[(1, 4), (1, 2)],
-        recompute=[None, RECOMPUTE], distributed_optimizer=True), overlap_grad_reduce=True)),
+        recompute=[None, RECOMPUTE], offload=[OFFLOAD, None], distributed_optimizer=True),
+        overlap_grad_reduce=True)),
     "B": (3, make_plan(split=(4,), replicas=[(1, 3), (1, 2), (1, 1)],
                        distributed_optimizer=True)),
     "C": (4, make_plan(split=(0, 4), tp=2, devices=[[A100, V100]], replicas=[(2, 3)],
@@ -98,7 +105,8 @@ def chain(tmp_path_factory):
         start = time.perf_counter()
         results = launch(nproc, str(root / f"{plan}.yaml"), work, script=script,
                          base_args=base_args, iters=STEPS,
-                         extra=CHECKPOINT_ARGS + extra, env={"SAMPLES_LOG": str(work / "samples")},
+                         extra=CHECKPOINT_ARGS + extra,
+                         env={"SAMPLES_LOG": str(work / "samples"), "OFFLOAD_MIN_NUMEL": "1"},
                          timeout=500)
         walls[run] = time.perf_counter() - start
         for code, out, _ in results:
@@ -153,9 +161,25 @@ def _assert_same_state(a: dict, b: dict, *, keys) -> None:
         torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-7, msg=key)
 
 
+def test_plan_a_offloads_on_stage_0_only(chain):
+    """Under plan A (first run and resumed) stage 0's ranks keep part of their optimizer shard
+    on the host and part on the device, and offload module inputs; stage 1's ranks do neither
+    (and join megatron-core's offload summary with nothing)."""
+    for run in ("A", "A2"):
+        for rec in chain["records"][run]:
+            got = rec["offload"]
+            if rec["pp"] == 0:
+                assert got["optimizer_host_numel"] > 0 and got["optimizer_device_numel"] > 0, run
+                assert sum(got["module_input_bytes"].values()) > 0, run
+            else:
+                assert "optimizer_host_numel" not in got, run
+                assert not any(got["module_input_bytes"].values()), run
+
+
 def test_same_plan_resume_equals_the_uninterrupted_job(chain, tmp_path):
     """Plan A resumed at step 2 trains steps 3-4 as the uninterrupted A did, and writes the
-    same step-4 checkpoint: weights and the distributed optimizer's Adam state and main params."""
+    same step-4 checkpoint: weights and the distributed optimizer's Adam state and main params
+    (stage 0's partly held by the CPU-offload optimizer)."""
     rec = chain["records"]
     full, resumed = _steps(rec["A"]), _steps(rec["A2"])
     assert sorted(full) == [2, 3, 4] and sorted(resumed) == [3, 4]

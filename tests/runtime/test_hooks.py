@@ -88,6 +88,20 @@ def test_stage_policies_as_args_and_config():
     assert policies.stage_args(s1)["optimizer_cpu_offload"] is False
 
 
+def test_optimizer_offload_with_fp32_params_is_refused_off_the_cpu_backend(monkeypatch):
+    # megatron-core 0.17.1's HybridDeviceOptimizer rejects the distributed optimizer's fp32
+    # shards on any device; the CPU backend fixes it (runtime/cpu_offload.py)
+    offload = [{"optimizer_fraction": 0.5}, None]
+    with pytest.raises(policies.PolicyUnsupported) as err:
+        policies.check_supported(make_plan(split=(2, 2), offload=offload), source="p.yaml")
+    assert "pipelines[0].stages[0].offload.optimizer_fraction: megatron-core's CPU-offload " \
+           "optimizer does not run with fp32 parameters" in str(err.value)
+    assert "stages[1]" not in str(err.value)
+    policies.check_supported(make_plan(split=(2, 2), offload=offload, precision="bf16"))
+    monkeypatch.setattr(policies, "cpu_backend_enabled", lambda: True)
+    policies.check_supported(make_plan(split=(2, 2), offload=offload))
+
+
 def test_unsupported_policies_are_refused_at_start():
     plan = make_plan(split=(2, 2), offload=[{"activations": True}, {"optimizer_fraction": 0.3}])
     with pytest.raises(policies.PolicyUnsupported) as err:

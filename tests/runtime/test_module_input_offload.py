@@ -101,6 +101,17 @@ def test_refused_without_transformer_engine(monkeypatch):
     assert "stages[0]" not in text
 
 
+def test_cpu_ranks_run_it_on_the_local_layers_without_transformer_engine(monkeypatch):
+    # runtime/cpu_offload.py stands in for what it needs of TE (the chain of
+    # tests/runtime/test_checkpoint_resume.py runs it)
+    monkeypatch.setattr(policies, "have_transformer_engine", lambda: False)
+    monkeypatch.setattr(policies, "cpu_backend_enabled", lambda: True)
+    policies.check_supported(make_plan(split=(2, 2), offload=[None, ON]), transformer_impl="local")
+    # what megatron-core itself refuses still is
+    assert "cannot run with cpu_offloading" in _refusal(
+        make_plan(split=(2,), offload=[{"module_inputs": True, "activations": True}]))
+
+
 def test_refused_by_a_megatron_core_without_the_feature(monkeypatch):
     monkeypatch.setattr(policies, "module_input_offload_supported", lambda: False)
     text = _refusal(make_plan(split=(2, 2), offload=[ON, ON]))

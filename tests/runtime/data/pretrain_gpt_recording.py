@@ -24,6 +24,7 @@ GPTDataset.__getitem__ = _recording_getitem
 if __name__ == "__main__":
     here = Path(__file__).resolve().with_name("pretrain_gpt.py")
     recording.record_steps()
+    recording.record_offload()
     sys.argv[0] = str(here)
     try:
         runpy.run_path(str(here), run_name="__main__")

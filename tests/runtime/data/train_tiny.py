@@ -83,6 +83,7 @@ if __name__ == "__main__":
     if RECORD:
         import recording
         recording.record_steps()
+        recording.record_offload()
     try:
         pretrain(datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
                  args_defaults={"tokenizer_type": "NullTokenizer"})
