@@ -89,7 +89,7 @@ NOT_REDIRECTED: tuple[tuple[str, str, str], ...] = (
      "device_type='cuda'): no CUDA autocast is active on CPU, so a pass-through"),
     ("optimizer.cpu_offloading.hybrid_optimizer", ".is_cuda", "the split of device and host "
      "parameters: megatron_hetero.mcore.cpu_offload makes the optimizer's own parameters "
-     "count as device parameters while it splits (megatron.training on CPU ranks)"),
+     "count as device parameters while it splits (CPU ranks)"),
     ("pipeline_parallel.fine_grained_activation_offload", "default 'cuda'", "GPUTensorPool's "
      "default device; megatron-core builds it only as the host pool (device='cpu')"),
     ("transformer.mlp", "torch.cuda.OutOfMemoryError", "an exception class in an except clause"),
