@@ -238,8 +238,7 @@ _compute_hook: list[Callable[[str], ContextManager] | None] = [None]
 
 
 def _install_backward_hook() -> None:
-    """Wrap megatron-core's ``schedules.backward_step`` (and, where it exists, the multimodule
-    schedule's ``backward_step_multimodule``) once so RankHooks.compute sees it."""
+    """Wrap ``schedules.backward_step`` (and its multimodule twin) once for RankHooks.compute."""
     from megatron.core.pipeline_parallel import schedules
     for name in ("backward_step", "backward_step_multimodule"):
         original = getattr(schedules, name, None)
@@ -382,7 +381,8 @@ def train_rank(plan: Plan, rank: int, config: TrainConfig | None = None,
     config = config or TrainConfig()
     hooks = hooks or RankHooks()
     enable_cpu_backend()
-    enable_cpu_offload()  # megatron-core's offload paths (idempotent)
+    if plan.offloads_optimizer or plan.offloads_module_inputs:
+        enable_cpu_offload()  # megatron-core's offload paths on the CPU backend
     if dist.get_world_size() != plan.world_size:
         raise ValueError(f"the process group has {dist.get_world_size()} ranks; the plan needs "
                          f"{plan.world_size}")
