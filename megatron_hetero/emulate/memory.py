@@ -16,9 +16,10 @@ What is counted (real bytes, cheaply):
   them to its host pool, and again from their reload until the backward pass takes them
   (:func:`meter_module_input_offload`). The host pool is host memory: not counted.
 
-Not counted: temporaries freed inside an op, the optimizer state a stage keeps on the host
-(``offload.optimizer_fraction``: megatron-core's CPU-offload optimizer; its device part is), pipeline receive buffers that no op saved, and
-allocator fragmentation; on a GPU these are the few percent of headroom a plan must leave anyway.
+Not counted: the optimizer state a stage keeps on the host (``offload.optimizer_fraction``:
+megatron-core's CPU-offload optimizer; its device optimizer's state is static), temporaries
+freed inside an op, pipeline receive buffers that no op saved, and allocator fragmentation; on a
+GPU these last are the few percent of headroom a plan must leave anyway.
 
 The cap. A shrunk model needs far less memory than the real one, so the device's memory is
 scaled with the model, rank by rank::

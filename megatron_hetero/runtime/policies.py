@@ -16,8 +16,8 @@ this module adds what is the runtime's own:
 * module-input offload (megatron-core's fine-grained activation offloading on the stage's
   ``args`` and on every model chunk's config; every other stage sets
   ``fine_grained_activation_offloading=False`` explicitly) needs Transformer Engine (except on
-  the CPU backend, where :mod:`megatron_hetero.mcore.cpu_offload` runs it on the local layers), and with
-  TE >= 2.10 ``NVTE_CPU_OFFLOAD_V1=1`` in the environment before TE is imported
+  the CPU backend, where :mod:`megatron_hetero.mcore.cpu_offload` runs it on the local
+  layers), and with TE >= 2.10 ``NVTE_CPU_OFFLOAD_V1=1`` in the environment before TE is imported
   (``megatron_hetero.launch`` sets it for such plans through :func:`set_launch_env`; Megatron
   asserts it).
 
