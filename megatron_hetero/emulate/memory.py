@@ -10,8 +10,16 @@ What is counted (real bytes, cheaply):
   storage counted once). In the 1F1B schedule, the micro-batches in flight on a stage keep
   their saved tensors alive together, so the peak is the real activation peak of that stage.
 
-Not counted: temporaries freed inside an op, pipeline receive buffers that no op saved, and
-allocator fragmentation; on a GPU these are the few percent of headroom a plan must leave anyway.
+- *module inputs* a stage offloads (``offload.module_inputs``: megatron-core's fine-grained
+  activation offloading saves them through its own hooks, which take the place of the meter's):
+  counted from the moment autograd hands them to its offload manager until the manager copies
+  them to its host pool, and again from their reload until the backward pass takes them
+  (:func:`meter_module_input_offload`). The host pool is host memory: not counted.
+
+Not counted: the optimizer state a stage keeps on the host (``offload.optimizer_fraction``:
+megatron-core's CPU-offload optimizer; its device optimizer's state is static), temporaries
+freed inside an op, pipeline receive buffers that no op saved, and allocator fragmentation; on a
+GPU these last are the few percent of headroom a plan must leave anyway.
 
 The cap. A shrunk model needs far less memory than the real one, so the device's memory is
 scaled with the model, rank by rank::
@@ -39,7 +47,8 @@ from ..hardware.catalog import Catalog, load_catalog
 from ..plan import Plan
 from ..plan_mesh import MeshPlan
 
-__all__ = ["MemoryCapError", "MemoryMeter", "memory_caps", "cpu_rank_bytes", "plan_cost_model"]
+__all__ = ["MemoryCapError", "MemoryMeter", "memory_caps", "cpu_rank_bytes", "plan_cost_model",
+           "meter_module_input_offload"]
 
 
 class MemoryCapError(HeteroError):
@@ -209,18 +218,11 @@ class MemoryMeter:
         import torch
 
         def pack(t):
-            ptr, n = _storage(t)
-            if ptr == 0 or ptr in self._static_ptrs:
+            ptr = self.hold(t)
+            if ptr is None:
                 return t
-            entry = self._live.get(ptr)
-            if entry is None:
-                self._live[ptr] = [1, n]
-                self.activation_bytes += n
-            else:
-                entry[0] += 1
             saved = _Saved(t)
             weakref.finalize(saved, self._release, ptr)
-            self._check("saving activations for the backward pass")
             return saved
 
         def unpack(saved):
@@ -228,6 +230,22 @@ class MemoryMeter:
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             yield
+
+    def hold(self, t) -> int | None:
+        """Count ``t``'s storage as a saved activation (once per storage; parameters are
+        static) and check the cap; its storage pointer for :meth:`_release`, None if not
+        counted."""
+        ptr, n = _storage(t)
+        if ptr == 0 or ptr in self._static_ptrs:
+            return None
+        entry = self._live.get(ptr)
+        if entry is None:
+            self._live[ptr] = [1, n]
+            self.activation_bytes += n
+        else:
+            entry[0] += 1
+        self._check("saving activations for the backward pass")
+        return ptr
 
     def _release(self, ptr: int) -> None:
         entry = self._live.get(ptr)
@@ -249,11 +267,14 @@ class MemoryMeter:
 
 
 def _optimizer_tensors(optimizer) -> Iterator:
-    """Tensors of a torch optimizer's state, through Megatron's wrappers."""
+    """Tensors of a torch optimizer's state, through Megatron's wrappers; of megatron-core's
+    CPU-offload optimizer, its device optimizer's (the host optimizers' live on the host)."""
     if optimizer is None:
         return
     for inner in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
         opt = getattr(inner, "optimizer", inner)
+        if hasattr(opt, "gpu_optimizer") and hasattr(opt, "cpu_optimizers"):  # hybrid device
+            opt = opt.gpu_optimizer
         for state in getattr(opt, "state", {}).values():
             if isinstance(state, dict):
                 for v in state.values():
@@ -263,3 +284,55 @@ def _optimizer_tensors(optimizer) -> Iterator:
             yield from group
         for group in getattr(inner, "fp32_from_float16_groups", None) or []:
             yield from group
+
+
+_offload_meter: list = [None]  # the meter of this process's rank (one rank per process)
+
+
+def meter_module_input_offload(meter: MemoryMeter) -> None:
+    """Count, in ``meter``, the module inputs megatron-core's fine-grained activation
+    offloading holds on the device (see the module docstring): its chunk handlers' pushes,
+    offloads, reloads and pops. Installed once per process; the last meter given counts."""
+    import torch
+    from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
+
+    _offload_meter[0] = meter
+    handler = fgo.ChunkOffloadHandler
+    if getattr(handler.tensor_push, "_metered", False):
+        return
+    push, pop = handler.tensor_push, handler.tensor_pop
+    offload, reload = handler.bulk_offload_group, handler.bulk_reload_group
+
+    def tensor_push(self, tensor):
+        tag = push(self, tensor)
+        _offload_meter[0].hold(tensor)  # saved by autograd, through the manager's hooks
+        return tag
+
+    def tensor_pop(self, tag):
+        held = self.offload_groups[tag[0] - 1]._tensors.get(tag)
+        tensor = pop(self, tag)
+        if torch.is_tensor(held):  # on the device until now: the backward pass takes it
+            _offload_meter[0]._release(_storage(held)[0])
+        return tensor
+
+    def bulk_offload_group(self):
+        group = self._groups_to_offload[-1]
+        before = {tag: t for tag, t in group._tensors.items() if torch.is_tensor(t)}
+        offload(self)
+        for tag, t in before.items():
+            if not torch.is_tensor(group._tensors.get(tag)):  # copied to the host pool
+                _offload_meter[0]._release(_storage(t)[0])
+
+    def bulk_reload_group(self):
+        group = self._groups_to_reload[-1]
+        away = [tag for tag, t in group._tensors.items() if not torch.is_tensor(t)]
+        reload(self)
+        for tag in away:
+            if torch.is_tensor(group._tensors.get(tag)):  # back on the device
+                _offload_meter[0].hold(group._tensors[tag])
+
+    for name, fn in (("tensor_push", tensor_push), ("tensor_pop", tensor_pop),
+                     ("bulk_offload_group", bulk_offload_group),
+                     ("bulk_reload_group", bulk_reload_group)):
+        fn._metered = True
+        setattr(handler, name, fn)

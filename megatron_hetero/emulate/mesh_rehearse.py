@@ -3,7 +3,7 @@ one CPU process per plan rank, each playing its mesh's GPU type.
 
 1. *Shrink* the model in width (:func:`~megatron_hetero.models.shrink_model`, heads divisible
    by every mesh's TP); meshes, layer split, replicas and policies stay. Module-input offload is
-   turned off (the CPU ranks cannot run it).
+   turned off (the mesh trainer sets only recompute; format 1's trainer runs it).
 2. *Refuse* a plan of more than ``max_ranks`` ranks.
 3. *Calibrate* the CPU and gloo on two processes at each micro-batch size of the plan
    (:func:`.calibration.calibrate`, one per device type's idle gaps).

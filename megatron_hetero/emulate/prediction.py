@@ -51,7 +51,9 @@ def trainer_shards_optimizer(plan: Plan) -> bool:
     if "use_distributed_optimizer" not in TrainConfig.__dataclass_fields__:
         return False  # a trainer that always runs the plain optimizer
     choice = TrainConfig().use_distributed_optimizer  # the rehearsal keeps the trainer's default
-    return plan.use_distributed_optimizer if choice is None else bool(choice)
+    if choice is None or plan.offloads_optimizer:  # optimizer offload runs under it
+        return plan.use_distributed_optimizer
+    return bool(choice)
 
 
 def emulated_name(device_type: str) -> str:

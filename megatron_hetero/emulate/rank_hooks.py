@@ -107,7 +107,7 @@ def rehearsal_hooks(plan: Plan | MeshPlan, rank: int, *, factors: dict[str, floa
     = (cap, device bytes, scale); enforced when ``enforce_caps``) and with ``links`` (every
     rank's :func:`.links.plan_links` table) the time of its pipeline messages."""
     from .links import emulate_links
-    from .memory import MemoryMeter
+    from .memory import MemoryMeter, meter_module_input_offload
     from .speed import SpeedEmulation
     from .trainer import RankHooks
 
@@ -124,6 +124,8 @@ def rehearsal_hooks(plan: Plan | MeshPlan, rank: int, *, factors: dict[str, floa
         meter = MemoryMeter(rank=rank, pipeline=pipeline, stage=stage,
                             device_type=device, cap=cap if enforce_caps else None,
                             device_bytes=device_bytes, scale=scale)
+        if isinstance(plan, Plan) and plan.stage(pipeline, stage).offload.module_inputs:
+            meter_module_input_offload(meter)  # the inputs its offload manager keeps
     emu = _RankEmulation(speed, meter)
     emu.allreduce_gb_s = allreduce_gb_s
     return RankHooks(compute=emu.compute, on_step_end=emu.on_step_end, report=emu.report,

@@ -52,7 +52,7 @@ from .links import rehearsal_links
 from .prediction import predict, trainer_shards_optimizer
 from .rank_hooks import rehearsal_hooks, user_error
 from .report import RehearsalResult, format_report, stage_reports
-from .shrink import shrink_plan, without_module_inputs
+from .shrink import offload_min_numel, shrink_plan, without_module_inputs
 
 __all__ = ["RehearsalConfig", "rehearse", "rehearse_main", "train_and_verify"]
 
@@ -135,6 +135,7 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
              calibration: Calibration | None = None, inventory=None) -> RehearsalResult:
     """Shrink, check, calibrate, run and predict ``plan`` (see the module docstring);
     ``inventory`` gives the links of ``config.emulate_links``."""
+    from ..mcore.cpu_offload import module_input_offload_supported
     from .memory import memory_caps
     from .speed import device_slowdowns
     from .trainer import TrainConfig, reference_plan, train_plan
@@ -145,8 +146,9 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
                           "(--inventory): the links between the plan's GPUs come from it")
     catalog = catalog or plan.catalog or load_catalog()
     say = progress or (lambda msg: None)
-    shrunk, kept_inputs = without_module_inputs(shrink_plan(plan, config.hidden_size, catalog),
-                                                catalog)
+    shrunk, kept_inputs = shrink_plan(plan, config.hidden_size, catalog), []
+    if shrunk.offloads_module_inputs and not module_input_offload_supported():
+        shrunk, kept_inputs = without_module_inputs(shrunk, catalog)
     check_host_capacity(shrunk, max_ranks=config.max_ranks, source=source, catalog=catalog)
     slowdowns = device_slowdowns(plan, catalog)
     time_scale = config.time_scale or auto_time_scale(plan, slowdowns)
@@ -162,7 +164,8 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
                        cpu_shards_optimizer=trainer_shards_optimizer(shrunk))
     say(f"running {config.steps} steps on {shrunk.world_size} CPU ranks")
     tconf = TrainConfig(steps=config.steps, seed=config.seed, gather_params=verify,
-                        eval_forward_only=verify, timeout_s=config.timeout_s)
+                        eval_forward_only=verify, timeout_s=config.timeout_s,
+                        offload_min_numel=offload_min_numel(plan, shrunk))
     metered = config.meter_memory or config.memory_cap
     links, link_stretch = _links(plan, shrunk, config, inventory, calibration, factors)
     hooks = functools.partial(rehearsal_hooks, factors=factors, time_scale=time_scale,

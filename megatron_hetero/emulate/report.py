@@ -77,7 +77,8 @@ class RehearsalResult:
     """With ``verify``: None when the run matched the single-process reference, else the first
     divergence."""
     kept_module_inputs: list[tuple[int, int]] = field(default_factory=list)
-    """(pipeline, stage) slots whose ``offload.module_inputs`` the CPU ranks did not run
+    """(pipeline, stage) slots whose ``offload.module_inputs`` the CPU ranks did not run: the
+    installed megatron-core has no fine-grained activation offloading
     (:func:`.shrink.without_module_inputs`)."""
     links: dict | None = None
     """With link emulation: ``(sender rank, receiver rank) -> Link`` the pipeline messages took
@@ -118,12 +119,14 @@ def stage_reports(shrunk: Plan, leads, steps, caps: dict[int, tuple[float, float
 
 
 def module_inputs_note(slots: list[tuple[int, int]]) -> str:
-    """The report's line on module-input offload the CPU ranks did not run."""
+    """The report's line on module-input offload the CPU ranks did not run (the installed
+    megatron-core has no fine-grained activation offloading)."""
     where = ", ".join(f"pipeline {d} stage {s}" for d, s in slots)
-    return (f"note: offload.module_inputs (megatron-core's fine-grained activation offloading: "
-            f"CUDA streams, Transformer Engine) is not rehearsed on {where}: those ranks keep the "
-            f"tensors, their memory caps count them as offloaded, and neither the measured nor "
-            f"the predicted times include the host copies")
+    return (f"note: offload.module_inputs is not rehearsed on {where}: the installed "
+            f"megatron-core has no fine-grained activation offloading (megatron-core 0.16.1 and "
+            f"0.17.1 have it); those ranks keep the tensors, their memory caps count them as "
+            f"offloaded, and neither the measured nor the predicted times include the host "
+            f"copies")
 
 
 def format_report(result: RehearsalResult, *, source: str = "PLAN",

@@ -16,17 +16,16 @@ Public API
     ``on_built(model_chunks, optimizer)`` once before the first step.
 ``train_rank(plan, rank, config, hooks=None) -> RankResult``
     Run inside a process of a gloo group of ``plan.world_size`` (see
-    :mod:`megatron_hetero.mcore.spawn`); enables the CPU backend, builds megatron-core's
-    parallel state (TP, PP, DP from the plan; the plan's own pipeline layout), a ``GPTModel``
-    (:mod:`megatron_hetero.mcore`: local spec, fp32, CPU initialization, this stage's recompute
-    from its plan entry; one model chunk per virtual pipeline stage of an interleaved plan),
-    Megatron's DDP (overlapping the gradient reduction when
-    ``plan.overlap_grad_reduce`` says), ``get_megatron_optimizer`` (Adam,
-    grad clipping; or SGD; distributed when ``config.use_distributed_optimizer`` says) and
-    runs ``config.steps`` steps of Megatron's own schedule (1F1B when PP > 1, interleaved 1F1B
-    when the plan has virtual pipeline stages; the per-stage warm-up schedule of
-    :mod:`megatron_hetero.mcore.warmup_schedule` on a replica whose plan asks for it), then one
-    forward-only pass. ``plan.precision`` is ignored: everything is fp32.
+    :mod:`megatron_hetero.mcore.spawn`); enables the CPU backend (and its offload fixes,
+    :mod:`megatron_hetero.mcore.cpu_offload`), builds megatron-core's parallel state (TP, PP,
+    DP and the pipeline layout from the plan), a ``GPTModel`` (local spec, fp32, CPU
+    initialization, this stage's recompute and module-input offload; one model chunk per
+    virtual pipeline stage), Megatron's DDP (``plan.overlap_grad_reduce``),
+    ``get_megatron_optimizer`` (Adam or SGD, grad clipping; distributed when
+    ``config.use_distributed_optimizer`` says or the plan offloads optimizer state; the stage's
+    optimizer offload) and runs ``config.steps`` steps of Megatron's own schedule (1F1B,
+    interleaved 1F1B, or :mod:`megatron_hetero.mcore.warmup_schedule`'s per-stage warm-up),
+    then one forward-only pass. ``plan.precision`` is ignored: everything is fp32.
 ``train_plan(plan, config, hooks_factory=None) -> TrainResult``
     Spawns ``plan.world_size`` CPU processes running :func:`train_rank` and merges their
     results: the global loss per step, the forward-only loss after training, every parameter
@@ -71,7 +70,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Literal
 
 from ..mcore.config import plan_transformer_config
+from ..mcore.cpu_offload import enable_cpu_offload, join_offload_summary
 from ..mcore.model import gpt_model, wrap_ddp
+from ..mcore.stage_policies import optimizer_offload_kwargs
 from ..mcore.warmup_schedule import schedule_for
 from ..plan import ModelSpec, Pipeline, Plan, Slot, Stage
 from .params import init_params, local_params, merge_params
@@ -113,6 +114,8 @@ class TrainConfig:
     """torch intra-op threads of each rank process."""
     timeout_s: float = 300.0
     """Hard timeout of ``train_plan``'s processes."""
+    offload_min_numel: int | None = None
+    """Smallest tensor (elements) ``offload.module_inputs`` moves to the host (None: 1M)."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -235,8 +238,7 @@ _compute_hook: list[Callable[[str], ContextManager] | None] = [None]
 
 
 def _install_backward_hook() -> None:
-    """Wrap megatron-core's ``schedules.backward_step`` (and, where it exists, the multimodule
-    schedule's ``backward_step_multimodule``) once so RankHooks.compute sees it."""
+    """Wrap ``schedules.backward_step`` (and its multimodule twin) once for RankHooks.compute."""
     from megatron.core.pipeline_parallel import schedules
     for name in ("backward_step", "backward_step_multimodule"):
         original = getattr(schedules, name, None)
@@ -265,7 +267,8 @@ def _build_chunks(plan: Plan, slot: Slot, stage: Stage, config: TrainConfig):
     tied = not plan.model.untie_embeddings_and_output_weights
     chunks, models = [], []
     for vp in range(v):
-        tconf = plan_transformer_config(plan, stage, vp)  # the stage's policies on its chunk
+        tconf = plan_transformer_config(  # the stage's policies on its chunk
+            plan, stage, vp, offload_min_numel=config.offload_min_numel)
         vp_stage = vp if v > 1 else None
         pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
         post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
@@ -278,7 +281,7 @@ def _build_chunks(plan: Plan, slot: Slot, stage: Stage, config: TrainConfig):
     return chunks, models
 
 
-def _wrap_for_training(plan: Plan, models: list, config: TrainConfig):
+def _wrap_for_training(plan: Plan, stage: Stage, models: list, config: TrainConfig):
     """Megatron's DDP around each chunk and ``get_megatron_optimizer`` over them, wired into the
     chunks' configs as Megatron-LM's training wires them: (ddps, optimizer)."""
     import torch
@@ -287,14 +290,15 @@ def _wrap_for_training(plan: Plan, models: list, config: TrainConfig):
 
     v = plan.virtual_pipeline_size
     dist_opt = (plan.use_distributed_optimizer if config.use_distributed_optimizer is None
-                else config.use_distributed_optimizer)
+                or plan.offloads_optimizer else config.use_distributed_optimizer)
     overlap = plan.overlap_grad_reduce  # gradient reduction during the last backward
     ddps = wrap_ddp(models, overlap_grad_reduce=overlap, use_distributed_optimizer=dist_opt)
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer=config.optimizer, lr=config.lr,
                         weight_decay=config.weight_decay,
                         clip_grad=config.clip_grad, bf16=False, fp16=False,
-                        params_dtype=torch.float32, use_distributed_optimizer=dist_opt),
+                        params_dtype=torch.float32, use_distributed_optimizer=dist_opt,
+                        **optimizer_offload_kwargs(stage)),
         ddps)
     for tconf in (model.config for model in models):  # the schedule reads chunk 0's
         tconf.finalize_model_grads_func = finalize_model_grads
@@ -377,6 +381,8 @@ def train_rank(plan: Plan, rank: int, config: TrainConfig | None = None,
     config = config or TrainConfig()
     hooks = hooks or RankHooks()
     enable_cpu_backend()
+    if plan.offloads_optimizer or plan.offloads_module_inputs:
+        enable_cpu_offload()  # megatron-core's offload paths on the CPU backend
     if dist.get_world_size() != plan.world_size:
         raise ValueError(f"the process group has {dist.get_world_size()} ranks; the plan needs "
                          f"{plan.world_size}")
@@ -396,11 +402,13 @@ def train_rank(plan: Plan, rank: int, config: TrainConfig | None = None,
         assert ps.get_data_parallel_rank() == slot.pipeline, "Megatron rank order is not tp-dp-pp"
         assert ps.get_pipeline_model_parallel_rank() == slot.stage
         tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
-        chunks, models = _build_chunks(plan, slot, plan.stage(slot.pipeline, slot.stage), config)
-        ddps, optimizer = _wrap_for_training(plan, models, config)
+        stage = plan.stage(slot.pipeline, slot.stage)
+        chunks, models = _build_chunks(plan, slot, stage, config)
+        ddps, optimizer = _wrap_for_training(plan, stage, models, config)
         if hooks.on_built:
             hooks.on_built(ddps, optimizer)
-        forward_backward = schedule_for(plan, slot.pipeline, get_forward_backward_func())
+        forward_backward = join_offload_summary(schedule_for(  # non-offloading ranks join
+            plan, slot.pipeline, get_forward_backward_func()), plan, stage)
         last_stage = ps.is_pipeline_last_stage()  # holds the loss (on its last chunk)
 
         def run(step: int, forward_only: bool) -> float:

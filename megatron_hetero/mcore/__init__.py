@@ -10,6 +10,8 @@ and megatron-core run on CPU processes.
   layer spec) and Megatron's ``DistributedDataParallel`` around model chunks
   (:func:`~.model.wrap_ddp`).
 - :mod:`.cpu_backend`: ``enable_cpu_backend()``, the redirects that make megatron-core run on CPU.
+- :mod:`.cpu_offload`: ``enable_cpu_offload()``, megatron-core's optimizer offload and
+  fine-grained activation offloading on the CPU backend (the runtime's and the rehearsal's).
 - :mod:`.cuda_coverage`: the scan of megatron-core's source that pins the backend's table.
 - :mod:`.spawn`: ``spawn(fn, world_size)``, N gloo processes with results and failures collected.
 - :mod:`.warmup_schedule`: the non-interleaved 1F1B with the plan's per-stage warm-up, from

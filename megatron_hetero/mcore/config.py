@@ -10,7 +10,7 @@ own arguments, and the runtime only sets the stage's policies on it.
 from __future__ import annotations
 
 from ..plan import ModelSpec, Plan, Stage
-from .stage_policies import recompute_kwargs
+from .stage_policies import module_input_kwargs, recompute_kwargs
 
 __all__ = ["torch_dtype", "transformer_config", "plan_transformer_config"]
 
@@ -49,13 +49,18 @@ def transformer_config(model: ModelSpec, *, num_layers: int | None = None,
     return TransformerConfig(**kwargs)
 
 
-def plan_transformer_config(plan: Plan, stage: Stage, chunk: int | None = None):
+def plan_transformer_config(plan: Plan, stage: Stage, chunk: int | None = None, *,
+                            offload_min_numel: int | None = None):
     """The ``TransformerConfig`` of ``stage`` of ``plan`` (of its model chunk ``chunk`` for an
     interleaved plan) as the CPU trainer runs it: fp32, initialized on the CPU, the plan's
     tensor and pipeline parallelism and pipeline layout, the loss summed over tokens
-    (``calculate_per_token_loss``: uneven replicas stay exact), no sequence parallelism, and the
-    stage's recompute. An interleaved plan runs Megatron-LM's default interleaved schedule:
-    overlapped p2p, pipeline outputs freed after their send, the plan's micro-batch group."""
+    (``calculate_per_token_loss``: uneven replicas stay exact), no sequence parallelism, the
+    stage's recompute and its module-input offload (megatron-core's fine-grained activation
+    offloading; on the CPU backend see :mod:`.cpu_offload`), which moves the module inputs of
+    at least ``offload_min_numel`` elements to the host (``min_offloaded_tensor_size``; None:
+    megatron-core's default, 1M). An interleaved plan runs Megatron-LM's default interleaved
+    schedule: overlapped p2p, pipeline outputs freed after their send, the plan's micro-batch
+    group."""
     pp = plan.pipeline_model_parallel_size
     settings: dict = {"perform_initialization": True, "calculate_per_token_loss": True,
                       "sequence_parallel": False}
@@ -69,6 +74,10 @@ def plan_transformer_config(plan: Plan, stage: Stage, chunk: int | None = None):
                         deallocate_pipeline_outputs=True,
                         microbatch_group_size_per_vp_stage=plan.microbatch_group)
     settings.update(recompute_kwargs(stage, chunk if plan.virtual_pipeline_size > 1 else None))
+    if stage.offload.module_inputs:  # off: the field is left out (megatron-core may not have it)
+        settings.update(module_input_kwargs(stage))
+        if offload_min_numel is not None:
+            settings["min_offloaded_tensor_size"] = offload_min_numel
     return transformer_config(plan.model, tensor_parallel_size=plan.tensor_model_parallel_size,
                               pipeline_parallel_size=pp, precision="fp32",
                               cpu_initialization=True, **settings)

@@ -26,7 +26,7 @@ overlapped ``isend``/``irecv``), ``DistributedDataParallel`` (gradient reduction
 with grad buffers, ``finalize_model_grads`` (per-token loss too), the fp32 optimizer from
 ``get_megatron_optimizer`` (torch Adam or SGD; plain or Megatron's distributed optimizer) with
 grad clipping, activation recompute (full and selective), the RNG tracker and TP=2; with
-:mod:`megatron_hetero.runtime.cpu_offload` also megatron-core's CPU-offload optimizer and its
+:mod:`megatron_hetero.mcore.cpu_offload` also megatron-core's CPU-offload optimizer and its
 fine-grained activation offloading (pinned memory, ``record_stream`` and TE's ``cpu_offload``
 flag are covered here).
 

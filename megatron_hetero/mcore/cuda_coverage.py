@@ -88,8 +88,8 @@ NOT_REDIRECTED: tuple[tuple[str, str, str], ...] = (
     ("tensor_parallel.layers", "device_type='cuda'", "partial(torch.amp.custom_fwd/custom_bwd, "
      "device_type='cuda'): no CUDA autocast is active on CPU, so a pass-through"),
     ("optimizer.cpu_offloading.hybrid_optimizer", ".is_cuda", "the split of device and host "
-     "parameters: megatron_hetero.runtime.cpu_offload makes the optimizer's own parameters "
-     "count as device parameters while it splits (megatron.training on CPU ranks)"),
+     "parameters: megatron_hetero.mcore.cpu_offload makes the optimizer's own parameters "
+     "count as device parameters while it splits (CPU ranks)"),
     ("pipeline_parallel.fine_grained_activation_offload", "default 'cuda'", "GPUTensorPool's "
      "default device; megatron-core builds it only as the host pool (device='cpu')"),
     ("transformer.mlp", "torch.cuda.OutOfMemoryError", "an exception class in an except clause"),

@@ -24,7 +24,7 @@ from __future__ import annotations
 from ..plan import Stage, chunk_recompute
 
 __all__ = ["MODULE_INPUTS", "recompute_kwargs", "offload_kwargs",
-           "module_input_kwargs", "stage_config_kwargs"]
+           "module_input_kwargs", "stage_config_kwargs", "optimizer_offload_kwargs"]
 
 MODULE_INPUTS = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm")
 """megatron-core ``offload_modules`` of ``Offload.module_inputs`` (the dense layer's modules)."""
@@ -69,3 +69,14 @@ def stage_config_kwargs(stage: Stage, chunk: int | None = None) -> dict:
     """Every TransformerConfig field this stage's plan entry sets (on its model chunk
     ``chunk`` for an interleaved plan)."""
     return {**recompute_kwargs(stage, chunk), **offload_kwargs(stage), **module_input_kwargs(stage)}
+
+
+def optimizer_offload_kwargs(stage: Stage) -> dict:
+    """``OptimizerConfig`` fields of the stage's optimizer offload (megatron-core's CPU-offload
+    optimizer keeps ``offload.optimizer_fraction`` of the rank's optimizer state on the host;
+    it runs under the distributed optimizer only, which the caller sets); none without it."""
+    fraction = stage.offload.optimizer_fraction
+    if fraction <= 0:
+        return {}
+    return {"optimizer_cpu_offload": True, "optimizer_offload_fraction": fraction,
+            "use_precision_aware_optimizer": True}

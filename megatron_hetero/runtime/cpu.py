@@ -119,7 +119,7 @@ def _wrap_optimizer_state_dict(original):
 
         from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 
-        from .cpu_offload import allocate_hdo_state
+        from ..mcore.cpu_offload import allocate_hdo_state
 
         inner = self.optimizer
         if (not distrib_optimizer.HAVE_APEX_OR_TE and isinstance(inner, HybridDeviceOptimizer)

@@ -49,6 +49,7 @@ import sys
 from dataclasses import dataclass
 
 from ..errors import HeteroError
+from ..mcore.cpu_offload import join_offload_summary
 from ..mcore.stage_policies import stage_config_kwargs
 from ..mcore.warmup_schedule import refusal, schedule_for, unsupported
 from ..plan import Plan, Slot, Stage, load_plan
@@ -326,7 +327,7 @@ def _wrap_get_fb(original):
             # the plan's per-stage warm-up where it asks for more than Megatron's on this replica
             fb = schedule_for(_state.plan, _state.slot.pipeline, fb)
             # ranks that offload nothing join the others' offload summary
-            fb = policies.join_offload_summary(fb, _state.plan, _state.stage)
+            fb = join_offload_summary(fb, _state.plan, _state.stage)
         return replica_forward_backward(fb) if _uneven() else fb
     return get_forward_backward_func
 

@@ -9,24 +9,21 @@ this module adds what is the runtime's own:
 * the stage's Megatron ``args`` (:func:`stage_args`), optimizer offload among them:
   ``optimizer_cpu_offload`` + ``optimizer_offload_fraction`` (megatron-core's
   ``HybridDeviceOptimizer``; needs ``--use-precision-aware-optimizer``, and 16-bit parameters
-  except on the CPU backend, see :mod:`.cpu_offload`);
+  except on the CPU backend, see :mod:`megatron_hetero.mcore.cpu_offload`);
 * activation offload (``cpu_offloading``) only where the installed megatron-core accepts it
   together with the plan's pipeline parallelism (0.16 and 0.17 refuse PP > 1) and Transformer
   Engine (which runs it) is installed;
 * module-input offload (megatron-core's fine-grained activation offloading on the stage's
   ``args`` and on every model chunk's config; every other stage sets
   ``fine_grained_activation_offloading=False`` explicitly) needs Transformer Engine (except on
-  the CPU backend, where :mod:`.cpu_offload` runs it on the local layers), and with
-  TE >= 2.10 ``NVTE_CPU_OFFLOAD_V1=1`` in the environment before TE is imported
+  the CPU backend, where :mod:`megatron_hetero.mcore.cpu_offload` runs it on the local
+  layers), and with TE >= 2.10 ``NVTE_CPU_OFFLOAD_V1=1`` in the environment before TE is imported
   (``megatron_hetero.launch`` sets it for such plans through :func:`set_launch_env`; Megatron
   asserts it).
 
-  Megatron assumes every rank offloads or none does: after the first step an offloading rank
-  prints its offload summary through world-wide collectives
-  (``print_offload_summary_table``: two ``all_gather_object`` and a barrier). With a plan that
-  offloads on some stages only, the other ranks join those collectives once, with nothing to
-  report, after their first ``forward_backward`` call (:func:`join_offload_summary`), so
-  nobody waits forever.
+  Megatron assumes every rank offloads or none does: the other ranks of a plan that offloads
+  on some stages only join the offload summary's collectives
+  (:func:`megatron_hetero.mcore.cpu_offload.join_offload_summary`).
 
 What the installed megatron-core cannot honour is refused at start (:func:`check_supported`),
 never dropped silently.
@@ -34,19 +31,18 @@ never dropped silently.
 
 from __future__ import annotations
 
-import functools
 import os
 from functools import cache
 
 from ..errors import HeteroError
 from ..mcore.cpu_backend import cpu_backend_enabled
+from ..mcore.cpu_offload import module_input_offload_supported, optimizer_offload_supported
 from ..mcore.stage_policies import module_input_kwargs, recompute_kwargs
 from ..optional import have_transformer_engine
 from ..plan import Plan, Stage
 
 __all__ = ["stage_args", "check_supported", "PolicyUnsupported", "activation_offload_supported",
-           "optimizer_offload_supported", "module_input_offload_supported",
-           "join_offload_summary", "set_launch_env"]
+           "set_launch_env"]
 
 NVTE_ENV = "NVTE_CPU_OFFLOAD_V1"
 """Megatron's fine-grained offload needs it at 1 with Transformer Engine >= 2.10."""
@@ -69,27 +65,6 @@ def stage_args(stage: Stage) -> dict:
     # in pretrain (CPU affinity of the offload copies); its config is built from args too.
     out.update(module_input_kwargs(stage))
     return out
-
-
-def join_offload_summary(forward_backward, plan: Plan, stage: Stage):
-    """``forward_backward`` for a rank of ``plan`` that does not offload module inputs while
-    others do: after its first call it joins megatron-core's offload summary collectives once
-    (see the module docstring). Otherwise ``forward_backward`` itself."""
-    if stage.offload.module_inputs or not plan.offloads_module_inputs:
-        return forward_backward
-    from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
-
-    @functools.wraps(forward_backward)
-    def joined(*a, **kw):
-        result = forward_backward(*a, **kw)
-        if not _joined[0]:
-            _joined[0] = True
-            fgo.print_offload_summary_table({})  # this rank offloads nothing
-        return result
-    return joined
-
-
-_joined = [False]  # this process joined the offload summary (once per process, as Megatron)
 
 
 def set_launch_env(argv, environ=None) -> bool:
@@ -132,36 +107,11 @@ def activation_offload_supported(pipeline_parallel_size: int) -> bool:
     return True
 
 
-def module_input_offload_supported() -> bool:
-    """Whether the installed megatron-core has fine-grained activation offloading (its
-    ``TransformerConfig`` field and the summary collective :func:`join_offload_summary` joins)."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    if "fine_grained_activation_offloading" not in TransformerConfig.__dataclass_fields__:
-        return False
-    try:
-        from megatron.core.pipeline_parallel.fine_grained_activation_offload import (  # noqa: F401
-            print_offload_summary_table)
-    except ImportError:
-        return False
-    return True
-
-
 def _te_needs_v1_env() -> bool:
     """Transformer Engine >= 2.10 (Megatron then asserts ``NVTE_CPU_OFFLOAD_V1=1``)."""
     from megatron.core.utils import is_te_min_version
 
     return is_te_min_version("2.10.0")
-
-
-@cache
-def optimizer_offload_supported() -> bool:
-    """Whether megatron-core has its CPU-offload (hybrid device) optimizer."""
-    try:
-        from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def check_supported(plan: Plan, *, source: str = "plan", use_precision_aware_optimizer=None,
@@ -210,7 +160,7 @@ def check_supported(plan: Plan, *, source: str = "plan", use_precision_aware_opt
                                     f"optimizer does not run with fp32 parameters under the "
                                     f"distributed optimizer (it refuses their shards, views of "
                                     f"the parameters: can't optimize a non-leaf Tensor); use "
-                                    f"bf16 or fp16 (CPU ranks have a fix: runtime/cpu_offload.py)")
+                                    f"bf16 or fp16 (CPU ranks have a fix: mcore/cpu_offload.py)")
     if problems:
         raise PolicyUnsupported(f"{source}: the plan asks for memory policies this Megatron "
                                 f"cannot apply:\n  " + "\n  ".join(problems))
@@ -224,7 +174,7 @@ def _module_input_problems(stage: Stage, where: str, transformer_impl) -> list[s
         return [f"{where}: the installed megatron-core has no fine-grained activation "
                 f"offloading (TransformerConfig.fine_grained_activation_offloading)"]
     if cpu_backend_enabled():
-        return []  # CPU ranks run it on the local layers (runtime/cpu_offload.py)
+        return []  # CPU ranks run it on the local layers (mcore/cpu_offload.py)
     if not have_transformer_engine():
         return [f"{where}: megatron-core's fine-grained activation offloading runs through "
                 f"Transformer Engine, which is not installed"]

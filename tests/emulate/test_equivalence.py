@@ -144,8 +144,8 @@ def _mean_loss_per_replica(plan, rank):
     from megatron_hetero.emulate import trainer
     build = trainer.plan_transformer_config
 
-    def transformer_config(plan, stage, chunk=None):
-        config = build(plan, stage, chunk)
+    def transformer_config(plan, stage, chunk=None, **settings):
+        config = build(plan, stage, chunk, **settings)
         config.calculate_per_token_loss = False
         return config
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ from megatron_hetero.hardware.catalog import load_catalog
 from megatron_hetero.models import model_preset, shrink_model
 from megatron_hetero.plan import plan_from_data
 
+from ..conftest import REPO
 from .faults import hooks_with_wrong_labels
 
 
@@ -122,6 +125,35 @@ def test_interleaved_plan_rehearses_and_verifies(tmp_path, capsys):
         ("0", "0", "A100-SXM-80GB", "4"), ("0", "1", "A100-SXM-80GB", "4"),
         ("1", "0", "V100-SXM2-32GB", "2"), ("1", "1", "V100-SXM2-32GB", "2")]
     assert "verify: losses and final parameters match" in out
+
+
+@pytest.mark.slow
+def test_offloading_replica_rehearses_below_its_peak_without_offload(tmp_path, mcore017_env):
+    """Two replicas of one 4-layer stage (a real layer input of 1024 x 1024 elements: at
+    megatron-core's offload threshold), replica 0 offloading its module inputs and half its
+    optimizer state, on megatron-core 0.17.1: the rehearsal runs both offloads (megatron-core's
+    offload summary), replica 0's measured peak is below replica 1's, within its cap, and the
+    run trains equal to one process."""
+    model = {"name": "wide", "num_layers": 4, "hidden_size": 1024, "ffn_hidden_size": 2816,
+             "num_attention_heads": 8, "num_query_groups": 8, "vocab_size": 4000,
+             "seq_length": 1024}
+    data = _plan_data([("A100-SXM-80GB", 4)], pipelines=2, model=model)
+    data.update(precision="bf16", use_distributed_optimizer=True)
+    data["pipelines"][0]["stages"][0]["offload"] = {"module_inputs": True,
+                                                    "optimizer_fraction": 0.5}
+    out = subprocess.run([sys.executable, "-m", "megatron_hetero.cli", "rehearse",
+                          _write(tmp_path, data), "--steps", "2", "--hidden-size", "32",
+                          "--verify"], env=mcore017_env | {"PYTHONWARNINGS": "ignore"},
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-2000:]
+    text = out.stdout
+    summary = next(line.split() for line in text.splitlines() if line.startswith("Rank 0 "))
+    assert float(summary[-1]) > 0  # MB of module inputs replica 0 offloaded in a step
+    rows = [line.split() for line in text.splitlines() if "-SXM" in line and "|" in line]
+    (peak, cap), (peak_plain, _) = (map(float, r[-2].split("/")) for r in rows)
+    assert peak < peak_plain and peak < cap and not rows[0][-2].endswith("!")
+    assert "note: offload.module_inputs" not in text
+    assert "verify: losses and final parameters match" in text
 
 
 @pytest.mark.slow

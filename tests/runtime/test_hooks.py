@@ -90,7 +90,7 @@ def test_stage_policies_as_args_and_config():
 
 def test_optimizer_offload_with_fp32_params_is_refused_off_the_cpu_backend(monkeypatch):
     # megatron-core 0.17.1's HybridDeviceOptimizer rejects the distributed optimizer's fp32
-    # shards on any device; the CPU backend fixes it (runtime/cpu_offload.py)
+    # shards on any device; the CPU backend fixes it (mcore/cpu_offload.py)
     offload = [{"optimizer_fraction": 0.5}, None]
     with pytest.raises(policies.PolicyUnsupported) as err:
         policies.check_supported(make_plan(split=(2, 2), offload=offload), source="p.yaml")
