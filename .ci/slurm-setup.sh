@@ -101,6 +101,9 @@ SlurmctldHost=$host(127.0.0.1)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+# A requeued job waits for the credential lifetime before it runs again (120 s by default);
+# step launches here take seconds
+AuthInfo=cred_expire=30
 CredType=cred/munge
 MpiDefault=none
 ProctrackType=proctrack/linuxproc

@@ -31,6 +31,14 @@ it adapts the few places where Megatron-LM's *training* package insists on a GPU
   the default ``dp_reshardable`` format copies into them outside ``no_grad`` (``RuntimeError: a
   view of a leaf Variable that requires grad is being used in an in-place operation``): the copy
   runs under ``no_grad``, as the fully reshardable format's already does.
+* ``pretrain`` warms up the fused bias-GeLU/SwiGLU and bias-dropout-add kernels
+  (``set_jit_fusion_options`` → ``_warmup_jit_function``, torch.compile on torch 2.2 and later)
+  on random tensors of the training shapes placed on ``"cuda"``. On a CPU rank that is seconds
+  of compiling per rank (about 4 s of CPU each on this project's 2-core machine, every launch)
+  for kernels a GPU would use, and its ``torch.rand`` draws from the CPU generator that
+  ``--use-cpu-initialization`` then initialises the weights from (on a GPU they come from the
+  CUDA generator): the warmup is skipped, and a fusion the model does use compiles on its
+  first call instead;
 * megatron-core's optimizer offload and fine-grained activation offloading (a plan's
   ``offload.optimizer_fraction`` and ``offload.module_inputs``): :mod:`.cpu_offload`.
 
@@ -109,6 +117,13 @@ def _wrap_compile_helpers(original):
             return original(*a, **kw)
         return None
     return compile_helpers
+
+
+def _no_jit_warmup(original):
+    @functools.wraps(original)
+    def _warmup_jit_function(*a, **kw):
+        return None
+    return _warmup_jit_function
 
 
 def _wrap_optimizer_state_dict(original):
@@ -196,6 +211,7 @@ def prepare_cpu_run() -> None:
     rebind("megatron.training.initialize", "_set_random_seed", _wrap_set_random_seed,
            layer="cpu")
     rebind("megatron.core.datasets.utils", "compile_helpers", _wrap_compile_helpers, layer="cpu")
+    rebind("megatron.training.initialize", "_warmup_jit_function", _no_jit_warmup, layer="cpu")
     _patch_torch_optimizer_checkpoints()
     prepare_cpu_offload()
     import megatron.training.arguments as margs

@@ -27,7 +27,8 @@ BASE_ARGS = [
     "--lr-decay-style", "constant", "--seed", "1234", "--eval-iters", "0",
     "--eval-interval", "1000", "--log-interval", "1", "--transformer-impl", "local",
     "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion",
-    "--no-rope-fusion", "--no-persist-layer-norm", "--use-cpu-initialization", "--num-workers", "0",
+    "--no-rope-fusion", "--no-bias-dropout-fusion", "--no-persist-layer-norm",
+    "--use-cpu-initialization", "--num-workers", "0",
     "--no-create-attention-mask-in-dataloader", "--dataloader-type", "single",
     "--distributed-backend", "gloo", "--attention-dropout", "0", "--hidden-dropout", "0",
 ]
