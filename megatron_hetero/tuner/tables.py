@@ -34,7 +34,8 @@ import numpy as np
 from ..cost.schedule import peak_activations
 from ..cost.stage import StageShape
 from ..plan import Offload, Recompute
-from .policy import Menu, Option, Policy, option_costs, pick, timing_position
+from .grid import Grid, build_grids, menu_columns
+from .policy import Menu, Option, Policy, pick, timing_position
 from .problem import Problem
 from .space import Structure
 
@@ -188,7 +189,7 @@ class StageTables:
         monotone in it)."""
         p, D = st.pp, st.num_pipelines
         m = p * max(1, -(-(self.problem.gbs // st.mbs) // (D * p)))
-        out = []
+        out, new = [], {}
         for types, _ in st.templates:
             row = []
             for s in range(p):
@@ -199,42 +200,20 @@ class StageTables:
                 if got is None:
                     got = self._seen[quick] = self.table(stage_shape(st, types, s, microbatches=m),
                                                          precision=prec)
+                    if not got._builder.grids:
+                        new[id(got)] = got._builder
                 row.append(got)
             out.append(row)
+        if new:  # every caller picks a menu on each: their first grids, built together
+            builders = list(new.values())
+            for b, grid in zip(builders, build_grids(builders, builders[0].module_inputs)):
+                b.grids.append(grid)
         return out
 
 
 _NO_RECOMPUTE, _SELECTIVE = Recompute(), Recompute(granularity="selective")
 _MODULE_INPUTS = {mi: Offload(module_inputs=mi) for mi in (False, True)}
 """The policies the tables' lines are costed under (shared: the tables hold many shapes)."""
-
-_FULL_COLUMNS = 3
-"""The full-recompute options of a table (:meth:`_Builder.full_recompute`)."""
-
-
-@lru_cache(maxsize=256)
-def _menu_columns(menu: Menu, module_inputs: tuple[bool, ...], selective: bool
-                  ) -> tuple[slice | np.ndarray, tuple[tuple[bool, bool], ...]]:
-    """Where ``menu``'s options are among the columns of a grid over the ``module_inputs``
-    settings, with a selective-recompute column each where ``selective`` (:class:`_Grid`),
-    in the order ties are broken (a slice where they are contiguous); and each option's
-    (selective, module inputs)."""
-    width = _FULL_COLUMNS + selective  # columns per module-input setting
-    full = _FULL_COLUMNS if menu.optimizer_offload else 1
-    cols, kinds = [], []
-    for mi in menu.module_inputs:
-        first = module_inputs.index(mi) * width
-        cols += range(first, first + full)
-        kinds += [(False, mi)] * full
-        if menu.selective_recompute and selective:
-            cols.append(first + _FULL_COLUMNS)
-            kinds.append((True, mi))
-    if cols == list(range(cols[0], cols[-1] + 1)):
-        return slice(cols[0], cols[-1] + 1), tuple(kinds)
-    got = np.array(cols)
-    got.flags.writeable = False
-    return got, tuple(kinds)
-
 
 @lru_cache(maxsize=64)
 def _rows(L: int) -> np.ndarray:
@@ -258,16 +237,6 @@ def _steps(L: int, unit: int) -> np.ndarray:
     got = _rows(L) - unit
     got.flags.writeable = False
     return got
-
-
-def _side_by_side(lines: list[np.ndarray]) -> np.ndarray:
-    """Lines over the layer counts as the columns of a ``(L + 1, len(lines), 1)`` array."""
-    if len(lines) == 1:
-        return lines[0][:, None, None]
-    out = np.empty((len(lines[0]), len(lines), 1))
-    for i, line in enumerate(lines):
-        out[:, i, 0] = line
-    return out
 
 
 def stage_shape(st: Structure, types, s: int, *, layers: int = 0, policy: Policy | None = None,
@@ -298,28 +267,6 @@ def _canonical(position: StageShape) -> StageShape:
     return position.but(pipeline_size=p, stage=s, num_microbatches=f)
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class _Grid:
-    """Options of a table at every layer count (rows), one column each: per module-input
-    setting of ``module_inputs``, the full-recompute columns of
-    :meth:`_Builder.full_recompute`, then (where ``selective``) selective recompute; and
-    what :func:`.policy.option_costs` makes of them, per optimizer-offload flag."""
-
-    module_inputs: tuple[bool, ...]
-    selective: bool
-    layers: np.ndarray
-    """Layers of full recompute of each option (0 for selective recompute)."""
-    memory: np.ndarray
-    """Bytes each option needs with all its optimizer state on the device (``inf``: none)."""
-    seconds: np.ndarray
-    """Its seconds per micro-batch without optimizer offload."""
-    costed: dict[bool, tuple[np.ndarray, np.ndarray]]
-    """(fraction, cost) of each option, per optimizer-offload flag (filled when asked)."""
-
-    def covers(self, menu: Menu, selective: bool) -> bool:
-        return set(menu.module_inputs) <= set(self.module_inputs) and self.selective >= selective
-
-
 class _Builder:
     """One table: the linear model of one stage position, and the menus picked on it."""
 
@@ -348,7 +295,8 @@ class _Builder:
         self.m_avg = (problem.gbs // b) / pos.data_parallel_size
         self._lines: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self._shapes: dict[tuple, StageShape] = {}
-        self._grids: list[_Grid] = []
+        self.grids: list[Grid] = []
+        """The grids built for this table (:meth:`grid`)."""
         self.capacity = cost.capacity(pos.device_type)
 
     def shape(self, k: int, recompute: Recompute = _NO_RECOMPUTE, *,
@@ -396,12 +344,11 @@ class _Builder:
 
     def choose(self, menu: Menu) -> Choices:
         """The cheapest option of ``menu`` at every layer count, picked by :func:`.policy.pick`
-        from the options of a grid (:meth:`grid`), costed once per grid (:meth:`costed`):
-        full recompute at the ends of the optimizer fractions (:meth:`full_recompute`) and
-        selective recompute."""
+        from the options of a grid (:meth:`grid`), costed once per grid: full recompute at the
+        ends of the optimizer fractions and selective recompute (:mod:`.grid`)."""
         g = self.grid(menu)
-        cols, kinds = _menu_columns(menu, g.module_inputs, g.selective)
-        fraction, cost = self.costed(g, optimizer_offload=menu.optimizer_offload)
+        cols, kinds = menu_columns(menu, g.module_inputs, g.selective)
+        fraction, cost = g.costed(optimizer_offload=menu.optimizer_offload)
         fraction, cost, layers = fraction[:, cols], cost[:, cols], g.layers[:, cols]
         if not menu.full_recompute:  # no recompute where it fits, else nothing
             cost = np.where(layers == 0, cost, np.inf)
@@ -412,78 +359,20 @@ class _Builder:
                        seconds=seconds, fitting=(seconds < np.inf).tolist(),
                        chosen=layers[_row_indices(self.L), got.index].tolist())
 
-    def costed(self, g: _Grid, *, optimizer_offload: bool) -> tuple[np.ndarray, np.ndarray]:
-        """(fraction, cost) of the options of ``g``, by :func:`.policy.option_costs`."""
-        got = g.costed.get(optimizer_offload)
-        if got is None:
-            got = g.costed[optimizer_offload] = option_costs(
-                g.memory, g.seconds, optimizer=self.optimizer, capacity=self.capacity,
-                offload_seconds=self.off_step / self.m_avg, optimizer_offload=optimizer_offload)
-        return got
-
-    def grid(self, menu: Menu) -> _Grid:
-        """A grid with ``menu``'s options: one built before that has them, else one over every
-        module-input setting (and selective recompute where attention is unfused) that serves
-        every later menu of the table (a column's figures do not depend on the others)."""
+    def grid(self, menu: Menu) -> Grid:
+        """A grid with ``menu``'s options: one built before that has them (:meth:`StageTables.for_structure`
+        builds the first of many tables together), else one over every module-input setting
+        (and selective recompute where attention is unfused) that serves every later menu of
+        the table (a column's figures do not depend on the others)."""
         selective = menu.selective_recompute and self.unfused
-        for g in self._grids:
+        for g in self.grids:
             if g.covers(menu, selective):
                 return g
         settings = tuple(mi for mi in (False, True)
                          if mi in self.module_inputs or mi in menu.module_inputs)
-        k, mem, sec = self.full_recompute(settings)
-        selective = self.unfused
-        if selective:
-            lines = [self.base_line(True, mi) for mi in settings]
-            k = np.concatenate((k, np.zeros_like(k[:, :, :1])), axis=2)
-            mem = np.concatenate((mem, _side_by_side([m for m, _ in lines])), axis=2)
-            sec = np.concatenate((sec, _side_by_side([t for _, t in lines])), axis=2)
-        columns = (self.L + 1, -1)
-        got = _Grid(module_inputs=settings, selective=selective,
-                    layers=k.reshape(columns), memory=mem.reshape(columns),
-                    seconds=sec.reshape(columns), costed={})
-        self._grids.append(got)
+        got = build_grids([self], settings)[0]
+        self.grids.append(got)
         return got
-
-    def full_recompute(self, module_inputs: tuple[bool, ...]
-                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(layers, memory, seconds) per layer count and setting of ``module_inputs`` (the
-        first two axes) of three options (the last axis), one per column of :attr:`room`: the
-        fewest layers of full recompute that fit with no optimizer state offloaded; none (to
-        fit, it offloads the least optimizer fraction that makes it); the fewest layers that
-        fit with all of it offloaded. Memory is before offload (``inf`` where no count fits),
-        seconds are per micro-batch.
-
-        On the linear model these are the only ones worth weighing: a further step of
-        optimizer fraction saves a fixed number of bytes, so it spares a fixed share of a
-        layer's recompute at a fixed cost; the cost is linear in the fraction, and its least is
-        at an end of the fractions that still need recompute (none, or where no layer does,
-        or all). Ties go to the earlier column."""
-        lines = [self.base_line(False, mi) for mi in module_inputs]
-        m0, t0 = _side_by_side([m for m, _ in lines]), _side_by_side([t for _, t in lines])
-        room = self.room[:, None, :]
-        savings = [self.saving[mi] for mi in module_inputs]
-        saving = np.array(savings)[:, None]
-        # in place, each entry by the same operations: the fewest layers that fit
-        # (ceil((m0 + act - room) / saving), at least 1; none where m0 fits; inf where a
-        # layer saves nothing), 0 where that is more than the stage has
-        top = m0 + self.act
-        k = top - room
-        with np.errstate(divide="ignore", invalid="ignore"):
-            k /= saving
-        np.ceil(k, out=k)
-        np.maximum(k, 1, out=k)
-        if min(savings) <= 0:
-            np.copyto(k, np.inf, where=saving <= 0)
-        np.copyto(k, 0.0, where=m0 <= room)
-        ok = k <= self.n[:, None, None]
-        np.copyto(k, 0.0, where=~ok)
-        k = k.astype(np.int64)
-        # a layer of full recompute keeps its checkpoint; one layer is rebuilt at once
-        mem = top - k * saving
-        np.copyto(mem, m0, where=k == 0)
-        np.copyto(mem, np.inf, where=~ok)
-        return k, mem, t0 + k * self.fwd_layer
 
     def build(self) -> StageTable:
         cost, v = self.cost, self.v
@@ -491,9 +380,5 @@ class _Builder:
         D = self.pos.data_parallel_size
         self.off_step = self.timing_line(("optimizer offload", D), lambda k: cost.optimizer_offload_seconds(
             self.timing.but(chunk_layers=even_chunks(k, v), data_parallel_size=D)))
-        # the room with none of the optimizer state offloaded, without a limit (so no
-        # recompute), and with all of it offloaded
-        self.room = np.stack((np.full(self.L + 1, self.capacity), np.full(self.L + 1, np.inf),
-                              self.capacity + self.optimizer), axis=1)
         self.module_inputs = (False, True) if self.problem.opt.activation_offload else (False,)
         return StageTable(self)
