@@ -57,6 +57,8 @@ def menu_columns(menu: Menu, module_inputs: tuple[bool, ...], selective: bool
 class _Grids:
     """The grids of several tables, each array with the tables on its first axis."""
 
+    owners: list[_Builder]
+    """The tables' builders, in that order."""
     module_inputs: tuple[bool, ...]
     selective: bool
     """A selective-recompute column per module-input setting."""
@@ -149,7 +151,7 @@ def _stack(builders: list[_Builder], module_inputs: tuple[bool, ...], selective:
     columns = (len(builders), builders[0].L + 1, -1)
     capacity = np.array([b.capacity for b in builders])[:, None, None]
     offload = np.stack([b.off_step / b.m_avg for b in builders])
-    return _Grids(module_inputs=module_inputs, selective=selective, layers=k.reshape(columns),
+    return _Grids(owners=builders, module_inputs=module_inputs, selective=selective, layers=k.reshape(columns),
                   memory=mem.reshape(columns), seconds=sec.reshape(columns),
                   optimizer=np.stack([b.optimizer for b in builders]), capacity=capacity,
                   offload_seconds=offload, costed={})

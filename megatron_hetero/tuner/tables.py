@@ -223,14 +223,6 @@ def _rows(L: int) -> np.ndarray:
     return n
 
 
-@lru_cache(maxsize=64)
-def _row_indices(L: int) -> np.ndarray:
-    """0..L as indices (read-only)."""
-    got = np.arange(L + 1)
-    got.flags.writeable = False
-    return got
-
-
 @lru_cache(maxsize=256)
 def _steps(L: int, unit: int) -> np.ndarray:
     """The layer counts 0..L less ``unit`` (:meth:`_Builder.line`; read-only)."""
@@ -267,6 +259,29 @@ def _canonical(position: StageShape) -> StageShape:
     return position.but(pipeline_size=p, stage=s, num_microbatches=f)
 
 
+def _choose(g: Grid, rows: list[int], menu: Menu) -> list[Choices]:
+    """:meth:`_Builder.choose` of ``menu`` for the tables ``rows`` of the stack of ``g``, by
+    the same operations on each entry as one table's alone."""
+    grids = g.grids
+    cols, kinds = menu_columns(menu, grids.module_inputs, grids.selective)
+    fraction, cost = grids.costs(menu.optimizer_offload)
+    if len(rows) < len(grids.owners):
+        fraction, cost, layers = fraction[rows], cost[rows], grids.layers[rows]
+    else:
+        layers = grids.layers
+    fraction, cost, layers = fraction[..., cols], cost[..., cols], layers[..., cols]
+    if not menu.full_recompute:  # no recompute where it fits, else nothing
+        cost = np.where(layers == 0, cost, np.inf)
+    got = pick(fraction, cost)
+    seconds = got.seconds
+    seconds[:, 0] = np.inf  # every stage the search splits holds a layer
+    fitting = (seconds < np.inf).tolist()
+    chosen = np.take_along_axis(layers, got.index[..., None], axis=2)[..., 0].tolist()
+    return [Choices(index=got.index[i], layers=layers[i], kinds=kinds, fraction=got.fraction[i],
+                    seconds=seconds[i], fitting=fitting[i], chosen=chosen[i])
+            for i in range(len(rows))]
+
+
 class _Builder:
     """One table: the linear model of one stage position, and the menus picked on it."""
 
@@ -297,6 +312,8 @@ class _Builder:
         self._shapes: dict[tuple, StageShape] = {}
         self.grids: list[Grid] = []
         """The grids built for this table (:meth:`grid`)."""
+        self.menus: dict[Menu, Choices] = {}
+        """The menus picked (:meth:`choose`)."""
         self.capacity = cost.capacity(pos.device_type)
 
     def shape(self, k: int, recompute: Recompute = _NO_RECOMPUTE, *,
@@ -343,21 +360,20 @@ class _Builder:
         return self._lines[key]
 
     def choose(self, menu: Menu) -> Choices:
-        """The cheapest option of ``menu`` at every layer count, picked by :func:`.policy.pick`
-        from the options of a grid (:meth:`grid`), costed once per grid: full recompute at the
-        ends of the optimizer fractions and selective recompute (:mod:`.grid`)."""
-        g = self.grid(menu)
-        cols, kinds = menu_columns(menu, g.module_inputs, g.selective)
-        fraction, cost = g.costed(optimizer_offload=menu.optimizer_offload)
-        fraction, cost, layers = fraction[:, cols], cost[:, cols], g.layers[:, cols]
-        if not menu.full_recompute:  # no recompute where it fits, else nothing
-            cost = np.where(layers == 0, cost, np.inf)
-        got = pick(fraction, cost)
-        seconds = got.seconds
-        seconds[0] = np.inf  # every stage the search splits holds a layer
-        return Choices(index=got.index, layers=layers, kinds=kinds, fraction=got.fraction,
-                       seconds=seconds, fitting=(seconds < np.inf).tolist(),
-                       chosen=layers[_row_indices(self.L), got.index].tolist())
+        """The cheapest option of ``menu`` at every layer count (each menu picked once), picked
+        by :func:`.policy.pick` from the options of a grid (:meth:`grid`), costed once per grid:
+        full recompute at the ends of the optimizer fractions and selective recompute
+        (:mod:`.grid`). It is picked for every table of the grid's stack that has not picked it
+        yet (the search asks each table of a structure for the same menus), one row each."""
+        got = self.menus.get(menu)
+        if got is None:
+            g = self.grid(menu)
+            owners = g.grids.owners
+            rows = [j for j, b in enumerate(owners) if menu not in b.menus]
+            for j, choices in zip(rows, _choose(g, rows, menu)):
+                owners[j].menus[menu] = choices
+            got = self.menus[menu]
+        return got
 
     def grid(self, menu: Menu) -> Grid:
         """A grid with ``menu``'s options: one built before that has them (:meth:`StageTables.for_structure`
