@@ -322,13 +322,22 @@ def _run(fwd, bwd, send_f, send_b, m: int, *, group: int | None, record: bool,
                 free = list(kept[-1])
         append = end.append
         for low in range(done * _STRIDE, len(ops), _STRIDE):
-            for s, i, d, lk in ops[low:low + _STRIDE]:
-                t = free[s]
-                ready = end[d] + link[lk]
-                if ready > t:
-                    t = ready
-                append(t + dur[i])
-                free[s] = t + hold[i]
+            if held is durs:  # the stage is free when its op ends: one sum for both
+                for s, i, d, lk in ops[low:low + _STRIDE]:
+                    t = free[s]
+                    ready = end[d] + link[lk]
+                    if ready > t:
+                        t = ready
+                    free[s] = t = t + dur[i]
+                    append(t)
+            else:
+                for s, i, d, lk in ops[low:low + _STRIDE]:
+                    t = free[s]
+                    ready = end[d] + link[lk]
+                    if ready > t:
+                        t = ready
+                    append(t + dur[i])
+                    free[s] = t + hold[i]
             kept.append(tuple(free))
         resume = (key, kept)
     del end[0]
