@@ -54,8 +54,8 @@ def menu_columns(menu: Menu, module_inputs: tuple[bool, ...], selective: bool
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class _Grids:
-    """The grids of several tables, each array with the tables on its first axis."""
+class Grid:
+    """The grids of several tables (a stack), each array with the tables on its first axis."""
 
     owners: list[_Builder]
     """The tables' builders, in that order."""
@@ -77,6 +77,10 @@ class _Grids:
     costed: dict[bool, tuple[np.ndarray, np.ndarray]]
     """(fraction, cost) of each option, per optimizer-offload flag (filled when asked)."""
 
+    def covers(self, menu: Menu, selective: bool) -> bool:
+        """Whether the stack has ``menu``'s options (``selective``: its selective recompute)."""
+        return set(menu.module_inputs) <= set(self.module_inputs) and self.selective >= selective
+
     def costs(self, optimizer_offload: bool) -> tuple[np.ndarray, np.ndarray]:
         """(fraction, cost) of every option by :func:`.policy.option_costs`, once per flag."""
         got = self.costed.get(optimizer_offload)
@@ -87,45 +91,16 @@ class _Grids:
         return got
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Grid:
-    """One table's grid: entry ``index`` of the first axis of ``grids``."""
-
-    grids: _Grids
-    index: int
-
-    @property
-    def module_inputs(self) -> tuple[bool, ...]:
-        return self.grids.module_inputs
-
-    @property
-    def selective(self) -> bool:
-        return self.grids.selective
-
-    @property
-    def layers(self) -> np.ndarray:
-        """(layer counts, options): layers of full recompute of each option."""
-        return self.grids.layers[self.index]
-
-    def covers(self, menu: Menu, selective: bool) -> bool:
-        return set(menu.module_inputs) <= set(self.module_inputs) and self.selective >= selective
-
-    def costed(self, *, optimizer_offload: bool) -> tuple[np.ndarray, np.ndarray]:
-        """(fraction, cost) of this table's options (:meth:`_Grids.costs`)."""
-        fraction, cost = self.grids.costs(optimizer_offload)
-        return fraction[self.index], cost[self.index]
-
-
 def build_grids(builders: list[_Builder], module_inputs: tuple[bool, ...]) -> list[Grid]:
     """The grids over the ``module_inputs`` settings of the tables of ``builders`` (built,
     :meth:`~.tables._Builder.build`), with a selective-recompute column where attention is
-    unfused: one stack per kind (fused or not), in the builders' order."""
+    unfused: one stack per kind (fused or not); each builder's stack, in the builders' order."""
     out: dict[int, Grid] = {}
     for selective in (False, True):
         group = [i for i, b in enumerate(builders) if b.unfused == selective]
         if group:
-            grids = _stack([builders[i] for i in group], module_inputs, selective)
-            out.update((i, Grid(grids=grids, index=j)) for j, i in enumerate(group))
+            stack = _stack([builders[i] for i in group], module_inputs, selective)
+            out.update((i, stack) for i in group)
     return [out[i] for i in range(len(builders))]
 
 
@@ -141,7 +116,7 @@ def _lines(builders: list[_Builder], selective: bool, module_inputs: tuple[bool,
     return mem, sec
 
 
-def _stack(builders: list[_Builder], module_inputs: tuple[bool, ...], selective: bool) -> _Grids:
+def _stack(builders: list[_Builder], module_inputs: tuple[bool, ...], selective: bool) -> Grid:
     k, mem, sec = _full_recompute(builders, module_inputs)
     if selective:
         m, t = _lines(builders, True, module_inputs)
@@ -151,10 +126,10 @@ def _stack(builders: list[_Builder], module_inputs: tuple[bool, ...], selective:
     columns = (len(builders), builders[0].L + 1, -1)
     capacity = np.array([b.capacity for b in builders])[:, None, None]
     offload = np.stack([b.off_step / b.m_avg for b in builders])
-    return _Grids(owners=builders, module_inputs=module_inputs, selective=selective, layers=k.reshape(columns),
-                  memory=mem.reshape(columns), seconds=sec.reshape(columns),
-                  optimizer=np.stack([b.optimizer for b in builders]), capacity=capacity,
-                  offload_seconds=offload, costed={})
+    return Grid(owners=builders, module_inputs=module_inputs, selective=selective,
+                layers=k.reshape(columns), memory=mem.reshape(columns),
+                seconds=sec.reshape(columns), optimizer=np.stack([b.optimizer for b in builders]),
+                capacity=capacity, offload_seconds=offload, costed={})
 
 
 def _full_recompute(builders: list[_Builder], module_inputs: tuple[bool, ...]

@@ -259,10 +259,9 @@ def _canonical(position: StageShape) -> StageShape:
     return position.but(pipeline_size=p, stage=s, num_microbatches=f)
 
 
-def _choose(g: Grid, rows: list[int], menu: Menu) -> list[Choices]:
-    """:meth:`_Builder.choose` of ``menu`` for the tables ``rows`` of the stack of ``g``, by
+def _choose(grids: Grid, rows: list[int], menu: Menu) -> list[Choices]:
+    """:meth:`_Builder.choose` of ``menu`` for the tables ``rows`` of the stack ``grids``, by
     the same operations on each entry as one table's alone."""
-    grids = g.grids
     cols, kinds = menu_columns(menu, grids.module_inputs, grids.selective)
     fraction, cost = grids.costs(menu.optimizer_offload)
     if len(rows) < len(grids.owners):
@@ -368,7 +367,7 @@ class _Builder:
         got = self.menus.get(menu)
         if got is None:
             g = self.grid(menu)
-            owners = g.grids.owners
+            owners = g.owners
             rows = [j for j, b in enumerate(owners) if menu not in b.menus]
             for j, choices in zip(rows, _choose(g, rows, menu)):
                 owners[j].menus[menu] = choices
@@ -376,10 +375,11 @@ class _Builder:
         return got
 
     def grid(self, menu: Menu) -> Grid:
-        """A grid with ``menu``'s options: one built before that has them (:meth:`StageTables.for_structure`
-        builds the first of many tables together), else one over every module-input setting
-        (and selective recompute where attention is unfused) that serves every later menu of
-        the table (a column's figures do not depend on the others)."""
+        """A stack of grids with ``menu``'s options that holds this table's: one built before
+        (:meth:`StageTables.for_structure` builds the first grids of many tables together),
+        else one of this table alone over every module-input setting (and selective recompute
+        where attention is unfused) that serves every later menu of the table (a column's
+        figures do not depend on the others)."""
         selective = menu.selective_recompute and self.unfused
         for g in self.grids:
             if g.covers(menu, selective):
