@@ -124,27 +124,32 @@ class StageTable:
 
     @cached_property
     def fit(self) -> Choices:
-        return self._builder.choose(Menu(module_inputs=self._builder.module_inputs))
+        return self._builder.choose(_FIT[self._builder.module_inputs])
 
     @cached_property
     def rec(self) -> Choices:
-        return self._builder.choose(Menu(optimizer_offload=False,
-                                         module_inputs=self._builder.module_inputs))
+        return self._builder.choose(_REC[self._builder.module_inputs])
 
     @cached_property
     def base(self) -> Choices:
-        return self._builder.choose(Menu(selective_recompute=False, optimizer_offload=False,
-                                         module_inputs=(False,)))
+        return self._builder.choose(_BASE)
 
     @cached_property
     def base_mi(self) -> Choices:
-        return self._builder.choose(Menu(selective_recompute=False, optimizer_offload=False,
-                                         module_inputs=(True,)))
+        return self._builder.choose(_BASE_MI)
 
     @cached_property
     def sel(self) -> Choices:
-        return self._builder.choose(Menu(full_recompute=False, optimizer_offload=False,
-                                         module_inputs=(False,)))
+        return self._builder.choose(_SEL)
+
+
+_SETTINGS = ((False,), (False, True))
+_FIT = {mi: Menu(module_inputs=mi) for mi in _SETTINGS}
+_REC = {mi: Menu(optimizer_offload=False, module_inputs=mi) for mi in _SETTINGS}
+_BASE = Menu(selective_recompute=False, optimizer_offload=False, module_inputs=(False,))
+_BASE_MI = Menu(selective_recompute=False, optimizer_offload=False, module_inputs=(True,))
+_SEL = Menu(full_recompute=False, optimizer_offload=False, module_inputs=(False,))
+"""The menus of :class:`StageTable` (``fit`` and ``rec`` per module-input setting), built once."""
 
 
 class StageTables:
@@ -212,6 +217,7 @@ class StageTables:
 
 
 _NO_RECOMPUTE, _SELECTIVE = Recompute(), Recompute(granularity="selective")
+_NO_POLICY = Policy(recompute=_NO_RECOMPUTE, offload=Offload())
 _MODULE_INPUTS = {mi: Offload(module_inputs=mi) for mi in (False, True)}
 """The policies the tables' lines are costed under (shared: the tables hold many shapes)."""
 
@@ -235,7 +241,7 @@ def stage_shape(st: Structure, types, s: int, *, layers: int = 0, policy: Policy
                 microbatches: int = 1) -> StageShape:
     """Stage ``s`` of the template ``types`` of ``st`` with ``layers`` in even chunks under
     ``policy`` (default: none), its replica running ``microbatches``."""
-    policy = policy or Policy(recompute=Recompute(), offload=Offload())
+    policy = policy or _NO_POLICY
     return StageShape(device_type=types[s], chunk_layers=even_chunks(layers, st.vp),
                       micro_batch_size=st.mbs, tensor_parallel_size=st.tp,
                       sequence_parallel=st.tp > 1, recompute=policy.recompute,
