@@ -63,11 +63,11 @@ def rank_order_cached(p: int, r: int, m: int, v: int = 1, group: int | None = No
     fwd = [(0, i, c) for i, c in table]
     bwd = [(1, i, v - 1 - c) for i, c in table]
     warm = warmup_count(p, r, m, v, group) if warmup is None else min(warmup, m * v)
-    out = fwd[:warm]
-    for k in range(len(fwd) - warm):
-        out += [fwd[warm + k], bwd[k]]
-    out += bwd[len(fwd) - warm:]
-    return tuple(out)
+    steady = len(fwd) - warm  # then one forward and one backward in turn
+    pairs: list = [None] * (2 * steady)
+    pairs[0::2] = fwd[warm:]
+    pairs[1::2] = bwd[:steady]
+    return tuple(fwd[:warm] + pairs + bwd[steady:])
 
 
 def peak_in_flight(order: list[Op], weights: list[float]) -> float:
