@@ -60,6 +60,7 @@ class Grid:
     owners: list[_Builder]
     """The tables' builders, in that order."""
     module_inputs: tuple[bool, ...]
+    """The module-input settings, in the order of their columns."""
     selective: bool
     """A selective-recompute column per module-input setting."""
     layers: np.ndarray
