@@ -136,7 +136,7 @@ def _ends(run, n: int, p: int, v: int, *, first: int, group: int | None,
           warmups: tuple[int, ...] | None) -> np.ndarray:
     """Per micro-batch of a run of ``n`` from ``first`` on (a row), the end of each of its ops,
     by stage, kind and chunk."""
-    where = _slots(p, n, v, group, None if warmups is None else tuple(warmups))[first:]
+    where = _compiled_order(p, n, v, group, None if warmups is None else tuple(warmups))[1][first:]
     low = int(where.min())
     return np.array(run[3][low:])[where - low]
 
@@ -180,8 +180,10 @@ def _compiled_order(p: int, m: int, v: int, group: int | None = None,
     op its stage, its duration's index in the stages' durations laid end to end (``stage * 2
     * v + kind * v + chunk``), one more than the index of the op it waits for (0: none) and the
     index of the link that dependency crosses in ``send_f + send_b + [0.0]``, each of ``p``
-    links (``2 * p``: none); each op's micro-batch; and per (stage, chunk) the index of its
-    last backward. The simulation is then one pass over these ops."""
+    links (``2 * p``: none); per micro-batch (a row) and op by stage, kind and chunk (``stage
+    * 2 * v + kind * v + chunk``) the op's index in that order (read-only: :func:`_ends`); and
+    per (stage, chunk) the index of its last backward. The simulation is then one pass over
+    these ops."""
     ranks = [rank_order_cached(p, s, m, v, group, None if warmups is None else warmups[s])
              for s in range(p)]
     vm, none = v * m, 2 * p
@@ -207,7 +209,7 @@ def _compiled_order(p: int, m: int, v: int, group: int | None = None,
         tables.append(row)
     where = [0] * (2 * p * vm)  # op (stage, kind, chunk, micro-batch) -> its position + 1
     ops: list[tuple[int, int, int, int]] = []
-    mb_of: list[int] = []
+    append = ops.append
     ptr = [0] * p
     remaining = sum(len(o) for o in ranks)
     while remaining:
@@ -224,8 +226,7 @@ def _compiled_order(p: int, m: int, v: int, group: int | None = None,
                     dep = where[dep + i]
                     if not dep:
                         break
-                ops.append((s, slot, dep, link))
-                mb_of.append(i)
+                append((s, slot, dep, link))
                 where[own + i] = len(ops)
                 k += 1
             if k > ptr[s]:
@@ -234,7 +235,10 @@ def _compiled_order(p: int, m: int, v: int, group: int | None = None,
         assert progressed, "1F1B schedule deadlocked"
     last_b = tuple(tuple(where[s * 2 * vm + vm + c * m + m - 1] - 1 for c in range(v))
                    for s in range(p))
-    return tuple(ops), tuple(mb_of), last_b
+    # op (stage, kind, chunk, micro-batch i) is entry slot * m + i of where
+    at = (np.array(where) - 1).reshape(2 * p * v, m).T
+    at.flags.writeable = False
+    return tuple(ops), at, last_b
 
 
 def interleaved_1f1b(fwd: list[list[float]], bwd: list[list[float]], send_f: list[float],
@@ -253,7 +257,10 @@ def interleaved_1f1b(fwd: list[list[float]], bwd: list[list[float]], send_f: lis
                                                            warmups=warmups)
     events: list[tuple] = []
     if record:
-        ops, mb_of = columns
+        ops, at = columns  # each op's micro-batch: the row it is at
+        mb_of = np.empty(len(ops), dtype=np.int64)
+        mb_of[at] = np.arange(m)[:, None]
+        mb_of = mb_of.tolist()
         v = len(fwd[0])
         events = [(s, "FB"[i % (2 * v) >= v], mb, start[k], end[k], i % v)
                   for k, ((s, i, _, _), mb) in enumerate(zip(ops, mb_of))]
@@ -282,7 +289,7 @@ def _run(fwd, bwd, send_f, send_b, m: int, *, group: int | None, record: bool,
     depends only on the ops before it, so the figures are those of a run from the start."""
     p, v = len(fwd), len(fwd[0])
     key = (p, m, v, group, None if warmups is None else tuple(warmups))
-    ops, mb_of, last_b = _compiled_order(*key)
+    ops, at, last_b = _compiled_order(*key)
     durs = [list(f) + list(b) for f, b in zip(fwd, bwd)]
     held = durs  # how long an op keeps its stage
     if v == 1 and warmups is None:
@@ -315,19 +322,28 @@ def _run(fwd, bwd, send_f, send_b, m: int, *, group: int | None, record: bool,
                 free = list(kept[-1])
         append = end.append
         for low in range(done * _STRIDE, len(ops), _STRIDE):
-            for s, i, d, lk in ops[low:low + _STRIDE]:
-                t = free[s]
-                ready = end[d] + link[lk]
-                if ready > t:
-                    t = ready
-                append(t + dur[i])
-                free[s] = t + hold[i]
+            if held is durs:  # the stage is free when its op ends: one sum for both
+                for s, i, d, lk in ops[low:low + _STRIDE]:
+                    t = free[s]
+                    ready = end[d] + link[lk]
+                    if ready > t:
+                        t = ready
+                    free[s] = t = t + dur[i]
+                    append(t)
+            else:
+                for s, i, d, lk in ops[low:low + _STRIDE]:
+                    t = free[s]
+                    ready = end[d] + link[lk]
+                    if ready > t:
+                        t = ready
+                    append(t + dur[i])
+                    free[s] = t + hold[i]
             kept.append(tuple(free))
         resume = (key, kept)
     del end[0]
     busy = [m * sum(row) for row in durs]
     last_b_start = [[end[k] - durs[s][v + c] for c, k in enumerate(last_b[s])] for s in range(p)]
-    return free, busy, last_b_start, end, start, (ops, mb_of), resume
+    return free, busy, last_b_start, end, start, (ops, at), resume
 
 
 _STRIDE = 256
@@ -341,15 +357,3 @@ def _shared_ops(key: tuple, other: tuple) -> int:
     their first (the ops before a run's drain are those of any longer run)."""
     a, b = _compiled_order(*key)[0], _compiled_order(*other)[0]
     return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
-@lru_cache(maxsize=64)
-def _slots(p: int, m: int, v: int, group: int | None = None,
-           warmups: tuple[int, ...] | None = None) -> np.ndarray:
-    """Per micro-batch (a row) and its op by stage, kind and chunk (``stage * 2 * v + kind * v
-    + chunk``), the op's index in :func:`_compiled_order` (:func:`_ends`)."""
-    ops, mb_of, _ = _compiled_order(p, m, v, group, warmups)
-    where = np.zeros((m, 2 * v * p), dtype=np.int64)
-    where[np.array(mb_of), np.array([op[1] for op in ops])] = np.arange(len(ops))
-    where.flags.writeable = False
-    return where

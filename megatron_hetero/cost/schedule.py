@@ -63,11 +63,11 @@ def rank_order_cached(p: int, r: int, m: int, v: int = 1, group: int | None = No
     fwd = [(0, i, c) for i, c in table]
     bwd = [(1, i, v - 1 - c) for i, c in table]
     warm = warmup_count(p, r, m, v, group) if warmup is None else min(warmup, m * v)
-    out = fwd[:warm]
-    for k in range(len(fwd) - warm):
-        out += [fwd[warm + k], bwd[k]]
-    out += bwd[len(fwd) - warm:]
-    return tuple(out)
+    steady = len(fwd) - warm  # then one forward and one backward in turn
+    pairs: list = [None] * (2 * steady)
+    pairs[0::2] = fwd[warm:]
+    pairs[1::2] = bwd[:steady]
+    return tuple(fwd[:warm] + pairs + bwd[steady:])
 
 
 def peak_in_flight(order: list[Op], weights: list[float]) -> float:
@@ -120,11 +120,17 @@ def _held_states(p: int, r: int, m: int, v: int, g: int) -> np.ndarray:
         held[c] += 1 if kind == 0 else -1
         if kind == 0:
             seen.add(tuple(held))
-    states = sorted(seen, key=lambda x: (-sum(x), x))
-    kept: list[tuple[int, ...]] = []
-    for x in states:
-        if not any(all(a >= b for a, b in zip(y, x)) for y in kept):
-            kept.append(x)
-    out = np.array(kept, dtype=float)
+    # in order of the most held first; kept: those no other state covers (at least as much
+    # in every chunk), each compared with every other at once
+    states = np.array(sorted(seen, key=lambda x: (-sum(x), x)), dtype=np.int64).reshape(-1, v)
+    n = len(states)
+    covered = np.zeros(n, dtype=bool)
+    rows = max(1, (1 << 22) // max(1, n * v))  # compared at once (at most 4M entries)
+    for low in range(0, n, rows):
+        part = states[low:low + rows]
+        ge = (states[:, None, :] >= part[None, :, :]).all(axis=2)  # [other, state]
+        ge[np.arange(low, low + len(part)), np.arange(len(part))] = False  # not itself
+        covered[low:low + len(part)] = ge.any(axis=0)
+    out = states[~covered].astype(float)
     out.flags.writeable = False  # cached and shared
     return out

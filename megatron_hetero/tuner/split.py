@@ -26,14 +26,18 @@ def min_max_split(costs: np.ndarray, total: int) -> tuple[float, list[int]] | No
     best = np.full(total + 2, np.inf)
     best[0] = 0.0
     choice = np.zeros((p, total + 1), dtype=np.int64)
-    for s in range(p):
+    for s in range(p - 1):
         cand = np.maximum(best[prev_pos], costs[s, 1:][None, :])
         # first argmin: the fewest layers on this stage among ties, so later stages take more
         pick = cand.argmin(axis=1)
         choice[s] = pick + 1
         best[:total + 1] = cand[rows, pick]
-    if not np.isfinite(best[total]):
+    # the last stage: only the row of all the layers is read
+    last = np.maximum(best[prev_pos[total]], costs[p - 1, 1:])
+    pick = int(last.argmin())
+    if not np.isfinite(last[pick]):
         return None
+    choice[p - 1, total] = pick + 1
     split = []
     left = total
     for s in range(p - 1, -1, -1):
@@ -41,7 +45,7 @@ def min_max_split(costs: np.ndarray, total: int) -> tuple[float, list[int]] | No
         split.append(n)
         left -= n
     assert left == 0
-    return float(best[total]), split[::-1]
+    return float(last[pick]), split[::-1]
 
 
 @lru_cache(maxsize=64)

@@ -34,7 +34,8 @@ import numpy as np
 from ..cost.schedule import peak_activations
 from ..cost.stage import StageShape
 from ..plan import Offload, Recompute
-from .policy import Menu, Option, Policy, option_costs, pick, timing_position
+from .grid import Grid, build_grids, menu_columns
+from .policy import Menu, Option, Policy, pick, timing_position
 from .problem import Problem
 from .space import Structure
 
@@ -123,27 +124,32 @@ class StageTable:
 
     @cached_property
     def fit(self) -> Choices:
-        return self._builder.choose(Menu(module_inputs=self._builder.module_inputs))
+        return self._builder.choose(_FIT[self._builder.module_inputs])
 
     @cached_property
     def rec(self) -> Choices:
-        return self._builder.choose(Menu(optimizer_offload=False,
-                                         module_inputs=self._builder.module_inputs))
+        return self._builder.choose(_REC[self._builder.module_inputs])
 
     @cached_property
     def base(self) -> Choices:
-        return self._builder.choose(Menu(selective_recompute=False, optimizer_offload=False,
-                                         module_inputs=(False,)))
+        return self._builder.choose(_BASE)
 
     @cached_property
     def base_mi(self) -> Choices:
-        return self._builder.choose(Menu(selective_recompute=False, optimizer_offload=False,
-                                         module_inputs=(True,)))
+        return self._builder.choose(_BASE_MI)
 
     @cached_property
     def sel(self) -> Choices:
-        return self._builder.choose(Menu(full_recompute=False, optimizer_offload=False,
-                                         module_inputs=(False,)))
+        return self._builder.choose(_SEL)
+
+
+_SETTINGS = ((False,), (False, True))
+_FIT = {mi: Menu(module_inputs=mi) for mi in _SETTINGS}
+_REC = {mi: Menu(optimizer_offload=False, module_inputs=mi) for mi in _SETTINGS}
+_BASE = Menu(selective_recompute=False, optimizer_offload=False, module_inputs=(False,))
+_BASE_MI = Menu(selective_recompute=False, optimizer_offload=False, module_inputs=(True,))
+_SEL = Menu(full_recompute=False, optimizer_offload=False, module_inputs=(False,))
+"""The menus of :class:`StageTable` (``fit`` and ``rec`` per module-input setting), built once."""
 
 
 class StageTables:
@@ -188,7 +194,7 @@ class StageTables:
         monotone in it)."""
         p, D = st.pp, st.num_pipelines
         m = p * max(1, -(-(self.problem.gbs // st.mbs) // (D * p)))
-        out = []
+        out, new = [], {}
         for types, _ in st.templates:
             row = []
             for s in range(p):
@@ -199,42 +205,21 @@ class StageTables:
                 if got is None:
                     got = self._seen[quick] = self.table(stage_shape(st, types, s, microbatches=m),
                                                          precision=prec)
+                    if not got._builder.grids:
+                        new[id(got)] = got._builder
                 row.append(got)
             out.append(row)
+        if new:  # every caller picks a menu on each: their first grids, built together
+            builders = list(new.values())
+            for b, grid in zip(builders, build_grids(builders, builders[0].module_inputs)):
+                b.grids.append(grid)
         return out
 
 
 _NO_RECOMPUTE, _SELECTIVE = Recompute(), Recompute(granularity="selective")
+_NO_POLICY = Policy(recompute=_NO_RECOMPUTE, offload=Offload())
 _MODULE_INPUTS = {mi: Offload(module_inputs=mi) for mi in (False, True)}
 """The policies the tables' lines are costed under (shared: the tables hold many shapes)."""
-
-_FULL_COLUMNS = 3
-"""The full-recompute options of a table (:meth:`_Builder.full_recompute`)."""
-
-
-@lru_cache(maxsize=256)
-def _menu_columns(menu: Menu, module_inputs: tuple[bool, ...], selective: bool
-                  ) -> tuple[slice | np.ndarray, tuple[tuple[bool, bool], ...]]:
-    """Where ``menu``'s options are among the columns of a grid over the ``module_inputs``
-    settings, with a selective-recompute column each where ``selective`` (:class:`_Grid`),
-    in the order ties are broken (a slice where they are contiguous); and each option's
-    (selective, module inputs)."""
-    width = _FULL_COLUMNS + selective  # columns per module-input setting
-    full = _FULL_COLUMNS if menu.optimizer_offload else 1
-    cols, kinds = [], []
-    for mi in menu.module_inputs:
-        first = module_inputs.index(mi) * width
-        cols += range(first, first + full)
-        kinds += [(False, mi)] * full
-        if menu.selective_recompute and selective:
-            cols.append(first + _FULL_COLUMNS)
-            kinds.append((True, mi))
-    if cols == list(range(cols[0], cols[-1] + 1)):
-        return slice(cols[0], cols[-1] + 1), tuple(kinds)
-    got = np.array(cols)
-    got.flags.writeable = False
-    return got, tuple(kinds)
-
 
 @lru_cache(maxsize=64)
 def _rows(L: int) -> np.ndarray:
@@ -242,14 +227,6 @@ def _rows(L: int) -> np.ndarray:
     n = np.arange(L + 1, dtype=float)
     n.flags.writeable = False
     return n
-
-
-@lru_cache(maxsize=64)
-def _row_indices(L: int) -> np.ndarray:
-    """0..L as indices (read-only)."""
-    got = np.arange(L + 1)
-    got.flags.writeable = False
-    return got
 
 
 @lru_cache(maxsize=256)
@@ -260,21 +237,11 @@ def _steps(L: int, unit: int) -> np.ndarray:
     return got
 
 
-def _side_by_side(lines: list[np.ndarray]) -> np.ndarray:
-    """Lines over the layer counts as the columns of a ``(L + 1, len(lines), 1)`` array."""
-    if len(lines) == 1:
-        return lines[0][:, None, None]
-    out = np.empty((len(lines[0]), len(lines), 1))
-    for i, line in enumerate(lines):
-        out[:, i, 0] = line
-    return out
-
-
 def stage_shape(st: Structure, types, s: int, *, layers: int = 0, policy: Policy | None = None,
                 microbatches: int = 1) -> StageShape:
     """Stage ``s`` of the template ``types`` of ``st`` with ``layers`` in even chunks under
     ``policy`` (default: none), its replica running ``microbatches``."""
-    policy = policy or Policy(recompute=Recompute(), offload=Offload())
+    policy = policy or _NO_POLICY
     return StageShape(device_type=types[s], chunk_layers=even_chunks(layers, st.vp),
                       micro_batch_size=st.mbs, tensor_parallel_size=st.tp,
                       sequence_parallel=st.tp > 1, recompute=policy.recompute,
@@ -298,26 +265,26 @@ def _canonical(position: StageShape) -> StageShape:
     return position.but(pipeline_size=p, stage=s, num_microbatches=f)
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class _Grid:
-    """Options of a table at every layer count (rows), one column each: per module-input
-    setting of ``module_inputs``, the full-recompute columns of
-    :meth:`_Builder.full_recompute`, then (where ``selective``) selective recompute; and
-    what :func:`.policy.option_costs` makes of them, per optimizer-offload flag."""
-
-    module_inputs: tuple[bool, ...]
-    selective: bool
-    layers: np.ndarray
-    """Layers of full recompute of each option (0 for selective recompute)."""
-    memory: np.ndarray
-    """Bytes each option needs with all its optimizer state on the device (``inf``: none)."""
-    seconds: np.ndarray
-    """Its seconds per micro-batch without optimizer offload."""
-    costed: dict[bool, tuple[np.ndarray, np.ndarray]]
-    """(fraction, cost) of each option, per optimizer-offload flag (filled when asked)."""
-
-    def covers(self, menu: Menu, selective: bool) -> bool:
-        return set(menu.module_inputs) <= set(self.module_inputs) and self.selective >= selective
+def _choose(grids: Grid, rows: list[int], menu: Menu) -> list[Choices]:
+    """:meth:`_Builder.choose` of ``menu`` for the tables ``rows`` of the stack ``grids``, by
+    the same operations on each entry as one table's alone."""
+    cols, kinds = menu_columns(menu, grids.module_inputs, grids.selective)
+    fraction, cost = grids.costs(menu.optimizer_offload)
+    if len(rows) < len(grids.owners):
+        fraction, cost, layers = fraction[rows], cost[rows], grids.layers[rows]
+    else:
+        layers = grids.layers
+    fraction, cost, layers = fraction[..., cols], cost[..., cols], layers[..., cols]
+    if not menu.full_recompute:  # no recompute where it fits, else nothing
+        cost = np.where(layers == 0, cost, np.inf)
+    got = pick(fraction, cost)
+    seconds = got.seconds
+    seconds[:, 0] = np.inf  # every stage the search splits holds a layer
+    fitting = (seconds < np.inf).tolist()
+    chosen = np.take_along_axis(layers, got.index[..., None], axis=2)[..., 0].tolist()
+    return [Choices(index=got.index[i], layers=layers[i], kinds=kinds, fraction=got.fraction[i],
+                    seconds=seconds[i], fitting=fitting[i], chosen=chosen[i])
+            for i in range(len(rows))]
 
 
 class _Builder:
@@ -348,7 +315,10 @@ class _Builder:
         self.m_avg = (problem.gbs // b) / pos.data_parallel_size
         self._lines: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self._shapes: dict[tuple, StageShape] = {}
-        self._grids: list[_Grid] = []
+        self.grids: list[Grid] = []
+        """The grids built for this table (:meth:`grid`)."""
+        self.menus: dict[Menu, Choices] = {}
+        """The menus picked (:meth:`choose`)."""
         self.capacity = cost.capacity(pos.device_type)
 
     def shape(self, k: int, recompute: Recompute = _NO_RECOMPUTE, *,
@@ -395,95 +365,36 @@ class _Builder:
         return self._lines[key]
 
     def choose(self, menu: Menu) -> Choices:
-        """The cheapest option of ``menu`` at every layer count, picked by :func:`.policy.pick`
-        from the options of a grid (:meth:`grid`), costed once per grid (:meth:`costed`):
-        full recompute at the ends of the optimizer fractions (:meth:`full_recompute`) and
-        selective recompute."""
-        g = self.grid(menu)
-        cols, kinds = _menu_columns(menu, g.module_inputs, g.selective)
-        fraction, cost = self.costed(g, optimizer_offload=menu.optimizer_offload)
-        fraction, cost, layers = fraction[:, cols], cost[:, cols], g.layers[:, cols]
-        if not menu.full_recompute:  # no recompute where it fits, else nothing
-            cost = np.where(layers == 0, cost, np.inf)
-        got = pick(fraction, cost)
-        seconds = got.seconds
-        seconds[0] = np.inf  # every stage the search splits holds a layer
-        return Choices(index=got.index, layers=layers, kinds=kinds, fraction=got.fraction,
-                       seconds=seconds, fitting=(seconds < np.inf).tolist(),
-                       chosen=layers[_row_indices(self.L), got.index].tolist())
-
-    def costed(self, g: _Grid, *, optimizer_offload: bool) -> tuple[np.ndarray, np.ndarray]:
-        """(fraction, cost) of the options of ``g``, by :func:`.policy.option_costs`."""
-        got = g.costed.get(optimizer_offload)
+        """The cheapest option of ``menu`` at every layer count (each menu picked once), picked
+        by :func:`.policy.pick` from the options of a grid (:meth:`grid`), costed once per grid:
+        full recompute at the ends of the optimizer fractions and selective recompute
+        (:mod:`.grid`). It is picked for every table of the grid's stack that has not picked it
+        yet (the search asks each table of a structure for the same menus), one row each."""
+        got = self.menus.get(menu)
         if got is None:
-            got = g.costed[optimizer_offload] = option_costs(
-                g.memory, g.seconds, optimizer=self.optimizer, capacity=self.capacity,
-                offload_seconds=self.off_step / self.m_avg, optimizer_offload=optimizer_offload)
+            g = self.grid(menu)
+            owners = g.owners
+            rows = [j for j, b in enumerate(owners) if menu not in b.menus]
+            for j, choices in zip(rows, _choose(g, rows, menu)):
+                owners[j].menus[menu] = choices
+            got = self.menus[menu]
         return got
 
-    def grid(self, menu: Menu) -> _Grid:
-        """A grid with ``menu``'s options: one built before that has them, else one over every
-        module-input setting (and selective recompute where attention is unfused) that serves
-        every later menu of the table (a column's figures do not depend on the others)."""
+    def grid(self, menu: Menu) -> Grid:
+        """A stack of grids with ``menu``'s options that holds this table's: one built before
+        (:meth:`StageTables.for_structure` builds the first grids of many tables together),
+        else one of this table alone over every module-input setting (and selective recompute
+        where attention is unfused) that serves every later menu of the table (a column's
+        figures do not depend on the others)."""
         selective = menu.selective_recompute and self.unfused
-        for g in self._grids:
+        for g in self.grids:
             if g.covers(menu, selective):
                 return g
         settings = tuple(mi for mi in (False, True)
                          if mi in self.module_inputs or mi in menu.module_inputs)
-        k, mem, sec = self.full_recompute(settings)
-        selective = self.unfused
-        if selective:
-            lines = [self.base_line(True, mi) for mi in settings]
-            k = np.concatenate((k, np.zeros_like(k[:, :, :1])), axis=2)
-            mem = np.concatenate((mem, _side_by_side([m for m, _ in lines])), axis=2)
-            sec = np.concatenate((sec, _side_by_side([t for _, t in lines])), axis=2)
-        columns = (self.L + 1, -1)
-        got = _Grid(module_inputs=settings, selective=selective,
-                    layers=k.reshape(columns), memory=mem.reshape(columns),
-                    seconds=sec.reshape(columns), costed={})
-        self._grids.append(got)
+        got = build_grids([self], settings)[0]
+        self.grids.append(got)
         return got
-
-    def full_recompute(self, module_inputs: tuple[bool, ...]
-                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(layers, memory, seconds) per layer count and setting of ``module_inputs`` (the
-        first two axes) of three options (the last axis), one per column of :attr:`room`: the
-        fewest layers of full recompute that fit with no optimizer state offloaded; none (to
-        fit, it offloads the least optimizer fraction that makes it); the fewest layers that
-        fit with all of it offloaded. Memory is before offload (``inf`` where no count fits),
-        seconds are per micro-batch.
-
-        On the linear model these are the only ones worth weighing: a further step of
-        optimizer fraction saves a fixed number of bytes, so it spares a fixed share of a
-        layer's recompute at a fixed cost; the cost is linear in the fraction, and its least is
-        at an end of the fractions that still need recompute (none, or where no layer does,
-        or all). Ties go to the earlier column."""
-        lines = [self.base_line(False, mi) for mi in module_inputs]
-        m0, t0 = _side_by_side([m for m, _ in lines]), _side_by_side([t for _, t in lines])
-        room = self.room[:, None, :]
-        savings = [self.saving[mi] for mi in module_inputs]
-        saving = np.array(savings)[:, None]
-        # in place, each entry by the same operations: the fewest layers that fit
-        # (ceil((m0 + act - room) / saving), at least 1; none where m0 fits; inf where a
-        # layer saves nothing), 0 where that is more than the stage has
-        top = m0 + self.act
-        k = top - room
-        with np.errstate(divide="ignore", invalid="ignore"):
-            k /= saving
-        np.ceil(k, out=k)
-        np.maximum(k, 1, out=k)
-        if min(savings) <= 0:
-            np.copyto(k, np.inf, where=saving <= 0)
-        np.copyto(k, 0.0, where=m0 <= room)
-        ok = k <= self.n[:, None, None]
-        np.copyto(k, 0.0, where=~ok)
-        k = k.astype(np.int64)
-        # a layer of full recompute keeps its checkpoint; one layer is rebuilt at once
-        mem = top - k * saving
-        np.copyto(mem, m0, where=k == 0)
-        np.copyto(mem, np.inf, where=~ok)
-        return k, mem, t0 + k * self.fwd_layer
 
     def build(self) -> StageTable:
         cost, v = self.cost, self.v
@@ -491,9 +402,5 @@ class _Builder:
         D = self.pos.data_parallel_size
         self.off_step = self.timing_line(("optimizer offload", D), lambda k: cost.optimizer_offload_seconds(
             self.timing.but(chunk_layers=even_chunks(k, v), data_parallel_size=D)))
-        # the room with none of the optimizer state offloaded, without a limit (so no
-        # recompute), and with all of it offloaded
-        self.room = np.stack((np.full(self.L + 1, self.capacity), np.full(self.L + 1, np.inf),
-                              self.capacity + self.optimizer), axis=1)
         self.module_inputs = (False, True) if self.problem.opt.activation_offload else (False,)
         return StageTable(self)
