@@ -10,7 +10,8 @@ card under the cost model.
 * ``offload.module_inputs`` (fine-grained activation offloading) never with
   ``offload.activations`` on the same stage;
 * ``offload.optimizer_fraction > 0`` (the CPU-offload optimizer, which needs
-  ``--use-precision-aware-optimizer``) only with the distributed optimizer.
+  ``--use-precision-aware-optimizer``) only with the distributed optimizer, and only with 16-bit
+  parameters (:func:`optimizer_offload_runs`).
 
 What depends on the installed stack (Transformer Engine, its ``NVTE_CPU_OFFLOAD_V1``) is the
 runtime's check at start (:func:`megatron_hetero.runtime.policies.check_supported`).
@@ -27,7 +28,22 @@ from .plan import Plan
 from .plan_mesh import MeshPlan
 from .simulate import SimResult
 
-__all__ = ["check_offload", "check_fits", "stage_layers"]
+__all__ = ["check_offload", "check_fits", "stage_layers", "optimizer_offload_runs",
+           "FP32_OPTIMIZER_OFFLOAD"]
+
+FP32_OPTIMIZER_OFFLOAD = (
+    "megatron-core's CPU-offload optimizer does not run with fp32 parameters under the "
+    "distributed optimizer (it refuses their shards, views of the parameters: \"can't optimize "
+    "a non-leaf Tensor\"); train in bf16 or fp16")
+"""Why :func:`optimizer_offload_runs` is false for fp32 (megatron-core 0.16.1 and 0.17.1)."""
+
+
+def optimizer_offload_runs(precision: str) -> bool:
+    """Whether megatron-core's CPU-offload optimizer runs on GPUs for parameters of
+    ``precision``: not for fp32 (:data:`FP32_OPTIMIZER_OFFLOAD`). The tuner offers no optimizer
+    offload then, ``validate`` refuses it, and the runtime stops at it (CPU ranks excepted: their
+    stack has fixes, :mod:`megatron_hetero.mcore.cpu_offload`)."""
+    return precision != "fp32"
 
 
 def _stages(plan: Plan | MeshPlan):
@@ -65,6 +81,10 @@ def check_offload(plan: Plan | MeshPlan, *, source: str) -> None:
             raise SchemaError(source, f"{where}.offload.module_inputs", True,
                               "false with offload.activations on the same stage: megatron-core's "
                               "fine-grained activation offloading cannot run with cpu_offloading")
+        if off.optimizer_fraction > 0 and not optimizer_offload_runs(plan.precision):
+            raise SchemaError(source, f"{where}.offload.optimizer_fraction",
+                              off.optimizer_fraction,
+                              f"0 with precision: {plan.precision}: {FP32_OPTIMIZER_OFFLOAD}")
         if off.optimizer_fraction > 0 and not plan.use_distributed_optimizer:
             raise SchemaError(source, f"{where}.offload.optimizer_fraction",
                               off.optimizer_fraction,

@@ -78,19 +78,22 @@ def test_stage_layers_of_an_interleaved_plan():
     assert stage_layers(load_plan(PLAN), 1) == "layers 14-31"
 
 
-@pytest.mark.parametrize("edit, path, phrase", [
-    (("offload: {}", "offload: {activations: true}", 1), "pipelines[0].stages[0].offload.activations",
-     "false at PP=2"),
-    (("offload: {}", "offload: {optimizer_fraction: 0.5}", 1),
+@pytest.mark.parametrize("edits, path, phrase", [
+    ([("offload: {}", "offload: {activations: true}")],
+     "pipelines[0].stages[0].offload.activations", "false at PP=2"),
+    ([("offload: {}", "offload: {optimizer_fraction: 0.5}"),
+      ("tensor_model_parallel_size: 1",
+       "tensor_model_parallel_size: 1\nuse_distributed_optimizer: false")],
      "pipelines[0].stages[0].offload.optimizer_fraction", "use_distributed_optimizer: false"),
+    ([("offload: {}", "offload: {optimizer_fraction: 0.5}"), ("precision: fp16", "precision: fp32")],
+     "pipelines[0].stages[0].offload.optimizer_fraction", "with precision: fp32"),
 ])
-def test_offload_megatron_refuses_is_refused_with_the_field_path(edit, path, phrase, tmp_path,
+def test_offload_megatron_refuses_is_refused_with_the_field_path(edits, path, phrase, tmp_path,
                                                                  capsys):
-    old, new, count = edit
-    text = PLAN.read_text().replace(old, new, count)
-    if "optimizer_fraction" in new:
-        text = text.replace("tensor_model_parallel_size: 1",
-                            "tensor_model_parallel_size: 1\nuse_distributed_optimizer: false")
+    text = PLAN.read_text()
+    for old, new in edits:
+        assert old in text
+        text = text.replace(old, new, 1)
     bad = tmp_path / "plan.yaml"
     bad.write_text(text)
     assert main(["validate", str(bad)]) == 1

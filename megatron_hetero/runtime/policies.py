@@ -40,6 +40,7 @@ from ..mcore.cpu_offload import module_input_offload_supported, optimizer_offloa
 from ..mcore.stage_policies import module_input_kwargs, recompute_kwargs
 from ..optional import have_transformer_engine
 from ..plan import Plan, Stage
+from ..plan_checks import FP32_OPTIMIZER_OFFLOAD, optimizer_offload_runs
 
 __all__ = ["stage_args", "check_supported", "PolicyUnsupported", "activation_offload_supported",
            "set_launch_env"]
@@ -155,12 +156,9 @@ def check_supported(plan: Plan, *, source: str = "plan", use_precision_aware_opt
                 elif use_precision_aware_optimizer is False:
                     problems.append(f"{where}.optimizer_fraction: optimizer offload needs "
                                     f"--use-precision-aware-optimizer on the command line")
-                elif plan.precision == "fp32" and not cpu_backend_enabled():
-                    problems.append(f"{where}.optimizer_fraction: megatron-core's CPU-offload "
-                                    f"optimizer does not run with fp32 parameters under the "
-                                    f"distributed optimizer (it refuses their shards, views of "
-                                    f"the parameters: can't optimize a non-leaf Tensor); use "
-                                    f"bf16 or fp16 (CPU ranks have a fix: mcore/cpu_offload.py)")
+                elif not (optimizer_offload_runs(plan.precision) or cpu_backend_enabled()):
+                    problems.append(f"{where}.optimizer_fraction: {FP32_OPTIMIZER_OFFLOAD} (CPU "
+                                    f"ranks have fixes: mcore/cpu_offload.py)")
     if problems:
         raise PolicyUnsupported(f"{source}: the plan asks for memory policies this Megatron "
                                 f"cannot apply:\n  " + "\n  ".join(problems))

@@ -9,6 +9,7 @@ shared by the search space's lower bounds, the stage tables and the simulator.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -16,6 +17,7 @@ from ..cost.model import CostModel
 from ..cost.profile_protocol import DeviceProfile
 from ..hardware.inventory import Inventory
 from ..plan import ModelSpec
+from ..plan_checks import optimizer_offload_runs
 
 __all__ = ["TuneOptions", "Problem"]
 
@@ -36,7 +38,9 @@ class TuneOptions:
     baseline (plain Megatron) tries every chunk count its even split allows, more than this
     too, so that a cap here never makes the baseline look slower than plain Megatron can be."""
     optimizer_offload: bool = True
-    """Let stages offload optimizer state to the host where memory is short (else recompute only)."""
+    """Let stages offload optimizer state to the host where memory is short (else recompute only;
+    never in fp32, where megatron-core's CPU-offload optimizer does not run:
+    :func:`~megatron_hetero.plan_checks.optimizer_offload_runs`)."""
     activation_offload: bool = True
     """Let stages offload their layers' module inputs to the host where memory is short
     (megatron-core's fine-grained activation offloading; needs Transformer Engine and
@@ -83,6 +87,8 @@ class Problem:
 
     def __init__(self, model: ModelSpec, inventory: Inventory, global_batch_size: int,
                  profiles: Mapping[str, DeviceProfile], options: TuneOptions):
+        if options.optimizer_offload and not optimizer_offload_runs(options.precision or "bf16"):
+            options = dataclasses.replace(options, optimizer_offload=False)
         self.model, self.inv, self.gbs, self.opt = model, inventory, global_batch_size, options
         self.profiles = profiles
         self._costs: dict[str, CostModel] = {}

@@ -275,6 +275,10 @@ def infeasible_message(problem: Problem) -> str:
                      "stage, full recompute, micro-batch 1)")
     text = (f"{model.name} does not fit on {inv.source} under any plan the search "
             f"covers; the leanest single-type stage needs: " + "; ".join(parts))
+    if not problem.opt.optimizer_offload:
+        text += ("; no stage may offload optimizer state " + (
+            "in fp32 (megatron-core's CPU-offload optimizer does not run with fp32 parameters)"
+            if problem.opt.precision == "fp32" else "(--no-optimizer-offload)"))
     reserve = problem.cost(problem.precision_for(problem.types)).host_reserve_bytes
     short = [f"groups[{i}] ({g.gpu}) host_memory_gb {g.host_memory_gb:g} is less than the "
              f"{reserve / 1e9:g} GB host reserve" for i, g in enumerate(inv.groups)

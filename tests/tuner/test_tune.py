@@ -320,3 +320,18 @@ def test_progress_covers_the_walk_and_the_local_search(monkeypatch):
     assert walk == [("searching plans", {"completed": total})]
     local = [e[1] for e in events if isinstance(e, tuple) and e[0] == "local search on the simulator"]
     assert local == [{"completed": 1, "total": 2}, {"completed": 2, "total": 2}]  # 2 types: 2 orders
+
+
+def test_fp32_plans_never_offload_optimizer_state():
+    """megatron-core's CPU-offload optimizer does not run with fp32 parameters: 4 A100-40GB
+    hold llama2-13b in bf16 only by offloading optimizer state, so in fp32 nothing fits, and
+    the message says why (before, the search emitted an fp32 plan with the offload)."""
+    from megatron_hetero.tuner import TuneOptions
+    inv = inventory_from_data({"groups": [{"gpu": "A100-SXM-40GB", "nodes": 1, "gpus_per_node": 4}]})
+    model = model_preset("llama2-13b")
+    assert tune(model, inv, 64, options=TuneOptions(precision="bf16")).plan.offloads_optimizer
+    with pytest.raises(InfeasibleError, match="no stage may offload optimizer state in fp32"):
+        tune(model, inv, 64, options=TuneOptions(precision="fp32"))
+    small = inventory_from_data({"groups": [{"gpu": "A100-SXM-80GB", "nodes": 1, "gpus_per_node": 8}]})
+    plan = tune(model, small, 64, options=TuneOptions(precision="fp32")).plan
+    assert plan.precision == "fp32" and not plan.offloads_optimizer
