@@ -10,16 +10,15 @@ trains steps 1-4 and saves after each; every mesh plan loads ``ref``'s step-1 ch
 trains steps 2-4, each step's loss and gradient norm (whole model) equal to ``ref``'s within
 fp32 rtol 1e-5:
 
-* ``tp1-tp2`` (3 ranks): layers 1-2 at TP 1, layers 3-4 at TP 2 (the bridge broadcasts);
+* ``tp1-tp2`` (3 ranks): layers 1-2 at TP 1 on an A100, layers 3-4 at TP 2 on V100s with full
+  recompute (the bridge broadcasts); the launcher starts the V100s first, and each process is
+  placed on its device type's rank;
 * ``dp2-dp1`` (3 ranks): 2 replicas of 2 micro-batches of 1, then 1 replica of 2 x 2 (fan-in);
 * ``tp2dp1-tp1dp2`` (4 ranks): TP 2 x DP 1 then TP 1 x DP 2 (fan-out);
-* ``recompute`` (3 ranks): ``tp1-tp2`` with full recompute on the second mesh;
 * ``pp2-tp2`` (4 ranks): two stages of one layer at TP 1, then one of two layers at TP 2;
 * ``tp2-pp2`` (4 ranks): the reverse (the model's last mesh of two stages);
 * ``uneven`` (4 ranks): two meshes of two replicas running 3 and 1 micro-batches of 1
   (per-token loss, the token count summed over every mesh);
-* ``placed`` (3 ranks): ``tp1-tp2`` with the first mesh on an A100 and the second on V100s,
-  which the launcher starts first: each process is placed on its device type's rank;
 * ``plain`` (3 ranks): ``dp2-dp1`` with Adam outside the distributed optimizer (each replica
   holds its mesh's whole gradient: the norm counts it once), against ``ref-plain``, the one
   process without it.
@@ -52,22 +51,20 @@ pytestmark = pytest.mark.slow
 STEPS = 4
 FULL = {"granularity": "full", "method": "uniform", "num_layers": 1}
 MESH_PLANS = {  # name: (ranks, [(tp, dp, layers per stage, recompute), ...])
-    "tp1-tp2": (3, [(1, 1, [2], None), (2, 1, [2], None)]),
+    "tp1-tp2": (3, [(1, 1, [2], None), (2, 1, [2], FULL)]),  # A100 TP 1 -> V100 TP 2
     "dp2-dp1": (3, [(1, 2, [2], None), (1, 1, [2], None)]),
     "tp2dp1-tp1dp2": (4, [(2, 1, [2], None), (1, 2, [2], None)]),
-    "recompute": (3, [(1, 1, [2], None), (2, 1, [2], FULL)]),
     "pp2-tp2": (4, [(1, 1, [1, 1], None), (2, 1, [2], None)]),
     "tp2-pp2": (4, [(2, 1, [2], None), (1, 1, [1, 1], None)]),
     "uneven": (4, [(1, 2, [2], None), (1, 2, [2], None)]),  # replicas of 3 and 1 micro-batches
-    "placed": (3, [(1, 1, [2], None), (2, 1, [2], None)]),  # A100 TP 1 -> V100 TP 2
     "plain": (3, [(1, 2, [2], None), (1, 1, [2], None)]),  # dp2-dp1, no distributed optimizer
 }
 PLAIN = {"plain", "ref-plain"}  # Adam without the distributed optimizer (its own reference)
 REFERENCE = {"plain": "ref-plain"}
 REPLICAS = {"uneven": [(1, 3), (1, 1)]}
-DEVICES = {"placed": [A100, V100]}
-LAUNCHER_TYPES = {"placed": [V100, V100, A100]}  # the launcher puts the V100s first
-PLACED = {"placed": [1, 2, 0]}  # Megatron rank of each launcher rank
+DEVICES = {"tp1-tp2": [A100, V100]}
+LAUNCHER_TYPES = {run: [V100, V100, A100] for run in ("tp1-tp2", "resume")}  # V100s first
+PLACED = {run: [1, 2, 0] for run in ("tp1-tp2", "resume")}  # Megatron rank of each launcher rank
 
 
 def _runs(root: Path):
@@ -125,7 +122,7 @@ def chain(tmp_path_factory):
 
 
 def _by_rank(records: list) -> list:
-    """Records in Megatron rank order (the launcher's order may differ: ``placed``)."""
+    """Records in Megatron rank order (the launcher's order may differ: ``tp1-tp2``)."""
     return sorted(records, key=lambda rec: rec["rank"])
 
 
@@ -149,10 +146,10 @@ def test_mesh_plan_trains_equal_to_one_process(chain, name):
 
 
 def test_ranks_placed_by_device_type(chain):
-    """``placed``: the launcher started the two V100s first; each process plays the plan's
-    rank of its device type (the A100 mesh's rank 0), and trains equal to one process
-    (above)."""
-    for run in ("placed", "tp1-tp2"):
+    """``tp1-tp2`` and its ``resume``: the launcher started the two V100s first; each process
+    plays the plan's rank of its device type (the A100 mesh's rank 0), and trains equal to one
+    process (above); a plan of one device type keeps the launcher's order."""
+    for run in ("tp1-tp2", "resume", "dp2-dp1"):
         want = PLACED.get(run, list(range(len(chain["records"][run]))))
         assert [rec["rank"] for rec in chain["records"][run]] == want, run
 
