@@ -169,10 +169,16 @@ class StageMemory:
         of the summed activations of the chunks run forward and not yet backward; plus the
         module inputs a stage that offloads them keeps (:meth:`_module_input_margin`) and the
         layers a full recompute rebuilds at once."""
-        p, s, v = shape.pipeline_size, shape.stage, shape.virtual_size
+        return self.memory_of(shape, shape.chunk_layers, shape.recompute, shape.offload)
+
+    def memory_of(self, shape: StageShape, chunk_layers: tuple[int, ...], recompute: Recompute,
+                  offload: Offload) -> Memory:
+        """:meth:`memory` of ``shape`` with these chunks, recompute and offload instead of its
+        own, without building that shape (nor caching it): for the stage tables, which weigh
+        each once."""
+        p, s, v = shape.pipeline_size, shape.stage, len(chunk_layers)
         device_type, b, tp = shape.device_type, shape.micro_batch_size, shape.tensor_parallel_size
-        sp, n, r, offload = shape.sequence_parallel and tp > 1, shape.num_layers, \
-            shape.recompute, shape.offload
+        sp, n, r = shape.sequence_parallel and tp > 1, sum(chunk_layers), recompute
         first, last = s == 0, s == p - 1
         params = self._params(n, first, last, tp)
         shard = params / shape.data_parallel_size if self.use_distributed_optimizer else params
@@ -188,7 +194,7 @@ class StageMemory:
             acts += _transient_layers(r, n) * layer
         else:
             per_chunk, transient = self._chunk_activations(
-                device_type, b, tp, sp, offload.module_inputs, shape.chunk_layers, first, last, r)
+                device_type, b, tp, sp, offload.module_inputs, chunk_layers, first, last, r)
             if offload.activations:
                 acts = max(per_chunk)
             else:

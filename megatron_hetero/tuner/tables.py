@@ -32,7 +32,7 @@ from functools import cached_property, lru_cache
 import numpy as np
 
 from ..cost.schedule import peak_activations
-from ..cost.stage import StageShape
+from ..cost.stage import Memory, StageShape
 from ..plan import Offload, Recompute
 from .grid import Grid, build_grids, menu_columns
 from .policy import Menu, Option, Policy, pick, timing_position
@@ -314,22 +314,21 @@ class _Builder:
         self.unfused = not cost.uses_flash_attention(pos.device_type)
         self.m_avg = (problem.gbs // b) / pos.data_parallel_size
         self._lines: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
-        self._shapes: dict[tuple, StageShape] = {}
+        self._points: dict[tuple, Memory] = {}
         self.grids: list[Grid] = []
         """The grids built for this table (:meth:`grid`)."""
         self.menus: dict[Menu, Choices] = {}
         """The menus picked (:meth:`choose`)."""
         self.capacity = cost.capacity(pos.device_type)
 
-    def shape(self, k: int, recompute: Recompute = _NO_RECOMPUTE, *,
-              module_inputs: bool = False) -> StageShape:
-        """The position with ``k`` layers in even chunks (each built once)."""
-        key = (k, recompute, module_inputs)
-        got = self._shapes.get(key)
+    def memory(self, k: int, recompute: Recompute, offload: Offload) -> Memory:
+        """The position's memory with ``k`` layers in even chunks (each asked once, of
+        :meth:`CostModel.memory_of`: the position's shape with them is not built)."""
+        key = (k, recompute, offload)
+        got = self._points.get(key)
         if got is None:
-            got = self._shapes[key] = self.pos.but(chunk_layers=even_chunks(k, self.v),
-                                                   recompute=recompute,
-                                                   offload=_MODULE_INPUTS[module_inputs])
+            got = self._points[key] = self.cost.memory_of(self.pos, even_chunks(k, self.v),
+                                                          recompute, offload)
         return got
 
     def line(self, f, unit: int = 1) -> np.ndarray:
@@ -356,9 +355,8 @@ class _Builder:
         if key not in self._lines:
             r = _SELECTIVE if selective else _NO_RECOMPUTE
             cost = self.cost
-            mem = self.line(lambda k: cost.memory(self.shape(k, r, module_inputs=module_inputs)).total,
-                            self.v)
             offload = _MODULE_INPUTS[module_inputs]
+            mem = self.line(lambda k: self.memory(k, r, offload).total, self.v)
             sec = self.timing_line(key, lambda k: cost.times(self.timing.but(
                 chunk_layers=even_chunks(k, self.v), recompute=r, offload=offload)).total_s)
             self._lines[key] = (mem, sec)
@@ -398,7 +396,8 @@ class _Builder:
 
     def build(self) -> StageTable:
         cost, v = self.cost, self.v
-        self.optimizer = self.line(lambda k: cost.memory(self.shape(k)).optimizer, v)
+        self.optimizer = self.line(
+            lambda k: self.memory(k, _NO_RECOMPUTE, _MODULE_INPUTS[False]).optimizer, v)
         D = self.pos.data_parallel_size
         self.off_step = self.timing_line(("optimizer offload", D), lambda k: cost.optimizer_offload_seconds(
             self.timing.but(chunk_layers=even_chunks(k, v), data_parallel_size=D)))
