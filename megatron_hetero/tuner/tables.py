@@ -35,7 +35,7 @@ from ..cost.schedule import peak_activations
 from ..cost.stage import Memory, StageShape
 from ..plan import Offload, Recompute
 from .grid import Grid, build_grids, menu_columns
-from .policy import Menu, Option, Policy, pick, timing_position
+from .policy import Menu, Option, Policy, leading, pick, timing_position
 from .problem import Problem
 from .space import Structure
 
@@ -281,7 +281,7 @@ def _choose(grids: Grid, rows: list[int], menu: Menu) -> list[Choices]:
     seconds = got.seconds
     seconds[:, 0] = np.inf  # every stage the search splits holds a layer
     fitting = (seconds < np.inf).tolist()
-    chosen = np.take_along_axis(layers, got.index[..., None], axis=2)[..., 0].tolist()
+    chosen = layers[(*leading(got.index.shape), got.index)].tolist()
     return [Choices(index=got.index[i], layers=layers[i], kinds=kinds, fraction=got.fraction[i],
                     seconds=seconds[i], fitting=fitting[i], chosen=chosen[i])
             for i in range(len(rows))]
