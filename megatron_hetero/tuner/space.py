@@ -184,6 +184,10 @@ def structures(problem: Problem) -> list[tuple[float, Structure]]:
     out = []
     for tp in tp_sizes(problem):
         for pp in range(1, min(L, opt.max_pipeline_stages) + 1):
+            # chunk counts: beyond max_virtual_pipeline_size only what plain Megatron can
+            # express (an even split), so that the baseline is not understated
+            chunks = [v for v in range(2, L // pp + 1)
+                      if v <= opt.max_virtual_pipeline_size or L % (pp * v) == 0]
             for tmpl in templates(problem, tp, pp):
                 D = sum(n for _, n in tmpl)
                 prec = problem.precision_for({t for types, _ in tmpl for t in types})
@@ -217,11 +221,7 @@ def structures(problem: Problem) -> list[tuple[float, Structure]]:
                     unit = whole_group(pp, [total])  # micro-batch groups of the interleaving
                     if pp == 1 or unit is None or total // unit < Dm:
                         continue
-                    for v in range(2, L // pp + 1):
-                        # beyond max_virtual_pipeline_size only what plain Megatron can
-                        # express (an even split), so that the baseline is not understated
-                        if v > opt.max_virtual_pipeline_size and L % (pp * v):
-                            continue
+                    for v in chunks:
                         out.append((_bound(paces, total, (pp - 1) / v, rate), tp, pp, mbs, v, tm))
     out.sort()
     unique, seen = [], set()

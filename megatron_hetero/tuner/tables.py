@@ -161,6 +161,7 @@ class StageTables:
         self._seen: dict[tuple, StageTable] = {}
         self._seconds: dict[tuple, float] = {}
         self._timing_lines: dict[tuple, np.ndarray] = {}
+        self._figures: dict[tuple, tuple] = {}
 
     def table(self, position: StageShape, *, precision: str) -> StageTable:
         """Costs of the stage position ``position`` (its layers and policy aside) for every
@@ -169,7 +170,8 @@ class StageTables:
         key = (_canonical(position), precision)
         got = self._tables.get(key)
         if got is None:
-            builder = _Builder(self.problem, key[0], precision, timing_lines=self._timing_lines)
+            builder = _Builder(self.problem, key[0], precision, timing_lines=self._timing_lines,
+                               figures=self._figures)
             got = self._tables[key] = builder.build()
         return got
 
@@ -291,7 +293,7 @@ class _Builder:
     """One table: the linear model of one stage position, and the menus picked on it."""
 
     def __init__(self, problem: Problem, position: StageShape, precision: str, *,
-                 timing_lines: dict[tuple, np.ndarray]):
+                 timing_lines: dict[tuple, np.ndarray], figures: dict[tuple, tuple]):
         self.problem, self.pos, self.precision = problem, position, precision
         self.timing = timing_position(position)  # the tables key its lines by D
         self._timing_lines = timing_lines
@@ -306,12 +308,18 @@ class _Builder:
         else:  # chunks held per layer at the peak, with even chunks
             in_flight = peak_activations(pos.pipeline_size, pos.stage, pos.num_microbatches, v,
                                          [1.0] * v, pos.microbatch_group) / v
-        self.act = cost.layer_activation_bytes(pos.device_type, b, tp, "none", sp=sp)
-        ckpt = cost.hidden_bytes(b, tp, sp=sp)
-        self.saving = {False: in_flight * (self.act - ckpt),
-                       True: in_flight * (self.act - cost.module_input_bytes(b, tp, sp=sp) - ckpt)}
-        self.fwd_layer = cost.layer_times(pos.device_type, b, tp)[0]
-        self.unfused = not cost.uses_flash_attention(pos.device_type)
+        key = (precision, pos.device_type, b, tp, sp)
+        got = figures.get(key)
+        if got is None:  # what a layer of this device type, batch and TP keeps and costs
+            act = cost.layer_activation_bytes(pos.device_type, b, tp, "none", sp=sp)
+            ckpt = cost.hidden_bytes(b, tp, sp=sp)
+            got = figures[key] = (act, act - ckpt,
+                                  act - cost.module_input_bytes(b, tp, sp=sp) - ckpt,
+                                  cost.layer_times(pos.device_type, b, tp)[0],
+                                  not cost.uses_flash_attention(pos.device_type),
+                                  cost.capacity(pos.device_type))
+        self.act, kept, kept_mi, self.fwd_layer, self.unfused, self.capacity = got
+        self.saving = {False: in_flight * kept, True: in_flight * kept_mi}
         self.m_avg = (problem.gbs // b) / pos.data_parallel_size
         self._lines: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self._points: dict[tuple, Memory] = {}
@@ -319,7 +327,6 @@ class _Builder:
         """The grids built for this table (:meth:`grid`)."""
         self.menus: dict[Menu, Choices] = {}
         """The menus picked (:meth:`choose`)."""
-        self.capacity = cost.capacity(pos.device_type)
 
     def memory(self, k: int, recompute: Recompute, offload: Offload) -> Memory:
         """The position's memory with ``k`` layers in even chunks (each asked once, of
