@@ -174,8 +174,8 @@ class StageMemory:
     def memory_of(self, shape: StageShape, chunk_layers: tuple[int, ...], recompute: Recompute,
                   offload: Offload) -> Memory:
         """:meth:`memory` of ``shape`` with these chunks, recompute and offload instead of its
-        own, without building that shape (nor caching it): for the stage tables, which weigh
-        each once."""
+        own, without building that shape (nor caching it): for the stage tables and the local
+        search's policies, which weigh each once."""
         p, s, v = shape.pipeline_size, shape.stage, len(chunk_layers)
         device_type, b, tp = shape.device_type, shape.micro_batch_size, shape.tensor_parallel_size
         sp, n, r = shape.sequence_parallel and tp > 1, sum(chunk_layers), recompute

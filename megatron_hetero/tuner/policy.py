@@ -247,7 +247,7 @@ def cheapest_for_stage(cost: CostModel, shape: StageShape, menu: Menu) -> Policy
         seconds = m * total
         memory = math.inf
         if seconds < bound:
-            memory = cost.memory(shape.but(recompute=recompute, offload=offload)).total
+            memory = cost.memory_of(shape, shape.chunk_layers, recompute, offload).total
             if memory <= capacity:
                 bound = seconds
         mems.append(memory)
