@@ -179,6 +179,7 @@ def structures(problem: Problem) -> list[tuple[float, Structure]]:
     L = problem.model.num_layers
     rates: dict[tuple, float] = {}  # micro-batches per second of one pipeline
     shared: dict[tuple, tuple] = {}  # one object per distinct list of templates
+    counts_of: dict[tuple, tuple] = {}  # (type, stages) of a template's stage types
     # (bound, tp, pp, micro-batch size, chunks, templates): sorted as they stand (the order of
     # the bound, then the structure's fields), each structure built once it is known to be new
     out = []
@@ -208,7 +209,10 @@ def structures(problem: Problem) -> list[tuple[float, Structure]]:
                     paces = []  # (balanced seconds per micro-batch, whole-layer ones, pipelines)
                     for types, n in tm:
                         # the stage order does not change the bound: key by type counts
-                        counts = tuple((t, types.count(t)) for t in sorted(set(types)))
+                        counts = counts_of.get(types)
+                        if counts is None:
+                            counts = counts_of[types] = tuple((t, types.count(t))
+                                                              for t in sorted(set(types)))
                         key = (prec, counts, tp, mbs)
                         got = rates.get(key)
                         if got is None:
