@@ -329,8 +329,9 @@ class _Builder:
         """The menus picked (:meth:`choose`)."""
 
     def memory(self, k: int, recompute: Recompute, offload: Offload) -> Memory:
-        """The position's memory with ``k`` layers in even chunks (each asked once, of
-        :meth:`CostModel.memory_of`: the position's shape with them is not built)."""
+        """The position's memory with ``k`` layers in even chunks under ``recompute`` and
+        ``offload``, each asked of the cost model once (``memory_of``: that shape is not
+        built)."""
         key = (k, recompute, offload)
         got = self._points.get(key)
         if got is None:
