@@ -14,6 +14,7 @@ every op up to :data:`EXACT_MOST`, and extrapolates the last probe beyond.
 
 from __future__ import annotations
 
+import itertools
 import math
 from functools import lru_cache
 
@@ -137,8 +138,9 @@ def _ends(run, n: int, p: int, v: int, *, first: int, group: int | None,
     """Per micro-batch of a run of ``n`` from ``first`` on (a row), the end of each of its ops,
     by stage, kind and chunk."""
     where = _compiled_order(p, n, v, group, None if warmups is None else tuple(warmups))[1][first:]
-    low = int(where.min())
-    return np.array(run[3][low:])[where - low]
+    low, end = int(where.min()), run[3]
+    # fromiter with a count: no copy of the list, no guessing of its type
+    return np.fromiter(itertools.islice(end, low, None), float, len(end) - low)[where - low]
 
 
 def _period(ends: np.ndarray, *, first: int, stop: int, step: int, longest: int,

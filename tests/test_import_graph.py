@@ -23,8 +23,8 @@ PACKAGE = REPO / "megatron_hetero"
 
 EXECUTION = ("runtime", "emulate", "profiler")
 """Parts that run megatron-core: each depends on the plan and on ``mcore``, never on another."""
-PLAN_LEVEL = ("tuner", "cost", "simulate", "simulate_mesh", "plan", "plan_mesh", "schedule_order",
-              "models", "hardware", "checkpoint")
+PLAN_LEVEL = ("tuner", "cost", "simulate", "simulate_mesh", "plan", "plan_policy", "plan_mesh",
+              "schedule_order", "models", "hardware", "checkpoint")
 """Pure Python: never imports an execution part or the megatron-core builder."""
 
 

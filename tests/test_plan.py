@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import copy
+import os
+import pickle
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -11,7 +15,8 @@ from hypothesis import strategies as st
 
 from megatron_hetero.errors import SchemaError
 from megatron_hetero.hardware import inventory_from_data, load_catalog
-from megatron_hetero.plan import Plan, Slot, load_plan, plan_from_data, save_plan
+from megatron_hetero.plan import (Offload, Plan, Recompute, Slot, load_plan, plan_from_data,
+                                  save_plan)
 from megatron_hetero.plan_inventory import check_plan_against_inventory
 
 from .conftest import EXAMPLE_PLANS, REPO
@@ -432,3 +437,22 @@ def test_plan_gpus_must_agree_with_a_given_inventory():
     plain = inventory_from_data({"gpus": {"Acme-NPU": ACME}, "groups": groups}, source="inv.yaml")
     with pytest.raises(SchemaError, match=r"gpus\.A100-SXM-80GB\.efficiency: found 0\.55"):
         check_plan_against_inventory(plan, plain, source="plan.yaml")
+
+
+def test_recompute_and_offload_hash_as_their_fields_in_any_process():
+    # each keeps its hash; a copy unpickled in a process with other string hashes computes its
+    # own, so it still finds what an equal one keyed
+    r = Recompute(granularity="full", method="block", num_layers=3)
+    assert hash(r) == hash(("full", "block", 3))
+    assert hash(Offload(module_inputs=True)) == hash((0.0, False, True))
+    blob = pickle.dumps([r, Offload(optimizer_fraction=0.5)])
+    script = ("import pickle, sys\n"
+              "from megatron_hetero.plan import Offload, Recompute\n"
+              "r, o = pickle.loads(sys.stdin.buffer.read())\n"
+              "table = {Recompute(granularity='full', method='block', num_layers=3): 1,\n"
+              "         Offload(optimizer_fraction=0.5): 2}\n"
+              "print(table[r], table[o])\n")
+    for seed in ("1", "2"):
+        out = subprocess.run([sys.executable, "-c", script], input=blob, capture_output=True,
+                             env={**os.environ, "PYTHONHASHSEED": seed}, cwd=REPO, check=True)
+        assert out.stdout.split() == [b"1", b"2"]

@@ -15,11 +15,11 @@ device type (with the inventory's overrides) and, where given, a measured profil
   all-gather of the 16-bit parameters, else an all-reduce of the gradients, ``(D-1)/D`` ring
   traffic over the slowest link of the group; then the Adam step, memory-bound
   (about 30 bytes touched per parameter on the device; offloaded fractions at host bandwidth).
-* memory per rank: 16-bit parameters, main gradients (4 bytes with bf16/fp32, 2 with fp16),
-  Adam state (fp32 master + m + v = 12 bytes, 8 in fp32 training; sharded over data parallelism
-  with the distributed optimizer; minus the offloaded fraction), activations of the micro-batches
-  in flight (stage ``s`` of ``p`` holds ``min(p - s, m)`` in 1F1B), fp32 logits on the last stage,
-  minus the module inputs a stage offloads to the host (fine-grained activation offloading:
+* memory per rank (:mod:`.memory`): 16-bit parameters, main gradients (4 bytes with bf16/fp32,
+  2 with fp16), Adam state (fp32 master + m + v = 12 bytes, 8 in fp32 training; sharded over
+  data parallelism with the distributed optimizer; minus the offloaded fraction), activations of
+  the micro-batches in flight (stage ``s`` of ``p`` holds ``min(p - s, m)`` in 1F1B), fp32
+  logits on the last stage, minus the module inputs a stage offloads to the host (fine-grained activation offloading:
   the LayerNorm and QKV inputs, Q/K/V and the projection input of every layer not recomputed;
   one layer's worth stays on the device; the copies run on side streams and cost a layer only
   what its own compute cannot hide at the host link's ``pcie_bandwidth_gb_s``),
@@ -40,21 +40,21 @@ device type (with the inventory's overrides) and, where given, a measured profil
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Literal, Mapping, NamedTuple
+from typing import Literal, Mapping
 
 from .. import models as M
 from ..hardware.inventory import Inventory
-from ..plan import ModelSpec, Offload, Plan, Recompute, chunk_recompute
+from ..plan import ModelSpec, Offload, Plan, Recompute
 from .host_path import DEFAULT_HOST_LINK_GB_S
+from .memory import StageMemory
 from .placement import Placement, place
 from .profile_protocol import DeviceProfile
-from .schedule import peak_activations
 from .stage import Memory, StageShape, StageTimes
 
 __all__ = ["CostModel"]
 
 
-class CostModel:
+class CostModel(StageMemory):
     """Compute, memory and communication costs of a model on an inventory's device types."""
 
     def __init__(self, model: ModelSpec, inventory: Inventory, *,
@@ -113,9 +113,10 @@ class CostModel:
         self.intra_node_bandwidth = lru_cache(maxsize=None)(self.intra_node_bandwidth)
         self._part_times = lru_cache(maxsize=None)(self._part_times)
         self._activations = lru_cache(maxsize=None)(self._activations)
-        self.layer_activation_bytes = lru_cache(maxsize=None)(self.layer_activation_bytes)
+        self._layer_bytes = lru_cache(maxsize=None)(self._layer_bytes)
+        self._module_inputs = lru_cache(maxsize=None)(self._module_inputs)
         self.memory = lru_cache(maxsize=None)(self.memory)
-        self.params = lru_cache(maxsize=None)(self.params)
+        self._params = lru_cache(maxsize=None)(self._params)
         self._chunk_activations = lru_cache(maxsize=None)(self._chunk_activations)
         self._placements: dict[tuple, Placement] = {}
 
@@ -225,15 +226,6 @@ class CostModel:
             return (self.times(shape),)
         return tuple(self._part_times(shape, c) for c in range(shape.virtual_size))
 
-    def _part(self, shape: StageShape, chunk: int | None) -> tuple[int, bool, bool, Recompute]:
-        """(layers, first, last, recompute) of the whole stage (``chunk`` None) or one chunk."""
-        if chunk is None:
-            return shape.num_layers, shape.first, shape.last, shape.recompute
-        v = shape.virtual_size
-        return (shape.chunk_layers[chunk], shape.first and chunk == 0,
-                shape.last and chunk == v - 1,
-                _chunk_recompute(shape.recompute, shape.chunk_layers)[chunk])
-
     def _part_times(self, shape: StageShape, chunk: int | None) -> StageTimes:
         device_type, b, tp = shape.device_type, shape.micro_batch_size, shape.tensor_parallel_size
         num_layers, first, last, recompute = self._part(shape, chunk)
@@ -263,164 +255,6 @@ class CostModel:
             fwd += moved / self.pcie_bandwidth
             bwd += moved / self.pcie_bandwidth
         return StageTimes(fwd, bwd)
-
-    # -- memory ---------------------------------------------------------------------------------
-    def params(self, num_layers: int, *, first: bool, last: bool, tp: int) -> float:
-        """Parameters one tensor rank of a stage (or model chunk) of ``num_layers`` holds, with
-        the embedding (``first``) and the output layer (``last``)."""
-        m = self.model
-        n = num_layers * M.layer_params(m)
-        if first:
-            n += M.embedding_params(m, tp)
-        if last:
-            n += M.output_params(m, tp, single_stage=first)
-        return n / tp
-
-    def stage_params(self, shape: StageShape) -> float:
-        """Parameters one tensor rank of the stage holds."""
-        return self.params(shape.num_layers, first=shape.first, last=shape.last,
-                           tp=shape.tensor_parallel_size)
-
-    def chunk_params(self, shape: StageShape, chunk: int) -> float:
-        """Parameters one tensor rank holds in model chunk ``chunk`` of the stage."""
-        layers, first, last, _ = self._part(shape, chunk)
-        return self.params(layers, first=first, last=last, tp=shape.tensor_parallel_size)
-
-    def uses_flash_attention(self, device_type: str) -> bool:
-        if self.flash_attention is not None:
-            return self.flash_attention
-        return self.spec(device_type).bf16
-
-    def layer_activation_bytes(self, device_type: str, b: int, tp: int, policy: str, *,
-                               sp: bool = False) -> float:
-        """Bytes one tensor rank keeps per layer and micro-batch (:mod:`megatron_hetero.models`);
-        ``sp``: sequence parallelism (ignored at TP = 1)."""
-        return M.layer_activation_bytes(self.model, b, tp, policy,
-                                        flash_attention=self.uses_flash_attention(device_type),
-                                        sequence_parallel=sp and tp > 1)
-
-    def hidden_bytes(self, b: int, tp: int, *, sp: bool = False) -> float:
-        """One rank's ``[s, b, h]`` 16-bit tensor: a pipeline send, a full-recompute checkpoint
-        (``[s/t, b, h]`` with sequence parallelism)."""
-        return M.layer_input_bytes(self.model, b) / (tp if sp and tp > 1 else 1)
-
-    def module_input_bytes(self, b: int, tp: int, *, sp: bool = False) -> float:
-        """Bytes per layer and micro-batch that fine-grained activation offloading moves to
-        the host (:func:`megatron_hetero.models.module_input_bytes`)."""
-        return M.module_input_bytes(self.model, b, tp, sequence_parallel=sp and tp > 1)
-
-    def _activations_per_microbatch(self, shape: StageShape, chunk: int | None) -> float:
-        """Bytes one micro-batch leaves on one tensor rank of the stage (or of its model
-        chunk) until its backward."""
-        n, first, last, r = self._part(shape, chunk)
-        return self._activations(_Part(shape.device_type, shape.micro_batch_size,
-                                       shape.tensor_parallel_size, shape.sp,
-                                       shape.offload.module_inputs, n, first, last, r))
-
-    def _activations(self, part: _Part) -> float:
-        device_type, b, tp, sp, module_inputs, layers, first, last, recompute = part
-        n, r = layers, recompute
-        ckpt = self.hidden_bytes(b, tp, sp=sp)
-        kept = self.layer_activation_bytes(device_type, b, tp,
-                                           "none" if r.granularity == "full" else r.granularity,
-                                           sp=sp)
-        if module_inputs:
-            kept -= self.module_input_bytes(b, tp, sp=sp)
-        if r.granularity == "full":
-            if r.method == "uniform":
-                out = -(-n // r.num_layers) * ckpt
-            else:
-                kk = min(r.num_layers, n)
-                out = kk * ckpt + (n - kk) * kept
-        else:
-            out = n * kept
-        if first:
-            out += ckpt / 2  # embedding dropout mask (1 byte per element)
-        if last:
-            out += ckpt + M.logits_bytes(self.model, b, tp)  # final norm input, fp32 logits
-        return out
-
-    def optimizer_shard(self, params: float, data_parallel: int) -> float:
-        """Parameters whose optimizer state one rank holds: sharded over the data-parallel
-        replicas with the distributed optimizer."""
-        return params / data_parallel if self.use_distributed_optimizer else params
-
-    def _module_input_margin(self, shape: StageShape) -> float:
-        """What fine-grained offloading keeps on the device after all: megatron-core leaves the
-        last group of each offloaded module in place so that reloading it never stalls the
-        backward, about one layer's module inputs of one micro-batch."""
-        n = shape.num_layers
-        if not shape.offload.module_inputs or n - shape.recompute.recomputed_layers(n) <= 0:
-            return 0.0
-        return self.module_input_bytes(shape.micro_batch_size, shape.tensor_parallel_size,
-                                       sp=shape.sp)
-
-    def _transient_layers(self, r: Recompute, n: int) -> int:
-        """Layers whose activations a full recompute of a stage (or chunk) of ``n`` layers
-        rebuilds at once in the backward: a uniform group, or one layer of a block."""
-        if r.granularity != "full" or not n:
-            return 0
-        return min(r.num_layers if r.method == "uniform" else 1, n)
-
-    def memory(self, shape: StageShape) -> Memory:
-        """Peak memory of one tensor rank of the stage: in 1F1B stage ``s`` of ``p`` holds
-        ``min(p - s, m)`` micro-batches in flight (its warm-up plus one,
-        :attr:`StageShape.in_flight`); interleaved, the peak over the rank's order
-        of the summed activations of the chunks run forward and not yet backward."""
-        p, s, m, v = shape.pipeline_size, shape.stage, shape.num_microbatches, shape.virtual_size
-        params = self.stage_params(shape)
-        shard = self.optimizer_shard(params, shape.data_parallel_size)
-        if v == 1:
-            in_flight = 1 if shape.offload.activations else shape.in_flight
-            acts = in_flight * self._activations_per_microbatch(shape, None)
-            acts += self._module_input_margin(shape)
-            acts += self._transient_layers(shape.recompute, shape.num_layers) * self._layer(shape)
-        else:
-            per_chunk, transient = self._chunk_activations(
-                shape.device_type, shape.micro_batch_size, shape.tensor_parallel_size, shape.sp,
-                shape.offload.module_inputs, shape.chunk_layers, shape.first, shape.last,
-                shape.recompute)
-            if shape.offload.activations:
-                acts = max(per_chunk)
-            else:
-                acts = peak_activations(p, s, m, v, per_chunk, shape.microbatch_group)
-            acts += transient * self._layer(shape)
-            acts += self._module_input_margin(shape)
-        return Memory(params=params * self.param_bytes, grads=params * self.grad_bytes,
-                      optimizer=shard * self.optim_bytes * (1.0 - shape.offload.optimizer_fraction),
-                      activations=acts, workspace=self.workspace_bytes,
-                      capacity=self.capacity(shape.device_type))
-
-    def _chunk_activations(self, device_type: str, b: int, tp: int, sp: bool,
-                           module_inputs: bool, chunk_layers: tuple[int, ...], first: bool,
-                           last: bool, recompute: Recompute) -> tuple[list[float], int]:
-        """Per chunk, one micro-batch's bytes; and a recompute's most layers at once (cached)."""
-        v = len(chunk_layers)
-        keys = _chunk_recompute(recompute, chunk_layers)
-        common = (device_type, b, tp, sp, module_inputs)
-        per_chunk = [self._activations(_Part(*common, n, first and c == 0, last and c == v - 1,
-                                             keys[c]))
-                     for c, n in enumerate(chunk_layers)]
-        return per_chunk, max(self._transient_layers(r, n) for r, n in zip(keys, chunk_layers))
-
-    def _layer(self, shape: StageShape) -> float:
-        """One layer's activations of one micro-batch without recompute."""
-        return self.layer_activation_bytes(shape.device_type, shape.micro_batch_size,
-                                           shape.tensor_parallel_size, "none", sp=shape.sp)
-
-    def host_bytes(self, shape: StageShape) -> float:
-        """Host bytes one tensor rank of the stage keeps: the offloaded fraction of its
-        optimizer shard (fp32 master weights and Adam state, as :meth:`memory` counts them,
-        plus the fp32 copy of those parameters' gradients the CPU optimizer steps on) and, with
-        ``module_inputs``, the module inputs of the micro-batches in flight at the stage's peak
-        (its activations without the offload less those with it)."""
-        shard = self.optimizer_shard(self.stage_params(shape), shape.data_parallel_size)
-        offload = shape.offload
-        host = offload.optimizer_fraction * shard * (self.optim_bytes + 4.0)
-        if offload.module_inputs:
-            kept = self.memory(shape.but(offload=_without_module_inputs(offload))).activations
-            host += max(0.0, kept - self.memory(shape).activations)
-        return host
 
     # -- data-parallel sync and optimizer -------------------------------------------------------
     def dp_sync_seconds(self, params_per_rank: float, data_parallel: int, bandwidth_gb_s: float) -> float:
@@ -477,23 +311,4 @@ class CostModel:
         return got
 
 
-class _Part(NamedTuple):
-    """What one stage's (or model chunk's) activations per micro-batch depend on."""
 
-    device_type: str
-    micro_batch_size: int
-    tensor_parallel_size: int
-    sp: bool
-    module_inputs: bool
-    layers: int
-    first: bool
-    last: bool
-    recompute: Recompute
-
-
-_chunk_recompute = lru_cache(maxsize=4096)(chunk_recompute)
-""":func:`~megatron_hetero.plan.chunk_recompute`, once per stage shape."""
-
-
-def _without_module_inputs(offload: Offload) -> Offload:
-    return Offload(optimizer_fraction=offload.optimizer_fraction, activations=offload.activations)

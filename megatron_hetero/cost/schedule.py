@@ -114,15 +114,23 @@ def _held_states(p: int, r: int, m: int, v: int, g: int) -> np.ndarray:
     """The chunk counts held after each forward of rank ``r``'s order, keeping only those no
     other state holds at least as much of in every chunk (the candidates for a peak), one row
     per state."""
-    held = [0] * v
-    seen: set[tuple[int, ...]] = set()
-    for kind, _, c in rank_order_cached(p, r, m, v, g):
-        held[c] += 1 if kind == 0 else -1
-        if kind == 0:
-            seen.add(tuple(held))
-    # in order of the most held first; kept: those no other state covers (at least as much
-    # in every chunk), each compared with every other at once
-    states = np.array(sorted(seen, key=lambda x: (-sum(x), x)), dtype=np.int64).reshape(-1, v)
+    # rank_order's forwards by chunk: the table's chunks (each group of g micro-batches runs
+    # chunk 0, then chunk 1, ...), the backwards' mirrored; forward f runs once the warm-up's
+    # forwards and, past it, the first f - warm backwards have
+    full, left = divmod(m, g)
+    chunks = np.concatenate((np.tile(np.repeat(np.arange(v), g), full),
+                             np.repeat(np.arange(v), left)))
+    eye = np.eye(v, dtype=np.int64)
+    forwards = np.cumsum(eye[chunks], axis=0)  # [f]: per chunk, forwards up to f
+    backwards = np.cumsum(eye[v - 1 - chunks], axis=0)
+    warm = warmup_count(p, r, m, v, g)
+    held = forwards.copy()
+    held[warm + 1:] -= backwards[:max(0, len(chunks) - warm - 1)]
+    # in order of the most held first (then by the counts); kept: those no other state covers
+    # (at least as much in every chunk), each compared with every other at once
+    held = held[np.lexsort(held.T[::-1])]  # by the counts, chunk 0 first
+    states = held[np.concatenate(([True], (held[1:] != held[:-1]).any(axis=1)))]
+    states = states[np.argsort(-states.sum(axis=1), kind="stable")]
     n = len(states)
     covered = np.zeros(n, dtype=bool)
     rows = max(1, (1 << 22) // max(1, n * v))  # compared at once (at most 4M entries)

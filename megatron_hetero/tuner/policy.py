@@ -31,7 +31,7 @@ from ..cost.stage import StageShape
 from ..plan import Offload, Recompute
 
 __all__ = ["OFFLOAD_STEPS", "Menu", "Option", "Policy", "Pick", "menu_options", "option_costs",
-           "pick", "cheapest",
+           "pick", "leading", "cheapest",
            "cheapest_for_stage", "timing_position"]
 
 OFFLOAD_STEPS = 20
@@ -156,19 +156,19 @@ def pick(fraction: np.ndarray, cost: np.ndarray) -> Pick:
         return Pick(index=np.zeros(lead, dtype=np.int64), fraction=np.zeros(lead),
                     seconds=np.full(lead, np.inf))
     index = np.argmin(cost, axis=-1)
-    if cost.ndim == 2:  # the tables' (layer counts, options): the same entries, sooner
-        lead = (_arange(cost.shape[0]),)
-    else:
-        lead = np.indices(index.shape, sparse=True)
-    return Pick(index=index, fraction=fraction[(*lead, index)], seconds=cost[(*lead, index)])
+    lead = (*leading(index.shape), index)
+    return Pick(index=index, fraction=fraction[lead], seconds=cost[lead])
 
 
-@lru_cache(maxsize=64)
-def _arange(n: int) -> np.ndarray:
-    """0..n - 1 (read-only, shared)."""
-    got = np.arange(n)
-    got.flags.writeable = False
-    return got
+@lru_cache(maxsize=256)
+def leading(shape: tuple[int, ...]) -> tuple[np.ndarray, ...]:
+    """The indices of every entry of an array of ``shape``, one array per axis, each
+    broadcasting against the others (``np.indices(shape, sparse=True)``; read-only, shared):
+    with an index along a last axis, they pick one entry per row."""
+    got = np.indices(shape, sparse=True)
+    for axis in got:
+        axis.flags.writeable = False
+    return tuple(got)
 
 
 def cheapest(memory: np.ndarray, seconds: np.ndarray, *, optimizer: np.ndarray,
@@ -247,7 +247,7 @@ def cheapest_for_stage(cost: CostModel, shape: StageShape, menu: Menu) -> Policy
         seconds = m * total
         memory = math.inf
         if seconds < bound:
-            memory = cost.memory(shape.but(recompute=recompute, offload=offload)).total
+            memory = cost.memory_of(shape, shape.chunk_layers, recompute, offload).total
             if memory <= capacity:
                 bound = seconds
         mems.append(memory)

@@ -178,9 +178,17 @@ def structures(problem: Problem) -> list[tuple[float, Structure]]:
     opt, gbs = problem.opt, problem.gbs
     L = problem.model.num_layers
     rates: dict[tuple, float] = {}  # micro-batches per second of one pipeline
+    shared: dict[tuple, tuple] = {}  # one object per distinct list of templates
+    counts_of: dict[tuple, tuple] = {}  # (type, stages) of a template's stage types
+    # (bound, tp, pp, micro-batch size, chunks, templates): sorted as they stand (the order of
+    # the bound, then the structure's fields), each structure built once it is known to be new
     out = []
     for tp in tp_sizes(problem):
         for pp in range(1, min(L, opt.max_pipeline_stages) + 1):
+            # chunk counts: beyond max_virtual_pipeline_size only what plain Megatron can
+            # express (an even split), so that the baseline is not understated
+            chunks = [v for v in range(2, L // pp + 1)
+                      if v <= opt.max_virtual_pipeline_size or L % (pp * v) == 0]
             for tmpl in templates(problem, tp, pp):
                 D = sum(n for _, n in tmpl)
                 prec = problem.precision_for({t for types, _ in tmpl for t in types})
@@ -197,10 +205,14 @@ def structures(problem: Problem) -> list[tuple[float, Structure]]:
                     if gbs % Dm:  # the runtime needs it (Megatron's step accounting)
                         tm = _divisible_templates(tm, gbs)
                         Dm = sum(n for _, n in tm)
+                    tm = shared.setdefault(tm, tm)
                     paces = []  # (balanced seconds per micro-batch, whole-layer ones, pipelines)
                     for types, n in tm:
                         # the stage order does not change the bound: key by type counts
-                        counts = tuple((t, types.count(t)) for t in sorted(set(types)))
+                        counts = counts_of.get(types)
+                        if counts is None:
+                            counts = counts_of[types] = tuple((t, types.count(t))
+                                                              for t in sorted(set(types)))
                         key = (prec, counts, tp, mbs)
                         got = rates.get(key)
                         if got is None:
@@ -208,24 +220,20 @@ def structures(problem: Problem) -> list[tuple[float, Structure]]:
                             got = rates[key] = (sum(k / (L * x) for x, k in layer),
                                                 _whole_layers(layer, L))
                         paces.append((1 / got[0], got[1], n))
-                    lb = _bound(paces, total, pp - 1)
-                    out.append((lb, Structure(tp, pp, mbs, tm)))
+                    rate = _rate(paces)
+                    out.append((_bound(paces, total, pp - 1, rate), tp, pp, mbs, 1, tm))
                     unit = whole_group(pp, [total])  # micro-batch groups of the interleaving
                     if pp == 1 or unit is None or total // unit < Dm:
                         continue
-                    for v in range(2, L // pp + 1):
-                        # beyond max_virtual_pipeline_size only what plain Megatron can
-                        # express (an even split), so that the baseline is not understated
-                        if v > opt.max_virtual_pipeline_size and L % (pp * v):
-                            continue
-                        out.append((_bound(paces, total, (pp - 1) / v),
-                                    Structure(tp, pp, mbs, tm, v)))
-    out.sort(key=lambda x: (x[0], x[1].tp, x[1].pp, x[1].mbs, x[1].vp, x[1].templates))
+                    for v in chunks:
+                        out.append((_bound(paces, total, (pp - 1) / v, rate), tp, pp, mbs, v, tm))
+    out.sort()
     unique, seen = [], set()
-    for item in out:
-        if item[1] not in seen:
-            seen.add(item[1])
-            unique.append(item)
+    for lb, tp, pp, mbs, v, tm in out:
+        key = (tp, pp, mbs, v, id(tm))  # equal templates are one object
+        if key not in seen:
+            seen.add(key)
+            unique.append((lb, Structure(tp, pp, mbs, tm, v)))
     return unique
 
 
@@ -246,12 +254,18 @@ def _whole_layers(layer: list[tuple[float, int]], L: int) -> float:
     return candidates[lo]
 
 
-def _bound(paces: list[tuple[float, float, int]], total: int, fill: float) -> float:
+def _rate(paces: list[tuple[float, float, int]]) -> float:
+    """The denominator of :func:`_bound`: micro-batches per second of the pipelines at their
+    whole-layer pace (the same for every fill)."""
+    return sum(n / T for _, T, n in paces)
+
+
+def _bound(paces: list[tuple[float, float, int]], total: int, fill: float, rate: float) -> float:
     """The step time bound of :func:`structures` for pipelines of (balanced seconds per
     micro-batch ``b``, whole-layer slowest stage ``T``, count): a pipeline of ``m``
-    micro-batches takes at least ``(fill + 1) b + (m - 1) T``, the shares are continuous."""
-    return ((total + sum(n * ((fill + 1) * b / T - 1) for b, T, n in paces))
-            / sum(n / T for _, T, n in paces))
+    micro-batches takes at least ``(fill + 1) b + (m - 1) T``, the shares are continuous
+    (``rate``: :func:`_rate` of ``paces``)."""
+    return (total + sum(n * ((fill + 1) * b / T - 1) for b, T, n in paces)) / rate
 
 
 def infeasible_message(problem: Problem) -> str:

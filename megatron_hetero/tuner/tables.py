@@ -32,10 +32,10 @@ from functools import cached_property, lru_cache
 import numpy as np
 
 from ..cost.schedule import peak_activations
-from ..cost.stage import StageShape
+from ..cost.stage import Memory, StageShape
 from ..plan import Offload, Recompute
 from .grid import Grid, build_grids, menu_columns
-from .policy import Menu, Option, Policy, pick, timing_position
+from .policy import Menu, Option, Policy, leading, pick, timing_position
 from .problem import Problem
 from .space import Structure
 
@@ -161,6 +161,7 @@ class StageTables:
         self._seen: dict[tuple, StageTable] = {}
         self._seconds: dict[tuple, float] = {}
         self._timing_lines: dict[tuple, np.ndarray] = {}
+        self._figures: dict[tuple, tuple] = {}
 
     def table(self, position: StageShape, *, precision: str) -> StageTable:
         """Costs of the stage position ``position`` (its layers and policy aside) for every
@@ -169,7 +170,8 @@ class StageTables:
         key = (_canonical(position), precision)
         got = self._tables.get(key)
         if got is None:
-            builder = _Builder(self.problem, key[0], precision, timing_lines=self._timing_lines)
+            builder = _Builder(self.problem, key[0], precision, timing_lines=self._timing_lines,
+                               figures=self._figures)
             got = self._tables[key] = builder.build()
         return got
 
@@ -281,7 +283,7 @@ def _choose(grids: Grid, rows: list[int], menu: Menu) -> list[Choices]:
     seconds = got.seconds
     seconds[:, 0] = np.inf  # every stage the search splits holds a layer
     fitting = (seconds < np.inf).tolist()
-    chosen = np.take_along_axis(layers, got.index[..., None], axis=2)[..., 0].tolist()
+    chosen = layers[(*leading(got.index.shape), got.index)].tolist()
     return [Choices(index=got.index[i], layers=layers[i], kinds=kinds, fraction=got.fraction[i],
                     seconds=seconds[i], fitting=fitting[i], chosen=chosen[i])
             for i in range(len(rows))]
@@ -291,7 +293,7 @@ class _Builder:
     """One table: the linear model of one stage position, and the menus picked on it."""
 
     def __init__(self, problem: Problem, position: StageShape, precision: str, *,
-                 timing_lines: dict[tuple, np.ndarray]):
+                 timing_lines: dict[tuple, np.ndarray], figures: dict[tuple, tuple]):
         self.problem, self.pos, self.precision = problem, position, precision
         self.timing = timing_position(position)  # the tables key its lines by D
         self._timing_lines = timing_lines
@@ -306,30 +308,35 @@ class _Builder:
         else:  # chunks held per layer at the peak, with even chunks
             in_flight = peak_activations(pos.pipeline_size, pos.stage, pos.num_microbatches, v,
                                          [1.0] * v, pos.microbatch_group) / v
-        self.act = cost.layer_activation_bytes(pos.device_type, b, tp, "none", sp=sp)
-        ckpt = cost.hidden_bytes(b, tp, sp=sp)
-        self.saving = {False: in_flight * (self.act - ckpt),
-                       True: in_flight * (self.act - cost.module_input_bytes(b, tp, sp=sp) - ckpt)}
-        self.fwd_layer = cost.layer_times(pos.device_type, b, tp)[0]
-        self.unfused = not cost.uses_flash_attention(pos.device_type)
+        key = (precision, pos.device_type, b, tp, sp)
+        got = figures.get(key)
+        if got is None:  # what a layer of this device type, batch and TP keeps and costs
+            act = cost.layer_activation_bytes(pos.device_type, b, tp, "none", sp=sp)
+            ckpt = cost.hidden_bytes(b, tp, sp=sp)
+            got = figures[key] = (act, act - ckpt,
+                                  act - cost.module_input_bytes(b, tp, sp=sp) - ckpt,
+                                  cost.layer_times(pos.device_type, b, tp)[0],
+                                  not cost.uses_flash_attention(pos.device_type),
+                                  cost.capacity(pos.device_type))
+        self.act, kept, kept_mi, self.fwd_layer, self.unfused, self.capacity = got
+        self.saving = {False: in_flight * kept, True: in_flight * kept_mi}
         self.m_avg = (problem.gbs // b) / pos.data_parallel_size
         self._lines: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
-        self._shapes: dict[tuple, StageShape] = {}
+        self._points: dict[tuple, Memory] = {}
         self.grids: list[Grid] = []
         """The grids built for this table (:meth:`grid`)."""
         self.menus: dict[Menu, Choices] = {}
         """The menus picked (:meth:`choose`)."""
-        self.capacity = cost.capacity(pos.device_type)
 
-    def shape(self, k: int, recompute: Recompute = _NO_RECOMPUTE, *,
-              module_inputs: bool = False) -> StageShape:
-        """The position with ``k`` layers in even chunks (each built once)."""
-        key = (k, recompute, module_inputs)
-        got = self._shapes.get(key)
+    def memory(self, k: int, recompute: Recompute, offload: Offload) -> Memory:
+        """The position's memory with ``k`` layers in even chunks under ``recompute`` and
+        ``offload``, each asked of the cost model once (``memory_of``: that shape is not
+        built)."""
+        key = (k, recompute, offload)
+        got = self._points.get(key)
         if got is None:
-            got = self._shapes[key] = self.pos.but(chunk_layers=even_chunks(k, self.v),
-                                                   recompute=recompute,
-                                                   offload=_MODULE_INPUTS[module_inputs])
+            got = self._points[key] = self.cost.memory_of(self.pos, even_chunks(k, self.v),
+                                                          recompute, offload)
         return got
 
     def line(self, f, unit: int = 1) -> np.ndarray:
@@ -356,9 +363,8 @@ class _Builder:
         if key not in self._lines:
             r = _SELECTIVE if selective else _NO_RECOMPUTE
             cost = self.cost
-            mem = self.line(lambda k: cost.memory(self.shape(k, r, module_inputs=module_inputs)).total,
-                            self.v)
             offload = _MODULE_INPUTS[module_inputs]
+            mem = self.line(lambda k: self.memory(k, r, offload).total, self.v)
             sec = self.timing_line(key, lambda k: cost.times(self.timing.but(
                 chunk_layers=even_chunks(k, self.v), recompute=r, offload=offload)).total_s)
             self._lines[key] = (mem, sec)
@@ -398,7 +404,8 @@ class _Builder:
 
     def build(self) -> StageTable:
         cost, v = self.cost, self.v
-        self.optimizer = self.line(lambda k: cost.memory(self.shape(k)).optimizer, v)
+        self.optimizer = self.line(
+            lambda k: self.memory(k, _NO_RECOMPUTE, _MODULE_INPUTS[False]).optimizer, v)
         D = self.pos.data_parallel_size
         self.off_step = self.timing_line(("optimizer offload", D), lambda k: cost.optimizer_offload_seconds(
             self.timing.but(chunk_layers=even_chunks(k, v), data_parallel_size=D)))

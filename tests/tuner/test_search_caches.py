@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from megatron_hetero.cost import CostModel
-from megatron_hetero.cost.schedule import peak_activations, peak_in_flight, rank_order
+from megatron_hetero.cost.schedule import (_held_states, peak_activations, peak_in_flight,
+                                           rank_order)
 from megatron_hetero.hardware.catalog import load_catalog
 from megatron_hetero.hardware.inventory import inventory_from_data
 from megatron_hetero.models import model_preset
@@ -171,6 +172,45 @@ def test_cached_peak_is_the_walk_over_the_whole_order(p, v, group):
                 # again, from the cache
                 assert peak_activations(p, r, m, v, list(weights), group) == \
                     peak_activations(p, r, m, v, weights, group)
+
+
+def _held_plainly(p, r, m, v, g):
+    """The held states kept by a walk over rank ``r``'s order, as the walk once found them."""
+    held, seen = [0] * v, set()
+    for kind, _, c in rank_order(p, r, m, v, g):
+        held[c] += 1 if kind == 0 else -1
+        if kind == 0:
+            seen.add(tuple(held))
+    states = sorted(seen, key=lambda x: (-sum(x), x))
+    return [x for x in states if not any(y != x and all(a >= b for a, b in zip(y, x))
+                                         for y in states)]
+
+
+@pytest.mark.parametrize("p", [2, 3, 5])
+def test_held_states_are_those_of_a_walk_over_the_order(p):
+    # built with numpy from the order's chunks (forwards less the backwards run before them):
+    # the same states, in the same order, as a walk over the rank's run order
+    for v in (2, 3, 4):
+        for g in range(p, 2 * p + 1):
+            for m in (1, p - 1, g, g + 1, 2 * g + p, 3 * g):
+                for r in range(p):
+                    got = _held_states(p, r, max(m, 1), v, g)
+                    assert got.tolist() == [list(map(float, x))
+                                            for x in _held_plainly(p, r, max(m, 1), v, g)]
+
+
+def test_memory_of_is_the_memory_of_the_shape_it_stands_for():
+    # the tables and the local search ask a position's memory with other chunks, recompute and
+    # offload without building that shape: bit for bit the shape's
+    cost = _cost()
+    for shape in _shapes():
+        for chunks in {shape.chunk_layers, (3,), (2, 2), (1, 2, 3)}:
+            for r in (Recompute(), Recompute(granularity="selective"),
+                      Recompute.full_layers(1, of=sum(chunks))):
+                for off in (Offload(), Offload(module_inputs=True),
+                            Offload(activations=True, optimizer_fraction=0.5)):
+                    want = cost.memory(shape.but(chunk_layers=chunks, recompute=r, offload=off))
+                    assert cost.memory_of(shape, chunks, r, off) == want
 
 
 def test_builtin_catalog_read_once_but_each_caller_gets_its_own():

@@ -45,3 +45,16 @@ def test_the_bound_is_below_every_estimate(gbs):
             checked += 1
             assert lb <= got.score * (1 + 1e-9), structure
     assert checked > 20
+
+
+@pytest.mark.parametrize("gbs", [7, 16384])
+def test_structures_are_unique_and_in_bound_order(gbs):
+    # sorted as (bound, fields) tuples and built once known to be new: in the order of the
+    # bound then the fields, each structure once, at its least bound
+    data = read_yaml(SCENARIOS / "4090-3090-a100-llama2-7b.yaml")
+    inventory = inventory_from_data(data["inventory"], source="scenario")
+    model = load_model(data["model"], seq_length=data.get("seq_length"))
+    got = structures(Problem(model, inventory, gbs, {}, TuneOptions()))
+    keys = [(lb, s.tp, s.pp, s.mbs, s.vp, s.templates) for lb, s in got]
+    assert keys == sorted(keys)
+    assert len({s for _, s in got}) == len(got) > 1000
