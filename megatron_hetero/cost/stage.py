@@ -61,6 +61,15 @@ class StageShape:
     def __hash__(self) -> int:
         return self._hash
 
+    def __getstate__(self) -> tuple:
+        return _values(self)
+
+    def __setstate__(self, state: tuple) -> None:
+        # a string's hash differs from process to process: a copy derives its own
+        for setter, value in zip(_SETTERS, state):
+            setter(self, value)
+        _derive(self, state)
+
     def __eq__(self, other: object) -> bool:
         if other is self:
             return True

@@ -219,3 +219,34 @@ def test_builtin_catalog_read_once_but_each_caller_gets_its_own():
     spec = dataclasses.replace(a.get(GPU), aliases=[])
     c = a.with_entries({"MyGPU": spec}, source="test")
     assert "MyGPU" in c and "MyGPU" not in load_catalog() and "MyGPU" not in a
+
+
+def test_a_stage_shape_hashes_as_its_fields_in_any_process():
+    """A shape keeps its hash (the cost model's caches key on it); a copy unpickled in a process
+    with other string hashes derives its own, so it finds what an equal shape keyed there."""
+    import os
+    import pickle
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from megatron_hetero.cost.stage import StageShape
+
+    shape = StageShape(device_type="A100-SXM-80GB", chunk_layers=(3, 2), micro_batch_size=2,
+                       recompute=Recompute(granularity="selective"), stage=1, pipeline_size=2)
+    copy = pickle.loads(pickle.dumps(shape))
+    assert copy == shape and hash(copy) == hash(shape) and copy.num_layers == 5
+    script = ("import pickle, sys\n"
+              "from megatron_hetero.cost.stage import StageShape\n"
+              "from megatron_hetero.plan import Recompute\n"
+              "got = pickle.loads(sys.stdin.buffer.read())\n"
+              "mine = StageShape(device_type='A100-SXM-80GB', chunk_layers=(3, 2),\n"
+              "                  micro_batch_size=2, recompute=Recompute(granularity='selective'),\n"
+              "                  stage=1, pipeline_size=2)\n"
+              "print({mine: 'found'}.get(got), got.num_layers)\n")
+    repo = Path(__file__).resolve().parents[2]
+    for seed in ("1", "2"):
+        out = subprocess.run([sys.executable, "-c", script], input=pickle.dumps(shape),
+                             capture_output=True, env={**os.environ, "PYTHONHASHSEED": seed},
+                             cwd=repo, check=True)
+        assert out.stdout.split() == [b"found", b"5"]
