@@ -32,6 +32,7 @@ from ..cost.model import CostModel
 from ..cost.stage import StageShape
 from ..hardware.inventory import Inventory
 from ..plan import ModelSpec, Recompute
+from ..plan_checks import FP32_OPTIMIZER_OFFLOAD, optimizer_offload_runs
 from ..schedule_order import whole_group
 from .problem import Problem
 
@@ -291,8 +292,9 @@ def infeasible_message(problem: Problem) -> str:
             f"covers; the leanest single-type stage needs: " + "; ".join(parts))
     if not problem.opt.optimizer_offload:
         text += ("; no stage may offload optimizer state " + (
-            "in fp32 (megatron-core's CPU-offload optimizer does not run with fp32 parameters)"
-            if problem.opt.precision == "fp32" else "(--no-optimizer-offload)"))
+            f"in {problem.opt.precision} ({FP32_OPTIMIZER_OFFLOAD})"
+            if not optimizer_offload_runs(problem.opt.precision or "bf16")
+            else "(--no-optimizer-offload)"))
     reserve = problem.cost(problem.precision_for(problem.types)).host_reserve_bytes
     short = [f"groups[{i}] ({g.gpu}) host_memory_gb {g.host_memory_gb:g} is less than the "
              f"{reserve / 1e9:g} GB host reserve" for i, g in enumerate(inv.groups)
