@@ -293,46 +293,58 @@ def meter_module_input_offload(meter: MemoryMeter) -> None:
     """Count, in ``meter``, the module inputs megatron-core's fine-grained activation
     offloading holds on the device (see the module docstring): its chunk handlers' pushes,
     offloads, reloads and pops. Installed once per process; the last meter given counts."""
-    import torch
     from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
 
-    _offload_meter[0] = meter
-    handler = fgo.ChunkOffloadHandler
-    if getattr(handler.tensor_push, "_metered", False):
-        return
-    push, pop = handler.tensor_push, handler.tensor_pop
-    offload, reload = handler.bulk_offload_group, handler.bulk_reload_group
+    from ..mcore.rebind import wrap_method
 
+    _offload_meter[0] = meter
+    for name, make in (("tensor_push", _metered_push), ("tensor_pop", _metered_pop),
+                       ("bulk_offload_group", _metered_offload),
+                       ("bulk_reload_group", _metered_reload)):
+        wrap_method(fgo.ChunkOffloadHandler, name, make, layer="rehearsal")
+
+
+def _metered_push(push):
     def tensor_push(self, tensor):
         tag = push(self, tensor)
         _offload_meter[0].hold(tensor)  # saved by autograd, through the manager's hooks
         return tag
+    return tensor_push
 
+
+def _metered_pop(pop):
     def tensor_pop(self, tag):
+        import torch
+
         held = self.offload_groups[tag[0] - 1]._tensors.get(tag)
         tensor = pop(self, tag)
         if torch.is_tensor(held):  # on the device until now: the backward pass takes it
             _offload_meter[0]._release(_storage(held)[0])
         return tensor
+    return tensor_pop
 
+
+def _metered_offload(offload):
     def bulk_offload_group(self):
+        import torch
+
         group = self._groups_to_offload[-1]
         before = {tag: t for tag, t in group._tensors.items() if torch.is_tensor(t)}
         offload(self)
         for tag, t in before.items():
             if not torch.is_tensor(group._tensors.get(tag)):  # copied to the host pool
                 _offload_meter[0]._release(_storage(t)[0])
+    return bulk_offload_group
 
+
+def _metered_reload(reload):
     def bulk_reload_group(self):
+        import torch
+
         group = self._groups_to_reload[-1]
         away = [tag for tag, t in group._tensors.items() if not torch.is_tensor(t)]
         reload(self)
         for tag in away:
             if torch.is_tensor(group._tensors.get(tag)):  # back on the device
                 _offload_meter[0].hold(group._tensors[tag])
-
-    for name, fn in (("tensor_push", tensor_push), ("tensor_pop", tensor_pop),
-                     ("bulk_offload_group", bulk_offload_group),
-                     ("bulk_reload_group", bulk_reload_group)):
-        fn._metered = True
-        setattr(handler, name, fn)
+    return bulk_reload_group

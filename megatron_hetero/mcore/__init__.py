@@ -13,6 +13,8 @@ and megatron-core run on CPU processes.
 - :mod:`.cpu_offload`: ``enable_cpu_offload()``, megatron-core's optimizer offload and
   fine-grained activation offloading on the CPU backend (the runtime's and the rehearsal's).
 - :mod:`.cuda_coverage`: the scan of megatron-core's source that pins the backend's table.
+- :mod:`.rebind`: our wrappers of Megatron's functions and methods, each applied once per
+  layer (the runtime's hooks, vendors and CPU fixes, and the CPU offload fixes).
 - :mod:`.spawn`: ``spawn(fn, world_size)``, N gloo processes with results and failures collected.
 - :mod:`.warmup_schedule`: the non-interleaved 1F1B with the plan's per-stage warm-up, from
   megatron-core's ``forward_step``, ``backward_step`` and ``P2PCommunicator`` (``schedule_for``).

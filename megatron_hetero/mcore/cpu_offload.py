@@ -57,11 +57,10 @@ import functools
 from functools import cache
 
 from ..plan import Plan, Stage
+from .rebind import wrap_method
 
 __all__ = ["enable_cpu_offload", "allocate_hdo_state", "join_offload_summary",
            "optimizer_offload_supported", "module_input_offload_supported"]
-
-_MARK = "_megatron_hetero_cpu_offload"
 
 
 @contextlib.contextmanager
@@ -174,15 +173,6 @@ def _wrap_post_init(original):
     return __post_init__
 
 
-def _patch(cls, name: str, wrap, *, as_classmethod: bool = False) -> None:
-    original = getattr(cls, name, None)
-    if original is None or getattr(original, _MARK, False):
-        return
-    wrapper = wrap(original)
-    setattr(wrapper, _MARK, True)
-    setattr(cls, name, classmethod(wrapper) if as_classmethod else wrapper)
-
-
 def enable_cpu_offload() -> None:
     """Install the fixes above (idempotent; the CPU backend is enabled already). Nothing
     without megatron-core's CPU-offload optimizer."""
@@ -192,12 +182,14 @@ def enable_cpu_offload() -> None:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.core.optimizer.optimizer_config import OptimizerConfig
 
-    _patch(HybridDeviceOptimizer, "_get_sub_optimizer_param_groups", _wrap_split)
-    _patch(HybridDeviceOptimizer, "step", _wrap_step)
-    _patch(HybridDeviceOptimizer, "_update_fp32_params_by_new_state", _wrap_update_fp32)
-    _patch(DistributedOptimizer, "_build_model_and_main_param_groups", _wrap_build_groups,
-           as_classmethod=True)
-    _patch(OptimizerConfig, "__post_init__", _wrap_post_init)
+    wrap_method(HybridDeviceOptimizer, "_get_sub_optimizer_param_groups", _wrap_split,
+                layer="cpu")
+    wrap_method(HybridDeviceOptimizer, "step", _wrap_step, layer="cpu")
+    wrap_method(HybridDeviceOptimizer, "_update_fp32_params_by_new_state", _wrap_update_fp32,
+                layer="cpu")
+    wrap_method(DistributedOptimizer, "_build_model_and_main_param_groups", _wrap_build_groups,
+                layer="cpu", as_classmethod=True)
+    wrap_method(OptimizerConfig, "__post_init__", _wrap_post_init, layer="cpu")
     from megatron.core import utils
 
     if getattr(utils, "_te_version", "absent") is None and not utils.get_te_version():

@@ -1,12 +1,19 @@
-"""Replace a Megatron function by a wrapper everywhere a module holds it by name."""
+"""Our wrappers of Megatron's functions and methods, each applied once per layer.
+
+:func:`rebind` replaces a module function everywhere a module holds it by name;
+:func:`wrap_method` replaces a class's method; :func:`skipped` is a ``make`` for either that
+leaves a GPU-only step out on CPU ranks. A wrapper is marked with its layer (``hooks``,
+``vendors``, ``cpu``): wrappers of different layers stack, the same layer is applied once.
+"""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import sys
 from typing import Callable
 
-__all__ = ["rebind", "is_wrapper", "mark_wrapper"]
+__all__ = ["rebind", "wrap_method", "skipped", "is_wrapper", "mark_wrapper"]
 
 _MARK = "_megatron_hetero_wrapper"
 
@@ -49,3 +56,24 @@ def rebind(module_name: str, attr: str, make: Callable, *, layer: str = "hooks")
             continue
     if getattr(module, attr) is not wrapper:
         setattr(module, attr, wrapper)  # re-exported from elsewhere: bind it here too
+
+
+def wrap_method(cls, name: str, make: Callable, *, layer: str,
+                as_classmethod: bool = False) -> None:
+    """``cls.name = make(original)`` (a ``classmethod`` of it with ``as_classmethod``, where
+    ``make`` is given the bound original), once per ``layer``; nothing where ``cls`` has no
+    ``name``."""
+    original = getattr(cls, name, None)
+    if original is None or is_wrapper(original, layer):
+        return
+    wrapper = make(original)
+    mark_wrapper(wrapper, original, layer)
+    setattr(cls, name, classmethod(wrapper) if as_classmethod else wrapper)
+
+
+def skipped(original: Callable) -> Callable:
+    """A stand-in for ``original`` that does nothing and returns None."""
+    @functools.wraps(original)
+    def skip(*a, **kw):
+        return None
+    return skip

@@ -51,7 +51,7 @@ import contextlib
 import functools
 import os
 
-from ._rebind import is_wrapper, mark_wrapper, rebind
+from ..mcore.rebind import rebind, skipped, wrap_method
 from .cpu_offload import prepare_cpu_offload
 
 __all__ = ["prepare_cpu_run", "init_cpu_process_group"]
@@ -119,13 +119,6 @@ def _wrap_compile_helpers(original):
     return compile_helpers
 
 
-def _no_jit_warmup(original):
-    @functools.wraps(original)
-    def _warmup_jit_function(*a, **kw):
-        return None
-    return _warmup_jit_function
-
-
 def _wrap_optimizer_state_dict(original):
     @functools.wraps(original)
     def state_dict(self, *a, **kw):
@@ -184,12 +177,7 @@ def _patch_torch_optimizer_checkpoints() -> None:
     for name, wrap in (("state_dict", _wrap_optimizer_state_dict),
                        ("load_state_dict", _wrap_load_state_dict),
                        ("_set_main_param_and_optimizer_states", _wrap_set_states)):
-        original = getattr(DistributedOptimizer, name, None)
-        if original is None or is_wrapper(original, "cpu"):
-            continue
-        wrapper = wrap(original)
-        mark_wrapper(wrapper, original, "cpu")
-        setattr(DistributedOptimizer, name, wrapper)
+        wrap_method(DistributedOptimizer, name, wrap, layer="cpu")
 
 
 def prepare_cpu_run() -> None:
@@ -211,7 +199,7 @@ def prepare_cpu_run() -> None:
     rebind("megatron.training.initialize", "_set_random_seed", _wrap_set_random_seed,
            layer="cpu")
     rebind("megatron.core.datasets.utils", "compile_helpers", _wrap_compile_helpers, layer="cpu")
-    rebind("megatron.training.initialize", "_warmup_jit_function", _no_jit_warmup, layer="cpu")
+    rebind("megatron.training.initialize", "_warmup_jit_function", skipped, layer="cpu")
     _patch_torch_optimizer_checkpoints()
     prepare_cpu_offload()
     import megatron.training.arguments as margs

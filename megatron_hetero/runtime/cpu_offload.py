@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 
 from ..mcore.cpu_offload import enable_cpu_offload
-from ._rebind import rebind
+from ..mcore.rebind import rebind, skipped
 
 __all__ = ["prepare_cpu_offload"]
 
@@ -37,17 +37,10 @@ def _wrap_validate_args(original):
     return validate_args
 
 
-def _no_gpu_affinity(original):
-    @functools.wraps(original)
-    def set_ideal_affinity_for_current_gpu(*a, **kw):
-        return None
-    return set_ideal_affinity_for_current_gpu
-
-
 def prepare_cpu_offload() -> None:
     """Install the shared fixes (:func:`megatron_hetero.mcore.cpu_offload.enable_cpu_offload`)
     and the two above (idempotent; the CPU backend is enabled already)."""
     enable_cpu_offload()
     rebind("megatron.training.arguments", "validate_args", _wrap_validate_args, layer="cpu")
     rebind("megatron.core.pipeline_parallel.utils", "set_ideal_affinity_for_current_gpu",
-           _no_gpu_affinity, layer="cpu")
+           skipped, layer="cpu")

@@ -55,7 +55,7 @@ from ..mcore.warmup_schedule import refusal, schedule_for, unsupported
 from ..plan import Plan, Slot, Stage, load_plan
 from ..schedule_order import has_extra_warmup, stage_schedule
 from . import mesh_model, mesh_run, plan_args, policies, vendors
-from ._rebind import is_wrapper, rebind
+from ..mcore.rebind import is_wrapper, rebind
 from .arguments import add_hetero_args
 from .meshes import mesh_plan_of
 from .placement import CPU_ENV, check_device_stacks, detect_device_type, place_this_rank

@@ -173,7 +173,7 @@ def _build_edges(act: _Active, *, timeout_minutes: float) -> None:
 def install(plan: Plan, *, cpu_backend: bool) -> None:
     """Build this process's groups for ``plan`` as the module docstring says (nothing for a
     plan of one vendor). ``cpu_backend``: every group is gloo (``MEGATRON_HETERO_CPU=1``)."""
-    from ._rebind import rebind
+    from ..mcore.rebind import rebind
 
     _active.clear()
     if not spans_vendors(plan):

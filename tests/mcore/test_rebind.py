@@ -8,7 +8,7 @@ import functools
 import sys
 import types
 
-from megatron_hetero.runtime._rebind import is_wrapper, rebind
+from megatron_hetero.mcore.rebind import is_wrapper, rebind
 
 
 def _layer(tag: str, calls: list):
