@@ -218,12 +218,6 @@ class _NoStream:
 _NO_STREAM = _NoStream()
 
 
-class _TeCpuOffloadFlag:
-    """Stands in for Transformer Engine's ``cpu_offload`` module (see REDIRECTS)."""
-
-    CPUOffloadEnabled = False
-
-
 class _SendKeepAlive:
     """A send request that holds its buffer's storage until ``wait()`` (see REDIRECTS)."""
 
@@ -257,8 +251,9 @@ def _keep_send_buffers(original):
 
 def _cuda_standins() -> dict[tuple[str, str], object]:
     import torch
-    from megatron.core.extensions import transformer_engine as te_extensions
     from megatron.core.pipeline_parallel import p2p_communication
+
+    from .local_offload import te_cpu_offload_module
 
     def get_rng_state(device="cuda"):
         return torch.get_rng_state()
@@ -297,7 +292,7 @@ def _cuda_standins() -> dict[tuple[str, str], object]:
         ("torch.cuda.nvtx", "range_push"): nop,
         ("torch.cuda.nvtx", "range_pop"): nop,
         ("megatron.core.extensions.transformer_engine", "cpu_offload"):
-            te_extensions.cpu_offload or _TeCpuOffloadFlag(),
+            te_cpu_offload_module(),
         ("megatron.core.tensor_parallel.random", "_get_cuda_rng_state"): _get_cuda_rng_state,
         ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state"): _set_cuda_rng_state,
         ("megatron.core.pipeline_parallel.p2p_communication", "_p2p_ops"):

@@ -15,9 +15,10 @@ this module adds what is the runtime's own:
   Engine (which runs it) is installed;
 * module-input offload (megatron-core's fine-grained activation offloading on the stage's
   ``args`` and on every model chunk's config; every other stage sets
-  ``fine_grained_activation_offloading=False`` explicitly) needs Transformer Engine (except on
-  the CPU backend, where :mod:`megatron_hetero.mcore.cpu_offload` runs it on the local
-  layers), and with TE >= 2.10 ``NVTE_CPU_OFFLOAD_V1=1`` in the environment before TE is imported
+  ``fine_grained_activation_offloading=False`` explicitly) runs on Transformer Engine's layers or
+  on megatron-core's local layers (``--transformer-impl local``, and always on the CPU backend:
+  :mod:`.local_offload`); with TE's layers and TE >= 2.10 it needs ``NVTE_CPU_OFFLOAD_V1=1`` in
+  the environment before TE is imported
   (``megatron_hetero.launch`` sets it for such plans through :func:`set_launch_env`; Megatron
   asserts it).
 
@@ -171,14 +172,13 @@ def _module_input_problems(stage: Stage, where: str, transformer_impl) -> list[s
     if not module_input_offload_supported():
         return [f"{where}: the installed megatron-core has no fine-grained activation "
                 f"offloading (TransformerConfig.fine_grained_activation_offloading)"]
-    if cpu_backend_enabled():
-        return []  # CPU ranks run it on the local layers (mcore/cpu_offload.py)
+    if cpu_backend_enabled() or transformer_impl == "local":
+        return []  # megatron-core's local layers run it (runtime/local_offload.py)
     if not have_transformer_engine():
-        return [f"{where}: megatron-core's fine-grained activation offloading runs through "
-                f"Transformer Engine, which is not installed"]
-    if transformer_impl not in (None, "transformer_engine"):
-        return [f"{where}: megatron-core's fine-grained activation offloading needs "
-                f"--transformer-impl transformer_engine (the command line has {transformer_impl})"]
+        return [f"{where}: megatron-core's fine-grained activation offloading runs on Transformer "
+                f"Engine's layers, which is not installed, or on megatron-core's local layers: "
+                f"pass --transformer-impl local (the command line has "
+                f"{transformer_impl or 'the default, transformer_engine'})"]
     if _te_needs_v1_env() and os.environ.get(NVTE_ENV, "0") != "1":
         return [f"{where}: with Transformer Engine >= 2.10 megatron-core's fine-grained "
                 f"activation offloading needs {NVTE_ENV}=1 in the environment before Transformer "

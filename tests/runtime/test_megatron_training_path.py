@@ -50,8 +50,9 @@ _CHECKER = textwrap.dedent("""
                 "global_batch_size", "calculate_per_token_loss", "recompute_granularity",
                 "recompute_method", "recompute_num_layers", "decoder_first_pipeline_num_layers",
                 "decoder_last_pipeline_num_layers", "seq_length", "lr",
-                "virtual_pipeline_model_parallel_size", "overlap_p2p_comm"]
-        got = {k: getattr(args, k) for k in keys}
+                "virtual_pipeline_model_parallel_size", "overlap_p2p_comm",
+                "fine_grained_activation_offloading", "offload_modules"]
+        got = {k: getattr(args, k, None) for k in keys}
         got["layout"] = str(args.pipeline_model_parallel_layout)
         st = hooks.state()
         got["slot"] = [st.slot.pipeline, st.slot.stage]
@@ -148,3 +149,26 @@ def test_interleaved_plan_sets_virtual_pipeline_stages(mcore017_env, tmp_path):
         assert got["pipeline_model_parallel_size"] == 2 and got["num_layers"] == 5
         assert got["micro_batch_size"] * 2 * got["virtual"] == 6
     assert "--no-overlap-p2p-communication" in refused["error"]
+
+
+def test_module_input_offload_passes_megatrons_checks_with_the_local_layers(mcore017_env,
+                                                                            tmp_path):
+    """Megatron-LM's validate_args asserts Transformer Engine for fine-grained activation
+    offloading; megatron-core's local layers run it too (runtime/local_offload.py, measured on a
+    GPU in docs/gpu.md): with --transformer-impl local the offloading stage keeps it. Without TE
+    (this machine) the default layers are refused before anything is built."""
+    plan = make_plan(split=(2, 2), devices=[[A100, V100]], replicas=[(1, 2)],
+                     offload=[{"module_inputs": True}, None])
+    path = tmp_path / "plan.yaml"
+    save_plan(plan, path)
+    types = [A100, V100]
+    local = ["--transformer-impl", "local", "--hetero-plan", str(path)]
+    cases = [{"argv": local, "types": types, "rank": r} for r in range(2)]
+    cases.append({"argv": ["--hetero-plan", str(path)], "types": types, "rank": 0})
+    offloading, other, default_layers = _run(mcore017_env, cases)
+    assert offloading["slot"] == [0, 0] and offloading["fine_grained_activation_offloading"]
+    assert offloading["offload_modules"]
+    assert other["slot"] == [0, 1] and not other["fine_grained_activation_offloading"]
+    assert ("pipelines[0].stages[0].offload.module_inputs: megatron-core's fine-grained "
+            "activation offloading runs on Transformer Engine's layers, which is not installed"
+            ) in default_layers["error"]

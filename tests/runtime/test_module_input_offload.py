@@ -93,13 +93,20 @@ def _fake_te(monkeypatch, *, v1_env_needed: bool):
     monkeypatch.setattr(policies, "_te_needs_v1_env", lambda: v1_env_needed)
 
 
-def test_refused_without_transformer_engine(monkeypatch):
+def test_without_transformer_engine_it_needs_the_local_layers(monkeypatch):
     monkeypatch.setattr(policies, "have_transformer_engine", lambda: False)
-    text = _refusal(make_plan(split=(2, 2), offload=[None, ON]))
-    assert text.splitlines()[1].strip() == (
-        "pipelines[0].stages[1].offload.module_inputs: megatron-core's fine-grained activation "
-        "offloading runs through Transformer Engine, which is not installed")
-    assert "stages[0]" not in text
+    plan = make_plan(split=(2, 2), offload=[None, ON])
+    for impl, named in ((None, "the default, transformer_engine"),
+                        ("transformer_engine", "transformer_engine")):
+        text = _refusal(plan, transformer_impl=impl)
+        assert text.splitlines()[1].strip() == (
+            "pipelines[0].stages[1].offload.module_inputs: megatron-core's fine-grained "
+            "activation offloading runs on Transformer Engine's layers, which is not installed, "
+            "or on megatron-core's local layers: pass --transformer-impl local (the command "
+            f"line has {named})")
+        assert "stages[0]" not in text
+    # the local layers run it on a GPU too (runtime/local_offload.py; docs/gpu.md)
+    policies.check_supported(plan, transformer_impl="local")
 
 
 def test_cpu_ranks_run_it_on_the_local_layers_without_transformer_engine(monkeypatch):
@@ -144,8 +151,10 @@ def test_transformer_engine_2_10_needs_the_v1_environment(monkeypatch):
     _fake_te(monkeypatch, v1_env_needed=False)
     monkeypatch.delenv(policies.NVTE_ENV)
     policies.check_supported(plan)  # older TE: no such variable
-    assert "--transformer-impl transformer_engine" in _refusal(plan, transformer_impl="local")
     policies.check_supported(plan, transformer_impl="transformer_engine")
+    # TE's layers are not the only ones: the local layers need no TE setting
+    _fake_te(monkeypatch, v1_env_needed=True)
+    policies.check_supported(plan, transformer_impl="local")
 
 
 def test_the_command_line_may_not_set_it():
