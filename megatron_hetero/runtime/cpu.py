@@ -10,8 +10,8 @@ it adapts the few places where Megatron-LM's *training* package insists on a GPU
   ``torch.cuda.device_count() > 0``: the process group is made over gloo with this rank's
   (placed) Megatron rank before it runs, and it sees one device while it runs;
 * the memory report (``torch.cuda.memory_*``) answers zeros;
-* the dataset helpers are compiled only where their Makefile ships (a pip-installed
-  megatron-core has none; synthetic data does not need them);
+* what any device needs of the installed stack (the dataset helpers of a pip-installed
+  megatron-core, module-input offload on the local layers): :mod:`.stack`;
 * the distributed optimizer over torch's own AdamW (no Apex, no Transformer Engine: the CPU
   stack) reads Adam's ``step`` from every parameter's state in ``state_dict()`` and asserts
   there is exactly one (megatron-core 0.17.1 ``DistributedOptimizer.state_dict``). Before the
@@ -53,6 +53,7 @@ import os
 
 from ..mcore.rebind import rebind, skipped, wrap_method
 from .cpu_offload import prepare_cpu_offload
+from .stack import prepare_stack
 
 __all__ = ["prepare_cpu_run", "init_cpu_process_group"]
 
@@ -106,17 +107,6 @@ def _wrap_set_random_seed(original):
         with _one_device():
             return original(*a, **kw)
     return _set_random_seed
-
-
-def _wrap_compile_helpers(original):
-    @functools.wraps(original)
-    def compile_helpers(*a, **kw):
-        import megatron.core.datasets as pkg
-
-        if os.path.exists(os.path.join(os.path.dirname(pkg.__file__), "Makefile")):
-            return original(*a, **kw)
-        return None
-    return compile_helpers
 
 
 def _wrap_optimizer_state_dict(original):
@@ -198,10 +188,10 @@ def prepare_cpu_run() -> None:
            _wrap_initialize_distributed, layer="cpu")
     rebind("megatron.training.initialize", "_set_random_seed", _wrap_set_random_seed,
            layer="cpu")
-    rebind("megatron.core.datasets.utils", "compile_helpers", _wrap_compile_helpers, layer="cpu")
     rebind("megatron.training.initialize", "_warmup_jit_function", skipped, layer="cpu")
     _patch_torch_optimizer_checkpoints()
     prepare_cpu_offload()
+    prepare_stack()
     import megatron.training.arguments as margs
 
     if hasattr(margs, "get_device_arch_version"):

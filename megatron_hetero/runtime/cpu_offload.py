@@ -4,11 +4,9 @@
 megatron-core's CPU-offload optimizer (``Offload.optimizer_fraction``) and fine-grained
 activation offloading (``Offload.module_inputs``) needs is in
 :mod:`megatron_hetero.mcore.cpu_offload` (the rehearsal's trainer runs them too); this module
-adds what only Megatron-LM's training loop needs:
+adds what only Megatron-LM's training loop needs (module-input offload on the local layers,
+as on a GPU without Transformer Engine, is :mod:`.stack`'s):
 
-* fine-grained activation offloading runs on the CPU stack's local layers, as on a GPU without
-  Transformer Engine (:mod:`.local_offload`: Megatron-LM's ``validate_args`` asserts
-  ``--transformer-impl transformer_engine`` for it);
 * ``pretrain`` pins the process to its GPU's NUMA node (``set_ideal_affinity_for_current_gpu``,
   cuda-python and NVML): a CPU rank has none.
 """
@@ -17,15 +15,13 @@ from __future__ import annotations
 
 from ..mcore.cpu_offload import enable_cpu_offload
 from ..mcore.rebind import rebind, skipped
-from .local_offload import prepare_local_module_input_offload
 
 __all__ = ["prepare_cpu_offload"]
 
 
 def prepare_cpu_offload() -> None:
     """Install the shared fixes (:func:`megatron_hetero.mcore.cpu_offload.enable_cpu_offload`)
-    and the two above (idempotent; the CPU backend is enabled already)."""
+    and the one above (idempotent; the CPU backend is enabled already)."""
     enable_cpu_offload()
-    prepare_local_module_input_offload()
     rebind("megatron.core.pipeline_parallel.utils", "set_ideal_affinity_for_current_gpu",
            skipped, layer="cpu")

@@ -402,9 +402,9 @@ def install() -> None:
         from .cpu import prepare_cpu_run
 
         prepare_cpu_run()
-    from .local_offload import prepare_local_module_input_offload
+    from .stack import prepare_stack
 
-    prepare_local_module_input_offload()  # inside the hooks' validate_args (see the module)
+    prepare_stack()  # inside the hooks' validate_args: it sees the stage's offload settings
     for module_name, attr, make in _TARGETS:
         rebind(module_name, attr, make)
     _install_excepthook()

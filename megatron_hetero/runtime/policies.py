@@ -17,7 +17,7 @@ this module adds what is the runtime's own:
   ``args`` and on every model chunk's config; every other stage sets
   ``fine_grained_activation_offloading=False`` explicitly) runs on Transformer Engine's layers or
   on megatron-core's local layers (``--transformer-impl local``, and always on the CPU backend:
-  :mod:`.local_offload`); with TE's layers and TE >= 2.10 it needs ``NVTE_CPU_OFFLOAD_V1=1`` in
+  :mod:`.stack`); with TE's layers and TE >= 2.10 it needs ``NVTE_CPU_OFFLOAD_V1=1`` in
   the environment before TE is imported
   (``megatron_hetero.launch`` sets it for such plans through :func:`set_launch_env`; Megatron
   asserts it).
@@ -173,7 +173,7 @@ def _module_input_problems(stage: Stage, where: str, transformer_impl) -> list[s
         return [f"{where}: the installed megatron-core has no fine-grained activation "
                 f"offloading (TransformerConfig.fine_grained_activation_offloading)"]
     if cpu_backend_enabled() or transformer_impl == "local":
-        return []  # megatron-core's local layers run it (runtime/local_offload.py)
+        return []  # megatron-core's local layers run it (runtime/stack.py)
     if not have_transformer_engine():
         return [f"{where}: megatron-core's fine-grained activation offloading runs on Transformer "
                 f"Engine's layers, which is not installed, or on megatron-core's local layers: "

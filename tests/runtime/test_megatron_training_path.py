@@ -154,7 +154,7 @@ def test_interleaved_plan_sets_virtual_pipeline_stages(mcore017_env, tmp_path):
 def test_module_input_offload_passes_megatrons_checks_with_the_local_layers(mcore017_env,
                                                                             tmp_path):
     """Megatron-LM's validate_args asserts Transformer Engine for fine-grained activation
-    offloading; megatron-core's local layers run it too (runtime/local_offload.py, measured on a
+    offloading; megatron-core's local layers run it too (runtime/stack.py, measured on a
     GPU in docs/gpu.md): with --transformer-impl local the offloading stage keeps it. Without TE
     (this machine) the default layers are refused before anything is built."""
     plan = make_plan(split=(2, 2), devices=[[A100, V100]], replicas=[(1, 2)],

@@ -105,7 +105,7 @@ def test_without_transformer_engine_it_needs_the_local_layers(monkeypatch):
             "or on megatron-core's local layers: pass --transformer-impl local (the command "
             f"line has {named})")
         assert "stages[0]" not in text
-    # the local layers run it on a GPU too (runtime/local_offload.py; docs/gpu.md)
+    # the local layers run it on a GPU too (runtime/stack.py; docs/gpu.md)
     policies.check_supported(plan, transformer_impl="local")
 
 
