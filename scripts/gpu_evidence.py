@@ -56,6 +56,7 @@ COMMON_ARGS = [
 ]
 # Plain Megatron-LM: no plan, no hooks; only what the installed stack needs on any device
 # (runtime/stack.py: pip's megatron-core has its dataset helpers built and no Makefile).
+RUNS = ("hetero_plan", "plain_megatron", "hetero_plan_offload")
 _PLAIN = ("import runpy, sys\n"
           "from megatron_hetero.runtime.stack import prepare_stack\n"
           "prepare_stack()\n"
@@ -138,6 +139,14 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--global-batch-size", type=int, default=8)
     ap.add_argument("--iters", type=int, default=8)
+    ap.add_argument("--profile-warmup", type=int, default=20,
+                    help="untimed profile iterations (the GPU's clock ramps up from idle)")
+    ap.add_argument("--profile-repeats", type=int, default=20)
+    ap.add_argument("--runs", default=",".join(RUNS),
+                    help=f"which training runs, of {','.join(RUNS)}")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run each training run this many times (losses must agree: a race "
+                         "would not repeat)")
     ap.add_argument("--cpu", action="store_true", help="rehearse the script on CPU, tiny model")
     a = ap.parse_args()
     out = a.out.resolve()
@@ -159,7 +168,8 @@ def main() -> int:
     profile = out / "profile.yaml"
     ok, _ = run_step("profile", [py, "-m", "megatron_hetero.cli", "profile", "--model",
                                  str(out / "model.yaml"), "--micro-batch-sizes", "1,2",
-                                 "--no-bandwidth", "--warmup", "3", "--repeats", "7", "-q",
+                                 "--no-bandwidth", "--warmup", str(a.profile_warmup),
+                                 "--repeats", str(a.profile_repeats), "-q",
                                  "-o", str(profile), *device_args], out, env=env)
     if not ok:
         return 1
@@ -218,14 +228,17 @@ def main() -> int:
         runs["plain_megatron"][2] = ("from megatron_hetero.runtime.cpu import prepare_cpu_run\n"
                                      "prepare_cpu_run()\n" + _PLAIN)
     measured = {}
-    for name, cmd in runs.items():
-        ok, text = run_step(name, cmd, out, env=launch_env, timeout=420)
-        times = step_times_ms(text)
-        measured[name] = {"ok": ok, "step_times_ms": times, "losses": losses(text),
-                          "median_step_s": statistics.median(times[2:]) / 1e3
-                          if len(times) > 2 else None,
-                          "max_allocated_mb": max_allocated_mb(text),
-                          "megatron_theoretical_mb": theoretical_mb(text)}
+    wanted = a.runs.split(",")
+    for name in wanted:
+        for k in range(a.repeat):
+            key = name if k == 0 else f"{name}.{k + 1}"
+            ok, text = run_step(key, runs[name], out, env=launch_env, timeout=420)
+            times = step_times_ms(text)
+            measured[key] = {"ok": ok, "step_times_ms": times, "losses": losses(text),
+                             "median_step_s": statistics.median(times[2:]) / 1e3
+                             if len(times) > 2 else None,
+                             "max_allocated_mb": max_allocated_mb(text),
+                             "megatron_theoretical_mb": theoretical_mb(text)}
     report = {"environment": info, "model": model, "predicted": predicted, "measured": measured}
     (out / "evidence.json").write_text(json.dumps(report, indent=1))
     print_table(report)
@@ -236,9 +249,9 @@ def print_table(report: dict) -> None:
     pred, meas = report["predicted"], report["measured"]
     print("\nrun | predicted s (catalog) | predicted s (profile) | measured s | error (profile) "
           "| predicted GB | measured max allocated GB | Megatron's theoretical GB")
-    for run, plan in (("hetero_plan", "plan"), ("plain_megatron", "plan"),
-                      ("hetero_plan_offload", "plan_offload")):
-        p, c, m = pred[plan]["profile"], pred[plan]["catalog"], meas[run]
+    for run, m in meas.items():
+        plan = "plan_offload" if run.startswith("hetero_plan_offload") else "plan"
+        p, c = pred[plan]["profile"], pred[plan]["catalog"]
         ps = p["step_time_s"] if p else None
         ms = m["median_step_s"]
         err = f"{(ps - ms) / ms:+.1%}" if ps and ms else "-"
@@ -248,12 +261,13 @@ def print_table(report: dict) -> None:
         fmt = lambda x, d=3: "-" if x is None else f"{x:.{d}f}"  # noqa: E731
         print(f"{run} | {fmt(c and c['step_time_s'])} | {fmt(ps)} | {fmt(ms)} | {err} | "
               f"{fmt(mem, 1)} | {fmt(alloc, 1)} | {fmt(theo, 1)}")
-    ref = meas["hetero_plan"]["losses"]
-    for run in ("plain_megatron", "hetero_plan_offload"):
+    first = next(iter(meas))
+    ref = meas[first]["losses"]
+    for run in list(meas)[1:]:
         other = meas[run]["losses"]
         same = bool(ref) and len(ref) == len(other) and all(
             abs(x - y) <= 1e-5 * max(abs(x), 1e-12) for x, y in zip(ref, other))
-        print(f"losses of {run} {'equal' if same else 'DIFFER from'} hetero_plan's "
+        print(f"losses of {run} {'equal' if same else 'DIFFER from'} {first}'s "
               f"(rtol 1e-5): {other} vs {ref}")
 
 
