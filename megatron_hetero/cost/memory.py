@@ -32,6 +32,7 @@ class StageMemory:
     ``memory``)."""
 
     model: ModelSpec
+    profiles: dict
     use_distributed_optimizer: bool
     flash_attention: bool | None
     param_bytes: float
@@ -80,8 +81,13 @@ class StageMemory:
 
     # -- activations ----------------------------------------------------------------------------
     def uses_flash_attention(self, device_type: str) -> bool:
+        """The ``flash_attention`` setting; else what the device type's profile ran (its layer
+        spec); else whether the catalog entry has ``bf16`` (Ampere and later)."""
         if self.flash_attention is not None:
             return self.flash_attention
+        unfused = getattr(self.profiles.get(device_type), "unfused_attention", None)
+        if unfused is not None:
+            return not unfused
         return self.spec(device_type).bf16
 
     def layer_activation_bytes(self, device_type: str, b: int, tp: int, policy: str, *,
@@ -91,6 +97,14 @@ class StageMemory:
         return self._layer_bytes(device_type, b, tp, policy, sp)
 
     def _layer_bytes(self, device_type: str, b: int, tp: int, policy: str, sp: bool) -> float:
+        if policy == "none" and not (sp and tp > 1):
+            # what the device type's profile measured the layer keeping (the allocator's view
+            # on a GPU), where it has this shape and micro-batch size
+            measured = getattr(self.profiles.get(device_type), "activation_bytes", None)
+            got = measured and measured(model=self.model, micro_batch_size=b,
+                                        tensor_parallel_size=tp)
+            if got:
+                return got
         return M.layer_activation_bytes(self.model, b, tp, policy,
                                         flash_attention=self.uses_flash_attention(device_type),
                                         sequence_parallel=sp and tp > 1)

@@ -72,8 +72,11 @@ class CostModel(StageMemory):
         """
         ``flash_attention``: core attention runs a fused kernel that stores no ``s x s``
         matrices (Megatron's default with Transformer Engine), so no-recompute activations
-        exclude Korthikanti's ``5as^2b`` term. ``None``: per device type, where the catalog
-        entry has ``bf16`` (Ampere and later; V100 and T4 run unfused attention).
+        exclude Korthikanti's ``5as^2b`` term. ``None``: per device type, what its profile's
+        layers ran (megatron-core's local layers: unfused), else where the catalog entry has
+        ``bf16`` (Ampere and later; V100 and T4 run unfused attention). A profile's measured
+        activation bytes per layer replace the estimate of a layer without recompute at the
+        shapes it measured (:meth:`layer_activation_bytes`).
         Sequence parallelism is not a setting of the model: each :class:`StageShape` says
         whether its stage runs it (activations, checkpoints and pipeline sends sharded over the
         tensor ranks; the tensor-parallel traffic is the same, an all-gather plus a

@@ -110,6 +110,23 @@ class MeasuredProfile:
                               lambda e: (e.forward_overhead_s, e.backward_overhead_s))
         return None if got is None else (max(0.0, got[0][0]), max(0.0, got[0][1]))
 
+    @property
+    def unfused_attention(self) -> bool:
+        """Whether the profiled layers stored attention's ``s x s`` matrices: megatron-core's
+        local layers run core attention unfused; Transformer Engine's run a fused kernel."""
+        return self.data.timing.layer_spec == "local"
+
+    def activation_bytes(self, *, model: ModelSpec, micro_batch_size: int,
+                         tensor_parallel_size: int) -> float | None:
+        """Measured activation bytes one layer keeps per micro-batch without recompute
+        (``memory.activation_bytes_per_layer``): exact, or interpolated linearly between two
+        measured micro-batch sizes of this shape and TP size; None otherwise."""
+        if not shape_matches(self.data.model, model, "layer"):
+            return None
+        got = _by_micro_batch(self._by_tp.get(tensor_parallel_size, []), micro_batch_size,
+                              lambda e: (float(e.memory.activation_bytes_per_layer),))
+        return None if got is None else got[0][0]
+
     def memory(self, *, model: ModelSpec, micro_batch_size: int,
                tensor_parallel_size: int) -> MemoryFigures | None:
         """Measured memory figures of one layer at exactly this shape, or None."""
