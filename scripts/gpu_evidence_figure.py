@@ -62,7 +62,7 @@ def rows(runs: list[Path]) -> list[dict]:
 def table(found: list[dict]) -> str:
     head = ("| run | profile's softmax | measured s | predicted s, profile | error | predicted s, "
             "catalog | error | measured GB | predicted GB, profile | error | predicted GB, "
-            "catalog | error | Megatron's theoretical GB |\n|" + "---|" * 14)
+            "catalog | error | Megatron's theoretical GB |\n|" + "---|" * 13)
     err = lambda p, m: f"{(p - m) / m:+.1%}"  # noqa: E731
     lines = [head]
     for r in found:
@@ -110,7 +110,7 @@ def figure(found: list[dict], png: Path) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="*", type=Path,
-                    default=sorted((REPO / "docs" / "gpu").glob("run*")))
+                    default=sorted(p for p in (REPO / "docs" / "gpu").glob("run*") if p.is_dir()))
     ap.add_argument("--png", type=Path, default=REPO / "docs" / "img" / "gpu-predicted.png")
     a = ap.parse_args()
     found = rows(a.runs)

@@ -128,3 +128,23 @@ def test_bench_mesh_rehearse_prints_both_plans(mcore017_env):
         predicted, measured, ratio = float(r[1]), float(r[3]), float(r[4])
         assert predicted > 0 and measured > 0
         assert ratio == pytest.approx(measured / predicted, abs=0.006), r
+
+
+def test_gpu_evidence_table_in_the_docs_is_what_the_cost_model_predicts_now():
+    """docs/gpu.md's table is the kept H200 measurements against this commit's predictions
+    (scripts/gpu_evidence_figure.py): a change of the cost model that moves a prediction must
+    update the page."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import gpu_evidence_figure as fig
+    finally:
+        sys.path.pop(0)
+    runs = sorted(p for p in (REPO / "docs" / "gpu").glob("run*") if p.is_dir())
+    found = fig.rows(runs)
+    assert {r["run"] for r in found} >= {"run1/hetero_plan", "run1/plain_megatron",
+                                         "run3/hetero_plan"}
+    assert fig.table(found) in (REPO / "docs" / "gpu.md").read_text()
+    # what the page claims of run 3: the profile within 10% of the measured step and memory
+    run3 = next(r for r in found if r["run"] == "run3/hetero_plan")
+    assert abs(run3["profile_s"] / run3["measured_s"] - 1) < 0.10
+    assert abs(run3["profile_gb"] / run3["measured_gb"] - 1) < 0.10
