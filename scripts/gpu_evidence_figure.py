@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-def predict(run: Path, plan_name: str, *, with_profile: bool) -> dict:
+def predict(run: Path, plan_name: str, *, profile: Path | None) -> dict:
     from megatron_hetero.cost import CostModel
     from megatron_hetero.cost.profile_file import load_profiles
     from megatron_hetero.hardware.inventory import load_inventory
@@ -28,15 +28,16 @@ def predict(run: Path, plan_name: str, *, with_profile: bool) -> dict:
 
     inventory = load_inventory(run / "inventory.yaml")
     plan = load_plan(run / plan_name, catalog=inventory.catalog)
-    profiles = load_profiles([run / "profile.yaml"], catalog=inventory.catalog) \
-        if with_profile else {}
+    profiles = load_profiles([profile], catalog=inventory.catalog) if profile else {}
     cost = CostModel(plan.model, inventory, profiles=profiles, precision=plan.precision,
                      use_distributed_optimizer=plan.use_distributed_optimizer)
     sim = simulate(plan, cost, record_events=False)
     return {"step_s": sim.step_time_s, "memory_gb": sim.stages[0].memory.total / 1e9}
 
 
-def rows(runs: list[Path]) -> list[dict]:
+def rows(runs: list[Path], *, profile: Path | None = None) -> list[dict]:
+    """One row per training run kept in ``runs``; predicted from each run's own profile, or
+    from ``profile`` for all."""
     import yaml
 
     out = []
@@ -44,12 +45,15 @@ def rows(runs: list[Path]) -> list[dict]:
     runs_info = yaml.safe_load(info_file.read_text()) if info_file and info_file.exists() else {}
     for run in runs:
         ev = json.loads((run / "evidence.json").read_text())
-        softmax = runs_info.get(run.name, {}).get("profile_softmax", "?")
+        own = profile is None
+        softmax = runs_info.get((run if own else profile.parent).name, {}).get(
+            "profile_softmax", "?")
         for name, m in ev["measured"].items():
             if not m["ok"] or m["median_step_s"] is None:
                 continue
             plan = "plan_offload.yaml" if name.startswith("hetero_plan_offload") else "plan.yaml"
-            prof, cat = (predict(run, plan, with_profile=w) for w in (True, False))
+            prof, cat = (predict(run, plan, profile=p)
+                         for p in ((run / "profile.yaml") if own else profile, None))
             out.append({"run": f"{run.name}/{name}", "plan": plan, "profile_softmax": softmax,
                         "measured_s": m["median_step_s"],
                         "measured_gb": m["max_allocated_mb"] * 2**20 / 1e9,
@@ -111,9 +115,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="*", type=Path,
                     default=sorted(p for p in (REPO / "docs" / "gpu").glob("run*") if p.is_dir()))
+    ap.add_argument("--profile", type=Path,
+                    help="predict every run from this profile (default: each run's own)")
     ap.add_argument("--png", type=Path, default=REPO / "docs" / "img" / "gpu-predicted.png")
     a = ap.parse_args()
-    found = rows(a.runs)
+    found = rows(a.runs, profile=a.profile)
     print(table(found))
     figure(found, a.png)
     print(f"wrote {a.png}")

@@ -122,6 +122,24 @@ class StageMemory:
     def _module_inputs(self, b: int, tp: int, sp: bool) -> float:
         return M.module_input_bytes(self.model, b, tp, sequence_parallel=sp and tp > 1)
 
+    def module_input_transfer_bytes(self, device_type: str, b: int, tp: int, *,
+                                    sp: bool = False) -> float:
+        """Bytes per layer and micro-batch that fine-grained activation offloading copies to
+        the host and back: the module inputs, and where attention is unfused (megatron-core's
+        local layers; cards without bf16) everything ``core_attn`` saves as well, its ``s x s``
+        matrices: the measured activation bytes beyond the fused estimate where the device
+        type's profile has this shape, else Korthikanti's ``5as^2b / t``. On an H200 with the
+        local layers that made the step 3.7x slower (docs/gpu.md). What the peak loses is
+        counted as the module inputs only (:meth:`module_input_bytes`): the reloads come back
+        before the backward needs them, which the measured peak showed."""
+        moved = self._module_inputs(b, tp, sp)
+        if self.uses_flash_attention(device_type):
+            return moved
+        fused = M.layer_activation_bytes(self.model, b, tp, "none", flash_attention=True,
+                                         sequence_parallel=sp and tp > 1)
+        kept = self._layer_bytes(device_type, b, tp, "none", sp)
+        return moved + max(0.0, kept - fused)
+
     def _activations_per_microbatch(self, shape: StageShape, chunk: int | None) -> float:
         """Bytes one micro-batch leaves on one tensor rank of the stage (or of its model
         chunk) until its backward."""

@@ -237,7 +237,8 @@ class CostModel(StageMemory):
         if shape.offload.module_inputs:
             # copies on side streams: a layer waits only for what its own compute cannot hide
             n = num_layers - recompute.recomputed_layers(num_layers)
-            moved = self.module_input_bytes(b, tp, sp=shape.sp) / self.pcie_bandwidth
+            moved = self.module_input_transfer_bytes(device_type, b, tp,
+                                                     sp=shape.sp) / self.pcie_bandwidth
             fwd += n * max(0.0, moved - lf)
             bwd += n * max(0.0, moved - lb)
         if first:

@@ -106,3 +106,35 @@ def test_the_search_offloads_where_memory_is_short_and_only_when_allowed():
                 kept = StageShape.of(on.plan, d, s)
                 kept = kept.but(offload=dataclasses.replace(kept.offload, module_inputs=False))
                 assert not cost.memory(kept).fits, (d, s)
+
+
+def test_unfused_attention_moves_its_matrices_too():
+    """With unfused attention the offloaded core_attn group holds attention's s x s matrices:
+    the copies cost their time (an H200 with the local layers took 3.7x longer a step,
+    docs/gpu.md), while the peak is credited with the module inputs only."""
+    inv = inventory_from_data({"groups": [{"gpu": "A100-SXM-80GB", "nodes": 1, "gpus_per_node": 8},
+                                          {"gpu": "V100-SXM2-32GB", "nodes": 1,
+                                           "gpus_per_node": 8}]})
+    cost = CostModel(M70, inv)
+    s, a = M70.seq_length, M70.num_attention_heads
+    for b, tp in ((1, 1), (2, 4)):
+        inputs = cost.module_input_bytes(b, tp)
+        assert cost.module_input_transfer_bytes("A100-SXM-80GB", b, tp) == inputs  # fused
+        # V100: no bf16, unfused in the catalog's rule: Korthikanti's 5as^2b / t more
+        assert cost.module_input_transfer_bytes("V100-SXM2-32GB", b, tp) == pytest.approx(
+            inputs + 5 * a * s * s * b / tp)
+    offloading = {t: stage(t, 4, place="middle", offload=Offload(module_inputs=True))
+                  for t in ("A100-SXM-80GB", "V100-SXM2-32GB")}
+    plain = {t: shape.but(offload=Offload()) for t, shape in offloading.items()}
+    extra = {t: cost.times(offloading[t]).forward_s - cost.times(plain[t]).forward_s
+             for t in offloading}
+    # 4 layers of copies at the host link, less what each layer's compute hides
+    lf = cost.layer_times("V100-SXM2-32GB", 1, 1)[0]
+    moved = cost.module_input_transfer_bytes("V100-SXM2-32GB", 1, 1) / cost.pcie_bandwidth
+    assert extra["V100-SXM2-32GB"] == pytest.approx(4 * max(0.0, moved - lf))
+    assert extra["V100-SXM2-32GB"] > extra["A100-SXM-80GB"]
+    # the peak is credited the same on both kinds: the module inputs, not the matrices
+    saved = {t: cost.memory(plain[t]).activations - cost.memory(offloading[t]).activations
+             for t in offloading}
+    assert saved["V100-SXM2-32GB"] == pytest.approx(saved["A100-SXM-80GB"]) and \
+        saved["A100-SXM-80GB"] > 0
