@@ -117,6 +117,15 @@ class TrainConfig:
     offload_min_numel: int | None = None
     """Smallest tensor (elements) ``offload.module_inputs`` moves to the host (None: 1M)."""
 
+    def distributed_optimizer(self, plan) -> bool:
+        """Whether ``plan`` (format 1 or a mesh plan) trains with the distributed optimizer:
+        ``use_distributed_optimizer``, None following the plan, and the plan's own choice
+        wherever it offloads optimizer state (megatron-core's CPU-offload optimizer runs under
+        the distributed optimizer only)."""
+        if self.use_distributed_optimizer is None or plan.offloads_optimizer:
+            return plan.use_distributed_optimizer
+        return self.use_distributed_optimizer
+
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ValueError(f"steps must be positive, got {self.steps}")
@@ -289,8 +298,7 @@ def _wrap_for_training(plan: Plan, stage: Stage, models: list, config: TrainConf
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     v = plan.virtual_pipeline_size
-    dist_opt = (plan.use_distributed_optimizer if config.use_distributed_optimizer is None
-                or plan.offloads_optimizer else config.use_distributed_optimizer)
+    dist_opt = config.distributed_optimizer(plan)
     overlap = plan.overlap_grad_reduce  # gradient reduction during the last backward
     ddps = wrap_ddp(models, overlap_grad_reduce=overlap, use_distributed_optimizer=dist_opt)
     optimizer = get_megatron_optimizer(

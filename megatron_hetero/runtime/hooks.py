@@ -284,8 +284,7 @@ def _wrap_config(original):
     def core_transformer_config_from_args(*a, **kw):
         if _mesh is not None:
             config = mesh_model.mesh_config(original, _mesh, *a, **kw)
-            stage = _mesh.mesh.stages[_mesh.slot.stage]
-            for key, value in stage_config_kwargs(stage, None).items():
+            for key, value in stage_config_kwargs(_mesh.stage, None).items():
                 setattr(config, key, value)
             return config
         return apply_stage_config(original(*a, **kw))

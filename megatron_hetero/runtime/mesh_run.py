@@ -56,6 +56,7 @@ import re
 from dataclasses import dataclass
 
 from ..errors import HeteroError
+from ..mcore.cpu_offload import join_offload_summary
 from ..megatron_args import mesh_megatron_args
 from ..plan_mesh import MeshPlan, MeshSlot
 from . import plan_args, policies
@@ -96,6 +97,11 @@ class MeshRankState:
         return self.plan.meshes[self.slot.mesh]
 
     @property
+    def stage(self):
+        """The plan stage this rank runs (its recompute and offload)."""
+        return self.plan.stage_of_slot(self.slot)
+
+    @property
     def last_mesh(self) -> bool:
         return self.slot.mesh == len(self.plan.meshes) - 1
 
@@ -116,8 +122,12 @@ class MeshRankState:
                 f"{len(m.stages)}) stage {self.slot.stage} replica {self.slot.replica} tp "
                 f"{self.slot.tensor_rank}; global stage {self.global_stage} of "
                 f"{self.plan.pipeline_model_parallel_size}; "
-                f"{m.stages[self.slot.stage].num_layers} layers; {r.num_microbatches} "
-                f"micro-batches of {r.micro_batch_size}")
+                f"{self.stage.num_layers} layers; {r.num_microbatches} "
+                f"micro-batches of {r.micro_batch_size}; recompute "
+                f"{self.stage.recompute.granularity}; optimizer offload "
+                f"{self.stage.offload.optimizer_fraction:g}"
+                + ("; module inputs offloaded to host" if self.stage.offload.module_inputs
+                   else ""))
 
 
 # -- arguments ---------------------------------------------------------------------------------
@@ -169,6 +179,9 @@ def before_validate(args, plan: MeshPlan, *, path: str, argv) -> MeshRankState:
     if conflicts:
         raise plan_args.ArgumentConflict(f"{path}: the command line contradicts the plan:\n"
                                          + "\n".join(conflicts))
+    policies.check_supported(plan, source=path, use_precision_aware_optimizer=getattr(
+        args, "use_precision_aware_optimizer", None),
+        transformer_impl=getattr(args, "transformer_impl", None))
     st = MeshRankState(plan=plan, plan_path=path, rank=rank, launcher_rank=launcher_rank,
                        device_type=device, slot=plan.slot_of_rank(rank), args=args)
     args.rank = rank
@@ -181,8 +194,7 @@ def before_validate(args, plan: MeshPlan, *, path: str, argv) -> MeshRankState:
     args.pipeline_model_parallel_layout = _mesh_layout(plan, st)
     args.sequence_parallel = False
     args.ddp_average_in_collective = False
-    stage = mesh.stages[st.slot.stage]
-    for key, value in policies.stage_args(stage).items():
+    for key, value in policies.stage_args(st.stage).items():
         if hasattr(args, key) or key.startswith("recompute_"):
             setattr(args, key, value)
     return st
@@ -308,7 +320,8 @@ def mesh_schedule(st: MeshRankState):
             return forward_backward_pipelining_without_interleaving(*a, **kw)
         finally:
             st.args.micro_batch_size = saved
-    return forward_backward
+    # ranks that offload no module inputs join the others' offload summary
+    return join_offload_summary(forward_backward, st.plan, st.stage)
 
 
 def mesh_finalize(original, st: MeshRankState):
