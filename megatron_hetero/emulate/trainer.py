@@ -1,8 +1,7 @@
 """A mini trainer: real megatron-core training of a plan on CPU processes.
 
 It is the execution engine of the equivalence tests and of ``rehearse`` (its ranks and its
-calibration). Each process plays one Megatron rank of a
-:class:`~megatron_hetero.plan.Plan` (usually shrunk with :func:`with_tiny_model`).
+calibration). Each process plays one Megatron rank of a :class:`~megatron_hetero.plan.Plan`.
 
 Public API
 ----------
@@ -21,16 +20,15 @@ Public API
     DP and the pipeline layout from the plan), a ``GPTModel`` (local spec, fp32, CPU
     initialization, this stage's recompute and module-input offload; one model chunk per
     virtual pipeline stage), Megatron's DDP (``plan.overlap_grad_reduce``),
-    ``get_megatron_optimizer`` (Adam or SGD, grad clipping; distributed when
-    ``config.use_distributed_optimizer`` says or the plan offloads optimizer state; the stage's
-    optimizer offload) and runs ``config.steps`` steps of Megatron's own schedule (1F1B,
+    ``get_megatron_optimizer`` (Adam or SGD, grad clipping; distributed as
+    :meth:`TrainConfig.distributed_optimizer` says; the stage's optimizer offload) and runs ``config.steps`` steps of Megatron's own schedule (1F1B,
     interleaved 1F1B, or :mod:`megatron_hetero.mcore.warmup_schedule`'s per-stage warm-up),
     then one forward-only pass. ``plan.precision`` is ignored: everything is fp32.
 ``train_plan(plan, config, hooks_factory=None) -> TrainResult``
     Spawns ``plan.world_size`` CPU processes running :func:`train_rank` and merges their
     results: the global loss per step, the forward-only loss after training, every parameter
-    under a layout-independent name, and the
-    wall time per step of each rank. ``hooks_factory(plan, rank) -> RankHooks`` is called in
+    under a layout-independent name (TP shards gathered, :mod:`.params`), and the wall time per
+    step of each rank. ``hooks_factory(plan, rank) -> RankHooks`` is called in
     each rank (it must be importable by name, e.g. a module-level function or a
     ``functools.partial`` of one).
 ``reference_plan(plan) -> Plan``
@@ -54,9 +52,6 @@ gradients by the tokens of the whole global batch, so uneven replicas are exact.
 loss of a step is sum of token losses / tokens, over all replicas. Parameters are initialized
 from a generator seeded by their layout-independent name, so any plan of the same model starts
 from the same weights.
-
-Parameters come back under layout-independent names, tensor-parallel shards gathered
-(:mod:`.params`).
 """
 
 from __future__ import annotations
@@ -118,13 +113,10 @@ class TrainConfig:
     """Smallest tensor (elements) ``offload.module_inputs`` moves to the host (None: 1M)."""
 
     def distributed_optimizer(self, plan) -> bool:
-        """Whether ``plan`` (format 1 or a mesh plan) trains with the distributed optimizer:
-        ``use_distributed_optimizer``, None following the plan, and the plan's own choice
-        wherever it offloads optimizer state (megatron-core's CPU-offload optimizer runs under
-        the distributed optimizer only)."""
-        if self.use_distributed_optimizer is None or plan.offloads_optimizer:
-            return plan.use_distributed_optimizer
-        return self.use_distributed_optimizer
+        """Whether ``plan`` (either format) trains with the distributed optimizer: the plan's
+        choice where this says None or the plan offloads optimizer state (it runs under it)."""
+        own = self.use_distributed_optimizer
+        return plan.use_distributed_optimizer if own is None or plan.offloads_optimizer else own
 
     def __post_init__(self) -> None:
         if self.steps < 1:
