@@ -21,16 +21,16 @@ Public API
     initialization, this stage's recompute and module-input offload; one model chunk per
     virtual pipeline stage), Megatron's DDP (``plan.overlap_grad_reduce``),
     ``get_megatron_optimizer`` (Adam or SGD, grad clipping; distributed as
-    :meth:`TrainConfig.distributed_optimizer` says; the stage's optimizer offload) and runs ``config.steps`` steps of Megatron's own schedule (1F1B,
-    interleaved 1F1B, or :mod:`megatron_hetero.mcore.warmup_schedule`'s per-stage warm-up),
-    then one forward-only pass. ``plan.precision`` is ignored: everything is fp32.
+    :meth:`TrainConfig.distributed_optimizer` says; the stage's optimizer offload) and runs
+    ``config.steps`` steps of Megatron's own schedule (1F1B, interleaved 1F1B, or
+    :mod:`megatron_hetero.mcore.warmup_schedule`'s per-stage warm-up), then one forward-only
+    pass. ``plan.precision`` is ignored: everything is fp32.
 ``train_plan(plan, config, hooks_factory=None) -> TrainResult``
     Spawns ``plan.world_size`` CPU processes running :func:`train_rank` and merges their
     results: the global loss per step, the forward-only loss after training, every parameter
     under a layout-independent name (TP shards gathered, :mod:`.params`), and the wall time per
-    step of each rank. ``hooks_factory(plan, rank) -> RankHooks`` is called in
-    each rank (it must be importable by name, e.g. a module-level function or a
-    ``functools.partial`` of one).
+    step of each rank. ``hooks_factory(plan, rank) -> RankHooks`` is called in each rank (it
+    must be importable by name, e.g. a module-level function or a ``functools.partial`` of one).
 ``reference_plan(plan) -> Plan``
     The same model and global batch on one process: one stage, one pipeline. Comparing
     ``train_plan(plan)`` with ``train_plan(reference_plan(plan))`` is the equivalence check.

@@ -40,8 +40,8 @@ from ..mcore.cpu_offload import module_input_offload_supported, optimizer_offloa
 from ..mcore.stage_policies import module_input_kwargs, recompute_kwargs
 from ..optional import have_transformer_engine
 from ..plan import Plan, Stage
-from ..plan_mesh import MeshPlan, MeshStage
 from ..plan_checks import FP32_OPTIMIZER_OFFLOAD, optimizer_offload_runs, plan_stages
+from ..plan_mesh import MeshPlan, MeshStage
 
 __all__ = ["stage_args", "check_supported", "PolicyUnsupported", "activation_offload_supported",
            "set_launch_env"]
