@@ -10,7 +10,9 @@ copied, each step calls Megatron's own function or megatron-core's multimodule p
     against the command line as for format 1. Megatron's own checks then run on *the mesh's
     view*: ``args.world_size`` is the mesh's ranks while they run (so Megatron's data-parallel
     size is the mesh's ``D`` and its micro-batch count ``G / (D x b)``) and the layout is the
-    mesh's segments of the whole model's.
+    mesh's segments of the whole model's. Each rank takes its own stage's recompute and offload
+    (:func:`.policies.stage_args`), what megatron-core cannot apply refused at start with its
+    ``meshes[k].stages[j]`` field (:func:`.policies.check_supported`).
 ``parallel_state.initialize_model_parallel``
     Megatron's own function once per mesh, on every rank in plan order (group creation is
     collective), with the mesh's sizes, ``local_world_size`` its ranks and ``rank_offset`` its
@@ -29,7 +31,9 @@ copied, each step calls Megatron's own function or megatron-core's multimodule p
 ``get_forward_backward_func``
     megatron-core's ``forward_backward_pipelining_without_interleaving`` with the communicator
     and the rank's ``MultiModuleProcessGroupCollection`` (replicas that differ: each runs its
-    own micro-batches under Megatron's global step accounting, as format 1's uneven plans).
+    own micro-batches under Megatron's global step accounting, as format 1's uneven plans);
+    a rank that offloads no module inputs joins the offloading ranks' world-wide offload
+    summary once (:func:`megatron_hetero.mcore.cpu_offload.join_offload_summary`).
 ``finalize_model_grads``
     Megatron's own, over the mesh's groups (the multimodule collection names none); with
     per-token loss (replicas that differ) the global batch's token count reaches every mesh.
