@@ -198,9 +198,7 @@ def before_validate(args, plan: MeshPlan, *, path: str, argv) -> MeshRankState:
     args.pipeline_model_parallel_layout = _mesh_layout(plan, st)
     args.sequence_parallel = False
     args.ddp_average_in_collective = False
-    for key, value in policies.stage_args(st.stage).items():
-        if hasattr(args, key) or key.startswith("recompute_"):
-            setattr(args, key, value)
+    policies.apply_stage_args(args, st.stage)
     return st
 
 

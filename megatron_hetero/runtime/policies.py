@@ -43,8 +43,8 @@ from ..plan import Plan, Stage
 from ..plan_checks import FP32_OPTIMIZER_OFFLOAD, optimizer_offload_runs, plan_stages
 from ..plan_mesh import MeshPlan, MeshStage
 
-__all__ = ["stage_args", "check_supported", "PolicyUnsupported", "activation_offload_supported",
-           "set_launch_env"]
+__all__ = ["stage_args", "apply_stage_args", "check_supported", "PolicyUnsupported",
+           "activation_offload_supported", "set_launch_env"]
 
 NVTE_ENV = "NVTE_CPU_OFFLOAD_V1"
 """Megatron's fine-grained offload needs it at 1 with Transformer Engine >= 2.10."""
@@ -67,6 +67,14 @@ def stage_args(stage: Stage | MeshStage) -> dict:
     # in pretrain (CPU affinity of the offload copies); its config is built from args too.
     out.update(module_input_kwargs(stage))
     return out
+
+
+def apply_stage_args(args, stage: Stage | MeshStage) -> None:
+    """Set :func:`stage_args` on a rank's parsed Megatron ``args`` (the attributes its
+    Megatron-LM has, and the recompute ones): a format-1 rank's and a mesh rank's alike."""
+    for key, value in stage_args(stage).items():
+        if hasattr(args, key) or key.startswith("recompute_"):
+            setattr(args, key, value)
 
 
 def set_launch_env(argv, environ=None) -> bool:
