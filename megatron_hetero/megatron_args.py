@@ -122,7 +122,7 @@ def mesh_megatron_args(plan: MeshPlan, plan_path: str | None = None) -> list[str
         args.append("--use-distributed-optimizer")
     if plan.overlap_grad_reduce:
         args.append("--overlap-grad-reduce")
-    if any(st.offload.optimizer_fraction > 0 for m in plan.meshes for st in m.stages):
+    if plan.offloads_optimizer:
         args.append("--use-precision-aware-optimizer")
     if plan.per_token_loss:
         args.append("--calculate-per-token-loss")

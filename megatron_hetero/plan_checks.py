@@ -29,7 +29,7 @@ from .plan_mesh import MeshPlan
 from .simulate import SimResult
 
 __all__ = ["check_offload", "check_fits", "stage_layers", "optimizer_offload_runs",
-           "FP32_OPTIMIZER_OFFLOAD"]
+           "plan_stages", "FP32_OPTIMIZER_OFFLOAD"]
 
 FP32_OPTIMIZER_OFFLOAD = (
     "megatron-core's CPU-offload optimizer does not run with fp32 parameters under the "
@@ -46,8 +46,9 @@ def optimizer_offload_runs(precision: str) -> bool:
     return precision != "fp32"
 
 
-def _stages(plan: Plan | MeshPlan):
-    """(field path of the stage, stage index along the pipeline, stage) for every stage."""
+def plan_stages(plan: Plan | MeshPlan):
+    """(field path of the stage, stage index along the pipeline, stage) for every stage of a
+    format-1 plan (``pipelines[d].stages[s]``) or a mesh plan (``meshes[k].stages[j]``)."""
     if isinstance(plan, MeshPlan):
         s = 0
         for k, mesh in enumerate(plan.meshes):
@@ -64,7 +65,7 @@ def check_offload(plan: Plan | MeshPlan, *, source: str) -> None:
     """Raise :class:`SchemaError` at the first stage whose offload megatron-core refuses (see
     the module docstring)."""
     pp = plan.pipeline_model_parallel_size
-    for where, _, stage in _stages(plan):
+    for where, _, stage in plan_stages(plan):
         off = stage.offload
         if off.activations and pp > 1:
             raise SchemaError(source, f"{where}.offload.activations", True,
@@ -122,7 +123,7 @@ def check_fits(plan: Plan | MeshPlan, sim: SimResult, *, source: str, skip_hint:
     """Raise :class:`SchemaError` when a stage of ``sim`` (the simulation of ``plan``) needs
     more memory than its card, or a node more host memory than it has. ``skip_hint`` says how
     to turn the check off."""
-    paths = [where for where, _, _ in _stages(plan)]
+    paths = [where for where, _, _ in plan_stages(plan)]
     over = [st for st in sim.stages if not st.memory.fits]
     if over:
         st, m = over[0], over[0].memory

@@ -253,6 +253,21 @@ class MeshPlan:
         (Megatron's ``--calculate-per-token-loss``): where some mesh's replicas differ."""
         return any(not mesh.even for mesh in self.meshes)
 
+    @property
+    def offloads_module_inputs(self) -> bool:
+        """Whether any stage offloads its layers' module inputs (as :class:`.plan.Plan`'s)."""
+        return any(st.offload.module_inputs for mesh in self.meshes for st in mesh.stages)
+
+    @property
+    def offloads_optimizer(self) -> bool:
+        """True when some stage keeps part of its optimizer state on the host."""
+        return any(st.offload.optimizer_fraction > 0 for mesh in self.meshes
+                   for st in mesh.stages)
+
+    def stage_of_slot(self, slot: MeshSlot) -> MeshStage:
+        """The plan stage ``slot`` runs (its mesh's stage ``slot.stage``)."""
+        return self.meshes[slot.mesh].stages[slot.stage]
+
     def rank_offset(self, mesh: int) -> int:
         """The first rank of mesh ``mesh`` (its grid's ``rank_offset``)."""
         return sum(m.world_size for m in self.meshes[:mesh])

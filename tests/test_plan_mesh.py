@@ -54,6 +54,22 @@ def test_example_loads_and_round_trips(tmp_path):
     assert (tmp_path / "q.yaml").read_bytes() == (tmp_path / "p.yaml").read_bytes()
 
 
+def test_offload_of_a_mesh_plan_is_per_stage():
+    """The example offloads module inputs on the 3090 mesh's two stages only: the plan says so
+    as a format-1 plan does, and each rank's stage (what its policies come from) is its own."""
+    plan = load_any_plan(EXAMPLE)
+    assert plan.offloads_module_inputs and not plan.offloads_optimizer
+    first, t4 = MeshSlot(0, 1, 7, 0), MeshSlot(1, 0, 0, 1)
+    assert plan.stage_of_slot(first).offload.module_inputs
+    assert not plan.stage_of_slot(t4).offload.any
+    assert plan.stage_of_slot(t4).recompute.granularity == "selective"
+    data = copy.deepcopy(BASE)
+    data["meshes"][1]["stages"][0]["offload"] = {"optimizer_fraction": 0.5}
+    assert mesh_plan_from_data(data, source="p.yaml").offloads_optimizer
+    assert "--use-precision-aware-optimizer" in mesh_megatron_args(
+        mesh_plan_from_data(data, source="p.yaml"))
+
+
 @pytest.mark.parametrize("path", EXAMPLE_PLANS, ids=lambda p: p.parent.name)
 def test_format_1_plans_load_unchanged_and_round_trip_byte_identically(path, tmp_path):
     plan = load_any_plan(path)

@@ -2,8 +2,9 @@
 one CPU process per plan rank, each playing its mesh's GPU type.
 
 1. *Shrink* the model in width (:func:`~megatron_hetero.models.shrink_model`, heads divisible
-   by every mesh's TP); meshes, layer split, replicas and policies stay. Module-input offload is
-   turned off (the mesh trainer sets only recompute; format 1's trainer runs it).
+   by every mesh's TP); meshes, layer split, replicas and policies stay: each rank runs its
+   stage's recompute, optimizer offload and module-input offload (the smallest module input
+   offloaded scaled with the model, :func:`.shrink.offload_min_numel`, as for format 1).
 2. *Refuse* a plan of more than ``max_ranks`` ranks.
 3. *Calibrate* the CPU and gloo on two processes at each micro-batch size of the plan
    (:func:`.calibration.calibrate`, one per device type's idle gaps).
@@ -33,6 +34,7 @@ from ..plan_mesh import MeshPlan, mesh_plan_from_data
 from .calibration import Calibration, _mean, calibrate
 from .drift import cpu_drifts, in_run_calibrations, measured_allreduce_gb_s
 from .prediction import emulated_cluster, emulated_name
+from .shrink import offload_min_numel
 
 __all__ = ["MeshStageReport", "MeshRehearsalResult", "shrink_mesh_plan", "predict_mesh",
            "rehearse_mesh", "format_mesh_report"]
@@ -96,7 +98,7 @@ class MeshRehearsalResult:
 
 def shrink_mesh_plan(plan: MeshPlan, hidden_size: int, catalog: Catalog | None = None) -> MeshPlan:
     """The same mesh plan on the model shrunk to ``hidden_size`` (heads divisible by every
-    mesh's TP), fp32, without module-input offload and without its prediction."""
+    mesh's TP), fp32, without its prediction."""
     import math
 
     tp = math.lcm(*(m.tensor_model_parallel_size for m in plan.meshes))
@@ -104,9 +106,6 @@ def shrink_mesh_plan(plan: MeshPlan, hidden_size: int, catalog: Catalog | None =
     data["model"] = dataclasses.asdict(shrink_model(plan.model, hidden_size, tp))
     data["precision"] = "fp32"
     data.pop("prediction", None)
-    for mesh in data["meshes"]:
-        for st in mesh["stages"]:
-            st.setdefault("offload", {})["module_inputs"] = False
     return mesh_plan_from_data(data, source="<shrunk plan>", catalog=catalog or plan.catalog)
 
 
@@ -211,8 +210,9 @@ def rehearse_mesh(plan: MeshPlan, config, *, catalog: Catalog | None = None,
                                  meter=metered)
     say(f"running {config.steps} steps on {shrunk.world_size} CPU ranks")
     tconf = TrainConfig(steps=config.steps, seed=config.seed, gather_params=verify,
-                        eval_forward_only=verify, timeout_s=config.timeout_s)
-    dist_opt = bool(tconf.use_distributed_optimizer)
+                        eval_forward_only=verify, timeout_s=config.timeout_s,
+                        offload_min_numel=offload_min_numel(plan, shrunk))
+    dist_opt = tconf.distributed_optimizer(shrunk)
     fastest = calibration[min(factors, key=lambda d: (factors[d], d))]
     caps = memory_caps(plan, shrunk, catalog, cpu_shards_optimizer=dist_opt,
                        activation_scale=activation_scale(shrunk, fastest)) if metered else None

@@ -4,8 +4,13 @@ megatron-core 0.17.1 training of a mesh plan on CPU processes, one per plan rank
 Each rank is built by :func:`megatron_hetero.mcore.mesh_train.build_mesh_rank`: its mesh's grid,
 the multimodule communicator and its bridges, its ``GPTModel`` slice, Megatron's DDP and
 optimizer over its mesh (Adam or SGD, gradient clipping over the whole model, the distributed
-optimizer when asked), and the mesh plan's gradient scale or per-token loss. Steps run
-megatron-core's non-interleaved 1F1B with the multimodule communicator.
+optimizer when asked), and the mesh plan's gradient scale or per-token loss. Each rank runs
+its own stage's memory policies, as the format-1 trainer's ranks do: recompute, module-input
+offload (megatron-core's fine-grained activation offloading) and optimizer offload
+(megatron-core's CPU-offload optimizer, under the distributed optimizer), on the CPU backend
+through :mod:`megatron_hetero.mcore.cpu_offload`, whose :func:`join_offload_summary` keeps the
+ranks that offload no module inputs from waiting forever in megatron-core's offload summary.
+Steps run megatron-core's non-interleaved 1F1B with the multimodule communicator.
 
 It takes :class:`~.trainer.TrainConfig` and :class:`~.trainer.RankHooks` and returns
 :class:`~.trainer.RankResult` / :class:`~.trainer.TrainResult` as the format-1 trainer
@@ -27,6 +32,8 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+from ..mcore.cpu_offload import enable_cpu_offload, join_offload_summary
+from ..mcore.stage_policies import optimizer_offload_kwargs
 from ..plan_mesh import Mesh, MeshPlan, MeshSlot, MeshStage, Replica
 from .params import init_params, local_params, merge_shards
 from .trainer import (RankHooks, RankResult, TrainConfig, TrainResult, forward_step,
@@ -93,16 +100,17 @@ def mesh_micro_batches(plan: MeshPlan, slot: MeshSlot, step: int, seed: int):
                "position_ids": torch.arange(m.seq_length).unsqueeze(0).expand(len(rows), -1)}
 
 
-def _optimizer_config(plan: MeshPlan, config: TrainConfig):
+def _optimizer_config(plan: MeshPlan, slot: MeshSlot, config: TrainConfig):
+    """The rank's ``OptimizerConfig``: its stage's optimizer offload (its mesh's ranks each
+    build their own), the distributed optimizer as the format-1 trainer decides it."""
     import torch
     from megatron.core.optimizer import OptimizerConfig
 
-    dist_opt = (plan.use_distributed_optimizer if config.use_distributed_optimizer is None
-                else config.use_distributed_optimizer)
     return OptimizerConfig(optimizer=config.optimizer, lr=config.lr,
                            weight_decay=config.weight_decay, clip_grad=config.clip_grad,
                            bf16=False, fp16=False, params_dtype=torch.float32,
-                           use_distributed_optimizer=dist_opt)
+                           use_distributed_optimizer=config.distributed_optimizer(plan),
+                           **optimizer_offload_kwargs(plan.stage_of_slot(slot)))
 
 
 def train_mesh_rank(plan: MeshPlan, rank: int, config: TrainConfig | None = None,
@@ -116,12 +124,15 @@ def train_mesh_rank(plan: MeshPlan, rank: int, config: TrainConfig | None = None
     config = config or TrainConfig()
     hooks = hooks or RankHooks()
     enable_cpu_backend()
+    if plan.offloads_optimizer or plan.offloads_module_inputs:
+        enable_cpu_offload()  # megatron-core's offload paths on the CPU backend
     if dist.get_world_size() != plan.world_size:
         raise ValueError(f"the process group has {dist.get_world_size()} ranks; the plan needs "
                          f"{plan.world_size}")
     from megatron.core import tensor_parallel
 
-    from ..mcore.mesh_train import build_mesh_rank, mesh_schedule, whole_model_loss
+    from ..mcore.mesh_train import (build_mesh_rank, mesh_schedule, mesh_transformer_config,
+                                    whole_model_loss)
 
     slot = plan.slot_of_rank(rank)
     mesh = plan.meshes[slot.mesh]
@@ -133,14 +144,18 @@ def train_mesh_rank(plan: MeshPlan, rank: int, config: TrainConfig | None = None
         init_params(gpt, plan, config.seed, config.init_std, slot.tensor_rank, False,
                     tensor_parallel_size=mesh.tensor_model_parallel_size, layer_offset=offset)
 
-    built = build_mesh_rank(plan, rank, _optimizer_config(plan, config), init=init,
+    built = build_mesh_rank(plan, rank, _optimizer_config(plan, slot, config), init=init,
+                            config=mesh_transformer_config(
+                                plan, slot, offload_min_numel=config.offload_min_numel),
                             overlap_grad_reduce=plan.overlap_grad_reduce, gloo=True)
     if hooks.on_built:
         hooks.on_built([built.ddp], built.optimizer)
+    # ranks that offload no module inputs join the others' offload summary
+    schedule = join_offload_summary(mesh_schedule, plan, plan.stage_of_slot(slot))
 
     def run(step: int, forward_only: bool) -> float:
         data = mesh_micro_batches(plan, slot, step, config.seed)
-        reduced = mesh_schedule(built, forward_step, data, forward_only=forward_only)
+        reduced = schedule(built, forward_step, data, forward_only=forward_only)
         return whole_model_loss(plan, slot, reduced)
 
     try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..plan import Plan, plan_from_data
+from ..plan_mesh import MeshPlan
 from .calibration import Calibration
 
 __all__ = ["EmulatedProfile", "emulated_name", "emulated_cluster", "emulated_sends", "predict",
@@ -43,17 +44,14 @@ class EmulatedProfile:
         return (max(0.0, got[0]) * self.factor, max(0.0, got[1]) * self.factor)
 
 
-def trainer_shards_optimizer(plan: Plan) -> bool:
+def trainer_shards_optimizer(plan: Plan | MeshPlan) -> bool:
     """Whether the mini trainer runs ``plan`` with Megatron's distributed optimizer (the CPU
     ranks then shard the optimizer state; the prediction and the caps must know)."""
     from .trainer import TrainConfig
 
     if "use_distributed_optimizer" not in TrainConfig.__dataclass_fields__:
         return False  # a trainer that always runs the plain optimizer
-    choice = TrainConfig().use_distributed_optimizer  # the rehearsal keeps the trainer's default
-    if choice is None or plan.offloads_optimizer:  # optimizer offload runs under it
-        return plan.use_distributed_optimizer
-    return bool(choice)
+    return TrainConfig().distributed_optimizer(plan)  # the rehearsal keeps the trainer's default
 
 
 def emulated_name(device_type: str) -> str:

@@ -124,7 +124,7 @@ def rehearsal_hooks(plan: Plan | MeshPlan, rank: int, *, factors: dict[str, floa
         meter = MemoryMeter(rank=rank, pipeline=pipeline, stage=stage,
                             device_type=device, cap=cap if enforce_caps else None,
                             device_bytes=device_bytes, scale=scale)
-        if isinstance(plan, Plan) and plan.stage(pipeline, stage).offload.module_inputs:
+        if _stage_of(plan, rank).offload.module_inputs:
             meter_module_input_offload(meter)  # the inputs its offload manager keeps
     emu = _RankEmulation(speed, meter)
     emu.allreduce_gb_s = allreduce_gb_s
@@ -140,6 +140,14 @@ def _place(plan: Plan | MeshPlan, rank: int) -> tuple[str, int, int]:
         before = sum(len(m.stages) for m in plan.meshes[:slot.mesh])
         return plan.meshes[slot.mesh].device_type, slot.replica, before + slot.stage
     return plan.stage(slot.pipeline, slot.stage).device_type, slot.pipeline, slot.stage
+
+
+def _stage_of(plan: Plan | MeshPlan, rank: int):
+    """The plan stage ``rank`` runs (its policies)."""
+    slot = plan.slot_of_rank(rank)
+    if isinstance(plan, MeshPlan):
+        return plan.stage_of_slot(slot)
+    return plan.stage(slot.pipeline, slot.stage)
 
 
 def user_error(exc) -> HeteroError | None:

@@ -1,8 +1,7 @@
 """A mini trainer: real megatron-core training of a plan on CPU processes.
 
 It is the execution engine of the equivalence tests and of ``rehearse`` (its ranks and its
-calibration). Each process plays one Megatron rank of a
-:class:`~megatron_hetero.plan.Plan` (usually shrunk with :func:`with_tiny_model`).
+calibration). Each process plays one Megatron rank of a :class:`~megatron_hetero.plan.Plan`.
 
 Public API
 ----------
@@ -21,18 +20,17 @@ Public API
     DP and the pipeline layout from the plan), a ``GPTModel`` (local spec, fp32, CPU
     initialization, this stage's recompute and module-input offload; one model chunk per
     virtual pipeline stage), Megatron's DDP (``plan.overlap_grad_reduce``),
-    ``get_megatron_optimizer`` (Adam or SGD, grad clipping; distributed when
-    ``config.use_distributed_optimizer`` says or the plan offloads optimizer state; the stage's
-    optimizer offload) and runs ``config.steps`` steps of Megatron's own schedule (1F1B,
-    interleaved 1F1B, or :mod:`megatron_hetero.mcore.warmup_schedule`'s per-stage warm-up),
-    then one forward-only pass. ``plan.precision`` is ignored: everything is fp32.
+    ``get_megatron_optimizer`` (Adam or SGD, grad clipping; distributed as
+    :meth:`TrainConfig.distributed_optimizer` says; the stage's optimizer offload) and runs
+    ``config.steps`` steps of Megatron's own schedule (1F1B, interleaved 1F1B, or
+    :mod:`megatron_hetero.mcore.warmup_schedule`'s per-stage warm-up), then one forward-only
+    pass. ``plan.precision`` is ignored: everything is fp32.
 ``train_plan(plan, config, hooks_factory=None) -> TrainResult``
     Spawns ``plan.world_size`` CPU processes running :func:`train_rank` and merges their
     results: the global loss per step, the forward-only loss after training, every parameter
-    under a layout-independent name, and the
-    wall time per step of each rank. ``hooks_factory(plan, rank) -> RankHooks`` is called in
-    each rank (it must be importable by name, e.g. a module-level function or a
-    ``functools.partial`` of one).
+    under a layout-independent name (TP shards gathered, :mod:`.params`), and the wall time per
+    step of each rank. ``hooks_factory(plan, rank) -> RankHooks`` is called in each rank (it
+    must be importable by name, e.g. a module-level function or a ``functools.partial`` of one).
 ``reference_plan(plan) -> Plan``
     The same model and global batch on one process: one stage, one pipeline. Comparing
     ``train_plan(plan)`` with ``train_plan(reference_plan(plan))`` is the equivalence check.
@@ -54,9 +52,6 @@ gradients by the tokens of the whole global batch, so uneven replicas are exact.
 loss of a step is sum of token losses / tokens, over all replicas. Parameters are initialized
 from a generator seeded by their layout-independent name, so any plan of the same model starts
 from the same weights.
-
-Parameters come back under layout-independent names, tensor-parallel shards gathered
-(:mod:`.params`).
 """
 
 from __future__ import annotations
@@ -116,6 +111,12 @@ class TrainConfig:
     """Hard timeout of ``train_plan``'s processes."""
     offload_min_numel: int | None = None
     """Smallest tensor (elements) ``offload.module_inputs`` moves to the host (None: 1M)."""
+
+    def distributed_optimizer(self, plan) -> bool:
+        """Whether ``plan`` (either format) trains with the distributed optimizer: the plan's
+        choice where this says None or the plan offloads optimizer state (it runs under it)."""
+        own = self.use_distributed_optimizer
+        return plan.use_distributed_optimizer if own is None or plan.offloads_optimizer else own
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -289,8 +290,7 @@ def _wrap_for_training(plan: Plan, stage: Stage, models: list, config: TrainConf
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     v = plan.virtual_pipeline_size
-    dist_opt = (plan.use_distributed_optimizer if config.use_distributed_optimizer is None
-                or plan.offloads_optimizer else config.use_distributed_optimizer)
+    dist_opt = config.distributed_optimizer(plan)
     overlap = plan.overlap_grad_reduce  # gradient reduction during the last backward
     ddps = wrap_ddp(models, overlap_grad_reduce=overlap, use_distributed_optimizer=dist_opt)
     optimizer = get_megatron_optimizer(

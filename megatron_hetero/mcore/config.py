@@ -10,7 +10,7 @@ own arguments, and the runtime only sets the stage's policies on it.
 from __future__ import annotations
 
 from ..plan import ModelSpec, Plan, Stage
-from .stage_policies import module_input_kwargs, recompute_kwargs
+from .stage_policies import built_module_input_kwargs, recompute_kwargs
 
 __all__ = ["torch_dtype", "transformer_config", "plan_transformer_config"]
 
@@ -78,10 +78,7 @@ def plan_transformer_config(plan: Plan, stage: Stage, chunk: int | None = None, 
                         deallocate_pipeline_outputs=True,
                         microbatch_group_size_per_vp_stage=plan.microbatch_group)
     settings.update(recompute_kwargs(stage, chunk if plan.virtual_pipeline_size > 1 else None))
-    if stage.offload.module_inputs:  # off: the field is left out (megatron-core may not have it)
-        settings.update(module_input_kwargs(stage))
-        if offload_min_numel is not None:
-            settings["min_offloaded_tensor_size"] = offload_min_numel
+    settings.update(built_module_input_kwargs(stage, offload_min_numel=offload_min_numel))
     return transformer_config(plan.model, tensor_parallel_size=plan.tensor_model_parallel_size,
                               pipeline_parallel_size=pp, precision="fp32",
                               cpu_initialization=True, **settings)

@@ -57,6 +57,7 @@ import functools
 from functools import cache
 
 from ..plan import Plan, Stage
+from ..plan_mesh import MeshPlan, MeshStage
 from .rebind import wrap_method
 
 __all__ = ["enable_cpu_offload", "allocate_hdo_state", "join_offload_summary",
@@ -223,10 +224,11 @@ def module_input_offload_supported() -> bool:
     return True
 
 
-def join_offload_summary(forward_backward, plan: Plan, stage: Stage):
-    """``forward_backward`` for a rank of ``plan`` that does not offload module inputs while
-    others do: after its first call it joins megatron-core's offload summary collectives once
-    (see the module docstring). Otherwise ``forward_backward`` itself."""
+def join_offload_summary(forward_backward, plan: Plan | MeshPlan, stage: Stage | MeshStage):
+    """``forward_backward`` for a rank of ``plan`` (a format-1 or a mesh plan; ``stage`` the
+    rank's) that does not offload module inputs while others do: after its first call it joins
+    megatron-core's offload summary collectives once (see the module docstring). Otherwise
+    ``forward_backward`` itself."""
     if stage.offload.module_inputs or not plan.offloads_module_inputs:
         return forward_backward
     from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo

@@ -73,20 +73,25 @@ def global_batch_tokens(plan: MeshPlan, slot: MeshSlot, num_tokens):
     return tokens.reshape(())
 
 
-def mesh_transformer_config(plan: MeshPlan, slot: MeshSlot, **settings):
+def mesh_transformer_config(plan: MeshPlan, slot: MeshSlot, *,
+                            offload_min_numel: int | None = None, **settings):
     """The ``TransformerConfig`` of ``slot``'s stage as a mesh rank builds it: fp32, its
     mesh's TP, its stage's layers as a one-stage model (pre- and post-processing are the
-    model's ends, :func:`build_mesh_rank`), its stage's recompute, variable sequence lengths
-    (the multimodule schedule needs them, and they need the all-to-all token dispatcher to
-    pass the config's checks) and :func:`per_token_loss`; ``settings`` are further fields."""
+    model's ends, :func:`build_mesh_rank`), its stage's recompute and module-input offload
+    (as the format-1 trainer's, :func:`~.stage_policies.built_module_input_kwargs`: module
+    inputs of at least ``offload_min_numel`` elements go to the host), variable sequence
+    lengths (the multimodule schedule needs them, and they need the all-to-all token
+    dispatcher to pass the config's checks) and :func:`per_token_loss`; ``settings`` are
+    further fields."""
     from .config import transformer_config
-    from .stage_policies import recompute_kwargs
+    from .stage_policies import built_module_input_kwargs, recompute_kwargs
 
     mesh = plan.meshes[slot.mesh]
     stage = mesh.stages[slot.stage]
     fields = dict(perform_initialization=True, variable_seq_lengths=True,
                   moe_token_dispatcher_type="alltoall",
-                  calculate_per_token_loss=per_token_loss(plan), **recompute_kwargs(stage))
+                  calculate_per_token_loss=per_token_loss(plan), **recompute_kwargs(stage),
+                  **built_module_input_kwargs(stage, offload_min_numel=offload_min_numel))
     fields.update(settings)
     return transformer_config(plan.model, num_layers=stage.num_layers,
                               tensor_parallel_size=mesh.tensor_model_parallel_size,

@@ -22,9 +22,11 @@ Pure functions of the plan: nothing here imports torch or megatron.
 from __future__ import annotations
 
 from ..plan import Stage, chunk_recompute
+from ..plan_mesh import MeshStage
 
 __all__ = ["MODULE_INPUTS", "recompute_kwargs", "offload_kwargs",
-           "module_input_kwargs", "stage_config_kwargs", "optimizer_offload_kwargs"]
+           "module_input_kwargs", "built_module_input_kwargs", "stage_config_kwargs",
+           "optimizer_offload_kwargs"]
 
 MODULE_INPUTS = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm")
 """megatron-core ``offload_modules`` of ``Offload.module_inputs`` (the dense layer's modules)."""
@@ -33,7 +35,7 @@ _NO_RECOMPUTE = {"recompute_granularity": None, "recompute_method": None,
                  "recompute_num_layers": None}
 
 
-def recompute_kwargs(stage: Stage, chunk: int | None = None) -> dict:
+def recompute_kwargs(stage: Stage | MeshStage, chunk: int | None = None) -> dict:
     """TransformerConfig overrides that make one stage (or its model chunk ``chunk``, for an
     interleaved plan: :func:`~megatron_hetero.plan.chunk_recompute`) recompute as its plan entry
     says."""
@@ -49,7 +51,7 @@ def recompute_kwargs(stage: Stage, chunk: int | None = None) -> dict:
             "recompute_num_layers": r.num_layers}
 
 
-def offload_kwargs(stage: Stage) -> dict:
+def offload_kwargs(stage: Stage | MeshStage) -> dict:
     """TransformerConfig overrides for activation offload of one stage (PP = 1 only today)."""
     if not stage.offload.activations:
         return {}
@@ -57,7 +59,7 @@ def offload_kwargs(stage: Stage) -> dict:
             "cpu_offloading_activations": True, "cpu_offloading_weights": False}
 
 
-def module_input_kwargs(stage: Stage) -> dict:
+def module_input_kwargs(stage: Stage | MeshStage) -> dict:
     """TransformerConfig (and ``args``) fields of module-input offload, on or off: every rank
     sets them, since ranks differ. The same on every model chunk of the stage."""
     if stage.offload.module_inputs:
@@ -65,13 +67,28 @@ def module_input_kwargs(stage: Stage) -> dict:
     return {"fine_grained_activation_offloading": False, "offload_modules": []}
 
 
-def stage_config_kwargs(stage: Stage, chunk: int | None = None) -> dict:
+def built_module_input_kwargs(stage: Stage | MeshStage, *,
+                              offload_min_numel: int | None = None) -> dict:
+    """The module-input offload fields of a ``TransformerConfig`` that megatron-hetero builds
+    itself (the CPU trainers of format-1 and mesh plans): none where the stage does not offload
+    (the fields left out: megatron-core may not have them), else :func:`module_input_kwargs`
+    and, where given, ``min_offloaded_tensor_size`` (the smallest tensor moved to the host;
+    megatron-core's default 1M elements otherwise)."""
+    if not stage.offload.module_inputs:
+        return {}
+    out = module_input_kwargs(stage)
+    if offload_min_numel is not None:
+        out["min_offloaded_tensor_size"] = offload_min_numel
+    return out
+
+
+def stage_config_kwargs(stage: Stage | MeshStage, chunk: int | None = None) -> dict:
     """Every TransformerConfig field this stage's plan entry sets (on its model chunk
     ``chunk`` for an interleaved plan)."""
     return {**recompute_kwargs(stage, chunk), **offload_kwargs(stage), **module_input_kwargs(stage)}
 
 
-def optimizer_offload_kwargs(stage: Stage) -> dict:
+def optimizer_offload_kwargs(stage: Stage | MeshStage) -> dict:
     """``OptimizerConfig`` fields of the stage's optimizer offload (megatron-core's CPU-offload
     optimizer keeps ``offload.optimizer_fraction`` of the rank's optimizer state on the host;
     it runs under the distributed optimizer only, which the caller sets); none without it."""

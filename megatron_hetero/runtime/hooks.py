@@ -189,9 +189,7 @@ def before_validate(args, argv=None) -> RankState | mesh_run.MeshRankState | Non
     slot = plan.slot_of_rank(megatron_rank)
     st = RankState(plan=plan, plan_path=path, launcher_rank=launcher_rank,
                    megatron_rank=megatron_rank, device_type=device, slot=slot, args=args)
-    for key, value in policies.stage_args(st.stage).items():
-        if hasattr(args, key) or key.startswith("recompute_"):
-            setattr(args, key, value)
+    policies.apply_stage_args(args, st.stage)
     _state = st
     return st
 
@@ -284,8 +282,7 @@ def _wrap_config(original):
     def core_transformer_config_from_args(*a, **kw):
         if _mesh is not None:
             config = mesh_model.mesh_config(original, _mesh, *a, **kw)
-            stage = _mesh.mesh.stages[_mesh.slot.stage]
-            for key, value in stage_config_kwargs(stage, None).items():
+            for key, value in stage_config_kwargs(_mesh.stage, None).items():
                 setattr(config, key, value)
             return config
         return apply_stage_config(original(*a, **kw))

@@ -10,7 +10,9 @@ copied, each step calls Megatron's own function or megatron-core's multimodule p
     against the command line as for format 1. Megatron's own checks then run on *the mesh's
     view*: ``args.world_size`` is the mesh's ranks while they run (so Megatron's data-parallel
     size is the mesh's ``D`` and its micro-batch count ``G / (D x b)``) and the layout is the
-    mesh's segments of the whole model's.
+    mesh's segments of the whole model's. Each rank takes its own stage's recompute and offload
+    (:func:`.policies.stage_args`), what megatron-core cannot apply refused at start with its
+    ``meshes[k].stages[j]`` field (:func:`.policies.check_supported`).
 ``parallel_state.initialize_model_parallel``
     Megatron's own function once per mesh, on every rank in plan order (group creation is
     collective), with the mesh's sizes, ``local_world_size`` its ranks and ``rank_offset`` its
@@ -29,7 +31,9 @@ copied, each step calls Megatron's own function or megatron-core's multimodule p
 ``get_forward_backward_func``
     megatron-core's ``forward_backward_pipelining_without_interleaving`` with the communicator
     and the rank's ``MultiModuleProcessGroupCollection`` (replicas that differ: each runs its
-    own micro-batches under Megatron's global step accounting, as format 1's uneven plans).
+    own micro-batches under Megatron's global step accounting, as format 1's uneven plans);
+    a rank that offloads no module inputs joins the offloading ranks' world-wide offload
+    summary once (:func:`megatron_hetero.mcore.cpu_offload.join_offload_summary`).
 ``finalize_model_grads``
     Megatron's own, over the mesh's groups (the multimodule collection names none); with
     per-token loss (replicas that differ) the global batch's token count reaches every mesh.
@@ -56,6 +60,7 @@ import re
 from dataclasses import dataclass
 
 from ..errors import HeteroError
+from ..mcore.cpu_offload import join_offload_summary
 from ..megatron_args import mesh_megatron_args
 from ..plan_mesh import MeshPlan, MeshSlot
 from . import plan_args, policies
@@ -96,6 +101,11 @@ class MeshRankState:
         return self.plan.meshes[self.slot.mesh]
 
     @property
+    def stage(self):
+        """The plan stage this rank runs (its recompute and offload)."""
+        return self.plan.stage_of_slot(self.slot)
+
+    @property
     def last_mesh(self) -> bool:
         return self.slot.mesh == len(self.plan.meshes) - 1
 
@@ -116,8 +126,12 @@ class MeshRankState:
                 f"{len(m.stages)}) stage {self.slot.stage} replica {self.slot.replica} tp "
                 f"{self.slot.tensor_rank}; global stage {self.global_stage} of "
                 f"{self.plan.pipeline_model_parallel_size}; "
-                f"{m.stages[self.slot.stage].num_layers} layers; {r.num_microbatches} "
-                f"micro-batches of {r.micro_batch_size}")
+                f"{self.stage.num_layers} layers; {r.num_microbatches} "
+                f"micro-batches of {r.micro_batch_size}; recompute "
+                f"{self.stage.recompute.granularity}; optimizer offload "
+                f"{self.stage.offload.optimizer_fraction:g}"
+                + ("; module inputs offloaded to host" if self.stage.offload.module_inputs
+                   else ""))
 
 
 # -- arguments ---------------------------------------------------------------------------------
@@ -169,6 +183,9 @@ def before_validate(args, plan: MeshPlan, *, path: str, argv) -> MeshRankState:
     if conflicts:
         raise plan_args.ArgumentConflict(f"{path}: the command line contradicts the plan:\n"
                                          + "\n".join(conflicts))
+    policies.check_supported(plan, source=path, use_precision_aware_optimizer=getattr(
+        args, "use_precision_aware_optimizer", None),
+        transformer_impl=getattr(args, "transformer_impl", None))
     st = MeshRankState(plan=plan, plan_path=path, rank=rank, launcher_rank=launcher_rank,
                        device_type=device, slot=plan.slot_of_rank(rank), args=args)
     args.rank = rank
@@ -181,10 +198,7 @@ def before_validate(args, plan: MeshPlan, *, path: str, argv) -> MeshRankState:
     args.pipeline_model_parallel_layout = _mesh_layout(plan, st)
     args.sequence_parallel = False
     args.ddp_average_in_collective = False
-    stage = mesh.stages[st.slot.stage]
-    for key, value in policies.stage_args(stage).items():
-        if hasattr(args, key) or key.startswith("recompute_"):
-            setattr(args, key, value)
+    policies.apply_stage_args(args, st.stage)
     return st
 
 
@@ -308,7 +322,8 @@ def mesh_schedule(st: MeshRankState):
             return forward_backward_pipelining_without_interleaving(*a, **kw)
         finally:
             st.args.micro_batch_size = saved
-    return forward_backward
+    # ranks that offload no module inputs join the others' offload summary
+    return join_offload_summary(forward_backward, st.plan, st.stage)
 
 
 def mesh_finalize(original, st: MeshRankState):

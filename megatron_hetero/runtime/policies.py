@@ -41,10 +41,11 @@ from ..mcore.cpu_offload import module_input_offload_supported, optimizer_offloa
 from ..mcore.stage_policies import module_input_kwargs, recompute_kwargs
 from ..optional import have_transformer_engine
 from ..plan import Plan, Stage
-from ..plan_checks import FP32_OPTIMIZER_OFFLOAD, optimizer_offload_runs
+from ..plan_checks import FP32_OPTIMIZER_OFFLOAD, optimizer_offload_runs, plan_stages
+from ..plan_mesh import MeshPlan, MeshStage
 
-__all__ = ["stage_args", "check_supported", "PolicyUnsupported", "activation_offload_supported",
-           "set_launch_env"]
+__all__ = ["stage_args", "apply_stage_args", "check_supported", "PolicyUnsupported",
+           "activation_offload_supported", "set_launch_env"]
 
 NVTE_ENV = "NVTE_CPU_OFFLOAD_V1"
 """Megatron's fine-grained offload needs it at 1 with Transformer Engine >= 2.10."""
@@ -54,7 +55,7 @@ class PolicyUnsupported(HeteroError):
     """The plan asks for a memory policy the installed megatron-core cannot apply."""
 
 
-def stage_args(stage: Stage) -> dict:
+def stage_args(stage: Stage | MeshStage) -> dict:
     """Megatron ``args`` attributes this stage's plan entry sets on its ranks (before Megatron's
     own ``validate_args``, which then checks them as usual)."""
     out = dict(recompute_kwargs(stage))
@@ -69,12 +70,20 @@ def stage_args(stage: Stage) -> dict:
     return out
 
 
+def apply_stage_args(args, stage: Stage | MeshStage) -> None:
+    """Set :func:`stage_args` on a rank's parsed Megatron ``args`` (the attributes its
+    Megatron-LM has, and the recompute ones): a format-1 rank's and a mesh rank's alike."""
+    for key, value in stage_args(stage).items():
+        if hasattr(args, key) or key.startswith("recompute_"):
+            setattr(args, key, value)
+
+
 def set_launch_env(argv, environ=None) -> bool:
     """Before Transformer Engine is imported: ``NVTE_CPU_OFFLOAD_V1=1`` (unless already set)
     when the command line's ``--hetero-plan`` offloads module inputs on some stage (TE reads it
     at import; with TE >= 2.10 Megatron's fine-grained offload asserts it). True when the plan
     needs it."""
-    from ..plan_mesh import MeshPlan, load_any_plan
+    from ..plan_mesh import load_any_plan
 
     environ = os.environ if environ is None else environ
     path = None
@@ -84,10 +93,7 @@ def set_launch_env(argv, environ=None) -> bool:
         elif tok.startswith("--hetero-plan="):
             path = tok.split("=", 1)[1]
     plan = None if path is None else load_any_plan(path)
-    offloads = plan is not None and (
-        any(st.offload.module_inputs for m in plan.meshes for st in m.stages)
-        if isinstance(plan, MeshPlan) else plan.offloads_module_inputs)
-    if not offloads:
+    if plan is None or not plan.offloads_module_inputs:
         return False
     environ.setdefault(NVTE_ENV, "1")
     return True
@@ -116,56 +122,57 @@ def _te_needs_v1_env() -> bool:
     return is_te_min_version("2.10.0")
 
 
-def check_supported(plan: Plan, *, source: str = "plan", use_precision_aware_optimizer=None,
-                    transformer_impl=None) -> None:
+def check_supported(plan: Plan | MeshPlan, *, source: str = "plan",
+                    use_precision_aware_optimizer=None, transformer_impl=None) -> None:
     """Refuse, with one message naming every offending stage, the policies this megatron-core
-    cannot apply. ``use_precision_aware_optimizer`` and ``transformer_impl`` (the parsed
-    arguments) are checked when given."""
+    cannot apply (of a format-1 or a mesh plan: every rank of a mesh plan runs its own
+    stage's, as a format-1 plan's). ``use_precision_aware_optimizer`` and ``transformer_impl``
+    (the parsed arguments) are checked when given."""
     problems = []
     pp = plan.pipeline_model_parallel_size
-    for d, pipe in enumerate(plan.pipelines):
-        for s, stage in enumerate(pipe.stages):
-            r = stage.recompute
-            if (r.granularity == "full" and r.method == "uniform" and stage.chunk_layers
-                    and plan.virtual_pipeline_size > 1
-                    and any(n % r.num_layers for n in stage.chunk_layers)):
-                problems.append(f"pipelines[{d}].stages[{s}].recompute.num_layers: uniform "
-                                f"recompute groups of {r.num_layers} layers must divide each "
-                                f"model chunk's layers {stage.chunk_layers} (Megatron recomputes "
-                                f"per chunk); use a divisor or method block")
-            where = f"pipelines[{d}].stages[{s}].offload"
-            if stage.offload.activations:
-                if stage.recompute.granularity != "none":
-                    problems.append(f"{where}.activations: megatron-core's cpu_offloading does "
-                                    f"not work together with recompute "
-                                    f"({stage.recompute.granularity}) on the same stage")
-                elif not activation_offload_supported(pp):
-                    problems.append(f"{where}.activations: the installed megatron-core refuses "
-                                    f"activation offload (cpu_offloading) with pipeline "
-                                    f"parallelism (PP={pp})")
-                elif not have_transformer_engine():
-                    problems.append(f"{where}.activations: megatron-core's activation offload "
-                                    f"(cpu_offloading) runs through Transformer Engine, which is "
-                                    f"not installed")
-            if stage.offload.module_inputs:
-                problems += _module_input_problems(stage, f"{where}.module_inputs",
-                                                   transformer_impl)
-            if stage.offload.optimizer_fraction > 0:
-                if not optimizer_offload_supported():
-                    problems.append(f"{where}.optimizer_fraction: the installed megatron-core "
-                                    f"has no CPU-offload optimizer")
-                elif use_precision_aware_optimizer is False:
-                    problems.append(f"{where}.optimizer_fraction: optimizer offload needs "
-                                    f"--use-precision-aware-optimizer on the command line")
-                elif not (optimizer_offload_runs(plan.precision) or cpu_backend_enabled()):
-                    problems.append(f"{where}.optimizer_fraction: {FP32_OPTIMIZER_OFFLOAD} (CPU "
-                                    f"ranks have fixes: mcore/cpu_offload.py)")
+    interleaved = getattr(plan, "virtual_pipeline_size", 1) > 1
+    for path, _, stage in plan_stages(plan):
+        r = stage.recompute
+        chunks = getattr(stage, "chunk_layers", None)
+        if (r.granularity == "full" and r.method == "uniform" and chunks and interleaved
+                and any(n % r.num_layers for n in chunks)):
+            problems.append(f"{path}.recompute.num_layers: uniform "
+                            f"recompute groups of {r.num_layers} layers must divide each "
+                            f"model chunk's layers {chunks} (Megatron recomputes "
+                            f"per chunk); use a divisor or method block")
+        where = f"{path}.offload"
+        if stage.offload.activations:
+            if stage.recompute.granularity != "none":
+                problems.append(f"{where}.activations: megatron-core's cpu_offloading does "
+                                f"not work together with recompute "
+                                f"({stage.recompute.granularity}) on the same stage")
+            elif not activation_offload_supported(pp):
+                problems.append(f"{where}.activations: the installed megatron-core refuses "
+                                f"activation offload (cpu_offloading) with pipeline "
+                                f"parallelism (PP={pp})")
+            elif not have_transformer_engine():
+                problems.append(f"{where}.activations: megatron-core's activation offload "
+                                f"(cpu_offloading) runs through Transformer Engine, which is "
+                                f"not installed")
+        if stage.offload.module_inputs:
+            problems += _module_input_problems(stage, f"{where}.module_inputs",
+                                               transformer_impl)
+        if stage.offload.optimizer_fraction > 0:
+            if not optimizer_offload_supported():
+                problems.append(f"{where}.optimizer_fraction: the installed megatron-core "
+                                f"has no CPU-offload optimizer")
+            elif use_precision_aware_optimizer is False:
+                problems.append(f"{where}.optimizer_fraction: optimizer offload needs "
+                                f"--use-precision-aware-optimizer on the command line")
+            elif not (optimizer_offload_runs(plan.precision) or cpu_backend_enabled()):
+                problems.append(f"{where}.optimizer_fraction: {FP32_OPTIMIZER_OFFLOAD} (CPU "
+                                f"ranks have fixes: mcore/cpu_offload.py)")
     if problems:
         raise PolicyUnsupported(f"{source}: the plan asks for memory policies this Megatron "
                                 f"cannot apply:\n  " + "\n  ".join(problems))
 
 
-def _module_input_problems(stage: Stage, where: str, transformer_impl) -> list[str]:
+def _module_input_problems(stage: Stage | MeshStage, where: str, transformer_impl) -> list[str]:
     if stage.offload.activations:
         return [f"{where}: megatron-core's fine-grained activation offloading cannot run with "
                 f"cpu_offloading (offload.activations) on the same stage; choose one"]

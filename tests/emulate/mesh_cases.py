@@ -24,3 +24,30 @@ def train_against_one_process(plan_path: str, clip_grad: float) -> dict:
         out[name] = {"losses": got.losses, "grad_norms": [r.grad_norms for r in got.ranks],
                      "diverges": compare_results(got, ref, rtol=1e-5, atol=1e-5)}
     return out
+
+
+def rehearse_with_and_without_offload(plan_path: str, hidden_size: int) -> dict:
+    """Rehearse the mesh plan at ``plan_path`` (2 steps, memory metered and not capped) as it
+    is, with ``--verify``, then with every stage's offload removed (one device type: the second
+    run reuses the first's calibration); return each run's rows ``[mesh, stage, replica, peak
+    bytes, cap bytes]`` and the first run's verification message."""
+    from megatron_hetero.emulate.mesh_rehearse import rehearse_mesh
+    from megatron_hetero.emulate.rehearse import RehearsalConfig
+    from megatron_hetero.plan_mesh import load_any_plan, mesh_plan_from_data
+
+    plan = load_any_plan(plan_path)
+    (device,) = plan.device_counts()
+    data = plan.to_data()
+    for mesh in data["meshes"]:
+        for stage in mesh["stages"]:
+            stage.pop("offload", None)
+    plain = mesh_plan_from_data(data, source="<without offload>", catalog=plan.catalog)
+    config = RehearsalConfig(steps=2, hidden_size=hidden_size, memory_cap=False)
+    out, calibration = {}, None
+    for name, p in (("offload", plan), ("none", plain)):
+        got = rehearse_mesh(p, config, verify=name == "offload", calibration=calibration)
+        calibration = {device: got.calibration}
+        out[name] = {"rows": [[s.mesh, s.stage, s.replica, s.peak_bytes, s.cap_bytes]
+                              for s in got.stages],
+                     "verify": got.verify_message}
+    return out

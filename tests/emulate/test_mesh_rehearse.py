@@ -6,10 +6,12 @@ the prediction, median of 3 rehearsals; scripts/bench_mesh_rehearse.py prints th
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import pytest
+import yaml
 
 from megatron_hetero.cli import main
 from megatron_hetero.emulate.mesh_rehearse import shrink_mesh_plan
@@ -110,3 +112,36 @@ def test_mesh_rehearsal_meets_its_prediction(mcore017_env):
         line = next(x for x in out.stdout.splitlines() if x.startswith("step time: measured"))
         ratios.append(float(line.rsplit("measured/predicted", 1)[1].split()[0]))
     assert sorted(ratios)[1] == pytest.approx(1.0, abs=0.1), ratios
+
+
+@pytest.mark.slow
+def test_offloading_mesh_rehearses_below_its_peak_without_offload(tmp_path, mcore017_env):
+    """Two meshes of one A100 each (2 layers of a model whose layer input is 1024 x 1024
+    elements, at megatron-core's offload threshold), the first offloading its module inputs and
+    half its optimizer state: its rehearsal runs both offloads and trains equal to one process,
+    and the first mesh's metered peak is below its peak rehearsed without offload (the second
+    mesh's is the same in both runs)."""
+    model = {"name": "wide", "num_layers": 4, "hidden_size": 1024, "ffn_hidden_size": 2816,
+             "num_attention_heads": 8, "num_query_groups": 8, "vocab_size": 4000,
+             "seq_length": 1024, "untie_embeddings_and_output_weights": True}
+    mesh = {"device_type": "A100-SXM-80GB", "tensor_model_parallel_size": 1,
+            "replicas": [{"micro_batch_size": 1, "num_microbatches": 2}],
+            "stages": [{"num_layers": 2}]}
+    data = {"format_version": 2, "model": model, "global_batch_size": 2, "precision": "bf16",
+            "use_distributed_optimizer": True,
+            "meshes": [{**mesh, "stages": [{"num_layers": 2, "offload": {
+                "module_inputs": True, "optimizer_fraction": 0.5}}]}, mesh]}
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(data))
+    script = ("import json\nfrom tests.emulate.mesh_cases import rehearse_with_and_without_offload"
+              f"\nprint(json.dumps(rehearse_with_and_without_offload({str(path)!r}, 32)))\n")
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
+                         text=True, timeout=900,
+                         env=mcore017_env | {"PYTHONWARNINGS": "ignore"})
+    assert out.returncode == 0, out.stderr[-4000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["offload"]["verify"] is None  # losses and final parameters match one process
+    (_, _, _, peak, cap), (*_, peak_last, _) = got["offload"]["rows"]
+    (*_, peak_plain, _), (*_, peak_last_plain, _) = got["none"]["rows"]
+    assert 0 < peak < peak_plain and peak < cap
+    assert peak_last == pytest.approx(peak_last_plain, rel=1e-2)

@@ -9,11 +9,12 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_hetero.plan import chunk_recompute
+from megatron_hetero.plan_mesh import mesh_plan_from_data
 from megatron_hetero.optional import have_transformer_engine
 from megatron_hetero.runtime import hooks, plan_args, policies
 from megatron_hetero.runtime.plan_args import ArgumentConflict, check_and_apply
 
-from .plans import A100, V100, make_plan
+from .plans import A100, V100, make_mesh_plan, make_plan
 
 FULL = {"granularity": "full", "method": "block", "num_layers": 1}
 
@@ -121,6 +122,24 @@ def test_unsupported_policies_are_refused_at_start():
     with pytest.raises(policies.PolicyUnsupported, match="together with recompute"):
         policies.check_supported(make_plan(split=(2,), offload=[{"activations": True}],
                                            recompute=[FULL]))
+
+
+def test_unsupported_policies_of_a_mesh_plan_are_refused_with_their_mesh_path():
+    """A mesh plan's stages are checked as a format-1 plan's, each named by its mesh and
+    stage (every rank of a mesh plan runs its own stage's policies)."""
+    data = make_mesh_plan([(1, 1, [2], None), (2, 1, [2], None)]).to_data()
+    data["meshes"][0]["stages"][0]["offload"] = {"optimizer_fraction": 0.5,
+                                                 "module_inputs": True}
+    data["meshes"][1]["stages"][0]["offload"] = {"activations": True}
+    plan = mesh_plan_from_data(data, source="p.yaml")
+    with pytest.raises(policies.PolicyUnsupported) as err:
+        policies.check_supported(plan, source="p.yaml", use_precision_aware_optimizer=False)
+    text = str(err.value)
+    assert text.startswith("p.yaml: ")
+    assert "meshes[1].stages[0].offload.activations" in text and "PP=2" in text
+    assert "meshes[0].stages[0].offload.optimizer_fraction" in text
+    assert "--use-precision-aware-optimizer" in text
+    assert "pipelines[" not in text
 
 
 def test_extra_args_provider_adds_the_plugin_arguments_once():

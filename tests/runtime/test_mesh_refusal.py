@@ -36,6 +36,7 @@ _ON_017 = """
 import argparse, sys
 from megatron_hetero.errors import HeteroError
 from megatron_hetero.runtime import hooks, placement
+{cpu}
 # the other 31 launcher ranks, as the rank exchange would report them: the 3090s last
 types = ["T4-16GB"] * 16 + ["RTX3090-24GB"] * 16
 placement._launcher_store = lambda *a, **kw: None
@@ -57,8 +58,15 @@ print("args", args.tensor_model_parallel_size, args.pipeline_model_parallel_size
 """
 
 
-def _on_017(env, *, world=32, argv=()) -> str:
-    script = _ON_017.format(path=str(MESH), world=world, argv=list(argv))
+_CPU = "from megatron_hetero.mcore.cpu_backend import enable_cpu_backend; enable_cpu_backend()"
+
+
+def _on_017(env, *, world=32, argv=(), cpu=True) -> str:
+    """Launcher rank 21 of the example plan through the hooks' ``validate_args`` part; ``cpu``:
+    on CPU ranks (the CPU backend enabled, as ``launch --cpu`` runs them), which run the
+    example's module-input offload without Transformer Engine."""
+    script = _ON_017.format(path=str(MESH), world=world, argv=list(argv),
+                            cpu=_CPU if cpu else "")
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -88,3 +96,22 @@ def test_mesh_plan_on_017_refuses_another_world_size(mcore017_env):
     assert "refused:" in out
     assert ("the plan needs world size 32 (16x RTX3090-24GB, 16x T4-16GB; mesh 0: TP=1 x DP=8 x "
             "PP=2; mesh 1: TP=2 x DP=8 x PP=1); the launcher started 8 ranks") in out
+
+
+def test_mesh_plan_on_017_refuses_a_policy_by_its_mesh_stage(mcore017_env):
+    """Off CPU ranks, without Transformer Engine and with Transformer Engine's layers asked for
+    (Megatron-LM's default), the example's module-input offload (the 3090 mesh's stages)
+    cannot run: every rank refuses it at start, naming each stage's field, rather than run
+    without it."""
+    from megatron_hetero.optional import have_transformer_engine
+    if have_transformer_engine():
+        pytest.skip("Transformer Engine is installed")
+    out = _on_017(mcore017_env, cpu=False)
+    assert out.startswith(f"refused: {MESH}: the plan asks for memory policies this Megatron "
+                          "cannot apply:")
+    for j in (0, 1):
+        assert (f"meshes[0].stages[{j}].offload.module_inputs: megatron-core's fine-grained "
+                "activation offloading runs on Transformer Engine's layers, which is not "
+                "installed, or on megatron-core's local layers: pass --transformer-impl local") \
+            in out
+    assert "meshes[1]" not in out

@@ -10,10 +10,14 @@ trains steps 1-4 and saves after each; every mesh plan loads ``ref``'s step-1 ch
 trains steps 2-4, each step's loss and gradient norm (whole model) equal to ``ref``'s within
 fp32 rtol 1e-5:
 
-* ``tp1-tp2`` (3 ranks): layers 1-2 at TP 1 on an A100, layers 3-4 at TP 2 on V100s with full
-  recompute (the bridge broadcasts); the launcher starts the V100s first, and each process is
-  placed on its device type's rank;
+* ``tp1-tp2`` (3 ranks): layers 1-2 at TP 1 on an A100, offloading as ``dp2-dp1``'s first
+  mesh, layers 3-4 at TP 2 on V100s with full recompute (the bridge broadcasts); the launcher
+  starts the V100s first, and each process is placed on its device type's rank;
 * ``dp2-dp1`` (3 ranks): 2 replicas of 2 micro-batches of 1, then 1 replica of 2 x 2 (fan-in);
+  the first mesh offloads (half of each replica's optimizer shard on the host through
+  megatron-core's CPU-offload optimizer, its module inputs through fine-grained activation
+  offloading), the second does not (its rank joins megatron-core's offload summary with
+  nothing);
 * ``tp2dp1-tp1dp2`` (4 ranks): TP 2 x DP 1 then TP 1 x DP 2 (fan-out);
 * ``pp2-tp2`` (4 ranks): two stages of one layer at TP 1, then one of two layers at TP 2;
 * ``tp2-pp2`` (4 ranks): the reverse (the model's last mesh of two stages);
@@ -59,6 +63,8 @@ MESH_PLANS = {  # name: (ranks, [(tp, dp, layers per stage, recompute), ...])
     "uneven": (4, [(1, 2, [2], None), (1, 2, [2], None)]),  # replicas of 3 and 1 micro-batches
     "plain": (3, [(1, 2, [2], None), (1, 1, [2], None)]),  # dp2-dp1, no distributed optimizer
 }
+HALF = {"optimizer_fraction": 0.5, "module_inputs": True}
+OFFLOAD = {"dp2-dp1": {0: HALF}, "tp1-tp2": {0: HALF}}  # {mesh: offload of its stages}
 PLAIN = {"plain", "ref-plain"}  # Adam without the distributed optimizer (its own reference)
 REFERENCE = {"plain": "ref-plain"}
 REPLICAS = {"uneven": [(1, 3), (1, 1)]}
@@ -102,7 +108,8 @@ def chain(tmp_path_factory):
     for name, (_, meshes) in MESH_PLANS.items():
         save_any_plan(make_mesh_plan(meshes, replicas=REPLICAS.get(name),
                                      devices=DEVICES.get(name),
-                                     distributed_optimizer=name not in PLAIN),
+                                     distributed_optimizer=name not in PLAIN,
+                                     offload=OFFLOAD.get(name)),
                       root / f"{name}.yaml")
     records, walls = {}, {}
     for run, plan, ranks, extra in _runs(root):
@@ -111,7 +118,10 @@ def chain(tmp_path_factory):
         start = time.perf_counter()
         results = launch(ranks, str(root / f"{plan}.yaml"), work, script=script,
                          base_args=base_args, iters=STEPS, extra=CHECKPOINT_ARGS + extra,
-                         env={"SAMPLES_LOG": str(work / "samples")}, timeout=500,
+                         env={"SAMPLES_LOG": str(work / "samples"),
+                              # the tiny model's module inputs offloaded (data/recording.py)
+                              **({"OFFLOAD_MIN_NUMEL": "1"} if plan in OFFLOAD else {})},
+                         timeout=500,
                          launcher_types=LAUNCHER_TYPES.get(run))
         walls[run] = time.perf_counter() - start
         for code, out, _ in results:
@@ -143,6 +153,24 @@ def test_mesh_plan_trains_equal_to_one_process(chain, name):
         assert [s[0] for s in record["steps"]] == [1, 2, 3]
         assert all((s[1] is not None) == (r >= last) for s in record["steps"]), (name, r)
         assert [s[2] for s in record["steps"]] == [s[2] for s in records[-1]["steps"]]
+
+
+@pytest.mark.parametrize("run", ["dp2-dp1", "tp1-tp2", "resume"])
+def test_offload_runs_on_the_offloading_mesh_only(chain, run):
+    """``dp2-dp1``, ``tp1-tp2`` and its ``resume``: every rank of the first mesh keeps part of
+    its optimizer shard on the host and part on the device, and offloads module inputs; the
+    second mesh's ranks do neither, and joined megatron-core's offload summary (with nothing)
+    rather than hang in it."""
+    _, meshes = MESH_PLANS["tp1-tp2" if run == "resume" else run]
+    tp, dp, layers, _ = meshes[0]
+    first = tp * dp * len(layers)  # the first mesh's ranks
+    for r, record in enumerate(_by_rank(chain["records"][run])):
+        got = record["offload"]
+        if r < first:
+            assert got["optimizer_host_numel"] > 0 and got["optimizer_device_numel"] > 0, got
+            assert sum(got["module_input_bytes"].values()) > 0, got
+        else:
+            assert "optimizer_host_numel" not in got and got["module_input_bytes"] == {}, got
 
 
 def test_ranks_placed_by_device_type(chain):
