@@ -41,8 +41,8 @@ megatron-core's ``HybridDeviceOptimizer``, HDO):
 
 Module-input offload (``Offload.module_inputs``: megatron-core's fine-grained activation
 offloading) needs from Transformer Engine only a flag its manager sets on TE's ``cpu_offload``
-module, which only TE layers read (:mod:`.cpu_backend` stands in for it, for pinned memory and
-for ``record_stream``), so the local layers run it. Megatron assumes every rank offloads or none
+module, which only TE layers read (:mod:`.local_offload` stands in for it, on a GPU too;
+:mod:`.cpu_backend` for pinned memory and ``record_stream``), so the local layers run it. Megatron assumes every rank offloads or none
 does: after the first step an offloading rank prints its offload summary through world-wide
 collectives (``print_offload_summary_table``: two ``all_gather_object`` and a barrier). With a
 plan that offloads on some stages only, the other ranks join those collectives once, with

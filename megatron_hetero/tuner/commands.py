@@ -50,7 +50,7 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-activation-offload", action="store_true",
                    help="never offload the layers' module inputs to the host (megatron-core's "
                         "fine-grained activation offloading, which needs megatron-core 0.17 or "
-                        "later and Transformer Engine)")
+                        "later, with Transformer Engine's layers or the local ones)")
     p.add_argument("--meshes", action="store_true",
                    help="search mesh plans too (TP and DP per device type) and write one where "
                         "it is faster; the runtime refuses mesh plans until it can run them")

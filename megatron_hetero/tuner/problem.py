@@ -43,8 +43,8 @@ class TuneOptions:
     :func:`~megatron_hetero.plan_checks.optimizer_offload_runs`)."""
     activation_offload: bool = True
     """Let stages offload their layers' module inputs to the host where memory is short
-    (megatron-core's fine-grained activation offloading; needs Transformer Engine and
-    megatron-core 0.17 or later at run time)."""
+    (megatron-core's fine-grained activation offloading; needs megatron-core 0.17 or later
+    at run time, with Transformer Engine's layers or the local ones)."""
     overlap_grad_reduce: bool = True
     """Plans (the baseline's too: plain Megatron has the flag) overlap the data-parallel
     gradient reduction with the last backward (``--overlap-grad-reduce``)."""
