@@ -5,6 +5,7 @@ hooks run it (``test_mesh_training.py``); what they refuse there is checked here
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 
@@ -14,7 +15,7 @@ from megatron_hetero.errors import HeteroError
 from megatron_hetero.runtime import hooks
 from megatron_hetero.runtime.meshes import mesh_plan_of
 
-from ..conftest import EXAMPLE_PLANS, REPO
+from ..conftest import EXAMPLE_PLANS, REPO, mcore017_environ
 
 MESH = REPO / "examples/meshes/3090-t4-plan.yaml"
 
@@ -33,7 +34,7 @@ def test_format_1_plans_pass_the_gate():
 
 
 _ON_017 = """
-import argparse, sys
+import argparse, contextlib, io, json, sys
 from megatron_hetero.errors import HeteroError
 from megatron_hetero.runtime import hooks, placement
 # the other 31 launcher ranks, as the rank exchange would report them: the 3090s last
@@ -42,49 +43,64 @@ placement._launcher_store = lambda *a, **kw: None
 placement.exchange_rank_infos = lambda mine, world, store: [
     placement.RankInfo(launcher_rank=r, device_type=types[r], host="h", local_rank=r)
     for r in range(world)]
-args = argparse.Namespace(hetero_plan={path!r}, rank=21, world_size={world},
-                          hetero_device_type="RTX3090-24GB")
-try:
-    st = hooks.before_validate(args, argv={argv!r})
-except HeteroError as exc:
-    print("refused:", exc)
-    sys.exit(0)
-print("rank", st.launcher_rank, st.rank, args.rank)
-print("slot", st.slot.mesh, st.slot.stage, st.slot.replica, st.slot.tensor_rank)
-print("args", args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-      args.micro_batch_size, args.pipeline_model_parallel_layout, args.num_layers,
-      args.global_batch_size)
+printed = []
+for world, argv in json.loads(sys.stdin.read()):  # one case after the other
+    hooks.reset()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        args = argparse.Namespace(hetero_plan={path!r}, rank=21, world_size=world,
+                                  hetero_device_type="RTX3090-24GB")
+        try:
+            st = hooks.before_validate(args, argv=argv)
+        except HeteroError as exc:
+            print("refused:", exc)
+        else:
+            print("rank", st.launcher_rank, st.rank, args.rank)
+            print("slot", st.slot.mesh, st.slot.stage, st.slot.replica, st.slot.tensor_rank)
+            print("args", args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                  args.micro_batch_size, args.pipeline_model_parallel_layout, args.num_layers,
+                  args.global_batch_size)
+    printed.append(out.getvalue())
+print("CASES" + json.dumps(printed))
 """
 
+CASES = {  # test: (world size, command line)
+    "placed": (32, []),
+    "refused-args": (32, ["--tensor-model-parallel-size", "2", "--global-batch-size", "64"]),
+    "refused-world": (8, []),
+}
 
-def _on_017(env, *, world=32, argv=()) -> str:
-    script = _ON_017.format(path=str(MESH), world=world, argv=list(argv))
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                         text=True, timeout=300)
+
+@pytest.fixture(scope="module")
+def on_017() -> dict:
+    """What the hooks printed for each of ``CASES`` (launcher rank 21, a 3090) on
+    megatron-core 0.17.1: every case in one subprocess."""
+    out = subprocess.run([sys.executable, "-c", _ON_017.format(path=str(MESH))],
+                         input=json.dumps(list(CASES.values())), env=mcore017_environ(),
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    return out.stdout
+    return dict(zip(CASES, json.loads(out.stdout.split("CASES", 1)[1])))
 
 
-def test_mesh_plan_on_017_gives_each_rank_its_mesh(mcore017_env):
+def test_mesh_plan_on_017_gives_each_rank_its_mesh(on_017):
     """Launcher rank 21, a 3090 where the launcher put the T4s first, is placed on the plan's
     rank 5 (the 3090 mesh comes first in the plan): mesh 0 (TP 1, DP 8, 2 stages), its TP, PP,
     micro-batch and its mesh's segments of the layout; the common arguments from the plan."""
-    out = _on_017(mcore017_env)
+    out = on_017["placed"]
     assert "rank 21 5 5" in out
     assert "slot 0 0 5 0" in out
     assert "args 1 2 1 Et*10|t*10 32 128" in out
 
 
-def test_mesh_plan_on_017_refuses_what_each_mesh_sets(mcore017_env):
-    out = _on_017(mcore017_env, argv=["--tensor-model-parallel-size", "2",
-                                      "--global-batch-size", "64"])
+def test_mesh_plan_on_017_refuses_what_each_mesh_sets(on_017):
+    out = on_017["refused-args"]
     assert "refused:" in out
     assert "--tensor-model-parallel-size: each rank takes its mesh's from the plan" in out
     assert "--global-batch-size: the command line has" in out
 
 
-def test_mesh_plan_on_017_refuses_another_world_size(mcore017_env):
-    out = _on_017(mcore017_env, world=8)
+def test_mesh_plan_on_017_refuses_another_world_size(on_017):
+    out = on_017["refused-world"]
     assert "refused:" in out
     assert ("the plan needs world size 32 (16x RTX3090-24GB, 16x T4-16GB; mesh 0: TP=1 x DP=8 x "
             "PP=2; mesh 1: TP=2 x DP=8 x PP=1); the launcher started 8 ranks") in out
