@@ -102,8 +102,9 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 # A requeued job waits for the credential lifetime before it runs again (120 s by default);
-# step launches here take seconds
-AuthInfo=cred_expire=30
+# a credential here is checked within a second or two of being made (slurmctld and slurmd
+# share the host), so 10 s (Slurm's minimum is 5)
+AuthInfo=cred_expire=10
 CredType=cred/munge
 MpiDefault=none
 ProctrackType=proctrack/linuxproc

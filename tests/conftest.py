@@ -26,14 +26,57 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
-@pytest.fixture
-def mcore017_env() -> dict:
+def mcore017_environ() -> dict:
     """Environment for a subprocess that imports megatron-core 0.17.1 (it ships megatron.training)."""
     if not (MCORE017 / "megatron" / "training").is_dir():
         pytest.fail(f"megatron-core 0.17.1 is missing at {MCORE017}: run scripts/bootstrap.sh")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(MCORE017), str(REPO)])
     return env
+
+
+@pytest.fixture
+def mcore017_env() -> dict:
+    """:func:`mcore017_environ` for one test."""
+    return mcore017_environ()
+
+
+_CALLS = """
+import json, sys, traceback
+calls = json.loads(sys.stdin.read())
+exec(calls.pop("__prelude__"))
+done = {}
+for key, expression in calls.items():
+    try:
+        done[key] = {"value": eval(expression)}
+    except BaseException:
+        done[key] = {"error": traceback.format_exc()}
+print(json.dumps(done))
+"""
+
+
+def evaluate_under_017(prelude: str, calls: dict[str, str], *, timeout: float) -> dict:
+    """Evaluate each Python expression of ``calls`` (``{key: expression}``, after ``prelude``)
+    in one subprocess under megatron-core 0.17.1, in order: one interpreter (and one forkserver
+    of :func:`megatron_hetero.mcore.spawn.spawn`) for the cases of a module instead of one per
+    test. Returns ``{key: {"value": JSON of its value}}``, or ``{key: {"error": traceback}}``
+    for an expression that raised (:func:`evaluated` fails that test with it)."""
+    import json
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", _CALLS], env=mcore017_environ(), cwd=REPO,
+                         input=json.dumps({"__prelude__": prelude, **calls}),
+                         capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def evaluated(results: dict, key: str):
+    """The value :func:`evaluate_under_017` got for ``key``; the test fails with the
+    subprocess's traceback where the expression raised."""
+    if "error" in results[key]:
+        pytest.fail(f"{key}: {results[key]['error'][-4000:]}")
+    return results[key]["value"]
 
 
 def one_line_error(capsys, command: str) -> str:

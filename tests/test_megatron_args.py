@@ -15,7 +15,7 @@ import yaml
 from megatron_hetero.megatron_args import megatron_args, split_args
 from megatron_hetero.plan import load_plan, plan_from_data
 
-from .conftest import EXAMPLE_PLANS, REPO
+from .conftest import EXAMPLE_PLANS, REPO, mcore017_environ
 
 BASE = yaml.safe_load((REPO / "tests/data/plan_a100_v100.yaml").read_text())
 
@@ -142,15 +142,16 @@ _CHECKER = textwrap.dedent("""
 """)
 
 
-def test_megatron_training_accepts_the_arguments(mcore017_env):
+def _cases() -> dict:
     cases = {f"example:{p.relative_to(REPO)}": (load_plan(p), str(p)) for p in EXAMPLE_PLANS}
     cases.update({name: (plan, f"{name}.yaml") for name, plan in VARIANTS.items()})
-    payload = [{"argv": megatron_args(plan, path), "world_size": plan.world_size}
-               for plan, path in cases.values()]
-    proc = subprocess.run([sys.executable, "-c", _CHECKER], input=json.dumps(payload), text=True,
-                          capture_output=True, env=mcore017_env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(proc.stdout.split("RESULT", 1)[1])
+    return cases
+
+
+def test_megatron_training_accepts_the_arguments(checked):
+    cases = _cases()
+    results = checked["accepts"]
+    assert len(results) == len(cases)
     for (name, (plan, path)), got in zip(cases.items(), results):
         assert got["tp"] == plan.tensor_model_parallel_size, name
         assert got["pp"] == plan.pipeline_model_parallel_size, name
@@ -234,7 +235,42 @@ _PER_RANK_CHECKER = textwrap.dedent("""
 """)
 
 
-def test_module_input_offload_is_set_per_rank_and_megatron_accepts_it(mcore017_env, tmp_path):
+# Both checkers in one subprocess under megatron-core 0.17.1, each with its own input, in turn
+# (the per-rank one sets megatron-core's TE version: it goes second).
+_BOTH = textwrap.dedent("""
+    import contextlib, io, json, sys
+    out = []
+    for source, payload in json.loads(sys.stdin.read()):
+        sys.stdin, printed = io.StringIO(payload), io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            exec(source, {"__name__": "__main__"})
+        out.append(json.loads(printed.getvalue().split("RESULT", 1)[1]))
+    print("BOTH" + json.dumps(out))
+""")
+_OFFLOAD_RUNS = [(0, 0, "0.0.0", None), (0, 1, "0.0.0", None), (0, 0, "2.10.0", None),
+                 (0, 0, "2.10.0", "1"), (0, 1, "2.10.0", None)]
+
+
+@pytest.fixture(scope="module")
+def checked(tmp_path_factory) -> dict:
+    """What ``_CHECKER`` found for every case of :func:`_cases` (``accepts``) and
+    ``_PER_RANK_CHECKER`` for the module-input offload variant's ranks (``per-rank``)."""
+    cases = _cases()
+    accepts = [{"argv": megatron_args(plan, path), "world_size": plan.world_size}
+               for plan, path in cases.values()]
+    path = tmp_path_factory.mktemp("per_rank") / "plan.yaml"
+    plan = VARIANTS["module-input-offload"]
+    path.write_text(yaml.safe_dump(plan.to_data()))
+    per_rank = {"plan": str(path), "argv": megatron_args(plan, str(path)), "runs": _OFFLOAD_RUNS}
+    proc = subprocess.run([sys.executable, "-c", _BOTH], text=True, capture_output=True,
+                          input=json.dumps([[_CHECKER, json.dumps(accepts)],
+                                            [_PER_RANK_CHECKER, json.dumps(per_rank)]]),
+                          env=mcore017_environ(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return dict(zip(["accepts", "per-rank"], json.loads(proc.stdout.split("BOTH", 1)[1])))
+
+
+def test_module_input_offload_is_set_per_rank_and_megatron_accepts_it(checked, tmp_path):
     """The line has no offload flags (megatron_args' docstring); each rank's own args from
     the plan pass Megatron's validate_args and reach its TransformerConfig, which checks the
     modules. With TE >= 2.10 Megatron asserts NVTE_CPU_OFFLOAD_V1=1 (launch sets it)."""
@@ -243,15 +279,8 @@ def test_module_input_offload_is_set_per_rank_and_megatron_accepts_it(mcore017_e
     plan = VARIANTS["module-input-offload"]
     argv = megatron_args(plan, str(tmp_path / "plan.yaml"))
     assert not any(a.startswith("--") and "offload" in a for a in argv)
-    (tmp_path / "plan.yaml").write_text(yaml.safe_dump(plan.to_data()))
-    runs = [(0, 0, "0.0.0", None), (0, 1, "0.0.0", None), (0, 0, "2.10.0", None),
-            (0, 0, "2.10.0", "1"), (0, 1, "2.10.0", None)]
-    payload = {"plan": str(tmp_path / "plan.yaml"), "argv": argv, "runs": runs}
-    proc = subprocess.run([sys.executable, "-c", _PER_RANK_CHECKER], input=json.dumps(payload),
-                          text=True, capture_output=True, env=mcore017_env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
     on, off = [True, list(MODULE_INPUTS)], [False, []]
-    assert json.loads(proc.stdout.split("RESULT", 1)[1]) == [
+    assert checked["per-rank"] == [
         {"args": on, "config": on}, {"args": off, "config": off},
         {"refused": "For fine-grained activation offloading with TE >= 2.10.0, "
                     "NVTE_CPU_OFFLOAD_V1 should be set to 1 to avoid offloading weights."},

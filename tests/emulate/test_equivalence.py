@@ -22,8 +22,6 @@ parameters by about a full step and the losses from step 0 (see test_wrong_share
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -31,6 +29,7 @@ import pytest
 from megatron_hetero.emulate.trainer import (RankHooks, TrainConfig, compare_results,
                                              reference_plan, train_plan)
 
+from ..conftest import evaluate_under_017, evaluated
 from .conftest import tiny_plan
 
 pytestmark = pytest.mark.slow
@@ -198,29 +197,37 @@ def test_hooks_see_every_micro_batch_step():
         assert len(result.step_times[r.rank]) == config.steps
 
 
-@pytest.mark.parametrize("plan", ["tiny_plan([1, 5], [(1, 4)])",
-                                  "tiny_plan(None, [(1, 4), (1, 2)], chunks=[[1, 1], [3, 1]])"],
-                         ids=["b", "i_interleaved"])
-def test_megatron_core_017(mcore017_env, plan):
-    """(b) and an interleaved plan like (i) under megatron-core 0.17.1 (a subprocess with
-    PYTHONPATH=.venv/mcore017)."""
-    script = textwrap.dedent("""
+UNDER_017 = {"b": "tiny_plan([1, 5], [(1, 4)])",
+             "i_interleaved": "tiny_plan(None, [(1, 4), (1, 2)], chunks=[[1, 1], [3, 1]])"}
+
+
+@pytest.fixture(scope="module")
+def under_017() -> dict:
+    """megatron-core's version and the first divergence from one process of each plan of
+    ``UNDER_017`` trained 3 steps, both plans in one subprocess with PYTHONPATH=.venv/mcore017."""
+    prelude = textwrap.dedent("""
         import megatron.core
         from megatron_hetero.emulate.trainer import (TrainConfig, compare_results,
                                                      reference_plan, train_plan)
         from tests.emulate.conftest import tiny_plan
-        plan = %s
-        config = TrainConfig(steps=3)
-        diff = compare_results(train_plan(plan, config), train_plan(reference_plan(plan), config),
-                               rtol=%r, atol=%r)
-        print("VERSION", megatron.core.__version__)
-        print("DIFF", diff)
-    """ % (plan, RTOL, ATOL))
-    out = subprocess.run([sys.executable, "-W", "ignore", "-c", script], env=mcore017_env,
-                         capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "VERSION 0.17" in out.stdout, out.stdout
-    assert "DIFF None" in out.stdout, out.stdout
+
+        def versus_one_process(plan):
+            config = TrainConfig(steps=3)
+            return [megatron.core.__version__,
+                    compare_results(train_plan(plan, config),
+                                    train_plan(reference_plan(plan), config), rtol=%r, atol=%r)]
+    """ % (RTOL, ATOL))
+    return evaluate_under_017(prelude, {name: f"versus_one_process({plan})"
+                                        for name, plan in UNDER_017.items()}, timeout=240 * 2)
+
+
+@pytest.mark.parametrize("name", list(UNDER_017))
+def test_megatron_core_017(under_017, name):
+    """(b) and an interleaved plan like (i) under megatron-core 0.17.1 (a subprocess with
+    PYTHONPATH=.venv/mcore017)."""
+    version, diff = evaluated(under_017, name)
+    assert version.startswith("0.17"), version
+    assert diff is None, diff
 
 
 def _chunk_hooks(plan, rank):

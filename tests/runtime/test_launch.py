@@ -27,14 +27,17 @@ def _per_sample(log) -> dict[int, float]:
     return {i[0]: loss for i, (loss, _) in zip(log["indices"][n:], log["losses"][n:])}
 
 
-def test_uneven_data_parallel_equals_one_replica(tmp_path):
+# A 2-replica 3:1 plan and one replica running all 4 micro-batches, 2 steps, saving after step 2
+# (torch format): the runs both tests below start from.
+UNEVEN_3_1 = make_plan(split=(2,), replicas=[(1, 3), (1, 1)])
+ONE_REPLICA_4 = make_plan(split=(2,), replicas=[(1, 4)])
+SAVE_AT_2 = ["--save", "{work}/ckpt", "--save-interval", "2", "--ckpt-format", "torch"]
+
+
+def test_uneven_data_parallel_equals_one_replica(reference_run):
     """A 2-replica 3:1 plan trains exactly as one replica running all 4 micro-batches."""
-    uneven, single = tmp_path / "uneven.yaml", tmp_path / "single.yaml"
-    save_plan(make_plan(split=(2,), replicas=[(1, 3), (1, 1)]), uneven)
-    save_plan(make_plan(split=(2,), replicas=[(1, 4)]), single)
-    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
-    two = launch(2, str(uneven), tmp_path / "a")
-    one = launch(1, str(single), tmp_path / "b")
+    two, _ = reference_run(2, UNEVEN_3_1, extra=SAVE_AT_2)
+    one, _ = reference_run(1, ONE_REPLICA_4, extra=SAVE_AT_2)
     for code, out, _ in two + one:
         assert code == 0, out[-3000:]
     # each replica read exactly its share of every global batch
@@ -59,17 +62,20 @@ def _grad_norms(output: str) -> list[float]:
             if "grad norm:" in line]
 
 
-def test_uneven_stages_and_data_parallel_equal_one_replica(tmp_path):
+# Stages of 1 and 2 layers on an A100 and a V100, one replica of 4 micro-batches of 1, 2 steps:
+# the reference of this module's and test_vendor_launch's two-stage plans (run once).
+TWO_STAGES_4 = make_plan(split=(1, 2), devices=[[A100, V100]], replicas=[(1, 4)])
+
+
+def test_uneven_stages_and_data_parallel_equal_one_replica(tmp_path, reference_run):
     """Stages of 1 and 2 layers, two replicas with different micro-batch sizes and counts
     (2 x 1 and 1 x 2; 4 processes) train exactly as the same stages with one replica running
     4 micro-batches of 1 (2 processes)."""
-    uneven, single = tmp_path / "uneven.yaml", tmp_path / "single.yaml"
+    uneven = tmp_path / "uneven.yaml"
     save_plan(make_plan(split=(1, 2), devices=[[A100, V100]] * 2, replicas=[(1, 2), (2, 1)]),
               uneven)
-    save_plan(make_plan(split=(1, 2), devices=[[A100, V100]], replicas=[(1, 4)]), single)
-    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
-    four = launch(4, str(uneven), tmp_path / "a", timeout=400)
-    two = launch(2, str(single), tmp_path / "b", timeout=400)
+    four = launch(4, str(uneven), tmp_path, timeout=400)
+    two, _ = reference_run(2, TWO_STAGES_4)
     for code, out, _ in four + two:
         assert code == 0, out[-3000:]
     assert [log["num_layers"] for _, _, log in four] == [1, 1, 2, 2]  # Megatron order tp-dp-pp
@@ -84,21 +90,17 @@ def test_uneven_stages_and_data_parallel_equal_one_replica(tmp_path):
     assert _grad_norms(four[3][1]) == pytest.approx(_grad_norms(two[1][1]), rel=1e-4)
 
 
-def test_resume_from_a_checkpoint_reads_the_same_samples(tmp_path):
+def test_resume_from_a_checkpoint_reads_the_same_samples(tmp_path, reference_run):
     """An uneven plan saved after 2 steps and resumed for 2 more reads the next global batches'
     shares and trains as one replica resumed the same way."""
-    uneven, single = tmp_path / "uneven.yaml", tmp_path / "single.yaml"
-    save_plan(make_plan(split=(2,), replicas=[(1, 3), (1, 1)]), uneven)
-    save_plan(make_plan(split=(2,), replicas=[(1, 4)]), single)
     losses = {}
-    for name, nproc, plan in (("uneven", 2, uneven), ("single", 1, single)):
-        ckpt = tmp_path / f"ckpt-{name}"
-        save_dir, resume_dir = tmp_path / f"{name}-save", tmp_path / f"{name}-resume"
-        save_dir.mkdir(), resume_dir.mkdir()
-        first = launch(nproc, str(plan), save_dir, iters=2,
-                       extra=["--save", str(ckpt), "--save-interval", "2", "--ckpt-format", "torch"])
-        second = launch(nproc, str(plan), resume_dir, iters=4,
-                        extra=["--load", str(ckpt), "--ckpt-format", "torch",
+    for name, nproc, plan in (("uneven", 2, UNEVEN_3_1), ("single", 1, ONE_REPLICA_4)):
+        first, saved = reference_run(nproc, plan, extra=SAVE_AT_2)
+        resume_dir, path = tmp_path / f"{name}-resume", tmp_path / f"{name}.yaml"
+        save_plan(plan, path)
+        resume_dir.mkdir()
+        second = launch(nproc, str(path), resume_dir, iters=4,
+                        extra=["--load", str(saved / "ckpt"), "--ckpt-format", "torch",
                                "--override-opt_param-scheduler"])
         for code, out, _ in first + second:
             assert code == 0, out[-3000:]
@@ -168,22 +170,26 @@ def test_layout_split_with_an_embedding_only_first_stage(tmp_path):
     assert len(logged_losses(results[1][1])) == 2
 
 
-def test_interleaved_uneven_plan_equals_one_replica(tmp_path):
+# Interleaved: PP=2, 2 model chunks per stage of 1+1 and 2+1 layers on an A100 and a V100, one
+# replica running 6 micro-batches, no recompute: the reference of the interleaved plans here and
+# in test_vendor_launch (run once).
+INTERLEAVED_CHUNKS = [[1, 1], [2, 1]]
+INTERLEAVED_6 = make_plan(chunks=INTERLEAVED_CHUNKS, devices=[[A100, V100]], replicas=[(1, 6)])
+
+
+def test_interleaved_uneven_plan_equals_one_replica(tmp_path, reference_run):
     """An interleaved plan (PP=2, 2 model chunks per stage of 1+1 and 2+1 layers) with two
-    replicas running 4 and 2 micro-batches (4 processes) and the gradient reduction overlapped
-    (as the tuner writes plans) trains as the same chunks with one replica running all 6
-    (2 processes): Megatron's interleaved schedule, per-replica counts, per-chunk recompute."""
-    uneven, single = tmp_path / "uneven.yaml", tmp_path / "single.yaml"
-    chunks = [[1, 1], [2, 1]]
+    replicas running 4 and 2 micro-batches (4 processes), block recompute on stage 1 and the
+    gradient reduction overlapped (as the tuner writes plans) trains as the same chunks with
+    one replica running all 6 without recompute (2 processes): Megatron's interleaved
+    schedule, per-replica counts, per-chunk recompute (which changes no value)."""
+    uneven = tmp_path / "uneven.yaml"
     recompute = [None, {"granularity": "full", "method": "block", "num_layers": 2}]
-    plan = make_plan(chunks=chunks, devices=[[A100, V100]] * 2, replicas=[(1, 4), (1, 2)],
-                     recompute=recompute)
+    plan = make_plan(chunks=INTERLEAVED_CHUNKS, devices=[[A100, V100]] * 2,
+                     replicas=[(1, 4), (1, 2)], recompute=recompute)
     save_plan(dataclasses.replace(plan, overlap_grad_reduce=True), uneven)
-    save_plan(make_plan(chunks=chunks, devices=[[A100, V100]], replicas=[(1, 6)],
-                        recompute=recompute), single)
-    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
-    four = launch(4, str(uneven), tmp_path / "a", timeout=400)
-    two = launch(2, str(single), tmp_path / "b", timeout=400)
+    four = launch(4, str(uneven), tmp_path, timeout=400)
+    two, _ = reference_run(2, INTERLEAVED_6)
     for code, out, _ in four + two:
         assert code == 0, out[-3000:]
     assert "pipeline_model_parallel_layout .................. Et|t*2|t|tL" in four[0][1]
@@ -203,20 +209,17 @@ def test_interleaved_uneven_plan_equals_one_replica(tmp_path):
     assert _grad_norms(four[3][1]) == pytest.approx(_grad_norms(two[1][1]), rel=1e-4)
 
 
-def test_per_stage_warmup_schedule_trains_as_megatrons(tmp_path):
+def test_per_stage_warmup_schedule_trains_as_megatrons(tmp_path, reference_run):
     """A plan whose first stage warms up 3 micro-batches (Megatron: 1) runs the per-stage
     warm-up schedule through the get_forward_backward_func hook of megatron.training 0.17.1
     (megatron-core 0.17's backward_step) and trains exactly as Megatron's own 1F1B on the same
     plan without the field."""
-    plan = make_plan(split=(1, 2), devices=[[A100, V100]], replicas=[(1, 4)])
-    warm, plain = tmp_path / "warm.yaml", tmp_path / "plain.yaml"
-    data = plan.to_data()
+    warm = tmp_path / "warm.yaml"
+    data = TWO_STAGES_4.to_data()
     data["pipelines"][0]["stages"][0]["warmup_microbatches"] = 3
     save_plan(plan_from_data(data), warm)
-    save_plan(plan, plain)
-    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
-    ours = launch(2, str(warm), tmp_path / "a")
-    theirs = launch(2, str(plain), tmp_path / "b")
+    ours = launch(2, str(warm), tmp_path)
+    theirs, _ = reference_run(2, TWO_STAGES_4)
     for code, out, _ in ours + theirs:
         assert code == 0, out[-3000:]
     assert "4 micro-batches of 1; warm-up 3 micro-batches (Megatron's 1)" in ours[0][1]

@@ -13,6 +13,7 @@ import pytest
 
 from megatron_hetero.plan import save_plan
 
+from ..conftest import mcore017_environ
 from .plans import A100, V100, make_plan
 
 _CHECKER = textwrap.dedent("""
@@ -69,22 +70,63 @@ def _run(env, cases):
     return json.loads(proc.stdout.split("RESULT", 1)[1])
 
 
-@pytest.fixture
-def plan_file(tmp_path):
+_LAUNCHER_TYPES = [V100, A100, A100, V100]  # differs from the plan's A100, A100, V100, V100
+
+
+@pytest.fixture(scope="module")
+def checked(tmp_path_factory) -> dict:
+    """``{test: (plan, [result per case])}``: every case of the tests below through Megatron's
+    own parse_args and validate_args, all in one subprocess under megatron-core 0.17.1."""
+    root = tmp_path_factory.mktemp("training_path")
     plan = make_plan(split=(1, 3), devices=[[A100, V100], [A100, V100]],
                      replicas=[(1, 3), (1, 1)],
                      recompute=[None, {"granularity": "full", "method": "uniform", "num_layers": 1}])
-    path = tmp_path / "plan.yaml"
+    path = str(root / "plan.yaml")
     save_plan(plan, path)
-    return plan, str(path)
+    interleaved = make_plan(chunks=[[1, 1], [2, 1]], devices=[[A100, V100]] * 2,
+                            replicas=[(1, 4), (1, 2)])
+    ipath = str(root / "interleaved.yaml")
+    save_plan(interleaved, ipath)
+    offloading = make_plan(split=(2, 2), devices=[[A100, V100]], replicas=[(1, 2)],
+                           offload=[{"module_inputs": True}, None])
+    opath = str(root / "offloading.yaml")
+    save_plan(offloading, opath)
+    local = ["--transformer-impl", "local", "--hetero-plan", opath]
+    good, itypes = [A100, A100, V100, V100], [A100, A100, V100, V100]
+    cases = {
+        "applies": (plan, [{"argv": ["--lr", "0.001", "--hetero-plan", path],
+                            "types": _LAUNCHER_TYPES, "rank": r} for r in range(4)]),
+        "conflicts": (plan, [
+            {"argv": ["--pipeline-model-parallel-size", "8", "--hetero-plan", path],
+             "types": good, "rank": 0},
+            {"argv": ["--num-layers", "4", "--hidden-size", "32", "--hetero-plan", path],
+             "types": good, "rank": 0},
+            {"argv": ["--recompute-granularity", "selective", "--hetero-plan", path],
+             "types": good, "rank": 0},
+            {"argv": ["--hetero-plan", path], "types": [A100, V100, V100, V100], "rank": 2},
+            {"argv": ["--hetero-plan", path], "types": good + [A100], "rank": 1},
+        ]),
+        "interleaved": (interleaved, [
+            *({"argv": ["--hetero-plan", ipath], "types": itypes, "rank": r} for r in range(4)),
+            {"argv": ["--num-virtual-stages-per-pipeline-rank", "2", "--hetero-plan", ipath],
+             "types": itypes, "rank": 0},
+            {"argv": ["--no-overlap-p2p-communication", "--hetero-plan", ipath],
+             "types": itypes, "rank": 0}]),
+        "module_inputs": (offloading, [
+            *({"argv": local, "types": [A100, V100], "rank": r} for r in range(2)),
+            {"argv": ["--hetero-plan", opath], "types": [A100, V100], "rank": 0}]),
+    }
+    results = _run(mcore017_environ(), [c for _, test in cases.values() for c in test])
+    out = {}
+    for name, (p, test) in cases.items():
+        out[name], results = (p, results[:len(test)]), results[len(test):]
+    return out
 
 
-def test_megatron_training_path_applies_the_plan(mcore017_env, plan_file):
-    plan, path = plan_file
+def test_megatron_training_path_applies_the_plan(checked):
+    plan, results = checked["applies"]
     # launcher order V100, A100, A100, V100 differs from the plan's A100, A100, V100, V100
-    types = [V100, A100, A100, V100]
-    user = ["--lr", "0.001", "--hetero-plan", path]
-    results = _run(mcore017_env, [{"argv": user, "types": types, "rank": r} for r in range(4)])
+    types = _LAUNCHER_TYPES
     assert sorted(r["rank"] for r in results) == [0, 1, 2, 3]
     for launcher, got in enumerate(results):
         slot = plan.slot_of_rank(got["rank"])
@@ -106,20 +148,8 @@ def test_megatron_training_path_applies_the_plan(mcore017_env, plan_file):
             assert got["recompute_granularity"] is None
 
 
-def test_conflicts_and_mismatches_are_clear_errors(mcore017_env, plan_file):
-    plan, path = plan_file
-    good = [A100, A100, V100, V100]
-    cases = [
-        {"argv": ["--pipeline-model-parallel-size", "8", "--hetero-plan", path], "types": good,
-         "rank": 0},
-        {"argv": ["--num-layers", "4", "--hidden-size", "32", "--hetero-plan", path],
-         "types": good, "rank": 0},
-        {"argv": ["--recompute-granularity", "selective", "--hetero-plan", path], "types": good,
-         "rank": 0},
-        {"argv": ["--hetero-plan", path], "types": [A100, V100, V100, V100], "rank": 2},
-        {"argv": ["--hetero-plan", path], "types": good + [A100], "rank": 1},
-    ]
-    results = _run(mcore017_env, cases)
+def test_conflicts_and_mismatches_are_clear_errors(checked):
+    _, results = checked["conflicts"]
     assert "--pipeline-model-parallel-size: the command line has 8; the plan implies 2" in \
         results[0]["error"]
     assert "--hidden-size: the command line has 32; the plan implies 16" in results[1]["error"]
@@ -129,20 +159,10 @@ def test_conflicts_and_mismatches_are_clear_errors(mcore017_env, plan_file):
     assert "needs world size 4" in results[4]["error"] and "started 5" in results[4]["error"]
 
 
-def test_interleaved_plan_sets_virtual_pipeline_stages(mcore017_env, tmp_path):
+def test_interleaved_plan_sets_virtual_pipeline_stages(checked):
     """Megatron's own validate_args takes the virtual pipeline size from the plan's layout (p x v
     segments) and keeps overlapped p2p (which its interleaved schedule needs on 2 stages)."""
-    plan = make_plan(chunks=[[1, 1], [2, 1]], devices=[[A100, V100]] * 2,
-                     replicas=[(1, 4), (1, 2)])
-    path = tmp_path / "plan.yaml"
-    save_plan(plan, path)
-    types = [A100, A100, V100, V100]
-    cases = [{"argv": ["--hetero-plan", str(path)], "types": types, "rank": r} for r in range(4)]
-    cases.append({"argv": ["--num-virtual-stages-per-pipeline-rank", "2", "--hetero-plan",
-                           str(path)], "types": types, "rank": 0})
-    cases.append({"argv": ["--no-overlap-p2p-communication", "--hetero-plan", str(path)],
-                  "types": types, "rank": 0})
-    *ranks, agreeing, refused = _run(mcore017_env, cases)
+    _, (*ranks, agreeing, refused) = checked["interleaved"]
     for got in ranks + [agreeing]:
         assert got["virtual_pipeline_model_parallel_size"] == 2
         assert got["layout"] == "Et|t*2|t|tL" and got["overlap_p2p_comm"] is True
@@ -151,21 +171,12 @@ def test_interleaved_plan_sets_virtual_pipeline_stages(mcore017_env, tmp_path):
     assert "--no-overlap-p2p-communication" in refused["error"]
 
 
-def test_module_input_offload_passes_megatrons_checks_with_the_local_layers(mcore017_env,
-                                                                            tmp_path):
+def test_module_input_offload_passes_megatrons_checks_with_the_local_layers(checked):
     """Megatron-LM's validate_args asserts Transformer Engine for fine-grained activation
     offloading; megatron-core's local layers run it too (runtime/stack.py, measured on a
     GPU in docs/gpu.md): with --transformer-impl local the offloading stage keeps it. Without TE
     (this machine) the default layers are refused before anything is built."""
-    plan = make_plan(split=(2, 2), devices=[[A100, V100]], replicas=[(1, 2)],
-                     offload=[{"module_inputs": True}, None])
-    path = tmp_path / "plan.yaml"
-    save_plan(plan, path)
-    types = [A100, V100]
-    local = ["--transformer-impl", "local", "--hetero-plan", str(path)]
-    cases = [{"argv": local, "types": types, "rank": r} for r in range(2)]
-    cases.append({"argv": ["--hetero-plan", str(path)], "types": types, "rank": 0})
-    offloading, other, default_layers = _run(mcore017_env, cases)
+    _, (offloading, other, default_layers) = checked["module_inputs"]
     assert offloading["slot"] == [0, 0] and offloading["fine_grained_activation_offloading"]
     assert offloading["offload_modules"]
     assert other["slot"] == [0, 1] and not other["fine_grained_activation_offloading"]

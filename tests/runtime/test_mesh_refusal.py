@@ -5,6 +5,7 @@ hooks run it (``test_mesh_training.py``); what they refuse there is checked here
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 
@@ -14,7 +15,7 @@ from megatron_hetero.errors import HeteroError
 from megatron_hetero.runtime import hooks
 from megatron_hetero.runtime.meshes import mesh_plan_of
 
-from ..conftest import EXAMPLE_PLANS, REPO
+from ..conftest import EXAMPLE_PLANS, REPO, mcore017_environ
 
 MESH = REPO / "examples/meshes/3090-t4-plan.yaml"
 
@@ -33,7 +34,7 @@ def test_format_1_plans_pass_the_gate():
 
 
 _ON_017 = """
-import argparse, sys
+import argparse, contextlib, io, json, sys
 from megatron_hetero.errors import HeteroError
 from megatron_hetero.runtime import hooks, placement
 {cpu}
@@ -43,62 +44,79 @@ placement._launcher_store = lambda *a, **kw: None
 placement.exchange_rank_infos = lambda mine, world, store: [
     placement.RankInfo(launcher_rank=r, device_type=types[r], host="h", local_rank=r)
     for r in range(world)]
-args = argparse.Namespace(hetero_plan={path!r}, rank=21, world_size={world},
-                          hetero_device_type="RTX3090-24GB")
-try:
-    st = hooks.before_validate(args, argv={argv!r})
-except HeteroError as exc:
-    print("refused:", exc)
-    sys.exit(0)
-print("rank", st.launcher_rank, st.rank, args.rank)
-print("slot", st.slot.mesh, st.slot.stage, st.slot.replica, st.slot.tensor_rank)
-print("args", args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-      args.micro_batch_size, args.pipeline_model_parallel_layout, args.num_layers,
-      args.global_batch_size)
+printed = []
+for world, argv in json.loads(sys.stdin.read()):  # one case after the other
+    hooks.reset()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        args = argparse.Namespace(hetero_plan={path!r}, rank=21, world_size=world,
+                                  hetero_device_type="RTX3090-24GB")
+        try:
+            st = hooks.before_validate(args, argv=argv)
+        except HeteroError as exc:
+            print("refused:", exc)
+        else:
+            print("rank", st.launcher_rank, st.rank, args.rank)
+            print("slot", st.slot.mesh, st.slot.stage, st.slot.replica, st.slot.tensor_rank)
+            print("args", args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                  args.micro_batch_size, args.pipeline_model_parallel_layout, args.num_layers,
+                  args.global_batch_size)
+    printed.append(out.getvalue())
+print("CASES" + json.dumps(printed))
 """
 
-
+CASES = {  # test: (world size, command line, on CPU ranks)
+    "placed": (32, [], True),
+    "refused-args": (32, ["--tensor-model-parallel-size", "2", "--global-batch-size", "64"], True),
+    "refused-world": (8, [], True),
+    "refused-policy": (32, [], False),
+}
 _CPU = "from megatron_hetero.mcore.cpu_backend import enable_cpu_backend; enable_cpu_backend()"
 
 
-def _on_017(env, *, world=32, argv=(), cpu=True) -> str:
-    """Launcher rank 21 of the example plan through the hooks' ``validate_args`` part; ``cpu``:
-    on CPU ranks (the CPU backend enabled, as ``launch --cpu`` runs them), which run the
-    example's module-input offload without Transformer Engine."""
-    script = _ON_017.format(path=str(MESH), world=world, argv=list(argv),
-                            cpu=_CPU if cpu else "")
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return out.stdout
+@pytest.fixture(scope="module")
+def on_017() -> dict:
+    """What the hooks printed for each of ``CASES`` (launcher rank 21, a 3090) on
+    megatron-core 0.17.1: one subprocess for the cases on CPU ranks (the CPU backend enabled,
+    as ``launch --cpu`` runs them: they run the example's module-input offload without
+    Transformer Engine), one for the others."""
+    printed = {}
+    for cpu in (True, False):
+        names = [name for name, case in CASES.items() if case[2] is cpu]
+        out = subprocess.run([sys.executable, "-c", _ON_017.format(
+                                  path=str(MESH), cpu=_CPU if cpu else "")],
+                             input=json.dumps([CASES[n][:2] for n in names]),
+                             env=mcore017_environ(), capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        printed.update(zip(names, json.loads(out.stdout.split("CASES", 1)[1])))
+    return printed
 
 
-def test_mesh_plan_on_017_gives_each_rank_its_mesh(mcore017_env):
+def test_mesh_plan_on_017_gives_each_rank_its_mesh(on_017):
     """Launcher rank 21, a 3090 where the launcher put the T4s first, is placed on the plan's
     rank 5 (the 3090 mesh comes first in the plan): mesh 0 (TP 1, DP 8, 2 stages), its TP, PP,
     micro-batch and its mesh's segments of the layout; the common arguments from the plan."""
-    out = _on_017(mcore017_env)
+    out = on_017["placed"]
     assert "rank 21 5 5" in out
     assert "slot 0 0 5 0" in out
     assert "args 1 2 1 Et*10|t*10 32 128" in out
 
 
-def test_mesh_plan_on_017_refuses_what_each_mesh_sets(mcore017_env):
-    out = _on_017(mcore017_env, argv=["--tensor-model-parallel-size", "2",
-                                      "--global-batch-size", "64"])
+def test_mesh_plan_on_017_refuses_what_each_mesh_sets(on_017):
+    out = on_017["refused-args"]
     assert "refused:" in out
     assert "--tensor-model-parallel-size: each rank takes its mesh's from the plan" in out
     assert "--global-batch-size: the command line has" in out
 
 
-def test_mesh_plan_on_017_refuses_another_world_size(mcore017_env):
-    out = _on_017(mcore017_env, world=8)
+def test_mesh_plan_on_017_refuses_another_world_size(on_017):
+    out = on_017["refused-world"]
     assert "refused:" in out
     assert ("the plan needs world size 32 (16x RTX3090-24GB, 16x T4-16GB; mesh 0: TP=1 x DP=8 x "
             "PP=2; mesh 1: TP=2 x DP=8 x PP=1); the launcher started 8 ranks") in out
 
 
-def test_mesh_plan_on_017_refuses_a_policy_by_its_mesh_stage(mcore017_env):
+def test_mesh_plan_on_017_refuses_a_policy_by_its_mesh_stage(on_017):
     """Off CPU ranks, without Transformer Engine and with Transformer Engine's layers asked for
     (Megatron-LM's default), the example's module-input offload (the 3090 mesh's stages)
     cannot run: every rank refuses it at start, naming each stage's field, rather than run
@@ -106,7 +124,7 @@ def test_mesh_plan_on_017_refuses_a_policy_by_its_mesh_stage(mcore017_env):
     from megatron_hetero.optional import have_transformer_engine
     if have_transformer_engine():
         pytest.skip("Transformer Engine is installed")
-    out = _on_017(mcore017_env, cpu=False)
+    out = on_017["refused-policy"]
     assert out.startswith(f"refused: {MESH}: the plan asks for memory policies this Megatron "
                           "cannot apply:")
     for j in (0, 1):

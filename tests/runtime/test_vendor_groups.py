@@ -17,6 +17,7 @@ from megatron_hetero.errors import HeteroError
 from megatron_hetero.plan import save_plan
 from megatron_hetero.runtime import vendors
 
+from ..conftest import mcore017_environ
 from .plans import A100, H100, make_plan
 
 MI300X = "MI300X-192GB"
@@ -29,8 +30,6 @@ _CHECKER = textwrap.dedent("""
     from megatron_hetero.plan import load_plan
     from megatron_hetero.runtime import vendors
 
-    plan = load_plan(sys.argv[1])
-    asked = []
     original = dist.new_group
 
     def new_group(*a, **kw):  # record, then build it on the fake world
@@ -39,43 +38,60 @@ _CHECKER = textwrap.dedent("""
         return original(*a, **kw)
 
     dist.new_group = new_group
-    out = []
-    for rank in range(plan.world_size):
-        asked.append([])
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=plan.world_size)
-        vendors.install(plan, cpu_backend=False)
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=plan.tensor_model_parallel_size,
-            pipeline_model_parallel_size=plan.pipeline_model_parallel_size,
-            distributed_timeout_minutes=1)
-        router = vendors.routes()
-        out.append({"staged_peers": sorted(p for p, e in router.edges.items() if e.staged)
-                    if router else None,
-                    "device_peers": sorted(p for p, e in router.edges.items() if not e.staged)
-                    if router else None,
-                    "choices": len(vendors.choices())})
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
-    print("RESULT" + json.dumps({"asked": asked, "ranks": out}))
+    every = []
+    for path in sys.argv[1:]:  # one plan after the other
+        plan = load_plan(path)
+        asked, out = [], []
+        for rank in range(plan.world_size):
+            asked.append([])
+            dist.init_process_group("fake", store=FakeStore(), rank=rank,
+                                    world_size=plan.world_size)
+            vendors.install(plan, cpu_backend=False)
+            parallel_state.initialize_model_parallel(
+                tensor_model_parallel_size=plan.tensor_model_parallel_size,
+                pipeline_model_parallel_size=plan.pipeline_model_parallel_size,
+                distributed_timeout_minutes=1)
+            router = vendors.routes()
+            out.append({"staged_peers": sorted(p for p, e in router.edges.items() if e.staged)
+                        if router else None,
+                        "device_peers": sorted(p for p, e in router.edges.items()
+                                               if not e.staged) if router else None,
+                        "choices": len(vendors.choices())})
+            parallel_state.destroy_model_parallel()
+            dist.destroy_process_group()
+        every.append({"asked": asked, "ranks": out})
+    print("RESULT" + json.dumps(every))
 """)
 
+# The plans of the tests below; the one of a single vendor first (before any plan across vendors
+# installed its hooks in the checker's process).
+PLANS = {
+    "one-vendor": make_plan(split=(1, 1), devices=[[A100, H100]], replicas=[(1, 2)]),
+    "tp2": make_plan(split=(1, 2), tp=2, devices=[[A100, MI300X]] * 2, replicas=[(1, 2), (2, 1)]),
+    "three-stages": make_plan(split=(1, 1, 2), devices=[[A100, H100, MI300X]], replicas=[(1, 3)]),
+}
 
-def _groups(env, plan, tmp_path):
-    path = tmp_path / "plan.yaml"
-    save_plan(plan, path)
-    proc = subprocess.run([sys.executable, "-c", _CHECKER, str(path)], text=True,
-                          capture_output=True, env=env, timeout=300)
+
+@pytest.fixture(scope="module")
+def groups(tmp_path_factory) -> dict:
+    """``{plan: {"asked": [groups asked per rank], "ranks": [routes per rank]}}`` of every plan of
+    ``PLANS``, one subprocess under megatron-core 0.17.1 for all of them."""
+    root = tmp_path_factory.mktemp("vendor_groups")
+    paths = []
+    for name, plan in PLANS.items():
+        paths.append(str(root / f"{name}.yaml"))
+        save_plan(plan, paths[-1])
+    proc = subprocess.run([sys.executable, "-c", _CHECKER, *paths], text=True,
+                          capture_output=True, env=mcore017_environ(), timeout=300 * len(paths))
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.split("RESULT", 1)[1])
+    return dict(zip(PLANS, json.loads(proc.stdout.split("RESULT", 1)[1])))
 
 
-def test_every_device_backend_group_is_one_vendors(mcore017_env, tmp_path):
+def test_every_device_backend_group_is_one_vendors(groups):
     """TP=2, two pipelines of an A100 and an MI300X stage (uneven layers and replicas): 8 ranks.
     Every group asked on a device backend holds one vendor's ranks, every group across vendors
     is gloo, and every rank builds the same groups in the same order."""
-    plan = make_plan(split=(1, 2), tp=2, devices=[[A100, MI300X]] * 2,
-                     replicas=[(1, 2), (2, 1)])
-    got = _groups(mcore017_env, plan, tmp_path)
+    plan, got = PLANS["tp2"], groups["tp2"]
     vendor = vendors.rank_vendors(plan)
     assert vendor == ["NVIDIA"] * 4 + ["AMD"] * 4  # Megatron order tp-dp-pp
     first = got["asked"][0]
@@ -97,10 +113,9 @@ def test_every_device_backend_group_is_one_vendors(mcore017_env, tmp_path):
     assert all(r["device_peers"] == [] for r in got["ranks"])
 
 
-def test_an_edge_inside_one_vendor_stays_on_the_device_backend(mcore017_env, tmp_path):
+def test_an_edge_inside_one_vendor_stays_on_the_device_backend(groups):
     """A100 -> H100 -> MI300X: the NVIDIA edge's group is NCCL, the NVIDIA -> AMD edge's gloo."""
-    plan = make_plan(split=(1, 1, 2), devices=[[A100, H100, MI300X]], replicas=[(1, 3)])
-    got = _groups(mcore017_env, plan, tmp_path)
+    got = groups["three-stages"]
     assert [r["staged_peers"] for r in got["ranks"]] == [[], [2], [1]]
     assert [r["device_peers"] for r in got["ranks"]] == [[1], [0], []]
     first = got["asked"][0]
@@ -108,9 +123,8 @@ def test_an_edge_inside_one_vendor_stays_on_the_device_backend(mcore017_env, tmp
     assert [[0, 1, 2], "gloo"] in first  # the pipeline group spans both vendors
 
 
-def test_a_one_vendor_plan_keeps_megatrons_backends(mcore017_env, tmp_path):
-    got = _groups(mcore017_env, make_plan(split=(1, 1), devices=[[A100, H100]],
-                                          replicas=[(1, 2)]), tmp_path)
+def test_a_one_vendor_plan_keeps_megatrons_backends(groups):
+    got = groups["one-vendor"]
     backends = {b for seq in got["asked"] for _, b in seq}
     assert backends <= {None, "gloo"}  # what Megatron asked, untouched
     assert all(r["staged_peers"] is None and r["choices"] == 0 for r in got["ranks"])

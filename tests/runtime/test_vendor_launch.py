@@ -12,8 +12,8 @@ import pytest
 from megatron_hetero.plan import plan_from_data, save_plan
 
 from .launching import launch, logged_losses
-from .plans import A100, V100, make_plan
-from .test_launch import _grad_norms
+from .plans import A100, make_plan
+from .test_launch import INTERLEAVED_6, INTERLEAVED_CHUNKS, TWO_STAGES_4, _grad_norms
 
 MI300X = "MI300X-192GB"
 
@@ -23,18 +23,16 @@ def _needs_mcore017(mcore017_env):
     return mcore017_env
 
 
-def test_two_vendor_uneven_plan_equals_one_vendor_replica(tmp_path):
+def test_two_vendor_uneven_plan_equals_one_vendor_replica(tmp_path, reference_run):
     """Stages of 1 and 2 layers on A100 then MI300X, two replicas of 2 x 1 and 1 x 2
     micro-batches (4 processes), train as the same stages on A100 then V100 with one replica
     running 4 micro-batches of 1 (2 processes, Megatron's own p2p)."""
-    cross, single = tmp_path / "cross.yaml", tmp_path / "single.yaml"
+    cross = tmp_path / "cross.yaml"
     save_plan(make_plan(split=(1, 2), devices=[[A100, MI300X]] * 2, replicas=[(1, 2), (2, 1)]),
               cross)
-    save_plan(make_plan(split=(1, 2), devices=[[A100, V100]], replicas=[(1, 4)]), single)
-    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
     iters = 2
-    four = launch(4, str(cross), tmp_path / "a", iters=iters, timeout=400)
-    two = launch(2, str(single), tmp_path / "b", iters=iters, timeout=400)
+    four = launch(4, str(cross), tmp_path, iters=iters, timeout=400)
+    two, _ = reference_run(2, TWO_STAGES_4, iters=iters)
     for code, out, _ in four + two:
         assert code == 0, out[-3000:]
     assert ("megatron-hetero: GPUs of 2 vendors: world group gloo, 2 pipeline edges across "
@@ -49,18 +47,16 @@ def test_two_vendor_uneven_plan_equals_one_vendor_replica(tmp_path):
     assert _grad_norms(four[3][1]) == pytest.approx(_grad_norms(two[1][1]), rel=1e-5)
 
 
-def test_interleaved_two_vendor_plan_equals_one_vendor_replica(tmp_path):
+def test_interleaved_two_vendor_plan_equals_one_vendor_replica(tmp_path, reference_run):
     """Interleaved (PP=2, chunks of 1+1 and 2+1 layers): A100 and MI300X are each other's
     previous and next stage, every chunk boundary crosses vendors both ways; replicas of 4 and
     2 micro-batches train as one A100 + V100 replica running all 6."""
-    cross, single = tmp_path / "cross.yaml", tmp_path / "single.yaml"
-    chunks = [[1, 1], [2, 1]]
-    plan = make_plan(chunks=chunks, devices=[[A100, MI300X]] * 2, replicas=[(1, 4), (1, 2)])
+    cross = tmp_path / "cross.yaml"
+    plan = make_plan(chunks=INTERLEAVED_CHUNKS, devices=[[A100, MI300X]] * 2,
+                     replicas=[(1, 4), (1, 2)])
     save_plan(dataclasses.replace(plan, overlap_grad_reduce=True), cross)
-    save_plan(make_plan(chunks=chunks, devices=[[A100, V100]], replicas=[(1, 6)]), single)
-    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
-    four = launch(4, str(cross), tmp_path / "a", timeout=400)
-    two = launch(2, str(single), tmp_path / "b", timeout=400)
+    four = launch(4, str(cross), tmp_path, timeout=400)
+    two, _ = reference_run(2, INTERLEAVED_6)
     for code, out, _ in four + two:
         assert code == 0, out[-3000:]
     sends = [log["staged"][0] for _, _, log in four]
@@ -73,19 +69,17 @@ def test_interleaved_two_vendor_plan_equals_one_vendor_replica(tmp_path):
     assert _grad_norms(four[3][1]) == pytest.approx(_grad_norms(two[1][1]), rel=1e-5)
 
 
-def test_per_stage_warmup_across_vendors_trains_as_megatrons(tmp_path):
+def test_per_stage_warmup_across_vendors_trains_as_megatrons(tmp_path, reference_run):
     """The per-stage warm-up schedule (stage 0 warms up 3 micro-batches; its single isend and
     irecv reach the routed primitives) on A100 -> MI300X trains as Megatron's 1F1B on A100 ->
     V100."""
     plan = make_plan(split=(1, 2), devices=[[A100, MI300X]], replicas=[(1, 4)])
     data = plan.to_data()
     data["pipelines"][0]["stages"][0]["warmup_microbatches"] = 3
-    warm, plain = tmp_path / "warm.yaml", tmp_path / "plain.yaml"
+    warm = tmp_path / "warm.yaml"
     save_plan(plan_from_data(data), warm)
-    save_plan(make_plan(split=(1, 2), devices=[[A100, V100]], replicas=[(1, 4)]), plain)
-    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
-    ours = launch(2, str(warm), tmp_path / "a")
-    theirs = launch(2, str(plain), tmp_path / "b")
+    ours = launch(2, str(warm), tmp_path)
+    theirs, _ = reference_run(2, TWO_STAGES_4)
     for code, out, _ in ours + theirs:
         assert code == 0, out[-3000:]
     assert "warm-up 3 micro-batches (Megatron's 1)" in ours[0][1]

@@ -148,7 +148,7 @@ def test_node_down_in_a_mixed_job_is_requeued_and_resumes(lost_node, tmp_path):
     assert "ExcNodeList=(null)" in info  # Slurm does not exclude the failed node itself
     assert "node loss mode" in out.read_text()
     # Slurm holds a requeued job back for the credential lifetime (its BeginTime; AuthInfo's
-    # cred_expire, 30 s in .ci/slurm-setup.sh; starting it sooner with StartTime=now fails it
+    # cred_expire, 10 s in .ci/slurm-setup.sh; starting it sooner with StartTime=now fails it
     # here: "Job credential revoked"), then runs it again
     log, states, info = wait_job(job, out, timeout=360)
     assert "requeued by Slurm (restart 1): resuming from" in log, log[-3000:]
