@@ -107,6 +107,15 @@ def launch(nproc: int, plan: str, workdir: Path, *, iters: int = 2, extra=(), en
     return results
 
 
+def together(*runs):
+    """Call each of ``runs`` (callables, a launch each) at the same time, in threads: runs that do
+    not depend on each other and whose ranks alone leave a core idle. Their results, in order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(runs)) as pool:
+        return [f.result() for f in [pool.submit(run) for run in runs]]
+
+
 def logged_losses(output: str) -> list[float]:
     """The ``lm loss`` values Megatron's training log printed."""
     return [float(line.split("lm loss:")[1].split("|")[0]) for line in output.splitlines()

@@ -10,7 +10,8 @@ import pytest
 
 from megatron_hetero.plan import plan_from_data, save_plan
 
-from .launching import PRETRAIN_GPT_ARGS, launch, logged_losses, megatron_lm_checkout, needs_megatron_git
+from .launching import (PRETRAIN_GPT_ARGS, launch, logged_losses, megatron_lm_checkout,
+                        needs_megatron_git, together)
 from .plans import A100, V100, make_plan
 
 pytestmark = pytest.mark.slow
@@ -36,8 +37,8 @@ SAVE_AT_2 = ["--save", "{work}/ckpt", "--save-interval", "2", "--ckpt-format", "
 
 def test_uneven_data_parallel_equals_one_replica(reference_run):
     """A 2-replica 3:1 plan trains exactly as one replica running all 4 micro-batches."""
-    two, _ = reference_run(2, UNEVEN_3_1, extra=SAVE_AT_2)
-    one, _ = reference_run(1, ONE_REPLICA_4, extra=SAVE_AT_2)
+    (two, _), (one, _) = together(lambda: reference_run(2, UNEVEN_3_1, extra=SAVE_AT_2),
+                                  lambda: reference_run(1, ONE_REPLICA_4, extra=SAVE_AT_2))
     for code, out, _ in two + one:
         assert code == 0, out[-3000:]
     # each replica read exactly its share of every global batch
@@ -93,15 +94,22 @@ def test_uneven_stages_and_data_parallel_equal_one_replica(tmp_path, reference_r
 def test_resume_from_a_checkpoint_reads_the_same_samples(tmp_path, reference_run):
     """An uneven plan saved after 2 steps and resumed for 2 more reads the next global batches'
     shares and trains as one replica resumed the same way."""
-    losses = {}
-    for name, nproc, plan in (("uneven", 2, UNEVEN_3_1), ("single", 1, ONE_REPLICA_4)):
-        first, saved = reference_run(nproc, plan, extra=SAVE_AT_2)
+    runs = (("uneven", 2, UNEVEN_3_1), ("single", 1, ONE_REPLICA_4))
+    firsts = together(*(lambda n=nproc, p=plan: reference_run(n, p, extra=SAVE_AT_2)
+                        for _, nproc, plan in runs))
+
+    def resume(name, nproc, plan, saved):
         resume_dir, path = tmp_path / f"{name}-resume", tmp_path / f"{name}.yaml"
         save_plan(plan, path)
         resume_dir.mkdir()
-        second = launch(nproc, str(path), resume_dir, iters=4,
-                        extra=["--load", str(saved / "ckpt"), "--ckpt-format", "torch",
-                               "--override-opt_param-scheduler"])
+        return launch(nproc, str(path), resume_dir, iters=4,
+                      extra=["--load", str(saved / "ckpt"), "--ckpt-format", "torch",
+                             "--override-opt_param-scheduler"])
+
+    seconds = together(*(lambda r=r, saved=saved: resume(*r, saved)
+                         for r, (_, saved) in zip(runs, firsts)))
+    losses = {}
+    for (name, _, _), (first, _), second in zip(runs, firsts, seconds):
         for code, out, _ in first + second:
             assert code == 0, out[-3000:]
         assert "consumed samples:           16" in second[-1][1]
@@ -235,15 +243,16 @@ def test_mismatch_and_conflict_stop_with_one_message(tmp_path):
     plan = make_plan(split=(1, 1), devices=[[A100, V100]], replicas=[(1, 2)])
     path = tmp_path / "plan.yaml"
     save_plan(plan, path)
-    results = launch(2, str(path), tmp_path, launcher_types=[A100, A100], timeout=120)
+    (tmp_path / "c").mkdir()
+    results, [(code, out, _)] = together(
+        lambda: launch(2, str(path), tmp_path, launcher_types=[A100, A100], timeout=120),
+        lambda: launch(1, str(path), tmp_path / "c", launcher_types=[A100],
+                       extra=["--pipeline-model-parallel-size", "4"], timeout=120))
     messages = {out.split("megatron-hetero: error:", 1)[1] for _, out, _ in results}
     assert all(code == 1 for code, _, _ in results)
     assert len(messages) == 1 and f"{V100}: plan wants 1, found 0" in messages.pop()
     assert all("Traceback" not in out for _, out, _ in results)
 
-    (tmp_path / "c").mkdir()
-    [(code, out, _)] = launch(1, str(path), tmp_path / "c", launcher_types=[A100],
-                              extra=["--pipeline-model-parallel-size", "4"], timeout=120)
     assert code == 1 and "Traceback" not in out
     assert "--pipeline-model-parallel-size: the command line has 4; the plan implies 2" in out
 
