@@ -54,15 +54,17 @@ COMMON_ARGS = [
     "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion",
     "--no-rope-fusion", "--no-bias-dropout-fusion", "--no-persist-layer-norm",
 ]
-# Plain Megatron-LM: no plan, no hooks; only what the installed stack needs on any device
-# (runtime/stack.py: pip's megatron-core has its dataset helpers built and no Makefile).
 RUNS = ("hetero_plan", "plain_megatron", "hetero_plan_offload")
-_PLAIN = ("import runpy, sys\n"
-          "from megatron_hetero.runtime.stack import prepare_stack\n"
-          "prepare_stack()\n"
-          "sys.argv = sys.argv[1:]\n"
-          "sys.path.insert(0, __import__('os').path.dirname(sys.argv[0]))\n"
-          "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+# Plain Megatron-LM: no plan, no hooks; only the preparation the launcher makes before Megatron
+# on this device: the installed stack's (runtime/stack.py: pip's megatron-core has its dataset
+# helpers built and no Makefile), and on CPU the CPU backend's, which includes it.
+_PREPARE = {False: "from megatron_hetero.runtime.stack import prepare_stack as prepare\n",
+            True: "from megatron_hetero.runtime.cpu import prepare_cpu_run as prepare\n"}
+_RUN_PLAIN = ("prepare()\n"
+              "import runpy, sys\n"
+              "sys.argv = sys.argv[1:]\n"
+              "sys.path.insert(0, __import__('os').path.dirname(sys.argv[0]))\n"
+              "runpy.run_path(sys.argv[0], run_name='__main__')\n")
 
 
 def log(msg: str) -> None:
@@ -215,18 +217,14 @@ def main() -> int:
     sys.path.insert(0, str(REPO))
     from megatron_hetero.megatron_args import megatron_args
     from megatron_hetero.plan import load_plan
-    plain_args = [x for x in megatron_args(load_plan(plan)) if x != "--hetero-plan"
-                  and x != str(plan)]
     runs = {
         "hetero_plan": [py, "-m", "megatron_hetero.launch", str(script), *base,
                         "--hetero-plan", str(plan)],
-        "plain_megatron": [py, "-c", _PLAIN, str(script), *base, *plain_args],
+        "plain_megatron": [py, "-c", _PREPARE[a.cpu] + _RUN_PLAIN, str(script), *base,
+                           *megatron_args(load_plan(plan))],  # no --hetero-plan without a path
         "hetero_plan_offload": [py, "-m", "megatron_hetero.launch", str(script), *base,
                                 "--hetero-plan", str(plan_offload)],
     }
-    if a.cpu:  # the CPU backend's preparation before Megatron, as the launcher's --cpu does
-        runs["plain_megatron"][2] = ("from megatron_hetero.runtime.cpu import prepare_cpu_run\n"
-                                     "prepare_cpu_run()\n" + _PLAIN)
     measured = {}
     wanted = a.runs.split(",")
     for name in wanted:
