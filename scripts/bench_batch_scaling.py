@@ -32,8 +32,8 @@ import _trees  # noqa: E402
 _trees.use_tree()
 
 from bench_tuner import SCENARIOS, load_scenario  # noqa: E402
-from megatron_hetero import simulate_pipeline  # noqa: E402
-from megatron_hetero.simulate_pipeline import interleaved_1f1b, pipeline_run  # noqa: E402
+from megatron_hetero.sim import pipeline as simulate_pipeline
+from megatron_hetero.sim.pipeline import interleaved_1f1b, pipeline_run  # noqa: E402
 from megatron_hetero.tuner import TuneOptions, tune  # noqa: E402
 
 DEFAULT = ("a100-v100-llama2-7b", "4090-3090-a100-llama2-7b", "h100-a100-llama2-13b")

@@ -36,7 +36,7 @@ from bench_tuner import SCENARIOS, load_scenario  # noqa: E402
 
 from megatron_hetero import models as M  # noqa: E402
 from megatron_hetero.errors import InfeasibleError  # noqa: E402
-from megatron_hetero.simulate import simulate  # noqa: E402
+from megatron_hetero.sim.step import simulate  # noqa: E402
 from megatron_hetero.tuner import TuneOptions, tune  # noqa: E402
 from megatron_hetero.tuner.problem import Problem  # noqa: E402
 from megatron_hetero.tuner.space import tp_sizes  # noqa: E402

@@ -37,7 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from megatron_hetero.checkpoint import read_checkpoint  # noqa: E402
+from megatron_hetero.launch.checkpoint import read_checkpoint  # noqa: E402
 from megatron_hetero.plan import load_plan, save_plan  # noqa: E402
 from tests.runtime.launching import (BASE_ARGS, PRETRAIN_GPT_ARGS, TRAIN_SCRIPT,  # noqa: E402
                                      launch)

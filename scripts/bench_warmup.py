@@ -53,7 +53,7 @@ _trees.use_tree()
 from bench_tuner import SCENARIOS, load_scenario  # noqa: E402
 from megatron_hetero.cost.model import CostModel  # noqa: E402
 from megatron_hetero.plan import Plan, plan_from_data  # noqa: E402
-from megatron_hetero.simulate import simulate  # noqa: E402
+from megatron_hetero.sim.step import simulate  # noqa: E402
 from megatron_hetero.tuner import TuneOptions, tune  # noqa: E402
 from megatron_hetero.tuner.warmup import harp_warmups, with_warmups  # noqa: E402
 
@@ -165,8 +165,8 @@ def latency_check(latency_s: float, *, steps: int = 4) -> list[str]:
     import functools
 
     from megatron_hetero.emulate.trainer import TrainConfig, train_plan
-    from megatron_hetero.schedule_order import pipeline_warmups
-    from megatron_hetero.simulate_pipeline import pipeline_run
+    from megatron_hetero.schedule.rules import pipeline_warmups
+    from megatron_hetero.sim.pipeline import pipeline_run
 
     base = plan_from_data({
         "format_version": 1, "precision": "fp32", "global_batch_size": 8,

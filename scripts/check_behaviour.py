@@ -133,7 +133,7 @@ def sim_lines(sim) -> list[str]:
 def cli_simulate(plan, inventory):
     """Simulate ``plan`` as ``megatron-hetero simulate`` does (no profiles)."""
     from megatron_hetero.cost.model import CostModel
-    from megatron_hetero.simulate import simulate
+    from megatron_hetero.sim.step import simulate
     cost = CostModel(plan.model, inventory, precision=plan.precision,
                      use_distributed_optimizer=plan.use_distributed_optimizer)
     return cost, simulate(plan, cost, record_events=False)

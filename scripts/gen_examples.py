@@ -30,7 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from megatron_hetero.megatron_args import megatron_args_line  # noqa: E402
+from megatron_hetero.plan.megatron_args import megatron_args_line  # noqa: E402
 from megatron_hetero.plan import Plan, load_plan  # noqa: E402
 from megatron_hetero.tuner.report import policy_text  # noqa: E402
 

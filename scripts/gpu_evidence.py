@@ -215,7 +215,7 @@ def main() -> int:
     launch_env = dict(env, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT="29511", CUDA_DEVICE_MAX_CONNECTIONS="1")
     sys.path.insert(0, str(REPO))
-    from megatron_hetero.megatron_args import megatron_args
+    from megatron_hetero.plan.megatron_args import megatron_args
     from megatron_hetero.plan import load_plan
     runs = {
         "hetero_plan": [py, "-m", "megatron_hetero.launch", str(script), *base,

@@ -24,7 +24,7 @@ def predict(run: Path, plan_name: str, *, profile: Path | None) -> dict:
     from megatron_hetero.cost.profile_file import load_profiles
     from megatron_hetero.hardware.inventory import load_inventory
     from megatron_hetero.plan import load_plan
-    from megatron_hetero.simulate import simulate
+    from megatron_hetero.sim.step import simulate
 
     inventory = load_inventory(run / "inventory.yaml")
     plan = load_plan(run / plan_name, catalog=inventory.catalog)

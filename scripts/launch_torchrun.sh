@@ -56,7 +56,7 @@ command -v "$PY" >/dev/null || die "MH_PYTHON=$PY: not found"
 gpn_args=()
 [[ -z ${MH_GPUS_PER_NODE:-} ]] || gpn_args=(--gpus-per-node "$MH_GPUS_PER_NODE")
 # Canonical "host type gpus" lines, after checking that the hosts offer what the plan needs.
-hosts_text=$("$PY" -m megatron_hetero.jobspec "$plan" --hostfile "$hostfile" "${gpn_args[@]}" --print hosts) \
+hosts_text=$("$PY" -m megatron_hetero.launch.jobspec "$plan" --hostfile "$hostfile" "${gpn_args[@]}" --print hosts) \
     || die "the hosts in $hostfile do not fit the plan $plan"
 mapfile -t lines <<<"$hosts_text"
 nnodes=${#lines[@]}

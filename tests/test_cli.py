@@ -63,9 +63,9 @@ def test_console_script_version_and_help():
 
 def test_tuner_side_imports_without_torch():
     code = ("import sys; sys.modules['torch'] = None; sys.modules['megatron'] = None\n"
-            "import megatron_hetero, megatron_hetero.cli, megatron_hetero.commands\n"
+            "import megatron_hetero, megatron_hetero.cli, megatron_hetero.cli.plan_commands\n"
             "import megatron_hetero.runtime.arguments\n"
-            "for name in ('megatron_hetero.tuner', 'megatron_hetero.simulate', 'megatron_hetero.cost'):\n"
+            "for name in ('megatron_hetero.tuner', 'megatron_hetero.sim.step', 'megatron_hetero.cost'):\n"
             "    try:\n"
             "        __import__(name)\n"
             "    except ModuleNotFoundError as e:\n"
@@ -122,7 +122,7 @@ def test_tuned_plan_on_a_custom_gpu_carries_it_to_validate_and_args(tmp_path, ca
     assert main(["validate", str(plan_path), "--inventory", str(inv)]) == 0
     capsys.readouterr()
     # the launchers' job spec reads a host file naming the custom type, without the inventory
-    from megatron_hetero import jobspec
+    from megatron_hetero.launch import jobspec
     hosts = tmp_path / "hosts"
     counts = load_plan(plan_path).device_counts()
     hosts.write_text("".join(f"node{i} {gpu} {n}\n" for i, (gpu, n) in enumerate(counts.items())))

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from megatron_hetero.hardware.inventory import load_inventory
-from megatron_hetero.megatron_args import megatron_args_line
+from megatron_hetero.plan.megatron_args import megatron_args_line
 from megatron_hetero.plan import load_plan
-from megatron_hetero.plan_inventory import check_plan_against_inventory
+from megatron_hetero.placement.inventory import check_plan_against_inventory
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = {"7b": "llama2-7b", "13b": "llama2-13b", "70b": "llama2-70b"}

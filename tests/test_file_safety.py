@@ -81,7 +81,7 @@ def test_a_failing_writer_leaves_the_old_files(files, tmp_path, capsys, monkeypa
 
 
 def test_a_failing_timeline_leaves_the_old_plan(files, tmp_path, capsys, monkeypatch):
-    from megatron_hetero.simulate import SimResult
+    from megatron_hetero.sim.step import SimResult
 
     inv, plan = tmp_path / "inv.yaml", tmp_path / "plan.yaml"
 

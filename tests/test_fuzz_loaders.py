@@ -24,9 +24,9 @@ from megatron_hetero.cost.profile_file import load_profile, save_profile
 from megatron_hetero.errors import HeteroError
 from megatron_hetero.hardware.catalog import load_catalog
 from megatron_hetero.hardware.inventory import load_inventory
-from megatron_hetero.jobspec import read_hostfile
+from megatron_hetero.launch.jobspec import read_hostfile
 from megatron_hetero.models import PRESETS, load_model
-from megatron_hetero.plan_mesh import load_any_plan
+from megatron_hetero.plan.format2 import load_any_plan
 
 from .test_profile_file import _profile
 

@@ -2,9 +2,11 @@
 no cycle between its parts, the layers the design asks for, and a tuner that imports without
 torch.
 
-Parts: each subpackage (``runtime``, ``emulate``, ``profiler``, ``tuner``, ``cost``,
-``hardware``, ``mcore``) is one node, each top-level module (``plan``, ``models``, ``simulate``,
-``cli``, ...) is its own. Imports by string (``importlib.import_module``) are not seen.
+Parts: each subpackage (``plan``, ``placement``, ``schedule``, ``sim``, ``cost``, ``tuner``,
+``runtime``, ``emulate``, ``profiler``, ``launch``, ``cli``, ``hardware``, ``mcore``) is one
+node, each top-level module (``models``, ``errors``, ...) is its own. Modules are checked too:
+no cycle between two modules, inside one package or across. Imports by string
+(``importlib.import_module``) are not seen.
 """
 
 from __future__ import annotations
@@ -23,8 +25,7 @@ PACKAGE = REPO / "megatron_hetero"
 
 EXECUTION = ("runtime", "emulate", "profiler")
 """Parts that run megatron-core: each depends on the plan and on ``mcore``, never on another."""
-PLAN_LEVEL = ("tuner", "cost", "simulate", "simulate_mesh", "plan", "plan_policy", "plan_mesh",
-              "schedule_order", "models", "hardware", "checkpoint")
+PLAN_LEVEL = ("tuner", "cost", "sim", "plan", "placement", "schedule", "models", "hardware")
 """Pure Python: never imports an execution part or the megatron-core builder."""
 
 
@@ -59,8 +60,11 @@ def _imported(node, module: str, is_package: bool, known: set[str]) -> list[str]
     return [f"{target}.{a.name}" if f"{target}.{a.name}" in known else target for a in node.names]
 
 
-def import_edges(package: Path = PACKAGE) -> dict[tuple[str, str], list[str]]:
-    """(importing part, imported part) -> where: ``path:line`` of each import statement."""
+def import_edges(package: Path = PACKAGE, *, node=None) -> dict[tuple[str, str], list[str]]:
+    """(importing part, imported part) -> where: ``path:line`` of each import statement.
+    ``node`` maps a module to its graph node (default :func:`part_of`; the identity gives the
+    module graph)."""
+    node_of = node or part_of
     modules = _modules(package)
     known = set(modules)
     root = package.name
@@ -73,7 +77,7 @@ def import_edges(package: Path = PACKAGE) -> dict[tuple[str, str], list[str]]:
             for target in _imported(node, module, path.name == "__init__.py", known):
                 if target != root and not target.startswith(root + "."):
                     continue
-                src, dst = part_of(module), part_of(target)
+                src, dst = node_of(module), node_of(target)
                 where = f"{path.relative_to(package.parent)}:{node.lineno}"
                 if src != dst and where not in edges.get((src, dst), ()):
                     edges.setdefault((src, dst), []).append(where)
@@ -118,6 +122,26 @@ def test_no_cycle_between_parts():
         edges, zip(cycle, cycle[1:]))
 
 
+def module_of(module: str) -> str:
+    """The module graph's node: the module itself."""
+    return module
+
+
+def test_no_cycle_between_modules():
+    """Inside one package too, and through imports inside functions: such an import only hides
+    a cycle (the tuner's grid and tables, the rehearsal and the mesh rehearsal had one)."""
+    edges = import_edges(node=module_of)
+    cycle = find_cycle(edges)
+    assert cycle is None, "import cycle between modules of megatron_hetero:\n" + describe(
+        edges, zip(cycle, cycle[1:]))
+
+
+def test_package_root_holds_few_modules():
+    """The package is laid out by role: at most 8 modules sit at its root."""
+    root = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(root) <= 8, f"{len(root)} modules at the package root: {root}"
+
+
 def test_execution_parts_do_not_import_each_other():
     edges = import_edges()
     bad = [(a, b) for a, b in edges if a in EXECUTION and b in EXECUTION]
@@ -135,7 +159,7 @@ def test_plan_level_code_imports_no_execution_part():
 def test_megatron_core_builder_sits_below_its_users():
     edges = import_edges()
     bad = [(a, b) for a, b in edges
-           if a == "mcore" and b in EXECUTION + ("tuner", "cost", "simulate", "cli", "launch")]
+           if a == "mcore" and b in EXECUTION + ("tuner", "cost", "sim", "cli", "launch")]
     assert not bad, "mcore may use the plan and models only:\n" + describe(edges, bad)
 
 
@@ -160,6 +184,23 @@ def test_checker_finds_a_cycle_through_a_function_level_import(tmp_path):
     cycle = find_cycle(edges)
     assert cycle == ["a", "b", "a"]
     assert "b -> a: pkg/b/y.py:3" in describe(edges, zip(cycle, cycle[1:]))
+
+
+def test_checker_finds_a_cycle_inside_one_package(tmp_path):
+    """Two modules of one package importing each other (one inside a function, one under
+    ``TYPE_CHECKING``) are a cycle of the module graph, and no cycle of the part graph."""
+    pkg = tmp_path / "pkg"
+    (pkg / "a").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a" / "__init__.py").write_text("")
+    (pkg / "a" / "x.py").write_text("from typing import TYPE_CHECKING\n"
+                                    "if TYPE_CHECKING:\n    from .y import g\n")
+    (pkg / "a" / "y.py").write_text("def g():\n    from . import x\n    return x\n")
+    assert find_cycle(import_edges(pkg)) is None
+    edges = import_edges(pkg, node=module_of)
+    assert edges == {("pkg.a.x", "pkg.a.y"): ["pkg/a/x.py:3"],
+                     ("pkg.a.y", "pkg.a.x"): ["pkg/a/y.py:2"]}
+    assert find_cycle(edges) == ["pkg.a.x", "pkg.a.y", "pkg.a.x"]
 
 
 @pytest.mark.parametrize("heavy", ["torch", "megatron"])

@@ -172,8 +172,8 @@ def test_ctrl_c_to_the_terminals_group_as_rehearse_starts_its_ranks(files, tmp_p
 def test_ctrl_c_while_validating(files, tmp_path):
     proc = _spawn(tmp_path, ["validate", str(tmp_path / "plan.yaml"), "--inventory",
                              str(tmp_path / "inv.yaml")],
-                  MARK_CALL="megatron_hetero.commands:validate_main")
-    assert proc.stderr.readline() == "called megatron_hetero.commands:validate_main\n"
+                  MARK_CALL="megatron_hetero.cli.plan_commands:validate_main")
+    assert proc.stderr.readline() == "called megatron_hetero.cli.plan_commands:validate_main\n"
     proc.send_signal(signal.SIGINT)
     _interrupted(proc, "megatron-hetero validate")
 
@@ -200,7 +200,7 @@ def test_a_ctrl_c_the_interpreter_swallowed_still_ends_with_130_and_no_output(tm
                                                                            monkeypatch):
     """Python drops a KeyboardInterrupt raised inside some of its own callbacks ("Exception
     ignored in ..."); the command must not then go on to put its outputs in place or exit 0."""
-    from megatron_hetero import commands
+    from megatron_hetero.cli import plan_commands as commands
     from megatron_hetero.cli import main
     from megatron_hetero.outputs import Outputs
 

@@ -12,7 +12,7 @@ import textwrap
 import pytest
 import yaml
 
-from megatron_hetero.megatron_args import megatron_args, split_args
+from megatron_hetero.plan.megatron_args import megatron_args, split_args
 from megatron_hetero.plan import load_plan, plan_from_data
 
 from .conftest import EXAMPLE_PLANS, REPO, mcore017_environ
@@ -175,7 +175,7 @@ def test_megatron_training_accepts_the_arguments(checked):
 def test_arguments_are_one_shell_line(name):
     import shlex
 
-    from megatron_hetero.megatron_args import megatron_args_line
+    from megatron_hetero.plan.megatron_args import megatron_args_line
     plan = VARIANTS[name]
     line = megatron_args_line(plan, "my plans/plan.yaml")
     assert shlex.split(line) == megatron_args(plan, "my plans/plan.yaml")

@@ -17,7 +17,7 @@ from megatron_hetero.errors import SchemaError
 from megatron_hetero.hardware import inventory_from_data, load_catalog
 from megatron_hetero.plan import (Offload, Plan, Recompute, Slot, load_plan, plan_from_data,
                                   save_plan)
-from megatron_hetero.plan_inventory import check_plan_against_inventory
+from megatron_hetero.placement.inventory import check_plan_against_inventory
 
 from .conftest import EXAMPLE_PLANS, REPO
 
@@ -286,7 +286,7 @@ def test_a_micro_batch_group_lets_the_counts_skip_the_pipeline_size():
     """69 and 57 micro-batches on 2 stages run in whole groups of 3 (57 % 2 = 1): accepted with
     microbatch_group_size 3, as Megatron's interleaved schedule takes them; a group they do
     not fill is refused."""
-    from megatron_hetero.schedule_order import whole_group
+    from megatron_hetero.schedule.rules import whole_group
     data = _interleaved([6, 8], [10, 8])
     data["pipelines"][0]["num_microbatches"] = 69
     data["pipelines"][1]["num_microbatches"] = 57

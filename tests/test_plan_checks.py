@@ -10,8 +10,8 @@ from megatron_hetero.cli import main
 from megatron_hetero.cost import CostModel
 from megatron_hetero.hardware.inventory import load_inventory
 from megatron_hetero.plan import load_plan
-from megatron_hetero.plan_checks import stage_layers
-from megatron_hetero.simulate import simulate
+from megatron_hetero.plan.checks import stage_layers
+from megatron_hetero.sim.step import simulate
 
 from .conftest import REPO, one_line_error
 

@@ -12,11 +12,11 @@ import yaml
 from megatron_hetero import cli
 from megatron_hetero.errors import SchemaError
 from megatron_hetero.hardware import inventory_from_data
-from megatron_hetero.megatron_args import mesh_megatron_args
+from megatron_hetero.plan.megatron_args import mesh_megatron_args
 from megatron_hetero.plan import load_plan, plan_from_data
-from megatron_hetero.plan_mesh import (MeshPlan, MeshSlot, any_plan_from_data, load_any_plan,
+from megatron_hetero.plan.format2 import (MeshPlan, MeshSlot, any_plan_from_data, load_any_plan,
                                        mesh_plan_from_data, save_any_plan)
-from megatron_hetero.plan_mesh_inventory import check_mesh_plan_against_inventory
+from megatron_hetero.placement.mesh_inventory import check_mesh_plan_against_inventory
 
 from .conftest import EXAMPLE_PLANS, REPO
 
@@ -292,7 +292,7 @@ def test_random_mesh_plans_round_trip_and_number_every_rank_once(tmp_path):
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from megatron_hetero.cost.mesh import place_meshes
+    from megatron_hetero.placement.meshes import place_meshes
 
     big = inventory_from_data({"groups": [
         {"gpu": g, "nodes": 64, "gpus_per_node": 8}

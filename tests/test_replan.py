@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from megatron_hetero.checkpoint import read_checkpoint
+from megatron_hetero.launch.checkpoint import read_checkpoint
 from megatron_hetero.cli import main
 from megatron_hetero.hardware.inventory import load_inventory
 from megatron_hetero.plan import load_plan, save_plan
-from megatron_hetero.plan_inventory import check_plan_against_inventory
+from megatron_hetero.placement.inventory import check_plan_against_inventory
 
 from .conftest import MCORE017
 from .runtime.launching import launch, logged_losses

@@ -11,10 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_hetero.cli import main
-from megatron_hetero.cost.schedule import rank_order
+from megatron_hetero.schedule.order import rank_order
 from megatron_hetero.errors import SchemaError
 from megatron_hetero.plan import load_plan, plan_from_data, save_plan
-from megatron_hetero.schedule_order import (has_extra_warmup, megatron_warmup, one_f_one_b,
+from megatron_hetero.schedule.rules import (has_extra_warmup, megatron_warmup, one_f_one_b,
                                             pipeline_warmups, stage_program, stage_schedule)
 
 from .conftest import EXAMPLE_PLANS, REPO

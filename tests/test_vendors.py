@@ -11,15 +11,15 @@ from megatron_hetero.cli import main
 from megatron_hetero.cost import CostModel, place
 from megatron_hetero.cost.crossings import host_staged_seconds, vendor_crossings
 from megatron_hetero.cost.stage import StageShape
-from megatron_hetero.cost.host_path import (DEFAULT_HOST_LINK_GB_S, TCP_STREAM_GB_S, HostPath,
+from megatron_hetero.placement.host_path import (DEFAULT_HOST_LINK_GB_S, TCP_STREAM_GB_S, HostPath,
                                             host_path)
 from megatron_hetero.errors import SchemaError
 from megatron_hetero.hardware.catalog import VENDOR_STACKS, load_catalog
 from megatron_hetero.hardware.inventory import DEFAULT_NIC_GB_S, inventory_from_data
 from megatron_hetero.models import load_model
 from megatron_hetero.plan import ModelSpec, plan_from_data
-from megatron_hetero.plan_inventory import check_plan_vendors
-from megatron_hetero.simulate import simulate
+from megatron_hetero.placement.inventory import check_plan_vendors
+from megatron_hetero.sim.step import simulate
 
 TINY = ModelSpec(name="tiny", num_layers=4, hidden_size=1024, ffn_hidden_size=4096,
                  num_attention_heads=16, num_query_groups=16, vocab_size=32000,

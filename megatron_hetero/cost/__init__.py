@@ -1,7 +1,7 @@
 """Cost model: compute, memory and communication per device type; measured profiles."""
 
 from .model import CostModel
-from .placement import Node, Placement, place
+from ..placement.nodes import Node, Placement, place
 from .profile_protocol import DeviceProfile, Part
 from .stage import Memory, StageShape, StageTimes
 

@@ -19,7 +19,7 @@ from functools import lru_cache
 
 from .. import models as M
 from ..plan import ModelSpec, Offload, Recompute, chunk_recompute
-from .schedule import peak_activations
+from ..schedule.order import peak_activations
 from .stage import Memory, StageShape
 
 __all__ = ["StageMemory"]

@@ -45,9 +45,9 @@ from typing import Literal, Mapping
 from .. import models as M
 from ..hardware.inventory import Inventory
 from ..plan import ModelSpec, Offload, Plan, Recompute
-from .host_path import DEFAULT_HOST_LINK_GB_S
+from ..placement.host_path import DEFAULT_HOST_LINK_GB_S
 from .memory import StageMemory
-from .placement import Placement, place
+from ..placement.nodes import Placement, place
 from .profile_protocol import DeviceProfile
 from .stage import Memory, StageShape, StageTimes
 

@@ -12,7 +12,7 @@ import operator
 from dataclasses import dataclass, field
 
 from ..plan import Offload, Plan, Recompute
-from ..schedule_order import megatron_warmup
+from ..schedule.rules import megatron_warmup
 
 __all__ = ["StageShape", "StageTimes", "Memory"]
 

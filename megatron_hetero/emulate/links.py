@@ -18,7 +18,7 @@ one float64 with tag :data:`STAMP_TAG` on the default group: the sender's comput
 install the same table (each pair must agree on exchanging stamps).
 
 Which link. :func:`plan_links` places the plan on the inventory as the cost model does
-(:func:`megatron_hetero.cost.placement.place`) and takes, for every pair of ranks that exchange
+(:func:`megatron_hetero.placement.nodes.place`) and takes, for every pair of ranks that exchange
 pipeline messages (tensor rank ``t`` of consecutive stages of a pipeline, and the wrap from the
 last stage to the first with interleaving), the bandwidth of the link their nodes share. The
 rehearsal runs a shrunk model at an emulated speed, so the real link's seconds are scaled
@@ -28,8 +28,8 @@ bandwidth, so that a shrunk message takes ``time_stretch`` times what the real o
 the real link.
 
 Across vendors. Where the two GPUs are of two vendors the link is the host path
-(:mod:`megatron_hetero.cost.host_path`): device to host, the NIC, host to device, one after
-another; its :class:`Link` keeps that :class:`~megatron_hetero.cost.host_path.HostPath` and
+(:mod:`megatron_hetero.placement.host_path`): device to host, the NIC, host to device, one after
+another; its :class:`Link` keeps that :class:`~megatron_hetero.placement.host_path.HostPath` and
 takes its rate, and the per-message latency is ``latency_s`` as on every link, which is how the
 cost model prices a pipeline send over it (``CostModel.p2p_seconds`` at the host path's rate).
 A staged message therefore takes ``time_stretch x (latency + bytes / host link + bytes / network
@@ -42,8 +42,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ..cost.host_path import HostPath, host_path
-from ..cost.placement import place
+from ..placement.host_path import HostPath, host_path
+from ..placement.nodes import place
 from ..plan import Plan, Slot
 
 __all__ = ["Link", "plan_links", "rehearsal_links", "emulate_links", "STAMP_TAG"]

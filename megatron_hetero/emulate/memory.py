@@ -45,7 +45,7 @@ from typing import Iterable, Iterator
 from ..errors import HeteroError
 from ..hardware.catalog import Catalog, load_catalog
 from ..plan import Plan
-from ..plan_mesh import MeshPlan
+from ..plan.format2 import MeshPlan
 
 __all__ = ["MemoryCapError", "MemoryMeter", "memory_caps", "cpu_rank_bytes", "plan_cost_model",
            "meter_module_input_offload"]

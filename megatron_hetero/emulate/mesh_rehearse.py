@@ -13,7 +13,7 @@ one CPU process per plan rank, each playing its mesh's GPU type.
    and capped at its device's memory scaled with the model (:func:`.memory.memory_caps`, the
    cost model's memory of the rank's mesh stage); the first step is a warm-up.
 5. *Predict* the same emulated cluster with the cost model and the mesh simulator
-   (:func:`megatron_hetero.simulate_mesh.simulate_mesh`), the calibrated compute rescaled by the
+   (:func:`megatron_hetero.sim.mesh.simulate_mesh`), the calibrated compute rescaled by the
    CPU time the ranks measured (:mod:`.drift`), and report both.
 
 Not rehearsed on mesh plans (yet): link emulation.
@@ -30,7 +30,7 @@ from ..errors import HeteroError
 from ..hardware.catalog import Catalog, load_catalog
 from ..models import shrink_model
 from ..plan import Pipeline, Plan, Stage
-from ..plan_mesh import MeshPlan, mesh_plan_from_data
+from ..plan.format2 import MeshPlan, mesh_plan_from_data
 from .calibration import Calibration, _mean, calibrate
 from .drift import cpu_drifts, in_run_calibrations, measured_allreduce_gb_s
 from .prediction import emulated_cluster, emulated_name
@@ -150,7 +150,7 @@ def predict_mesh(shrunk: MeshPlan, calibration, factors: dict[str, float], *,
     (:func:`.prediction.emulated_cluster`: each device type the calibrated CPU over its factor,
     gloo between them) for ``shrunk`` as the CPU ranks run it (fp32). Returns a ``SimResult``."""
     from ..cost.model import CostModel
-    from ..simulate_mesh import simulate_mesh
+    from ..sim.mesh import simulate_mesh
 
     inventory, profiles, options = emulated_cluster(dict(shrunk.device_counts()), calibration,
                                                     factors)

@@ -1,4 +1,4 @@
-"""The mini trainer of mesh plans (:mod:`megatron_hetero.plan_mesh`, format 2): real
+"""The mini trainer of mesh plans (:mod:`megatron_hetero.plan.format2`, format 2): real
 megatron-core 0.17.1 training of a mesh plan on CPU processes, one per plan rank.
 
 Each rank is built by :func:`megatron_hetero.mcore.mesh_train.build_mesh_rank`: its mesh's grid,
@@ -34,7 +34,7 @@ from typing import Callable
 
 from ..mcore.cpu_offload import enable_cpu_offload, join_offload_summary
 from ..mcore.stage_policies import optimizer_offload_kwargs
-from ..plan_mesh import Mesh, MeshPlan, MeshSlot, MeshStage, Replica
+from ..plan.format2 import Mesh, MeshPlan, MeshSlot, MeshStage, Replica
 from .params import init_params, local_params, merge_shards
 from .trainer import (RankHooks, RankResult, TrainConfig, TrainResult, forward_step,
                       sample_tokens, train_on_ranks, train_steps)

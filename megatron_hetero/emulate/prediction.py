@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..plan import Plan, plan_from_data
-from ..plan_mesh import MeshPlan
+from ..plan.format2 import MeshPlan
 from .calibration import Calibration
 
 __all__ = ["EmulatedProfile", "emulated_name", "emulated_cluster", "emulated_sends", "predict",
@@ -113,7 +113,7 @@ def predict(shrunk: Plan, calibration, factors: dict[str, float], *, links=None)
     (:func:`.links.rehearsal_links`), whose sends then take the place of gloo's
     (:func:`emulated_sends`). Returns a ``SimResult``."""
     from ..cost.model import CostModel
-    from ..simulate import simulate
+    from ..sim.step import simulate
 
     inventory, profiles, options = emulated_cluster(dict(shrunk.device_counts()), calibration,
                                                     factors)

@@ -8,7 +8,7 @@ import contextlib
 
 from ..errors import HeteroError
 from ..plan import Plan
-from ..plan_mesh import MeshPlan
+from ..plan.format2 import MeshPlan
 from .calibration import _all_reduce_seconds, _renice
 
 __all__ = ["rehearsal_hooks", "user_error"]

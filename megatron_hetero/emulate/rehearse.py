@@ -1,6 +1,6 @@
 """Rehearse a plan on this machine: one CPU process per plan rank, each playing its GPU type.
 
-``megatron-hetero rehearse PLAN`` (see :func:`rehearse_main`):
+``megatron-hetero rehearse PLAN`` (see :func:`megatron_hetero.cli.rehearse.rehearse_main`):
 
 1. *Shrink* the model in width (:func:`~megatron_hetero.models.shrink_model`): hidden size,
    heads, FFN, vocabulary and sequence scale down together (FFN, vocabulary and sequence keep
@@ -54,7 +54,7 @@ from .rank_hooks import rehearsal_hooks, user_error
 from .report import RehearsalResult, format_report, stage_reports
 from .shrink import offload_min_numel, shrink_plan, without_module_inputs
 
-__all__ = ["RehearsalConfig", "rehearse", "rehearse_main", "train_and_verify"]
+__all__ = ["RehearsalConfig", "rehearse", "train_and_verify"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -222,58 +222,3 @@ def _links(plan: Plan, shrunk: Plan, config: RehearsalConfig, inventory, calibra
     fastest = min(factors, key=lambda d: (factors[d], d))
     return rehearsal_links(plan, shrunk, inventory, calibration=calibration,
                            factor=factors[fastest], latency_s=config.link_latency_s)
-
-
-def rehearse_main(args) -> int:
-    """Handler of ``megatron-hetero rehearse``."""
-    import sys
-
-    from ..hardware.inventory import load_inventory
-    from ..plan_inventory import check_plan_against_inventory
-    from ..plan_mesh import MeshPlan, load_any_plan
-    from ..plan_mesh_inventory import check_mesh_plan_against_inventory
-
-    os.environ.setdefault("PYTHONWARNINGS", "ignore")  # megatron's Apex/TE notices, per rank
-    inventory = load_inventory(args.inventory) if args.inventory else None
-    plan = load_any_plan(args.plan, catalog=inventory.catalog if inventory else None)
-    catalog = plan.catalog  # the built-in (or the inventory's) catalog plus the plan's gpus
-    if inventory is not None:
-        check = (check_mesh_plan_against_inventory if isinstance(plan, MeshPlan)
-                 else check_plan_against_inventory)
-        check(plan, inventory, source=args.plan)
-    try:
-        config = RehearsalConfig(steps=args.steps, hidden_size=args.hidden_size,
-                                 time_scale=args.time_scale, memory_cap=not args.no_memory_cap,
-                                 seed=args.seed, max_ranks=args.max_ranks, nice=args.nice,
-                                 emulate_links=args.emulate_links,
-                                 link_latency_s=args.link_latency)
-    except ValueError as exc:
-        raise HeteroError(str(exc)) from None
-    progress = lambda msg: print(f"[rehearse] {msg}", file=sys.stderr, flush=True)  # noqa: E731
-    if isinstance(plan, MeshPlan):
-        result = _rehearse_mesh_plan(plan, config, args, catalog, progress)
-    else:
-        result = rehearse(plan, config, catalog=catalog, verify=args.verify, source=args.plan,
-                          progress=progress, inventory=inventory)
-        print(format_report(result, source=args.plan, real=plan.model))
-    if args.verify:
-        if result.verify_message is not None:
-            print(f"verify: FAILED: the {plan.world_size}-rank run diverges from the "
-                  f"single-process run: {result.verify_message}")
-            return 1
-        print(f"verify: losses and final parameters match the single-process run "
-              f"(fp32, rtol 1e-5, atol 1e-5) over {config.steps} steps")
-    return 0
-
-
-def _rehearse_mesh_plan(plan, config: RehearsalConfig, args, catalog, progress):
-    """``rehearse`` of a mesh plan (:mod:`.mesh_rehearse`): no link emulation."""
-    from .mesh_rehearse import format_mesh_report, rehearse_mesh
-
-    if config.emulate_links:
-        raise HeteroError(f"{args.plan}: link emulation (--emulate-links) is not built for mesh "
-                          "plans (format 2) yet")
-    result = rehearse_mesh(plan, config, catalog=catalog, verify=args.verify, source=args.plan,
-                           progress=progress)
-    print(format_mesh_report(result, source=args.plan, real=plan.model))
-    return result

@@ -16,7 +16,7 @@ import dataclasses
 from ..hardware.catalog import Catalog
 from ..models import shrink_model
 from ..plan import Plan, plan_from_data
-from ..plan_mesh import MeshPlan
+from ..plan.format2 import MeshPlan
 
 __all__ = ["shrink_plan", "offload_min_numel", "without_module_inputs", "MIN_OFFLOADED_NUMEL"]
 

@@ -213,7 +213,7 @@ def load_catalog() -> Catalog:
 @lru_cache(maxsize=1)
 def _builtin_specs() -> dict[str, GPUSpec]:
     """The built-in entries, read once per process (``tune`` reads them again to find what a
-    plan must carry, :func:`~megatron_hetero.plan_inventory.embedded_gpus`); the entries are
+    plan must carry, :func:`~megatron_hetero.placement.inventory.embedded_gpus`); the entries are
     frozen and :class:`Catalog` copies the mapping."""
     specs = {}
     for name, data in _builtin().items():

@@ -12,7 +12,7 @@ per node in GB: when given, the simulator checks that what a node's GPUs offload
 optimizer state and module inputs, fits in it beside a reserve for the OS and processes, and
 the tuner keeps only plans that fit), ``nic_bandwidth_gb_s`` and ``rdma`` (the node's NIC
 as seen from host memory, for links between GPUs of two vendors, which are staged through the
-hosts: see :mod:`megatron_hetero.cost.host_path`); at the top:
+hosts: see :mod:`megatron_hetero.placement.host_path`); at the top:
 ``inter_group_bandwidth_gb_s``, ``gpus``, ``name``.
 """
 
@@ -66,7 +66,7 @@ class GPUGroup:
     another vendor (staged through the hosts); absent: :data:`DEFAULT_NIC_GB_S`."""
     rdma: bool = True
     """Whether the NIC moves host memory by RDMA (InfiniBand, RoCE); false: TCP, a single
-    stream's rate and a higher latency (:mod:`megatron_hetero.cost.host_path`)."""
+    stream's rate and a higher latency (:mod:`megatron_hetero.placement.host_path`)."""
 
     def __post_init__(self) -> None:
         if self.nodes < 1:

@@ -12,7 +12,7 @@ and megatron-core run on CPU processes.
 - :mod:`.cpu_backend`: ``enable_cpu_backend()``, the redirects that make megatron-core run on CPU.
 - :mod:`.cpu_offload`: ``enable_cpu_offload()``, megatron-core's optimizer offload and
   fine-grained activation offloading on the CPU backend (the runtime's and the rehearsal's).
-- :mod:`.cuda_coverage`: the scan of megatron-core's source that pins the backend's table.
+- ``tests/mcore/cuda_coverage.py``: the scan of megatron-core's source that pins the backend's table.
 - :mod:`.rebind`: our wrappers of Megatron's functions and methods, each applied once per
   layer (the runtime's hooks, vendors and CPU fixes, and the CPU offload fixes).
 - :mod:`.spawn`: ``spawn(fn, world_size)``, N gloo processes with results and failures collected.
@@ -24,6 +24,6 @@ and megatron-core run on CPU processes.
 
 ``runtime``, ``emulate`` and ``profiler`` build megatron-core objects through this package and
 never import one another. It depends on :mod:`megatron_hetero.plan` (and its
-:mod:`megatron_hetero.schedule_order`) and :mod:`megatron_hetero.models` only. Importing it
+:mod:`megatron_hetero.schedule.rules`) and :mod:`megatron_hetero.models` only. Importing it
 imports neither torch nor megatron; the submodules do where they build something.
 """

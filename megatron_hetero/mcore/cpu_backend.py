@@ -14,7 +14,7 @@ Public API
 ``CudaNotCoveredError``
     Raised when megatron-core calls a ``torch.cuda`` function the table does not cover.
 
-:mod:`.cuda_coverage` checks the table against the installed megatron-core's source: a scan of
+``tests/mcore/cuda_coverage.py`` checks the table against the installed megatron-core's source: a scan of
 the modules the supported features run, which fails when an upgrade adds a CUDA path that
 neither :data:`REDIRECTS` nor its list of deliberate exceptions covers.
 

@@ -57,7 +57,7 @@ import functools
 from functools import cache
 
 from ..plan import Plan, Stage
-from ..plan_mesh import MeshPlan, MeshStage
+from ..plan.format2 import MeshPlan, MeshStage
 from .rebind import wrap_method
 
 __all__ = ["enable_cpu_offload", "allocate_hdo_state", "join_offload_summary",

@@ -1,4 +1,4 @@
-"""megatron-core's grids and communicator of a mesh plan (:mod:`megatron_hetero.plan_mesh`).
+"""megatron-core's grids and communicator of a mesh plan (:mod:`megatron_hetero.plan.format2`).
 
 One ``HyperCommGrid`` per mesh, shape ``[T, 1, D, P]`` over ``["tp", "cp", "dp", "pp"]`` at
 the mesh's ``rank_offset`` (the plan's rank numbering), with its groups created on every rank
@@ -13,7 +13,7 @@ On the CPU backend (gloo) the bridges' broadcast groups are made with the defaul
 
 from __future__ import annotations
 
-from ..plan_mesh import MeshPlan
+from ..plan.format2 import MeshPlan
 
 __all__ = ["mesh_grids", "mesh_communicator", "module_name", "DIM_MAPPING", "GRID_DIMS",
            "gloo_bridges"]

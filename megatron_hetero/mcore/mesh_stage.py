@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..plan_mesh import MeshPlan
+from ..plan.format2 import MeshPlan
 from .mesh_grids import module_name
 
 __all__ = ["MeshStageModule", "mesh_process_groups", "multimodule_collection",

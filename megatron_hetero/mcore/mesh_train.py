@@ -1,4 +1,4 @@
-"""Training one rank of a mesh plan (:mod:`megatron_hetero.plan_mesh`) with megatron-core
+"""Training one rank of a mesh plan (:mod:`megatron_hetero.plan.format2`) with megatron-core
 0.17.1's own pieces: ``DistributedDataParallel`` and ``get_megatron_optimizer`` over the rank's
 mesh (its ``ProcessGroupCollection``), ``finalize_model_grads`` with the mesh's groups, and the
 decisions a mesh plan adds to them, each made here once:
@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..plan_mesh import MeshPlan, MeshSlot
+from ..plan.format2 import MeshPlan, MeshSlot
 from .mesh_grids import gloo_bridges, mesh_communicator, mesh_grids
 from .mesh_stage import (MeshStageModule, gradient_scale, mesh_process_groups,
                          multimodule_collection, use_mesh_globals)
@@ -46,7 +46,7 @@ __all__ = ["MeshRank", "per_token_loss", "is_loss_rank", "global_batch_tokens",
 def per_token_loss(plan: MeshPlan) -> bool:
     """Whether the loss is summed over tokens and the gradients divided by the global batch's
     tokens (``calculate_per_token_loss``): where some mesh's replicas differ
-    (:attr:`~megatron_hetero.plan_mesh.MeshPlan.per_token_loss`, what ``args`` prints)."""
+    (:attr:`~megatron_hetero.plan.format2.MeshPlan.per_token_loss`, what ``args`` prints)."""
     return plan.per_token_loss
 
 

@@ -12,7 +12,7 @@ __all__ = ["layer_spec_name", "layer_spec", "gpt_model", "wrap_ddp"]
 
 def layer_spec_name(device: str = "cpu") -> str:
     """``transformer_engine`` on a GPU where Transformer Engine is installed, else ``local``."""
-    from ..optional import have_transformer_engine
+    from ..hardware.optional import have_transformer_engine
     return "transformer_engine" if device == "cuda" and have_transformer_engine() else "local"
 
 

@@ -14,7 +14,7 @@ count), ``schedules.backward_step`` (the loss scale, the output-gradient trick o
 ``finalize_model_grads_func`` with the token count of every micro-batch, the DDP hooks of the
 config (``no_sync_func`` until the last backward; ``grad_sync_func`` as Megatron's 1F1B calls
 it), and ``P2PCommunicator`` for every message. What is ours is the order: each stage executes
-:func:`megatron_hetero.schedule_order.stage_program`, its 1F1B ops with ``w`` warm-up forwards
+:func:`megatron_hetero.schedule.rules.stage_program`, its 1F1B ops with ``w`` warm-up forwards
 and, around them, when to post and wait for each message.
 
 Messages: every send and every receive is posted without waiting
@@ -26,7 +26,7 @@ Both ends of a link post its messages in the same order (the upper stage's; the 
 posts receives ahead), which a transport that pairs each link's messages in posting order
 (NCCL's two-rank communicators of single ``send``/``recv``; gloo) needs; with warm-ups that never
 rise along the pipeline (the plan's rule: at least one more than the next stage) no stage waits
-on another in a cycle. :func:`~megatron_hetero.schedule_order.stage_program` has the argument,
+on another in a cycle. :func:`~megatron_hetero.schedule.rules.stage_program` has the argument,
 and a test runs every stage's program against such a transport.
 
 Evaluation (``forward_only``) runs Megatron's own schedule: without backwards the order of
@@ -43,7 +43,7 @@ import inspect
 
 from ..errors import HeteroError
 from ..plan import Plan
-from ..schedule_order import has_extra_warmup, pipeline_warmups, stage_program
+from ..schedule.rules import has_extra_warmup, pipeline_warmups, stage_program
 
 __all__ = ["schedule_for", "warmup_forward_backward", "unsupported", "refusal"]
 

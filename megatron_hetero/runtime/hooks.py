@@ -53,7 +53,7 @@ from ..mcore.cpu_offload import join_offload_summary
 from ..mcore.stage_policies import stage_config_kwargs
 from ..mcore.warmup_schedule import refusal, schedule_for, unsupported
 from ..plan import Plan, Slot, Stage, load_plan
-from ..schedule_order import has_extra_warmup, stage_schedule
+from ..schedule.rules import has_extra_warmup, stage_schedule
 from . import mesh_model, mesh_run, plan_args, policies, vendors
 from ..mcore.rebind import is_wrapper, rebind
 from .arguments import add_hetero_args

@@ -61,8 +61,8 @@ from dataclasses import dataclass
 
 from ..errors import HeteroError
 from ..mcore.cpu_offload import join_offload_summary
-from ..megatron_args import mesh_megatron_args
-from ..plan_mesh import MeshPlan, MeshSlot
+from ..plan.megatron_args import mesh_megatron_args
+from ..plan.format2 import MeshPlan, MeshSlot
 from . import plan_args, policies
 from .placement import CPU_ENV, detect_device_type, device_type_of_rank, place_this_rank
 

@@ -1,4 +1,4 @@
-"""Mesh plans (``format_version: 2``, :mod:`megatron_hetero.plan_mesh`) at run time.
+"""Mesh plans (``format_version: 2``, :mod:`megatron_hetero.plan.format2`) at run time.
 
 They run under megatron-core's multimodule pipeline: one ``HyperCommGrid`` per mesh, a
 ``BridgeCommunicator`` per boundary, ``MultiModulePipelineCommunicator`` as the p2p
@@ -15,7 +15,7 @@ import importlib
 
 from .._schema import read_yaml
 from ..errors import HeteroError
-from ..plan_mesh import MESH_FORMAT_VERSION, MeshPlan, mesh_plan_from_data
+from ..plan.format2 import MESH_FORMAT_VERSION, MeshPlan, mesh_plan_from_data
 
 __all__ = ["mesh_plan_of", "MULTIMODULE_SCHEDULE_VERSION"]
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from ..errors import HeteroError
 from ..hardware.catalog import Catalog, load_catalog
 from ..plan import Plan
-from ..plan_inventory import check_plan_vendors
-from ..plan_mesh import MeshPlan
+from ..placement.inventory import check_plan_vendors
+from ..plan.format2 import MeshPlan
 from .arguments import DEVICE_TYPE_ENV
 
 __all__ = ["RankInfo", "PlacementError", "assign_ranks", "detect_device_type",
@@ -242,7 +242,7 @@ def check_device_stacks(plan: Plan, *, source: str) -> None:
     """Refuse, before any model is built and with the same message on every rank, a plan this
     runtime cannot carry on devices: GPUs of several vendors other than across pipeline edges
     (a data-parallel group across vendors, or Ascend NPUs beside another vendor:
-    :func:`~megatron_hetero.plan_inventory.check_plan_vendors`), or a device type whose torch
+    :func:`~megatron_hetero.placement.inventory.check_plan_vendors`), or a device type whose torch
     stack this process lacks (Ascend NPUs without ``torch_npu``). Skipped on the CPU backend
     (``MEGATRON_HETERO_CPU=1``), where gloo serves every group."""
     if os.environ.get(CPU_ENV, "") not in ("", "0"):

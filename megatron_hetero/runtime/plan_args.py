@@ -1,6 +1,6 @@
 """The plan's implied Megatron arguments, checked against the user's command line and applied.
 
-``megatron_hetero.megatron_args`` lists what a plan implies (parallel sizes, layer split, model
+``megatron_hetero.plan.megatron_args`` lists what a plan implies (parallel sizes, layer split, model
 shape, batch sizes, precision). Here each implied argument is compared with the parsed Megatron
 arguments: one the user gave with another value is a conflict (one error listing every
 conflict); one the user left out is filled in from the plan. Arguments the plan does not govern
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from ..errors import HeteroError
-from ..megatron_args import GROUP_FLAG, megatron_args
+from ..plan.megatron_args import GROUP_FLAG, megatron_args
 from ..plan import Plan
 
 __all__ = ["Implied", "implied_arguments", "implied_from_tokens", "given_flags",

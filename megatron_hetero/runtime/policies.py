@@ -39,10 +39,10 @@ from ..errors import HeteroError
 from ..mcore.cpu_backend import cpu_backend_enabled
 from ..mcore.cpu_offload import module_input_offload_supported, optimizer_offload_supported
 from ..mcore.stage_policies import module_input_kwargs, recompute_kwargs
-from ..optional import have_transformer_engine
+from ..hardware.optional import have_transformer_engine
 from ..plan import Plan, Stage
-from ..plan_checks import FP32_OPTIMIZER_OFFLOAD, optimizer_offload_runs, plan_stages
-from ..plan_mesh import MeshPlan, MeshStage
+from ..plan.checks import FP32_OPTIMIZER_OFFLOAD, optimizer_offload_runs, plan_stages
+from ..plan.format2 import MeshPlan, MeshStage
 
 __all__ = ["stage_args", "apply_stage_args", "check_supported", "PolicyUnsupported",
            "activation_offload_supported", "set_launch_env"]
@@ -83,7 +83,7 @@ def set_launch_env(argv, environ=None) -> bool:
     when the command line's ``--hetero-plan`` offloads module inputs on some stage (TE reads it
     at import; with TE >= 2.10 Megatron's fine-grained offload asserts it). True when the plan
     needs it."""
-    from ..plan_mesh import load_any_plan
+    from ..plan.format2 import load_any_plan
 
     environ = os.environ if environ is None else environ
     path = None

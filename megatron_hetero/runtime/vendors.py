@@ -1,7 +1,7 @@
 """Process groups of a plan whose GPUs are of several vendors (docs/vendors.md).
 
 NCCL, RCCL and HCCL cannot join one communicator. On a plan across vendors (which
-:func:`~megatron_hetero.plan_inventory.check_plan_vendors` accepts: vendor boundaries on pipeline
+:func:`~megatron_hetero.placement.inventory.check_plan_vendors` accepts: vendor boundaries on pipeline
 edges only), every group gets the backend its members can share:
 
 * :func:`group_backend`, a pure function of the plan and a group's Megatron ranks (placement

@@ -12,7 +12,7 @@ import dataclasses
 
 from ..cost.model import CostModel
 from ..plan import Offload, Plan
-from ..simulate import SimResult, simulate
+from ..sim.step import SimResult, simulate
 from .policy import Option, Policy
 from .refine import group_choices
 from .space import Structure

@@ -12,8 +12,8 @@ from ..hardware.inventory import load_inventory
 from ..models import load_model
 from ..outputs import Outputs
 from ..plan import save_plan
-from ..plan_mesh import MeshPlan, load_any_plan
-from ..plan_inventory import check_plan_against_inventory
+from ..plan.format2 import MeshPlan, load_any_plan
+from ..placement.inventory import check_plan_against_inventory
 
 __all__ = ["tune_main", "simulate_main", "add_tune_arguments", "add_simulate_arguments",
            "add_search_space_arguments", "parse_sizes"]
@@ -82,7 +82,7 @@ def _figure_sources(plan, inventory, profiles):
     estimated: a :class:`~megatron_hetero.cost.profile_file.ProfileUsage` after simulating it."""
     from ..cost import CostModel
     from ..cost.profile_file import ProfileUsage
-    from ..simulate import simulate
+    from ..sim.step import simulate
 
     usage = ProfileUsage(profiles)
     cost = CostModel(plan.model, inventory, profiles=usage.wrap(), precision=plan.precision,
@@ -138,7 +138,7 @@ def tune_main(args: argparse.Namespace) -> int:
         raise HeteroError(f"--seq-length: {args.seq_length}; expected a positive integer")
     _check_timeline(args.timeline)
     if args.timeline:  # at least a forward and a backward of every micro-batch of the batch
-        from ..simulate import check_recordable
+        from ..sim.step import check_recordable
         check_recordable(2 * args.global_batch_size // max(parse_sizes(args.micro_batch_sizes)))
     with _outputs("tune", args, inputs={"INVENTORY": args.inventory},
                   outputs={"-o/--output": args.output, "--report": args.report,
@@ -194,7 +194,7 @@ def _tune(args: argparse.Namespace, out: Outputs) -> int:
         with open(out.staged(args.report), "w") as f:
             json.dump(report, f, indent=2)
     if args.timeline:
-        from ..simulate import simulate
+        from ..sim.step import simulate
         simulate(result.plan, cost).timeline_png(out.staged(args.timeline))
     console = Console(soft_wrap=True)  # summary lines stay whole in logs and pipes
     if not args.quiet:
@@ -237,7 +237,7 @@ def _simulate(args: argparse.Namespace, out: Outputs) -> int:
 
     from ..cost import CostModel
     from ..cost.crossings import vendor_crossings
-    from ..simulate import simulate
+    from ..sim.step import simulate
     from .report import host_memory_lines, plan_table, summary_lines, vendor_lines
 
     inventory = load_inventory(args.inventory)
@@ -283,7 +283,7 @@ def _simulate(args: argparse.Namespace, out: Outputs) -> int:
 def _check_fits(args: argparse.Namespace, plan, sim) -> None:
     """A plan that does not fit memory is an error, unless ``--warn-only``."""
     if not args.warn_only:
-        from ..plan_checks import check_fits
+        from ..sim.fits import check_fits
         check_fits(plan, sim, source=args.plan,
                    skip_hint="--warn-only simulates it anyway, with a warning")
 
@@ -291,8 +291,8 @@ def _check_fits(args: argparse.Namespace, plan, sim) -> None:
 def _simulate_mesh_main(args: argparse.Namespace, plan: MeshPlan, inventory, out: Outputs) -> int:
     """``simulate`` of a mesh plan: its meshes, the predicted step and every stage."""
     from ..cost import CostModel
-    from ..plan_mesh_inventory import check_mesh_plan_against_inventory
-    from ..simulate_mesh import simulate_mesh
+    from ..placement.mesh_inventory import check_mesh_plan_against_inventory
+    from ..sim.mesh import simulate_mesh
 
     check_mesh_plan_against_inventory(plan, inventory, source=args.plan)
     profiles = _profiles(args.profile, inventory)
@@ -320,9 +320,9 @@ def _tune_mesh_wins(args: argparse.Namespace, result, inventory, profiles, out: 
     """``tune`` where the best mesh plan beats every uniform-TP plan: write it, and print it
     beside the uniform plan it beat."""
     from ..cost import CostModel
-    from ..megatron_args import megatron_args_line
-    from ..plan_mesh import save_any_plan
-    from ..simulate_mesh import simulate_mesh
+    from ..plan.megatron_args import megatron_args_line
+    from ..plan.format2 import save_any_plan
+    from ..sim.mesh import simulate_mesh
     from .report import report_dict, summary_lines
 
     plan, sim = result.mesh_plan, result.mesh_sim

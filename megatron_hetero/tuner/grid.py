@@ -14,16 +14,33 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from .policy import Menu, option_costs
 
-if TYPE_CHECKING:  # the tables' builder, which passes itself in
-    from .tables import _Builder
-
 __all__ = ["Grid", "build_grids", "menu_columns"]
+
+
+
+class _Builder(Protocol):
+    """What a grid reads of a table's builder (:class:`.tables._Builder` passes itself in)."""
+
+    L: int
+    n: np.ndarray
+    unfused: bool
+    capacity: float
+    optimizer: np.ndarray
+    off_step: np.ndarray
+    m_avg: float
+    saving: dict[bool, float]
+    act: float
+    fwd_layer: float
+
+    def base_line(self, selective: bool, module_inputs: bool) -> tuple[np.ndarray, np.ndarray]:
+        ...
+
 
 FULL_COLUMNS = 3
 """The full-recompute options of a grid per module-input setting (:func:`_full_recompute`)."""

@@ -1,4 +1,4 @@
-"""Mesh plans in the search (:mod:`megatron_hetero.plan_mesh`): each device type of a mixed
+"""Mesh plans in the search (:mod:`megatron_hetero.plan.format2`): each device type of a mixed
 pool its own tensor- and data-parallel size.
 
 The space, the simplest one that is real: one mesh per device type, the types memory-rich
@@ -13,7 +13,7 @@ without sequence parallelism: a bridge carries whole ``[s, b, h]`` tensors); the
 from :func:`.split.min_max_split` on seconds per micro-batch (every stage runs the same
 micro-batches). Candidates are visited in order of a lower bound on their estimate (``(m + P -
 1)`` times the slowest stage, the layers split as if each stage took any fraction of them at
-its no-recompute speed), until it passes the best few estimates, which are simulated (:func:`megatron_hetero.simulate_mesh.simulate_mesh`).
+its no-recompute speed), until it passes the best few estimates, which are simulated (:func:`megatron_hetero.sim.mesh.simulate_mesh`).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ import numpy as np
 
 from ..cost.stage import StageShape
 from ..errors import InfeasibleError
-from ..plan_inventory import embedded_gpus
-from ..plan_mesh import Mesh, MeshPlan, MeshStage, Replica
-from ..simulate import SimResult
-from ..simulate_mesh import simulate_mesh
+from ..placement.inventory import embedded_gpus
+from ..plan.format2 import Mesh, MeshPlan, MeshStage, Replica
+from ..sim.step import SimResult
+from ..sim.mesh import simulate_mesh
 from . import space
 from .problem import Problem
 from .split import min_max_split

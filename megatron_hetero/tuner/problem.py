@@ -17,7 +17,7 @@ from ..cost.model import CostModel
 from ..cost.profile_protocol import DeviceProfile
 from ..hardware.inventory import Inventory
 from ..plan import ModelSpec
-from ..plan_checks import optimizer_offload_runs
+from ..plan.checks import optimizer_offload_runs
 
 __all__ = ["TuneOptions", "Problem"]
 
@@ -34,13 +34,13 @@ class TuneOptions:
     max_virtual_pipeline_size: int = 4
     """Model chunks per stage tried: 1 (plain 1F1B) up to this (interleaved 1F1B), where every
     chunk gets a layer and the micro-batches form whole groups of the pipeline size (or of a
-    micro-batch group up to twice it: :func:`~megatron_hetero.schedule_order.whole_group`). The
+    micro-batch group up to twice it: :func:`~megatron_hetero.schedule.rules.whole_group`). The
     baseline (plain Megatron) tries every chunk count its even split allows, more than this
     too, so that a cap here never makes the baseline look slower than plain Megatron can be."""
     optimizer_offload: bool = True
     """Let stages offload optimizer state to the host where memory is short (else recompute only;
     never in fp32, where megatron-core's CPU-offload optimizer does not run:
-    :func:`~megatron_hetero.plan_checks.optimizer_offload_runs`)."""
+    :func:`~megatron_hetero.plan.checks.optimizer_offload_runs`)."""
     activation_offload: bool = True
     """Let stages offload their layers' module inputs to the host where memory is short
     (megatron-core's fine-grained activation offloading; needs megatron-core 0.17 or later

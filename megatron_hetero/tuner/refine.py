@@ -51,8 +51,8 @@ from ..cost.model import CostModel
 from ..cost.stage import StageShape
 from ..errors import InfeasibleError, SchemaError
 from ..plan import Pipeline, Plan, Stage, group_fits
-from ..schedule_order import whole_group
-from ..simulate import SimResult, simulate
+from ..schedule.rules import whole_group
+from ..sim.step import SimResult, simulate
 from .policy import Menu, Policy, cheapest_for_stage
 from .problem import Problem, TuneOptions
 from .split import min_max_split
@@ -224,7 +224,7 @@ def _even_layouts(lay: Layout, p: int, chunk_counts, totals_for, order):
     """``lay`` at each of ``chunk_counts`` with stage totals ``totals_for(w, microbatches)``
     (None: skip) in stage order ``order``, each stage spread evenly over its chunks with the
     remainder late or early; the micro-batches regrouped into whole groups of ``p`` when
-    interleaved (of :func:`~megatron_hetero.schedule_order.whole_group`'s group, which the layout
+    interleaved (of :func:`~megatron_hetero.schedule.rules.whole_group`'s group, which the layout
     then takes, where ``p`` does not divide their total), keeping ``lay``'s micro-batch group
     where it still fits."""
     unit = whole_group(p, [sum(lay.microbatches)])

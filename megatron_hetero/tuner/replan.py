@@ -2,7 +2,7 @@
 loads.
 
 From a checkpoint folder it reads the model, the sequence length and the global batch size
-(Megatron's saved arguments, :mod:`megatron_hetero.checkpoint`); from the old plan the same, when
+(Megatron's saved arguments, :mod:`megatron_hetero.launch.checkpoint`); from the old plan the same, when
 only the plan is given. It tunes plan B on the new inventory with them, keeping the checkpoint's
 precision and optimizer, and only tensor-parallel sizes under which the saved tensors keep their
 shapes; it checks that the checkpoint loads under B, writes B (atomically, nothing written on a
@@ -16,15 +16,15 @@ import shlex
 import sys
 from pathlib import Path
 
-from ..checkpoint import FULLY_RESHARDABLE, Checkpoint, read_checkpoint
+from ..launch.checkpoint import FULLY_RESHARDABLE, Checkpoint, read_checkpoint
 from ..errors import Described, HeteroError, InfeasibleError, SchemaError
 from ..hardware.inventory import load_inventory
-from ..megatron_args import megatron_args_line
+from ..plan.megatron_args import megatron_args_line
 from ..models import load_model
 from ..outputs import Outputs
 from ..plan import ModelSpec, Plan, save_plan
-from ..plan_inventory import check_plan_against_inventory
-from ..plan_mesh import load_any_plan
+from ..placement.inventory import check_plan_against_inventory
+from ..plan.format2 import load_any_plan
 
 __all__ = ["add_replan_arguments", "replan_main"]
 

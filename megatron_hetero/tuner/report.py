@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from ..cost.crossings import Crossing, host_staged_seconds
-from ..megatron_args import megatron_args
+from ..plan.megatron_args import megatron_args
 from ..plan import Plan
-from ..simulate import SimResult
+from ..sim.step import SimResult
 
 __all__ = ["plan_table", "summary_lines", "host_memory_lines", "report_dict", "policy_text",
            "vendor_lines", "vendor_dict"]

@@ -6,7 +6,7 @@ minimises the slowest stage relative to each template's balanced ideal, with eac
 cost the time of its cheapest memory policy that fits (:mod:`.tables`); then micro-batch counts
 by exact min-max water-filling (:func:`.shares.water_fill`). Structures are visited in order of
 a lower bound on their step time and the walk stops once the bound passes the best estimate
-found. The best few estimates are simulated (:func:`megatron_hetero.simulate.simulate`) and
+found. The best few estimates are simulated (:func:`megatron_hetero.sim.step.simulate`) and
 the best simulated plan wins; a local search on the simulator (:mod:`.refine`) then moves
 layers, chunks and micro-batches one step at a time while that is faster. With TP > 1 every plan, the baseline's too, runs Megatron's
 sequence parallelism.
@@ -36,17 +36,17 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from ..cost.host_path import staged_ring_gb_s
+from ..placement.host_path import staged_ring_gb_s
 from ..cost.model import CostModel
-from ..cost.placement import between_groups_gb_s
+from ..placement.nodes import between_groups_gb_s
 from ..cost.profile_protocol import DeviceProfile
 from ..errors import InfeasibleError
 from ..hardware.inventory import Inventory
 from ..plan import ModelSpec, Pipeline, Plan, Stage
-from ..plan_inventory import embedded_gpus
-from ..plan_mesh import MeshPlan
-from ..schedule_order import whole_group
-from ..simulate import SimResult, simulate
+from ..placement.inventory import embedded_gpus
+from ..plan.format2 import MeshPlan
+from ..schedule.rules import whole_group
+from ..sim.step import SimResult, simulate
 from . import space
 from .baseline import baseline_policies, best_group
 from .meshes import best_mesh_plan
@@ -484,7 +484,7 @@ def _tune(model: ModelSpec, inventory: Inventory, global_batch_size: int, *,
 
 def _group_size(p: int, v: int, microbatches) -> int | None:
     """The plan's ``microbatch_group_size`` for micro-batch counts the search made whole groups
-    of (:func:`~megatron_hetero.schedule_order.whole_group`): None (Megatron's default, ``p``)
+    of (:func:`~megatron_hetero.schedule.rules.whole_group`): None (Megatron's default, ``p``)
     where ``p`` divides them or the pipeline is not interleaved."""
     g = whole_group(p, microbatches) if v > 1 else None
     return None if g == p else g

@@ -15,7 +15,7 @@ follow each:
 Every structure with ``p > 1`` is also offered interleaved (Megatron's virtual pipeline stages,
 ``v`` = 2 .. ``max_virtual_pipeline_size`` model chunks per stage, and beyond that the chunk
 counts plain Megatron's even split allows) where the micro-batches form whole groups of ``p``,
-or of a larger group up to ``2 p`` (:func:`~megatron_hetero.schedule_order.whole_group`: a
+or of a larger group up to ``2 p`` (:func:`~megatron_hetero.schedule.rules.whole_group`: a
 global batch of 256 micro-batches on 3 stages runs groups of 4, the plan's
 ``microbatch_group_size``); its lower bound divides the fill and drain by ``v``. The pipeline count of a structure always
 divides the global batch (:func:`_divisible_templates`).
@@ -32,8 +32,8 @@ from ..cost.model import CostModel
 from ..cost.stage import StageShape
 from ..hardware.inventory import Inventory
 from ..plan import ModelSpec, Recompute
-from ..plan_checks import FP32_OPTIMIZER_OFFLOAD, optimizer_offload_runs
-from ..schedule_order import whole_group
+from ..plan.checks import FP32_OPTIMIZER_OFFLOAD, optimizer_offload_runs
+from ..schedule.rules import whole_group
 from .problem import Problem
 
 __all__ = ["Structure", "infeasible_message", "structures", "templates", "subsets", "orders", "slots", "tp_sizes",

@@ -18,7 +18,7 @@ every layer count at once, the cheapest policy of each :class:`.policy.Menu` the
   ``base_mi``), and whether selective recompute alone fits (``sel``).
 
 With ``v`` > 1 model chunks per stage (interleaved 1F1B) the memory uses the exact in-flight
-peak of the interleaved order (:func:`megatron_hetero.cost.schedule.peak_activations`): exact
+peak of the interleaved order (:func:`megatron_hetero.schedule.order.peak_activations`): exact
 at multiples of ``v`` layers (even chunks, :func:`even_chunks`) and linear between. A stage's
 ``block`` recompute covers its first layers in chunk order (the plan's semantics); the
 baseline counts its recompute per chunk, as plain Megatron does (:func:`per_chunk_recompute`).
@@ -31,7 +31,7 @@ from functools import cached_property, lru_cache
 
 import numpy as np
 
-from ..cost.schedule import peak_activations
+from ..schedule.order import peak_activations
 from ..cost.stage import Memory, StageShape
 from ..plan import Offload, Recompute
 from .grid import Grid, build_grids, menu_columns

@@ -21,8 +21,8 @@ from typing import Callable
 
 from ..cost.model import CostModel
 from ..plan import Plan
-from ..schedule_order import megatron_warmup
-from ..simulate import SimResult, simulate
+from ..schedule.rules import megatron_warmup
+from ..sim.step import SimResult, simulate
 from .problem import Problem
 from .refine import climb
 

@@ -61,7 +61,7 @@ command -v "$PY" >/dev/null || die "MH_PYTHON=$PY: not found"
 # appending to the same output file.
 [[ ${MH_ON_NODE_LOSS:-} != replan ]] || sbatch_common+=(--common=--no-kill --common=--requeue --common=--open-mode=append)
 "$PY" -m megatron_hetero.cli validate "$plan" >/dev/null || die "the plan $plan does not validate"
-het_text=$("$PY" -m megatron_hetero.jobspec "$plan" "${spec[@]}" "${sbatch_common[@]}" --print sbatch-args) \
+het_text=$("$PY" -m megatron_hetero.launch.jobspec "$plan" "${spec[@]}" "${sbatch_common[@]}" --print sbatch-args) \
     || die "cannot make Slurm components for $plan"
 mapfile -t het_args <<<"$het_text"
 MH_PLAN=$(realpath "$plan")
@@ -81,7 +81,7 @@ MH_SUBMIT_COMMON=$(printf '%s\n' "${sbatch_common[@]}")
 MH_BATCH_SCRIPT=$batch
 export MH_SUBMIT_SPEC MH_SUBMIT_COMMON MH_BATCH_SCRIPT
 if [[ ${MH_SET_DEVICE_TYPES:-0} == 1 ]]; then
-    MH_DEVICE_TYPES=$("$PY" -m megatron_hetero.jobspec "$plan" "${spec[@]}" --print device-types) \
+    MH_DEVICE_TYPES=$("$PY" -m megatron_hetero.launch.jobspec "$plan" "${spec[@]}" --print device-types) \
         || die "cannot list the plan's device types"
     export MH_DEVICE_TYPES
 fi

@@ -294,7 +294,7 @@ def test_micro_batch_group_runs_in_the_order_the_simulator_assumes():
     arguments give it, runs each rank's forwards and backwards in the order
     ``cost.schedule.rank_order`` (which the simulator and the memory model use) says for that
     group, not the default's; and training matches one process to rounding."""
-    from megatron_hetero.cost.schedule import rank_order
+    from megatron_hetero.schedule.order import rank_order
     plan = tiny_plan(None, [(1, 6), (1, 6)], chunks=[[1, 1], [3, 1]], microbatch_group_size=3)
     config = TrainConfig(steps=1, optimizer="sgd", lr=0.1, eval_forward_only=False)
     result = train_plan(plan, config, hooks_factory=_order_hooks)
@@ -312,7 +312,7 @@ def test_micro_batches_that_skip_the_pipeline_size_run_in_whole_groups():
     """9 micro-batches on 2 stages with 2 chunks each, in groups of 3 (the tuner's plans for a
     global batch the pipeline size does not divide): Megatron's interleaved schedule takes them
     and runs the order ``cost.schedule.rank_order`` says, and training matches one process."""
-    from megatron_hetero.cost.schedule import rank_order
+    from megatron_hetero.schedule.order import rank_order
     plan = tiny_plan(None, [(1, 9)], chunks=[[1, 1], [3, 1]], microbatch_group_size=3)
     config = TrainConfig(steps=1, optimizer="sgd", lr=0.1, eval_forward_only=False)
     result = train_plan(plan, config, hooks_factory=_order_hooks)

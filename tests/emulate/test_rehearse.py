@@ -211,7 +211,7 @@ def test_link_across_vendors_is_the_host_path_as_the_cost_model_prices_it():
     """The rehearsal's link between an A100 and an MI300X rank is the host path (device to
     host, the TCP NIC, host to device): a shrunk message takes the rehearsal's stretch times
     what the cost model charges the real one, and the prediction charges it on the pipeline."""
-    from megatron_hetero.cost.host_path import host_path
+    from megatron_hetero.placement.host_path import host_path
     from megatron_hetero.cost.model import CostModel
     from megatron_hetero.emulate.calibration import Calibration
     from megatron_hetero.emulate.links import rehearsal_links

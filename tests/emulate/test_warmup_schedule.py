@@ -2,7 +2,7 @@
 rehearsal's link emulation (megatron_hetero.emulate.links).
 
 - Each rank runs exactly the order of forwards and backwards that
-  :func:`megatron_hetero.schedule_order.stage_schedule` gives its stage, and training equals one
+  :func:`megatron_hetero.schedule.rules.stage_schedule` gives its stage, and training equals one
   process (losses rtol 1e-5, parameters rtol 1e-5 + atol 1e-5 as in test_equivalence) over 3
   steps: PP=3 with warm-ups 5, 3, 0 (Megatron: 2, 1, 0) under 0.05 s of link latency; PP=2 x
   DP=2 where only replica 0 asks for more (replica 1 runs Megatron's own schedule), with the
@@ -25,7 +25,7 @@ from megatron_hetero.emulate.trainer import (RankHooks, TrainConfig, compare_res
 from megatron_hetero.hardware import inventory_from_data
 from megatron_hetero.mcore.warmup_schedule import schedule_for
 from megatron_hetero.plan import plan_from_data
-from megatron_hetero.schedule_order import stage_schedule
+from megatron_hetero.schedule.rules import stage_schedule
 
 from .conftest import tiny_plan
 

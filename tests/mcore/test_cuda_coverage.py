@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from megatron_hetero.mcore.cuda_coverage import (CPU_PATH_MODULES, cuda_uses, is_covered,
+from tests.mcore.cuda_coverage import (CPU_PATH_MODULES, cuda_uses, is_covered,
                                                  uncovered_cuda_uses)
 
 
@@ -38,7 +38,7 @@ def test_interleaved_schedule_is_scanned_and_covered():
 
 @pytest.mark.slow
 def test_table_covers_megatron_core_017(mcore017_env):
-    script = ("import megatron.core; from megatron_hetero.mcore.cuda_coverage import "
+    script = ("import megatron.core; from tests.mcore.cuda_coverage import "
               "uncovered_cuda_uses as u; print(megatron.core.__version__, u())")
     out = subprocess.run([sys.executable, "-W", "ignore", "-c", script], env=mcore017_env,
                          capture_output=True, text=True, timeout=120)

@@ -85,7 +85,7 @@ def launch(nproc: int, plan: str, workdir: Path, *, iters: int = 2, extra=(), en
             cmd = [sys.executable, "-m", "megatron_hetero.launch", str(script), *base_args,
                    "--train-iters", str(iters), *extra, "--hetero-plan", plan]
         else:
-            from megatron_hetero.megatron_args import megatron_args
+            from megatron_hetero.plan.megatron_args import megatron_args
             from megatron_hetero.plan import load_plan
 
             cmd = [sys.executable, "-c", _PLAIN, str(script), *base_args, "--train-iters",

@@ -121,7 +121,7 @@ def test_mesh_plan_on_017_refuses_a_policy_by_its_mesh_stage(on_017):
     (Megatron-LM's default), the example's module-input offload (the 3090 mesh's stages)
     cannot run: every rank refuses it at start, naming each stage's field, rather than run
     without it."""
-    from megatron_hetero.optional import have_transformer_engine
+    from megatron_hetero.hardware.optional import have_transformer_engine
     if have_transformer_engine():
         pytest.skip("Transformer Engine is installed")
     out = on_017["refused-policy"]

@@ -1,10 +1,10 @@
-"""megatron_hetero.node_loss: lost nodes, the pool left, the restart's arguments (pure logic)."""
+"""megatron_hetero.launch.node_loss: lost nodes, the pool left, the restart's arguments (pure logic)."""
 
 from __future__ import annotations
 
 import pytest
 
-from megatron_hetero import node_loss
+from megatron_hetero.launch import node_loss
 from megatron_hetero.errors import HeteroError
 from megatron_hetero.hardware.inventory import inventory_from_data
 

@@ -11,8 +11,8 @@ from megatron_hetero.cost import CostModel
 from megatron_hetero.hardware.inventory import inventory_from_data
 from megatron_hetero.cost.stage import StageShape
 from megatron_hetero.plan import ModelSpec, Offload, Recompute, plan_from_data
-from megatron_hetero.simulate import simulate
-from megatron_hetero.simulate_pipeline import one_f_one_b
+from megatron_hetero.sim.step import simulate
+from megatron_hetero.sim.pipeline import one_f_one_b
 
 from ..shapes import stage
 

@@ -16,7 +16,7 @@ from megatron_hetero.cli import main
 from megatron_hetero.cost import CostModel
 from megatron_hetero.hardware.inventory import inventory_from_data
 from megatron_hetero.plan import ModelSpec, plan_from_data, save_plan
-from megatron_hetero.simulate import simulate
+from megatron_hetero.sim.step import simulate
 from megatron_hetero.tuner import tune
 
 REPO = Path(__file__).resolve().parents[2]

@@ -10,12 +10,12 @@ from hypothesis import given, settings, strategies as st
 
 from megatron_hetero import models as M
 from megatron_hetero.cost import CostModel, StageShape
-from megatron_hetero.cost.schedule import (peak_activations, peak_in_flight, rank_order,
+from megatron_hetero.schedule.order import (peak_activations, peak_in_flight, rank_order,
                                              schedule_table, warmup_count)
 from megatron_hetero.hardware.inventory import inventory_from_data
 from megatron_hetero.plan import ModelSpec, plan_from_data
-from megatron_hetero.simulate import simulate
-from megatron_hetero.simulate_pipeline import interleaved_1f1b, one_f_one_b
+from megatron_hetero.sim.step import simulate
+from megatron_hetero.sim.pipeline import interleaved_1f1b, one_f_one_b
 
 TINY = ModelSpec(name="tiny", num_layers=8, hidden_size=64, ffn_hidden_size=128,
                  num_attention_heads=4, num_query_groups=2, vocab_size=256, seq_length=16)

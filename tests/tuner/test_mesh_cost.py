@@ -14,9 +14,9 @@ from megatron_hetero.cost.stage import StageShape
 from megatron_hetero.hardware import inventory_from_data
 from megatron_hetero.models import load_model
 from megatron_hetero.plan import Offload, Pipeline, Plan, Recompute, Stage
-from megatron_hetero.plan_mesh import Mesh, MeshPlan, MeshStage, Replica, meshes_of
-from megatron_hetero.simulate import simulate
-from megatron_hetero.simulate_mesh import simulate_mesh
+from megatron_hetero.plan.format2 import Mesh, MeshPlan, MeshStage, Replica, meshes_of
+from megatron_hetero.sim.step import simulate
+from megatron_hetero.sim.mesh import simulate_mesh
 
 MODEL = load_model("llama2-7b", seq_length=2048)
 INV = inventory_from_data({"groups": [
@@ -142,7 +142,7 @@ def test_simulate_command_draws_a_mesh_timeline(tmp_path, capsys):
 def test_host_memory_of_a_mesh_plan_per_node():
     """The 3090 mesh offloads its module inputs: its two nodes carry that beside the reserve,
     and a host too small for it makes the plan not fit."""
-    from megatron_hetero.plan_mesh import load_any_plan
+    from megatron_hetero.plan.format2 import load_any_plan
     from tests.conftest import REPO
 
     plan = load_any_plan(REPO / "examples/meshes/3090-t4-plan.yaml")

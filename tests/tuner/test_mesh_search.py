@@ -11,9 +11,9 @@ from megatron_hetero import cli
 from megatron_hetero.cost.model import CostModel
 from megatron_hetero.hardware import inventory_from_data
 from megatron_hetero.models import load_model
-from megatron_hetero.plan_mesh import MeshPlan, load_any_plan
-from megatron_hetero.plan_mesh_inventory import check_mesh_plan_against_inventory
-from megatron_hetero.simulate_mesh import simulate_mesh
+from megatron_hetero.plan.format2 import MeshPlan, load_any_plan
+from megatron_hetero.placement.mesh_inventory import check_mesh_plan_against_inventory
+from megatron_hetero.sim.mesh import simulate_mesh
 from megatron_hetero.tuner import TuneOptions, tune
 from megatron_hetero.tuner.meshes import MeshSearch
 from megatron_hetero.tuner.problem import Problem

@@ -12,7 +12,7 @@ from megatron_hetero.cost import CostModel
 from megatron_hetero.hardware.inventory import inventory_from_data
 from megatron_hetero.models import model_preset
 from megatron_hetero.plan import ModelSpec, Pipeline, Plan, Stage, plan_from_data
-from megatron_hetero.simulate import simulate
+from megatron_hetero.sim.step import simulate
 from megatron_hetero.tuner import TuneOptions, tune
 from megatron_hetero.tuner.policy import Menu
 from megatron_hetero.tuner.refine import Layout, _build, _Policies, layout_of, refine
@@ -119,7 +119,7 @@ def test_refine_picks_the_best_micro_batch_group_megatron_takes():
         times[g] = got.step_time_s
     assert min(times.values()) == pytest.approx(sim.step_time_s, rel=1e-12)
     assert times[None] > sim.step_time_s * 1.05
-    from megatron_hetero.megatron_args import megatron_args
+    from megatron_hetero.plan.megatron_args import megatron_args
     args = megatron_args(plan)
     flag = args.index("--microbatch-group-size-per-virtual-pipeline-stage")
     assert args[flag + 1] == str(plan.microbatch_group_size)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from megatron_hetero.cost import CostModel
-from megatron_hetero.cost.schedule import (_held_states, peak_activations, peak_in_flight,
+from megatron_hetero.schedule.order import (_held_states, peak_activations, peak_in_flight,
                                            rank_order)
 from megatron_hetero.hardware.catalog import load_catalog
 from megatron_hetero.hardware.inventory import inventory_from_data

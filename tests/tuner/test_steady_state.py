@@ -8,8 +8,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from megatron_hetero.errors import HeteroError
-from megatron_hetero.simulate import RECORD_MOST, check_recordable, recorded_ops
-from megatron_hetero.simulate_pipeline import (DIRECT_MICROBATCHES, PROBE_MOST, interleaved_1f1b,
+from megatron_hetero.sim.step import RECORD_MOST, check_recordable, recorded_ops
+from megatron_hetero.sim.pipeline import (DIRECT_MICROBATCHES, PROBE_MOST, interleaved_1f1b,
                                                pipeline_run)
 
 TOLERANCE = 1e-9
@@ -109,7 +109,7 @@ def test_short_pipelines_and_recorded_runs_are_simulated_op_by_op():
 
 def test_probes_stay_short_for_any_batch(monkeypatch):
     # a billion micro-batches cost one probe of at most PROBE_MOST (here far fewer)
-    import megatron_hetero.simulate_pipeline as sp
+    import megatron_hetero.sim.pipeline as sp
     lengths = []
     real = sp._run
     monkeypatch.setattr(sp, "_RUNS", {})
@@ -153,7 +153,7 @@ def resumed_runs(draw):
 def test_a_run_resumed_from_a_shorter_one_is_that_run_from_the_start(case):
     # a longer probe takes the ops its order shares with the probe before from that probe
     # (simulate_pipeline._run's since): every figure must be the very same float
-    from megatron_hetero import simulate_pipeline as sp
+    from megatron_hetero.sim import pipeline as sp
     fwd, bwd, sends, group, warmups, first, second = case
     try:
         before = sp._run(fwd, bwd, sends, sends, first, group=group, record=False,
@@ -171,7 +171,7 @@ def test_a_run_resumed_from_a_shorter_one_is_that_run_from_the_start(case):
 def test_a_probe_twice_as_long_resumes_from_most_of_the_one_before():
     # the 8-stage, 2-chunk probes of the 64-GPU search: 112 micro-batches, then 224 where no
     # period shows; all but the drain of the first (its last ~4%) is not simulated again
-    from megatron_hetero import simulate_pipeline as sp
+    from megatron_hetero.sim import pipeline as sp
     short, long = (8, 112, 2, None, None), (8, 224, 2, None, None)
     shared = sp._shared_ops(short, long)
     ops, longer = sp._compiled_order(*short)[0], sp._compiled_order(*long)[0]

@@ -13,8 +13,8 @@ from megatron_hetero.errors import InfeasibleError
 from megatron_hetero.hardware.inventory import inventory_from_data
 from megatron_hetero.models import PRESETS, model_preset
 from megatron_hetero.plan import ModelSpec, plan_from_data
-from megatron_hetero.plan_inventory import check_plan_against_inventory
-from megatron_hetero.simulate import simulate
+from megatron_hetero.placement.inventory import check_plan_against_inventory
+from megatron_hetero.sim.step import simulate
 from megatron_hetero.tuner import tune
 
 GPUS = ["H100-SXM-80GB", "A100-SXM-40GB", "V100-SXM2-32GB", "RTX4090-24GB", "A40-48GB", "T4-16GB"]
@@ -58,7 +58,7 @@ def _check_emitted(result, inventory, model, gbs):
     # tensor parallelism always runs with sequence parallelism, in the plan and in its arguments
     tp = plan.tensor_model_parallel_size
     assert plan.sequence_parallel == (tp > 1)
-    from megatron_hetero.megatron_args import megatron_args
+    from megatron_hetero.plan.megatron_args import megatron_args
     assert ("--sequence-parallel" in megatron_args(plan)) == (tp > 1)
     if result.baseline_plan is not None:
         base = result.baseline_plan
@@ -143,7 +143,7 @@ def test_cli_infeasible_is_one_line(capsys, tmp_path):
 def test_tuner_side_imports_without_torch():
     import subprocess
     import sys
-    code = ("import sys; import megatron_hetero.tuner, megatron_hetero.simulate, megatron_hetero.cost;"
+    code = ("import sys; import megatron_hetero.tuner, megatron_hetero.sim.step, megatron_hetero.cost;"
             "from megatron_hetero.cli import build_parser; build_parser();"
             "assert 'torch' not in sys.modules and 'megatron.core' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)

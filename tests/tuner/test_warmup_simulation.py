@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_hetero.cost.stage import StageShape
-from megatron_hetero.schedule_order import one_f_one_b
-from megatron_hetero.simulate_pipeline import interleaved_1f1b, pipeline_run
+from megatron_hetero.schedule.rules import one_f_one_b
+from megatron_hetero.sim.pipeline import interleaved_1f1b, pipeline_run
 
 
 @st.composite

@@ -12,7 +12,7 @@ from megatron_hetero.hardware.inventory import inventory_from_data
 from megatron_hetero.models import load_model
 from megatron_hetero.cost.model import CostModel
 from megatron_hetero.plan import Plan, plan_from_data
-from megatron_hetero.simulate import simulate
+from megatron_hetero.sim.step import simulate
 from megatron_hetero.tuner import TuneOptions, tune
 from megatron_hetero.tuner.warmup import harp_warmups
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from .errors import Described, SchemaError
-from .hardware.catalog import Catalog, GPUSpec, load_catalog
-from .plan import Plan
+from ..errors import Described, SchemaError
+from ..hardware.catalog import Catalog, GPUSpec, load_catalog
+from ..plan import Plan
 
 __all__ = ["check_plan_against_inventory", "check_plan_gpus", "embedded_gpus",
            "check_plan_vendors", "GLOO_DEVICES"]

@@ -20,7 +20,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from .cost.schedule import rank_order_cached
+from ..schedule.order import rank_order_cached
 
 __all__ = ["one_f_one_b", "interleaved_1f1b", "pipeline_run", "DIRECT_MICROBATCHES", "PROBE_MOST",
            "EXACT_MOST"]

@@ -17,8 +17,8 @@ import runpy
 import sys
 from pathlib import Path
 
-from .errors import HeteroError
-from .runtime.placement import CPU_ENV
+from ..errors import HeteroError
+from ..runtime.placement import CPU_ENV
 
 __all__ = ["main"]
 
@@ -50,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if cpu:
             os.environ[CPU_ENV] = "1"
-        from .runtime.hooks import install
-        from .runtime.policies import set_launch_env
+        from ..runtime.hooks import install
+        from ..runtime.policies import set_launch_env
 
         set_launch_env(argv)  # NVTE_CPU_OFFLOAD_V1 before TE loads, for module-input offload
         install()  # prepares the CPU backend too when MEGATRON_HETERO_CPU=1

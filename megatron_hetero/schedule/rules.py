@@ -38,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .errors import Described, SchemaError
+from ..errors import Described, SchemaError
 
 __all__ = ["StageSchedule", "stage_schedule", "one_f_one_b", "megatron_warmup",
            "pipeline_warmups", "has_extra_warmup", "stage_program", "check_warmups",
@@ -99,7 +99,7 @@ def stage_schedule(plan, pipeline: int, stage: int) -> StageSchedule:
     Megatron's 1F1B or the per-stage warm-up schedule alike)."""
     if plan.virtual_pipeline_size > 1:
         raise ValueError("an interleaved plan runs Megatron's interleaved order "
-                         "(megatron_hetero.cost.schedule.rank_order)")
+                         "(megatron_hetero.schedule.order.rank_order)")
     pipe = plan.pipelines[pipeline]
     p, m = len(pipe.stages), pipe.num_microbatches
     w = pipeline_warmups(pipe)[stage]

@@ -36,10 +36,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from ._schema import from_data, read_yaml, to_data, write_yaml
-from .errors import Described, SchemaError
-from .hardware.catalog import Catalog, GPUSpec, load_catalog
-from .plan import ModelSpec, Offload, Plan, Recompute, plan_from_data
+from .._schema import from_data, read_yaml, to_data, write_yaml
+from ..errors import Described, SchemaError
+from ..hardware.catalog import Catalog, GPUSpec, load_catalog
+from .format1 import ModelSpec, Offload, Plan, Recompute, plan_from_data
 
 __all__ = ["MeshStage", "Replica", "Mesh", "MeshPlan", "MeshSlot", "MESH_FORMAT_VERSION",
            "mesh_plan_from_data", "load_any_plan", "any_plan_from_data", "save_any_plan",

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import shlex
 
-from .plan import ModelSpec, Plan
-from .plan_mesh import MeshPlan
+from .format1 import ModelSpec, Plan
+from .format2 import MeshPlan
 
 __all__ = ["megatron_args", "mesh_megatron_args", "megatron_args_line", "split_args", "GROUP_FLAG"]
 

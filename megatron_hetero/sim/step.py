@@ -13,7 +13,7 @@ interleaving, chunk by chunk as each chunk's last backward starts) and is follow
 optimizer step. The step time is the latest end over all ranks.
 
 With interleaved pipelining (``virtual_pipeline_size`` v > 1) each rank runs its v model
-chunks in Megatron's interleaved order (:func:`megatron_hetero.cost.schedule.rank_order`, with
+chunks in Megatron's interleaved order (:func:`megatron_hetero.schedule.order.rank_order`, with
 the plan's ``microbatch_group_size``). The
 forward of (micro-batch ``i``, chunk ``c``) on stage ``s`` waits for (``i``, ``c``) on stage
 ``s - 1``, or for (``i``, ``c - 1``) on the last stage when ``s = 0`` (over the link from the
@@ -37,13 +37,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from .cost.model import CostModel
-from .errors import HeteroError
-from .cost.stage import Memory, StageShape
-from .models import step_model_flops
-from .plan import Plan
-from .schedule_order import has_extra_warmup, pipeline_warmups
-from .simulate_pipeline import pipeline_run
+from ..cost.model import CostModel
+from ..errors import HeteroError
+from ..cost.stage import Memory, StageShape
+from ..models import step_model_flops
+from ..plan import Plan
+from ..schedule.rules import has_extra_warmup, pipeline_warmups
+from .pipeline import pipeline_run
 
 __all__ = ["simulate", "check_recordable", "RECORD_MOST", "host_memory", "nodes_host_memory", "SimResult", "StageResult", "HostMemory",
            "Event"]

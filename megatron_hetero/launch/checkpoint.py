@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import Described, SchemaError
-from .plan import ModelSpec
+from ..errors import Described, SchemaError
+from ..plan import ModelSpec
 
 __all__ = ["Checkpoint", "TensorIndex", "read_checkpoint", "FULLY_RESHARDABLE"]
 

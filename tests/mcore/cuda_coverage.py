@@ -25,7 +25,7 @@ import ast
 import importlib.util
 from dataclasses import dataclass
 
-from .cpu_backend import REDIRECTS, SAFE_CUDA_QUERIES
+from megatron_hetero.mcore.cpu_backend import REDIRECTS, SAFE_CUDA_QUERIES
 
 __all__ = ["CPU_PATH_MODULES", "NOT_REDIRECTED", "CudaUse", "cuda_uses", "is_covered",
            "uncovered_cuda_uses"]

@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from ._schema import from_data, read_yaml, to_data, write_yaml
-from .errors import Described, SchemaError
-from .hardware.catalog import Catalog, GPUSpec, load_catalog
-from .limits import check_model_sizes
-from .plan_policy import Offload, Recompute, chunk_recompute
-from .schedule_order import check_warmups, group_fits
+from .._schema import from_data, read_yaml, to_data, write_yaml
+from ..errors import Described, SchemaError
+from ..hardware.catalog import Catalog, GPUSpec, load_catalog
+from ..limits import check_model_sizes
+from .policy import Offload, Recompute, chunk_recompute
+from ..schedule.rules import check_warmups, group_fits
 
 __all__ = ["ModelSpec", "Recompute", "Offload", "Stage", "Pipeline", "Plan", "Slot",
            "load_plan", "save_plan", "plan_from_data", "group_fits", "chunk_recompute",

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from .hardware.inventory import load_inventory
-from .megatron_args import megatron_args, megatron_args_line, mesh_megatron_args
-from .errors import SchemaError
-from .plan_inventory import check_plan_against_inventory, check_plan_gpus, check_plan_vendors
-from .plan_checks import check_fits, check_offload
-from .plan_mesh import MeshPlan, load_any_plan
-from .plan_mesh_inventory import check_mesh_plan_against_inventory
+from ..hardware.inventory import load_inventory
+from ..plan.megatron_args import megatron_args, megatron_args_line, mesh_megatron_args
+from ..errors import SchemaError
+from ..placement.inventory import check_plan_against_inventory, check_plan_gpus, check_plan_vendors
+from ..plan.checks import check_offload
+from ..sim.fits import check_fits
+from ..plan.format2 import MeshPlan, load_any_plan
+from ..placement.mesh_inventory import check_mesh_plan_against_inventory
 
 __all__ = ["validate_main", "args_main"]
 
@@ -59,9 +60,9 @@ def _check_memory(args: argparse.Namespace, plan, inventory) -> None:
     it, unless ``--no-memory-check``."""
     if args.no_memory_check:
         return
-    from .cost import CostModel
-    from .simulate import simulate
-    from .simulate_mesh import simulate_mesh
+    from ..cost import CostModel
+    from ..sim.step import simulate
+    from ..sim.mesh import simulate_mesh
 
     cost = CostModel(plan.model, inventory, precision=plan.precision,
                      use_distributed_optimizer=plan.use_distributed_optimizer)

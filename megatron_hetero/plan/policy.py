@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .errors import SchemaError
+from ..errors import SchemaError
 
 __all__ = ["Recompute", "Offload", "chunk_recompute"]
 

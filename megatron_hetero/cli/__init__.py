@@ -12,9 +12,9 @@ import importlib
 import sys
 from typing import Sequence
 
-from . import interrupts
-from ._version import __version__
-from .errors import HeteroError
+from .. import interrupts
+from .._version import __version__
+from ..errors import HeteroError
 
 __all__ = ["main", "build_parser"]
 
@@ -34,7 +34,7 @@ def _add_validate(sub) -> None:
     p.add_argument("--no-memory-check", action="store_true",
                    help="with --inventory, do not refuse a stage that needs more memory than "
                         "its card under the cost model (or a node more host memory)")
-    p.set_defaults(handler="megatron_hetero.commands:validate_main")
+    p.set_defaults(handler="megatron_hetero.cli.plan_commands:validate_main")
 
 
 def _add_args(sub) -> None:
@@ -45,7 +45,7 @@ def _add_args(sub) -> None:
     p.add_argument("--one-per-line", action="store_true", help="print one argument per line")
     p.add_argument("--inventory", metavar="INV",
                    help="inventory.yaml whose `gpus:` entries the plan's device types name")
-    p.set_defaults(handler="megatron_hetero.commands:args_main")
+    p.set_defaults(handler="megatron_hetero.cli.plan_commands:args_main")
 
 
 def _add_profile(sub) -> None:
@@ -95,7 +95,7 @@ def _add_tune(sub) -> None:
                                    "split, per-replica micro-batches and per-stage recompute for "
                                    "MODEL on INVENTORY; write the plan (with its prediction) and "
                                    "print it next to plain Megatron's best plan (the baseline).")
-    from .tuner.commands import add_tune_arguments
+    from ..tuner.commands import add_tune_arguments
     add_tune_arguments(p)
     p.set_defaults(handler="megatron_hetero.tuner.commands:tune_main")
 
@@ -109,7 +109,7 @@ def _add_replan(sub) -> None:
                                    "restart command. Refuses, writing nothing, a legacy torch "
                                    "checkpoint, another model's, an incomplete one, a pool that "
                                    "cannot hold the model and another global batch size.")
-    from .tuner.replan import add_replan_arguments
+    from ..tuner.replan import add_replan_arguments
     add_replan_arguments(p)
     p.set_defaults(handler="megatron_hetero.tuner.replan:replan_main")
 
@@ -119,7 +119,7 @@ def _add_simulate(sub) -> None:
                        description="Simulate one 1F1B training step of PLAN on INV under the cost "
                                    "model: step time, tokens/s, MFU, and busy/bubble/sync/idle "
                                    "time and memory per stage.")
-    from .tuner.commands import add_simulate_arguments
+    from ..tuner.commands import add_simulate_arguments
     add_simulate_arguments(p)
     p.set_defaults(handler="megatron_hetero.tuner.commands:simulate_main")
 
@@ -155,7 +155,7 @@ def _add_rehearse(sub) -> None:
                    help="latency of one message on the real links with --emulate-links, in "
                         "seconds (default 2e-05)")
     p.add_argument("--max-ranks", type=int, default=16, help=argparse.SUPPRESS)
-    p.set_defaults(handler="megatron_hetero.emulate.rehearse:rehearse_main")
+    p.set_defaults(handler="megatron_hetero.cli.rehearse:rehearse_main")
 
 
 def _add_patch_megatron(sub) -> None:
@@ -221,6 +221,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         interrupts.restore()
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,5 +1,5 @@
-"""One training step of a mesh plan (:mod:`megatron_hetero.plan_mesh`), simulated as
-:mod:`megatron_hetero.simulate` does a format-1 plan.
+"""One training step of a mesh plan (:mod:`megatron_hetero.plan.format2`), simulated as
+:mod:`megatron_hetero.sim.step` does a format-1 plan.
 
 A *path* is the chain of stages one sample runs through. Where every mesh has the same replicas
 (:func:`~megatron_hetero.cost.mesh.same_replicas`), replica ``r`` of every mesh is path ``r``,
@@ -17,12 +17,13 @@ among its replicas' nodes) and runs its optimizer step on its own shard.
 
 from __future__ import annotations
 
-from .cost.mesh import bridge_seconds, bridges, mesh_stage_shape, place_meshes, same_replicas
-from .cost.model import CostModel
-from .models import step_model_flops
-from .plan_mesh import MeshPlan
-from .simulate import Event, HostMemory, SimResult, StageResult, nodes_host_memory
-from .simulate_pipeline import pipeline_run
+from ..cost.mesh import bridge_seconds, bridges, mesh_stage_shape, same_replicas
+from ..placement.meshes import place_meshes
+from ..cost.model import CostModel
+from ..models import step_model_flops
+from ..plan.format2 import MeshPlan
+from .step import Event, HostMemory, SimResult, StageResult, nodes_host_memory
+from .pipeline import pipeline_run
 
 __all__ = ["simulate_mesh"]
 
@@ -130,7 +131,7 @@ def simulate_mesh(plan: MeshPlan, cost: CostModel, *, record_events: bool = True
 
 
 def _host_memory(plan: MeshPlan, cost: CostModel, placement) -> list[HostMemory]:
-    """As :func:`megatron_hetero.simulate.host_memory`, each (mesh, stage, replica) putting its
+    """As :func:`megatron_hetero.sim.step.host_memory`, each (mesh, stage, replica) putting its
     mesh's TP ranks on its node."""
     inv = cost.inventory
     caps = {gi: g.host_memory_gb for gi, g in enumerate(inv.groups) if g.host_memory_gb}

@@ -3,7 +3,7 @@ arguments that resubmit the run under plan B without them.
 
 The batch script (``scripts/slurm/megatron_hetero.sbatch`` with ``MH_ON_NODE_LOSS=replan``)
 runs this after a failed job step, then ``megatron-hetero replan`` on what it wrote, then
-``sbatch`` with what it prints. Subcommands (``python -m megatron_hetero.node_loss ...``):
+``sbatch`` with what it prints. Subcommands (``python -m megatron_hetero.launch.node_loss ...``):
 
 - ``checkpoint -- ARGS``: the checkpoint folder of the run (``$MH_CHECKPOINT``, else the
   ``--save`` of the Megatron arguments ARGS);
@@ -31,12 +31,12 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from ._schema import to_data, write_yaml
+from .._schema import to_data, write_yaml
 from .checkpoint import TRACKER
-from .errors import HeteroError
-from .hardware.inventory import Inventory, inventory_from_data, load_inventory
+from ..errors import HeteroError
+from ..hardware.inventory import Inventory, inventory_from_data, load_inventory
 from .jobspec import parse_mapping, sbatch_args, slurm_components
-from .plan import load_plan
+from ..plan import load_plan
 
 __all__ = ["LOST_STATES", "is_lost", "checkpoint_folder", "restart_args", "job_nodes",
            "node_states", "remaining_inventory", "main"]
@@ -208,7 +208,7 @@ def _resubmit(args: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m megatron_hetero.node_loss",
+    p = argparse.ArgumentParser(prog="python -m megatron_hetero.launch.node_loss",
                                 description="Node loss on Slurm: lost nodes, the pool left, "
                                             "the resubmission's sbatch arguments.")
     sub = p.add_subparsers(dest="command", required=True)

@@ -4,10 +4,10 @@ tensor-parallel group inside one node of its type, and every group placed
 
 from __future__ import annotations
 
-from .cost.mesh import place_meshes
-from .errors import Described, InfeasibleError, SchemaError
-from .plan_inventory import check_plan_gpus
-from .plan_mesh import MeshPlan
+from .meshes import place_meshes
+from ..errors import Described, InfeasibleError, SchemaError
+from .inventory import check_plan_gpus
+from ..plan.format2 import MeshPlan
 
 __all__ = ["check_mesh_plan_against_inventory"]
 

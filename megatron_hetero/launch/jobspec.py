@@ -10,7 +10,7 @@ places ranks on slots by their detected device type in any case. Mesh plans (for
 taken too (their GPUs per type, the meshes' types in rank order), though the runtime does not
 run them yet.
 
-Run as ``python -m megatron_hetero.jobspec PLAN [...] --print sbatch-args`` (one argument a
+Run as ``python -m megatron_hetero.launch.jobspec PLAN [...] --print sbatch-args`` (one argument a
 line, components separated by ``:``), ``--print device-types`` (comma-separated, one per
 component) or ``--hostfile FILE --print hosts`` (checks a torchrun host file against the plan).
 No torch import: this runs on login nodes.
@@ -26,11 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from .errors import HeteroError, SchemaError
-from .hardware.catalog import Catalog, load_catalog
-from .hardware.inventory import Inventory, load_inventory
-from .plan import Plan
-from .plan_mesh import MeshPlan, load_any_plan
+from ..errors import HeteroError, SchemaError
+from ..hardware.catalog import Catalog, load_catalog
+from ..hardware.inventory import Inventory, load_inventory
+from ..plan import Plan
+from ..plan.format2 import MeshPlan, load_any_plan
 
 __all__ = ["SlurmComponent", "HostEntry", "slurm_components", "sbatch_args", "parse_mapping",
            "read_hostfile", "check_hosts", "main"]
@@ -217,7 +217,7 @@ def check_hosts(plan: Plan | MeshPlan, entries: Sequence[HostEntry], *, source: 
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m megatron_hetero.jobspec",
+    p = argparse.ArgumentParser(prog="python -m megatron_hetero.launch.jobspec",
                                 description="Print what a Slurm or torchrun launch of PLAN needs.")
     p.add_argument("plan", metavar="PLAN")
     p.add_argument("--inventory", metavar="INV", help="inventory.yaml (GPUs per node, partitions)")

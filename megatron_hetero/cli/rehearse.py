@@ -1,0 +1,67 @@
+"""``megatron-hetero rehearse PLAN``: the command's handler. The rehearsal itself is
+:func:`megatron_hetero.emulate.rehearse.rehearse` (format-1 plans) and
+:func:`megatron_hetero.emulate.mesh_rehearse.rehearse_mesh` (mesh plans); this module is
+imported only when the subcommand runs."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from ..hardware.inventory import load_inventory
+from ..placement.inventory import check_plan_against_inventory
+from ..placement.mesh_inventory import check_mesh_plan_against_inventory
+from ..plan.format2 import MeshPlan, load_any_plan
+from ..emulate.mesh_rehearse import format_mesh_report, rehearse_mesh
+from ..emulate.rehearse import RehearsalConfig, rehearse
+from ..emulate.report import format_report
+from ..errors import HeteroError
+
+__all__ = ["rehearse_main"]
+
+
+def rehearse_main(args) -> int:
+    """Handler of ``megatron-hetero rehearse``."""
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")  # megatron's Apex/TE notices, per rank
+    inventory = load_inventory(args.inventory) if args.inventory else None
+    plan = load_any_plan(args.plan, catalog=inventory.catalog if inventory else None)
+    catalog = plan.catalog  # the built-in (or the inventory's) catalog plus the plan's gpus
+    if inventory is not None:
+        check = (check_mesh_plan_against_inventory if isinstance(plan, MeshPlan)
+                 else check_plan_against_inventory)
+        check(plan, inventory, source=args.plan)
+    try:
+        config = RehearsalConfig(steps=args.steps, hidden_size=args.hidden_size,
+                                 time_scale=args.time_scale, memory_cap=not args.no_memory_cap,
+                                 seed=args.seed, max_ranks=args.max_ranks, nice=args.nice,
+                                 emulate_links=args.emulate_links,
+                                 link_latency_s=args.link_latency)
+    except ValueError as exc:
+        raise HeteroError(str(exc)) from None
+    progress = lambda msg: print(f"[rehearse] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    if isinstance(plan, MeshPlan):
+        result = _rehearse_mesh_plan(plan, config, args, catalog, progress)
+    else:
+        result = rehearse(plan, config, catalog=catalog, verify=args.verify, source=args.plan,
+                          progress=progress, inventory=inventory)
+        print(format_report(result, source=args.plan, real=plan.model))
+    if args.verify:
+        if result.verify_message is not None:
+            print(f"verify: FAILED: the {plan.world_size}-rank run diverges from the "
+                  f"single-process run: {result.verify_message}")
+            return 1
+        print(f"verify: losses and final parameters match the single-process run "
+              f"(fp32, rtol 1e-5, atol 1e-5) over {config.steps} steps")
+    return 0
+
+
+def _rehearse_mesh_plan(plan, config: RehearsalConfig, args, catalog, progress):
+    """``rehearse`` of a mesh plan (:mod:`megatron_hetero.emulate.mesh_rehearse`): no link
+    emulation."""
+    if config.emulate_links:
+        raise HeteroError(f"{args.plan}: link emulation (--emulate-links) is not built for mesh "
+                          "plans (format 2) yet")
+    result = rehearse_mesh(plan, config, catalog=catalog, verify=args.verify, source=args.plan,
+                           progress=progress)
+    print(format_mesh_report(result, source=args.plan, real=plan.model))
+    return result
