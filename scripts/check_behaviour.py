@@ -130,10 +130,20 @@ def sim_lines(sim) -> list[str]:
     return out
 
 
+def _simulator():
+    """The simulator's entry: ``megatron_hetero.sim.step.simulate``, or where trees before the
+    package's layout by role kept it (``megatron_hetero.simulate``)."""
+    try:
+        from megatron_hetero.sim.step import simulate
+    except ModuleNotFoundError:
+        from megatron_hetero.simulate import simulate
+    return simulate
+
+
 def cli_simulate(plan, inventory):
     """Simulate ``plan`` as ``megatron-hetero simulate`` does (no profiles)."""
     from megatron_hetero.cost.model import CostModel
-    from megatron_hetero.sim.step import simulate
+    simulate = _simulator()
     cost = CostModel(plan.model, inventory, precision=plan.precision,
                      use_distributed_optimizer=plan.use_distributed_optimizer)
     return cost, simulate(plan, cost, record_events=False)
