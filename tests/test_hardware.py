@@ -10,7 +10,9 @@ from megatron_hetero.hardware import inventory_from_data, load_catalog, load_inv
 REQUIRED = ["H100-SXM-80GB", "H800-80GB", "H20-96GB", "A100-SXM-80GB", "A100-SXM-40GB", "A800-80GB",
             "A40-48GB", "A10-24GB", "L40S-48GB", "L4-24GB", "V100-SXM2-32GB", "V100-PCIE-16GB",
             "T4-16GB", "RTX4090-24GB", "RTX3090-24GB", "MI250X-128GB", "MI300X-192GB",
-            "Ascend910B-64GB"]
+            "Ascend910B-64GB", "H200-SXM-141GB", "A100-PCIe-40GB", "A100-PCIe-80GB",
+            "H100-PCIe-80GB", "H100-NVL-94GB", "L40-48GB", "RTX-A6000-48GB", "RTX6000-Ada-48GB",
+            "B200-180GB", "MI325X-256GB"]
 
 
 def test_catalog_has_required_models_with_consistent_figures():
@@ -33,6 +35,16 @@ def test_catalog_has_required_models_with_consistent_figures():
     ("NVIDIA GeForce RTX 4090", "RTX4090-24GB"),
     ("AMD Instinct MI300X", "MI300X-192GB"),
     ("a100-sxm-80gb", "A100-SXM-80GB"),
+    # what torch.cuda.get_device_name() reports on the PCIe and later cards
+    ("NVIDIA H100 PCIe", "H100-PCIe-80GB"),
+    ("NVIDIA H100 NVL", "H100-NVL-94GB"),
+    ("NVIDIA A100-PCIE-40GB", "A100-PCIe-40GB"),
+    ("NVIDIA A100 80GB PCIe", "A100-PCIe-80GB"),
+    ("NVIDIA L40", "L40-48GB"),
+    ("NVIDIA RTX A6000", "RTX-A6000-48GB"),
+    ("NVIDIA RTX 6000 Ada Generation", "RTX6000-Ada-48GB"),
+    ("NVIDIA B200", "B200-180GB"),
+    ("AMD Instinct MI325X", "MI325X-256GB"),
 ])
 def test_aliases_resolve_device_names(reported, canonical):
     assert load_catalog().resolve(reported) == canonical
@@ -43,6 +55,31 @@ def test_aliases_are_unambiguous():
     for name in catalog.names():
         for alias in catalog.get(name).aliases:
             assert catalog.resolve(alias) == name, f"alias {alias!r} of {name} resolves elsewhere"
+
+
+@pytest.mark.parametrize("short,cards", [
+    ("A100-40GB", ["A100-SXM-40GB", "A100-PCIe-40GB"]),
+    ("A100-80GB", ["A100-SXM-80GB", "A100-PCIe-80GB"]),
+    ("H100", ["H100-SXM-80GB", "H100-PCIe-80GB", "H100-NVL-94GB"]),
+])
+def test_a_short_name_that_fits_two_cards_is_refused_naming_them(short, cards):
+    """A short name once became the SXM card silently, giving a PCIe card NVLink's bandwidth:
+    an inventory's group and its `gpus:` override both refuse it, naming every card it fits."""
+    for data, path in (({"groups": [{"gpu": short, "nodes": 1, "gpus_per_node": 8}]},
+                        "groups[0].gpu"),
+                       ({"gpus": {short: {"efficiency": 0.5}},
+                         "groups": [{"gpu": cards[0], "nodes": 1, "gpus_per_node": 8}]},
+                        f"gpus.{short}")):
+        with pytest.raises(SchemaError) as err:
+            inventory_from_data(data, source="inv.yaml")
+        message = str(err.value)
+        assert message.startswith(f"inv.yaml: {path}: found '{short}'; expected the name of one card")
+        assert all(card in message for card in cards), message
+
+
+def test_a_name_that_fits_one_card_is_suggested():
+    with pytest.raises(SchemaError, match=r"found 'A6000'; .*did you mean RTX-A6000-48GB\?"):
+        load_catalog().get("A6000", source="inv.yaml", path="groups[0].gpu")
 
 
 def test_minimal_inventory_needs_only_three_keys():
@@ -131,8 +168,9 @@ def test_inventory_gpu_alias_taken_by_another_entry_is_refused():
                              "groups": [{"gpu": "MyNPU", "nodes": 1, "gpus_per_node": 8}]},
                             source="inv.yaml")
     # an override keeps the entry's own aliases
-    inv = inventory_from_data({"gpus": {"H100": {"efficiency": 0.5}},
-                               "groups": [{"gpu": "H100", "nodes": 1, "gpus_per_node": 8}]})
+    inv = inventory_from_data({"gpus": {"H100-SXM5-80GB": {"efficiency": 0.5}},
+                               "groups": [{"gpu": "H100-SXM5-80GB", "nodes": 1,
+                                           "gpus_per_node": 8}]})
     assert inv.catalog.resolve("NVIDIA H100 80GB HBM3") == "H100-SXM-80GB"
     assert inv.spec("H100-SXM-80GB").efficiency == 0.5
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
@@ -115,6 +116,11 @@ def _norm(name: str) -> str:
     return "".join(ch for ch in name.lower() if ch.isalnum())
 
 
+def _words(name: str) -> frozenset[str]:
+    """The words of a name, lower case (``NVIDIA A100-PCIE-40GB``: nvidia, a100, pcie, 40gb)."""
+    return frozenset(re.findall(r"[a-z0-9]+", name.lower()))
+
+
 class Catalog:
     """GPU models by canonical name, with alias lookup that ignores case and punctuation."""
 
@@ -135,11 +141,36 @@ class Catalog:
         """Canonical catalog name for a name or alias, or None."""
         return self._by_key.get(_norm(name))
 
+    def fitting(self, name: str) -> list[str]:
+        """The entries a name that is no entry's name or alias could mean: those whose name or
+        an alias has every word of it (``A100-40GB``: A100-SXM-40GB and A100-PCIe-40GB)."""
+        words = _words(name)
+        if not words:
+            return []
+        return [n for n, spec in self._specs.items()
+                if any(words <= _words(key) for key in [n, *spec.aliases])]
+
+    def refuse_ambiguous(self, name: str, *, source: str, path: str) -> None:
+        """Raise :class:`SchemaError` when ``name`` is no entry's name or alias but fits two or
+        more entries: the planner must not guess between an SXM and a PCIe card."""
+        if self.resolve(name) is not None:
+            return
+        fits = self.fitting(name)
+        if len(fits) > 1:
+            raise SchemaError(source, path, name,
+                              "the name of one card; it fits " + ", ".join(fits[:-1])
+                              + f" and {fits[-1]} (they differ in link and clocks: name the "
+                              "one you have)")
+
     def get(self, name: str, *, source: str = "catalog", path: str = "") -> GPUSpec:
         canonical = self.resolve(name)
         if canonical is None:
+            self.refuse_ambiguous(name, source=source, path=path)
+            fits = self.fitting(name)
+            hint = f"; did you mean {fits[0]}?" if fits else ""
             raise SchemaError(source, path, name, "a GPU in the catalog: " + ", ".join(self._specs)
-                              + " (or add its entry under the inventory's `gpus:` key, or the plan's)")
+                              + " (or add its entry under the inventory's `gpus:` key, or the "
+                              f"plan's){hint}")
         return self._specs[canonical]
 
     def with_overrides(self, overrides: Mapping[str, GPUOverride], *, source: str,
@@ -152,6 +183,7 @@ class Catalog:
             given = {k: v for k, v in dataclasses.asdict(ov).items() if v is not None}
             canonical = catalog.resolve(name)
             where = f"{path}.{name}"
+            catalog.refuse_ambiguous(name, source=source, path=where)
             if canonical is not None:
                 base = {f.name: getattr(catalog._specs[canonical], f.name)
                         for f in dataclasses.fields(GPUSpec)}

@@ -83,7 +83,7 @@ def test_detection_override_and_aliases(monkeypatch):
     assert detect_device_type(override="NVIDIA H100 80GB HBM3") == H100
     monkeypatch.setenv("MEGATRON_HETERO_DEVICE_TYPE", "v100-sxm2-32gb")
     assert detect_device_type() == V100
-    assert detect_device_type(override="H100") == H100  # the flag beats the environment
+    assert detect_device_type(override="H100-SXM5-80GB") == H100  # the flag beats the environment
     monkeypatch.setenv("MEGATRON_HETERO_DEVICE_TYPE", "Mystery GPU 9000")
     with pytest.raises(PlacementError, match="'Mystery GPU 9000' .* not in the GPU catalog"):
         detect_device_type()
