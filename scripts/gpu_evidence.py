@@ -356,7 +356,10 @@ class Run:
         else:
             raise FileNotFoundError(f"--mcore019 {src}: neither a wheel nor a directory")
         env = self.launch_env(PYTHONPATH=os.pathsep.join([str(site), str(REPO)]))  # no 0.17.1
-        probe = subprocess.run([self.py, "-c", "import megatron.core as m; print(m.__version__)"],
+        # megatron-core 0.19's __version__ appends the git commit of the working directory
+        probe = subprocess.run([self.py, "-c", "from importlib.metadata import version as v; "
+                                "import megatron.core as m; print(v('megatron-core'), "
+                                "m.__file__, m.__version__)"],
                                capture_output=True, text=True, env=env, timeout=60)
         rec["megatron_core"] = probe.stdout.strip() or tail(probe.stderr, 5)
         name = next(iter(self.shapes))

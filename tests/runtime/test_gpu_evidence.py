@@ -80,6 +80,6 @@ def test_gpu_evidence_script_rehearses_on_cpu(tmp_path):
     assert parts["mcore019"].get("error") or all(r.get("ok") or r.get("log_tail") or r.get("error")
                                                  for r in runs), m019
     if parts["mcore019"]["ok"]:
-        assert m019["megatron_core"] == "0.19.2"
+        assert m019["megatron_core"].startswith("0.19.2 ")
         assert runs[0]["losses"] == runs[1]["losses"] and len(runs[0]["losses"]) == 3
     assert "parts: shapes ok" in proc.stdout
