@@ -407,9 +407,9 @@ def main() -> int:
     ap.add_argument("--mcore019", help="megatron-core 0.19.2's wheel, or a directory with it")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--iters", type=int, default=6)
-    ap.add_argument("--profile-warmup", type=int, default=10,
+    ap.add_argument("--profile-warmup", type=int, default=20,
                     help="untimed profile iterations (the GPU's clock ramps up from idle)")
-    ap.add_argument("--profile-repeats", type=int, default=10)
+    ap.add_argument("--profile-repeats", type=int, default=20)
     ap.add_argument("--run-timeout", type=float, default=150,
                     help="seconds one training run may take")
     ap.add_argument("--deadline", type=float, default=450,
