@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Prepare what scripts/gpu_evidence.py needs on a GPU machine that can reach nothing outside
-# (docs/gpu.md): megatron-core 0.17.1's wheel for the machine's Python (3.12 by default) and
-# Megatron-LM core_v0.17.1's pretrain_gpt.py with what it imports, into .gpu/ (ignored by git).
+# (docs/gpu.md), into .gpu/ (ignored by git), for the machine's Python (3.12 by default):
+#   .gpu/whl/           megatron-core 0.17.1's wheel
+#   .gpu/Megatron-LM/   Megatron-LM core_v0.17.1's pretrain_gpt.py with what it imports
+#   .gpu/whl019/        megatron-core 0.19.2's wheel (gpu_evidence.py's part mcore019)
+#   .gpu/Megatron-LM-019/  Megatron-LM core_v0.19.0's pretrain_gpt.py with what it imports
 #
-#   scripts/gpu_bundle.sh [PYTHON_VERSION]       # then, on the GPU machine, from the repo root:
-#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/whl/*.whl
-#   PYTHONPATH=/tmp/site python3 scripts/gpu_evidence.py --megatron-lm .gpu/Megatron-LM --out OUT
+#   scripts/gpu_bundle.sh [PYTHON_VERSION]       # then, on the GPU machine, docs/gpu.md's command
 #
 # MEGATRON_LM_GIT: a Megatron-LM git clone (default: the tests' mirror path).
 set -euo pipefail
@@ -15,10 +16,19 @@ git_dir=${MEGATRON_LM_GIT:-/work/.mirror/NVIDIA+Megatron-LM/repo}
 [[ -d $git_dir ]] || { echo "gpu_bundle: no Megatron-LM git clone at $git_dir (set MEGATRON_LM_GIT)" >&2; exit 1; }
 exclude=$(git -C "$root" rev-parse --path-format=absolute --git-path info/exclude)
 grep -qx '/.gpu/' "$exclude" 2>/dev/null || { mkdir -p "$(dirname "$exclude")"; echo '/.gpu/' >> "$exclude"; }
-rm -rf "$root/.gpu" && mkdir -p "$root/.gpu/whl" "$root/.gpu/Megatron-LM"
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$pyver" \
-  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \
-  --platform manylinux_2_17_x86_64 -d "$root/.gpu/whl" megatron-core==0.17.1
+rm -rf "$root/.gpu" && mkdir -p "$root/.gpu/whl" "$root/.gpu/whl019" "$root/.gpu/Megatron-LM" \
+  "$root/.gpu/Megatron-LM-019"
+wheel() {  # version, folder
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$pyver" \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \
+    --platform manylinux_2_17_x86_64 -d "$root/.gpu/$2" "megatron-core==$1"
+}
+wheel 0.17.1 whl
+wheel 0.19.2 whl019
 git --git-dir "$git_dir" archive core_v0.17.1 pretrain_gpt.py gpt_builders.py model_provider.py \
   megatron/legacy | tar -x -C "$root/.gpu/Megatron-LM"
+# core_v0.19.0 has no megatron/legacy; megatron.training is in megatron-core 0.19.2's wheel
+git --git-dir "$git_dir" archive core_v0.19.0 pretrain_gpt.py gpt_builders.py model_provider.py \
+  | tar -x -C "$root/.gpu/Megatron-LM-019"
 du -sh "$root/.gpu"/*
+du -sh "$root/.gpu"

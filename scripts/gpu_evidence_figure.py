@@ -48,7 +48,9 @@ def rows(runs: list[Path], *, profile: Path | None = None) -> list[dict]:
         own = profile is None
         softmax = runs_info.get((run if own else profile.parent).name, {}).get(
             "profile_softmax", "?")
-        for name, m in ev["measured"].items():
+        if "shapes" in ev:  # gpu_evidence.py in parts: one plan and profile per shape
+            out += shape_rows(run, ev, profile, softmax)
+        for name, m in ev.get("measured", {}).items():
             if not m["ok"] or m["median_step_s"] is None:
                 continue
             plan = "plan_offload.yaml" if name.startswith("hetero_plan_offload") else "plan.yaml"
@@ -63,11 +65,29 @@ def rows(runs: list[Path], *, profile: Path | None = None) -> list[dict]:
     return out
 
 
+def shape_rows(run: Path, ev: dict, profile: Path | None, softmax: str) -> list[dict]:
+    out = []
+    for name, shape in ev["shapes"].items():
+        m = shape.get("measured") or {}
+        if not m.get("ok") or m.get("median_step_s") is None:
+            continue
+        plan = f"shape-{name}/plan.yaml"
+        own = run / f"profile-s{shape['seq_length']}" / "profile.yaml"
+        prof, cat = (predict(run, plan, profile=p) for p in (profile or own, None))
+        out.append({"run": f"{run.name}/{name}", "plan": plan, "profile_softmax": softmax,
+                    "measured_s": m["median_step_s"],
+                    "measured_gb": m["max_allocated_mb"] * 2**20 / 1e9,
+                    "megatron_theoretical_gb": (m["megatron_theoretical_mb"] or 0) * 2**20 / 1e9,
+                    "profile_s": prof["step_s"], "profile_gb": prof["memory_gb"],
+                    "catalog_s": cat["step_s"], "catalog_gb": cat["memory_gb"]})
+    return out
+
+
 def table(found: list[dict]) -> str:
     head = ("| run | profile's softmax | measured s | predicted s, profile | error | predicted s, "
             "catalog | error | measured GB | predicted GB, profile | error | predicted GB, "
             "catalog | error | Megatron's theoretical GB |\n|" + "---|" * 13)
-    err = lambda p, m: f"{(p - m) / m:+.1%}"  # noqa: E731
+    err = lambda p, m: f"{(p - m) / m:+.1%}" if m else "-"  # noqa: E731
     lines = [head]
     for r in found:
         lines.append(
