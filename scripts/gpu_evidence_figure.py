@@ -120,12 +120,12 @@ def figure(found: list[dict], png: Path) -> None:
                        "predicted from the catalog"), ("#333333", "#2a7ab9", "#c9a227"))):
             ax.bar([i + (k - 1) * w for i in x], [r[key] for r in found], w, label=name,
                    color=color)
-        ax.set_xticks(list(x), labels, rotation=25, ha="right", fontsize=8)
+        ax.set_xticks(list(x), labels, rotation=40, ha="right", fontsize=7)
         ax.set_ylabel(unit)
         ax.grid(axis="y", alpha=0.3)
     handles, names = ax_t.get_legend_handles_labels()
     fig.legend(handles, names, loc="upper right", ncol=3, fontsize=8)
-    fig.suptitle("One H200, Llama-2 7B shapes, 8 layers, GBS 8, bf16, megatron-core local layers",
+    fig.suptitle("One H200, Llama-2 7B shapes cut to 8 layers, bf16, megatron-core local layers (runs 1-3: mbs 2, seq 4096, GBS 8)",
                  fontsize=10, x=0.01, ha="left")
     fig.tight_layout(rect=(0, 0, 1, 0.93))
     fig.savefig(png, dpi=110)
