@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..plan.format2 import Mesh, MeshPlan, Replica
+from ..plan import Mesh, Plan, Replica
 from ..placement.meshes import MeshPlacement
 from ..placement.nodes import Node
 from .stage import StageShape
@@ -37,7 +37,7 @@ __all__ = ["mesh_stage_shape", "Bridge", "bridge_seconds",
            "bridges", "same_replicas"]
 
 
-def mesh_stage_shape(plan: MeshPlan, mesh: int, stage: int, replica: int) -> StageShape:
+def mesh_stage_shape(plan: Plan, mesh: int, stage: int, replica: int) -> StageShape:
     """The :class:`StageShape` of one tensor rank of (mesh, stage, replica): its mesh's TP, its
     replica's batch, its optimizer sharded over its mesh's replicas."""
     m = plan.meshes[mesh]
@@ -69,7 +69,7 @@ class Bridge:
     dst_broadcast_gb_s: float
 
 
-def bridges(plan: MeshPlan, placement: MeshPlacement, inventory,
+def bridges(plan: Plan, placement: MeshPlacement, inventory,
             replica_of_path: int | None = None) -> list[Bridge]:
     """The bridge after every mesh but the last. ``replica_of_path``: where every mesh has the
     same replicas, the one path (replica index) to cost; None costs the slowest hub of all."""

@@ -16,7 +16,6 @@ import dataclasses
 from ..hardware.catalog import Catalog
 from ..models import shrink_model
 from ..plan import Plan, plan_from_data
-from ..plan.format2 import MeshPlan
 
 __all__ = ["shrink_plan", "offload_min_numel", "without_module_inputs", "MIN_OFFLOADED_NUMEL"]
 
@@ -34,7 +33,7 @@ def shrink_plan(plan: Plan, hidden_size: int, catalog: Catalog | None = None) ->
     return plan_from_data(data, source="<shrunk plan>", catalog=catalog)
 
 
-def offload_min_numel(real: Plan | MeshPlan, shrunk: Plan | MeshPlan) -> int:
+def offload_min_numel(real: Plan, shrunk: Plan) -> int:
     """:data:`MIN_OFFLOADED_NUMEL` scaled by the shrunk over the real size of a layer's input
     (sequence x hidden; the micro-batch stays): a module input of the shrunk model reaches it
     where the real one reaches megatron-core's threshold."""

@@ -16,7 +16,7 @@ import yaml
 from megatron_hetero.cli import main
 from megatron_hetero.emulate.mesh_rehearse import shrink_mesh_plan
 from megatron_hetero.hardware.catalog import load_catalog
-from megatron_hetero.plan.format2 import load_any_plan
+from megatron_hetero.plan import load_any_plan
 
 from ..conftest import REPO, one_line_error
 
