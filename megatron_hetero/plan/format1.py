@@ -1,8 +1,8 @@
 """Format 1 of the plan file (``plan.yaml``, ``format_version: 1``): one mesh.
 
 It loads into the one in-memory plan (:class:`.types.Plan`) as one mesh, and a plan of one mesh
-is written in it (:meth:`.types.Plan.to_data`). A file lists one pipeline per data-parallel replica (in data-parallel rank order); each
-pipeline lists its stages in pipeline rank order. Stage ``s`` has the same number of layers in
+is written in it (:meth:`.types.Plan.to_data`). A file lists one pipeline per data-parallel
+replica (in data-parallel rank order); each pipeline lists its stages in pipeline rank order. Stage ``s`` has the same number of layers in
 every pipeline (Megatron's gradient buckets need it), but may run on a different GPU type and
 with its own recompute and offload policy. Pipelines may differ in micro-batch size and count:
 that is how uneven data parallelism is expressed.

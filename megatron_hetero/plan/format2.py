@@ -125,7 +125,7 @@ class Format2Plan:
     overlap_grad_reduce: bool = False
     """Overlap each mesh's gradient reduction with its last backward."""
     gpus: dict[str, GPUSpec] = field(default_factory=dict)
-    """As in format 1 (:class:`.plan.Plan`): catalog entries the plan carries. Left out of the
+    """As in format 1 (:class:`.format1.Format1Plan`): catalog entries the plan carries. Left out of the
     file when empty."""
     prediction: dict[str, float] | None = None
     """Figures the tuner predicted for this plan (informational; never read back as input)."""
@@ -249,7 +249,7 @@ def _show(replica: Replica) -> str:
 def mesh_plan_from_data(data: object, *, source: str = "<plan>",
                         catalog: Catalog | None = None) -> Plan:
     """Build and check a mesh plan from plain data, its device types against ``catalog`` plus
-    the plan's ``gpus`` (as :func:`.plan.plan_from_data`)."""
+    the plan's ``gpus`` (as :func:`.format1.plan_from_data`)."""
     plan = from_data(Format2Plan, data, source=source)
     catalog = (catalog or load_catalog()).with_entries(plan.gpus, source=source)
     plan.gpus = {name: catalog.get(name) for name in plan.gpus}

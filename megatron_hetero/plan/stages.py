@@ -65,7 +65,7 @@ class Stage:
     (Megatron's ``num_warmup_microbatches``; None: its ``min(p - s - 1, num_microbatches)``).
     More keeps micro-batches in flight so that sends over a slow link hide behind compute. At
     most ``num_microbatches``, at least one more than the next stage's; non-interleaved plans
-    only (:mod:`.schedule_order`). Left out of the file when None."""
+    only (:mod:`megatron_hetero.schedule.rules`). Left out of the file when None."""
 
     def __post_init__(self) -> None:
         if self.num_layers < 0:
