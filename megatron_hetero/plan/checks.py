@@ -23,7 +23,7 @@ from ..errors import Described, SchemaError
 from .types import Plan
 
 __all__ = ["check_offload", "stage_layers", "optimizer_offload_runs",
-           "plan_stages", "FP32_OPTIMIZER_OFFLOAD"]
+           "plan_stages", "stage_path", "FP32_OPTIMIZER_OFFLOAD"]
 
 FP32_OPTIMIZER_OFFLOAD = (
     "megatron-core's CPU-offload optimizer does not run with fp32 parameters under the "
@@ -53,6 +53,16 @@ def plan_stages(plan: Plan):
     for d, pipe in enumerate(plan.pipelines):
         for s, stage in enumerate(pipe.stages):
             yield f"pipelines[{d}].stages[{s}]", s, stage
+
+
+def stage_path(plan: Plan, replica: int, stage: int) -> str:
+    """The field path, in the file ``plan`` is written as, of replica ``replica``'s pipeline
+    stage ``stage`` (of the whole model): ``pipelines[d].stages[s]`` for one grid,
+    ``meshes[k].stages[j]`` for a chain of meshes."""
+    if plan.one_grid:
+        return f"pipelines[{replica}].stages[{stage}]"
+    k, j = plan.stage_index[stage]
+    return f"meshes[{k}].stages[{j}]"
 
 
 def check_offload(plan: Plan, *, source: str) -> None:
