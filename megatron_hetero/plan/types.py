@@ -233,7 +233,7 @@ class Plan:
     @property
     def pipeline_model_parallel_size(self) -> int:
         """Pipeline stages of the whole model (all meshes)."""
-        return sum(mesh.num_stages for mesh in self.meshes)
+        return sum(len(mesh.pipelines[0].stages) for mesh in self.meshes)
 
     @property
     def world_size(self) -> int:
@@ -261,26 +261,42 @@ class Plan:
         return (s for mesh in self.meshes for p in mesh.pipelines for s in p.stages)
 
     # -- format-1 views (one mesh) ---------------------------------------------------------------
+    # (each view reads ``self.meshes`` itself: the tuner asks them millions of times)
+    def _not_one_grid(self) -> PlanShapeError:
+        return PlanShapeError(f"a plan of {len(self.meshes)} meshes has no single "
+                              "tensor-parallel size or pipeline list; read plan.meshes")
+
     def _grid(self) -> Mesh:
         if len(self.meshes) != 1:
-            raise PlanShapeError(f"a plan of {len(self.meshes)} meshes has no single "
-                                 "tensor-parallel size or pipeline list; read plan.meshes")
+            raise self._not_one_grid()
         return self.meshes[0]
 
     @property
     def tensor_model_parallel_size(self) -> int:
-        return self._grid().tensor_model_parallel_size
+        meshes = self.meshes
+        if len(meshes) == 1:
+            return meshes[0].tensor_model_parallel_size
+        raise self._not_one_grid()
 
     @property
     def pipelines(self) -> list[Pipeline]:
-        return self._grid().pipelines
+        meshes = self.meshes
+        if len(meshes) == 1:
+            return meshes[0].pipelines
+        raise self._not_one_grid()
 
     @property
     def data_parallel_size(self) -> int:
-        return self._grid().data_parallel_size
+        meshes = self.meshes
+        if len(meshes) == 1:
+            return len(meshes[0].pipelines)
+        raise self._not_one_grid()
 
     def stage(self, pipeline: int, stage: int) -> Stage:
-        return self._grid().pipelines[pipeline].stages[stage]
+        meshes = self.meshes
+        if len(meshes) == 1:
+            return meshes[0].pipelines[pipeline].stages[stage]
+        raise self._not_one_grid()
 
     def replica_sample_range(self, pipeline: int) -> tuple[int, int]:
         """(offset, count) of the samples of every global batch that replica ``pipeline`` reads:
@@ -339,9 +355,10 @@ class Plan:
         """GPUs the plan needs per device type."""
         counts: Counter[str] = Counter()
         for mesh in self.meshes:
+            tp = mesh.tensor_model_parallel_size
             for pipe in mesh.pipelines:
                 for stage in pipe.stages:
-                    counts[stage.device_type] += mesh.tensor_model_parallel_size
+                    counts[stage.device_type] += tp
         return counts
 
     def layout(self) -> str:
