@@ -39,17 +39,9 @@ __all__ = ["mesh_stage_shape", "Bridge", "bridge_seconds",
 
 def mesh_stage_shape(plan: Plan, mesh: int, stage: int, replica: int) -> StageShape:
     """The :class:`StageShape` of one tensor rank of (mesh, stage, replica): its mesh's TP, its
-    replica's batch, its optimizer sharded over its mesh's replicas."""
-    m = plan.meshes[mesh]
-    st, rep = m.stages[stage], m.replicas[replica]
-    return StageShape(device_type=m.device_type, chunk_layers=(st.num_layers,),
-                      micro_batch_size=rep.micro_batch_size,
-                      tensor_parallel_size=m.tensor_model_parallel_size,
-                      recompute=st.recompute, offload=st.offload,
-                      pipeline_size=plan.pipeline_model_parallel_size,
-                      stage=sum(len(x.stages) for x in plan.meshes[:mesh]) + stage,
-                      num_microbatches=rep.num_microbatches,
-                      data_parallel_size=m.data_parallel_size)
+    replica's batch, its optimizer sharded over its mesh's replicas (:meth:`StageShape.at`,
+    the one shape of every plan)."""
+    return StageShape.at(plan, mesh, stage, replica)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -42,6 +42,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
+from ..cost.stage import StageShape
 from ..errors import HeteroError
 from ..hardware.catalog import Catalog, load_catalog
 from ..plan import Plan
@@ -141,13 +142,8 @@ def _rank_memory(cost, plan, rank: int):
     """(device type, the cost model's peak memory) of one tensor rank of ``plan`` (a format-1
     plan or a mesh plan: its mesh's TP, its replica's micro-batch, its global stage index)."""
     slot = plan.slot_of_rank(rank)
-    if not plan.one_grid:
-        from ..cost.mesh import mesh_stage_shape
-
-        return (plan.meshes[slot.mesh].device_type,
-                cost.memory(mesh_stage_shape(plan, slot.mesh, slot.stage, slot.replica)))
-    return (plan.stage(slot.pipeline, slot.stage).device_type,
-            cost.stage_memory(plan, slot.pipeline, slot.stage))
+    return (plan.stage_of_slot(slot).device_type,
+            cost.memory(StageShape.at(plan, slot.mesh, slot.stage, slot.replica)))
 
 
 # -- measurement ----------------------------------------------------------------------------------
