@@ -21,21 +21,19 @@ Not rehearsed on mesh plans (yet): link emulation.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import statistics
 from dataclasses import dataclass, field
 
 from ..errors import HeteroError
 from ..hardware.catalog import Catalog, load_catalog
-from ..models import shrink_model
 from ..plan import Pipeline, Plan, Stage, mesh_plan_from_data, uniform_plan
 from .calibration import Calibration, _mean, calibrate
 from .drift import cpu_drifts, in_run_calibrations, measured_allreduce_gb_s
 from .prediction import emulated_cluster, emulated_name
-from .shrink import offload_min_numel
+from .shrink import offload_min_numel, shrink_plan
 
-__all__ = ["MeshStageReport", "MeshRehearsalResult", "shrink_mesh_plan", "predict_mesh",
+__all__ = ["MeshStageReport", "MeshRehearsalResult", "predict_mesh",
            "rehearse_mesh", "format_mesh_report"]
 
 
@@ -93,19 +91,6 @@ class MeshRehearsalResult:
     def ratio(self) -> float:
         """Measured (median) over predicted step time."""
         return self.step_s / self.predicted_step_s
-
-
-def shrink_mesh_plan(plan: Plan, hidden_size: int, catalog: Catalog | None = None) -> Plan:
-    """The same mesh plan on the model shrunk to ``hidden_size`` (heads divisible by every
-    mesh's TP), fp32, without its prediction."""
-    import math
-
-    tp = math.lcm(*(m.tensor_model_parallel_size for m in plan.meshes))
-    data = plan.to_data()
-    data["model"] = dataclasses.asdict(shrink_model(plan.model, hidden_size, tp))
-    data["precision"] = "fp32"
-    data.pop("prediction", None)
-    return mesh_plan_from_data(data, source="<shrunk plan>", catalog=catalog or plan.catalog)
 
 
 def _calibration_plan(shrunk: Plan, b: int) -> Plan:
@@ -195,7 +180,7 @@ def rehearse_mesh(plan: Plan, config, *, catalog: Catalog | None = None,
     _check_megatron_core(source)
     catalog = catalog or plan.catalog or load_catalog()
     say = progress or (lambda msg: None)
-    shrunk = shrink_mesh_plan(plan, config.hidden_size, catalog)
+    shrunk = shrink_plan(plan, config.hidden_size, catalog or plan.catalog, precision="fp32")
     if shrunk.world_size > config.max_ranks:
         raise HeteroError(f"{source}: the plan has {shrunk.world_size} ranks; this rehearsal "
                           f"starts at most {config.max_ranks} CPU processes on one machine")
