@@ -130,10 +130,13 @@ class Slot:
     """Where one rank sits in a plan."""
 
     mesh: int
+    """The mesh, in pipeline order."""
     stage: int
     """Stage index inside the mesh (the global stage index where the plan is one mesh)."""
     replica: int
+    """The data-parallel replica (pipeline) of the mesh."""
     tensor_rank: int
+    """The rank inside its tensor-parallel group."""
 
     @property
     def pipeline(self) -> int:
@@ -146,7 +149,9 @@ class Plan:
     """A complete heterogeneous training plan: a chain of meshes."""
 
     model: ModelSpec
+    """The transformer every mesh runs a part of."""
     global_batch_size: int
+    """Samples per step; every mesh's replicas take them all between them."""
     meshes: list[Mesh]
     """In pipeline order: mesh 0 holds the embedding, the last mesh the output layer and loss."""
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
