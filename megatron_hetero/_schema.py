@@ -197,7 +197,8 @@ def _describe(hint: Any) -> str:
     if origin in (Union, types.UnionType):
         return " or ".join(_describe(a) for a in typing.get_args(hint) if a is not type(None))
     if dataclasses.is_dataclass(hint):
-        return f"a mapping ({hint.__name__})"
+        # a file schema may keep the name its messages had (``SCHEMA_NAME``)
+        return f"a mapping ({getattr(hint, 'SCHEMA_NAME', hint.__name__)})"
     return str(hint)
 
 

@@ -32,7 +32,7 @@ os.environ.setdefault("PYTHONWARNINGS", "ignore")
 from megatron_hetero._schema import read_yaml  # noqa: E402
 from megatron_hetero.emulate.mesh_rehearse import format_mesh_report, rehearse_mesh  # noqa: E402
 from megatron_hetero.emulate.rehearse import RehearsalConfig  # noqa: E402
-from megatron_hetero.plan.format2 import mesh_plan_from_data  # noqa: E402
+from megatron_hetero.plan import mesh_plan_from_data  # noqa: E402
 
 PLAN = os.path.join(os.path.dirname(__file__), "..", "examples", "meshes", "rehearse-plan.yaml")
 

@@ -41,7 +41,8 @@ from megatron_hetero.emulate.rehearse import RehearsalConfig, rehearse  # noqa: 
 from megatron_hetero.emulate.report import format_report  # noqa: E402
 from megatron_hetero.emulate.speed import device_slowdowns  # noqa: E402
 from megatron_hetero.hardware.inventory import inventory_from_data  # noqa: E402
-from megatron_hetero.plan import ModelSpec, Pipeline, Plan, Stage, plan_from_data  # noqa: E402
+from megatron_hetero.plan import (ModelSpec, Pipeline, Plan, Stage, plan_from_data,  # noqa: E402
+                                  replace_grid, uniform_plan)
 
 FAST, SLOW = "Fast-GPU", "Slow-GPU"
 RATIO = 2.5
@@ -79,7 +80,7 @@ def _from_emulated(plan: Plan, catalog) -> Plan:
 
 
 def _probe_plan(model: ModelSpec, gbs: int) -> Plan:
-    return Plan(format_version=1, model=model, global_batch_size=gbs, tensor_model_parallel_size=1,
+    return uniform_plan(model=model, global_batch_size=gbs, tensor_model_parallel_size=1,
                 precision="bf16", pipelines=[Pipeline(micro_batch_size=1, num_microbatches=gbs,
                                                       stages=[Stage(device_type=FAST,
                                                                     num_layers=model.num_layers)])])
@@ -147,7 +148,7 @@ def main(argv=None) -> int:
     probe = _probe_plan(model, args.gbs)
     config = RehearsalConfig(steps=args.steps, hidden_size=model.hidden_size,
                              time_scale=args.time_scale, nice=args.nice)
-    slowdowns = device_slowdowns(dataclasses.replace(probe, pipelines=[Pipeline(
+    slowdowns = device_slowdowns(replace_grid(probe, pipelines=[Pipeline(
         micro_batch_size=1, num_microbatches=args.gbs, stages=[
             Stage(device_type=FAST, num_layers=1), Stage(device_type=SLOW,
                                                          num_layers=model.num_layers - 1)])]),

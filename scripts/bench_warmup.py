@@ -52,7 +52,7 @@ _trees.use_tree()
 
 from bench_tuner import SCENARIOS, load_scenario  # noqa: E402
 from megatron_hetero.cost.model import CostModel  # noqa: E402
-from megatron_hetero.plan import Plan, plan_from_data  # noqa: E402
+from megatron_hetero.plan import Plan, plan_from_data, replace_grid  # noqa: E402
 from megatron_hetero.sim.step import simulate  # noqa: E402
 from megatron_hetero.tuner import TuneOptions, tune  # noqa: E402
 from megatron_hetero.tuner.warmup import harp_warmups, with_warmups  # noqa: E402
@@ -76,7 +76,7 @@ def _describe(plan: Plan) -> str:
 
 def megatron_counts(plan: Plan) -> Plan:
     """``plan`` with every stage at Megatron's warm-up."""
-    return dataclasses.replace(plan, pipelines=[
+    return replace_grid(plan, pipelines=[
         dataclasses.replace(pipe, stages=[dataclasses.replace(st, warmup_microbatches=None)
                                           for st in pipe.stages])
         for pipe in plan.pipelines])

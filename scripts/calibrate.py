@@ -49,7 +49,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from megatron_hetero.cost.profile_file import MeasuredProfile, load_profile  # noqa: E402
-from megatron_hetero.plan import ModelSpec, Pipeline, Plan, Stage  # noqa: E402
+from megatron_hetero.plan import ModelSpec, Pipeline, Plan, Stage, uniform_plan  # noqa: E402
 
 DOC = REPO / "docs" / "calibration.md"
 BEGIN, END = "<!-- calibration-table:begin -->", "<!-- calibration-table:end -->"
@@ -71,7 +71,7 @@ def _plan(name: str, pipelines: list[tuple[int, int, list[tuple[str, int]]]]) ->
                       stages=[Stage(device_type=d, num_layers=k) for d, k in stages])
              for mbs, n, stages in pipelines]
     gbs = sum(p.samples for p in pipes)
-    return name, Plan(format_version=1, model=MODEL, global_batch_size=gbs,
+    return name, uniform_plan(model=MODEL, global_batch_size=gbs,
                       tensor_model_parallel_size=1, pipelines=pipes, use_distributed_optimizer=False)
 
 

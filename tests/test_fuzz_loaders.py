@@ -26,7 +26,7 @@ from megatron_hetero.hardware.catalog import load_catalog
 from megatron_hetero.hardware.inventory import load_inventory
 from megatron_hetero.launch.jobspec import read_hostfile
 from megatron_hetero.models import PRESETS, load_model
-from megatron_hetero.plan.format2 import load_any_plan
+from megatron_hetero.plan import load_any_plan
 
 from .test_profile_file import _profile
 

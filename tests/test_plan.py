@@ -166,7 +166,8 @@ def test_rank_slots_follow_megatron_order():
     for rank in range(plan.world_size):
         slot = plan.slot_of_rank(rank)
         # Megatron's default order tp-cp-ep-dp-pp: tp fastest, then dp, then pp.
-        assert slot == Slot(pipeline=(rank // tp) % dp, stage=rank // (tp * dp), tensor_rank=rank % tp)
+        assert slot == Slot(mesh=0, stage=rank // (tp * dp), replica=(rank // tp) % dp,
+                           tensor_rank=rank % tp)
         assert plan.rank_of_slot(slot) == rank
         seen.add(slot)
     assert len(seen) == tp * dp * pp

@@ -13,9 +13,8 @@ from megatron_hetero import cli
 from megatron_hetero.errors import SchemaError
 from megatron_hetero.hardware import inventory_from_data
 from megatron_hetero.plan.megatron_args import mesh_megatron_args
-from megatron_hetero.plan import load_plan, plan_from_data
-from megatron_hetero.plan.format2 import (MeshPlan, MeshSlot, any_plan_from_data, load_any_plan,
-                                       mesh_plan_from_data, save_any_plan)
+from megatron_hetero.plan import (Plan, Slot, any_plan_from_data, load_any_plan, load_plan,
+                                  mesh_plan_from_data, plan_from_data, save_any_plan)
 from megatron_hetero.placement.mesh_inventory import check_mesh_plan_against_inventory
 
 from .conftest import EXAMPLE_PLANS, REPO
@@ -44,7 +43,7 @@ def _error(data) -> SchemaError:
 
 def test_example_loads_and_round_trips(tmp_path):
     plan = load_any_plan(EXAMPLE)
-    assert isinstance(plan, MeshPlan)
+    assert isinstance(plan, Plan) and not plan.one_grid and plan.format_version == 2
     assert plan.layer_split == [10, 10, 12] and plan.world_size == 32
     assert [m.data_parallel_size for m in plan.meshes] == [8, 8]
     save_any_plan(plan, tmp_path / "p.yaml")
@@ -59,7 +58,7 @@ def test_offload_of_a_mesh_plan_is_per_stage():
     as a format-1 plan does, and each rank's stage (what its policies come from) is its own."""
     plan = load_any_plan(EXAMPLE)
     assert plan.offloads_module_inputs and not plan.offloads_optimizer
-    first, t4 = MeshSlot(0, 1, 7, 0), MeshSlot(1, 0, 0, 1)
+    first, t4 = Slot(0, 1, 7, 0), Slot(1, 0, 0, 1)
     assert plan.stage_of_slot(first).offload.module_inputs
     assert not plan.stage_of_slot(t4).offload.any
     assert plan.stage_of_slot(t4).recompute.granularity == "selective"
@@ -202,8 +201,8 @@ def test_rank_numbering_matches_megatron_rank_generator_with_rank_offset():
     assert seen == list(range(plan.world_size))
     for rank in range(plan.world_size):
         assert plan.rank_of_slot(plan.slot_of_rank(rank)) == rank
-    assert plan.slot_of_rank(16) == MeshSlot(mesh=1, stage=0, replica=0, tensor_rank=0)
-    assert plan.slot_of_rank(19) == MeshSlot(mesh=1, stage=0, replica=1, tensor_rank=1)
+    assert plan.slot_of_rank(16) == Slot(mesh=1, stage=0, replica=0, tensor_rank=0)
+    assert plan.slot_of_rank(19) == Slot(mesh=1, stage=0, replica=1, tensor_rank=1)
 
 
 def _inventory(t4_per_node: int = 4, t4_nodes: int = 4):
@@ -260,8 +259,9 @@ def test_validate_and_args_commands(capsys):
 
 def test_any_loader_dispatches_on_the_version():
     data = yaml.safe_load(EXAMPLE_PLANS[0].read_text())
-    assert not isinstance(any_plan_from_data(data), MeshPlan)
-    assert isinstance(any_plan_from_data(BASE), MeshPlan)
+    one, chain = any_plan_from_data(data), any_plan_from_data(BASE)
+    assert one.one_grid and one.format_version == 1
+    assert not chain.one_grid and chain.format_version == 2
 
 
 def _random_plan_data(draw, st):
@@ -303,7 +303,9 @@ def test_random_mesh_plans_round_trip_and_number_every_rank_once(tmp_path):
     def check(data):
         raw = _random_plan_data(data.draw, st)
         plan = mesh_plan_from_data(raw)
-        assert mesh_plan_from_data(plan.to_data()) == plan
+        # the normal form: a chain of one mesh is written as format 1, the same plan
+        assert any_plan_from_data(plan.to_data()) == plan
+        assert plan.to_data()["format_version"] == (1 if len(raw["meshes"]) == 1 else 2)
         slots = [plan.slot_of_rank(r) for r in range(plan.world_size)]
         assert len(set(slots)) == plan.world_size
         assert [plan.rank_of_slot(s) for s in slots] == list(range(plan.world_size))

@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 
 from ..hardware.inventory import load_inventory
-from ..plan.megatron_args import megatron_args, megatron_args_line, mesh_megatron_args
+from ..plan.megatron_args import megatron_args_line, plan_megatron_args
 from ..errors import SchemaError
-from ..placement.inventory import check_plan_against_inventory, check_plan_gpus, check_plan_vendors
+from ..placement.inventory import check_plan_gpus, check_plan_vendors
 from ..plan.checks import check_offload
 from ..sim.fits import check_fits
-from ..plan.format2 import MeshPlan, load_any_plan
-from ..placement.mesh_inventory import check_mesh_plan_against_inventory
+from ..plan import load_any_plan
+from ..placement.mesh_inventory import check_against_inventory
 
 __all__ = ["validate_main", "args_main"]
 
@@ -20,16 +20,15 @@ def validate_main(args: argparse.Namespace) -> int:
     inventory = load_inventory(args.inventory) if args.inventory else None
     plan = load_any_plan(args.plan, catalog=inventory.catalog if inventory else None)
     check_offload(plan, source=args.plan)
-    if isinstance(plan, MeshPlan):
+    if inventory is not None:
+        check_against_inventory(plan, inventory, source=args.plan)
+    if not plan.one_grid:
         if inventory is not None:
-            check_mesh_plan_against_inventory(plan, inventory, source=args.plan)
             _check_memory(args, plan, inventory)
         print(f"{args.plan}: valid mesh plan for {plan.model.name}: {len(plan.meshes)} meshes, "
               f"PP={plan.pipeline_model_parallel_size} ({plan.world_size} GPUs); layers "
               f"{plan.layer_split}\n{plan.describe()}")
         return 0
-    if inventory is not None:
-        check_plan_against_inventory(plan, inventory, source=args.plan)
     check_plan_vendors(plan, inventory.catalog if inventory else plan.catalog, source=args.plan)
     dp = plan.data_parallel_size
     if not plan.uniform_data_parallel and plan.global_batch_size % dp:
@@ -61,13 +60,11 @@ def _check_memory(args: argparse.Namespace, plan, inventory) -> None:
     if args.no_memory_check:
         return
     from ..cost import CostModel
-    from ..sim.step import simulate
-    from ..sim.mesh import simulate_mesh
+    from ..sim.plan import simulate_plan
 
     cost = CostModel(plan.model, inventory, precision=plan.precision,
                      use_distributed_optimizer=plan.use_distributed_optimizer)
-    run = simulate_mesh if isinstance(plan, MeshPlan) else simulate
-    check_fits(plan, run(plan, cost, record_events=False), source=args.plan,
+    check_fits(plan, simulate_plan(plan, cost, record_events=False), source=args.plan,
                skip_hint="--no-memory-check skips this check")
 
 
@@ -77,7 +74,7 @@ def args_main(args: argparse.Namespace) -> int:
     if inventory is not None:
         check_plan_gpus(plan, inventory, source=args.plan)
     if args.one_per_line:
-        listed = (mesh_megatron_args if isinstance(plan, MeshPlan) else megatron_args)(plan, args.plan)
+        listed = plan_megatron_args(plan, args.plan)
         print("\n".join(listed))
     else:
         print(megatron_args_line(plan, args.plan))

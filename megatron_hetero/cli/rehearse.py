@@ -9,9 +9,8 @@ import os
 import sys
 
 from ..hardware.inventory import load_inventory
-from ..placement.inventory import check_plan_against_inventory
-from ..placement.mesh_inventory import check_mesh_plan_against_inventory
-from ..plan.format2 import MeshPlan, load_any_plan
+from ..placement.mesh_inventory import check_against_inventory
+from ..plan import load_any_plan
 from ..emulate.mesh_rehearse import format_mesh_report, rehearse_mesh
 from ..emulate.rehearse import RehearsalConfig, rehearse
 from ..emulate.report import format_report
@@ -27,9 +26,7 @@ def rehearse_main(args) -> int:
     plan = load_any_plan(args.plan, catalog=inventory.catalog if inventory else None)
     catalog = plan.catalog  # the built-in (or the inventory's) catalog plus the plan's gpus
     if inventory is not None:
-        check = (check_mesh_plan_against_inventory if isinstance(plan, MeshPlan)
-                 else check_plan_against_inventory)
-        check(plan, inventory, source=args.plan)
+        check_against_inventory(plan, inventory, source=args.plan)
     try:
         config = RehearsalConfig(steps=args.steps, hidden_size=args.hidden_size,
                                  time_scale=args.time_scale, memory_cap=not args.no_memory_cap,
@@ -39,7 +36,7 @@ def rehearse_main(args) -> int:
     except ValueError as exc:
         raise HeteroError(str(exc)) from None
     progress = lambda msg: print(f"[rehearse] {msg}", file=sys.stderr, flush=True)  # noqa: E731
-    if isinstance(plan, MeshPlan):
+    if not plan.one_grid:  # a chain of meshes: emulate.mesh_rehearse
         result = _rehearse_mesh_plan(plan, config, args, catalog, progress)
     else:
         result = rehearse(plan, config, catalog=catalog, verify=args.verify, source=args.plan,

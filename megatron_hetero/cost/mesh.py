@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..plan.format2 import Mesh, MeshPlan, Replica
+from ..plan import Mesh, Plan, Replica
 from ..placement.meshes import MeshPlacement
 from ..placement.nodes import Node
 from .stage import StageShape
@@ -37,19 +37,11 @@ __all__ = ["mesh_stage_shape", "Bridge", "bridge_seconds",
            "bridges", "same_replicas"]
 
 
-def mesh_stage_shape(plan: MeshPlan, mesh: int, stage: int, replica: int) -> StageShape:
+def mesh_stage_shape(plan: Plan, mesh: int, stage: int, replica: int) -> StageShape:
     """The :class:`StageShape` of one tensor rank of (mesh, stage, replica): its mesh's TP, its
-    replica's batch, its optimizer sharded over its mesh's replicas."""
-    m = plan.meshes[mesh]
-    st, rep = m.stages[stage], m.replicas[replica]
-    return StageShape(device_type=m.device_type, chunk_layers=(st.num_layers,),
-                      micro_batch_size=rep.micro_batch_size,
-                      tensor_parallel_size=m.tensor_model_parallel_size,
-                      recompute=st.recompute, offload=st.offload,
-                      pipeline_size=plan.pipeline_model_parallel_size,
-                      stage=sum(len(x.stages) for x in plan.meshes[:mesh]) + stage,
-                      num_microbatches=rep.num_microbatches,
-                      data_parallel_size=m.data_parallel_size)
+    replica's batch, its optimizer sharded over its mesh's replicas (:meth:`StageShape.at`,
+    the one shape of every plan)."""
+    return StageShape.at(plan, mesh, stage, replica)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -69,7 +61,7 @@ class Bridge:
     dst_broadcast_gb_s: float
 
 
-def bridges(plan: MeshPlan, placement: MeshPlacement, inventory,
+def bridges(plan: Plan, placement: MeshPlacement, inventory,
             replica_of_path: int | None = None) -> list[Bridge]:
     """The bridge after every mesh but the last. ``replica_of_path``: where every mesh has the
     same replicas, the one path (replica index) to cost; None costs the slowest hub of all."""

@@ -79,17 +79,28 @@ class StageShape:
 
     @classmethod
     def of(cls, plan: Plan, pipeline: int, stage: int) -> StageShape:
-        """The shape of (pipeline, stage) of ``plan``."""
-        st, pipe = plan.stage(pipeline, stage), plan.pipelines[pipeline]
-        tp = plan.tensor_model_parallel_size
+        """The shape of (pipeline, stage) of ``plan`` (one grid)."""
+        return cls.at(plan, 0, stage, pipeline, global_stage=stage)
+
+    @classmethod
+    def at(cls, plan: Plan, mesh: int, stage: int, replica: int, *,
+           global_stage: int | None = None) -> StageShape:
+        """The shape of one tensor rank of (mesh, stage of the mesh, replica) of any plan: its
+        mesh's TP and DP, its replica's batch, its stage's layers and policies."""
+        m = plan.meshes[mesh]
+        pipe = m.pipelines[replica]
+        st = pipe.stages[stage]
+        tp = m.tensor_model_parallel_size
+        if global_stage is None:
+            global_stage = sum(len(x.pipelines[0].stages) for x in plan.meshes[:mesh]) + stage
         return cls(device_type=st.device_type,
                    chunk_layers=tuple(st.chunk_layers) if st.chunk_layers else (st.num_layers,),
                    micro_batch_size=pipe.micro_batch_size, tensor_parallel_size=tp,
                    sequence_parallel=plan.sequence_parallel and tp > 1, recompute=st.recompute,
                    offload=st.offload, pipeline_size=plan.pipeline_model_parallel_size,
-                   stage=stage, num_microbatches=pipe.num_microbatches,
+                   stage=global_stage, num_microbatches=pipe.num_microbatches,
                    microbatch_group=plan.microbatch_group_size,
-                   data_parallel_size=plan.data_parallel_size,
+                   data_parallel_size=len(m.pipelines),
                    warmup_microbatches=st.warmup_microbatches)
 
     def but(self, **changes) -> StageShape:

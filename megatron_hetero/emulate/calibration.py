@@ -13,7 +13,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
-from ..plan import Pipeline, Plan, Stage
+from ..plan import Pipeline, Plan, Stage, replace_grid
 
 __all__ = ["Calibration", "calibrate", "activation_scale", "idle_gap"]
 
@@ -157,7 +157,7 @@ def _time_layers(shrunk: Plan, b: int, n: int, *, reps: int, seed: int, meter: b
     from .memory import MemoryMeter
     from .trainer import micro_batches
 
-    plan = dataclasses.replace(
+    plan = replace_grid(
         shrunk, model=dataclasses.replace(shrunk.model, num_layers=n),
         tensor_model_parallel_size=1, sequence_parallel=False, virtual_pipeline_size=1,
         microbatch_group_size=None, global_batch_size=b, pipelines=[Pipeline(

@@ -91,8 +91,8 @@ def plan_links(plan: Plan, inventory, *, latency_s: float, time_stretch: float =
             link = Link(bandwidth_bytes_s=gb_s * 1e9 * bytes_ratio / time_stretch,
                         latency_s=latency_s * time_stretch, host_path=staged)
             for t in range(tp):
-                ra = plan.rank_of_slot(Slot(pipeline=d, stage=a, tensor_rank=t))
-                rb = plan.rank_of_slot(Slot(pipeline=d, stage=b, tensor_rank=t))
+                ra = plan.rank_of_slot(Slot(mesh=0, stage=a, replica=d, tensor_rank=t))
+                rb = plan.rank_of_slot(Slot(mesh=0, stage=b, replica=d, tensor_rank=t))
                 out[(ra, rb)] = out[(rb, ra)] = link
     return out
 

@@ -42,10 +42,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
+from ..cost.stage import StageShape
 from ..errors import HeteroError
 from ..hardware.catalog import Catalog, load_catalog
 from ..plan import Plan
-from ..plan.format2 import MeshPlan
 
 __all__ = ["MemoryCapError", "MemoryMeter", "memory_caps", "cpu_rank_bytes", "plan_cost_model",
            "meter_module_input_offload"]
@@ -105,7 +105,7 @@ def cpu_rank_bytes(shrunk: Plan, catalog: Catalog | None = None, *,
     return out
 
 
-def memory_caps(real: Plan | MeshPlan, shrunk: Plan | MeshPlan,
+def memory_caps(real: Plan, shrunk: Plan,
                 catalog: Catalog | None = None, *,
                 activation_scale: float = 1.0, cpu_shards_optimizer: bool = False
                 ) -> dict[int, tuple[float, float, float]]:
@@ -142,13 +142,8 @@ def _rank_memory(cost, plan, rank: int):
     """(device type, the cost model's peak memory) of one tensor rank of ``plan`` (a format-1
     plan or a mesh plan: its mesh's TP, its replica's micro-batch, its global stage index)."""
     slot = plan.slot_of_rank(rank)
-    if isinstance(plan, MeshPlan):
-        from ..cost.mesh import mesh_stage_shape
-
-        return (plan.meshes[slot.mesh].device_type,
-                cost.memory(mesh_stage_shape(plan, slot.mesh, slot.stage, slot.replica)))
-    return (plan.stage(slot.pipeline, slot.stage).device_type,
-            cost.stage_memory(plan, slot.pipeline, slot.stage))
+    return (plan.stage_of_slot(slot).device_type,
+            cost.memory(StageShape.at(plan, slot.mesh, slot.stage, slot.replica)))
 
 
 # -- measurement ----------------------------------------------------------------------------------

@@ -21,22 +21,19 @@ Not rehearsed on mesh plans (yet): link emulation.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import statistics
 from dataclasses import dataclass, field
 
 from ..errors import HeteroError
 from ..hardware.catalog import Catalog, load_catalog
-from ..models import shrink_model
-from ..plan import Pipeline, Plan, Stage
-from ..plan.format2 import MeshPlan, mesh_plan_from_data
+from ..plan import Pipeline, Plan, Stage, mesh_plan_from_data, uniform_plan
 from .calibration import Calibration, _mean, calibrate
 from .drift import cpu_drifts, in_run_calibrations, measured_allreduce_gb_s
 from .prediction import emulated_cluster, emulated_name
-from .shrink import offload_min_numel
+from .shrink import offload_min_numel, shrink_plan
 
-__all__ = ["MeshStageReport", "MeshRehearsalResult", "shrink_mesh_plan", "predict_mesh",
+__all__ = ["MeshStageReport", "MeshRehearsalResult", "predict_mesh",
            "rehearse_mesh", "format_mesh_report"]
 
 
@@ -69,7 +66,7 @@ class MeshStageReport:
 class MeshRehearsalResult:
     """What :func:`rehearse_mesh` returns."""
 
-    plan: MeshPlan
+    plan: Plan
     """The shrunk plan the CPU ranks ran."""
     stages: list[MeshStageReport]
     step_times: list[float]
@@ -96,31 +93,18 @@ class MeshRehearsalResult:
         return self.step_s / self.predicted_step_s
 
 
-def shrink_mesh_plan(plan: MeshPlan, hidden_size: int, catalog: Catalog | None = None) -> MeshPlan:
-    """The same mesh plan on the model shrunk to ``hidden_size`` (heads divisible by every
-    mesh's TP), fp32, without its prediction."""
-    import math
-
-    tp = math.lcm(*(m.tensor_model_parallel_size for m in plan.meshes))
-    data = plan.to_data()
-    data["model"] = dataclasses.asdict(shrink_model(plan.model, hidden_size, tp))
-    data["precision"] = "fp32"
-    data.pop("prediction", None)
-    return mesh_plan_from_data(data, source="<shrunk plan>", catalog=catalog or plan.catalog)
-
-
-def _calibration_plan(shrunk: MeshPlan, b: int) -> Plan:
+def _calibration_plan(shrunk: Plan, b: int) -> Plan:
     """A one-process format-1 plan of the shrunk model at micro-batch size ``b``: what
     :func:`.calibration.calibrate` times."""
     device = shrunk.meshes[0].device_type
-    return Plan(format_version=1, model=shrunk.model, global_batch_size=b,
+    return uniform_plan(model=shrunk.model, global_batch_size=b,
                 tensor_model_parallel_size=1, precision="fp32", catalog=shrunk.catalog,
                 pipelines=[Pipeline(micro_batch_size=b, num_microbatches=1,
                                     stages=[Stage(device_type=device,
                                                   num_layers=shrunk.model.num_layers)])])
 
 
-def _calibrate(shrunk: MeshPlan, factors: dict[str, float], *, seed: int,
+def _calibrate(shrunk: Plan, factors: dict[str, float], *, seed: int,
                nice: int, meter: bool) -> dict[str, Calibration]:
     """One calibration per device type (its idle gaps), at every micro-batch size of the plan."""
     sizes = sorted({r.micro_batch_size for m in shrunk.meshes for r in m.replicas})
@@ -144,7 +128,7 @@ def _calibrate(shrunk: MeshPlan, factors: dict[str, float], *, seed: int,
     return {d: by_idle[round(max(0.0, f - 1.0), 3)] for d, f in factors.items()}
 
 
-def predict_mesh(shrunk: MeshPlan, calibration, factors: dict[str, float], *,
+def predict_mesh(shrunk: Plan, calibration, factors: dict[str, float], *,
                  distributed_optimizer: bool = False):
     """The cost model and mesh simulator on the emulated cluster
     (:func:`.prediction.emulated_cluster`: each device type the calibrated CPU over its factor,
@@ -164,13 +148,13 @@ def predict_mesh(shrunk: MeshPlan, calibration, factors: dict[str, float], *,
     return simulate_mesh(emu, cost, record_events=False)
 
 
-def _device_slowdowns(plan: MeshPlan, catalog: Catalog) -> dict[str, float]:
+def _device_slowdowns(plan: Plan, catalog: Catalog) -> dict[str, float]:
     flops = {d: catalog.get(d).achievable_flops for d in plan.device_counts()}
     fastest = max(flops.values())
     return {d: fastest / f for d, f in sorted(flops.items())}
 
 
-def _auto_time_scale(plan: MeshPlan, slowdowns: dict[str, float],
+def _auto_time_scale(plan: Plan, slowdowns: dict[str, float],
                      utilization: float = 0.7) -> float:
     """As :func:`.host.auto_time_scale`, over the meshes' ranks."""
     import os
@@ -180,7 +164,7 @@ def _auto_time_scale(plan: MeshPlan, slowdowns: dict[str, float],
     return max(1.0, round(demand / (utilization * (cores or 1)), 2))
 
 
-def rehearse_mesh(plan: MeshPlan, config, *, catalog: Catalog | None = None,
+def rehearse_mesh(plan: Plan, config, *, catalog: Catalog | None = None,
                   verify: bool = False, source: str = "PLAN", progress=None,
                   calibration: dict[str, Calibration] | None = None) -> MeshRehearsalResult:
     """Shrink, calibrate, run and predict the mesh plan ``plan`` (see the module docstring);
@@ -196,7 +180,7 @@ def rehearse_mesh(plan: MeshPlan, config, *, catalog: Catalog | None = None,
     _check_megatron_core(source)
     catalog = catalog or plan.catalog or load_catalog()
     say = progress or (lambda msg: None)
-    shrunk = shrink_mesh_plan(plan, config.hidden_size, catalog)
+    shrunk = shrink_plan(plan, config.hidden_size, catalog or plan.catalog, precision="fp32")
     if shrunk.world_size > config.max_ranks:
         raise HeteroError(f"{source}: the plan has {shrunk.world_size} ranks; this rehearsal "
                           f"starts at most {config.max_ranks} CPU processes on one machine")
@@ -265,7 +249,7 @@ def _check_megatron_core(source: str) -> None:
                           f"{version('megatron-core')} is installed") from None
 
 
-def _device_of(shrunk: MeshPlan, rank_result) -> str:
+def _device_of(shrunk: Plan, rank_result) -> str:
     return shrunk.meshes[shrunk.slot_of_rank(rank_result.rank).mesh].device_type
 
 

@@ -34,7 +34,7 @@ from typing import Callable
 
 from ..mcore.cpu_offload import enable_cpu_offload, join_offload_summary
 from ..mcore.stage_policies import optimizer_offload_kwargs
-from ..plan.format2 import Mesh, MeshPlan, MeshSlot, MeshStage, Replica
+from ..plan import Format2Mesh, MeshStage, Plan, Replica, Slot, mesh_plan
 from .params import init_params, local_params, merge_shards
 from .trainer import (RankHooks, RankResult, TrainConfig, TrainResult, forward_step,
                       sample_tokens, train_on_ranks, train_steps)
@@ -43,7 +43,7 @@ __all__ = ["mesh_reference_plan", "mesh_micro_batches", "train_mesh_rank", "trai
            "global_stage", "layer_offset"]
 
 
-def mesh_reference_plan(plan: MeshPlan) -> MeshPlan:
+def mesh_reference_plan(plan: Plan) -> Plan:
     """The same model and global batch on one process: one mesh of one stage, TP 1, one
     replica running the global batch in micro-batches of the largest size that divides every
     micro-batch of ``plan`` as its data order has them."""
@@ -52,28 +52,28 @@ def mesh_reference_plan(plan: MeshPlan) -> MeshPlan:
     else:
         first = plan.meshes[0]
         mbs = first.data_parallel_size * first.replicas[0].micro_batch_size
-    mesh = Mesh(device_type=plan.meshes[0].device_type, tensor_model_parallel_size=1,
-                replicas=[Replica(micro_batch_size=mbs,
-                                  num_microbatches=plan.global_batch_size // mbs)],
-                stages=[MeshStage(num_layers=plan.model.num_layers)])
-    ref = MeshPlan(format_version=2, model=plan.model, global_batch_size=plan.global_batch_size,
-                   meshes=[mesh], precision=plan.precision, use_distributed_optimizer=False,
-                   overlap_grad_reduce=False, gpus=dict(plan.gpus))
+    mesh = Format2Mesh(device_type=plan.meshes[0].device_type, tensor_model_parallel_size=1,
+                       replicas=[Replica(micro_batch_size=mbs,
+                                         num_microbatches=plan.global_batch_size // mbs)],
+                       stages=[MeshStage(num_layers=plan.model.num_layers)])
+    ref = mesh_plan(model=plan.model, global_batch_size=plan.global_batch_size,
+                    meshes=[mesh], precision=plan.precision, use_distributed_optimizer=False,
+                    overlap_grad_reduce=False, gpus=dict(plan.gpus))
     ref.catalog = plan.catalog
     return ref
 
 
-def global_stage(plan: MeshPlan, slot: MeshSlot) -> int:
+def global_stage(plan: Plan, slot: Slot) -> int:
     """The pipeline stage of ``slot`` in the whole model (over all meshes)."""
     return sum(len(m.stages) for m in plan.meshes[:slot.mesh]) + slot.stage
 
 
-def layer_offset(plan: MeshPlan, slot: MeshSlot) -> int:
+def layer_offset(plan: Plan, slot: Slot) -> int:
     """The model's layers before ``slot``'s stage."""
     return sum(plan.layer_split[:global_stage(plan, slot)])
 
 
-def _sample_index(plan: MeshPlan, slot: MeshSlot, step: int, micro: int, row: int) -> int:
+def _sample_index(plan: Plan, slot: Slot, step: int, micro: int, row: int) -> int:
     mesh = plan.meshes[slot.mesh]
     replica = mesh.replicas[slot.replica]
     base = step * plan.global_batch_size
@@ -84,7 +84,7 @@ def _sample_index(plan: MeshPlan, slot: MeshSlot, step: int, micro: int, row: in
     return base + micro * mesh.data_parallel_size * b + slot.replica * b + row
 
 
-def mesh_micro_batches(plan: MeshPlan, slot: MeshSlot, step: int, seed: int):
+def mesh_micro_batches(plan: Plan, slot: Slot, step: int, seed: int):
     """The micro-batches ``slot``'s replica reads in step ``step`` (see the module docstring),
     as the batches the trainer's ``forward_step`` takes (every stage reads them: the first
     its tokens, the last its labels)."""
@@ -100,7 +100,7 @@ def mesh_micro_batches(plan: MeshPlan, slot: MeshSlot, step: int, seed: int):
                "position_ids": torch.arange(m.seq_length).unsqueeze(0).expand(len(rows), -1)}
 
 
-def _optimizer_config(plan: MeshPlan, slot: MeshSlot, config: TrainConfig):
+def _optimizer_config(plan: Plan, slot: Slot, config: TrainConfig):
     """The rank's ``OptimizerConfig``: its stage's optimizer offload (its mesh's ranks each
     build their own), the distributed optimizer as the format-1 trainer decides it."""
     import torch
@@ -113,7 +113,7 @@ def _optimizer_config(plan: MeshPlan, slot: MeshSlot, config: TrainConfig):
                            **optimizer_offload_kwargs(plan.stage_of_slot(slot)))
 
 
-def train_mesh_rank(plan: MeshPlan, rank: int, config: TrainConfig | None = None,
+def train_mesh_rank(plan: Plan, rank: int, config: TrainConfig | None = None,
                     hooks: RankHooks | None = None) -> RankResult:
     """Train ``plan`` as rank ``rank`` (see the module docstring). The default gloo process group
     of ``plan.world_size`` ranks must be initialized."""
@@ -174,8 +174,8 @@ def train_mesh_rank(plan: MeshPlan, rank: int, config: TrainConfig | None = None
         BridgeCommunicator.destroy_broadcast_pgs()
 
 
-def train_mesh_plan(plan: MeshPlan, config: TrainConfig | None = None,
-                    hooks_factory: Callable[[MeshPlan, int], RankHooks] | None = None,
+def train_mesh_plan(plan: Plan, config: TrainConfig | None = None,
+                    hooks_factory: Callable[[Plan, int], RankHooks] | None = None,
                     env: dict[str, str] | None = None) -> TrainResult:
     """Train ``plan`` on ``plan.world_size`` CPU processes and merge what they return: the
     global loss per step, the forward-only loss after training, every parameter under its

@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..plan import Plan, plan_from_data
-from ..plan.format2 import MeshPlan
 from .calibration import Calibration
 
 __all__ = ["EmulatedProfile", "emulated_name", "emulated_cluster", "emulated_sends", "predict",
@@ -44,7 +43,7 @@ class EmulatedProfile:
         return (max(0.0, got[0]) * self.factor, max(0.0, got[1]) * self.factor)
 
 
-def trainer_shards_optimizer(plan: Plan | MeshPlan) -> bool:
+def trainer_shards_optimizer(plan: Plan) -> bool:
     """Whether the mini trainer runs ``plan`` with Megatron's distributed optimizer (the CPU
     ranks then shard the optimizer state; the prediction and the caps must know)."""
     from .trainer import TrainConfig
@@ -147,8 +146,8 @@ def emulated_sends(emu: Plan, cost, links) -> dict[int, list[float]]:
         gloo = cost.p2p_seconds(b, cost.inventory.intra_node_bandwidth(0), tp=tp, sp=sp)
         row = []
         for a, c in pairs:
-            ra = emu.rank_of_slot(Slot(pipeline=d, stage=a, tensor_rank=0))
-            rc = emu.rank_of_slot(Slot(pipeline=d, stage=c, tensor_rank=0))
+            ra = emu.rank_of_slot(Slot(mesh=0, stage=a, replica=d, tensor_rank=0))
+            rc = emu.rank_of_slot(Slot(mesh=0, stage=c, replica=d, tensor_rank=0))
             link = links.get((ra, rc))
             row.append(gloo if link is None else max(gloo, link.seconds(nbytes)))
         out[d] = row

@@ -8,7 +8,6 @@ import contextlib
 
 from ..errors import HeteroError
 from ..plan import Plan
-from ..plan.format2 import MeshPlan
 from .calibration import _all_reduce_seconds, _renice
 
 __all__ = ["rehearsal_hooks", "user_error"]
@@ -98,7 +97,7 @@ def _world_allreduce_gb_s(plan: Plan) -> float:
     return 2 * (n - 1) / n * buf.numel() * 4 / _all_reduce_seconds(buf, 4) / 1e9
 
 
-def rehearsal_hooks(plan: Plan | MeshPlan, rank: int, *, factors: dict[str, float],
+def rehearsal_hooks(plan: Plan, rank: int, *, factors: dict[str, float],
                     time_scale: float, caps: dict[int, tuple[float, float, float]] | None,
                     enforce_caps: bool = True, nice: int = 0, links=None):
     """``hooks_factory`` of the rehearsal (runs inside each rank process): the rank's
@@ -132,22 +131,16 @@ def rehearsal_hooks(plan: Plan | MeshPlan, rank: int, *, factors: dict[str, floa
                      on_built=emu.on_built)
 
 
-def _place(plan: Plan | MeshPlan, rank: int) -> tuple[str, int, int]:
+def _place(plan: Plan, rank: int) -> tuple[str, int, int]:
     """(device type, pipeline, stage) of ``rank``; of a mesh plan's rank: its replica in its mesh
     and its stage in the whole pipeline."""
     slot = plan.slot_of_rank(rank)
-    if isinstance(plan, MeshPlan):
-        before = sum(len(m.stages) for m in plan.meshes[:slot.mesh])
-        return plan.meshes[slot.mesh].device_type, slot.replica, before + slot.stage
-    return plan.stage(slot.pipeline, slot.stage).device_type, slot.pipeline, slot.stage
+    return plan.stage_of_slot(slot).device_type, slot.replica, plan.global_stage(slot)
 
 
-def _stage_of(plan: Plan | MeshPlan, rank: int):
+def _stage_of(plan: Plan, rank: int):
     """The plan stage ``rank`` runs (its policies)."""
-    slot = plan.slot_of_rank(rank)
-    if isinstance(plan, MeshPlan):
-        return plan.stage_of_slot(slot)
-    return plan.stage(slot.pipeline, slot.stage)
+    return plan.stage_of_slot(plan.slot_of_rank(rank))
 
 
 def user_error(exc) -> HeteroError | None:

@@ -12,11 +12,11 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from ..hardware.catalog import Catalog
 from ..models import shrink_model
-from ..plan import Plan, plan_from_data
-from ..plan.format2 import MeshPlan
+from ..plan import Plan, any_plan_from_data, plan_from_data
 
 __all__ = ["shrink_plan", "offload_min_numel", "without_module_inputs", "MIN_OFFLOADED_NUMEL"]
 
@@ -25,16 +25,21 @@ MIN_OFFLOADED_NUMEL = 1024 * 1024
 Megatron-LM has no option for: module inputs smaller than this many elements stay on the GPU."""
 
 
-def shrink_plan(plan: Plan, hidden_size: int, catalog: Catalog | None = None) -> Plan:
-    """The same plan (devices, layer split, micro-batches, policies) on the shrunk model."""
+def shrink_plan(plan: Plan, hidden_size: int, catalog: Catalog | None = None, *,
+                precision: str | None = None) -> Plan:
+    """The same plan (devices, layer split, micro-batches, policies) on the shrunk model (its
+    heads divisible by every mesh's TP), in ``precision`` where given, without its prediction;
+    of every shape (one grid or a chain of meshes)."""
+    tp = math.lcm(*(m.tensor_model_parallel_size for m in plan.meshes))
     data = plan.to_data()
-    data["model"] = dataclasses.asdict(shrink_model(plan.model, hidden_size,
-                                                    plan.tensor_model_parallel_size))
+    data["model"] = dataclasses.asdict(shrink_model(plan.model, hidden_size, tp))
+    if precision is not None:
+        data["precision"] = precision
     data.pop("prediction", None)
-    return plan_from_data(data, source="<shrunk plan>", catalog=catalog)
+    return any_plan_from_data(data, source="<shrunk plan>", catalog=catalog)
 
 
-def offload_min_numel(real: Plan | MeshPlan, shrunk: Plan | MeshPlan) -> int:
+def offload_min_numel(real: Plan, shrunk: Plan) -> int:
     """:data:`MIN_OFFLOADED_NUMEL` scaled by the shrunk over the real size of a layer's input
     (sequence x hidden; the micro-batch stays): a module input of the shrunk model reaches it
     where the real one reaches megatron-core's threshold."""

@@ -57,7 +57,6 @@ from the same weights.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import math
 import time
@@ -69,7 +68,7 @@ from ..mcore.cpu_offload import enable_cpu_offload, join_offload_summary
 from ..mcore.model import gpt_model, wrap_ddp
 from ..mcore.stage_policies import optimizer_offload_kwargs
 from ..mcore.warmup_schedule import schedule_for
-from ..plan import ModelSpec, Pipeline, Plan, Slot, Stage
+from ..plan import ModelSpec, Pipeline, Plan, Slot, Stage, replace_grid
 from .params import init_params, local_params, merge_params
 
 __all__ = ["TrainConfig", "RankHooks", "RankResult", "TrainResult", "train_rank", "train_plan",
@@ -183,7 +182,7 @@ def reference_plan(plan: Plan) -> Plan:
     mbs = math.gcd(*(p.micro_batch_size for p in plan.pipelines))
     first = plan.pipelines[0].stages[0]
     stage = Stage(device_type=first.device_type, num_layers=plan.model.num_layers)
-    return dataclasses.replace(
+    return replace_grid(
         plan, tensor_model_parallel_size=1, prediction=None, use_distributed_optimizer=False,
         sequence_parallel=False, virtual_pipeline_size=1, microbatch_group_size=None,
         overlap_grad_reduce=False,
@@ -206,7 +205,7 @@ def with_tiny_model(plan: Plan, *, hidden_size: int = 64, num_attention_heads: i
                       position_embedding_type=m.position_embedding_type,
                       untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
                       add_bias_linear=m.add_bias_linear)
-    return dataclasses.replace(plan, model=model, precision="fp32")
+    return replace_grid(plan, model=model, precision="fp32")
 
 
 # -- data -----------------------------------------------------------------------------------------

@@ -29,8 +29,7 @@ from typing import Mapping, Sequence
 from ..errors import HeteroError, SchemaError
 from ..hardware.catalog import Catalog, load_catalog
 from ..hardware.inventory import Inventory, load_inventory
-from ..plan import Plan
-from ..plan.format2 import MeshPlan, load_any_plan
+from ..plan import Plan, load_any_plan
 
 __all__ = ["SlurmComponent", "HostEntry", "slurm_components", "sbatch_args", "parse_mapping",
            "read_hostfile", "check_hosts", "main"]
@@ -93,16 +92,7 @@ def parse_mapping(items: Sequence[str], catalog: Catalog, *, option: str) -> dic
     return out
 
 
-def _types_in_rank_order(plan: Plan | MeshPlan) -> list[str]:
-    if isinstance(plan, MeshPlan):  # a mesh's ranks are consecutive
-        return list(dict.fromkeys(mesh.device_type for mesh in plan.meshes))
-    seen: dict[str, None] = {}
-    for rank in range(plan.world_size):
-        seen.setdefault(plan.device_type_of_rank(rank), None)
-    return list(seen)
-
-
-def slurm_components(plan: Plan | MeshPlan, inventory: Inventory | None = None, *,
+def slurm_components(plan: Plan, inventory: Inventory | None = None, *,
                      gpus_per_node: int | None = None,
                      partitions: Mapping[str, str] | None = None,
                      constraints: Mapping[str, str] | None = None,
@@ -115,14 +105,14 @@ def slurm_components(plan: Plan | MeshPlan, inventory: Inventory | None = None, 
     partitions = dict(partitions or {})
     constraints = dict(constraints or {})
     counts = plan.device_counts()
-    types = _types_in_rank_order(plan)
+    types = plan.device_types_in_rank_order()
     components = []
     for gpu in types:
         group = None
         if inventory is not None:
             group = next((g for g in inventory.groups if g.gpu == gpu), None)
             if group is None:
-                where = "meshes" if isinstance(plan, MeshPlan) else "pipelines"
+                where = "pipelines" if plan.one_grid else "meshes"
                 raise SchemaError(source, where, f"device type {gpu}",
                                   f"a type that {inventory.source} has ("
                                   + ", ".join(sorted({g.gpu for g in inventory.groups})) + ")")
@@ -202,7 +192,7 @@ def read_hostfile(path: str | Path, catalog: Catalog, *, default_gpus: int | Non
     return entries
 
 
-def check_hosts(plan: Plan | MeshPlan, entries: Sequence[HostEntry], *, source: str = "<plan>",
+def check_hosts(plan: Plan, entries: Sequence[HostEntry], *, source: str = "<plan>",
                 hostfile: str = "<hostfile>") -> None:
     """Raise :class:`HeteroError` unless the hosts offer exactly the GPUs the plan needs."""
     have: Counter[str] = Counter()

@@ -56,8 +56,7 @@ import contextlib
 import functools
 from functools import cache
 
-from ..plan import Plan, Stage
-from ..plan.format2 import MeshPlan, MeshStage
+from ..plan import MeshStage, Plan, Stage
 from .rebind import wrap_method
 
 __all__ = ["enable_cpu_offload", "allocate_hdo_state", "join_offload_summary",
@@ -224,7 +223,7 @@ def module_input_offload_supported() -> bool:
     return True
 
 
-def join_offload_summary(forward_backward, plan: Plan | MeshPlan, stage: Stage | MeshStage):
+def join_offload_summary(forward_backward, plan: Plan, stage: Stage | MeshStage):
     """``forward_backward`` for a rank of ``plan`` (a format-1 or a mesh plan; ``stage`` the
     rank's) that does not offload module inputs while others do: after its first call it joins
     megatron-core's offload summary collectives once (see the module docstring). Otherwise

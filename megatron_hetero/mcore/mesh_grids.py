@@ -13,7 +13,7 @@ On the CPU backend (gloo) the bridges' broadcast groups are made with the defaul
 
 from __future__ import annotations
 
-from ..plan.format2 import MeshPlan
+from ..plan import Plan
 
 __all__ = ["mesh_grids", "mesh_communicator", "module_name", "DIM_MAPPING", "GRID_DIMS",
            "gloo_bridges"]
@@ -30,7 +30,7 @@ def module_name(mesh: int) -> str:
     return f"mesh{mesh}"
 
 
-def mesh_grids(plan: MeshPlan, *, backend: str | None = None) -> list:
+def mesh_grids(plan: Plan, *, backend: str | None = None) -> list:
     """The grid of every mesh, each with its groups created (call on every rank)."""
     from megatron.core.hyper_comm_grid import HyperCommGrid
 
@@ -45,7 +45,7 @@ def mesh_grids(plan: MeshPlan, *, backend: str | None = None) -> list:
     return grids
 
 
-def mesh_communicator(plan: MeshPlan, grids: list, config):
+def mesh_communicator(plan: Plan, grids: list, config):
     """megatron-core's ``MultiModulePipelineCommunicator`` chaining the meshes' ``grids`` (call
     on every rank: each bridge is built collectively)."""
     from megatron.core.pipeline_parallel.multimodule_communicator import (

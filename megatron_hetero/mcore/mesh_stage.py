@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..plan.format2 import MeshPlan
+from ..plan import Plan
 from .mesh_grids import module_name
 
 __all__ = ["MeshStageModule", "mesh_process_groups", "multimodule_collection",
@@ -61,7 +61,7 @@ def mesh_process_groups(grid):
     return pgs
 
 
-def multimodule_collection(plan: MeshPlan, mesh: int, pgs):
+def multimodule_collection(plan: Plan, mesh: int, pgs):
     """The schedule's ``MultiModuleProcessGroupCollection`` of a rank of ``mesh``: the last mesh
     holds the language model's loss."""
     from megatron.core.process_groups_config import MultiModuleProcessGroupCollection
@@ -83,7 +83,7 @@ def use_mesh_globals(pgs) -> None:
         parallel_state._set_global_memory_buffer()
 
 
-def gradient_scale(plan: MeshPlan) -> float:
+def gradient_scale(plan: Plan) -> float:
     """What every rank multiplies its gradients by after summing them over its mesh's
     data-parallel group (see the module docstring)."""
     return 1.0 / plan.meshes[-1].data_parallel_size

@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..plan.format2 import MeshPlan, MeshSlot
+from ..plan import Plan, Slot
 from .mesh_grids import gloo_bridges, mesh_communicator, mesh_grids
 from .mesh_stage import (MeshStageModule, gradient_scale, mesh_process_groups,
                          multimodule_collection, use_mesh_globals)
@@ -43,14 +43,14 @@ __all__ = ["MeshRank", "per_token_loss", "is_loss_rank", "global_batch_tokens",
            "mesh_schedule"]
 
 
-def per_token_loss(plan: MeshPlan) -> bool:
+def per_token_loss(plan: Plan) -> bool:
     """Whether the loss is summed over tokens and the gradients divided by the global batch's
     tokens (``calculate_per_token_loss``): where some mesh's replicas differ
-    (:attr:`~megatron_hetero.plan.format2.MeshPlan.per_token_loss`, what ``args`` prints)."""
+    (:attr:`~megatron_hetero.plan.format2.Plan.per_token_loss`, what ``args`` prints)."""
     return plan.per_token_loss
 
 
-def is_loss_rank(plan: MeshPlan, slot: MeshSlot) -> bool:
+def is_loss_rank(plan: Plan, slot: Slot) -> bool:
     """Tensor rank 0 of the model's last stage: one rank per last-mesh replica, the ranks whose
     token counts and losses are the global batch's."""
     last = len(plan.meshes) - 1
@@ -58,7 +58,7 @@ def is_loss_rank(plan: MeshPlan, slot: MeshSlot) -> bool:
             and slot.tensor_rank == 0)
 
 
-def global_batch_tokens(plan: MeshPlan, slot: MeshSlot, num_tokens):
+def global_batch_tokens(plan: Plan, slot: Slot, num_tokens):
     """The tokens of the whole global batch, on every rank (collective over the world): the sum
     of ``num_tokens`` (this rank's count of its micro-batches' tokens) over the
     :func:`is_loss_rank` ranks, every other rank adding 0. A float64 scalar tensor."""
@@ -73,7 +73,7 @@ def global_batch_tokens(plan: MeshPlan, slot: MeshSlot, num_tokens):
     return tokens.reshape(())
 
 
-def mesh_transformer_config(plan: MeshPlan, slot: MeshSlot, *,
+def mesh_transformer_config(plan: Plan, slot: Slot, *,
                             offload_min_numel: int | None = None, **settings):
     """The ``TransformerConfig`` of ``slot``'s stage as a mesh rank builds it: fp32, its
     mesh's TP, its stage's layers as a one-stage model (pre- and post-processing are the
@@ -127,7 +127,7 @@ def mesh_ddp(model, pgs, *, overlap_grad_reduce: bool = False,
                                    pg_collection=pgs)
 
 
-def mesh_optimizer(plan: MeshPlan, slot: MeshSlot, ddps: list, pgs, config):
+def mesh_optimizer(plan: Plan, slot: Slot, ddps: list, pgs, config):
     """``get_megatron_optimizer(config, ddps)`` over the rank's mesh (``pgs`` from
     :func:`training_process_groups`: the distributed optimizer shards over the mesh's
     data-parallel group), its gradient norm taken over the whole model
@@ -141,7 +141,7 @@ def mesh_optimizer(plan: MeshPlan, slot: MeshSlot, ddps: list, pgs, config):
     return optimizer
 
 
-def use_whole_model_grad_norm(plan: MeshPlan, slot: MeshSlot, optimizer, *,
+def use_whole_model_grad_norm(plan: Plan, slot: Slot, optimizer, *,
                               distributed: bool) -> None:
     """Make ``optimizer`` (a Megatron optimizer, chained or not) take its gradient norm, and so
     its clipping, over the whole model: squared norms summed over the world, each replica of a
@@ -168,7 +168,7 @@ class _ReplicaShare:
         return self.grads()[self.replica::self.d]
 
 
-def mesh_finalize_model_grads(plan: MeshPlan, slot: MeshSlot, pgs) -> Callable:
+def mesh_finalize_model_grads(plan: Plan, slot: Slot, pgs) -> Callable:
     """The ``finalize_model_grads_func`` of a mesh rank: megatron-core's ``finalize_model_grads``
     with the mesh's groups (``pgs``; the schedule passes its multimodule collection, which is not
     what it needs), then the mesh plan's gradient scale: ``D_k x gradient_scale(plan)`` after
@@ -193,7 +193,7 @@ def mesh_finalize_model_grads(plan: MeshPlan, slot: MeshSlot, pgs) -> Callable:
     return finalize
 
 
-def whole_model_loss(plan: MeshPlan, slot: MeshSlot, losses_reduced: list,
+def whole_model_loss(plan: Plan, slot: Slot, losses_reduced: list,
                      key: str = "lm loss") -> float:
     """The step's loss over the whole model and global batch, on every rank (collective over the
     world): the sum of the token losses over the sum of the tokens, from the ``[sum, tokens]``
@@ -225,8 +225,8 @@ def wire_schedule(config, ddp, optimizer, finalize: Callable, *,
 class MeshRank:
     """What :func:`build_mesh_rank` builds on one rank."""
 
-    plan: MeshPlan
-    slot: MeshSlot
+    plan: Plan
+    slot: Slot
     """The rank's mesh, stage, replica and tensor rank."""
     grids: list
     """Every mesh's ``HyperCommGrid``."""
@@ -255,8 +255,8 @@ class MeshRank:
                 and self.slot.stage == len(self.plan.meshes[-1].stages) - 1)
 
 
-def build_mesh_rank(plan: MeshPlan, rank: int, optimizer_config, *, config=None,
-                    init: Callable[[Any, MeshSlot], None] | None = None,
+def build_mesh_rank(plan: Plan, rank: int, optimizer_config, *, config=None,
+                    init: Callable[[Any, Slot], None] | None = None,
                     overlap_grad_reduce: bool = False, gloo: bool = False) -> MeshRank:
     """Build rank ``rank`` of ``plan`` (collective: call on every rank of a world of
     ``plan.world_size``): the meshes' grids and communicator, the rank's ``GPTModel`` slice on

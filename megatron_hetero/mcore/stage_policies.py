@@ -21,8 +21,7 @@ Pure functions of the plan: nothing here imports torch or megatron.
 
 from __future__ import annotations
 
-from ..plan import Stage, chunk_recompute
-from ..plan.format2 import MeshStage
+from ..plan import MeshStage, Stage, chunk_recompute
 
 __all__ = ["MODULE_INPUTS", "recompute_kwargs", "offload_kwargs",
            "module_input_kwargs", "built_module_input_kwargs", "stage_config_kwargs",

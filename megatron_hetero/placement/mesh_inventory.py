@@ -1,4 +1,4 @@
-"""A mesh plan (:mod:`.plan_mesh`) against an inventory: the GPUs it asks for, each mesh's
+"""A chain of meshes against an inventory: the GPUs it asks for, each mesh's
 tensor-parallel group inside one node of its type, and every group placed
 (:func:`.cost.mesh.place_meshes`, the placement the simulator and the runtime use)."""
 
@@ -6,13 +6,21 @@ from __future__ import annotations
 
 from .meshes import place_meshes
 from ..errors import Described, InfeasibleError, SchemaError
-from .inventory import check_plan_gpus
-from ..plan.format2 import MeshPlan
+from .inventory import check_plan_against_inventory, check_plan_gpus
+from ..plan import Plan
 
-__all__ = ["check_mesh_plan_against_inventory"]
+__all__ = ["check_mesh_plan_against_inventory", "check_against_inventory"]
 
 
-def check_mesh_plan_against_inventory(plan: MeshPlan, inventory, *, source: str = "<plan>") -> None:
+def check_against_inventory(plan: Plan, inventory, *, source: str = "<plan>") -> None:
+    """The check of ``plan`` against ``inventory`` its shape takes
+    (:attr:`megatron_hetero.plan.Plan.one_grid`): :func:`.inventory.check_plan_against_inventory`
+    for one grid, :func:`check_mesh_plan_against_inventory` for a chain of meshes."""
+    check = check_plan_against_inventory if plan.one_grid else check_mesh_plan_against_inventory
+    check(plan, inventory, source=source)
+
+
+def check_mesh_plan_against_inventory(plan: Plan, inventory, *, source: str = "<plan>") -> None:
     """Raise :class:`SchemaError` naming the field where ``plan`` asks more of ``inventory``
     than it has: a ``gpus`` entry that differs, more GPUs of a type, a mesh whose TP group is
     wider than every node of its type (4-GPU and 8-GPU nodes differ), or groups that do not

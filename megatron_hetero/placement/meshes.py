@@ -1,6 +1,6 @@
 """Where each mesh's ranks sit (mesh plans, :mod:`megatron_hetero.plan.format2`).
 
-Placement: tensor-parallel groups are handed out in rank order (:meth:`MeshPlan.slot_of_rank`):
+Placement: tensor-parallel groups are handed out in rank order (:meth:`Plan.slot_of_rank`):
 mesh by mesh, inside a mesh stage by stage and, within a stage, replica by replica, each to
 the next GPUs of its type that hold it inside one node (:func:`.placement.allocate`).
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..plan.format2 import MeshPlan
+from ..plan import Plan
 from .nodes import Node, Placement, allocate
 
 __all__ = ["MeshPlacement", "place_meshes"]
@@ -40,7 +40,7 @@ class MeshPlacement:
         return self.links.link_bandwidth(a, b)
 
 
-def place_meshes(plan: MeshPlan, inventory) -> MeshPlacement:
+def place_meshes(plan: Plan, inventory) -> MeshPlacement:
     """Place ``plan``'s meshes on ``inventory``'s nodes in rank order
     (:class:`~megatron_hetero.errors.InfeasibleError` where the pool runs out)."""
     order = [(k, j, r) for k, mesh in enumerate(plan.meshes) for j in range(len(mesh.stages))

@@ -20,11 +20,10 @@ runtime's check at start (:func:`megatron_hetero.runtime.policies.check_supporte
 from __future__ import annotations
 
 from ..errors import Described, SchemaError
-from .format1 import Plan
-from .format2 import MeshPlan
+from .types import Plan
 
 __all__ = ["check_offload", "stage_layers", "optimizer_offload_runs",
-           "plan_stages", "FP32_OPTIMIZER_OFFLOAD"]
+           "plan_stages", "stage_path", "FP32_OPTIMIZER_OFFLOAD"]
 
 FP32_OPTIMIZER_OFFLOAD = (
     "megatron-core's CPU-offload optimizer does not run with fp32 parameters under the "
@@ -41,10 +40,10 @@ def optimizer_offload_runs(precision: str) -> bool:
     return precision != "fp32"
 
 
-def plan_stages(plan: Plan | MeshPlan):
+def plan_stages(plan: Plan):
     """(field path of the stage, stage index along the pipeline, stage) for every stage of a
     format-1 plan (``pipelines[d].stages[s]``) or a mesh plan (``meshes[k].stages[j]``)."""
-    if isinstance(plan, MeshPlan):
+    if not plan.one_grid:
         s = 0
         for k, mesh in enumerate(plan.meshes):
             for j, stage in enumerate(mesh.stages):
@@ -56,7 +55,17 @@ def plan_stages(plan: Plan | MeshPlan):
             yield f"pipelines[{d}].stages[{s}]", s, stage
 
 
-def check_offload(plan: Plan | MeshPlan, *, source: str) -> None:
+def stage_path(plan: Plan, replica: int, stage: int) -> str:
+    """The field path, in the file ``plan`` is written as, of replica ``replica``'s pipeline
+    stage ``stage`` (of the whole model): ``pipelines[d].stages[s]`` for one grid,
+    ``meshes[k].stages[j]`` for a chain of meshes."""
+    if plan.one_grid:
+        return f"pipelines[{replica}].stages[{stage}]"
+    k, j = plan.stage_index[stage]
+    return f"meshes[{k}].stages[{j}]"
+
+
+def check_offload(plan: Plan, *, source: str) -> None:
     """Raise :class:`SchemaError` at the first stage whose offload megatron-core refuses (see
     the module docstring)."""
     pp = plan.pipeline_model_parallel_size
@@ -89,7 +98,7 @@ def check_offload(plan: Plan | MeshPlan, *, source: str) -> None:
                               "only with the distributed optimizer")
 
 
-def stage_layers(plan: Plan | MeshPlan, s: int) -> str:
+def stage_layers(plan: Plan, s: int) -> str:
     """The model layers stage ``s`` holds, e.g. ``layers 10-19``, ``layers 0-5, 16-23``
     (interleaved), ``no layers``."""
     split = plan.layer_split

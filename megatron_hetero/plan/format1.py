@@ -1,139 +1,41 @@
-"""The plan (``plan.yaml``, ``format_version: 1``): the one contract between the tuner, the
-runtime, the launch scripts and the user.
+"""Format 1 of the plan file (``plan.yaml``, ``format_version: 1``): one mesh.
 
-A plan lists one pipeline per data-parallel replica (in data-parallel rank order); each
-pipeline lists its stages in pipeline rank order. Stage ``s`` has the same number of layers in
+It loads into the one in-memory plan (:class:`.types.Plan`) as one mesh, and a plan of one mesh
+is written in it (:meth:`.types.Plan.to_data`). A file lists one pipeline per data-parallel
+replica (in data-parallel rank order); each pipeline lists its stages in pipeline rank order. Stage ``s`` has the same number of layers in
 every pipeline (Megatron's gradient buckets need it), but may run on a different GPU type and
 with its own recompute and offload policy. Pipelines may differ in micro-batch size and count:
 that is how uneven data parallelism is expressed.
 
 Megatron rank order is ``tp-dp-pp``: the slot (pipeline ``d``, stage ``s``, tensor rank ``t``)
-is Megatron rank ``t + T * (d + D * s)``; see :meth:`Plan.slot_of_rank`.
+is Megatron rank ``t + T * (d + D * s)``; see :meth:`.types.Plan.slot_of_rank`.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
-from .._schema import from_data, read_yaml, to_data, write_yaml
+from .._schema import from_data, read_yaml, write_yaml
 from ..errors import Described, SchemaError
 from ..hardware.catalog import Catalog, GPUSpec, load_catalog
-from ..limits import check_model_sizes
-from .policy import Offload, Recompute, chunk_recompute
 from ..schedule.rules import check_warmups, group_fits
+from .stages import ModelSpec, Pipeline
+from .types import Mesh, Plan
 
-__all__ = ["ModelSpec", "Recompute", "Offload", "Stage", "Pipeline", "Plan", "Slot",
-           "load_plan", "save_plan", "plan_from_data", "group_fits", "chunk_recompute",
+__all__ = ["Format1Plan", "uniform_plan", "replace_grid", "load_plan", "save_plan", "plan_from_data",
            "FORMAT_VERSION"]
 
 FORMAT_VERSION = 1
 
 
 @dataclass(kw_only=True, slots=True)
-class ModelSpec:
-    """Transformer shape. Names follow Megatron's arguments."""
+class Format1Plan:
+    """A format-1 file's plan, checked field by field; :meth:`plan` gives the one in-memory
+    :class:`.types.Plan` (one mesh)."""
 
-    name: str
-    num_layers: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_attention_heads: int
-    num_query_groups: int
-    """Key/value head groups; equal to ``num_attention_heads`` for plain multi-head attention."""
-    vocab_size: int
-    seq_length: int
-    swiglu: bool = True
-    normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
-    position_embedding_type: Literal["rope", "learned_absolute"] = "rope"
-    untie_embeddings_and_output_weights: bool = True
-    add_bias_linear: bool = False
-
-    def __post_init__(self) -> None:
-        check_model_sizes(self)
-        if self.hidden_size % self.num_attention_heads:
-            raise SchemaError("", "hidden_size", self.hidden_size,
-                              f"a multiple of num_attention_heads ({self.num_attention_heads})")
-        head_dim = self.hidden_size // self.num_attention_heads
-        if self.position_embedding_type == "rope" and head_dim % 2:
-            raise SchemaError("", "hidden_size", self.hidden_size,
-                              f"an even size per attention head for rope (hidden_size / "
-                              f"num_attention_heads = {head_dim})")
-        if self.num_attention_heads % self.num_query_groups:
-            raise SchemaError("", "num_query_groups", self.num_query_groups,
-                              f"a divisor of num_attention_heads ({self.num_attention_heads})")
-
-
-@dataclass(kw_only=True, slots=True)
-class Stage:
-    """One pipeline stage of one replica: its GPU type, its layers and its memory policy."""
-
-    device_type: str
-    """Canonical catalog name of the GPU type that runs this stage (all its TP ranks)."""
-    num_layers: int
-    recompute: Recompute = field(default_factory=Recompute)
-    offload: Offload = field(default_factory=Offload)
-    chunk_layers: list[int] | None = None
-    """With interleaved pipelining (``Plan.virtual_pipeline_size`` = v > 1): the layers of each
-    of this stage's v model chunks, in chunk order; they add up to ``num_layers``."""
-    warmup_microbatches: int | None = None
-    """Warm-up forwards of this stage's 1F1B, run before it alternates forwards and backwards
-    (Megatron's ``num_warmup_microbatches``; None: its ``min(p - s - 1, num_microbatches)``).
-    More keeps micro-batches in flight so that sends over a slow link hide behind compute. At
-    most ``num_microbatches``, at least one more than the next stage's; non-interleaved plans
-    only (:mod:`.schedule_order`). Left out of the file when None."""
-
-    def __post_init__(self) -> None:
-        if self.num_layers < 0:
-            raise SchemaError("", "num_layers", self.num_layers, "a non-negative integer")
-        if self.chunk_layers is not None:
-            if not self.chunk_layers or min(self.chunk_layers) < 0:
-                raise SchemaError("", "chunk_layers", self.chunk_layers,
-                                  "a list of non-negative layer counts, one per model chunk")
-            if sum(self.chunk_layers) != self.num_layers:
-                raise SchemaError("", "chunk_layers", self.chunk_layers,
-                                  f"counts adding up to num_layers ({self.num_layers})")
-        if self.recompute.num_layers is not None and self.recompute.num_layers > max(self.num_layers, 1):
-            raise SchemaError("", "recompute.num_layers", self.recompute.num_layers,
-                              f"at most the stage's num_layers ({self.num_layers})")
-
-
-@dataclass(kw_only=True, slots=True)
-class Pipeline:
-    """One data-parallel replica."""
-
-    micro_batch_size: int
-    num_microbatches: int
-    """Micro-batches this replica runs per step; may differ between replicas."""
-    stages: list[Stage]
-
-    def __post_init__(self) -> None:
-        if self.micro_batch_size < 1:
-            raise SchemaError("", "micro_batch_size", self.micro_batch_size, "a positive integer")
-        if self.num_microbatches < 1:
-            raise SchemaError("", "num_microbatches", self.num_microbatches, "a positive integer")
-        if not self.stages:
-            raise SchemaError("", "stages", self.stages, "at least one stage")
-
-    @property
-    def samples(self) -> int:
-        return self.micro_batch_size * self.num_microbatches
-
-
-@dataclass(frozen=True, slots=True)
-class Slot:
-    """Where one Megatron rank sits in the plan."""
-
-    pipeline: int
-    stage: int
-    tensor_rank: int
-
-
-@dataclass(kw_only=True, slots=True)
-class Plan:
-    """A complete heterogeneous training plan."""
+    SCHEMA_NAME: ClassVar[str] = "Plan"
 
     format_version: Literal[1]
     model: ModelSpec
@@ -282,95 +184,39 @@ class Plan:
             return [s.num_layers for s in stages]
         return [s.chunk_layers[c] for c in range(self.virtual_pipeline_size) for s in stages]
 
-    @property
-    def pipeline_model_parallel_size(self) -> int:
-        return len(self.pipelines[0].stages)
+    def plan(self) -> Plan:
+        """The one in-memory plan: one mesh of this file's TP and pipelines."""
+        return Plan(model=self.model, global_batch_size=self.global_batch_size,
+                    meshes=[Mesh(tensor_model_parallel_size=self.tensor_model_parallel_size,
+                                 pipelines=self.pipelines)],
+                    precision=self.precision,
+                    use_distributed_optimizer=self.use_distributed_optimizer,
+                    sequence_parallel=self.sequence_parallel,
+                    overlap_grad_reduce=self.overlap_grad_reduce,
+                    virtual_pipeline_size=self.virtual_pipeline_size,
+                    microbatch_group_size=self.microbatch_group_size, gpus=self.gpus,
+                    prediction=self.prediction, catalog=self.catalog)
 
-    @property
-    def data_parallel_size(self) -> int:
-        return len(self.pipelines)
 
-    @property
-    def world_size(self) -> int:
-        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.data_parallel_size
+def uniform_plan(**fields) -> Plan:
+    """The plan of one mesh that a format-1 file with these fields (less ``format_version``)
+    gives, with that file's checks."""
+    return Format1Plan(format_version=FORMAT_VERSION, **fields).plan()
 
-    @property
-    def layer_split(self) -> list[int]:
-        return [s.num_layers for s in self.pipelines[0].stages]
 
-    @property
-    def uniform_data_parallel(self) -> bool:
-        """True when every replica runs the same micro-batch size and count."""
-        return len({(p.micro_batch_size, p.num_microbatches) for p in self.pipelines}) == 1
-
-    def replica_sample_range(self, pipeline: int) -> tuple[int, int]:
-        """(offset, count) of the samples of every global batch that replica ``pipeline`` reads:
-        replicas take consecutive shares in data-parallel rank order."""
-        offset = sum(p.samples for p in self.pipelines[:pipeline])
-        return offset, self.pipelines[pipeline].samples
-
-    @property
-    def offloads_module_inputs(self) -> bool:
-        """Whether any stage offloads its layers' module inputs (:class:`Offload`)."""
-        return any(s.offload.module_inputs for p in self.pipelines for s in p.stages)
-
-    @property
-    def offloads_optimizer(self) -> bool:
-        """True when some stage keeps part of its optimizer state on the host."""
-        return any(s.offload.optimizer_fraction > 0 for p in self.pipelines for s in p.stages)
-
-    def stage(self, pipeline: int, stage: int) -> Stage:
-        return self.pipelines[pipeline].stages[stage]
-
-    def slot_of_rank(self, rank: int) -> Slot:
-        """The plan slot Megatron's rank ``rank`` plays (Megatron order ``tp-dp-pp``)."""
-        tp, dp = self.tensor_model_parallel_size, self.data_parallel_size
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} outside world size {self.world_size}")
-        return Slot(pipeline=(rank // tp) % dp, stage=rank // (tp * dp), tensor_rank=rank % tp)
-
-    def rank_of_slot(self, slot: Slot) -> int:
-        tp, dp = self.tensor_model_parallel_size, self.data_parallel_size
-        return slot.tensor_rank + tp * (slot.pipeline + dp * slot.stage)
-
-    def device_type_of_rank(self, rank: int) -> str:
-        slot = self.slot_of_rank(rank)
-        return self.stage(slot.pipeline, slot.stage).device_type
-
-    def device_counts(self) -> Counter[str]:
-        """GPUs the plan needs per device type."""
-        counts: Counter[str] = Counter()
-        for pipe in self.pipelines:
-            for stage in pipe.stages:
-                counts[stage.device_type] += self.tensor_model_parallel_size
-        return counts
-
-    def layout(self) -> str:
-        """Megatron's ``pipeline_model_parallel_layout`` string for this plan's split: one segment
-        per virtual pipeline stage, in model order."""
-        parts = []
-        split = self.virtual_stage_layers
-        last = len(split) - 1
-        for s, n in enumerate(split):
-            body = "" if n == 0 else ("t" if n == 1 else f"t*{n}")
-            parts.append(("E" if s == 0 else "") + body + ("L" if s == last else ""))
-        return "|".join(parts)
-
-    @property
-    def microbatch_group(self) -> int:
-        """The micro-batch group of the interleaved schedule (``microbatch_group_size``, by
-        default the pipeline size)."""
-        g = self.microbatch_group_size
-        return self.pipeline_model_parallel_size if g is None else g
-
-    # -- conversion ------------------------------------------------------------------------------
-    def to_data(self) -> dict:
-        data = to_data(self)
-        if not self.gpus:
-            data.pop("gpus", None)
-        if self.microbatch_group_size is None:
-            data.pop("microbatch_group_size", None)
-        return data
+def replace_grid(plan: Plan, **changes) -> Plan:
+    """``plan`` (one grid) with ``changes`` to its format-1 fields (``pipelines``,
+    ``microbatch_group_size``, ``model``...), checked as a format-1 file is."""
+    fields = dict(model=plan.model, global_batch_size=plan.global_batch_size,
+                  tensor_model_parallel_size=plan.tensor_model_parallel_size,
+                  pipelines=plan.pipelines, precision=plan.precision,
+                  use_distributed_optimizer=plan.use_distributed_optimizer,
+                  sequence_parallel=plan.sequence_parallel,
+                  overlap_grad_reduce=plan.overlap_grad_reduce,
+                  virtual_pipeline_size=plan.virtual_pipeline_size,
+                  microbatch_group_size=plan.microbatch_group_size, gpus=plan.gpus,
+                  prediction=plan.prediction, catalog=plan.catalog)
+    return uniform_plan(**(fields | changes))
 
 
 def plan_from_data(data: object, *, source: str = "<plan>", catalog: Catalog | None = None) -> Plan:
@@ -381,7 +227,7 @@ def plan_from_data(data: object, *, source: str = "<plan>", catalog: Catalog | N
     if isinstance(data, dict) and data.get("format_version") == 2:
         raise SchemaError(source, "format_version", 2,
                           "1 here: this command does not take mesh plans (format 2) yet")
-    plan = from_data(Plan, data, source=source)
+    plan = from_data(Format1Plan, data, source=source)
     catalog = (catalog or load_catalog()).with_entries(plan.gpus, source=source)
     plan.gpus = {name: catalog.get(name) for name in plan.gpus}
     plan.catalog = catalog
@@ -397,7 +243,7 @@ def plan_from_data(data: object, *, source: str = "<plan>", catalog: Catalog | N
             if plan.precision == "bf16" and not catalog.get(canonical).bf16:
                 raise SchemaError(source, "precision", plan.precision,
                                   f"fp16 or fp32: {canonical} (at {path}) has no bf16")
-    return plan
+    return plan.plan()
 
 
 def load_plan(path: str | Path, *, catalog: Catalog | None = None) -> Plan:
@@ -406,4 +252,5 @@ def load_plan(path: str | Path, *, catalog: Catalog | None = None) -> Plan:
 
 
 def save_plan(plan: Plan, path: str | Path) -> None:
+    """Write ``plan`` in the simplest format that expresses it (:meth:`.types.Plan.to_data`)."""
     write_yaml(plan.to_data(), path)

@@ -25,23 +25,26 @@ Rank numbering (the runtime builds one megatron-core ``HyperCommGrid`` per mesh,
 meshes before it): mesh ``k``'s ranks are ``offset_k .. offset_k + T_k D_k P_k - 1``, and slot
 (mesh ``k``, stage ``j`` of the mesh, replica ``r``, tensor rank ``t``) is rank
 ``offset_k + t + T_k (r + D_k j)``: Megatron's ``tp-dp-pp`` order inside each mesh
-(:meth:`MeshPlan.slot_of_rank`). Format-1 plans (:mod:`.plan`) keep their own schema; a plan
-file picks its schema by ``format_version`` (:func:`load_any_plan`).
+(:meth:`.types.Plan.slot_of_rank`). A format-2 file loads into the one in-memory plan
+(:class:`.types.Plan`) with its meshes as given; a plan file picks its schema by
+``format_version`` (:func:`load_any_plan`).
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
-from .._schema import from_data, read_yaml, to_data, write_yaml
+from .._schema import from_data, read_yaml, write_yaml
 from ..errors import Described, SchemaError
 from ..hardware.catalog import Catalog, GPUSpec, load_catalog
-from .format1 import ModelSpec, Offload, Plan, Recompute, plan_from_data
+from .format1 import plan_from_data
+from .policy import Offload, Recompute
+from .stages import ModelSpec, Pipeline, Replica, Stage
+from .types import Mesh, Plan
 
-__all__ = ["MeshStage", "Replica", "Mesh", "MeshPlan", "MeshSlot", "MESH_FORMAT_VERSION",
+__all__ = ["MeshStage", "Format2Mesh", "Format2Plan", "MESH_FORMAT_VERSION", "mesh_plan",
            "mesh_plan_from_data", "load_any_plan", "any_plan_from_data", "save_any_plan",
            "meshes_of"]
 
@@ -65,27 +68,12 @@ class MeshStage:
                               f"at most the stage's num_layers ({self.num_layers})")
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Replica:
-    """One data-parallel replica of a mesh: the batch it runs per step."""
-
-    micro_batch_size: int
-    num_microbatches: int
-
-    def __post_init__(self) -> None:
-        for key in ("micro_batch_size", "num_microbatches"):
-            if getattr(self, key) < 1:
-                raise SchemaError("", key, getattr(self, key), "a positive integer")
-
-    @property
-    def samples(self) -> int:
-        return self.micro_batch_size * self.num_microbatches
-
-
 @dataclass(kw_only=True, slots=True)
-class Mesh:
-    """A run of consecutive pipeline stages on one device type with one tensor- and one
-    data-parallel size."""
+class Format2Mesh:
+    """A format-2 file's mesh: a run of consecutive pipeline stages on one device type with one
+    tensor- and one data-parallel size, every replica running its stages alike."""
+
+    SCHEMA_NAME: ClassVar[str] = "Mesh"
 
     device_type: str
     """Canonical catalog name of the GPU type of every rank of the mesh."""
@@ -119,25 +107,17 @@ class Mesh:
         return len(set(self.replicas)) == 1
 
 
-@dataclass(frozen=True, slots=True)
-class MeshSlot:
-    """Where one rank sits in a mesh plan."""
-
-    mesh: int
-    stage: int
-    """Stage index inside the mesh (its pipeline rank in the mesh's grid)."""
-    replica: int
-    tensor_rank: int
-
-
 @dataclass(kw_only=True, slots=True)
-class MeshPlan:
-    """A training plan whose meshes may differ in tensor- and data-parallel size."""
+class Format2Plan:
+    """A format-2 file's plan, checked field by field; :meth:`plan` gives the one in-memory
+    :class:`.types.Plan` with these meshes."""
+
+    SCHEMA_NAME: ClassVar[str] = "MeshPlan"
 
     format_version: Literal[2]
     model: ModelSpec
     global_batch_size: int
-    meshes: list[Mesh]
+    meshes: list[Format2Mesh]
     """In pipeline order: mesh 0 holds the embedding, the last mesh the output layer and loss."""
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
     use_distributed_optimizer: bool = True
@@ -145,7 +125,7 @@ class MeshPlan:
     overlap_grad_reduce: bool = False
     """Overlap each mesh's gradient reduction with its last backward."""
     gpus: dict[str, GPUSpec] = field(default_factory=dict)
-    """As in format 1 (:class:`.plan.Plan`): catalog entries the plan carries. Left out of the
+    """As in format 1 (:class:`.format1.Format1Plan`): catalog entries the plan carries. Left out of the
     file when empty."""
     prediction: dict[str, float] | None = None
     """Figures the tuner predicted for this plan (informational; never read back as input)."""
@@ -238,89 +218,28 @@ class MeshPlan:
     def layer_split(self) -> list[int]:
         return [st.num_layers for mesh in self.meshes for st in mesh.stages]
 
-    @property
-    def pipeline_model_parallel_size(self) -> int:
-        """Pipeline stages of the whole model (all meshes)."""
-        return sum(len(mesh.stages) for mesh in self.meshes)
-
-    @property
-    def world_size(self) -> int:
-        return sum(mesh.world_size for mesh in self.meshes)
-
-    @property
-    def per_token_loss(self) -> bool:
-        """The loss is summed over tokens and the gradients divided by the global batch's tokens
-        (Megatron's ``--calculate-per-token-loss``): where some mesh's replicas differ."""
-        return any(not mesh.even for mesh in self.meshes)
-
-    @property
-    def offloads_module_inputs(self) -> bool:
-        """Whether any stage offloads its layers' module inputs (as :class:`.plan.Plan`'s)."""
-        return any(st.offload.module_inputs for mesh in self.meshes for st in mesh.stages)
-
-    @property
-    def offloads_optimizer(self) -> bool:
-        """True when some stage keeps part of its optimizer state on the host."""
-        return any(st.offload.optimizer_fraction > 0 for mesh in self.meshes
-                   for st in mesh.stages)
-
-    def stage_of_slot(self, slot: MeshSlot) -> MeshStage:
-        """The plan stage ``slot`` runs (its mesh's stage ``slot.stage``)."""
-        return self.meshes[slot.mesh].stages[slot.stage]
-
-    def rank_offset(self, mesh: int) -> int:
-        """The first rank of mesh ``mesh`` (its grid's ``rank_offset``)."""
-        return sum(m.world_size for m in self.meshes[:mesh])
-
-    def slot_of_rank(self, rank: int) -> MeshSlot:
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} outside world size {self.world_size}")
-        for k, mesh in enumerate(self.meshes):
-            if rank < mesh.world_size:
-                t, d = mesh.tensor_model_parallel_size, mesh.data_parallel_size
-                return MeshSlot(mesh=k, stage=rank // (t * d), replica=(rank // t) % d,
-                                tensor_rank=rank % t)
-            rank -= mesh.world_size
-        raise AssertionError("unreachable")
-
-    def rank_of_slot(self, slot: MeshSlot) -> int:
-        mesh = self.meshes[slot.mesh]
-        t, d = mesh.tensor_model_parallel_size, mesh.data_parallel_size
-        return self.rank_offset(slot.mesh) + slot.tensor_rank + t * (slot.replica + d * slot.stage)
-
-    def device_counts(self) -> Counter[str]:
-        """GPUs the plan needs per device type."""
-        counts: Counter[str] = Counter()
+    def plan(self) -> Plan:
+        """The one in-memory plan: these meshes, each replica of a mesh running the mesh's
+        stages on its device type (one stage list shared by the replicas)."""
+        meshes = []
         for mesh in self.meshes:
-            counts[mesh.device_type] += mesh.world_size
-        return counts
+            stages = [Stage(device_type=mesh.device_type, num_layers=st.num_layers,
+                            recompute=st.recompute, offload=st.offload) for st in mesh.stages]
+            meshes.append(Mesh(tensor_model_parallel_size=mesh.tensor_model_parallel_size,
+                               pipelines=[Pipeline(micro_batch_size=r.micro_batch_size,
+                                                   num_microbatches=r.num_microbatches,
+                                                   stages=stages) for r in mesh.replicas]))
+        return Plan(model=self.model, global_batch_size=self.global_batch_size, meshes=meshes,
+                    precision=self.precision,
+                    use_distributed_optimizer=self.use_distributed_optimizer,
+                    overlap_grad_reduce=self.overlap_grad_reduce, gpus=self.gpus,
+                    prediction=self.prediction, catalog=self.catalog)
 
-    def layout(self) -> str:
-        """Megatron's ``pipeline_model_parallel_layout`` of the whole model, one segment per
-        pipeline stage over all meshes."""
-        split, parts = self.layer_split, []
-        for s, n in enumerate(split):
-            body = "" if n == 0 else ("t" if n == 1 else f"t*{n}")
-            parts.append(("E" if s == 0 else "") + body + ("L" if s == len(split) - 1 else ""))
-        return "|".join(parts)
 
-    def describe(self) -> str:
-        """One line per mesh: its GPUs, parallel sizes, layers and batch."""
-        lines = []
-        for k, m in enumerate(self.meshes):
-            reps = sorted({(r.micro_batch_size, r.num_microbatches) for r in m.replicas})
-            lines.append(f"mesh {k}: {m.world_size}x {m.device_type} TP={m.tensor_model_parallel_size} "
-                         f"DP={m.data_parallel_size} PP={len(m.stages)} layers "
-                         f"{[st.num_layers for st in m.stages]}, micro-batches (size, count) "
-                         + " ".join(f"{b}x{n}" for b, n in reps)
-                         + f"; ranks {self.rank_offset(k)}-{self.rank_offset(k) + m.world_size - 1}")
-        return "\n".join(lines)
-
-    def to_data(self) -> dict:
-        data = to_data(self)
-        if not self.gpus:
-            data.pop("gpus", None)
-        return data
+def mesh_plan(**fields) -> Plan:
+    """The plan that a format-2 file with these fields (less ``format_version``) gives, with
+    that file's checks."""
+    return Format2Plan(format_version=MESH_FORMAT_VERSION, **fields).plan()
 
 
 def _show(replica: Replica) -> str:
@@ -328,10 +247,10 @@ def _show(replica: Replica) -> str:
 
 
 def mesh_plan_from_data(data: object, *, source: str = "<plan>",
-                        catalog: Catalog | None = None) -> MeshPlan:
+                        catalog: Catalog | None = None) -> Plan:
     """Build and check a mesh plan from plain data, its device types against ``catalog`` plus
-    the plan's ``gpus`` (as :func:`.plan.plan_from_data`)."""
-    plan = from_data(MeshPlan, data, source=source)
+    the plan's ``gpus`` (as :func:`.format1.plan_from_data`)."""
+    plan = from_data(Format2Plan, data, source=source)
     catalog = (catalog or load_catalog()).with_entries(plan.gpus, source=source)
     plan.gpus = {name: catalog.get(name) for name in plan.gpus}
     plan.catalog = catalog
@@ -354,30 +273,31 @@ def mesh_plan_from_data(data: object, *, source: str = "<plan>",
                               "use one collective library; a pool of several vendors takes a "
                               "format-1 plan, whose pipeline edges between vendors go through "
                               "the host (docs/vendors.md)")
-    return plan
+    return plan.plan()
 
 
 def any_plan_from_data(data: object, *, source: str = "<plan>",
-                       catalog: Catalog | None = None) -> Plan | MeshPlan:
-    """A format-1 :class:`.plan.Plan` or a format-2 :class:`MeshPlan`, by ``format_version``."""
+                       catalog: Catalog | None = None) -> Plan:
+    """The plan of a format-1 or a format-2 file, by ``format_version``."""
     if isinstance(data, dict) and data.get("format_version") == MESH_FORMAT_VERSION:
         return mesh_plan_from_data(data, source=source, catalog=catalog)
     return plan_from_data(data, source=source, catalog=catalog)
 
 
-def load_any_plan(path: str | Path, *, catalog: Catalog | None = None) -> Plan | MeshPlan:
+def load_any_plan(path: str | Path, *, catalog: Catalog | None = None) -> Plan:
     """Load and check a plan file of either format."""
     return any_plan_from_data(read_yaml(path), source=str(path), catalog=catalog)
 
 
-def save_any_plan(plan: Plan | MeshPlan, path: str | Path) -> None:
+def save_any_plan(plan: Plan, path: str | Path) -> None:
+    """Write ``plan`` in the simplest format that expresses it (:meth:`.types.Plan.to_data`)."""
     write_yaml(plan.to_data(), path)
 
 
-def meshes_of(plan: Plan) -> MeshPlan | None:
-    """The mesh plan that runs the format-1 ``plan`` as it is: consecutive stages on one device
-    type form a mesh of the plan's TP and DP. None where a stage index differs between replicas
-    in device type or memory policy (format 1 can say that; a mesh cannot)."""
+def meshes_of(plan: Plan) -> Plan | None:
+    """The chain of meshes that runs the one-mesh ``plan`` as it is: consecutive stages on one
+    device type form a mesh of the plan's TP and DP. None where a stage index differs between
+    replicas in device type or memory policy (format 1 can say that; a mesh cannot)."""
     first = plan.pipelines[0].stages
     for pipe in plan.pipelines[1:]:
         for a, b in zip(first, pipe.stages):
@@ -388,18 +308,18 @@ def meshes_of(plan: Plan) -> MeshPlan | None:
         return None
     replicas = [Replica(micro_batch_size=p.micro_batch_size, num_microbatches=p.num_microbatches)
                 for p in plan.pipelines]
-    meshes: list[Mesh] = []
+    meshes: list[Format2Mesh] = []
     for st in first:
         stage = MeshStage(num_layers=st.num_layers, recompute=st.recompute, offload=st.offload)
         if meshes and meshes[-1].device_type == st.device_type:
             meshes[-1].stages.append(stage)
         else:
-            meshes.append(Mesh(device_type=st.device_type,
-                               tensor_model_parallel_size=plan.tensor_model_parallel_size,
-                               replicas=list(replicas), stages=[stage]))
-    out = MeshPlan(format_version=2, model=plan.model, global_batch_size=plan.global_batch_size,
-                   meshes=meshes, precision=plan.precision,
-                   use_distributed_optimizer=plan.use_distributed_optimizer,
-                   overlap_grad_reduce=plan.overlap_grad_reduce, gpus=dict(plan.gpus))
+            meshes.append(Format2Mesh(device_type=st.device_type,
+                                      tensor_model_parallel_size=plan.tensor_model_parallel_size,
+                                      replicas=list(replicas), stages=[stage]))
+    out = mesh_plan(model=plan.model, global_batch_size=plan.global_batch_size, meshes=meshes,
+                    precision=plan.precision,
+                    use_distributed_optimizer=plan.use_distributed_optimizer,
+                    overlap_grad_reduce=plan.overlap_grad_reduce, gpus=dict(plan.gpus))
     out.catalog = plan.catalog
     return out

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import shlex
 
-from .format1 import ModelSpec, Plan
-from .format2 import MeshPlan
+from .stages import ModelSpec
+from .types import Plan
 
-__all__ = ["megatron_args", "mesh_megatron_args", "megatron_args_line", "split_args", "GROUP_FLAG"]
+__all__ = ["megatron_args", "mesh_megatron_args", "plan_megatron_args", "megatron_args_line", "split_args", "GROUP_FLAG"]
 
 GROUP_FLAG = "--microbatch-group-size-per-virtual-pipeline-stage"
 """Megatron's flag for the interleaved schedule's micro-batch group (``Plan.microbatch_group_size``;
@@ -107,7 +107,7 @@ def megatron_args(plan: Plan, plan_path: str | None = None) -> list[str]:
     return args
 
 
-def mesh_megatron_args(plan: MeshPlan, plan_path: str | None = None) -> list[str]:
+def mesh_megatron_args(plan: Plan, plan_path: str | None = None) -> list[str]:
     """The arguments common to every rank of a mesh plan: the model, the global batch, the
     precision and the whole model's layout (``--pipeline-model-parallel-layout``, one segment per
     stage over all meshes). The tensor-parallel and pipeline sizes and the micro-batch size are
@@ -153,9 +153,12 @@ def _model_args(m: ModelSpec) -> list[str]:
     return args
 
 
-def megatron_args_line(plan: Plan | MeshPlan, plan_path: str | None = None) -> str:
-    """:func:`megatron_args` (:func:`mesh_megatron_args` for a mesh plan) as one shell-ready
-    line."""
-    if isinstance(plan, MeshPlan):
-        return shlex.join(mesh_megatron_args(plan, plan_path))
-    return shlex.join(megatron_args(plan, plan_path))
+def plan_megatron_args(plan: Plan, plan_path: str | None = None) -> list[str]:
+    """The Megatron-LM arguments of ``plan``: :func:`megatron_args` where it is one grid,
+    :func:`mesh_megatron_args` for a chain of meshes (:attr:`.types.Plan.one_grid`)."""
+    return (megatron_args if plan.one_grid else mesh_megatron_args)(plan, plan_path)
+
+
+def megatron_args_line(plan: Plan, plan_path: str | None = None) -> str:
+    """:func:`plan_megatron_args` as one shell-ready line."""
+    return shlex.join(plan_megatron_args(plan, plan_path))

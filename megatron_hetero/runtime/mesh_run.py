@@ -62,7 +62,7 @@ from dataclasses import dataclass
 from ..errors import HeteroError
 from ..mcore.cpu_offload import join_offload_summary
 from ..plan.megatron_args import mesh_megatron_args
-from ..plan.format2 import MeshPlan, MeshSlot
+from ..plan import Plan, Slot
 from . import plan_args, policies
 from .placement import CPU_ENV, detect_device_type, device_type_of_rank, place_this_rank
 
@@ -80,13 +80,13 @@ _PER_MESH_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-si
 class MeshRankState:
     """What the hooks decided for one rank of a mesh plan."""
 
-    plan: MeshPlan
+    plan: Plan
     plan_path: str
     rank: int
     """This process's rank in the plan's numbering (its Megatron rank)."""
     launcher_rank: int
     device_type: str
-    slot: MeshSlot
+    slot: Slot
     grids: list | None = None
     """megatron-core's ``HyperCommGrid`` of every mesh (after ``initialize_model_parallel``)."""
     communicator: object = None
@@ -136,7 +136,7 @@ class MeshRankState:
 
 # -- arguments ---------------------------------------------------------------------------------
 
-def _mesh_layout(plan: MeshPlan, st: MeshRankState) -> str | None:
+def _mesh_layout(plan: Plan, st: MeshRankState) -> str | None:
     """The mesh's segments of the whole model's layout (Megatron's checks count them)."""
     if plan.pipeline_model_parallel_size == 1:
         return None
@@ -144,7 +144,7 @@ def _mesh_layout(plan: MeshPlan, st: MeshRankState) -> str | None:
     return "|".join(parts[st.first_stage:st.first_stage + len(st.mesh.stages)])
 
 
-def before_validate(args, plan: MeshPlan, *, path: str, argv) -> MeshRankState:
+def before_validate(args, plan: Plan, *, path: str, argv) -> MeshRankState:
     """Check the command line against ``plan``, place this process (its device type) on a rank
     of the plan and give it its mesh's sizes."""
     launcher_rank, world = int(args.rank), int(args.world_size)
@@ -202,12 +202,12 @@ def before_validate(args, plan: MeshPlan, *, path: str, argv) -> MeshRankState:
     return st
 
 
-def even_plan(plan: MeshPlan) -> bool:
+def even_plan(plan: Plan) -> bool:
     """Every replica of every mesh alike (no per-token loss)."""
     return not plan.per_token_loss
 
 
-def _virtual_micro_batch_size(plan: MeshPlan, path: str) -> int:
+def _virtual_micro_batch_size(plan: Plan, path: str) -> int:
     """Uneven replicas (every mesh then has the same ``D`` and the same replicas): the
     ``--micro-batch-size`` Megatron's step accounting sees, ``micro-batch x D x count`` being
     the global batch, while each replica runs its own (as format 1's uneven plans do)."""
@@ -236,7 +236,7 @@ def after_validate(args, st: MeshRankState) -> None:
         raise HeteroError(f"{st.plan_path}: Megatron computed data-parallel size "
                           f"{args.data_parallel_size}; mesh {st.slot.mesh} has "
                           f"{st.mesh.data_parallel_size} replicas")
-    if os.environ.get("MEGATRON_HETERO_VERBOSE") or st.slot == MeshSlot(st.slot.mesh, 0, 0, 0):
+    if os.environ.get("MEGATRON_HETERO_VERBOSE") or st.slot == Slot(st.slot.mesh, 0, 0, 0):
         print(st.describe(), flush=True)
 
 
@@ -277,7 +277,7 @@ def initialize_per_mesh(original, st: MeshRankState, *a, **kw) -> None:
             mine = _snapshot(parallel_state)
     _restore(parallel_state, mine)
     assert dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group()) == [
-        st.plan.rank_of_slot(MeshSlot(st.slot.mesh, j, st.slot.replica, st.slot.tensor_rank))
+        st.plan.rank_of_slot(Slot(st.slot.mesh, j, st.slot.replica, st.slot.tensor_rank))
         for j in range(len(st.mesh.stages))], "mesh pipeline group differs from the plan's"
     if os.environ.get(CPU_ENV, "") not in ("", "0"):
         gloo_bridges()

@@ -15,7 +15,7 @@ import importlib
 
 from .._schema import read_yaml
 from ..errors import HeteroError
-from ..plan.format2 import MESH_FORMAT_VERSION, MeshPlan, mesh_plan_from_data
+from ..plan import MESH_FORMAT_VERSION, Plan, mesh_plan_from_data
 
 __all__ = ["mesh_plan_of", "MULTIMODULE_SCHEDULE_VERSION"]
 
@@ -28,7 +28,7 @@ def _installed() -> tuple[str, tuple[int, ...]]:
     return text, tuple(int(x) for x in text.split(".")[:2] if x.isdigit())
 
 
-def mesh_plan_of(path: str) -> MeshPlan | None:
+def mesh_plan_of(path: str) -> Plan | None:
     """The mesh plan in ``path`` (None for a format-1 plan), checked; on megatron-core older
     than :data:`MULTIMODULE_SCHEDULE_VERSION` a :class:`HeteroError` naming the version it
     needs, before anything is built."""

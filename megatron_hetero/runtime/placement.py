@@ -23,7 +23,6 @@ from ..errors import HeteroError
 from ..hardware.catalog import Catalog, load_catalog
 from ..plan import Plan
 from ..placement.inventory import check_plan_vendors
-from ..plan.format2 import MeshPlan
 from .arguments import DEVICE_TYPE_ENV
 
 __all__ = ["RankInfo", "PlacementError", "assign_ranks", "detect_device_type",
@@ -107,25 +106,18 @@ def _counts_text(counts: Counter) -> str:
     return ", ".join(f"{n}x {gpu}" for gpu, n in sorted(counts.items())) or "nothing"
 
 
-def device_type_of_rank(plan: Plan | MeshPlan, rank: int) -> str:
-    """The device type the plan puts on Megatron rank ``rank`` (a mesh plan: its mesh's)."""
-    if isinstance(plan, MeshPlan):
-        return plan.meshes[plan.slot_of_rank(rank).mesh].device_type
+def device_type_of_rank(plan: Plan, rank: int) -> str:
+    """The device type the plan puts on Megatron rank ``rank``."""
     return plan.device_type_of_rank(rank)
 
 
-def _tensor_groups(plan: Plan | MeshPlan) -> list[tuple[int, int]]:
+def _tensor_groups(plan: Plan) -> list[tuple[int, int]]:
     """(first rank, size) of every tensor-parallel group, in rank order (each mesh its own
     size)."""
-    if isinstance(plan, MeshPlan):
-        return [(plan.rank_offset(k) + first, m.tensor_model_parallel_size)
-                for k, m in enumerate(plan.meshes)
-                for first in range(0, m.world_size, m.tensor_model_parallel_size)]
-    tp = plan.tensor_model_parallel_size
-    return [(first, tp) for first in range(0, plan.world_size, tp)]
+    return plan.tensor_groups()
 
 
-def assign_ranks(plan: Plan | MeshPlan, infos: list[RankInfo], *,
+def assign_ranks(plan: Plan, infos: list[RankInfo], *,
                  source: str = "plan") -> list[int]:
     """Megatron rank of every launcher rank (``result[launcher_rank]``).
 
@@ -211,7 +203,7 @@ def _launcher_store(launcher_rank: int, world_size: int, timeout_minutes: float)
     return store
 
 
-def place_this_rank(plan: Plan | MeshPlan, *, launcher_rank: int, world_size: int,
+def place_this_rank(plan: Plan, *, launcher_rank: int, world_size: int,
                     device_type: str,
                     source: str = "plan", store=None, timeout_minutes: float = 10.0) -> int:
     """This process's Megatron rank under ``plan``; exchanges device types with every rank."""
@@ -220,11 +212,7 @@ def place_this_rank(plan: Plan | MeshPlan, *, launcher_rank: int, world_size: in
     if world_size != plan.world_size:
         # Every rank sees the same WORLD_SIZE, so every rank raises the same message.
         wanted = plan.device_counts()
-        shape = ("; ".join(f"mesh {k}: TP={m.tensor_model_parallel_size} x "
-                           f"DP={m.data_parallel_size} x PP={len(m.stages)}"
-                           for k, m in enumerate(plan.meshes)) if isinstance(plan, MeshPlan)
-                 else f"TP={plan.tensor_model_parallel_size} x DP={plan.data_parallel_size} x "
-                      f"PP={plan.pipeline_model_parallel_size}")
+        shape = plan.sizes_text()
         raise PlacementError(
             f"{source}: the plan needs world size {plan.world_size} ({_counts_text(wanted)}; "
             f"{shape}); the launcher started {world_size} ranks")

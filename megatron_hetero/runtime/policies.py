@@ -40,9 +40,8 @@ from ..mcore.cpu_backend import cpu_backend_enabled
 from ..mcore.cpu_offload import module_input_offload_supported, optimizer_offload_supported
 from ..mcore.stage_policies import module_input_kwargs, recompute_kwargs
 from ..hardware.optional import have_transformer_engine
-from ..plan import Plan, Stage
+from ..plan import MeshStage, Plan, Stage
 from ..plan.checks import FP32_OPTIMIZER_OFFLOAD, optimizer_offload_runs, plan_stages
-from ..plan.format2 import MeshPlan, MeshStage
 
 __all__ = ["stage_args", "apply_stage_args", "check_supported", "PolicyUnsupported",
            "activation_offload_supported", "set_launch_env"]
@@ -83,7 +82,7 @@ def set_launch_env(argv, environ=None) -> bool:
     when the command line's ``--hetero-plan`` offloads module inputs on some stage (TE reads it
     at import; with TE >= 2.10 Megatron's fine-grained offload asserts it). True when the plan
     needs it."""
-    from ..plan.format2 import load_any_plan
+    from ..plan import load_any_plan
 
     environ = os.environ if environ is None else environ
     path = None
@@ -122,7 +121,7 @@ def _te_needs_v1_env() -> bool:
     return is_te_min_version("2.10.0")
 
 
-def check_supported(plan: Plan | MeshPlan, *, source: str = "plan",
+def check_supported(plan: Plan, *, source: str = "plan",
                     use_precision_aware_optimizer=None, transformer_impl=None) -> None:
     """Refuse, with one message naming every offending stage, the policies this megatron-core
     cannot apply (of a format-1 or a mesh plan: every rank of a mesh plan runs its own

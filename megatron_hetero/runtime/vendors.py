@@ -91,8 +91,8 @@ def pipeline_edges(plan: Plan) -> list[tuple[int, int]]:
     for d in range(plan.data_parallel_size):
         for a, b in pairs:
             for t in range(plan.tensor_model_parallel_size):
-                ra = plan.rank_of_slot(Slot(pipeline=d, stage=a, tensor_rank=t))
-                rb = plan.rank_of_slot(Slot(pipeline=d, stage=b, tensor_rank=t))
+                ra = plan.rank_of_slot(Slot(mesh=0, stage=a, replica=d, tensor_rank=t))
+                rb = plan.rank_of_slot(Slot(mesh=0, stage=b, replica=d, tensor_rank=t))
                 if frozenset((ra, rb)) not in seen:
                     seen.add(frozenset((ra, rb)))
                     out.append((ra, rb))

@@ -9,9 +9,8 @@ memory, is one error naming the stage, its card, its layers and the figures.
 from __future__ import annotations
 
 from ..errors import Described, SchemaError
-from ..plan.checks import plan_stages, stage_layers
-from ..plan.format1 import Plan
-from ..plan.format2 import MeshPlan
+from ..plan.checks import stage_layers, stage_path
+from ..plan import Plan
 from .step import SimResult
 
 __all__ = ["check_fits"]
@@ -21,16 +20,14 @@ def _gb(nbytes: float) -> str:
     return f"{nbytes / 1e9:.1f}"
 
 
-def check_fits(plan: Plan | MeshPlan, sim: SimResult, *, source: str, skip_hint: str) -> None:
+def check_fits(plan: Plan, sim: SimResult, *, source: str, skip_hint: str) -> None:
     """Raise :class:`SchemaError` when a stage of ``sim`` (the simulation of ``plan``) needs
     more memory than its card, or a node more host memory than it has. ``skip_hint`` says how
     to turn the check off."""
-    paths = [where for where, _, _ in plan_stages(plan)]
     over = [st for st in sim.stages if not st.memory.fits]
     if over:
         st, m = over[0], over[0].memory
-        p = plan.pipeline_model_parallel_size
-        where = paths[st.pipeline * p + st.stage] if isinstance(plan, Plan) else paths[st.stage]
+        where = stage_path(plan, st.pipeline, st.stage)
         more = f"; {len(over) - 1} more stage(s) over" if len(over) > 1 else ""
         raise SchemaError(source, where, Described(
             f"stage {st.stage} ({st.device_type}, {stage_layers(plan, st.stage)}) needs "

@@ -21,14 +21,14 @@ from ..cost.mesh import bridge_seconds, bridges, mesh_stage_shape, same_replicas
 from ..placement.meshes import place_meshes
 from ..cost.model import CostModel
 from ..models import step_model_flops
-from ..plan.format2 import MeshPlan
+from ..plan import Plan
 from .step import Event, HostMemory, SimResult, StageResult, nodes_host_memory
 from .pipeline import pipeline_run
 
 __all__ = ["simulate_mesh"]
 
 
-def _path_sends(plan: MeshPlan, cost: CostModel, placement, path: int | None):
+def _path_sends(plan: Plan, cost: CostModel, placement, path: int | None):
     """(send_f, send_b): seconds of one micro-batch over each link of the path (replica
     ``path`` of every mesh; None: the lockstep path, every bridge at its slowest hub)."""
     send_f, send_b = [], []
@@ -48,7 +48,7 @@ def _path_sends(plan: MeshPlan, cost: CostModel, placement, path: int | None):
     return send_f, send_b
 
 
-def _path_runs(plan: MeshPlan, cost: CostModel, placement, *, record: bool):
+def _path_runs(plan: Plan, cost: CostModel, placement, *, record: bool):
     """The 1F1B run and the stage shapes of every path (paths alike are simulated once), and
     the path of each replica index (None: the one lockstep path)."""
     index = plan.stage_index
@@ -69,7 +69,7 @@ def _path_runs(plan: MeshPlan, cost: CostModel, placement, *, record: bool):
     return runs, shapes_of, (lambda replica: replica if paths else None)
 
 
-def simulate_mesh(plan: MeshPlan, cost: CostModel, *, record_events: bool = True) -> SimResult:
+def simulate_mesh(plan: Plan, cost: CostModel, *, record_events: bool = True) -> SimResult:
     """Simulate one training step of the mesh plan ``plan`` under ``cost``."""
     placement = place_meshes(plan, cost.inventory)
     index = plan.stage_index
@@ -130,7 +130,7 @@ def simulate_mesh(plan: MeshPlan, cost: CostModel, *, record_events: bool = True
                      mfu=flops / step / peak, fits_memory=fits, events=events, host_nodes=hosts)
 
 
-def _host_memory(plan: MeshPlan, cost: CostModel, placement) -> list[HostMemory]:
+def _host_memory(plan: Plan, cost: CostModel, placement) -> list[HostMemory]:
     """As :func:`megatron_hetero.sim.step.host_memory`, each (mesh, stage, replica) putting its
     mesh's TP ranks on its node."""
     inv = cost.inventory

@@ -351,6 +351,7 @@ def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True,
         check_recordable(recorded_ops(plan))
     placement = cost.placement(plan)
     p, D = plan.pipeline_model_parallel_size, plan.data_parallel_size
+    pipes = plan.pipelines
     # pipelines alike in every stage share their costs (large pools repeat one template)
     rep = _representatives(plan)
     shapes = {r: [StageShape.of(plan, r, s) for s in range(p)] for r in set(rep)}
@@ -391,7 +392,7 @@ def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True,
             start, sync_end = finish, finish + comm
         opts: dict[tuple, float] = {}
         for d in range(D):
-            st = plan.stage(d, s)
+            st = pipes[d].stages[s]
             key = (st.device_type, st.offload.optimizer_fraction)
             opt = opts.get(key)
             if opt is None:

@@ -8,10 +8,9 @@ uses them where they are faster (:func:`best_group`).
 
 from __future__ import annotations
 
-import dataclasses
 
 from ..cost.model import CostModel
-from ..plan import Offload, Plan
+from ..plan import Offload, Plan, replace_grid
 from ..sim.step import SimResult, simulate
 from .policy import Option, Policy
 from .refine import group_choices
@@ -73,7 +72,7 @@ def best_group(plan: Plan, sim: SimResult, cost: CostModel) -> tuple[Plan, SimRe
     best = (plan, sim)
     for g in group_choices(p, ms):
         if g > p:
-            cand = dataclasses.replace(plan, microbatch_group_size=g)
+            cand = replace_grid(plan, microbatch_group_size=g)
             if not all(cost.stage_memory(cand, d, s).fits for d in range(len(ms))
                        for s in range(p)):
                 continue  # more in flight than the cards hold: no need to time it

@@ -11,8 +11,7 @@ from ..errors import HeteroError
 from ..hardware.inventory import load_inventory
 from ..models import load_model
 from ..outputs import Outputs
-from ..plan import save_plan
-from ..plan.format2 import MeshPlan, load_any_plan
+from ..plan import Plan, load_any_plan, save_plan
 from ..placement.inventory import check_plan_against_inventory
 
 __all__ = ["tune_main", "simulate_main", "add_tune_arguments", "add_simulate_arguments",
@@ -242,7 +241,7 @@ def _simulate(args: argparse.Namespace, out: Outputs) -> int:
 
     inventory = load_inventory(args.inventory)
     plan = load_any_plan(args.plan, catalog=inventory.catalog)
-    if isinstance(plan, MeshPlan):
+    if not plan.one_grid:
         return _simulate_mesh_main(args, plan, inventory, out)
     check_plan_against_inventory(plan, inventory, source=args.plan)
     profiles = _profiles(args.profile, inventory)
@@ -288,7 +287,7 @@ def _check_fits(args: argparse.Namespace, plan, sim) -> None:
                    skip_hint="--warn-only simulates it anyway, with a warning")
 
 
-def _simulate_mesh_main(args: argparse.Namespace, plan: MeshPlan, inventory, out: Outputs) -> int:
+def _simulate_mesh_main(args: argparse.Namespace, plan: Plan, inventory, out: Outputs) -> int:
     """``simulate`` of a mesh plan: its meshes, the predicted step and every stage."""
     from ..cost import CostModel
     from ..placement.mesh_inventory import check_mesh_plan_against_inventory
@@ -321,7 +320,7 @@ def _tune_mesh_wins(args: argparse.Namespace, result, inventory, profiles, out: 
     beside the uniform plan it beat."""
     from ..cost import CostModel
     from ..plan.megatron_args import megatron_args_line
-    from ..plan.format2 import save_any_plan
+    from ..plan import save_any_plan
     from ..sim.mesh import simulate_mesh
     from .report import report_dict, summary_lines
 

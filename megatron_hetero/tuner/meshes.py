@@ -26,7 +26,7 @@ import numpy as np
 from ..cost.stage import StageShape
 from ..errors import InfeasibleError
 from ..placement.inventory import embedded_gpus
-from ..plan.format2 import Mesh, MeshPlan, MeshStage, Replica
+from ..plan import Format2Mesh, MeshStage, Plan, Replica, mesh_plan
 from ..sim.step import SimResult
 from ..sim.mesh import simulate_mesh
 from . import space
@@ -84,7 +84,7 @@ class MeshSearch:
                     out.append(list(chain))
         return out
 
-    def candidates(self, keep: int) -> list[tuple[float, MeshPlan]]:
+    def candidates(self, keep: int) -> list[tuple[float, Plan]]:
         """The ``keep`` best estimates over every layout and micro-batch size, visited in order
         of a lower bound on their estimate until it passes the ``keep``-th."""
         p = self.problem
@@ -110,7 +110,7 @@ class MeshSearch:
                 # split if each stage took any fraction of the layers at no-recompute speed
                 todo.append(((m + P - 1) * L / rate, len(todo), chain, batch))
         todo.sort(key=lambda x: x[:2])
-        best: list[tuple[float, MeshPlan]] = []
+        best: list[tuple[float, Plan]] = []
         for lb, _, chain, batch in todo:
             if len(best) >= keep and lb >= best[-1][0]:
                 break
@@ -122,7 +122,7 @@ class MeshSearch:
                 del best[keep:]
         return best
 
-    def evaluate(self, meshes: list[_MeshShape], m: int) -> tuple[float, MeshPlan] | None:
+    def evaluate(self, meshes: list[_MeshShape], m: int) -> tuple[float, Plan] | None:
         """The split and policies of one candidate, and its estimated step (None: nothing
         fits)."""
         self.evaluated += 1
@@ -144,12 +144,12 @@ class MeshSearch:
         slowest, split = got
         policies = iter([r.policy(n) for r, n in zip(rows, split)])
         layers = iter(split)
-        plan = MeshPlan(
-            format_version=2, model=p.model, global_batch_size=p.gbs, precision=prec,
+        plan = mesh_plan(
+            model=p.model, global_batch_size=p.gbs, precision=prec,
             overlap_grad_reduce=p.opt.overlap_grad_reduce,
-            meshes=[Mesh(device_type=x.device_type, tensor_model_parallel_size=x.tp,
-                         replicas=[Replica(micro_batch_size=x.mbs, num_microbatches=m)] * x.dp,
-                         stages=[_stage(next(layers), next(policies)) for _ in range(x.pp)])
+            meshes=[Format2Mesh(device_type=x.device_type, tensor_model_parallel_size=x.tp,
+                                replicas=[Replica(micro_batch_size=x.mbs, num_microbatches=m)] * x.dp,
+                                stages=[_stage(next(layers), next(policies)) for _ in range(x.pp)])
                     for x in meshes])
         return (m + P - 1) * slowest, plan
 
@@ -159,7 +159,7 @@ def _stage(n: int, policy) -> MeshStage:
 
 
 def best_mesh_plan(problem: Problem, tables: StageTables, *, uniform: SimResult,
-                   upper_bound_s: float) -> tuple[MeshPlan, SimResult, int] | None:
+                   upper_bound_s: float) -> tuple[Plan, SimResult, int] | None:
     """The fastest simulated of the best estimated mesh plans that fits (its ``prediction``
     beside the ``uniform`` plan's step and the upper bound), and the candidates estimated; None
     on a pool of one device type (one mesh is a uniform plan, which the main search covers), on

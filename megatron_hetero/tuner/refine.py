@@ -50,7 +50,7 @@ import numpy as np
 from ..cost.model import CostModel
 from ..cost.stage import StageShape
 from ..errors import InfeasibleError, SchemaError
-from ..plan import Pipeline, Plan, Stage, group_fits
+from ..plan import Pipeline, Plan, Stage, group_fits, uniform_plan
 from ..schedule.rules import whole_group
 from ..sim.step import SimResult, simulate
 from .policy import Menu, Policy, cheapest_for_stage
@@ -168,7 +168,7 @@ def _build(plan: Plan, lay: Layout, policies: _Policies, *, share: bool = True) 
         pipelines.append(Pipeline(micro_batch_size=pipe.micro_batch_size, num_microbatches=m,
                                   stages=stages))
     try:
-        return Plan(format_version=1, model=plan.model, global_batch_size=plan.global_batch_size,
+        return uniform_plan(model=plan.model, global_batch_size=plan.global_batch_size,
                     tensor_model_parallel_size=plan.tensor_model_parallel_size, pipelines=pipelines,
                     precision=plan.precision, use_distributed_optimizer=plan.use_distributed_optimizer,
                     sequence_parallel=plan.sequence_parallel, virtual_pipeline_size=lay.v,

@@ -22,9 +22,8 @@ from ..hardware.inventory import load_inventory
 from ..plan.megatron_args import megatron_args_line
 from ..models import load_model
 from ..outputs import Outputs
-from ..plan import ModelSpec, Plan, save_plan
+from ..plan import ModelSpec, Plan, load_any_plan, save_plan
 from ..placement.inventory import check_plan_against_inventory
-from ..plan.format2 import load_any_plan
 
 __all__ = ["add_replan_arguments", "replan_main"]
 
@@ -172,7 +171,7 @@ def _model(args, ckpt: Checkpoint | None, old, old_path: str | None) -> ModelSpe
         model = ckpt.model(name)
         _check_tensors(ckpt, model)
         if old is not None:
-            tp = old.tensor_model_parallel_size if isinstance(old, Plan) else None
+            tp = old.tensor_model_parallel_size if old.one_grid else None
             _same_model(old.model, ckpt, model, old_path, "model", tp)
     if args.model:
         given = load_model(args.model)
@@ -240,7 +239,7 @@ def _loadable_tp_sizes(ckpt: Checkpoint | None, old, model: ModelSpec, args) -> 
         sharding = ckpt.optimizer_sharding
         if sharding is not None and sharding not in FULLY_RESHARDABLE and tp0 in fits:
             fits = (tp0,)  # that optimizer state loads only under its TP (and PP) size
-    elif isinstance(old, Plan):
+    elif old is not None and old.one_grid:
         from ..models import padded_vocab_size
         saved = padded_vocab_size(model, old.tensor_model_parallel_size)
         fits = tuple(t for t in heads if padded_vocab_size(model, t) == saved)

@@ -42,9 +42,8 @@ from ..placement.nodes import between_groups_gb_s
 from ..cost.profile_protocol import DeviceProfile
 from ..errors import InfeasibleError
 from ..hardware.inventory import Inventory
-from ..plan import ModelSpec, Pipeline, Plan, Stage
+from ..plan import ModelSpec, Pipeline, Plan, Stage, uniform_plan
 from ..placement.inventory import embedded_gpus
-from ..plan.format2 import MeshPlan
 from ..schedule.rules import whole_group
 from ..sim.step import SimResult, simulate
 from . import space
@@ -101,7 +100,7 @@ class TuneResult:
     warmup_gain: float = 1.0
     """Megatron's 1F1B step over the tuned plan's with its per-stage warm-ups (:mod:`.warmup`;
     1.0: Megatron's counts kept)."""
-    mesh_plan: MeshPlan | None = None
+    mesh_plan: Plan | None = None
     """The best mesh plan (:mod:`.meshes`: TP and DP per device type), where the pool mixes
     types, ``TuneOptions.meshes`` is on and one fits; ``plan`` stays the best uniform-TP plan."""
     mesh_sim: SimResult | None = None
@@ -115,7 +114,7 @@ class TuneResult:
             self.mesh_sim.step_time_s < self.sim.step_time_s * (1 - 1e-9)
 
     @property
-    def best(self) -> tuple[Plan | MeshPlan, SimResult]:
+    def best(self) -> tuple[Plan, SimResult]:
         """The plan that wins, and its simulation: the mesh plan where it is strictly faster."""
         return (self.mesh_plan, self.mesh_sim) if self.mesh_wins else (self.plan, self.sim)
 
@@ -270,7 +269,7 @@ class _Search:
                 pipelines.append(Pipeline(micro_batch_size=st.mbs,
                                           num_microbatches=cand.microbatches[d], stages=stages))
                 d += 1
-        return Plan(format_version=1, model=self.model, global_batch_size=self.gbs,
+        return uniform_plan(model=self.model, global_batch_size=self.gbs,
                     tensor_model_parallel_size=st.tp, pipelines=pipelines,
                     precision=cand.precision,
                     use_distributed_optimizer=self.opt.use_distributed_optimizer,

@@ -20,7 +20,7 @@ import itertools
 from typing import Callable
 
 from ..cost.model import CostModel
-from ..plan import Plan
+from ..plan import Plan, replace_grid
 from ..schedule.rules import megatron_warmup
 from ..sim.step import SimResult, simulate
 from .problem import Problem
@@ -130,7 +130,7 @@ def with_warmups(plan: Plan, deltas: list[int]) -> Plan:
                       None if w == megatron_warmup(p, s, m) else w))
                   for s, (st, w) in enumerate(zip(pipe.stages, counts))]
         pipelines.append(dataclasses.replace(pipe, stages=stages))
-    return dataclasses.replace(plan, pipelines=pipelines)
+    return replace_grid(plan, pipelines=pipelines)
 
 
 def warmups_or_flat(problem: Problem, best: tuple[Plan, SimResult],

@@ -12,7 +12,7 @@ def train_against_one_process(plan_path: str, clip_grad: float) -> dict:
     1% of an Adam step) or None."""
     from megatron_hetero.emulate.mesh_trainer import mesh_reference_plan, train_mesh_plan
     from megatron_hetero.emulate.trainer import TrainConfig, compare_results
-    from megatron_hetero.plan.format2 import load_any_plan
+    from megatron_hetero.plan import load_any_plan
 
     plan = load_any_plan(plan_path)
     out = {}
@@ -33,7 +33,7 @@ def rehearse_with_and_without_offload(plan_path: str, hidden_size: int) -> dict:
     bytes, cap bytes]`` and the first run's verification message."""
     from megatron_hetero.emulate.mesh_rehearse import rehearse_mesh
     from megatron_hetero.emulate.rehearse import RehearsalConfig
-    from megatron_hetero.plan.format2 import load_any_plan, mesh_plan_from_data
+    from megatron_hetero.plan import load_any_plan, mesh_plan_from_data
 
     plan = load_any_plan(plan_path)
     (device,) = plan.device_counts()

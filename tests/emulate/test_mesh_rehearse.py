@@ -14,9 +14,9 @@ import pytest
 import yaml
 
 from megatron_hetero.cli import main
-from megatron_hetero.emulate.mesh_rehearse import shrink_mesh_plan
+from megatron_hetero.emulate.shrink import shrink_plan
 from megatron_hetero.hardware.catalog import load_catalog
-from megatron_hetero.plan.format2 import load_any_plan
+from megatron_hetero.plan import load_any_plan
 
 from ..conftest import REPO, one_line_error
 
@@ -25,7 +25,8 @@ PLAN = REPO / "examples/meshes/rehearse-plan.yaml"
 
 def test_shrunk_mesh_plan_keeps_meshes_split_and_replicas():
     plan = load_any_plan(PLAN)
-    shrunk = shrink_mesh_plan(plan, 32)
+    shrunk = shrink_plan(plan, 32, plan.catalog, precision="fp32")  # as rehearse_mesh does
+    assert shrunk.precision == "fp32" and shrunk.prediction is None
     assert shrunk.model.hidden_size == 32 and shrunk.model.num_layers == plan.model.num_layers
     assert shrunk.model.num_attention_heads % 2 == 0  # the T4 mesh's TP
     assert shrunk.layer_split == plan.layer_split
@@ -49,7 +50,7 @@ def test_mesh_memory_caps_scale_each_mesh_device():
     from megatron_hetero.emulate.memory import memory_caps, plan_cost_model
 
     plan = load_any_plan(PLAN)
-    shrunk = shrink_mesh_plan(plan, 32)
+    shrunk = shrink_plan(plan, 32, plan.catalog, precision="fp32")
     cat = load_catalog()
     caps = memory_caps(plan, shrunk, cat)
     assert sorted(caps) == [0, 1, 2, 3]

@@ -12,7 +12,7 @@ def bridge_ranks(rank: int, world_size: int, plan_path: str) -> dict:
     from megatron_hetero.mcore.cpu_backend import enable_cpu_backend
     from megatron_hetero.mcore.mesh_grids import (gloo_bridges, mesh_communicator, mesh_grids,
                                                   module_name)
-    from megatron_hetero.plan.format2 import load_any_plan
+    from megatron_hetero.plan import load_any_plan
 
     enable_cpu_backend()
     gloo_bridges()
@@ -54,7 +54,7 @@ def fake_grid_ranks(plan_path: str, ranks: list[int]) -> list[dict]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from megatron_hetero.mcore.mesh_grids import gloo_bridges, mesh_communicator, mesh_grids
-    from megatron_hetero.plan.format2 import load_any_plan
+    from megatron_hetero.plan import load_any_plan
     from megatron.core.model_parallel_config import ModelParallelConfig
 
     gloo_bridges()
@@ -128,7 +128,7 @@ def schedule_ranks(rank: int, world_size: int, plan_path: str, steps: int = 3) -
     from megatron_hetero.mcore.mesh_stage import (MeshStageModule, gradient_scale,
                                                   mesh_process_groups, multimodule_collection,
                                                   use_mesh_globals)
-    from megatron_hetero.plan.format2 import load_any_plan
+    from megatron_hetero.plan import load_any_plan
 
     enable_cpu_backend()
     gloo_bridges()

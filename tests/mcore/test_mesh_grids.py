@@ -87,7 +87,7 @@ def test_groups_of_a_1024_rank_mesh_plan_on_fake_process_groups(ranks_ran, tmp_p
     """A 1024-rank mesh plan (TP 8 x DP 32 x PP 2 -> TP 4 x DP 64 x PP 2, fan-out 32 -> 64):
     the grids and the communicator build on fake process groups, and the groups of sample
     ranks are the plan's."""
-    from megatron_hetero.plan.format2 import load_any_plan
+    from megatron_hetero.plan import load_any_plan
 
     plan = load_any_plan(_plan_1024(tmp_path))
     assert plan.world_size == 1024

@@ -56,7 +56,7 @@ def make_mesh_plan(meshes, *, global_batch=4, num_microbatches=2, replicas=None,
     ``replicas`` (``[(micro_batch_size, num_microbatches), ...]``), those in every mesh;
     ``devices[k]`` mesh k's device type (default A100); ``offload[k]`` the offload of every
     stage of mesh k."""
-    from megatron_hetero.plan.format2 import mesh_plan_from_data
+    from megatron_hetero.plan import mesh_plan_from_data
 
     data = {
         "format_version": 2,

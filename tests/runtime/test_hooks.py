@@ -8,8 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_hetero.plan import chunk_recompute
-from megatron_hetero.plan.format2 import mesh_plan_from_data
+from megatron_hetero.plan import chunk_recompute, mesh_plan_from_data
 from megatron_hetero.hardware.optional import have_transformer_engine
 from megatron_hetero.runtime import hooks, plan_args, policies
 from megatron_hetero.runtime.plan_args import ArgumentConflict, check_and_apply

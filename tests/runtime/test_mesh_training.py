@@ -43,8 +43,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_hetero.plan import save_plan
-from megatron_hetero.plan.format2 import save_any_plan
+from megatron_hetero.plan import save_any_plan, save_plan
 
 from .launching import (BASE_ARGS, MEGATRON_GIT, PRETRAIN_GPT_ARGS, RECORDING_SCRIPT, TRAIN_SCRIPT,
                         launch, megatron_lm_checkout)

@@ -114,7 +114,7 @@ def test_main_prints_and_fails_with_one_line(plan4, capsys):
 def test_mesh_plan_components_follow_its_meshes(capsys):
     """A mesh plan (format 2): one component per device type in the meshes' rank order, with
     the GPUs each type's meshes need; a host file is checked against them."""
-    from megatron_hetero.plan.format2 import load_any_plan
+    from megatron_hetero.plan import load_any_plan
 
     from ..conftest import REPO
 

@@ -13,8 +13,8 @@ from megatron_hetero.cost.model import CostModel
 from megatron_hetero.cost.stage import StageShape
 from megatron_hetero.hardware import inventory_from_data
 from megatron_hetero.models import load_model
-from megatron_hetero.plan import Offload, Pipeline, Plan, Recompute, Stage
-from megatron_hetero.plan.format2 import Mesh, MeshPlan, MeshStage, Replica, meshes_of
+from megatron_hetero.plan import (Format2Mesh, MeshStage, Offload, Pipeline, Plan, Recompute,
+                                  Replica, Stage, mesh_plan, meshes_of, uniform_plan)
 from megatron_hetero.sim.step import simulate
 from megatron_hetero.sim.mesh import simulate_mesh
 
@@ -29,7 +29,7 @@ FULL = Recompute(granularity="full", method="uniform", num_layers=1)
 def _uniform(tp: int, dp: int, split: list[int], *, m: int, device: str = "RTX3090-24GB") -> Plan:
     stages = lambda: [Stage(device_type=device, num_layers=n, recompute=FULL)  # noqa: E731
                       for n in split]
-    return Plan(format_version=1, model=MODEL, global_batch_size=dp * m, precision="fp16",
+    return uniform_plan(model=MODEL, global_batch_size=dp * m, precision="fp16",
                 tensor_model_parallel_size=tp,
                 pipelines=[Pipeline(micro_batch_size=1, num_microbatches=m, stages=stages())
                            for _ in range(dp)])
@@ -88,17 +88,17 @@ def test_bridge_grows_with_the_data_parallel_ratio():
                                                  src_broadcast_gb_s=32, dst_broadcast_gb_s=16))[0]
 
 
-def _two_meshes(dp_b: int, *, tp_b: int = 2) -> MeshPlan:
+def _two_meshes(dp_b: int, *, tp_b: int = 2) -> Plan:
     m = 16
-    return MeshPlan(format_version=2, model=MODEL, global_batch_size=8 * m, precision="fp16",
-                    meshes=[Mesh(device_type="RTX3090-24GB", tensor_model_parallel_size=1,
-                                 replicas=[Replica(micro_batch_size=1, num_microbatches=m)] * 8,
-                                 stages=[MeshStage(num_layers=10, recompute=FULL),
-                                         MeshStage(num_layers=10, recompute=FULL)]),
-                            Mesh(device_type="T4-16GB", tensor_model_parallel_size=tp_b,
-                                 replicas=[Replica(micro_batch_size=8 // dp_b,
-                                                   num_microbatches=m)] * dp_b,
-                                 stages=[MeshStage(num_layers=12, recompute=FULL)])])
+    return mesh_plan(model=MODEL, global_batch_size=8 * m, precision="fp16",
+                    meshes=[Format2Mesh(device_type="RTX3090-24GB", tensor_model_parallel_size=1,
+                                        replicas=[Replica(micro_batch_size=1, num_microbatches=m)] * 8,
+                                        stages=[MeshStage(num_layers=10, recompute=FULL),
+                                                MeshStage(num_layers=10, recompute=FULL)]),
+                            Format2Mesh(device_type="T4-16GB", tensor_model_parallel_size=tp_b,
+                                        replicas=[Replica(micro_batch_size=8 // dp_b,
+                                                          num_microbatches=m)] * dp_b,
+                                        stages=[MeshStage(num_layers=12, recompute=FULL)])])
 
 
 def test_each_mesh_has_its_own_tp_and_dp_in_memory_and_sync():
@@ -142,7 +142,7 @@ def test_simulate_command_draws_a_mesh_timeline(tmp_path, capsys):
 def test_host_memory_of_a_mesh_plan_per_node():
     """The 3090 mesh offloads its module inputs: its two nodes carry that beside the reserve,
     and a host too small for it makes the plan not fit."""
-    from megatron_hetero.plan.format2 import load_any_plan
+    from megatron_hetero.plan import load_any_plan
     from tests.conftest import REPO
 
     plan = load_any_plan(REPO / "examples/meshes/3090-t4-plan.yaml")
@@ -166,11 +166,11 @@ def test_uneven_replicas_run_their_own_paths():
     """DP 4 -> 4 with 10/10/6/6 micro-batches: each path runs its own count, the gradient sync
     of every stage starts once its slowest replica is done."""
     reps = [Replica(micro_batch_size=1, num_microbatches=n) for n in (10, 10, 6, 6)]
-    plan = MeshPlan(format_version=2, model=MODEL, global_batch_size=32, precision="fp16",
-                    meshes=[Mesh(device_type="RTX3090-24GB", tensor_model_parallel_size=2,
-                                 replicas=list(reps), stages=[MeshStage(num_layers=20, recompute=FULL)]),
-                            Mesh(device_type="T4-16GB", tensor_model_parallel_size=2,
-                                 replicas=list(reps), stages=[MeshStage(num_layers=12, recompute=FULL)])])
+    plan = mesh_plan(model=MODEL, global_batch_size=32, precision="fp16",
+                    meshes=[Format2Mesh(device_type="RTX3090-24GB", tensor_model_parallel_size=2,
+                                        replicas=list(reps), stages=[MeshStage(num_layers=20, recompute=FULL)]),
+                            Format2Mesh(device_type="T4-16GB", tensor_model_parallel_size=2,
+                                        replicas=list(reps), stages=[MeshStage(num_layers=12, recompute=FULL)])])
     sim = simulate_mesh(plan, COST)
     busy = {(s.pipeline, s.stage): s.busy_s for s in sim.stages}
     assert busy[(0, 0)] == pytest.approx(busy[(2, 0)] * 10 / 6)

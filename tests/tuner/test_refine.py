@@ -11,7 +11,7 @@ import pytest
 from megatron_hetero.cost import CostModel
 from megatron_hetero.hardware.inventory import inventory_from_data
 from megatron_hetero.models import model_preset
-from megatron_hetero.plan import ModelSpec, Pipeline, Plan, Stage, plan_from_data
+from megatron_hetero.plan import ModelSpec, Pipeline, Plan, Stage, plan_from_data, uniform_plan
 from megatron_hetero.sim.step import simulate
 from megatron_hetero.tuner import TuneOptions, tune
 from megatron_hetero.tuner.policy import Menu
@@ -30,7 +30,7 @@ def _plan(split, microbatches, v=1, chunks=None, model=MODEL,
                                     chunk_layers=list(chunks[s]) if chunks else None)
                               for s, (t, n) in enumerate(zip(types, split))])
              for m in microbatches]
-    return Plan(format_version=1, model=model, global_batch_size=sum(microbatches),
+    return uniform_plan(model=model, global_batch_size=sum(microbatches),
                 tensor_model_parallel_size=1, pipelines=pipes, precision="fp16",
                 virtual_pipeline_size=v, overlap_grad_reduce=True)
 

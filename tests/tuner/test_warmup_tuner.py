@@ -11,7 +11,7 @@ from megatron_hetero._schema import read_yaml
 from megatron_hetero.hardware.inventory import inventory_from_data
 from megatron_hetero.models import load_model
 from megatron_hetero.cost.model import CostModel
-from megatron_hetero.plan import Plan, plan_from_data
+from megatron_hetero.plan import Plan, plan_from_data, replace_grid
 from megatron_hetero.sim.step import simulate
 from megatron_hetero.tuner import TuneOptions, tune
 from megatron_hetero.tuner.warmup import harp_warmups
@@ -55,7 +55,7 @@ def test_warmup_hides_the_slow_link_where_it_fits(slow_pool):
 
 
 def _without_warmups(plan: Plan) -> Plan:
-    return dataclasses.replace(plan, pipelines=[
+    return replace_grid(plan, pipelines=[
         dataclasses.replace(pipe, stages=[dataclasses.replace(st, warmup_microbatches=None)
                                           for st in pipe.stages]) for pipe in plan.pipelines])
 

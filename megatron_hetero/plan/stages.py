@@ -1,0 +1,121 @@
+"""The parts of a plan (:mod:`.types`): the model, a pipeline stage, one replica's pipeline and
+the batch a replica runs. Both file formats (:mod:`.format1`, :mod:`.format2`) build their plans
+from these."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ..errors import SchemaError
+from ..limits import check_model_sizes
+from .policy import Offload, Recompute
+
+__all__ = ["ModelSpec", "Stage", "Pipeline", "Replica"]
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelSpec:
+    """Transformer shape. Names follow Megatron's arguments."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    """Key/value head groups; equal to ``num_attention_heads`` for plain multi-head attention."""
+    vocab_size: int
+    seq_length: int
+    swiglu: bool = True
+    normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
+    position_embedding_type: Literal["rope", "learned_absolute"] = "rope"
+    untie_embeddings_and_output_weights: bool = True
+    add_bias_linear: bool = False
+
+    def __post_init__(self) -> None:
+        check_model_sizes(self)
+        if self.hidden_size % self.num_attention_heads:
+            raise SchemaError("", "hidden_size", self.hidden_size,
+                              f"a multiple of num_attention_heads ({self.num_attention_heads})")
+        head_dim = self.hidden_size // self.num_attention_heads
+        if self.position_embedding_type == "rope" and head_dim % 2:
+            raise SchemaError("", "hidden_size", self.hidden_size,
+                              f"an even size per attention head for rope (hidden_size / "
+                              f"num_attention_heads = {head_dim})")
+        if self.num_attention_heads % self.num_query_groups:
+            raise SchemaError("", "num_query_groups", self.num_query_groups,
+                              f"a divisor of num_attention_heads ({self.num_attention_heads})")
+
+
+@dataclass(kw_only=True, slots=True)
+class Stage:
+    """One pipeline stage of one replica: its GPU type, its layers and its memory policy."""
+
+    device_type: str
+    """Canonical catalog name of the GPU type that runs this stage (all its TP ranks)."""
+    num_layers: int
+    recompute: Recompute = field(default_factory=Recompute)
+    offload: Offload = field(default_factory=Offload)
+    chunk_layers: list[int] | None = None
+    """With interleaved pipelining (``Plan.virtual_pipeline_size`` = v > 1): the layers of each
+    of this stage's v model chunks, in chunk order; they add up to ``num_layers``."""
+    warmup_microbatches: int | None = None
+    """Warm-up forwards of this stage's 1F1B, run before it alternates forwards and backwards
+    (Megatron's ``num_warmup_microbatches``; None: its ``min(p - s - 1, num_microbatches)``).
+    More keeps micro-batches in flight so that sends over a slow link hide behind compute. At
+    most ``num_microbatches``, at least one more than the next stage's; non-interleaved plans
+    only (:mod:`megatron_hetero.schedule.rules`). Left out of the file when None."""
+
+    def __post_init__(self) -> None:
+        if self.num_layers < 0:
+            raise SchemaError("", "num_layers", self.num_layers, "a non-negative integer")
+        if self.chunk_layers is not None:
+            if not self.chunk_layers or min(self.chunk_layers) < 0:
+                raise SchemaError("", "chunk_layers", self.chunk_layers,
+                                  "a list of non-negative layer counts, one per model chunk")
+            if sum(self.chunk_layers) != self.num_layers:
+                raise SchemaError("", "chunk_layers", self.chunk_layers,
+                                  f"counts adding up to num_layers ({self.num_layers})")
+        if self.recompute.num_layers is not None and self.recompute.num_layers > max(self.num_layers, 1):
+            raise SchemaError("", "recompute.num_layers", self.recompute.num_layers,
+                              f"at most the stage's num_layers ({self.num_layers})")
+
+
+@dataclass(kw_only=True, slots=True)
+class Pipeline:
+    """One data-parallel replica."""
+
+    micro_batch_size: int
+    num_microbatches: int
+    """Micro-batches this replica runs per step; may differ between replicas."""
+    stages: list[Stage]
+
+    def __post_init__(self) -> None:
+        if self.micro_batch_size < 1:
+            raise SchemaError("", "micro_batch_size", self.micro_batch_size, "a positive integer")
+        if self.num_microbatches < 1:
+            raise SchemaError("", "num_microbatches", self.num_microbatches, "a positive integer")
+        if not self.stages:
+            raise SchemaError("", "stages", self.stages, "at least one stage")
+
+    @property
+    def samples(self) -> int:
+        return self.micro_batch_size * self.num_microbatches
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Replica:
+    """One data-parallel replica of a mesh: the batch it runs per step."""
+
+    micro_batch_size: int
+    num_microbatches: int
+
+    def __post_init__(self) -> None:
+        for key in ("micro_batch_size", "num_microbatches"):
+            if getattr(self, key) < 1:
+                raise SchemaError("", key, getattr(self, key), "a positive integer")
+
+    @property
+    def samples(self) -> int:
+        return self.micro_batch_size * self.num_microbatches
