@@ -13,7 +13,7 @@ venv=${MEGATRON_HETERO_VENV:-$root/.venv}
 python=${PYTHON:-python3.11}
 command -v "$python" >/dev/null 2>&1 || python=python3
 stamp="$venv/.bootstrap-stamp"
-want=$(cat "$root/requirements/cpu.txt" "$root/setup.py" "$0" "$root/scripts/install_mcore019.sh" \
+want=$(cat "$root/requirements/cpu.txt" "$root/pyproject.toml" "$0" "$root/scripts/install_mcore019.sh" \
   "$root/patches/megatron-core-0.19.2-py311.patch" | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
