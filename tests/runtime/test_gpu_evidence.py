@@ -5,18 +5,21 @@ runs agree (the plan equals plain Megatron; module-input offload changes no loss
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
-from .launching import MCORE017, REPO, megatron_lm_checkout, needs_megatron_git
+import pytest
+
+from ..conftest import mcore_environ
+from .launching import REPO, megatron_lm_checkout, needs_megatron_git
 
 
 @needs_megatron_git
-def test_gpu_evidence_script_rehearses_on_cpu(tmp_path):
-    checkout = megatron_lm_checkout(tmp_path)
+@pytest.mark.parametrize("stack", ["0.17", "0.19"])
+def test_gpu_evidence_script_rehearses_on_cpu(tmp_path, stack):
+    checkout = megatron_lm_checkout(tmp_path, stack)
     out = tmp_path / "out"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(MCORE017), str(REPO)]))
+    env = mcore_environ(stack)
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_evidence.py"), "--cpu",
                            "--megatron-lm", str(checkout), "--out", str(out), "--layers", "2",
                            "--global-batch-size", "4", "--iters", "3", "--profile-warmup", "1",
