@@ -8,10 +8,7 @@
 #   PYTHONPATH=/tmp/site python3 scripts/gpu_evidence.py --megatron-lm .gpu/Megatron-LM --out OUT
 #
 # MEGATRON_LM_GIT: a Megatron-LM git clone (default: the tests' mirror path).
-# MCORE_VERSION, MEGATRON_LM_TAG: another release (e.g. 0.19.2 and core_v0.19.0).
 set -euo pipefail
-mcore=${MCORE_VERSION:-0.17.1}
-tag=${MEGATRON_LM_TAG:-core_v0.17.1}
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 pyver=${1:-3.12}
 git_dir=${MEGATRON_LM_GIT:-/work/.mirror/NVIDIA+Megatron-LM/repo}
@@ -21,9 +18,7 @@ grep -qx '/.gpu/' "$exclude" 2>/dev/null || { mkdir -p "$(dirname "$exclude")"; 
 rm -rf "$root/.gpu" && mkdir -p "$root/.gpu/whl" "$root/.gpu/Megatron-LM"
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$pyver" \
   --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \
-  --platform manylinux_2_17_x86_64 -d "$root/.gpu/whl" "megatron-core==$mcore"
-# megatron/legacy where the release has it (gone by core_v0.19.0)
-paths=$(git --git-dir "$git_dir" ls-tree --name-only "$tag" pretrain_gpt.py gpt_builders.py \
-  model_provider.py megatron/legacy)
-git --git-dir "$git_dir" archive "$tag" $paths | tar -x -C "$root/.gpu/Megatron-LM"
+  --platform manylinux_2_17_x86_64 -d "$root/.gpu/whl" megatron-core==0.17.1
+git --git-dir "$git_dir" archive core_v0.17.1 pretrain_gpt.py gpt_builders.py model_provider.py \
+  megatron/legacy | tar -x -C "$root/.gpu/Megatron-LM"
 du -sh "$root/.gpu"/*
