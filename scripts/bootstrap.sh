@@ -18,7 +18,7 @@ want=$(cat "$root/requirements/cpu.txt" "$root/pyproject.toml" "$0" "$root/scrip
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
-echo "bootstrap: creating $venv (torch 2.13.0 CPU, megatron-core 0.16.1; a minute or two)" >&2
+echo "bootstrap: creating $venv (torch 2.13.0 CPU, megatron-core 0.16.1, 0.17.1 and 0.19.2; a few minutes)" >&2
 "$python" -m venv "$venv"
 "$venv/bin/python" -m pip install -q --upgrade pip
 "$venv/bin/python" -m pip install -q -r "$root/requirements/cpu.txt"
