@@ -288,3 +288,17 @@ def test_mesh_checkpoint_holds_the_one_process_state(chains, stack, tmp_path):
     common = [k for k in ref if k in mesh]
     assert any(k.startswith("/optimizer.state.exp_avg.decoder.layers.") for k in common)
     _assert_same_state(mesh, ref, keys=common)
+
+
+@pytest.mark.parametrize("stack", list(STACKS))
+def test_the_checkpoint_reader_reads_the_mesh_checkpoint(chains, stack):
+    """``replan``'s reader (no torch) reads the step-4 save of ``tp1-tp2``: its iteration, the
+    arguments it was trained with and every stacked layer's whole shape (megatron-core 0.19
+    keeps the arguments in the ``*.distcp`` files, not in ``common.pt``)."""
+    from megatron_hetero.checkpoint import read_checkpoint
+
+    ckpt = read_checkpoint(chains(stack)["root"] / "ckpt-tp1-tp2")
+    assert ckpt.iteration == 4 and ckpt.format == "torch_dist"
+    assert ckpt.arg("num_layers") == 4 and ckpt.arg("train_iters") == STEPS
+    layers = {k: t.shape for k, t in ckpt.tensors.items() if k.startswith("decoder.layers.")}
+    assert layers and all(shape[0] == 4 for shape in layers.values())
