@@ -11,6 +11,13 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE_PLANS = sorted(REPO.glob("examples/**/plan.yaml"))
 MCORE017 = Path(sys.prefix) / "mcore017"
+MCORE019 = Path(sys.prefix) / "mcore019"
+STACKS = {"0.17": MCORE017, "0.19": MCORE019}
+"""megatron-core installed beside the venv's 0.16.1 by scripts/bootstrap.sh, by release line:
+0.17.1, and 0.19.2 (its cp312 wheel made to run on 3.11, scripts/install_mcore019.sh)."""
+MEGATRON_LM_TAGS = {"0.17": "core_v0.17.1", "0.19": "core_v0.19.0"}
+"""The Megatron-LM release whose scripts (pretrain_gpt.py) run beside each of :data:`STACKS`
+(``core_v0.19.0``'s pretrain_gpt.py is the same file as the ``core_r0.19.0`` branch's)."""
 
 
 def pytest_collection_modifyitems(config, items):
@@ -26,13 +33,20 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
+def mcore_environ(stack: str = "0.17") -> dict:
+    """Environment for a subprocess that imports the megatron-core of ``stack`` (a key of
+    :data:`STACKS`; each ships megatron.training)."""
+    where = STACKS[stack]
+    if not (where / "megatron" / "training").is_dir():
+        pytest.fail(f"megatron-core {stack} is missing at {where}: run scripts/bootstrap.sh")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(where), str(REPO)])
+    return env
+
+
 def mcore017_environ() -> dict:
     """Environment for a subprocess that imports megatron-core 0.17.1 (it ships megatron.training)."""
-    if not (MCORE017 / "megatron" / "training").is_dir():
-        pytest.fail(f"megatron-core 0.17.1 is missing at {MCORE017}: run scripts/bootstrap.sh")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(MCORE017), str(REPO)])
-    return env
+    return mcore_environ("0.17")
 
 
 @pytest.fixture
@@ -55,16 +69,17 @@ print(json.dumps(done))
 """
 
 
-def evaluate_under_017(prelude: str, calls: dict[str, str], *, timeout: float) -> dict:
+def evaluate_under_017(prelude: str, calls: dict[str, str], *, timeout: float,
+                       stack: str = "0.17") -> dict:
     """Evaluate each Python expression of ``calls`` (``{key: expression}``, after ``prelude``)
     in one subprocess under megatron-core 0.17.1, in order: one interpreter (and one forkserver
     of :func:`megatron_hetero.mcore.spawn.spawn`) for the cases of a module instead of one per
-    test. Returns ``{key: {"value": JSON of its value}}``, or ``{key: {"error": traceback}}``
+    test (``stack``: another of :data:`STACKS` instead). Returns ``{key: {"value": JSON of its value}}``, or ``{key: {"error": traceback}}``
     for an expression that raised (:func:`evaluated` fails that test with it)."""
     import json
     import subprocess
 
-    out = subprocess.run([sys.executable, "-c", _CALLS], env=mcore017_environ(), cwd=REPO,
+    out = subprocess.run([sys.executable, "-c", _CALLS], env=mcore_environ(stack), cwd=REPO,
                          input=json.dumps({"__prelude__": prelude, **calls}),
                          capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stderr[-4000:]

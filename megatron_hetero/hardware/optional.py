@@ -23,7 +23,8 @@ def have_transformer_engine() -> bool:
 
 @cache
 def have_apex() -> bool:
-    """NVIDIA Apex (extra ``apex``) is installed."""
+    """NVIDIA Apex is installed (a source install: it is not on PyPI, whose ``apex`` is another
+    project)."""
     return _present("apex")
 
 

@@ -5,7 +5,8 @@ and where its bytes are.
 A checkpoint folder (Megatron's ``--save``/``--load``) has ``latest_checkpointed_iteration.txt``
 naming the last complete save and one ``iter_NNNNNNN`` folder per save. A ``torch_dist`` save
 holds ``metadata.json`` (the format), ``common.pt`` (what every rank shares: ``args``,
-``iteration``, the optimizer's content metadata), ``.metadata`` (torch.distributed.checkpoint's
+``iteration``, the optimizer's content metadata; from megatron-core 0.19 the same, torch-saved,
+is the object ``common_state`` inside the ``*.distcp`` files instead), ``.metadata`` (torch.distributed.checkpoint's
 index: tensor shapes, and file, offset and length of each piece) and the ``*.distcp`` files. A
 legacy ``torch`` save holds one ``mp_rank_XX[_YYY]/model_optim_rng.pt`` per model-parallel rank.
 
@@ -157,13 +158,37 @@ def read_checkpoint(folder: str | Path) -> Checkpoint:
     if backend != "torch_dist":
         return Checkpoint(folder=folder, iteration_folder=sub, iteration=iteration,
                           format=str(backend), args={}, size_bytes=size)
-    common = _load_pickle(sub / "common.pt")
     tensors = _check_index(sub)
+    common = _common_state(sub)
     content = common.get("content_metadata") if isinstance(common, dict) else None
     return Checkpoint(folder=folder, iteration_folder=sub, iteration=iteration, format=backend,
                       args=_args(common, sub / "common.pt"),
                       content_metadata=content if isinstance(content, dict) else {},
                       tensors=tensors, size_bytes=size)
+
+
+_COMMON_STATE = "common_state/shard_0_1"
+"""megatron-core 0.19's ``ShardedObject("common_state", None, (1,), (0,))`` in the index."""
+
+
+def _common_state(sub: Path) -> Any:
+    """``common.pt``'s object, or where there is none, that of ``common_state`` in the
+    ``*.distcp`` file the index names (megatron-core 0.19 and later)."""
+    if (sub / "common.pt").is_file():
+        return _load_pickle(sub / "common.pt")
+    index = _load_pickle(sub / ".metadata", zipped=False)
+    for key, piece in index.state["storage_data"].items():
+        if isinstance(key, _Opaque) and isinstance(key.state, dict) and \
+                key.state.get("fqn") == _COMMON_STATE:
+            info = piece.state
+            with open(sub / info["relative_path"], "rb") as f:
+                f.seek(int(info.get("offset") or 0))
+                raw = f.read(int(info.get("length") or 0))
+            saved = _load_pickle(sub / info["relative_path"], data=raw)
+            return saved[0] if isinstance(saved, list) and saved else saved
+    raise SchemaError(str(sub / "common.pt"), "", Described("no such file"),
+                      "a file of a complete save (or, from megatron-core 0.19, the object "
+                      f"{_COMMON_STATE} in its .metadata)")
 
 
 def _args(common: Any, path: Path) -> dict[str, Any]:
@@ -264,13 +289,14 @@ class _Reader(pickle.Unpickler):
         return _Opaque("storage", (pid,))
 
 
-def _load_pickle(path: Path, *, zipped: bool = True) -> Any:
-    """The object pickled in ``path`` (torch's zip format: its ``data.pkl``)."""
-    if not path.is_file():
+def _load_pickle(path: Path, *, zipped: bool = True, data: bytes | None = None) -> Any:
+    """The object pickled in ``path`` (torch's zip format: its ``data.pkl``); ``data``: that
+    file's bytes, a piece of ``path``."""
+    if data is None and not path.is_file():
         raise SchemaError(str(path), "", Described("no such file"), "a file of a complete save")
     try:
         if zipped:
-            with zipfile.ZipFile(path) as z:
+            with zipfile.ZipFile(io.BytesIO(data) if data is not None else path) as z:
                 names = [n for n in z.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
                 if not names or z.testzip() is not None:
                     raise zipfile.BadZipFile

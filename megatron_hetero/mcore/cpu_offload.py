@@ -47,7 +47,9 @@ does: after the first step an offloading rank prints its offload summary through
 collectives (``print_offload_summary_table``: two ``all_gather_object`` and a barrier). With a
 plan that offloads on some stages only, the other ranks join those collectives once, with
 nothing to report, after their first ``forward_backward`` call (:func:`join_offload_summary`),
-so nobody waits forever.
+so nobody waits forever. From megatron-core 0.19 its offload hooks manage only tensors on a
+``cuda`` device (``ChunkOffloadHandler._can_manage_tensor_for_offload``): on a CPU rank, which
+plays a GPU, a CPU tensor is asked about as if it were on that device (:func:`_wrap_can_manage`).
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ import functools
 from functools import cache
 
 from ..plan import MeshStage, Plan, Stage
-from .rebind import wrap_method
+from .rebind import is_wrapper, mark_wrapper, wrap_method
 
 __all__ = ["enable_cpu_offload", "allocate_hdo_state", "join_offload_summary",
            "optimizer_offload_supported", "module_input_offload_supported"]
@@ -75,6 +77,30 @@ def _as_device_params(params):
         yield
     finally:
         del torch.Tensor.is_cuda
+
+
+@contextlib.contextmanager
+def _reported_on_device(tensor):
+    """``Tensor.device`` is ``cuda`` for ``tensor`` (and only it) inside the block."""
+    import torch
+
+    base = torch._C.TensorBase.device
+    device = torch.device("cuda")
+    torch.Tensor.device = property(lambda t: device if t is tensor else base.__get__(t))
+    try:
+        yield
+    finally:
+        del torch.Tensor.device
+
+
+def _wrap_can_manage(original):
+    @functools.wraps(original)
+    def can_manage(tensor):
+        if tensor.device.type != "cpu":
+            return original(tensor)
+        with _reported_on_device(tensor):
+            return original(tensor)
+    return can_manage
 
 
 def _wrap_split(original):
@@ -190,6 +216,17 @@ def enable_cpu_offload() -> None:
     wrap_method(DistributedOptimizer, "_build_model_and_main_param_groups", _wrap_build_groups,
                 layer="cpu", as_classmethod=True)
     wrap_method(OptimizerConfig, "__post_init__", _wrap_post_init, layer="cpu")
+    try:
+        from megatron.core.pipeline_parallel.fine_grained_activation_offload import (
+            ChunkOffloadHandler,
+        )
+    except ImportError:
+        ChunkOffloadHandler = None
+    check = getattr(ChunkOffloadHandler, "_can_manage_tensor_for_offload", None)
+    if check is not None and not is_wrapper(check, "cpu"):  # megatron-core 0.19 and later
+        wrapper = _wrap_can_manage(check)
+        mark_wrapper(wrapper, check, "cpu")
+        ChunkOffloadHandler._can_manage_tensor_for_offload = staticmethod(wrapper)
     from megatron.core import utils
 
     if getattr(utils, "_te_version", "absent") is None and not utils.get_te_version():

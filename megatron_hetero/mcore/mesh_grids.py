@@ -7,8 +7,9 @@ them, the meshes chained in plan order (``mesh0 -> mesh1 -> ...``), which builds
 ``BridgeCommunicator`` per boundary. Activations are Megatron's ``[s, b, h]``, so the bridges
 join and split on dimension 1 (``BridgeCommunicator`` defaults to dimension 0).
 
-On the CPU backend (gloo) the bridges' broadcast groups are made with the default backend:
-``BridgeCommunicator`` asks for ``nccl`` by name (:func:`gloo_bridges`).
+On the CPU backend (gloo) the bridges' broadcast groups (and from megatron-core 0.19 their
+leader group) are made with the default backend: ``BridgeCommunicator`` asks for ``nccl`` by
+name (:func:`gloo_bridges`).
 """
 
 from __future__ import annotations
@@ -73,6 +74,10 @@ class _DefaultBackendGroups:
                                      pg_options=None):
         return self._dist.new_subgroups_by_enumeration(ranks_per_subgroup_list, timeout=timeout,
                                                        pg_options=pg_options)
+
+    def new_group(self, *a, backend=None, **kw):
+        # megatron-core 0.19's leader group across each bridge (older versions make none)
+        return self._dist.new_group(*a, **kw)
 
 
 def gloo_bridges() -> None:

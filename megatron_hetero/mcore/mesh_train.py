@@ -153,8 +153,10 @@ def use_whole_model_grad_norm(plan: Plan, slot: Slot, optimizer, *,
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         opt.grad_stats_parallel_group = dist.group.WORLD
         if not distributed and d > 1:
-            opt.get_main_grads_for_grad_norm = _ReplicaShare(opt.get_main_grads_for_grad_norm,
-                                                             slot.replica, d)
+            # megatron-core 0.19 renamed get_main_grads_for_grad_norm to get_grads_for_grad_norm
+            name = ("get_grads_for_grad_norm" if hasattr(opt, "get_grads_for_grad_norm")
+                    else "get_main_grads_for_grad_norm")
+            setattr(opt, name, _ReplicaShare(getattr(opt, name), slot.replica, d))
 
 
 class _ReplicaShare:

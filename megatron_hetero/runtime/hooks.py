@@ -54,7 +54,7 @@ from ..mcore.stage_policies import stage_config_kwargs
 from ..mcore.warmup_schedule import refusal, schedule_for, unsupported
 from ..plan import Plan, Slot, Stage, load_plan
 from ..schedule.rules import has_extra_warmup, stage_schedule
-from . import mesh_model, mesh_run, plan_args, policies, vendors
+from . import mesh_model, mesh_run, plan_args, policies, releases, vendors
 from ..mcore.rebind import is_wrapper, rebind
 from .arguments import add_hetero_args
 from .meshes import mesh_plan_of
@@ -404,6 +404,10 @@ def install() -> None:
     prepare_stack()  # inside the hooks' validate_args: it sees the stage's offload settings
     for module_name, attr, make in _TARGETS:
         rebind(module_name, attr, make)
+    if releases.has("model_builders"):
+        from .builders import wrap_builders
+
+        wrap_builders(_wrap_get_model)
     _install_excepthook()
 
 

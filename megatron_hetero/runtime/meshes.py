@@ -11,21 +11,15 @@ the version it needs. On 0.17 :mod:`.mesh_run` runs it.
 
 from __future__ import annotations
 
-import importlib
-
 from .._schema import read_yaml
 from ..errors import HeteroError
 from ..plan import MESH_FORMAT_VERSION, Plan, mesh_plan_from_data
+from . import releases
 
 __all__ = ["mesh_plan_of", "MULTIMODULE_SCHEDULE_VERSION"]
 
-MULTIMODULE_SCHEDULE_VERSION = (0, 17)
+MULTIMODULE_SCHEDULE_VERSION = releases.FEATURES["multimodule_schedule"]
 """The first megatron-core whose non-interleaved 1F1B runs a multimodule pipeline."""
-
-
-def _installed() -> tuple[str, tuple[int, ...]]:
-    text = importlib.import_module("megatron.core.package_info").__version__
-    return text, tuple(int(x) for x in text.split(".")[:2] if x.isdigit())
 
 
 def mesh_plan_of(path: str) -> Plan | None:
@@ -35,9 +29,8 @@ def mesh_plan_of(path: str) -> Plan | None:
     data = read_yaml(path)
     if not (isinstance(data, dict) and data.get("format_version") == MESH_FORMAT_VERSION):
         return None
-    text, version = _installed()
-    if version < MULTIMODULE_SCHEDULE_VERSION:
-        need = ".".join(map(str, MULTIMODULE_SCHEDULE_VERSION))
+    if not releases.has("multimodule_schedule"):
+        text, need = releases.installed()[0], releases.describe("multimodule_schedule")
         raise HeteroError(
             f"{path}: a mesh plan (format_version 2) needs megatron-core {need} or later, whose "
             f"forward_backward_pipelining_without_interleaving runs MultiModulePipelineCommunicator "

@@ -2,13 +2,14 @@
 process: megatron-core 0.17.1's DDP, optimizer (plain and distributed) and finalize over each
 mesh, Adam with gradient clipping that clips (so the norm over the whole model is checked: every
 rank's norm equals the one process's), the 1 / D_last gradient scale, per-token loss where
-replicas differ."""
+replicas differ. Each megatron-core of ``tests.conftest.STACKS`` trains its cases of
+:data:`STACK_CASES` (0.19.2: two, for CI's time)."""
 
 from __future__ import annotations
 
 import pytest
 
-from ..conftest import evaluate_under_017, evaluated
+from ..conftest import STACKS, evaluate_under_017, evaluated
 from ..mcore.tiny_mesh_plans import tiny_mesh_plan as _plan
 
 pytestmark = pytest.mark.slow  # each case spawns 3-4 ranks three times
@@ -26,15 +27,33 @@ MESHES = {  # case: (meshes, world, tiny_mesh_plan's keyword arguments)
 }
 
 
+STACK_CASES = {"0.17": list(MESHES), "0.19": ["tp2dp1-tp1dp2", "uneven"]}
+"""The cases each megatron-core of :data:`tests.conftest.STACKS` trains."""
+assert set(STACK_CASES) == set(STACKS)
+
+
+def _cases(names) -> list:
+    return [pytest.param(stack, name, id=f"{stack}-{name}") for stack, cases in STACK_CASES.items()
+            for name in names if name in cases]
+
+
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> dict:
-    """Every case trained against one process, all in one subprocess under megatron-core 0.17.1
-    (``tests/emulate/mesh_cases.py``)."""
-    calls = {name: f"train_against_one_process("
-                   f"{_plan(tmp_path_factory.mktemp(name), meshes, **kw)!r}, {CLIP!r})"
-             for name, (meshes, _, kw) in MESHES.items()}
-    return evaluate_under_017("from tests.emulate.mesh_cases import train_against_one_process",
-                              calls, timeout=600 * len(calls))
+def trained(tmp_path_factory):
+    """``trained(stack)``: every case of ``STACK_CASES[stack]`` trained against one process, all
+    in one subprocess under that megatron-core (``tests/emulate/mesh_cases.py``), once."""
+    done = {}
+
+    def under(stack: str) -> dict:
+        if stack not in done:
+            calls = {}
+            for name in STACK_CASES[stack]:
+                plan = _plan(tmp_path_factory.mktemp(name), MESHES[name][0], **MESHES[name][2])
+                calls[name] = f"train_against_one_process({plan!r}, {CLIP!r})"
+            done[stack] = evaluate_under_017(
+                "from tests.emulate.mesh_cases import train_against_one_process", calls,
+                timeout=600 * len(calls), stack=stack)
+        return done[stack]
+    return under
 
 
 def _check(trained: dict, name: str) -> None:
@@ -50,23 +69,26 @@ def _check(trained: dict, name: str) -> None:
             assert norms == pytest.approx(ref["grad_norms"], rel=1e-5), (optimizer, norms, ref)
 
 
-@pytest.mark.parametrize("name", ["tp1-tp2", "dp2-dp1", "tp2dp1-tp1dp2", "tp1-tp2-recompute"])
-def test_mesh_plan_trains_equal_to_one_process(trained, name):
+@pytest.mark.parametrize("stack,name",
+                         _cases(["tp1-tp2", "dp2-dp1", "tp2dp1-tp1dp2", "tp1-tp2-recompute"]))
+def test_mesh_plan_trains_equal_to_one_process(trained, stack, name):
     """Three Adam steps with clipping, plain and distributed optimizer: losses, forward-only
     loss, final parameters and every rank's gradient norm equal one process's."""
-    _check(trained, name)
+    _check(trained(stack), name)
 
 
-def test_meshes_of_two_stages_train_equal_to_one_process(trained):
+@pytest.mark.parametrize("stack,name", _cases(["two-stages"]))
+def test_meshes_of_two_stages_train_equal_to_one_process(trained, stack, name):
     """Two meshes of two stages (one layer each): a stage takes its input from the stage
     before it in its mesh, and the last mesh's first stage passes its output on (only the
     model's last stage returns the loss)."""
-    _check(trained, "two-stages")
+    _check(trained(stack), name)
 
 
-def test_uneven_replicas_train_equal_to_one_process(trained):
+@pytest.mark.parametrize("stack,name", _cases(["uneven"]))
+def test_uneven_replicas_train_equal_to_one_process(trained, stack, name):
     """Two meshes of two replicas each, replica 0 running 3 samples and replica 1 one (uneven
     data parallelism, the bridge keeping every sample on its replica's path): the loss is summed
     per token and the gradients divided by the global batch's tokens, counted on the last mesh
     and summed over the world."""
-    _check(trained, "uneven")
+    _check(trained(stack), name)

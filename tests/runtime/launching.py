@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from ..conftest import MEGATRON_LM_TAGS, STACKS
+
 REPO = Path(__file__).resolve().parents[2]
 TRAIN_SCRIPT = Path(__file__).with_name("data") / "train_tiny.py"
 MCORE017 = Path(sys.prefix) / "mcore017"
@@ -37,13 +39,19 @@ PRETRAIN_GPT_ARGS = [a for a in BASE_ARGS if a != "--no-create-attention-mask-in
     "--mock-data", "--split", "100,0,0"]
 
 
-def megatron_lm_checkout(tmp_path) -> Path:
-    """Megatron-LM 0.17.1's scripts (its megatron.core/training come from megatron-core 0.17.1),
-    with the tests' recording wrapper (``data/pretrain_gpt_recording.py``) beside
-    ``pretrain_gpt.py``."""
-    archive = subprocess.run(["git", "--git-dir", str(MEGATRON_GIT), "archive", "core_v0.17.1",
-                              "pretrain_gpt.py", "gpt_builders.py", "model_provider.py",
-                              "megatron/legacy"], capture_output=True, check=True).stdout
+_SCRIPTS = ("pretrain_gpt.py", "gpt_builders.py", "model_provider.py", "megatron/legacy")
+
+
+def megatron_lm_checkout(tmp_path, stack: str = "0.17") -> Path:
+    """Megatron-LM 0.17.1's scripts (its megatron.core/training come from megatron-core 0.17.1;
+    ``stack``: another release line of :data:`tests.conftest.STACKS`), with the tests'
+    recording wrapper (``data/pretrain_gpt_recording.py``) beside ``pretrain_gpt.py``."""
+    tag = MEGATRON_LM_TAGS[stack]
+    # megatron/legacy (gone by core_v0.19.0) where the release has it
+    present = subprocess.run(["git", "--git-dir", str(MEGATRON_GIT), "ls-tree", "--name-only",
+                              tag, *_SCRIPTS], capture_output=True, text=True, check=True).stdout
+    archive = subprocess.run(["git", "--git-dir", str(MEGATRON_GIT), "archive", tag,
+                              *present.split()], capture_output=True, check=True).stdout
     checkout = tmp_path / "Megatron-LM"
     checkout.mkdir()
     subprocess.run(["tar", "-x", "-C", str(checkout)], input=archive, check=True)
@@ -66,9 +74,10 @@ _PLAIN = (
 
 def launch(nproc: int, plan: str, workdir: Path, *, iters: int = 2, extra=(), env=None,
            timeout: float = 240, script: Path = TRAIN_SCRIPT, launcher_types=None,
-           hooks: bool = True, base_args=BASE_ARGS) -> list:
+           hooks: bool = True, base_args=BASE_ARGS, stack: str = "0.17") -> list:
     """Start ``nproc`` ranks; returns [(returncode, output, log dict or None)] per launcher rank.
-    ``hooks=False`` runs plain Megatron with the plan's implied arguments instead."""
+    ``hooks=False`` runs plain Megatron with the plan's implied arguments instead; ``stack``:
+    the megatron-core of :data:`tests.conftest.STACKS` the ranks import."""
     from megatron_hetero.mcore.spawn import free_port
 
     port = free_port()
@@ -78,7 +87,7 @@ def launch(nproc: int, plan: str, workdir: Path, *, iters: int = 2, extra=(), en
         e.update(RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
                  MASTER_PORT=str(port), OMP_NUM_THREADS="1", MEGATRON_HETERO_CPU="1",
                  TINY_LOG=str(workdir / "log"),
-                 PYTHONPATH=os.pathsep.join([str(MCORE017), str(REPO)]), **(env or {}))
+                 PYTHONPATH=os.pathsep.join([str(STACKS[stack]), str(REPO)]), **(env or {}))
         if launcher_types:
             e["MEGATRON_HETERO_DEVICE_TYPE"] = launcher_types[r]
         if hooks:

@@ -142,12 +142,27 @@ def _flat(tree, prefix=""):
         yield prefix, tree
 
 
-def _tensors(checkpoint: Path, tmp: Path) -> dict:
-    """Every tensor of a torch_dist checkpoint (model and optimizer state) by its global key."""
+def _tensors(checkpoint: Path, tmp: Path, stack: str | None = None) -> dict:
+    """Every tensor of a torch_dist checkpoint (model and optimizer state) by its global key;
+    with ``stack`` (a key of ``tests.conftest.STACKS``) read in a process of that megatron-core,
+    whose objects the checkpoint's pickles hold."""
     import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     out = tmp / (checkpoint.parent.name + checkpoint.name + ".pt")
+    if stack is not None:
+        import subprocess
+        import sys
+
+        from ..conftest import mcore_environ
+
+        code = ("import sys, torch; from tests.runtime.test_checkpoint_resume import _tensors; "
+                "from pathlib import Path; torch.save(_tensors(Path(sys.argv[1]), "
+                "Path(sys.argv[2])), sys.argv[3])")
+        subprocess.run([sys.executable, "-c", code, str(checkpoint), str(tmp), str(out) + ".t"],
+                       env=mcore_environ(stack), check=True, timeout=300)
+        return torch.load(str(out) + ".t", weights_only=True)
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
     dcp_to_torch_save(checkpoint, out)
     return {k: v for k, v in _flat(torch.load(out, weights_only=False))
             if isinstance(v, torch.Tensor)}

@@ -10,6 +10,7 @@ import pytest
 
 from megatron_hetero.plan import plan_from_data, save_plan
 
+from ..conftest import mcore_environ
 from .launching import (PRETRAIN_GPT_ARGS, launch, logged_losses, megatron_lm_checkout,
                         needs_megatron_git, together)
 from .plans import A100, V100, make_plan
@@ -258,13 +259,15 @@ def test_mismatch_and_conflict_stop_with_one_message(tmp_path):
 
 
 @needs_megatron_git
-@pytest.mark.parametrize("tp", [1, 2])
-def test_unchanged_pretrain_gpt_uneven_data_parallel(tmp_path, tp):
+@pytest.mark.parametrize("stack,tp", [("0.17", 1), ("0.17", 2), ("0.19", 2)])
+def test_unchanged_pretrain_gpt_uneven_data_parallel(tmp_path, stack, tp):
     """Megatron-LM 0.17.1's own pretrain_gpt.py (unpatched, mock data), run by launch: a
     2-replica 3:1 plan logs the same training and validation losses and grad norms as one
     replica (with TP=2 the replicas' batches go through Megatron's tensor-parallel batch
-    broadcast too)."""
-    checkout = megatron_lm_checkout(tmp_path)
+    broadcast too). Under megatron-core 0.19.2, core_v0.19.0's pretrain_gpt.py (its model
+    built by GPTModelBuilder, not get_model)."""
+    mcore_environ(stack)  # fails where bootstrap did not install it
+    checkout = megatron_lm_checkout(tmp_path, stack)
     before = (checkout / "pretrain_gpt.py").read_bytes()
     uneven, single = tmp_path / "uneven.yaml", tmp_path / "single.yaml"
     save_plan(make_plan(split=(2,), tp=tp, replicas=[(1, 3), (1, 1)]), uneven)
@@ -273,9 +276,9 @@ def test_unchanged_pretrain_gpt_uneven_data_parallel(tmp_path, tp):
     script = checkout / "pretrain_gpt.py"
     evaluate = ["--eval-iters", "1", "--eval-interval", "1", "--split", "50,50,0"]
     many = launch(2 * tp, str(uneven), tmp_path / "a", script=script,
-                  base_args=PRETRAIN_GPT_ARGS, extra=evaluate, timeout=400)
+                  base_args=PRETRAIN_GPT_ARGS, extra=evaluate, timeout=400, stack=stack)
     one = launch(tp, str(single), tmp_path / "b", script=script, base_args=PRETRAIN_GPT_ARGS,
-                 extra=evaluate, timeout=400)
+                 extra=evaluate, timeout=400, stack=stack)
     for code, out, _ in many + one:
         assert code == 0, out[-3000:]
     assert (checkout / "pretrain_gpt.py").read_bytes() == before
@@ -294,11 +297,14 @@ def _validation_losses(output: str) -> list[float]:
 
 
 @needs_megatron_git
-def test_unchanged_pretrain_gpt_interleaved_uneven_plan(tmp_path):
-    """Megatron-LM 0.17.1's own pretrain_gpt.py runs an interleaved plan (PP=2, model chunks of
-    1+1 and 2+1 layers) with replicas of 4 and 2 micro-batches: training and validation losses
-    and grad norms as one replica running all 6 micro-batches through the same chunks."""
-    checkout = megatron_lm_checkout(tmp_path)
+@pytest.mark.parametrize("stack", ["0.17", "0.19"])
+def test_unchanged_pretrain_gpt_interleaved_uneven_plan(tmp_path, stack):
+    """Megatron-LM 0.17.1's own pretrain_gpt.py (core_v0.19.0's under megatron-core 0.19.2)
+    runs an interleaved plan (PP=2, model chunks of 1+1 and 2+1 layers) with replicas of 4 and
+    2 micro-batches: training and validation losses and grad norms as one replica running all
+    6 micro-batches through the same chunks."""
+    mcore_environ(stack)  # fails where bootstrap did not install it
+    checkout = megatron_lm_checkout(tmp_path, stack)
     uneven, single = tmp_path / "uneven.yaml", tmp_path / "single.yaml"
     chunks = [[1, 1], [2, 1]]
     plan = make_plan(chunks=chunks, devices=[[A100, V100]] * 2, replicas=[(1, 4), (1, 2)])
@@ -308,9 +314,9 @@ def test_unchanged_pretrain_gpt_interleaved_uneven_plan(tmp_path):
     script = checkout / "pretrain_gpt.py"
     evaluate = ["--eval-iters", "1", "--eval-interval", "1", "--split", "50,50,0"]
     four = launch(4, str(uneven), tmp_path / "a", script=script, base_args=PRETRAIN_GPT_ARGS,
-                  extra=evaluate, timeout=400)
+                  extra=evaluate, timeout=400, stack=stack)
     two = launch(2, str(single), tmp_path / "b", script=script, base_args=PRETRAIN_GPT_ARGS,
-                 extra=evaluate, timeout=400)
+                 extra=evaluate, timeout=400, stack=stack)
     for code, out, _ in four + two:
         assert code == 0, out[-3000:]
     assert "virtual_pipeline_model_parallel_size ............ 2" in four[0][1]

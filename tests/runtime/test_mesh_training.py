@@ -32,6 +32,11 @@ trains steps 3-4 again, writing the same step-4 checkpoint; that checkpoint hold
 process's step-4 state under the same keys (each layer under its global number). ``from-mesh``
 (a format-1 plan of two stages, TP 1) loads that mesh plan's step-2 checkpoint and trains steps
 3-4 equal to the one process: a checkpoint crosses from a mesh plan back to a plain one.
+
+Each megatron-core of ``tests.conftest.STACKS`` runs the chain with its own Megatron-LM release
+(``launching.megatron_lm_checkout``): 0.17.1 every run above, 0.19.2 (core_v0.19.0's
+``pretrain_gpt.py``) ``ref``, ``tp1-tp2``, ``uneven``, ``resume`` and ``from-mesh``
+(:data:`MESH_RUNS`, chosen for CI's time).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ import pytest
 
 from megatron_hetero.plan import save_any_plan, save_plan
 
+from ..conftest import STACKS
 from .launching import (BASE_ARGS, MEGATRON_GIT, PRETRAIN_GPT_ARGS, RECORDING_SCRIPT, TRAIN_SCRIPT,
                         launch, megatron_lm_checkout)
 from .plans import A100, V100, make_mesh_plan, make_plan
@@ -71,14 +77,25 @@ REPLICAS = {"uneven": [(1, 3), (1, 1)]}
 DEVICES = {"tp1-tp2": [A100, V100]}
 LAUNCHER_TYPES = {run: [V100, V100, A100] for run in ("tp1-tp2", "resume")}  # V100s first
 PLACED = {run: [1, 2, 0] for run in ("tp1-tp2", "resume")}  # Megatron rank of each launcher rank
+MESH_RUNS = {"0.17": list(MESH_PLANS), "0.19": ["tp1-tp2", "uneven"]}
+"""The mesh plans each megatron-core of :data:`tests.conftest.STACKS` trains."""
+assert set(MESH_RUNS) == set(STACKS)
 
 
-def _runs(root: Path):
-    """(run, plan file, ranks, extra arguments), in the order they run."""
+def _cases(runs=None) -> list:
+    """``(stack, run)`` of every mesh plan trained under each stack (of ``runs`` only)."""
+    return [pytest.param(stack, name, id=f"{stack}-{name}") for stack, names in MESH_RUNS.items()
+            for name in names if runs is None or name in runs]
+
+
+def _runs(root: Path, names: list[str]):
+    """(run, plan file, ranks, extra arguments) of the mesh plans ``names`` (``tp1-tp2`` among
+    them) and the runs they need, in the order they run."""
     tp = str(root / "ckpt-tp1-tp2")
     runs = [(ref, ref, 1, ["--save", str(root / f"ckpt-{ref}"), "--save-interval", "1"])
-            for ref in ("ref", "ref-plain")]
-    for name, (ranks, _) in MESH_PLANS.items():
+            for ref in ("ref", "ref-plain") if ref == "ref" or "plain" in names]
+    for name in names:
+        ranks = MESH_PLANS[name][0]
         ref = str(root / f"ckpt-{REFERENCE.get(name, 'ref')}")
         extra = ["--load", ref, "--ckpt-step", "1", "--no-load-rng"]  # ref's rng: one grid
         if name == "tp1-tp2":
@@ -93,10 +110,21 @@ def _runs(root: Path):
 
 
 @pytest.fixture(scope="module")
-def chain(tmp_path_factory):
-    root = tmp_path_factory.mktemp("meshes")
+def chains(tmp_path_factory):
+    """``chain(stack)``: the records of :data:`MESH_RUNS` ``[stack]``'s chain, run once."""
+    done = {}
+
+    def chain(stack: str) -> dict:
+        if stack not in done:
+            done[stack] = _chain(tmp_path_factory.mktemp(f"meshes-{stack}"), stack)
+        return done[stack]
+    return chain
+
+
+def _chain(root: Path, stack: str) -> dict:
     if MEGATRON_GIT.is_dir():
-        script, base_args = megatron_lm_checkout(root) / RECORDING_SCRIPT.name, PRETRAIN_GPT_ARGS
+        script, base_args = (megatron_lm_checkout(root, stack) / RECORDING_SCRIPT.name,
+                             PRETRAIN_GPT_ARGS)
     else:
         script, base_args = TRAIN_SCRIPT, BASE_ARGS
     print("training script:", script)
@@ -123,18 +151,19 @@ def chain(tmp_path_factory):
                               # the tiny model's module inputs offloaded (data/recording.py)
                               **({"OFFLOAD_MIN_NUMEL": "1"} if plan in OFFLOAD else {})},
                          timeout=500,
-                         launcher_types=LAUNCHER_TYPES.get(run))
+                         launcher_types=LAUNCHER_TYPES.get(run), stack=stack)
         walls[run] = time.perf_counter() - start
         for code, out, _ in results:
             assert code == 0, f"{run}: {out[-3000:]}"
         records[run] = [json.loads((work / f"samples.{r}").read_text()) for r in range(ranks)]
 
-    runs = _runs(root)
-    # the two one-process references side by side (one core each), then the plans in order
+    runs = _runs(root, MESH_RUNS[stack])
+    refs = sum(run in ("ref", "ref-plain") for run, *_ in runs)
+    # the one-process references side by side (one core each), then the plans in order
     with ThreadPoolExecutor(2) as pool:
-        for done in [pool.submit(run_one, *args) for args in runs[:2]]:
+        for done in [pool.submit(run_one, *args) for args in runs[:refs]]:
             done.result()
-    for args in runs[2:]:
+    for args in runs[refs:]:
         run_one(*args)
     print("wall time per run (s):", {k: round(v, 1) for k, v in walls.items()})
     return {"records": records, "root": root, "script": script}
@@ -145,11 +174,11 @@ def _by_rank(records: list) -> list:
     return sorted(records, key=lambda rec: rec["rank"])
 
 
-@pytest.mark.parametrize("name", list(MESH_PLANS))
-def test_mesh_plan_trains_equal_to_one_process(chain, name):
+@pytest.mark.parametrize("stack,name", _cases())
+def test_mesh_plan_trains_equal_to_one_process(chains, stack, name):
     """Steps 2-4 of each mesh plan: the loss (on the last mesh) and the gradient norm (the
     whole model's, on every rank) equal the one process's within rtol 1e-5."""
-    rec = chain["records"]
+    rec = chains(stack)["records"]
     ref, got = _steps(rec[REFERENCE.get(name, "ref")]), _steps(rec[name])
     assert sorted(ref) == [1, 2, 3, 4] and sorted(got) == [2, 3, 4]
     _close(got, ref)
@@ -164,8 +193,9 @@ def test_mesh_plan_trains_equal_to_one_process(chain, name):
         assert [s[2] for s in record["steps"]] == [s[2] for s in records[-1]["steps"]]
 
 
-@pytest.mark.parametrize("run", ["dp2-dp1", "tp1-tp2", "resume"])
-def test_offload_runs_on_the_offloading_mesh_only(chain, run):
+@pytest.mark.parametrize("stack,run", _cases(["dp2-dp1", "tp1-tp2"]) + [
+    pytest.param(stack, "resume", id=f"{stack}-resume") for stack in STACKS])
+def test_offload_runs_on_the_offloading_mesh_only(chains, stack, run):
     """``dp2-dp1``, ``tp1-tp2`` and its ``resume``: every rank of the first mesh keeps part of
     its optimizer shard on the host and part on the device, and offloads module inputs; the
     second mesh's ranks do neither, and joined megatron-core's offload summary (with nothing)
@@ -173,7 +203,7 @@ def test_offload_runs_on_the_offloading_mesh_only(chain, run):
     _, meshes = MESH_PLANS["tp1-tp2" if run == "resume" else run]
     tp, dp, layers, _ = meshes[0]
     first = tp * dp * len(layers)  # the first mesh's ranks
-    for r, record in enumerate(_by_rank(chain["records"][run])):
+    for r, record in enumerate(_by_rank(chains(stack)["records"][run])):
         got = record["offload"]
         if r < first:
             assert got["optimizer_host_numel"] > 0 and got["optimizer_device_numel"] > 0, got
@@ -182,20 +212,23 @@ def test_offload_runs_on_the_offloading_mesh_only(chain, run):
             assert "optimizer_host_numel" not in got and got["module_input_bytes"] == {}, got
 
 
-def test_ranks_placed_by_device_type(chain):
+@pytest.mark.parametrize("stack", list(STACKS))
+def test_ranks_placed_by_device_type(chains, stack):
     """``tp1-tp2`` and its ``resume``: the launcher started the two V100s first; each process
     plays the plan's rank of its device type (the A100 mesh's rank 0), and trains equal to one
     process (above); a plan of one device type keeps the launcher's order."""
-    for run in ("tp1-tp2", "resume", "dp2-dp1"):
-        want = PLACED.get(run, list(range(len(chain["records"][run]))))
-        assert [rec["rank"] for rec in chain["records"][run]] == want, run
+    records = chains(stack)["records"]
+    for run in ("tp1-tp2", "resume", "dp2-dp1", "uneven"):
+        if run in records:
+            want = PLACED.get(run, list(range(len(records[run]))))
+            assert [rec["rank"] for rec in records[run]] == want, run
 
 
-@pytest.mark.parametrize("name", list(MESH_PLANS))
-def test_first_mesh_reads_every_sample_once(chain, name):
+@pytest.mark.parametrize("stack,name", _cases())
+def test_first_mesh_reads_every_sample_once(chains, stack, name):
     """The first mesh's replicas (their tensor rank 0) read, in each step, exactly the samples
     the one process read in that step (each replica its share)."""
-    rec = chain["records"]
+    rec = chains(stack)["records"]
     _, meshes = MESH_PLANS[name]
     tp, dp = meshes[0][0], meshes[0][1]
     want = {}
@@ -212,41 +245,59 @@ def test_first_mesh_reads_every_sample_once(chain, name):
         assert sorted(idx) == sorted(want[it]), it
 
 
-def test_same_mesh_plan_resume_equals_the_uninterrupted_job(chain, tmp_path):
+@pytest.mark.parametrize("stack", list(STACKS))
+def test_same_mesh_plan_resume_equals_the_uninterrupted_job(chains, stack, tmp_path):
     """``tp1-tp2`` resumed from its own step-2 checkpoint trains steps 3-4 as before and writes
     the same step-4 checkpoint (weights and the distributed optimizer's Adam state)."""
+    chain = chains(stack)
     rec = chain["records"]
     full, resumed = _steps(rec["tp1-tp2"]), _steps(rec["resume"])
     assert sorted(resumed) == [3, 4]
     _close(resumed, full)
     root = chain["root"]
-    a = _tensors(root / "ckpt-tp1-tp2" / "iter_0000004", tmp_path)
-    b = _tensors(root / "ckpt-resume" / "iter_0000004", tmp_path)
+    a = _tensors(root / "ckpt-tp1-tp2" / "iter_0000004", tmp_path, stack)
+    b = _tensors(root / "ckpt-resume" / "iter_0000004", tmp_path, stack)
     assert a.keys() == b.keys()
     assert any(k.startswith("/optimizer.state.exp_avg_sq.") for k in a)
     _assert_same_state(a, b, keys=a)
 
 
-def test_a_plain_plan_resumes_a_mesh_plans_checkpoint(chain):
+@pytest.mark.parametrize("stack", list(STACKS))
+def test_a_plain_plan_resumes_a_mesh_plans_checkpoint(chains, stack):
     """A format-1 plan (two stages, TP 1, the distributed optimizer) loads ``tp1-tp2``'s step-2
     checkpoint (layers 3-4 saved from two tensor ranks) and trains steps 3-4 equal to the one
     process: Megatron's resharding carries the weights and the Adam state out of a mesh plan."""
-    rec = chain["records"]
+    rec = chains(stack)["records"]
     got = _steps(rec["from-mesh"])
     assert sorted(got) == [3, 4]
     _close(got, _steps(rec["ref"]))
 
 
-def test_mesh_checkpoint_holds_the_one_process_state(chain, tmp_path):
+@pytest.mark.parametrize("stack", list(STACKS))
+def test_mesh_checkpoint_holds_the_one_process_state(chains, stack, tmp_path):
     """The step-4 checkpoint written under ``tp1-tp2`` (layers 1-2 whole on one rank, layers 3-4
     split over two tensor ranks) holds the one process's step-4 state under the same keys: the
     stacked layers whole, the optimizer state too."""
-    root = chain["root"]
-    mesh = _tensors(root / "ckpt-tp1-tp2" / "iter_0000004", tmp_path)
-    ref = _tensors(root / "ckpt-ref" / "iter_0000004", tmp_path)
+    root = chains(stack)["root"]
+    mesh = _tensors(root / "ckpt-tp1-tp2" / "iter_0000004", tmp_path, stack)
+    ref = _tensors(root / "ckpt-ref" / "iter_0000004", tmp_path, stack)
     layers = [k for k in ref if k.startswith("/decoder.layers.")]
     assert layers and all(ref[k].shape[0] == 4 for k in layers)
     assert set(layers) <= set(mesh)
     common = [k for k in ref if k in mesh]
     assert any(k.startswith("/optimizer.state.exp_avg.decoder.layers.") for k in common)
     _assert_same_state(mesh, ref, keys=common)
+
+
+@pytest.mark.parametrize("stack", list(STACKS))
+def test_the_checkpoint_reader_reads_the_mesh_checkpoint(chains, stack):
+    """``replan``'s reader (no torch) reads the step-4 save of ``tp1-tp2``: its iteration, the
+    arguments it was trained with and every stacked layer's whole shape (megatron-core 0.19
+    keeps the arguments in the ``*.distcp`` files, not in ``common.pt``)."""
+    from megatron_hetero.checkpoint import read_checkpoint
+
+    ckpt = read_checkpoint(chains(stack)["root"] / "ckpt-tp1-tp2")
+    assert ckpt.iteration == 4 and ckpt.format == "torch_dist"
+    assert ckpt.arg("num_layers") == 4 and ckpt.arg("train_iters") == STEPS
+    layers = {k: t.shape for k, t in ckpt.tensors.items() if k.startswith("decoder.layers.")}
+    assert layers and all(shape[0] == 4 for shape in layers.values())

@@ -1,4 +1,5 @@
 """A pretrain_gpt.py-style script: megatron.training.pretrain, tiny GPT, synthetic data."""
+import inspect
 import json
 import os
 from functools import partial
@@ -85,8 +86,18 @@ if __name__ == "__main__":
         recording.record_steps()
         recording.record_offload()
     try:
-        pretrain(datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
-                 args_defaults={"tokenizer_type": "NullTokenizer"})
+        if "cfg_container" in inspect.signature(pretrain).parameters:
+            # megatron-core 0.19: the arguments parsed first, pretrain given a config container
+            # (without a model config: the model from model_provider through get_model)
+            from megatron.training.argument_utils import pretrain_cfg_container_from_args
+            from megatron.training.arguments import parse_and_validate_args
+
+            args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
+            pretrain(pretrain_cfg_container_from_args(args), datasets_provider,
+                     ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
+        else:
+            pretrain(datasets_provider, model_provider, ModelType.encoder_or_decoder,
+                     forward_step, args_defaults={"tokenizer_type": "NullTokenizer"})
     finally:  # --exit-interval ends the run with sys.exit
         if RECORD:
             recording.dump()
