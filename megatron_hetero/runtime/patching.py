@@ -21,7 +21,7 @@ __all__ = ["PATCHES_DIR", "release_line", "patch_for", "apply_patch", "patch_meg
 
 def _patches_dir() -> Path:
     """``patches/`` of a source checkout, else the copy an installed wheel ships as
-    ``megatron_hetero/_patches`` (setup.py maps one onto the other)."""
+    ``megatron_hetero/_patches`` (a link in the package points at it, so a wheel carries it)."""
     here = Path(__file__).resolve().parents[1]
     checkout = here.parent / "patches"
     return checkout if checkout.is_dir() else here / "_patches"

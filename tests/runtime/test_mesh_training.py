@@ -294,7 +294,7 @@ def test_the_checkpoint_reader_reads_the_mesh_checkpoint(chains, stack):
     """``replan``'s reader (no torch) reads the step-4 save of ``tp1-tp2``: its iteration, the
     arguments it was trained with and every stacked layer's whole shape (megatron-core 0.19
     keeps the arguments in the ``*.distcp`` files, not in ``common.pt``)."""
-    from megatron_hetero.checkpoint import read_checkpoint
+    from megatron_hetero.launch.checkpoint import read_checkpoint
 
     ckpt = read_checkpoint(chains(stack)["root"] / "ckpt-tp1-tp2")
     assert ckpt.iteration == 4 and ckpt.format == "torch_dist"

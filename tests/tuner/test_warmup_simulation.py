@@ -33,7 +33,7 @@ def warmup_pipelines(draw):
 @given(warmup_pipelines())
 def test_warmup_schedule_is_the_earliest_one_in_its_order(case):
     """Each op starts as soon as its stage is free and its input has crossed the link, in the
-    order schedule_order gives each stage (the order the runtime runs)."""
+    order schedule.rules gives each stage (the order the runtime runs)."""
     p, m, w, f, b, send_f, send_b = case
     finish, busy, last_b, events = interleaved_1f1b(f, b, send_f, send_b, m, record=True,
                                                     warmups=w)
