@@ -54,9 +54,8 @@ def add_replan_arguments(p: argparse.ArgumentParser) -> None:
 
 def replan_main(args: argparse.Namespace) -> int:
     source = Path(args.source)
-    inputs = {"INVENTORY": args.inventory, "--plan": args.plan}
-    if source.is_file():
-        inputs["CHECKPOINT_OR_PLAN"] = args.source
+    inputs = {"INVENTORY": args.inventory, "--plan": args.plan, "CHECKPOINT_OR_PLAN": args.source}
+    inputs.update({f"--profile {p}": p for p in args.profile or ()})
     with Outputs("replan", inputs=inputs, outputs={"-o/--output": args.output}) as out:
         return _replan(args, source, out)
 
@@ -70,6 +69,9 @@ def _replan(args: argparse.Namespace, source: Path, out: Outputs) -> int:
 
     inventory = load_inventory(args.inventory)
     ckpt, old, old_path = _sources(args, source)
+    if old_path:  # the old plan, maybe found through the checkpoint's saved --hetero-plan
+        out.add_input(f"the old plan (args.hetero_plan of {ckpt.common_file})" if ckpt
+                      and not args.plan else "the old plan", old_path)
     model = _model(args, ckpt, old, old_path)
     gbs = ckpt.arg("global_batch_size") if ckpt else old.global_batch_size
     origin = f"{ckpt.common_file} args.global_batch_size" if ckpt else f"{old_path} global_batch_size"
