@@ -21,6 +21,7 @@ from typing import Any, Literal, Union
 import yaml
 
 from .errors import Described, SchemaError
+from .limits import check_quantity
 
 __all__ = ["from_data", "to_data", "read_yaml", "write_yaml"]
 
@@ -289,8 +290,13 @@ def _convert_dataclass(cls: type, data: Any, source: str, path: str) -> Any:
             continue
         kwargs[name] = _convert(hints[name], data[name], source, _join(path, name))
     try:
-        return cls(**kwargs)
+        obj = cls(**kwargs)
     except SchemaError as exc:
         # __post_init__ checks report paths relative to the object; anchor them here.
         raise SchemaError(source, _join(path, exc.path) if exc.path != "<root>" else path,
                           exc.found, exc.expected) from None
+    for name, f in fields.items():  # after the class's own checks, whose words come first
+        kind, value = f.metadata.get("quantity"), kwargs.get(name)
+        if kind and isinstance(value, (int, float)) and not isinstance(value, bool):
+            check_quantity(kind, value, source=source, path=_join(path, name))
+    return obj

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from .errors import SchemaError
 
-__all__ = ["MODEL_SIZES", "MOST_GPUS", "check_model_size", "check_model_sizes", "check_gpus"]
+__all__ = ["MODEL_SIZES", "MOST_GPUS", "QUANTITIES", "quantity", "check_quantity",
+           "check_model_size", "check_model_sizes", "check_gpus"]
 
 MODEL_SIZES = {
     "num_layers": 512,
@@ -50,3 +51,41 @@ def check_gpus(count: int, *, path: str, found: object) -> None:
     if count > MOST_GPUS:
         raise SchemaError("", path, found, f"at most {MOST_GPUS:,} GPUs in all (found {count:,}; "
                                            "more than any cluster this tool can plan)")
+
+
+QUANTITIES: dict[str, tuple[float, float, str]] = {
+    "bandwidth_gb_s": (1e-6, 1e5, "a bandwidth in GB/s"),
+    "tflops": (1e-6, 1e5, "a throughput in TFLOP/s"),
+    "memory_gb": (1e-6, 1e6, "a memory size in GB"),
+    "bytes": (1, 1 << 50, "a number of bytes"),
+    "seconds": (1e-9, 1e5, "a measured time in seconds"),
+    "latency_s": (1e-9, 10.0, "a latency in seconds"),
+    "link_latency_s": (0.0, 10.0, "a link latency in seconds"),
+    "time_scale": (1.0, 1e4, "a time scale"),
+}
+"""Each physical quantity a file or an option gives: the least and the most it may be, both
+included, and what it is. The bounds lie far outside any device or link built (a bandwidth of
+1 kB/s to 100 TB/s, 1 MFLOP/s to 100 PFLOP/s a device, so that CPU ranks playing a GPU fit too), so that every figure the cost model
+and the simulator derive stays a finite number of a bounded size: a bandwidth of 1e-300 GB/s
+made transfers of 1e300 s and the search never ended; 1e299 TFLOP/s made times underflow to
+zero and a division fail; ``--time-scale 1e308`` slept for ever. Zero and negative bytes,
+latencies and bandwidths are below every bound: a measurement of them is a broken one."""
+
+
+def quantity(kind: str) -> dict[str, str]:
+    """Field metadata that makes :mod:`.._schema` check the field as the quantity ``kind`` of
+    :data:`QUANTITIES` when a file gives it: ``field(metadata=quantity("bandwidth_gb_s"))``."""
+    if kind not in QUANTITIES:
+        raise KeyError(kind)
+    return {"quantity": kind}
+
+
+def check_quantity(kind: str, value: float, *, source: str = "", path: str = "") -> float:
+    """``value`` within the bounds of the quantity ``kind``; else the one-line error naming
+    ``source`` and ``path``."""
+    low, high, what = QUANTITIES[kind]
+    if not low <= value <= high:  # NaN fails too
+        raise SchemaError(source, path, value, f"{what} from {low:g} to {high:g} (outside "
+                                               "what any device or link does: a typo?)")
+    return value
+

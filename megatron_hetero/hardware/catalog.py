@@ -13,6 +13,7 @@ import yaml
 
 from .._schema import from_data
 from ..errors import Described, SchemaError
+from ..limits import quantity
 
 __all__ = ["GPUSpec", "GPUOverride", "Catalog", "load_catalog", "DeviceStack", "VENDOR_STACKS"]
 
@@ -45,14 +46,14 @@ class GPUSpec:
 
     name: str = field(default="", metadata={"internal": True})
     vendor: str
-    bf16_tflops: float
+    bf16_tflops: float = field(metadata=quantity("tflops"))
     """Dense bf16 (or fp16 where ``bf16`` is false) tensor-core TFLOPS."""
     bf16: bool
-    fp32_tflops: float
-    memory_gb: float
-    memory_bandwidth_gb_s: float
+    fp32_tflops: float = field(metadata=quantity("tflops"))
+    memory_gb: float = field(metadata=quantity("memory_gb"))
+    memory_bandwidth_gb_s: float = field(metadata=quantity("bandwidth_gb_s"))
     intra_node_link: str
-    intra_node_bandwidth_gb_s: float
+    intra_node_bandwidth_gb_s: float = field(metadata=quantity("bandwidth_gb_s"))
     """One-direction bandwidth to peers in the same node."""
     efficiency: float
     """Default achievable fraction of ``bf16_tflops`` on transformer layers."""
@@ -98,13 +99,13 @@ class GPUOverride:
     required field given) adds a new one."""
 
     vendor: str | None = None
-    bf16_tflops: float | None = None
+    bf16_tflops: float | None = field(default=None, metadata=quantity("tflops"))
     bf16: bool | None = None
-    fp32_tflops: float | None = None
-    memory_gb: float | None = None
-    memory_bandwidth_gb_s: float | None = None
+    fp32_tflops: float | None = field(default=None, metadata=quantity("tflops"))
+    memory_gb: float | None = field(default=None, metadata=quantity("memory_gb"))
+    memory_bandwidth_gb_s: float | None = field(default=None, metadata=quantity("bandwidth_gb_s"))
     intra_node_link: str | None = None
-    intra_node_bandwidth_gb_s: float | None = None
+    intra_node_bandwidth_gb_s: float | None = field(default=None, metadata=quantity("bandwidth_gb_s"))
     efficiency: float | None = None
     aliases: list[str] | None = None
     notes: str | None = None
