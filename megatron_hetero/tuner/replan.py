@@ -25,6 +25,7 @@ from ..outputs import Outputs
 from ..plan import ModelSpec, Plan, save_plan
 from ..placement.inventory import check_plan_against_inventory
 from ..plan.format2 import load_any_plan
+from .validation import validate_plan
 
 __all__ = ["add_replan_arguments", "replan_main"]
 
@@ -104,6 +105,7 @@ def _replan(args: argparse.Namespace, source: Path, out: Outputs) -> int:
     if ckpt:
         _check_loads(ckpt, plan, args.output)
     save_plan(plan, out.staged(args.output))
+    _as_validate_reads_it(out.staged(args.output), inventory, args.output)
     if ckpt:
         a = ckpt.args
         print(f"checkpoint {ckpt.folder}: iteration {ckpt.iteration}, {ckpt.format}, "
@@ -133,6 +135,15 @@ def _replan(args: argparse.Namespace, source: Path, out: Outputs) -> int:
           f"{megatron_args_line(plan, args.output)} {shlex.join(restart)}")
     sys.stdout.flush()
     return 0
+
+
+def _as_validate_reads_it(staged: Path, inventory, output: str) -> None:
+    """Plan B as ``validate OUTPUT --inventory INVENTORY`` would read and check it."""
+    try:
+        validate_plan(load_any_plan(staged, catalog=inventory.catalog), inventory, source=output)
+    except HeteroError as exc:
+        raise HeteroError(f"{str(exc).replace(str(staged), output)} (plan B was not written: "
+                          "`validate` refuses it)") from None
 
 
 def _sources(args, source: Path) -> tuple[Checkpoint | None, Plan | None, str | None]:
