@@ -72,6 +72,29 @@ class GPUSpec:
                 raise SchemaError("", key, getattr(self, key), "a positive number")
         if not 0 < self.efficiency <= 1:
             raise SchemaError("", "efficiency", self.efficiency, "a fraction in (0, 1]")
+        self._check_stack()
+
+    def _check_stack(self) -> None:
+        """The vendor, the torch device and the backend name one stack: an entry that gives a
+        vendor the table knows and another device or backend (an NVIDIA card on ``npu``), or a
+        device the table knows with another backend (``npu`` on ``nccl``), contradicts itself."""
+        for key in ("vendor", "torch_device", "dist_backend"):
+            value = getattr(self, key)
+            if value is not None and not value.strip():
+                raise SchemaError("", key, value, "a name (or leave the key out)")
+        known = VENDOR_STACKS.get(self.vendor)
+        for key in ("torch_device", "dist_backend"):
+            value = getattr(self, key)
+            if known is not None and value is not None and value != getattr(known, key):
+                raise SchemaError("", key, value, f"{getattr(known, key)!r}, the {key} of "
+                                  f"{self.vendor}'s accelerators (or leave the key out); a "
+                                  "vendor of another stack needs its own vendor name")
+        backends = {st.torch_device: st.dist_backend for st in VENDOR_STACKS.values()}
+        if (self.torch_device in backends and self.dist_backend is not None
+                and self.dist_backend != backends[self.torch_device]):
+            raise SchemaError("", "dist_backend", self.dist_backend,
+                              f"{backends[self.torch_device]!r}, the backend of torch device "
+                              f"{self.torch_device!r} tensors")
 
     @property
     def stack(self) -> DeviceStack:
@@ -216,6 +239,12 @@ class Catalog:
     def _put(self, name: str, spec: GPUSpec, *, source: str, where: str) -> None:
         """Add or replace entry ``name`` of this new catalog (one being built: a catalog is
         copied once for a whole ``gpus:``, not once per entry, which was quadratic)."""
+        if not _norm(name):
+            raise SchemaError(source, where, name, "a GPU name with at least one letter or digit")
+        for i, alias in enumerate(spec.aliases):
+            if not _norm(alias):
+                raise SchemaError(source, f"{where}.aliases[{i}]", alias,
+                                  "a name with at least one letter or digit")
         for i, alias in enumerate(spec.aliases):
             owner = self.resolve(alias)
             if owner is not None and owner != name:
