@@ -64,6 +64,8 @@ class _StrictLoader(yaml.SafeLoader):
                 None, None, f"expected a mapping node, but found {node.id}", node.start_mark)
         seen: dict = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                raise _MergeKey(key_node.start_mark)
             key = self.construct_object(key_node, deep=True)
             try:
                 first = seen.get(key)
@@ -73,6 +75,12 @@ class _StrictLoader(yaml.SafeLoader):
                 raise _DuplicateKey(key, first.start_mark, key_node.start_mark)
             seen[key] = key_node
         return super().construct_mapping(node, deep=deep)
+
+
+class _MergeKey(Exception):
+    def __init__(self, mark):
+        super().__init__("<<")
+        self.mark = mark
 
 
 class _DuplicateKey(Exception):
@@ -102,6 +110,11 @@ def read_yaml(path: str | Path) -> Any:
                           Described(f"the key {exc.key!r} a second time (first on line "
                                     f"{exc.first.line + 1})"),
                           "each key once in a mapping") from None
+    except _MergeKey as exc:
+        raise SchemaError(str(path), f"line {exc.mark.line + 1}, column {exc.mark.column + 1}",
+                          Described("a YAML merge key (<<)"),
+                          "each key written out (a merge key hides which value wins, and YAML "
+                          "1.2 has none)") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""

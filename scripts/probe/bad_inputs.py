@@ -92,7 +92,7 @@ CASES: list[tuple[str, callable, str]] = [
     ("jobspec hosts: a host listed twice", lambda d: _set(d, "hosts", "n1 A100-SXM-80GB 8\nn1 V100-SXM2-32GB 8\n"),
      f"{sys.executable} -m megatron_hetero.launch.jobspec plan.yaml --hostfile hosts --print hosts"),
     ("jobspec hosts: nodes of 3 GPUs for TP 2", lambda d: (
-        _set(d, "p.yaml", PLAN), _set(d, "hosts", "n1 A100-SXM-80GB 3\nn2 A100-SXM-80GB 3\nn3 A100-SXM-80GB 2\nn4 V100-SXM2-32GB 8\n")),
+        _set(d, "p.yaml", (REPO / "examples/llama2/70b/plan.yaml").read_text()), _set(d, "hosts", "".join(f"a{i} A800-80GB 3\n" for i in range(10)) + "a10 A800-80GB 2\n" + "".join(f"b{i} A40-48GB 8\n" for i in range(4)))),
      f"{sys.executable} -m megatron_hetero.launch.jobspec p.yaml --hostfile hosts --print hosts"),
     # custom GPUs
     ("tune: custom GPU vendor NVIDIA torch_device npu", lambda d: _set(d, "inv.yaml", INV.replace("V100-SXM2-32GB", "X1") + "gpus:\n  X1: {vendor: NVIDIA, torch_device: npu, bf16_tflops: 100, bf16: true, fp32_tflops: 20, memory_gb: 32, memory_bandwidth_gb_s: 900, intra_node_link: NVLink, intra_node_bandwidth_gb_s: 150, efficiency: 0.5}\n"), TUNE),
