@@ -117,6 +117,13 @@ class Outputs:
             if p and (str(p).endswith(("/", os.sep)) or Path(p).name in ("", ".", "..")):
                 raise HeteroError(f"{name} {p}: a folder's path; expected a file path such as "
                                   f"{str(p).rstrip('/' + os.sep)}/plan.yaml (nothing was written)")
+            if p:
+                parent = Path(p).parent
+                limit = _name_max(parent) if parent.is_dir() else 255
+                size = len(os.fsencode(Path(p).name))
+                if size > limit:
+                    raise HeteroError(f"{name} {p}: a name of {size} bytes; expected at most "
+                                      f"{limit} (this file system's limit; nothing was written)")
         self.targets = {name: Path(p) for name, p in outputs.items() if p}
         self._staged: dict[Path, Path] = {}
         self._streams: set[Path] = set()
