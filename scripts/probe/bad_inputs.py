@@ -68,7 +68,9 @@ CASES: list[tuple[str, callable, str]] = [
         _set(d, "m.yaml", "name: deep\nnum_layers: 512\nhidden_size: 4096\nffn_hidden_size: 11008\n"
                           "num_attention_heads: 32\nnum_query_groups: 32\nvocab_size: 32000\nseq_length: 4096\n")),
      f"{PY} tune inv.yaml --model m.yaml --global-batch-size 4096"),
-    ("simulate: mesh plan global_batch_size 10^9", lambda d: _set(d, "p.yaml", (REPO / "examples/meshes/3090-t4-plan.yaml").read_text().replace("global_batch_size: ", "global_batch_size: 1000000000 #")),
+    ("simulate --timeline: mesh plan of 8*10^8 micro-batches", lambda d: _set(d, "p.yaml", (REPO / "examples/meshes/3090-t4-plan.yaml").read_text().replace("global_batch_size: 128", "global_batch_size: 800000000").replace("num_microbatches: 16", "num_microbatches: 100000000")),
+     f"{PY} simulate p.yaml --inventory {REPO}/examples/meshes/inventory.yaml --timeline t.png"),
+    ("simulate: mesh plan of 8*10^8 micro-batches", lambda d: _set(d, "p.yaml", (REPO / "examples/meshes/3090-t4-plan.yaml").read_text().replace("global_batch_size: 128", "global_batch_size: 800000000").replace("num_microbatches: 16", "num_microbatches: 100000000")),
      f"{PY} simulate p.yaml --inventory {REPO}/examples/meshes/inventory.yaml"),
     # checkpoints
     ("replan: saved num_layers is a string", lambda d: _ckpt(d, args={**ARGS, "num_layers": "four"}), REPLAN),
