@@ -228,6 +228,8 @@ def _convert(hint: Any, data: Any, source: str, path: str) -> Any:
             except SchemaError as exc:
                 errors.append(exc)
         finite = [e for e in errors if e.expected == "a finite number"]
+        if len(errors) == 1:  # X | None given: X's own error names the field inside it
+            raise errors[0]
         raise finite[0] if finite else SchemaError(source, path, data, _describe(hint))
     if dataclasses.is_dataclass(hint):
         return _convert_dataclass(hint, data, source, path)
