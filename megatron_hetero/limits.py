@@ -57,7 +57,7 @@ QUANTITIES: dict[str, tuple[float, float, str]] = {
     "bandwidth_gb_s": (1e-6, 1e5, "a bandwidth in GB/s"),
     "tflops": (1e-6, 1e5, "a throughput in TFLOP/s"),
     "memory_gb": (1e-6, 1e6, "a memory size in GB"),
-    "bytes": (1, 1 << 50, "a number of bytes"),
+    "bytes": (1, 1e15, "a number of bytes"),
     "seconds": (1e-9, 1e5, "a measured time in seconds"),
     "latency_s": (1e-9, 10.0, "a latency in seconds"),
     "link_latency_s": (0.0, 10.0, "a link latency in seconds"),
@@ -85,7 +85,7 @@ def check_quantity(kind: str, value: float, *, source: str = "", path: str = "")
     ``source`` and ``path``."""
     low, high, what = QUANTITIES[kind]
     if not low <= value <= high:  # NaN fails too
-        raise SchemaError(source, path, value, f"{what} from {low:g} to {high:g} (outside "
+        raise SchemaError(source, path, value, f"{what} from {low:,g} to {high:,g} (outside "
                                                "what any device or link does: a typo?)")
     return value
 
