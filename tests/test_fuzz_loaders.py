@@ -31,6 +31,7 @@ import os
 
 from megatron_hetero._schema import to_data
 from megatron_hetero.hardware.inventory import inventory_from_data
+from megatron_hetero.launch.checkpoint import SAVED_ARGS, read_checkpoint
 from megatron_hetero.limits import QUANTITIES
 from megatron_hetero.outputs import Outputs
 from megatron_hetero.plan.format2 import MeshPlan, save_any_plan
@@ -42,6 +43,7 @@ from megatron_hetero.launch.jobspec import read_hostfile
 from megatron_hetero.models import PRESETS, load_model
 from megatron_hetero.plan.format2 import load_any_plan
 
+from .fake_checkpoint import ARGS, write_checkpoint
 from .test_profile_file import _profile
 
 REPO = Path(__file__).resolve().parents[1]
@@ -417,3 +419,39 @@ def test_every_output_path(names, fail):
     changed = {k for k in set(before) | set(after) if before.get(k) != after.get(k)}
     reals = {os.path.realpath(d / k) for k in changed}
     assert reals <= set(written), (changed, written)
+
+
+# -- checkpoints (read without torch) -------------------------------------------------------
+
+@settings(FUZZ, max_examples=25)
+@given(st.dictionaries(st.sampled_from(sorted(ARGS) + ["hetero_plan"]), nasty, max_size=3),
+       st.one_of(st.none(), st.text(max_size=8), st.sampled_from(["release", "2", "0002", "9" * 30])),
+       st.one_of(st.none(), st.binary(max_size=30), st.sampled_from([b"[]", b"null", b"{}"])),
+       st.one_of(st.none(), nasty))
+def test_damaged_checkpoints(args, tracker, metadata, sharding):
+    """A checkpoint with saved arguments, tracker, metadata.json or sharding type replaced:
+    a Checkpoint whose typed arguments hold and whose model is one line or valid, or one
+    line naming the file."""
+    folder = Path(tempfile.mkdtemp(dir=_DIR, prefix="ck-")) / "ck"
+    write_checkpoint(folder, args={**ARGS, **args},
+                     content_metadata=None if sharding is None else {"distrib_optim_sharding_type": sharding})
+    if tracker is not None:
+        (folder / "latest_checkpointed_iteration.txt").write_text(tracker, errors="surrogatepass")
+    if metadata is not None:
+        (folder / "iter_0000002" / "metadata.json").write_bytes(metadata)
+    try:
+        ckpt = read_checkpoint(folder)
+    except HeteroError as exc:
+        assert "\n" not in str(exc) and str(folder) in str(exc), exc
+        return
+    if ckpt.format != "torch_dist":
+        return
+    for name, (kind, required) in SAVED_ARGS.items():
+        value = ckpt.args.get(name)
+        assert value is not None or not required, name
+    try:
+        model = ckpt.model("fuzz")
+    except HeteroError as exc:
+        assert "\n" not in str(exc) and "common.pt" in str(exc), exc
+        return
+    assert model.num_layers == ckpt.args["num_layers"] and ckpt.padded_vocab_size(2) % 2 == 0
