@@ -62,7 +62,7 @@ CASES: list[tuple[str, callable, str]] = [
     ("rehearse --time-scale 1e308", None, f"{PY} rehearse plan.yaml --time-scale 1e308 --steps 2"),
     ("rehearse --link-latency 1e300", None, f"{PY} rehearse plan.yaml --link-latency 1e300 --steps 2"),
     # documented limits
-    ("tune: 512 layers on 1,048,576 GPUs", lambda d: (
+    ("tune: 512 layers on 1,048,576 GPUs (the GPU limit before)", lambda d: (
         _set(d, "inv.yaml", "groups:\n  - {gpu: A100-SXM-80GB, nodes: 65536, gpus_per_node: 8}\n"
                             "  - {gpu: V100-SXM2-32GB, nodes: 65536, gpus_per_node: 8}\n"),
         _set(d, "m.yaml", "name: deep\nnum_layers: 512\nhidden_size: 4096\nffn_hidden_size: 11008\n"
