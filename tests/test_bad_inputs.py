@@ -153,6 +153,15 @@ def test_zero_or_negative_measurements_in_a_profile_are_refused(tmp_path, edit, 
     _one_line(got.value, f"{where}: found")
 
 
+def test_a_plans_own_gpu_entry_has_the_same_bounds(tmp_path, capsys):
+    text = (REPO / "examples/llama2/7b/plan.yaml").read_text()
+    entry = {**GPU, "bf16_tflops": 1e-300}
+    (tmp_path / "p.yaml").write_text(text + yaml.safe_dump({"gpus": {"X1": entry}}))
+    assert main(["validate", str(tmp_path / "p.yaml")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "gpus.X1.bf16_tflops: found 1e-300" in err, err
+
+
 # -- custom GPU entries ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("name, fields, words", [
