@@ -303,8 +303,9 @@ def test_submit_sh_validates_against_its_inventory(tmp_path):
                          env={**os.environ, "MH_PYTHON": sys.executable, "MH_PRETRAIN_SCRIPT": "x",
                               "PYTHONPATH": str(REPO)})
     assert run.returncode == 1, run.stdout + run.stderr
-    assert "does not validate against small.yaml" in run.stderr, run.stderr
-    assert "megatron-hetero validate: error: " in run.stderr, run.stderr
+    assert run.stderr.count("\n") == 1, run.stderr  # validate's reason on submit's line
+    assert "does not validate against small.yaml: " in run.stderr, run.stderr
+    assert "pipelines" in run.stderr and "expected" in run.stderr, run.stderr
 
 
 # -- the documented limits ------------------------------------------------------------------

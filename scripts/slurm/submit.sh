@@ -69,7 +69,9 @@ for ((i = 0; i < ${#spec[@]}; i++)); do
         --inventory=*) validate_inv=(--inventory "${spec[$i]#--inventory=}") ;;
     esac
 done
-"$PY" -m megatron_hetero.cli validate "$plan" "${validate_inv[@]}" >/dev/null || die "the plan $plan does not validate${validate_inv:+ against ${validate_inv[1]}}"
+if ! why=$("$PY" -m megatron_hetero.cli validate "$plan" "${validate_inv[@]}" 2>&1 >/dev/null); then
+    die "the plan $plan does not validate${validate_inv:+ against ${validate_inv[1]}}: ${why#megatron-hetero validate: error: }"
+fi
 het_text=$("$PY" -m megatron_hetero.launch.jobspec "$plan" "${spec[@]}" "${sbatch_common[@]}" --print sbatch-args) \
     || die "cannot make Slurm components for $plan"
 mapfile -t het_args <<<"$het_text"
