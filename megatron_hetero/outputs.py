@@ -45,12 +45,13 @@ _FD_LINK = re.compile(r"/(?:proc/(?:self|thread-self|(\d+))/fd|dev/fd)/(\d+)")
 
 def own_descriptor(path: str | Path) -> int | None:
     """The file descriptor of this process that ``path`` names through its chain of symlinks
-    (``/dev/stdout`` -> ``/proc/self/fd/1``), or None."""
+    (``/dev/stdout`` -> ``/proc/self/fd/1``), or None; -1 for another process's descriptor
+    (``/proc/PID/fd/N``), which no command may replace or write."""
     p = os.path.abspath(path)
     for _ in range(40):
         m = _FD_LINK.fullmatch(p)
-        if m and (m.group(1) is None or int(m.group(1)) == os.getpid()):
-            return int(m.group(2))
+        if m:
+            return int(m.group(2)) if m.group(1) is None or int(m.group(1)) == os.getpid() else -1
         if not os.path.islink(p):
             head, tail = os.path.split(p)  # a folder on the way may be the link (/dev/fd)
             if head in ("", "/") or not tail:
@@ -161,6 +162,9 @@ class Outputs:
 
     def _check_target(self, name: str, path: Path) -> None:
         fd = own_descriptor(path)
+        if fd == -1:
+            raise HeteroError(f"{name} {path}: another process's open file; expected a file path "
+                              "or one of this command's own streams (/dev/stdout)")
         if fd is not None:
             try:
                 os.fstat(fd)

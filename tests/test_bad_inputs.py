@@ -61,6 +61,14 @@ def test_a_descriptor_path_is_written_through_the_descriptor_and_the_file_kept(t
     assert sorted(p.name for p in tmp_path.iterdir()) == ["log"]
 
 
+def test_another_process_descriptor_is_refused(tmp_path):
+    target = f"/proc/{os.getppid()}/fd/1"
+    assert own_descriptor(target) == -1
+    with pytest.raises(HeteroError) as got:
+        Outputs("t", inputs={}, outputs={"-o": target})
+    _one_line(got.value, "another process's open file")
+
+
 def test_an_output_inside_an_input_folder_or_an_input_found_later_is_refused(tmp_path):
     (tmp_path / "ck").mkdir()
     (tmp_path / "ck" / "t.txt").write_text("2")
