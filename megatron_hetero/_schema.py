@@ -21,6 +21,7 @@ from typing import Any, Literal, Union
 import yaml
 
 from .errors import Described, SchemaError
+from .limits import check_quantity
 
 __all__ = ["from_data", "to_data", "read_yaml", "write_yaml"]
 
@@ -63,6 +64,8 @@ class _StrictLoader(yaml.SafeLoader):
                 None, None, f"expected a mapping node, but found {node.id}", node.start_mark)
         seen: dict = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                raise _MergeKey(key_node.start_mark)
             key = self.construct_object(key_node, deep=True)
             try:
                 first = seen.get(key)
@@ -72,6 +75,12 @@ class _StrictLoader(yaml.SafeLoader):
                 raise _DuplicateKey(key, first.start_mark, key_node.start_mark)
             seen[key] = key_node
         return super().construct_mapping(node, deep=deep)
+
+
+class _MergeKey(Exception):
+    def __init__(self, mark):
+        super().__init__("<<")
+        self.mark = mark
 
 
 class _DuplicateKey(Exception):
@@ -101,6 +110,11 @@ def read_yaml(path: str | Path) -> Any:
                           Described(f"the key {exc.key!r} a second time (first on line "
                                     f"{exc.first.line + 1})"),
                           "each key once in a mapping") from None
+    except _MergeKey as exc:
+        raise SchemaError(str(path), f"line {exc.mark.line + 1}, column {exc.mark.column + 1}",
+                          Described("a YAML merge key (<<)"),
+                          "each key written out (a merge key hides which value wins, and YAML "
+                          "1.2 has none)") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -215,6 +229,8 @@ def _convert(hint: Any, data: Any, source: str, path: str) -> Any:
             except SchemaError as exc:
                 errors.append(exc)
         finite = [e for e in errors if e.expected == "a finite number"]
+        if len(errors) == 1:  # X | None given: X's own error names the field inside it
+            raise errors[0]
         raise finite[0] if finite else SchemaError(source, path, data, _describe(hint))
     if dataclasses.is_dataclass(hint):
         return _convert_dataclass(hint, data, source, path)
@@ -290,8 +306,13 @@ def _convert_dataclass(cls: type, data: Any, source: str, path: str) -> Any:
             continue
         kwargs[name] = _convert(hints[name], data[name], source, _join(path, name))
     try:
-        return cls(**kwargs)
+        obj = cls(**kwargs)
     except SchemaError as exc:
         # __post_init__ checks report paths relative to the object; anchor them here.
         raise SchemaError(source, _join(path, exc.path) if exc.path != "<root>" else path,
                           exc.found, exc.expected) from None
+    for name, f in fields.items():  # after the class's own checks, whose words come first
+        kind, value = f.metadata.get("quantity"), kwargs.get(name)
+        if kind and isinstance(value, (int, float)) and not isinstance(value, bool):
+            check_quantity(kind, value, source=source, path=_join(path, name))
+    return obj

@@ -21,6 +21,14 @@ shift 2
 [[ -f $inventory ]] || die "INVENTORY $inventory: no such file"
 [[ " $* " == *" --model "* || " $* " == *" --model="* ]] || die "missing --model M (llama2-7b, llama2-13b, llama2-70b, ... or a model YAML)"
 [[ " $* " == *" --global-batch-size "* || " $* " == *" --global-batch-size="* ]] || die "missing --global-batch-size N"
+# The options this script sets itself: given again among tune's, tune would write elsewhere
+# and the checks below would read a stale plan.
+for arg in "$@"; do
+    case $arg in
+        -o|--output|--output=*|-o?*|--report|--report=*)
+            die "$arg: tune.sh writes OUTDIR/plan.yaml and OUTDIR/report.json itself; expected no -o/--output or --report among tune's options (give OUTDIR instead)" ;;
+    esac
+done
 PY=${MH_PYTHON:-python3}
 command -v "$PY" >/dev/null || die "MH_PYTHON=$PY: not found"
 

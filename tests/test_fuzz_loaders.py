@@ -3,6 +3,13 @@ files and profiles, fed random documents and random mutations of valid ones. Eac
 loaded object or our one-line error (:class:`HeteroError`), never another exception, and in
 bounded time (hypothesis' deadline per example).
 
+An accepted file must be a valid one (issue 32 B): every invariant a loader promises holds on
+what it returned (each figure within its quantity's bounds, the layers adding up, the GPUs
+counted) and it round-trips: written back and read again, it is the same object. Every output
+path kind (``Outputs``) is fuzzed too: random names, folders, links, loops, streams and inputs,
+each refused with one line before anything is written, or written whole with no other file of
+the folder changed.
+
 Runs are derandomized with a fixed number of examples, so CI sees the same inputs every time.
 The cases the fuzzer found are named in ``NAMED`` and loaded one by one as well.
 """
@@ -19,7 +26,15 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import dataclasses
+import os
+
 from megatron_hetero._schema import to_data
+from megatron_hetero.hardware.inventory import inventory_from_data
+from megatron_hetero.launch.checkpoint import SAVED_ARGS, read_checkpoint
+from megatron_hetero.limits import QUANTITIES
+from megatron_hetero.outputs import Outputs
+from megatron_hetero.plan import save_any_plan
 from megatron_hetero.cost.profile_file import load_profile, save_profile
 from megatron_hetero.errors import HeteroError
 from megatron_hetero.hardware.catalog import load_catalog
@@ -28,6 +43,7 @@ from megatron_hetero.launch.jobspec import read_hostfile
 from megatron_hetero.models import PRESETS, load_model
 from megatron_hetero.plan import load_any_plan
 
+from .fake_checkpoint import ARGS, write_checkpoint
 from .test_profile_file import _profile
 
 REPO = Path(__file__).resolve().parents[1]
@@ -74,15 +90,69 @@ def _seeds(kind: str) -> tuple[str, ...]:
 
 
 def _load(kind: str, content: bytes | str) -> None:
-    """Load ``content`` with loader ``kind``: a loaded object or a HeteroError, nothing else."""
+    """Load ``content`` with loader ``kind``: a valid object (:func:`_check_valid`) or a
+    HeteroError of one line, nothing else."""
     path = _DIR / f"{kind}.yaml"
     if isinstance(content, str):
         content = content.encode("utf-8", "surrogatepass")
     path.write_bytes(content)
     try:
-        LOADERS[kind][0](path)
+        loaded = LOADERS[kind][0](path)
     except HeteroError as exc:
         assert "\n" not in str(exc), f"not one line: {exc}"
+        return
+    _check_valid(kind, loaded)
+
+
+def _quantities_in_bounds(obj, where: str = "") -> None:
+    """Every field of the dataclass tree ``obj`` declared as a quantity is within its bounds."""
+    if isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _quantities_in_bounds(v, f"{where}[{i}]")
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            _quantities_in_bounds(v, f"{where}.{k}")
+    elif dataclasses.is_dataclass(obj):
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            kind = f.metadata.get("quantity")
+            if kind and value is not None:
+                low, high, _ = QUANTITIES[kind]
+                assert low <= value <= high, f"{where}.{f.name} = {value!r} accepted"
+            _quantities_in_bounds(value, f"{where}.{f.name}")
+
+
+def _check_valid(kind: str, loaded) -> None:
+    """``loaded`` keeps its loader's invariants and round-trips through its writer."""
+    again = _DIR / f"{kind}-again.yaml"
+    if kind == "plan":
+        _quantities_in_bounds(loaded.gpus)
+        assert sum(loaded.layer_split) == loaded.model.num_layers
+        assert loaded.world_size == sum(loaded.device_counts().values()) > 0
+        save_any_plan(loaded, again)
+        assert LOADERS["plan"][0](again).to_data() == loaded.to_data()
+    elif kind == "inventory":
+        _quantities_in_bounds(loaded)
+        assert loaded.num_gpus == sum(g.nodes * g.gpus_per_node for g in loaded.groups) > 0
+        assert all(g.gpu in loaded.catalog.names() for g in loaded.groups)
+        for name in loaded.gpus:
+            _quantities_in_bounds(loaded.catalog.get(name))
+        data = to_data(loaded)
+        assert to_data(inventory_from_data(data, source=str(again))) == data
+    elif kind == "model":
+        assert loaded.num_query_groups >= 1 and loaded.num_attention_heads >= 1
+        again.write_text(yaml.safe_dump(to_data(loaded), sort_keys=False))
+        assert load_model(str(again)) == loaded
+    elif kind == "profile":
+        _quantities_in_bounds(loaded.data)
+        assert loaded.data.entries
+        save_profile(loaded.data, again)
+        assert LOADERS["profile"][0](again).data.to_data() == loaded.data.to_data()
+    else:  # hostfile
+        hosts = [e.host for e in loaded]
+        assert len(set(hosts)) == len(hosts) and all(e.num_gpus >= 1 for e in loaded)
+        again.write_text("".join(f"{e.host} {e.device_type} {e.num_gpus}\n" for e in loaded))
+        assert LOADERS["hostfile"][0](again) == loaded
 
 
 FUZZ = settings(max_examples=40, derandomize=True, deadline=datetime.timedelta(seconds=5),
@@ -229,7 +299,9 @@ def test_named_bad_hostfiles(case):
 def test_the_seeds_load():
     for kind, (load, paths) in LOADERS.items():
         for path in paths():
-            assert load(path) is not None
+            loaded = load(path)
+            assert loaded is not None
+            _check_valid(kind, loaded)
 
 
 def _bomb(levels: int = 9) -> str:
@@ -266,3 +338,120 @@ def test_named_bad_documents(kind, case):
         LOADERS[kind][0](path)
     assert str(path) in str(got.value) and words in str(got.value)
     assert "\n" not in str(got.value)
+
+
+# -- every output path -------------------------------------------------------------------------
+
+def _folder() -> Path:
+    """A fresh folder with an input file, an input folder (a checkpoint's) with a file in it, an
+    existing output, links to it (symbolic, hard), a symlink loop, a dangling link, a folder."""
+    d = Path(tempfile.mkdtemp(dir=_DIR, prefix="out-"))
+    (d / "in.yaml").write_text("input")
+    (d / "ck").mkdir()
+    (d / "ck" / "tracker.txt").write_text("2")
+    (d / "old.yaml").write_text("old")
+    (d / "adir").mkdir()
+    os.symlink("old.yaml", d / "link.yaml")
+    os.link(d / "in.yaml", d / "hard.yaml")
+    os.symlink("l2", d / "l1")
+    os.symlink("l1", d / "l2")
+    os.symlink("nowhere/x.yaml", d / "dangling.yaml")
+    return d
+
+
+def _snapshot(d: Path) -> dict[str, str]:
+    out = {}
+    for root, dirs, files in os.walk(d):
+        for name in dirs + files:
+            p = Path(root) / name
+            rel = str(p.relative_to(d))
+            out[rel] = ("link:" + os.readlink(p) if p.is_symlink() else "dir" if p.is_dir()
+                        else "file:" + p.read_text(errors="replace"))
+    return out
+
+
+OUT_NAMES = ["new.yaml", "old.yaml", "link.yaml", "hard.yaml", "in.yaml", "l1", "dangling.yaml",
+             "adir", "adir/", "adir/new.png", "ck/new.yaml", "ck/tracker.txt", "ck", "newdir/",
+             "nodir/new.yaml", "in.yaml/x", "", " ", ".", "..", "./new.yaml", "/dev/null",
+             "new.tar.gz", ".hidden"]
+out_names = st.one_of(
+    st.sampled_from(OUT_NAMES),
+    st.builds(lambda n, ext: "p" * n + ext, st.integers(240, 270), st.sampled_from(["", ".yaml"])),
+    st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00/"),
+            min_size=1, max_size=12))
+
+
+@settings(FUZZ, max_examples=60)
+@given(st.lists(out_names, min_size=1, max_size=3), st.booleans())
+def test_every_output_path(names, fail):
+    """Outputs refuses with one line and nothing changed, or writes every output whole and
+    changes no other file; a command that fails changes nothing."""
+    d = _folder()
+    before = _snapshot(d)
+    targets = {f"--out{i}": (str(d / n) if n not in ("", " ") and not n.startswith("/") else n)
+               for i, n in enumerate(names)}
+    try:
+        out = Outputs("fuzz", inputs={"IN": str(d / "in.yaml"), "CK": str(d / "ck")},
+                      outputs=targets)
+    except HeteroError as exc:
+        assert "\n" not in str(exc) and str(exc), exc
+        assert _snapshot(d) == before
+        return
+    written = {}
+    try:
+        with out:
+            for name, target in targets.items():
+                if target:
+                    out.staged(target).write_text(f"new {name}")
+                    written[os.path.realpath(target)] = f"new {name}"
+            if fail:
+                raise HeteroError("the command failed")
+    except HeteroError:
+        assert fail
+        assert _snapshot(d) == before
+        return
+    after = _snapshot(d)
+    assert not [k for k in after if ".partial-" in k], after
+    assert after["in.yaml"] == before["in.yaml"] and after["ck/tracker.txt"] == before["ck/tracker.txt"]
+    for real, text in written.items():
+        if real != "/dev/null":
+            assert Path(real).read_text() == text
+    changed = {k for k in set(before) | set(after) if before.get(k) != after.get(k)}
+    reals = {os.path.realpath(d / k) for k in changed}
+    assert reals <= set(written), (changed, written)
+
+
+# -- checkpoints (read without torch) -------------------------------------------------------
+
+@settings(FUZZ, max_examples=25)
+@given(st.dictionaries(st.sampled_from(sorted(ARGS) + ["hetero_plan"]), nasty, max_size=3),
+       st.one_of(st.none(), st.text(max_size=8), st.sampled_from(["release", "2", "0002", "9" * 30])),
+       st.one_of(st.none(), st.binary(max_size=30), st.sampled_from([b"[]", b"null", b"{}"])),
+       st.one_of(st.none(), nasty))
+def test_damaged_checkpoints(args, tracker, metadata, sharding):
+    """A checkpoint with saved arguments, tracker, metadata.json or sharding type replaced:
+    a Checkpoint whose typed arguments hold and whose model is one line or valid, or one
+    line naming the file."""
+    folder = Path(tempfile.mkdtemp(dir=_DIR, prefix="ck-")) / "ck"
+    write_checkpoint(folder, args={**ARGS, **args},
+                     content_metadata=None if sharding is None else {"distrib_optim_sharding_type": sharding})
+    if tracker is not None:
+        (folder / "latest_checkpointed_iteration.txt").write_text(tracker, errors="surrogatepass")
+    if metadata is not None:
+        (folder / "iter_0000002" / "metadata.json").write_bytes(metadata)
+    try:
+        ckpt = read_checkpoint(folder)
+    except HeteroError as exc:
+        assert "\n" not in str(exc) and str(folder) in str(exc), exc
+        return
+    if ckpt.format != "torch_dist":
+        return
+    for name, (kind, required) in SAVED_ARGS.items():
+        value = ckpt.args.get(name)
+        assert value is not None or not required, name
+    try:
+        model = ckpt.model("fuzz")
+    except HeteroError as exc:
+        assert "\n" not in str(exc) and "common.pt" in str(exc), exc
+        return
+    assert model.num_layers == ckpt.args["num_layers"] and ckpt.padded_vocab_size(2) % 2 == 0

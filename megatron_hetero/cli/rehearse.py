@@ -15,6 +15,7 @@ from ..emulate.mesh_rehearse import format_mesh_report, rehearse_mesh
 from ..emulate.rehearse import RehearsalConfig, rehearse
 from ..emulate.report import format_report
 from ..errors import HeteroError
+from ..limits import check_quantity
 
 __all__ = ["rehearse_main"]
 
@@ -35,6 +36,9 @@ def rehearse_main(args) -> int:
                                  link_latency_s=args.link_latency)
     except ValueError as exc:
         raise HeteroError(str(exc)) from None
+    if args.time_scale is not None:  # finite and in range for the config; bounded here
+        check_quantity("time_scale", args.time_scale, source="time_scale (--time-scale)")
+    check_quantity("link_latency_s", args.link_latency, source="link_latency_s (--link-latency)")
     progress = lambda msg: print(f"[rehearse] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     if not plan.one_grid:  # a chain of meshes: emulate.mesh_rehearse
         result = _rehearse_mesh_plan(plan, config, args, catalog, progress)

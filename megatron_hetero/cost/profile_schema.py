@@ -10,11 +10,12 @@ No torch here: the tuner imports this module.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from .._schema import to_data
 from ..errors import Described, SchemaError
+from ..limits import quantity
 from ..plan import ModelSpec
 
 __all__ = ["FORMAT_VERSION", "READABLE_VERSIONS", "LAYER_SHAPE_FIELDS", "VOCAB_SHAPE_FIELDS",
@@ -46,9 +47,9 @@ class DeviceInfo:
     backend: Literal["cuda", "cpu"]
     ranks: int = 1
     """Processes used; more than 1 when TP > 1 was profiled or bandwidth was measured."""
-    peak_matmul_tflops: float | None = None
+    peak_matmul_tflops: float | None = field(default=None, metadata=quantity("tflops"))
     """Dense matmul rate measured on this device in the profiled precision (TFLOPS)."""
-    memory_bytes: int | None = None
+    memory_bytes: int | None = field(default=None, metadata=quantity("bytes"))
     """Device memory the profiler saw (total device memory, or host RAM on CPU)."""
 
     def __post_init__(self) -> None:
@@ -106,8 +107,8 @@ class Timing:
 class PartTimes:
     """Median seconds of one micro-batch through one part, per rank of the TP group."""
 
-    forward_s: float
-    backward_s: float
+    forward_s: float = field(metadata=quantity("seconds"))
+    backward_s: float = field(metadata=quantity("seconds"))
 
     def __post_init__(self) -> None:
         for key in ("forward_s", "backward_s"):
@@ -124,10 +125,10 @@ class MemoryFigures:
     bytes autograd saves for backward (``torch.autograd.graph.saved_tensors_hooks``), counted once
     per storage; ``peak_bytes`` is then parameters + gradients + saved tensors, not an allocator
     peak."""
-    parameter_bytes_per_layer: int
-    activation_bytes_per_layer: int
+    parameter_bytes_per_layer: int = field(metadata=quantity("bytes"))
+    activation_bytes_per_layer: int = field(metadata=quantity("bytes"))
     """Bytes one layer keeps for backward (no recompute)."""
-    peak_bytes: int
+    peak_bytes: int = field(metadata=quantity("bytes"))
     """Peak over the forward and backward of the ``timing.layers`` timed layers, parameters and
     gradients included."""
 
@@ -153,7 +154,7 @@ class ProfileEntry:
     output: PartTimes
     """The output layer with its cross-entropy loss."""
     memory: MemoryFigures
-    achieved_tflops: float | None = None
+    achieved_tflops: float | None = field(default=None, metadata=quantity("tflops"))
     """Model FLOPs of one layer's forward and backward over its measured time, per rank."""
     clock: Literal["cuda-events", "thread-cpu-time", "synchronize-wall-clock"] | None = None
     """How this entry was timed when it differs from ``timing.method`` (a CPU run times TP > 1
@@ -176,9 +177,9 @@ class ProfileEntry:
 class BandwidthSample:
     """One message size of a collective, median of repeats."""
 
-    bytes: int
-    seconds: float
-    gb_s: float
+    bytes: int = field(metadata=quantity("bytes"))
+    seconds: float = field(metadata=quantity("seconds"))
+    gb_s: float = field(metadata=quantity("bandwidth_gb_s"))
     """Bus bandwidth in GB/s: bytes / seconds for p2p; 2 (n-1)/n bytes / seconds for all-reduce."""
 
 
@@ -191,7 +192,7 @@ class Communication:
     """torch.distributed backend (``nccl``, ``gloo``)."""
     p2p: list[BandwidthSample]
     all_reduce: list[BandwidthSample]
-    p2p_latency_s: float | None = None
+    p2p_latency_s: float | None = field(default=None, metadata=quantity("latency_s"))
     """One-way time of the smallest p2p message (4 KiB): the fixed cost of a message, the
     alpha of ``alpha + bytes / bandwidth`` (format 2)."""
 
@@ -202,10 +203,10 @@ class PipelineStageTimes:
     and backward measured inside the running schedule, and the sum of the stage's parts timed
     alone (``entries``: embedding + layers on the first stage, layers + output on the last)."""
 
-    forward_s: float
-    backward_s: float
-    parts_forward_s: float
-    parts_backward_s: float
+    forward_s: float = field(metadata=quantity("seconds"))
+    backward_s: float = field(metadata=quantity("seconds"))
+    parts_forward_s: float = field(metadata=quantity("seconds"))
+    parts_backward_s: float = field(metadata=quantity("seconds"))
 
 
 @dataclass(kw_only=True, slots=True)

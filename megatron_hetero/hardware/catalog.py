@@ -13,6 +13,7 @@ import yaml
 
 from .._schema import from_data
 from ..errors import Described, SchemaError
+from ..limits import quantity
 
 __all__ = ["GPUSpec", "GPUOverride", "Catalog", "load_catalog", "DeviceStack", "VENDOR_STACKS"]
 
@@ -45,14 +46,14 @@ class GPUSpec:
 
     name: str = field(default="", metadata={"internal": True})
     vendor: str
-    bf16_tflops: float
+    bf16_tflops: float = field(metadata=quantity("tflops"))
     """Dense bf16 (or fp16 where ``bf16`` is false) tensor-core TFLOPS."""
     bf16: bool
-    fp32_tflops: float
-    memory_gb: float
-    memory_bandwidth_gb_s: float
+    fp32_tflops: float = field(metadata=quantity("tflops"))
+    memory_gb: float = field(metadata=quantity("memory_gb"))
+    memory_bandwidth_gb_s: float = field(metadata=quantity("bandwidth_gb_s"))
     intra_node_link: str
-    intra_node_bandwidth_gb_s: float
+    intra_node_bandwidth_gb_s: float = field(metadata=quantity("bandwidth_gb_s"))
     """One-direction bandwidth to peers in the same node."""
     efficiency: float
     """Default achievable fraction of ``bf16_tflops`` on transformer layers."""
@@ -71,6 +72,29 @@ class GPUSpec:
                 raise SchemaError("", key, getattr(self, key), "a positive number")
         if not 0 < self.efficiency <= 1:
             raise SchemaError("", "efficiency", self.efficiency, "a fraction in (0, 1]")
+        self._check_stack()
+
+    def _check_stack(self) -> None:
+        """The vendor, the torch device and the backend name one stack: an entry that gives a
+        vendor the table knows and another device or backend (an NVIDIA card on ``npu``), or a
+        device the table knows with another backend (``npu`` on ``nccl``), contradicts itself."""
+        for key in ("vendor", "torch_device", "dist_backend"):
+            value = getattr(self, key)
+            if value is not None and not value.strip():
+                raise SchemaError("", key, value, "a name (or leave the key out)")
+        known = VENDOR_STACKS.get(self.vendor)
+        for key in ("torch_device", "dist_backend"):
+            value = getattr(self, key)
+            if known is not None and value is not None and value != getattr(known, key):
+                raise SchemaError("", key, value, f"{getattr(known, key)!r}, the {key} of "
+                                  f"{self.vendor}'s accelerators (or leave the key out); a "
+                                  "vendor of another stack needs its own vendor name")
+        backends = {st.torch_device: st.dist_backend for st in VENDOR_STACKS.values()}
+        if (self.torch_device in backends and self.dist_backend is not None
+                and self.dist_backend != backends[self.torch_device]):
+            raise SchemaError("", "dist_backend", self.dist_backend,
+                              f"{backends[self.torch_device]!r}, the backend of torch device "
+                              f"{self.torch_device!r} tensors")
 
     @property
     def stack(self) -> DeviceStack:
@@ -98,13 +122,13 @@ class GPUOverride:
     required field given) adds a new one."""
 
     vendor: str | None = None
-    bf16_tflops: float | None = None
+    bf16_tflops: float | None = field(default=None, metadata=quantity("tflops"))
     bf16: bool | None = None
-    fp32_tflops: float | None = None
-    memory_gb: float | None = None
-    memory_bandwidth_gb_s: float | None = None
+    fp32_tflops: float | None = field(default=None, metadata=quantity("tflops"))
+    memory_gb: float | None = field(default=None, metadata=quantity("memory_gb"))
+    memory_bandwidth_gb_s: float | None = field(default=None, metadata=quantity("bandwidth_gb_s"))
     intra_node_link: str | None = None
-    intra_node_bandwidth_gb_s: float | None = None
+    intra_node_bandwidth_gb_s: float | None = field(default=None, metadata=quantity("bandwidth_gb_s"))
     efficiency: float | None = None
     aliases: list[str] | None = None
     notes: str | None = None
@@ -215,6 +239,12 @@ class Catalog:
     def _put(self, name: str, spec: GPUSpec, *, source: str, where: str) -> None:
         """Add or replace entry ``name`` of this new catalog (one being built: a catalog is
         copied once for a whole ``gpus:``, not once per entry, which was quadratic)."""
+        if not _norm(name):
+            raise SchemaError(source, where, name, "a GPU name with at least one letter or digit")
+        for i, alias in enumerate(spec.aliases):
+            if not _norm(alias):
+                raise SchemaError(source, f"{where}.aliases[{i}]", alias,
+                                  "a name with at least one letter or digit")
         for i, alias in enumerate(spec.aliases):
             owner = self.resolve(alias)
             if owner is not None and owner != name:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from .._schema import from_data, read_yaml
 from ..errors import Described, SchemaError
-from ..limits import check_gpus
+from ..limits import check_gpus, quantity
 from .catalog import Catalog, GPUOverride, GPUSpec, load_catalog
 
 __all__ = ["GPUGroup", "Inventory", "load_inventory", "inventory_from_data",
@@ -51,17 +51,17 @@ class GPUGroup:
     """Label for reports and Slurm partitions; defaults to the GPU name."""
     hosts: list[str] | None = None
     """Host names, one per node, for the torchrun launcher."""
-    intra_node_bandwidth_gb_s: float | None = None
+    intra_node_bandwidth_gb_s: float | None = field(default=None, metadata=quantity("bandwidth_gb_s"))
     """Overrides the catalog's intra-node link bandwidth (GB/s, one direction)."""
-    inter_node_bandwidth_gb_s: float | None = None
+    inter_node_bandwidth_gb_s: float | None = field(default=None, metadata=quantity("bandwidth_gb_s"))
     """Bandwidth between two nodes of this group (GB/s, one direction)."""
     partition: str | None = None
     """Slurm partition of these nodes."""
     constraint: str | None = None
     """Slurm --constraint feature of these nodes."""
-    host_memory_gb: float | None = None
+    host_memory_gb: float | None = field(default=None, metadata=quantity("memory_gb"))
     """Host RAM per node (GB); absent: host memory is not checked."""
-    nic_bandwidth_gb_s: float | None = None
+    nic_bandwidth_gb_s: float | None = field(default=None, metadata=quantity("bandwidth_gb_s"))
     """The node's NIC bandwidth from host memory (GB/s, one direction), used by links to GPUs of
     another vendor (staged through the hosts); absent: :data:`DEFAULT_NIC_GB_S`."""
     rdma: bool = True
@@ -95,7 +95,8 @@ class Inventory:
     """A pool of GPU groups. ``catalog`` is the built-in catalog plus this file's ``gpus``."""
 
     groups: list[GPUGroup]
-    inter_group_bandwidth_gb_s: float = DEFAULT_INTER_GROUP_GB_S
+    inter_group_bandwidth_gb_s: float = field(default=DEFAULT_INTER_GROUP_GB_S,
+                                              metadata=quantity("bandwidth_gb_s"))
     """Bandwidth between nodes of different groups (GB/s, one direction)."""
     gpus: dict[str, GPUOverride] = field(default_factory=dict)
     """Custom catalog entries, or overrides of built-in ones."""

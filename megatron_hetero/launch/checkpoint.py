@@ -119,6 +119,50 @@ class Checkpoint:
         return -(-int(vocab) // unit) * unit
 
 
+_POSITIVE, _FLAG, _TEXT = "a positive integer", "true or false", "a string"
+SAVED_ARGS: dict[str, tuple[str, bool]] = {
+    **{name: (_POSITIVE, True) for name in ("num_layers", "hidden_size", "ffn_hidden_size",
+                                            "num_attention_heads", "seq_length",
+                                            "global_batch_size")},
+    **{name: (_POSITIVE, False) for name in ("num_query_groups", "vocab_size",
+                                             "padded_vocab_size", "tensor_model_parallel_size",
+                                             "pipeline_model_parallel_size",
+                                             "make_vocab_size_divisible_by", "world_size")},
+    **{name: (_FLAG, False) for name in ("swiglu", "group_query_attention", "bf16", "fp16",
+                                         "untie_embeddings_and_output_weights", "add_bias_linear",
+                                         "use_distributed_optimizer")},
+    "normalization": (_TEXT, True), "position_embedding_type": (_TEXT, True),
+    "hetero_plan": (_TEXT, False),
+}
+"""Every saved argument this tool reads, what it must be and whether it must be there; checked
+once when the checkpoint is read, so that a damaged or foreign ``common.pt`` (an argument
+missing, a string where Megatron saves a number) is one line naming ``args.NAME`` rather than
+a traceback wherever the value is first used. An optional one may be absent or None."""
+
+_TRACKER_DIGITS = 12
+"""The most digits of an iteration in the tracker file (Megatron writes ``iter_%07d``)."""
+
+
+def _check_saved(args: dict[str, Any], content: dict[str, Any], path: Path) -> None:
+    for name, (kind, required) in SAVED_ARGS.items():
+        value = args.get(name)
+        if value is None:
+            if required:
+                raise SchemaError(str(path), f"args.{name}", Described("nothing"),
+                                  f"{kind}, which Megatron-LM's training saves with every "
+                                  "checkpoint (a checkpoint of another program?)")
+            continue
+        ok = (isinstance(value, bool) if kind == _FLAG else isinstance(value, str) if kind == _TEXT
+              else isinstance(value, int) and not isinstance(value, bool) and value >= 1)
+        if not ok:
+            raise SchemaError(str(path), f"args.{name}", value,
+                              f"{kind}, as Megatron-LM saves it (a damaged or foreign checkpoint?)")
+    sharding = content.get("distrib_optim_sharding_type")
+    if sharding is not None and not isinstance(sharding, str):
+        raise SchemaError(str(path), "content_metadata.distrib_optim_sharding_type", sharding,
+                          "the name of a sharding type, as Megatron-LM saves it")
+
+
 def read_checkpoint(folder: str | Path) -> Checkpoint:
     """The last complete save in ``folder``; a folder that is not a complete Megatron-LM
     checkpoint (no tracker file, a missing save, a missing or truncated file) is refused with
@@ -135,10 +179,11 @@ def read_checkpoint(folder: str | Path) -> Checkpoint:
     text = tracker.read_text(errors="replace").strip()
     if text == "release":
         iteration, sub = 0, folder / "release"
-    elif text.isdigit():
+    elif text.isascii() and text.isdigit() and len(text) <= _TRACKER_DIGITS:
         iteration, sub = int(text), folder / f"iter_{int(text):07d}"
     else:
-        raise SchemaError(str(tracker), "", text, "an iteration number or 'release'")
+        raise SchemaError(str(tracker), "", text, f"an iteration number (at most {_TRACKER_DIGITS} "
+                          "ASCII digits) or 'release'")
     if not sub.is_dir():
         raise SchemaError(str(sub), "", Described("no such folder"),
                           f"the save of iteration {text} that {TRACKER} names")
@@ -151,8 +196,8 @@ def read_checkpoint(folder: str | Path) -> Checkpoint:
         raise SchemaError(str(meta), "", Described("no such file"),
                           "the format file of a torch_dist save (a save cut short?)")
     try:
-        backend = json.loads(meta.read_text()).get("sharded_backend")
-    except (ValueError, AttributeError):
+        backend = json.loads(meta.read_bytes()).get("sharded_backend")
+    except (ValueError, AttributeError, RecursionError):
         raise SchemaError(str(meta), "", Described("not a JSON object"),
                           '{"sharded_backend": "torch_dist", ...} (a truncated file?)') from None
     if backend != "torch_dist":
@@ -161,9 +206,11 @@ def read_checkpoint(folder: str | Path) -> Checkpoint:
     tensors = _check_index(sub)
     common = _common_state(sub)
     content = common.get("content_metadata") if isinstance(common, dict) else None
+    content = content if isinstance(content, dict) else {}
+    args = _args(common, sub / "common.pt")
+    _check_saved(args, content, sub / "common.pt")
     return Checkpoint(folder=folder, iteration_folder=sub, iteration=iteration, format=backend,
-                      args=_args(common, sub / "common.pt"),
-                      content_metadata=content if isinstance(content, dict) else {},
+                      args=args, content_metadata=content,
                       tensors=tensors, size_bytes=size)
 
 

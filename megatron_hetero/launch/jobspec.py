@@ -165,6 +165,7 @@ def read_hostfile(path: str | Path, catalog: Catalog, *, default_gpus: int | Non
     except UnicodeDecodeError as exc:
         raise HeteroError(f"{path}: byte {exc.start}: found the byte 0x{data[exc.start]:02x}, "
                           "which is not UTF-8; expected a UTF-8 text file") from None
+    first_line: dict[str, int] = {}
     for lineno, raw in enumerate(text.splitlines(), start=1):
         line = raw.split("#", 1)[0].strip()
         if not line:
@@ -174,6 +175,10 @@ def read_hostfile(path: str | Path, catalog: Catalog, *, default_gpus: int | Non
         if len(fields) not in (2, 3):
             raise HeteroError(f"{where}: expected 'HOST GPU_TYPE [NUM_GPUS]', found {raw.strip()!r}")
         host, gpu = fields[0], fields[1]
+        if host in first_line:  # torchrun would start two node agents on one host
+            raise HeteroError(f"{where}: found the host {host!r} a second time (first on line "
+                              f"{first_line[host]}); expected each host once, with all its GPUs")
+        first_line[host] = lineno
         canonical = catalog.resolve(gpu)
         if canonical is None:
             catalog.get(gpu, source=where)
@@ -204,6 +209,24 @@ def check_hosts(plan: Plan, entries: Sequence[HostEntry], *, source: str = "<pla
             return ", ".join(f"{n}x {g}" for g, n in sorted(c.items())) or "nothing"
         raise HeteroError(f"{hostfile} offers {show(have)}; {source} needs exactly {show(need)} "
                           f"(world size {plan.world_size})")
+    tp = _tp_sizes(plan)
+    for e in entries:
+        unit = math.lcm(*tp.get(e.device_type, {1}))
+        if e.num_gpus % unit:
+            raise HeteroError(f"{hostfile}: host {e.host}: found {e.num_gpus} {e.device_type} "
+                              f"GPUs; expected a multiple of {unit}, the tensor-parallel size of "
+                              f"{source}'s groups on {e.device_type} (a group must sit in one "
+                              "node; its NVLink is what TP is priced on)")
+
+
+def _tp_sizes(plan: Plan) -> dict[str, set[int]]:
+    """The tensor-parallel sizes of the plan's groups on each device type."""
+    out: dict[str, set[int]] = {}
+    for mesh in plan.meshes:
+        for pipe in mesh.pipelines:
+            for stage in pipe.stages:
+                out.setdefault(stage.device_type, set()).add(mesh.tensor_model_parallel_size)
+    return out
 
 
 def _parser() -> argparse.ArgumentParser:

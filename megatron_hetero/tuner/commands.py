@@ -294,6 +294,10 @@ def _simulate_mesh_main(args: argparse.Namespace, plan: Plan, inventory, out: Ou
     from ..sim.mesh import simulate_mesh
 
     check_mesh_plan_against_inventory(plan, inventory, source=args.plan)
+    if args.timeline:  # the op-count limit of format 1's recorded step (sim.step.recorded_ops)
+        from ..sim.step import check_recordable
+        check_recordable(sum(2 * len(m.stages) * sum(r.num_microbatches for r in m.replicas)
+                             for m in plan.meshes))
     profiles = _profiles(args.profile, inventory)
     cost = CostModel(plan.model, inventory, profiles=profiles, precision=plan.precision,
                      use_distributed_optimizer=plan.use_distributed_optimizer)

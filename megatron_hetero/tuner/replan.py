@@ -24,6 +24,7 @@ from ..models import load_model
 from ..outputs import Outputs
 from ..plan import ModelSpec, Plan, load_any_plan, save_plan
 from ..placement.inventory import check_plan_against_inventory
+from .validation import validate_plan
 
 __all__ = ["add_replan_arguments", "replan_main"]
 
@@ -53,9 +54,8 @@ def add_replan_arguments(p: argparse.ArgumentParser) -> None:
 
 def replan_main(args: argparse.Namespace) -> int:
     source = Path(args.source)
-    inputs = {"INVENTORY": args.inventory, "--plan": args.plan}
-    if source.is_file():
-        inputs["CHECKPOINT_OR_PLAN"] = args.source
+    inputs = {"INVENTORY": args.inventory, "--plan": args.plan, "CHECKPOINT_OR_PLAN": args.source}
+    inputs.update({f"--profile {p}": p for p in args.profile or ()})
     with Outputs("replan", inputs=inputs, outputs={"-o/--output": args.output}) as out:
         return _replan(args, source, out)
 
@@ -69,6 +69,9 @@ def _replan(args: argparse.Namespace, source: Path, out: Outputs) -> int:
 
     inventory = load_inventory(args.inventory)
     ckpt, old, old_path = _sources(args, source)
+    if old_path:  # the old plan, maybe found through the checkpoint's saved --hetero-plan
+        out.add_input(f"the old plan (args.hetero_plan of {ckpt.common_file})" if ckpt
+                      and not args.plan else "the old plan", old_path)
     model = _model(args, ckpt, old, old_path)
     gbs = ckpt.arg("global_batch_size") if ckpt else old.global_batch_size
     origin = f"{ckpt.common_file} args.global_batch_size" if ckpt else f"{old_path} global_batch_size"
@@ -101,6 +104,7 @@ def _replan(args: argparse.Namespace, source: Path, out: Outputs) -> int:
     if ckpt:
         _check_loads(ckpt, plan, args.output)
     save_plan(plan, out.staged(args.output))
+    _as_validate_reads_it(out.staged(args.output), inventory, args.output)
     if ckpt:
         a = ckpt.args
         print(f"checkpoint {ckpt.folder}: iteration {ckpt.iteration}, {ckpt.format}, "
@@ -130,6 +134,15 @@ def _replan(args: argparse.Namespace, source: Path, out: Outputs) -> int:
           f"{megatron_args_line(plan, args.output)} {shlex.join(restart)}")
     sys.stdout.flush()
     return 0
+
+
+def _as_validate_reads_it(staged: Path, inventory, output: str) -> None:
+    """Plan B as ``validate OUTPUT --inventory INVENTORY`` would read and check it."""
+    try:
+        validate_plan(load_any_plan(staged, catalog=inventory.catalog), inventory, source=output)
+    except HeteroError as exc:
+        raise HeteroError(f"{str(exc).replace(str(staged), output)} (plan B was not written: "
+                          "`validate` refuses it)") from None
 
 
 def _sources(args, source: Path) -> tuple[Checkpoint | None, Plan | None, str | None]:

@@ -60,7 +60,18 @@ command -v "$PY" >/dev/null || die "MH_PYTHON=$PY: not found"
 # job on a node failure all the same, it requeues it (--requeue) and it resumes from --load,
 # appending to the same output file.
 [[ ${MH_ON_NODE_LOSS:-} != replan ]] || sbatch_common+=(--common=--no-kill --common=--requeue --common=--open-mode=append)
-"$PY" -m megatron_hetero.cli validate "$plan" >/dev/null || die "the plan $plan does not validate"
+# validate checks what the launch needs: against the inventory when one is given (the pool's
+# GPUs, nodes and memory), as the runtime would.
+validate_inv=()
+for ((i = 0; i < ${#spec[@]}; i++)); do
+    case ${spec[$i]} in
+        --inventory) validate_inv=(--inventory "${spec[$((i + 1))]}") ;;
+        --inventory=*) validate_inv=(--inventory "${spec[$i]#--inventory=}") ;;
+    esac
+done
+if ! why=$("$PY" -m megatron_hetero.cli validate "$plan" "${validate_inv[@]}" 2>&1 >/dev/null); then
+    die "the plan $plan does not validate${validate_inv:+ against ${validate_inv[1]}}: ${why#megatron-hetero validate: error: }"
+fi
 het_text=$("$PY" -m megatron_hetero.launch.jobspec "$plan" "${spec[@]}" "${sbatch_common[@]}" --print sbatch-args) \
     || die "cannot make Slurm components for $plan"
 mapfile -t het_args <<<"$het_text"

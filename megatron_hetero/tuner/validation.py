@@ -1,0 +1,46 @@
+"""What ``megatron-hetero validate`` checks, as one function: the command itself and every
+command that writes a plan (``replan``) call it, the latter on the staged file before it
+replaces anything, so that no command writes a plan that ``validate`` refuses."""
+
+from __future__ import annotations
+
+from ..cost import CostModel
+from ..errors import SchemaError
+from ..hardware.inventory import Inventory
+from ..placement.inventory import check_plan_vendors
+from ..placement.mesh_inventory import check_against_inventory
+from ..plan import Plan
+from ..plan.checks import check_offload
+from ..sim.fits import check_fits
+from ..sim.plan import simulate_plan
+
+__all__ = ["validate_plan", "check_memory"]
+
+
+def validate_plan(plan: Plan, inventory: Inventory | None, *, source: str,
+                  memory_check: bool = True) -> None:
+    """Raise the one-line error ``validate`` gives for ``plan`` (read from ``source``) on
+    ``inventory`` (None: the plan alone)."""
+    check_offload(plan, source=source)
+    if inventory is not None:
+        check_against_inventory(plan, inventory, source=source)
+    if plan.one_grid:
+        check_plan_vendors(plan, inventory.catalog if inventory else plan.catalog, source=source)
+        dp = plan.data_parallel_size
+        if not plan.uniform_data_parallel and plan.global_batch_size % dp:
+            # What the runtime refuses at start (runtime.plan_args.virtual_micro_batch_size).
+            raise SchemaError(source, "global_batch_size", plan.global_batch_size,
+                              f"a multiple of the number of pipelines ({dp}) when their "
+                              "micro-batches differ (Megatron's step accounting, micro-batch "
+                              "size x DP x micro-batches, must equal it at run time)")
+    if inventory is not None and memory_check:
+        check_memory(plan, inventory, source=source)
+
+
+def check_memory(plan: Plan, inventory: Inventory, *, source: str) -> None:
+    """Each stage's memory on its card (and each node's host memory) as the simulator counts
+    it."""
+    cost = CostModel(plan.model, inventory, precision=plan.precision,
+                     use_distributed_optimizer=plan.use_distributed_optimizer)
+    check_fits(plan, simulate_plan(plan, cost, record_events=False), source=source,
+               skip_hint="--no-memory-check skips this check")
