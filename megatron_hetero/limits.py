@@ -58,7 +58,7 @@ def check_gpus(count: int, *, path: str, found: object) -> None:
 
 
 QUANTITIES: dict[str, tuple[float, float, str]] = {
-    "bandwidth_gb_s": (1e-6, 1e5, "a bandwidth in GB/s"),
+    "bandwidth_gb_s": (1e-6, 1e7, "a bandwidth in GB/s"),
     "tflops": (1e-6, 1e5, "a throughput in TFLOP/s"),
     "memory_gb": (1e-6, 1e6, "a memory size in GB"),
     "bytes": (1, 1e15, "a number of bytes"),
@@ -69,7 +69,7 @@ QUANTITIES: dict[str, tuple[float, float, str]] = {
 }
 """Each physical quantity a file or an option gives: the least and the most it may be, both
 included, and what it is. The bounds lie far outside any device or link built (a bandwidth of
-1 kB/s to 100 TB/s, 1 MFLOP/s to 100 PFLOP/s a device, so that CPU ranks playing a GPU fit too), so that every figure the cost model
+1 kB/s to 10 PB/s (the tests price links at round figures such as 1 PB/s), 1 MFLOP/s to 100 PFLOP/s a device, so that CPU ranks playing a GPU fit too), so that every figure the cost model
 and the simulator derive stays a finite number of a bounded size: a bandwidth of 1e-300 GB/s
 made transfers of 1e300 s and the search never ended; 1e299 TFLOP/s made times underflow to
 zero and a division fail; ``--time-scale 1e308`` slept for ever. Zero and negative bytes,

@@ -131,7 +131,7 @@ def test_a_yaml_merge_key_is_refused_by_name(tmp_path):
     (lambda d: d.update(gpus={"A100-SXM-80GB": {"bf16_tflops": 1e299}}), "gpus.A100-SXM-80GB.bf16_tflops"),
     (lambda d: d.update(gpus={"A100-SXM-80GB": {"memory_bandwidth_gb_s": 1e-300}}),
      "gpus.A100-SXM-80GB.memory_bandwidth_gb_s"),
-    (lambda d: d["groups"][0].update(nic_bandwidth_gb_s=1e6), "groups[0].nic_bandwidth_gb_s"),
+    (lambda d: d["groups"][0].update(nic_bandwidth_gb_s=1e8), "groups[0].nic_bandwidth_gb_s"),
     (lambda d: d["groups"][0].update(host_memory_gb=1e12), "groups[0].host_memory_gb"),
 ])
 def test_absurd_figures_in_an_inventory_are_refused_with_their_bounds(edit, where):

@@ -18,7 +18,7 @@ TINY = ("name: tiny\nnum_layers: 2\nhidden_size: 64\nffn_hidden_size: 176\nnum_a
     (["--idle-factor", "-1"], "--idle-factor -1.0: expected a finite number >= 0"),
     (["--idle-factor", "inf"], "--idle-factor inf: expected a finite number >= 0"),
     (["--cpu-threads", "0"], "--cpu-threads 0: expected at least 1"),
-    (["-o", "."], ": a folder; expected a file path"),
+    (["-o", "."], ": a folder's path; expected a file path"),
 ])
 def test_bad_arguments(tmp_path, capsys, extra, message):
     model = tmp_path / "tiny.yaml"

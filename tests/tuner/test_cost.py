@@ -101,10 +101,11 @@ def test_two_stage_1f1b_by_hand():
 
 
 def test_simulate_two_stage_plan_matches_hand_formula():
-    # custom device with a round rate; fp32 all the way, huge links so sends are tiny
+    # custom device with a round rate; fp32 all the way, huge links (10 PB/s, the most a file may
+    # give) so sends are tiny
     gpus = {"ROUND": {"vendor": "test", "bf16_tflops": 1.0, "bf16": True, "fp32_tflops": 1.0,
                       "memory_gb": 1000, "memory_bandwidth_gb_s": 1e6, "intra_node_link": "x",
-                      "intra_node_bandwidth_gb_s": 1e9, "efficiency": 1.0}}
+                      "intra_node_bandwidth_gb_s": 1e7, "efficiency": 1.0}}
     inv = inventory_from_data({"groups": [{"gpu": "ROUND", "nodes": 1, "gpus_per_node": 2}],
                                "gpus": gpus})
     m = TINY

@@ -21,7 +21,7 @@ TINY = ModelSpec(name="tiny", num_layers=8, hidden_size=64, ffn_hidden_size=128,
                  num_attention_heads=4, num_query_groups=2, vocab_size=256, seq_length=16)
 ROUND = {"ROUND": {"vendor": "test", "bf16_tflops": 1.0, "bf16": True, "fp32_tflops": 1.0,
                    "memory_gb": 1000, "memory_bandwidth_gb_s": 1e6, "intra_node_link": "x",
-                   "intra_node_bandwidth_gb_s": 1e9, "efficiency": 1.0}}
+                   "intra_node_bandwidth_gb_s": 1e7, "efficiency": 1.0}}
 
 
 def test_schedule_table_and_order_by_hand():
