@@ -24,7 +24,6 @@ the same host-staged path.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 from ..plan import Plan
