@@ -136,6 +136,19 @@ def test_unsupported_policies_of_a_mesh_plan_are_refused_with_their_mesh_path():
     assert "pipelines[" not in text
 
 
+def test_the_backend_follows_the_plans_shape():
+    """megatron-core's own schedules where every stage shares TP and DP, the multimodule
+    backend otherwise; both are Backends (the hooks' one interface)."""
+    from megatron_hetero.runtime.backend import Backend
+    from megatron_hetero.runtime.mesh_run import MeshBackend
+
+    assert hooks.backend_class(make_plan(split=(2, 2))) is CoreBackend
+    mesh = make_mesh_plan([(1, 1, [2], None), (2, 1, [2], None)])
+    assert hooks.backend_class(mesh) is MeshBackend
+    assert issubclass(CoreBackend, Backend) and issubclass(MeshBackend, Backend)
+    assert hooks.Runtime().state is None  # a fresh process's: no plan yet
+
+
 def test_extra_args_provider_adds_the_plugin_arguments_once():
     calls = []
 
@@ -321,3 +334,21 @@ def test_what_the_warmup_schedule_cannot_run_is_refused_at_start():
                        r"\(warmup_microbatches\) runs a schedule that does not support variable "
                        r"sequence lengths .*; ring-exchange p2p"):
         check_warmup_args(warm, bad, source="p.yaml")
+
+
+def test_runtime_modules_keep_no_rank_state():
+    """What the hooks decide lives in the Runtime that install() makes: no runtime module
+    rebinds a global (``global``), and none has a test-only ``reset``."""
+    import ast
+    from pathlib import Path
+
+    import megatron_hetero.runtime as runtime
+
+    found = []
+    for path in sorted(Path(runtime.__file__).parent.glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        found += [f"{path.name}:{n.lineno} global" for n in ast.walk(tree)
+                  if isinstance(n, ast.Global)]
+        found += [f"{path.name}:{n.lineno} reset()" for n in tree.body
+                  if isinstance(n, ast.FunctionDef) and n.name == "reset"]
+    assert not found, found

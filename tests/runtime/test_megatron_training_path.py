@@ -26,6 +26,7 @@ _CHECKER = textwrap.dedent("""
     from megatron_hetero.runtime.placement import RankInfo
     from megatron_hetero.errors import HeteroError
     runtime = hooks.install()
+    assert hooks.install() is runtime and hooks.installed() is runtime  # one per process
     from megatron.training.initialize import parse_args, validate_args  # the names Megatron uses
     out = []
     for case in json.loads(sys.stdin.read()):
