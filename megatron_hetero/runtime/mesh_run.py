@@ -71,7 +71,7 @@ from . import mesh_model, plan_args, policies
 from .backend import Backend
 from .mesh_checkpoint import check_mixed_grids, rng_state_per_mesh
 from .mesh_state import MeshRankState, even_plan
-from .placement import PlanRanks, detect_device_type, place_this_rank
+from .placement import detect_device_type, device_type_of_rank, place_this_rank
 from .sampler import HeteroBatchSampler
 
 __all__ = ["MeshBackend", "MeshRankState", "before_validate", "mesh_view", "after_validate",
@@ -94,34 +94,18 @@ def _mesh_layout(plan: MeshPlan, st: MeshRankState) -> str | None:
     return "|".join(parts[st.first_stage:st.first_stage + len(st.mesh.stages)])
 
 
-def mesh_plan_ranks(plan: MeshPlan) -> PlanRanks:
-    """The ranks of ``plan`` for placement: each mesh's device type and tensor-parallel size."""
-    meshes = plan.meshes
-    return PlanRanks(
-        device_types=tuple(meshes[plan.slot_of_rank(r).mesh].device_type
-                           for r in range(plan.world_size)),
-        tensor_groups=tuple((plan.rank_offset(k) + first, m.tensor_model_parallel_size)
-                            for k, m in enumerate(meshes)
-                            for first in range(0, m.world_size, m.tensor_model_parallel_size)),
-        shape="; ".join(f"mesh {k}: TP={m.tensor_model_parallel_size} x "
-                        f"DP={m.data_parallel_size} x PP={len(m.stages)}"
-                        for k, m in enumerate(meshes)))
-
-
 def before_validate(args, plan: MeshPlan, *, path: str, argv) -> MeshRankState:
     """Check the command line against ``plan``, place this process (its device type) on a rank
     of the plan and give it its mesh's sizes."""
     launcher_rank, world = int(args.rank), int(args.world_size)
-    ranks = mesh_plan_ranks(plan)
-    emulated = (ranks.device_types[launcher_rank]  # the CPU backend plays the plan's type
+    emulated = (device_type_of_rank(plan, launcher_rank)
                 if cpu_mode() and launcher_rank < plan.world_size else None)
     device = detect_device_type(override=getattr(args, "hetero_device_type", None),
                                 catalog=plan.catalog, emulated=emulated,
                                 where=f"launcher rank {launcher_rank}: ", unknown_ok=True)
     placed = place_this_rank(plan, launcher_rank=launcher_rank, world_size=world,
                              device_type=device, source=path,
-                             timeout_minutes=getattr(args, "distributed_timeout_minutes", 10),
-                             ranks=ranks)
+                             timeout_minutes=getattr(args, "distributed_timeout_minutes", 10))
     rank = placed.rank
     given = plan_args.given_flags(argv)
     conflicts = [f"  {flag}: each rank takes its mesh's from the plan; leave it out"

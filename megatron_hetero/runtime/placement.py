@@ -27,9 +27,9 @@ from ..placement.inventory import check_plan_vendors
 from ..plan.format2 import MeshPlan
 from .arguments import DEVICE_TYPE_ENV
 
-__all__ = ["RankInfo", "PlanRanks", "plan_ranks", "Placed", "PlacementError", "assign_ranks",
-           "detect_device_type", "exchange_rank_infos", "place_this_rank", "check_device_stacks",
-           "CPU_ENV"]
+__all__ = ["RankInfo", "Placed", "PlacementError", "assign_ranks", "detect_device_type",
+           "exchange_rank_infos", "place_this_rank", "check_device_stacks", "CPU_ENV",
+           "device_type_of_rank"]
 
 _KEY_PREFIX = "megatron_hetero/placement"
 
@@ -117,39 +117,33 @@ def _counts_text(counts: Counter) -> str:
     return ", ".join(f"{n}x {gpu}" for gpu, n in sorted(counts.items())) or "nothing"
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class PlanRanks:
-    """What placement needs of a plan's ranks, whatever the plan's form: the backend that runs
-    the plan says it (:func:`plan_ranks` for a plan of one TP size, the default)."""
-
-    device_types: tuple[str, ...]
-    """The device type the plan puts on every Megatron rank (``device_types[rank]``)."""
-    tensor_groups: tuple[tuple[int, int], ...]
-    """(first rank, size) of every tensor-parallel group, in rank order."""
-    shape: str
-    """The plan's parallel sizes, as messages name them."""
+def device_type_of_rank(plan: Plan | MeshPlan, rank: int) -> str:
+    """The device type the plan puts on Megatron rank ``rank`` (a mesh plan: its mesh's)."""
+    if isinstance(plan, MeshPlan):
+        return plan.meshes[plan.slot_of_rank(rank).mesh].device_type
+    return plan.device_type_of_rank(rank)
 
 
-def plan_ranks(plan: Plan) -> PlanRanks:
-    """The :class:`PlanRanks` of a plan of one TP size and a list of pipelines."""
-    tp, world = plan.tensor_model_parallel_size, plan.world_size
-    return PlanRanks(device_types=tuple(plan.device_type_of_rank(r) for r in range(world)),
-                     tensor_groups=tuple((first, tp) for first in range(0, world, tp)),
-                     shape=f"TP={tp} x DP={plan.data_parallel_size} x "
-                           f"PP={plan.pipeline_model_parallel_size}")
+def _tensor_groups(plan: Plan | MeshPlan) -> list[tuple[int, int]]:
+    """(first rank, size) of every tensor-parallel group, in rank order (each mesh its own
+    size)."""
+    if isinstance(plan, MeshPlan):
+        return [(plan.rank_offset(k) + first, m.tensor_model_parallel_size)
+                for k, m in enumerate(plan.meshes)
+                for first in range(0, m.world_size, m.tensor_model_parallel_size)]
+    tp = plan.tensor_model_parallel_size
+    return [(first, tp) for first in range(0, plan.world_size, tp)]
 
 
-def assign_ranks(plan: Plan | MeshPlan, infos: list[RankInfo], *, source: str = "plan",
-                 ranks: PlanRanks | None = None) -> list[int]:
+def assign_ranks(plan: Plan | MeshPlan, infos: list[RankInfo], *,
+                 source: str = "plan") -> list[int]:
     """Megatron rank of every launcher rank (``result[launcher_rank]``).
 
     Slots are handed out per device type in Megatron rank order, one tensor-parallel group at a
     time, to that type's launcher ranks sorted by (host, local rank, launcher rank), so that a
     tensor-parallel group stays on consecutive GPUs of one host where the hosts allow it. When the
     launcher's own order already matches the plan, it is kept (Megatron rank = launcher rank).
-    ``ranks``: the plan's ranks (default :func:`plan_ranks`).
     """
-    ranks = ranks or plan_ranks(plan)
     world = plan.world_size
     found = Counter(i.device_type for i in infos)
     wanted = plan.device_counts()
@@ -159,10 +153,10 @@ def assign_ranks(plan: Plan | MeshPlan, infos: list[RankInfo], *, source: str = 
         lines.append(f"  found      {len(infos)} ranks: {_counts_text(found)}")
         for gpu in sorted(set(found) | set(wanted)):
             if found[gpu] != wanted[gpu]:
-                held = sorted(i.launcher_rank for i in infos if i.device_type == gpu)
-                shown = ", ".join(map(str, held[:16])) + (" ..." if len(held) > 16 else "")
+                ranks = sorted(i.launcher_rank for i in infos if i.device_type == gpu)
+                shown = ", ".join(map(str, ranks[:16])) + (" ..." if len(ranks) > 16 else "")
                 lines.append(f"  {gpu}: plan wants {wanted[gpu]}, found {found[gpu]}"
-                             + (f" (launcher ranks {shown})" if held else ""))
+                             + (f" (launcher ranks {shown})" if ranks else ""))
         lines.append(f"  (override a rank's detected type with --hetero-device-type or "
                      f"${DEVICE_TYPE_ENV})")
         raise PlacementError("\n".join(lines))
@@ -170,7 +164,7 @@ def assign_ranks(plan: Plan | MeshPlan, infos: list[RankInfo], *, source: str = 
     if [i.launcher_rank for i in by_rank] != list(range(world)):
         raise PlacementError(f"{source}: launcher ranks are not 0..{world - 1}: "
                              f"{[i.launcher_rank for i in by_rank][:16]}")
-    if all(ranks.device_types[i.launcher_rank] == i.device_type for i in by_rank):
+    if all(device_type_of_rank(plan, i.launcher_rank) == i.device_type for i in by_rank):
         return list(range(world))
 
     pool: dict[str, list[RankInfo]] = defaultdict(list)
@@ -178,8 +172,8 @@ def assign_ranks(plan: Plan | MeshPlan, infos: list[RankInfo], *, source: str = 
         pool[info.device_type].append(info)
     taken = Counter()
     result = [-1] * world
-    for first, tp in ranks.tensor_groups:  # a tensor-parallel group: consecutive Megatron ranks
-        gpu = ranks.device_types[first]
+    for first, tp in _tensor_groups(plan):  # a tensor-parallel group: consecutive Megatron ranks
+        gpu = device_type_of_rank(plan, first)
         start = taken[gpu]
         for t, info in enumerate(pool[gpu][start:start + tp]):
             result[info.launcher_rank] = first + t
@@ -243,20 +237,22 @@ def _launcher_store(launcher_rank: int, world_size: int, timeout_minutes: float)
 
 def place_this_rank(plan: Plan | MeshPlan, *, launcher_rank: int, world_size: int,
                     device_type: str,
-                    source: str = "plan", store=None, timeout_minutes: float = 10.0,
-                    ranks: PlanRanks | None = None) -> Placed:
+                    source: str = "plan", store=None, timeout_minutes: float = 10.0) -> Placed:
     """This process's Megatron rank under ``plan`` (and the rendezvous store it hosts, which
-    the caller keeps); exchanges device types with every rank. ``ranks``: the plan's ranks
-    (default :func:`plan_ranks`)."""
-    ranks = ranks or plan_ranks(plan)
+    the caller keeps); exchanges device types with every rank."""
     import socket
 
     if world_size != plan.world_size:
         # Every rank sees the same WORLD_SIZE, so every rank raises the same message.
         wanted = plan.device_counts()
+        shape = ("; ".join(f"mesh {k}: TP={m.tensor_model_parallel_size} x "
+                           f"DP={m.data_parallel_size} x PP={len(m.stages)}"
+                           for k, m in enumerate(plan.meshes)) if isinstance(plan, MeshPlan)
+                 else f"TP={plan.tensor_model_parallel_size} x DP={plan.data_parallel_size} x "
+                      f"PP={plan.pipeline_model_parallel_size}")
         raise PlacementError(
             f"{source}: the plan needs world size {plan.world_size} ({_counts_text(wanted)}; "
-            f"{ranks.shape}); the launcher started {world_size} ranks")
+            f"{shape}); the launcher started {world_size} ranks")
     mine = RankInfo(launcher_rank=launcher_rank, device_type=device_type,
                     host=socket.gethostname(), local_rank=int(os.environ.get("LOCAL_RANK", "0")))
     if world_size == 1:
@@ -264,7 +260,7 @@ def place_this_rank(plan: Plan | MeshPlan, *, launcher_rank: int, world_size: in
     else:
         store = store or _launcher_store(launcher_rank, world_size, timeout_minutes)
         infos = exchange_rank_infos(mine, world_size, store)
-    return Placed(rank=assign_ranks(plan, infos, source=source, ranks=ranks)[launcher_rank],
+    return Placed(rank=assign_ranks(plan, infos, source=source)[launcher_rank],
                   server=store if isinstance(store, _HostedStore) else None)
 
 
