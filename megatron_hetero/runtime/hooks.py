@@ -47,8 +47,8 @@ _RUNTIME_MARK = "_megatron_hetero_runtime"
 
 def backend_class(plan) -> type[Backend]:
     """The backend that runs ``plan``: megatron-core's own schedules where every stage shares
-    TP and DP (a format-1 plan), the multimodule backend otherwise (a mesh plan). The one place
-    the runtime asks a plan's shape."""
+    TP and DP (today: a format-1 plan), the multimodule backend otherwise (a mesh plan). The one
+    choice of backend; with one plan type it reads the plan's "every stage shares TP and DP"."""
     return MeshBackend if isinstance(plan, MeshPlan) else CoreBackend
 
 
