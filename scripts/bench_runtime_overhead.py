@@ -74,22 +74,21 @@ def _wrapper_cost_us(calls: int = 200_000) -> float:
     import timeit
     from types import SimpleNamespace
 
-    from megatron_hetero.runtime import hooks
+    from megatron_hetero.runtime.core_run import CoreBackend, CoreRankState
 
     plan = make_plan(replicas=[(1, 3), (1, 1)])
-    hooks._state = hooks.RankState(plan=plan, plan_path="bench", launcher_rank=0,
-                                   megatron_rank=0, device_type="A100-SXM-80GB",
-                                   slot=plan.slot_of_rank(0), virtual_num_microbatches=2,
-                                   args=SimpleNamespace(micro_batch_size=1))
+    backend = CoreBackend(state=CoreRankState(
+        plan=plan, plan_path="bench", launcher_rank=0, megatron_rank=0,
+        device_type="A100-SXM-80GB", slot=plan.slot_of_rank(0), virtual_num_microbatches=2,
+        args=SimpleNamespace(micro_batch_size=1)))
 
     def schedule(**kw):
         return kw
 
-    wrapped = hooks.replica_forward_backward(schedule)
+    wrapped = backend.replica_forward_backward(schedule)
     kw = dict(num_microbatches=2, micro_batch_size=1, forward_only=False)
     bare = min(timeit.repeat(lambda: schedule(**kw), number=calls, repeat=5))
     hooked = min(timeit.repeat(lambda: wrapped(**kw), number=calls, repeat=5))
-    hooks.reset()
     return (hooked - bare) / calls * 1e6
 
 

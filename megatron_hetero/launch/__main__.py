@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from ..errors import HeteroError
-from ..runtime.placement import CPU_ENV
+from ..mcore.cpu_backend import CPU_ENV, cpu_mode
 
 __all__ = ["main"]
 
@@ -27,10 +27,9 @@ _USAGE = ("usage: python -m megatron_hetero.launch [--cpu] SCRIPT [MEGATRON ARGS
 
 
 def _cpu_requested(argv: list[str]) -> tuple[bool, list[str]]:
-    cpu = os.environ.get(CPU_ENV, "") not in ("", "0")
     if argv and argv[0] == "--cpu":
         return True, argv[1:]
-    return cpu, argv
+    return cpu_mode(), argv
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,9 @@ Public API
     when CUDA is available, so a GPU run is never changed. Idempotent.
 ``cpu_backend_enabled()``
     Whether this process has enabled it.
+``cpu_mode()``, ``CPU_ENV``
+    Whether this process was asked to run on the CPU backend (``MEGATRON_HETERO_CPU=1``: ``launch
+    --cpu``, rehearsals, CI); the one place that reads the variable.
 ``REDIRECTS``
     The one table of what the backend redirects and why: ``(module, attribute, reason)`` rows.
 ``SAFE_CUDA_QUERIES``
@@ -65,11 +68,20 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
+import os
 import sys
 import threading
 
-__all__ = ["enable_cpu_backend", "cpu_backend_enabled", "REDIRECTS", "CudaNotCoveredError",
-           "SAFE_CUDA_QUERIES"]
+__all__ = ["enable_cpu_backend", "cpu_backend_enabled", "cpu_mode", "CPU_ENV", "REDIRECTS",
+           "CudaNotCoveredError", "SAFE_CUDA_QUERIES"]
+
+CPU_ENV = "MEGATRON_HETERO_CPU"
+"""Set to 1 to run on the CPU backend (gloo); a rank's emulated device type is then the plan's."""
+
+
+def cpu_mode() -> bool:
+    """Whether this process runs on the CPU backend: ``$MEGATRON_HETERO_CPU`` set and not 0."""
+    return os.environ.get(CPU_ENV, "") not in ("", "0")
 
 
 class CudaNotCoveredError(RuntimeError):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 
-from .mesh_run import MeshRankState, even_plan
+from .mesh_state import MeshRankState, even_plan
 
 __all__ = ["MeshLayerLayout", "mesh_config", "adapt_stage_model", "scale_gradients",
            "build_communicator", "get_model"]

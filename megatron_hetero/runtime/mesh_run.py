@@ -1,8 +1,9 @@
 """Mesh plans (``format_version: 2``) inside Megatron-LM's own training loop (megatron-core 0.17).
 
-:mod:`.hooks` sends a rank of a mesh plan here from the functions it wraps; nothing of Megatron is
-copied, each step calls Megatron's own function or megatron-core's multimodule pieces
-(docs/meshes.md, "Runtime"):
+:class:`MeshBackend`, the multimodule backend: :mod:`.hooks` hands it a rank of a mesh plan's
+calls of the functions it wraps (:class:`.backend.Backend`); nothing of Megatron is copied, each
+step calls Megatron's own function or megatron-core's multimodule pieces (docs/meshes.md,
+"Runtime"):
 
 ``validate_args``
     each rank takes its mesh's tensor-parallel size, its mesh's pipeline depth and its mesh's
@@ -59,79 +60,28 @@ import os
 import re
 from dataclasses import dataclass
 
+from typing import Sequence
+
 from ..errors import HeteroError
+from ..mcore.cpu_backend import cpu_mode
 from ..mcore.cpu_offload import join_offload_summary
 from ..plan.megatron_args import mesh_megatron_args
 from ..plan import Plan, Slot
-from . import plan_args, policies
-from .placement import CPU_ENV, detect_device_type, device_type_of_rank, place_this_rank
+from . import mesh_model, plan_args, policies
+from .backend import Backend
+from .mesh_checkpoint import check_mixed_grids, rng_state_per_mesh
+from .mesh_state import MeshRankState, even_plan
+from .placement import detect_device_type, device_type_of_rank, place_this_rank
+from .sampler import HeteroBatchSampler
 
-__all__ = ["MeshRankState", "before_validate", "mesh_view", "after_validate",
+__all__ = ["MeshBackend", "MeshRankState", "before_validate", "mesh_view", "after_validate",
            "initialize_per_mesh", "global_stage_check", "mesh_schedule", "mesh_finalize",
-           "whole_model_optimizer", "mesh_only_targets", "replica_data_loader", "uneven", "even_plan"]
+           "whole_model_optimizer", "replica_data_loader", "uneven", "even_plan"]
 
 _PER_MESH_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
                    "--micro-batch-size", "--num-layers-per-virtual-pipeline-stage",
                    "--num-virtual-stages-per-pipeline-rank", "--sequence-parallel",
                    "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers")
-
-
-@dataclass(kw_only=True, slots=True)
-class MeshRankState:
-    """What the hooks decided for one rank of a mesh plan."""
-
-    plan: Plan
-    plan_path: str
-    rank: int
-    """This process's rank in the plan's numbering (its Megatron rank)."""
-    launcher_rank: int
-    device_type: str
-    slot: Slot
-    grids: list | None = None
-    """megatron-core's ``HyperCommGrid`` of every mesh (after ``initialize_model_parallel``)."""
-    communicator: object = None
-    """megatron-core's ``MultiModulePipelineCommunicator`` (after ``get_model``)."""
-    config: object = None
-    """The model's ``TransformerConfig`` (the communicator's config)."""
-    args: object = None
-    """Megatron's ``args`` of this rank."""
-
-    @property
-    def mesh(self):
-        return self.plan.meshes[self.slot.mesh]
-
-    @property
-    def stage(self):
-        """The plan stage this rank runs (its recompute and offload)."""
-        return self.plan.stage_of_slot(self.slot)
-
-    @property
-    def last_mesh(self) -> bool:
-        return self.slot.mesh == len(self.plan.meshes) - 1
-
-    @property
-    def first_stage(self) -> int:
-        """The global pipeline index of this mesh's first stage."""
-        return sum(len(m.stages) for m in self.plan.meshes[:self.slot.mesh])
-
-    @property
-    def global_stage(self) -> int:
-        return self.first_stage + self.slot.stage
-
-    def describe(self) -> str:
-        m, r = self.mesh, self.mesh.replicas[self.slot.replica]
-        return (f"megatron-hetero: launcher rank {self.launcher_rank} ({self.device_type}) -> "
-                f"rank {self.rank}: mesh {self.slot.mesh} "
-                f"(TP {m.tensor_model_parallel_size}, DP {m.data_parallel_size}, PP "
-                f"{len(m.stages)}) stage {self.slot.stage} replica {self.slot.replica} tp "
-                f"{self.slot.tensor_rank}; global stage {self.global_stage} of "
-                f"{self.plan.pipeline_model_parallel_size}; "
-                f"{self.stage.num_layers} layers; {r.num_microbatches} "
-                f"micro-batches of {r.micro_batch_size}; recompute "
-                f"{self.stage.recompute.granularity}; optimizer offload "
-                f"{self.stage.offload.optimizer_fraction:g}"
-                + ("; module inputs offloaded to host" if self.stage.offload.module_inputs
-                   else ""))
 
 
 # -- arguments ---------------------------------------------------------------------------------
@@ -149,14 +99,14 @@ def before_validate(args, plan: Plan, *, path: str, argv) -> MeshRankState:
     of the plan and give it its mesh's sizes."""
     launcher_rank, world = int(args.rank), int(args.world_size)
     emulated = (device_type_of_rank(plan, launcher_rank)
-                if os.environ.get(CPU_ENV, "") not in ("", "0") and launcher_rank < plan.world_size
-                else None)
+                if cpu_mode() and launcher_rank < plan.world_size else None)
     device = detect_device_type(override=getattr(args, "hetero_device_type", None),
                                 catalog=plan.catalog, emulated=emulated,
                                 where=f"launcher rank {launcher_rank}: ", unknown_ok=True)
-    rank = place_this_rank(plan, launcher_rank=launcher_rank, world_size=world,
-                           device_type=device, source=path,
-                           timeout_minutes=getattr(args, "distributed_timeout_minutes", 10))
+    placed = place_this_rank(plan, launcher_rank=launcher_rank, world_size=world,
+                             device_type=device, source=path,
+                             timeout_minutes=getattr(args, "distributed_timeout_minutes", 10))
+    rank = placed.rank
     given = plan_args.given_flags(argv)
     conflicts = [f"  {flag}: each rank takes its mesh's from the plan; leave it out"
                  for flag in _PER_MESH_FLAGS if flag in given]
@@ -187,7 +137,8 @@ def before_validate(args, plan: Plan, *, path: str, argv) -> MeshRankState:
         args, "use_precision_aware_optimizer", None),
         transformer_impl=getattr(args, "transformer_impl", None))
     st = MeshRankState(plan=plan, plan_path=path, rank=rank, launcher_rank=launcher_rank,
-                       device_type=device, slot=plan.slot_of_rank(rank), args=args)
+                       device_type=device, slot=plan.slot_of_rank(rank), args=args,
+                       server=placed.server)
     args.rank = rank
     os.environ["RANK"] = str(rank)
     mesh = st.mesh
@@ -200,11 +151,6 @@ def before_validate(args, plan: Plan, *, path: str, argv) -> MeshRankState:
     args.ddp_average_in_collective = False
     policies.apply_stage_args(args, st.stage)
     return st
-
-
-def even_plan(plan: Plan) -> bool:
-    """Every replica of every mesh alike (no per-token loss)."""
-    return not plan.per_token_loss
 
 
 def _virtual_micro_batch_size(plan: Plan, path: str) -> int:
@@ -279,7 +225,7 @@ def initialize_per_mesh(original, st: MeshRankState, *a, **kw) -> None:
     assert dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group()) == [
         st.plan.rank_of_slot(Slot(st.slot.mesh, j, st.slot.replica, st.slot.tensor_rank))
         for j in range(len(st.mesh.stages))], "mesh pipeline group differs from the plan's"
-    if os.environ.get(CPU_ENV, "") not in ("", "0"):
+    if cpu_mode():
         gloo_bridges()
     st.grids = mesh_grids(st.plan)
 
@@ -377,8 +323,6 @@ def replica_data_loader(dataset, consumed_samples, st: MeshRankState, *, num_wor
     batch (the replicas before it first), in its own micro-batches (:mod:`.sampler`)."""
     import torch
 
-    from .sampler import HeteroBatchSampler
-
     replicas = st.mesh.replicas
     mine = replicas[st.slot.replica]
     sampler = HeteroBatchSampler(
@@ -396,35 +340,55 @@ def uneven(st: MeshRankState | None) -> bool:
     return st is not None and not even_plan(st.plan)
 
 
-def mesh_only_targets(current) -> tuple:
-    """``(module, function, make wrapper)`` of the functions only a mesh plan changes, for
-    :func:`megatron_hetero.runtime.hooks.install`; each wrapper calls the original while
-    ``current()`` (this process's :class:`MeshRankState`) is None."""
-    from .mesh_checkpoint import check_mixed_grids, rng_state_per_mesh
+@dataclass(kw_only=True, slots=True)
+class MeshBackend(Backend):
+    """A mesh plan on megatron-core's multimodule pipeline (see the module docstring)."""
 
-    def through(mesh_version):
-        def make(original):
-            @functools.wraps(original)
-            def wrapper(*a, **kw):
-                st = current()
-                if st is None:
-                    return original(*a, **kw)
-                return mesh_version(original, st)(*a, **kw)
-            return wrapper
-        return make
+    state: MeshRankState
+    """This rank's slot in the mesh plan."""
 
-    return (
-        ("megatron.core.parallel_state", "initialize_model_parallel",
-         through(lambda o, st: functools.partial(initialize_per_mesh, o, st))),
-        ("megatron.core.parallel_state", "is_pipeline_first_stage",
-         through(lambda o, st: global_stage_check(o, st, last=False))),
-        ("megatron.core.parallel_state", "is_pipeline_last_stage",
-         through(lambda o, st: global_stage_check(o, st, last=True))),
-        ("megatron.training.training", "finalize_model_grads",
-         through(mesh_finalize)),
-        ("megatron.training.training", "get_megatron_optimizer", through(whole_model_optimizer)),
-        ("megatron.core.dist_checkpointing.validation", "_validate_sharding_for_key",
-         through(lambda o, st: check_mixed_grids(o))),
-        ("megatron.training.checkpointing", "get_rng_state",
-         through(lambda o, st: rng_state_per_mesh(o, st.slot.mesh))),
-    )
+    @classmethod
+    def start(cls, args, plan: Plan, *, path: str, argv: Sequence[str]) -> "MeshBackend":
+        return cls(state=before_validate(args, plan, path=path, argv=argv))
+
+    def validate_args(self, original, args, *a, **kw):
+        with mesh_view(args, self.state):
+            result = original(args, *a, **kw)
+        after_validate(args, self.state)
+        return result
+
+    def transformer_config(self, original, *a, **kw):
+        return mesh_model.mesh_config(original, self.state, *a, **kw)
+
+    def get_model(self, original, model_provider_func, *a, **kw):
+        return mesh_model.get_model(original, self.state, model_provider_func, *a, **kw)
+
+    def forward_backward_func(self, original, *a, **kw):
+        return mesh_schedule(self.state)
+
+    def data_loader(self, original, dataset, consumed_samples, *a, **kw):
+        if dataset is not None and uneven(self.state):
+            return replica_data_loader(dataset, consumed_samples, self.state,
+                                       num_workers=getattr(self.state.args, "num_workers", 0))
+        return original(dataset, consumed_samples, *a, **kw)
+
+    def initialize_model_parallel(self, original, *a, **kw):
+        return initialize_per_mesh(original, self.state, *a, **kw)
+
+    def is_pipeline_first_stage(self, original, *a, **kw):
+        return global_stage_check(original, self.state, last=False)(*a, **kw)
+
+    def is_pipeline_last_stage(self, original, *a, **kw):
+        return global_stage_check(original, self.state, last=True)(*a, **kw)
+
+    def finalize_model_grads(self, original, *a, **kw):
+        return mesh_finalize(original, self.state)(*a, **kw)
+
+    def get_megatron_optimizer(self, original, *a, **kw):
+        return whole_model_optimizer(original, self.state)(*a, **kw)
+
+    def validate_sharding_for_key(self, original, *a, **kw):
+        return check_mixed_grids(original)(*a, **kw)
+
+    def get_rng_state(self, original, *a, **kw):
+        return rng_state_per_mesh(original, self.state.slot.mesh)(*a, **kw)

@@ -21,16 +21,14 @@ from dataclasses import dataclass
 
 from ..errors import HeteroError
 from ..hardware.catalog import Catalog, load_catalog
+from ..mcore.cpu_backend import CPU_ENV, cpu_mode
 from ..plan import Plan
 from ..placement.inventory import check_plan_vendors
 from .arguments import DEVICE_TYPE_ENV
 
-__all__ = ["RankInfo", "PlacementError", "assign_ranks", "detect_device_type",
+__all__ = ["RankInfo", "Placed", "PlacementError", "assign_ranks", "detect_device_type",
            "exchange_rank_infos", "place_this_rank", "check_device_stacks", "CPU_ENV",
            "device_type_of_rank"]
-
-CPU_ENV = "MEGATRON_HETERO_CPU"
-"""Set to 1 to run on the CPU backend (gloo); the emulated device type is then the plan's."""
 
 _KEY_PREFIX = "megatron_hetero/placement"
 
@@ -59,6 +57,18 @@ class RankInfo:
     def from_json(cls, text: str) -> "RankInfo":
         rank, device, host, local = json.loads(text)
         return cls(launcher_rank=rank, device_type=device, host=host, local_rank=local)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Placed:
+    """This process's place under the plan (:func:`place_this_rank`)."""
+
+    rank: int
+    """Its Megatron rank."""
+    server: object = None
+    """The rendezvous store this process hosts (launcher rank 0 without torchrun's agent), or
+    None: whoever places the rank keeps it for the job's life, since Megatron's own rendezvous
+    joins it as a client."""
 
 
 def detect_device_type(*, override: str | None = None, catalog: Catalog | None = None,
@@ -173,20 +183,35 @@ def exchange_rank_infos(mine: RankInfo, world_size: int, store) -> list[RankInfo
     store.wait(keys)
     infos = [RankInfo.from_json(store.get(k).decode()) for k in keys]
     store.set(f"{prefix}/read/{mine.launcher_rank}", "1")
-    if store is _HELD_STORE:
+    if isinstance(store, _HostedStore):
         # The process that hosts the store must not leave (a placement error stops every rank)
         # before the others have read it: their reads would fail with "connection reset".
         store.wait([f"{prefix}/read/{r}" for r in range(world_size)])
     return infos
 
 
-_HELD_STORE = None  # keeps the rendezvous server alive in the process that hosts it
+class _HostedStore:
+    """The c10d store this process hosts (its server lives as long as this object)."""
+
+    __slots__ = ("store",)
+
+    def __init__(self, store):
+        self.store = store
+
+    def set(self, key, value):
+        return self.store.set(key, value)
+
+    def get(self, key):
+        return self.store.get(key)
+
+    def wait(self, keys):
+        return self.store.wait(keys)
 
 
 def _launcher_store(launcher_rank: int, world_size: int, timeout_minutes: float):
     """A c10d TCPStore on MASTER_ADDR:MASTER_PORT, hosted by launcher rank 0 unless torchrun's
-    agent already hosts one. Megatron's own rendezvous then joins the same server as a client."""
-    global _HELD_STORE
+    agent already hosts one (then a :class:`_HostedStore`). Megatron's own rendezvous then
+    joins the same server as a client."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -194,19 +219,19 @@ def _launcher_store(launcher_rank: int, world_size: int, timeout_minutes: float)
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")
     port = int(os.environ.get("MASTER_PORT", "29500"))
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(host, port, world_size, is_master=(launcher_rank == 0 and not agent),
+    hosting = launcher_rank == 0 and not agent
+    store = dist.TCPStore(host, port, world_size, is_master=hosting,
                           timeout=timedelta(minutes=timeout_minutes), multi_tenant=True)
-    if launcher_rank == 0 and not agent:
-        _HELD_STORE = store
     # The Megatron rank 0 may now be another process: every rank joins the server as a client.
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
-    return store
+    return _HostedStore(store) if hosting else store
 
 
 def place_this_rank(plan: Plan, *, launcher_rank: int, world_size: int,
                     device_type: str,
-                    source: str = "plan", store=None, timeout_minutes: float = 10.0) -> int:
-    """This process's Megatron rank under ``plan``; exchanges device types with every rank."""
+                    source: str = "plan", store=None, timeout_minutes: float = 10.0) -> Placed:
+    """This process's Megatron rank under ``plan`` (and the rendezvous store it hosts, which
+    the caller keeps); exchanges device types with every rank."""
     import socket
 
     if world_size != plan.world_size:
@@ -223,7 +248,8 @@ def place_this_rank(plan: Plan, *, launcher_rank: int, world_size: int,
     else:
         store = store or _launcher_store(launcher_rank, world_size, timeout_minutes)
         infos = exchange_rank_infos(mine, world_size, store)
-    return assign_ranks(plan, infos, source=source)[launcher_rank]
+    return Placed(rank=assign_ranks(plan, infos, source=source)[launcher_rank],
+                  server=store if isinstance(store, _HostedStore) else None)
 
 
 def check_device_stacks(plan: Plan, *, source: str) -> None:
@@ -233,7 +259,7 @@ def check_device_stacks(plan: Plan, *, source: str) -> None:
     :func:`~megatron_hetero.placement.inventory.check_plan_vendors`), or a device type whose torch
     stack this process lacks (Ascend NPUs without ``torch_npu``). Skipped on the CPU backend
     (``MEGATRON_HETERO_CPU=1``), where gloo serves every group."""
-    if os.environ.get(CPU_ENV, "") not in ("", "0"):
+    if cpu_mode():
         return
     check_plan_vendors(plan, plan.catalog, source=source)
     for device_type in sorted(plan.device_counts()):

@@ -9,12 +9,12 @@ edges only), every group gets the backend its members can share:
   rank's vendor): the vendor's device backend (``nccl``, ``hccl``) for a group inside one
   vendor, ``gloo`` for a group across vendors (the world group, a pipeline group, the
   model-parallel and embedding groups), and ``gloo`` where Megatron asks for it;
-* :func:`install` wraps ``megatron.core.parallel_state.create_group``, through which Megatron
-  builds every group, to pass that backend (every rank calls it for every group in the same
-  order, so every rank decides alike), and ``initialize_model_parallel`` to build, after
-  Megatron's groups, one group per pipeline edge (:func:`pipeline_edges`) and route the
-  pipeline's messages over them (:mod:`.host_p2p`: an edge across vendors is staged through
-  host buffers on its gloo group);
+* :class:`VendorGroups`, what the runtime's hooks of ``megatron.core.parallel_state.create_group``
+  (through which Megatron builds every group) and ``initialize_model_parallel`` do on such a
+  plan: pass that backend (every rank calls it for every group in the same order, so every
+  rank decides alike), and build, after Megatron's groups, one group per pipeline edge
+  (:func:`pipeline_edges`) and route the pipeline's messages over them (:mod:`.host_p2p`: an
+  edge across vendors is staged through host buffers on its gloo group);
 * the hooks make the world group gloo (``--distributed-backend gloo``).
 
 On the CPU backend (``MEGATRON_HETERO_CPU=1``) every group is gloo whatever the decision; the
@@ -24,13 +24,12 @@ the same host-staged path.
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..plan import Plan
 
 __all__ = ["GLOO", "GroupChoice", "rank_vendors", "spans_vendors", "group_backend",
-           "pipeline_edges", "install", "choices", "routes"]
+           "pipeline_edges", "VendorGroups", "groups_for", "prepare"]
 
 GLOO = "gloo"
 
@@ -102,93 +101,62 @@ def pipeline_edges(plan: Plan) -> list[tuple[int, int]]:
 # -- the hooks ---------------------------------------------------------------------------------
 
 @dataclass(kw_only=True, slots=True)
-class _Active:
+class VendorGroups:
+    """The groups of this rank on a plan across vendors: what the runtime's hooks of
+    ``create_group`` and ``initialize_model_parallel`` do (:func:`prepare` makes one)."""
+
     plan: Plan
+    """The plan (across vendors)."""
     cpu_backend: bool
-    choices: list
-    routes: object = None  # the host_p2p.Router of this rank, once the edges are built
-
-
-_active: list[_Active] = []
-
-
-def choices() -> list[GroupChoice]:
-    """The groups built so far in this process on a plan across vendors, in order."""
-    return list(_active[0].choices) if _active else []
-
-
-def routes():
+    """Every group is gloo whatever the decision (``MEGATRON_HETERO_CPU=1``)."""
+    choices: list[GroupChoice] = field(default_factory=list)
+    """The groups built so far in this process, in order."""
+    routes: object = None
     """This rank's pipeline-edge router (:class:`.host_p2p.Router`; its counters say how many
     messages took the host-staged path), or None before the groups are built."""
-    return _active[0].routes if _active else None
 
-
-def _wrap_create_group(original):
-    @functools.wraps(original)
-    def create_group(ranks=None, timeout=None, backend=None, pg_options=None, **kw):
-        if not _active:
-            return original(ranks, timeout=timeout, backend=backend, pg_options=pg_options, **kw)
-        act = _active[0]
-        chosen = group_backend(act.plan, ranks, asked=backend)
-        members = tuple(range(act.plan.world_size) if ranks is None else ranks)
-        vendors = rank_vendors(act.plan)
-        act.choices.append(GroupChoice(ranks=members, asked=backend, backend=chosen,
-                                       vendors=tuple(sorted({vendors[r] for r in members}))))
-        if act.cpu_backend or chosen == GLOO:
+    def create_group(self, original, ranks=None, timeout=None, backend=None, pg_options=None,
+                     **kw):
+        """``parallel_state.create_group`` with the backend :func:`group_backend` chooses."""
+        chosen = group_backend(self.plan, ranks, asked=backend)
+        members = tuple(range(self.plan.world_size) if ranks is None else ranks)
+        vendors = rank_vendors(self.plan)
+        self.choices.append(GroupChoice(ranks=members, asked=backend, backend=chosen,
+                                        vendors=tuple(sorted({vendors[r] for r in members}))))
+        if self.cpu_backend or chosen == GLOO:
             chosen, pg_options = GLOO, None  # the device backend's options do not apply
         return original(ranks, timeout=timeout, backend=chosen, pg_options=pg_options, **kw)
-    return create_group
+
+    def build_edges(self, *, timeout_minutes: float) -> None:
+        """After Megatron's groups: one group per pipeline edge, built by every rank in the same
+        order, and this rank's pipeline messages routed over its edges."""
+        from datetime import timedelta
+
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        from .host_p2p import Edge, install_router
+
+        me, vendors = dist.get_rank(), rank_vendors(self.plan)
+        edges = {}
+        for a, b in pipeline_edges(self.plan):
+            group = parallel_state.create_group(sorted((a, b)), timeout=timedelta(
+                minutes=timeout_minutes), group_desc="HETERO_PIPELINE_EDGE")
+            if me in (a, b):
+                edges[b if me == a else a] = Edge(group=group, staged=vendors[a] != vendors[b])
+        self.routes = install_router(edges)
 
 
-def _wrap_initialize_model_parallel(original):
-    @functools.wraps(original)
-    def initialize_model_parallel(*a, **kw):
-        result = original(*a, **kw)
-        if _active:
-            _build_edges(_active[0], timeout_minutes=kw.get("distributed_timeout_minutes", 30))
-        return result
-    return initialize_model_parallel
+def groups_for(plan: Plan, *, cpu_backend: bool) -> VendorGroups | None:
+    """The :class:`VendorGroups` of ``plan``; None for a plan of one vendor (nothing changes)."""
+    return VendorGroups(plan=plan, cpu_backend=cpu_backend) if spans_vendors(plan) else None
 
 
-def _build_edges(act: _Active, *, timeout_minutes: float) -> None:
-    """One group per pipeline edge, built by every rank in the same order, and this rank's
-    pipeline messages routed over its edges."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    from .host_p2p import Edge, install_router
-
-    me, vendors = dist.get_rank(), rank_vendors(act.plan)
-    edges = {}
-    for a, b in pipeline_edges(act.plan):
-        group = parallel_state.create_group(sorted((a, b)), timeout=timedelta(
-            minutes=timeout_minutes), group_desc="HETERO_PIPELINE_EDGE")
-        if me in (a, b):
-            edges[b if me == a else a] = Edge(group=group, staged=vendors[a] != vendors[b])
-    act.routes = install_router(edges)
-
-
-def install(plan: Plan, *, cpu_backend: bool) -> None:
-    """Build this process's groups for ``plan`` as the module docstring says (nothing for a
-    plan of one vendor). ``cpu_backend``: every group is gloo (``MEGATRON_HETERO_CPU=1``)."""
-    from ..mcore.rebind import rebind
-
-    _active.clear()
-    if not spans_vendors(plan):
-        return
-    _active.append(_Active(plan=plan, cpu_backend=cpu_backend, choices=[]))
-    rebind("megatron.core.parallel_state", "create_group", _wrap_create_group, layer="vendors")
-    rebind("megatron.core.parallel_state", "initialize_model_parallel",
-           _wrap_initialize_model_parallel, layer="vendors")
-
-
-def prepare(plan: Plan, args, *, source: str, cpu_backend: bool) -> None:
+def prepare(plan: Plan, args, *, source: str, cpu_backend: bool) -> VendorGroups | None:
     """Before Megatron initialises torch.distributed: on a plan across vendors, refuse what the
     routed pipeline cannot carry, make the world group gloo (``args.distributed_backend``: the
     world spans vendors; Megatron's barriers and scalar collectives on it take host or CUDA
-    tensors) and :func:`install` the group and edge hooks."""
+    tensors) and return the groups' hooks (None for a plan of one vendor)."""
     from ..errors import HeteroError
 
     if spans_vendors(plan):
@@ -207,4 +175,4 @@ def prepare(plan: Plan, args, *, source: str, cpu_backend: bool) -> None:
             print(f"megatron-hetero: GPUs of {len(set(vendors))} vendors: world group "
                   f"gloo, {staged} pipeline edges across vendors staged through host memory",
                   flush=True)
-    install(plan, cpu_backend=cpu_backend)
+    return groups_for(plan, cpu_backend=cpu_backend)

@@ -8,6 +8,15 @@ from megatron_hetero.mcore import cpu_backend
 from megatron_hetero.mcore.spawn import spawn
 
 
+@pytest.mark.parametrize("value, on", [(None, False), ("", False), ("0", False), ("1", True)])
+def test_cpu_mode_reads_the_one_variable(monkeypatch, value, on):
+    if value is None:
+        monkeypatch.delenv(cpu_backend.CPU_ENV, raising=False)
+    else:
+        monkeypatch.setenv(cpu_backend.CPU_ENV, value)
+    assert cpu_backend.CPU_ENV == "MEGATRON_HETERO_CPU" and cpu_backend.cpu_mode() is on
+
+
 def test_refuses_when_cuda_is_available(monkeypatch):
     import torch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

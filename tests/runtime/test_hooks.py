@@ -11,18 +11,12 @@ import pytest
 from megatron_hetero.plan import chunk_recompute, mesh_plan_from_data
 from megatron_hetero.hardware.optional import have_transformer_engine
 from megatron_hetero.runtime import hooks, plan_args, policies
+from megatron_hetero.runtime.core_run import CoreBackend, CoreRankState, check_warmup_args
 from megatron_hetero.runtime.plan_args import ArgumentConflict, check_and_apply
 
 from .plans import A100, V100, make_mesh_plan, make_plan
 
 FULL = {"granularity": "full", "method": "block", "num_layers": 1}
-
-
-@pytest.fixture(autouse=True)
-def _fresh_state():
-    hooks.reset()
-    yield
-    hooks.reset()
 
 
 def _args(**kw):
@@ -141,6 +135,19 @@ def test_unsupported_policies_of_a_mesh_plan_are_refused_with_their_mesh_path():
     assert "pipelines[" not in text
 
 
+def test_the_backend_follows_the_plans_shape():
+    """megatron-core's own schedules where every stage shares TP and DP, the multimodule
+    backend otherwise; both are Backends (the hooks' one interface)."""
+    from megatron_hetero.runtime.backend import Backend
+    from megatron_hetero.runtime.mesh_run import MeshBackend
+
+    assert hooks.backend_class(make_plan(split=(2, 2))) is CoreBackend
+    mesh = make_mesh_plan([(1, 1, [2], None), (2, 1, [2], None)])
+    assert hooks.backend_class(mesh) is MeshBackend
+    assert issubclass(CoreBackend, Backend) and issubclass(MeshBackend, Backend)
+    assert hooks.Runtime().state is None  # a fresh process's: no plan yet
+
+
 def test_extra_args_provider_adds_the_plugin_arguments_once():
     calls = []
 
@@ -149,33 +156,34 @@ def test_extra_args_provider_adds_the_plugin_arguments_once():
         parser.add_argument("--mine", type=int)
         return parser
 
-    parser = hooks._with_hetero_args(user_provider)(argparse.ArgumentParser())
+    parser = hooks.with_hetero_args(user_provider)(argparse.ArgumentParser())
     parsed = parser.parse_args(["--mine", "3", "--hetero-plan", "p.yaml"])
     assert calls == [1] and parsed.mine == 3 and parsed.hetero_plan == "p.yaml"
-    again = hooks._with_hetero_args(hooks._with_hetero_args(None))(argparse.ArgumentParser())
+    again = hooks.with_hetero_args(hooks.with_hetero_args(None))(argparse.ArgumentParser())
     assert again.parse_args(["--hetero-device-type", "H100"]).hetero_device_type == "H100"
 
 
-def _state(plan, megatron_rank, args=None):
-    st = hooks.RankState(plan=plan, plan_path="p.yaml", launcher_rank=megatron_rank,
-                         megatron_rank=megatron_rank, device_type=A100,
-                         slot=plan.slot_of_rank(megatron_rank), args=args)
-    hooks._state = st
-    return st
+def _backend(plan, megatron_rank, args=None) -> CoreBackend:
+    """A fresh format-1 backend of Megatron rank ``megatron_rank`` (what ``validate_args``
+    starts)."""
+    st = CoreRankState(plan=plan, plan_path="p.yaml", launcher_rank=megatron_rank,
+                       megatron_rank=megatron_rank, device_type=A100,
+                       slot=plan.slot_of_rank(megatron_rank), args=args)
+    return CoreBackend(state=st)
 
 
 def test_schedule_wrapper_runs_this_replicas_micro_batches():
     plan = make_plan(replicas=[(2, 3), (1, 2)])  # gbs 8, virtual mbs 2, 2 micro-batches
     args = SimpleNamespace(micro_batch_size=2)
-    st = _state(plan, 1, args)
-    st.virtual_num_microbatches = 2
+    backend = _backend(plan, 1, args)
+    backend.state.virtual_num_microbatches = 2
     seen = []
 
     def schedule(**kw):
         seen.append((kw["num_microbatches"], kw["micro_batch_size"], args.micro_batch_size))
         return "losses"
 
-    wrapped = hooks.replica_forward_backward(schedule)
+    wrapped = backend.replica_forward_backward(schedule)
     assert wrapped(num_microbatches=2, micro_batch_size=2, forward_only=False) == "losses"
     assert seen == [(2, 1, 1)] and args.micro_batch_size == 2  # restored after the step
     wrapped(num_microbatches=5, micro_batch_size=2)  # not Megatron's step count: untouched
@@ -185,9 +193,9 @@ def test_schedule_wrapper_runs_this_replicas_micro_batches():
 def test_replica_loader_reads_its_share():
     torch = pytest.importorskip("torch")
     plan = make_plan(replicas=[(2, 1), (1, 2)])  # gbs 4: replica 0 takes 0-1, replica 1 2-3
-    _state(plan, 1, SimpleNamespace(num_workers=0))
+    backend = _backend(plan, 1, SimpleNamespace(num_workers=0))
     data = torch.arange(12)
-    loader = hooks.build_replica_data_loader(data, 4)
+    loader = backend.replica_data_loader(data, 4)
     assert [b.tolist() for b in loader] == [[6], [7], [10], [11]]
 
 
@@ -196,15 +204,15 @@ def test_stage_config_hook_sets_exactly_this_stages_recompute():
 
     plan = make_plan(split=(2, 2), devices=[[A100, V100]], recompute=[None, FULL])
     for rank, want in ((0, None), (1, "full")):
-        _state(plan, rank)
-        config = hooks.apply_stage_config(TransformerConfig(num_layers=4, hidden_size=16,
-                                                            num_attention_heads=4))
+        config = _backend(plan, rank).apply_stage_config(
+            TransformerConfig(num_layers=4, hidden_size=16, num_attention_heads=4))
         assert config.recompute_granularity == want
         assert config.recompute_method == ("block" if want else None)
-    hooks.reset()
     untouched = TransformerConfig(num_layers=4, hidden_size=16, num_attention_heads=4,
                                   recompute_granularity="selective")
-    assert hooks.apply_stage_config(untouched).recompute_granularity == "selective"
+    # no plan: the hooks' config wrapper calls straight through
+    no_plan = hooks.Runtime().wrap("transformer_config", lambda: untouched)
+    assert no_plan().recompute_granularity == "selective"
 
 
 # -- interleaved plans (virtual pipeline stages) ---------------------------------------------------
@@ -283,8 +291,8 @@ def test_stage_recompute_on_every_model_chunk():
     built = []
 
     def provider(pre_process=True, post_process=True, vp_stage=None, config=None, **_):
-        config = hooks.apply_stage_config(TransformerConfig(num_layers=6, hidden_size=16,
-                                                            num_attention_heads=4))
+        config = backend.apply_stage_config(TransformerConfig(num_layers=6, hidden_size=16,
+                                                              num_attention_heads=4))
         built.append((vp_stage, config.recompute_granularity, config.recompute_num_layers))
 
     def get_model(model_provider_func, model_type=None, wrap_with_ddp=True):
@@ -292,11 +300,11 @@ def test_stage_recompute_on_every_model_chunk():
             model_provider_func(pre_process=i == 0, post_process=i == 1, vp_stage=i)
 
     for rank in (0, 1):
-        st = _state(plan, rank)
-        hooks._wrap_get_model(get_model)(provider)
-    assert "4 layers in chunks 2+2;" in st.describe()
+        backend = _backend(plan, rank)
+        backend.get_model(get_model, provider)
+    assert "4 layers in chunks 2+2;" in backend.state.describe()
     assert built == [(0, None, None), (1, None, None), (0, "full", 2), (1, "full", 1)]
-    assert hooks._building_chunk == [None]
+    assert backend.building_chunk is None
 
 
 def test_uniform_recompute_must_divide_every_chunk():
@@ -319,9 +327,27 @@ def test_what_the_warmup_schedule_cannot_run_is_refused_at_start():
     warm = plan_from_data(data)
     bad = SimpleNamespace(variable_seq_lengths=True, use_ring_exchange_p2p=True,
                           cuda_graph_impl="none")
-    hooks._check_warmup_args(plain, bad, source="p.yaml")  # Megatron's schedule runs them
-    hooks._check_warmup_args(warm, SimpleNamespace(), source="p.yaml")
+    check_warmup_args(plain, bad, source="p.yaml")  # Megatron's schedule runs them
+    check_warmup_args(warm, SimpleNamespace(), source="p.yaml")
     with pytest.raises(HeteroError, match=r"p\.yaml: the plan's per-stage warm-up "
                        r"\(warmup_microbatches\) runs a schedule that does not support variable "
                        r"sequence lengths .*; ring-exchange p2p"):
-        hooks._check_warmup_args(warm, bad, source="p.yaml")
+        check_warmup_args(warm, bad, source="p.yaml")
+
+
+def test_runtime_modules_keep_no_rank_state():
+    """What the hooks decide lives in the Runtime that install() makes: no runtime module
+    rebinds a global (``global``), and none has a test-only ``reset``."""
+    import ast
+    from pathlib import Path
+
+    import megatron_hetero.runtime as runtime
+
+    found = []
+    for path in sorted(Path(runtime.__file__).parent.glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        found += [f"{path.name}:{n.lineno} global" for n in ast.walk(tree)
+                  if isinstance(n, ast.Global)]
+        found += [f"{path.name}:{n.lineno} reset()" for n in tree.body
+                  if isinstance(n, ast.FunctionDef) and n.name == "reset"]
+    assert not found, found

@@ -25,7 +25,8 @@ _CHECKER = textwrap.dedent("""
     from megatron_hetero.runtime import hooks, placement
     from megatron_hetero.runtime.placement import RankInfo
     from megatron_hetero.errors import HeteroError
-    hooks.install()
+    runtime = hooks.install()
+    assert hooks.install() is runtime and hooks.installed() is runtime  # one per process
     from megatron.training.initialize import parse_args, validate_args  # the names Megatron uses
     out = []
     for case in json.loads(sys.stdin.read()):
@@ -38,7 +39,6 @@ _CHECKER = textwrap.dedent("""
         os.environ.update(WORLD_SIZE=str(len(case["types"])), RANK=str(case["rank"]), LOCAL_RANK=str(case["rank"]),
                           MEGATRON_HETERO_DEVICE_TYPE=case["types"][case["rank"]])
         sys.argv = ["pretrain_gpt.py", *case["argv"]]
-        hooks.reset()
         try:
             with contextlib.redirect_stdout(io.StringIO()):
                 args = parse_args()
@@ -55,7 +55,7 @@ _CHECKER = textwrap.dedent("""
                 "fine_grained_activation_offloading", "offload_modules"]
         got = {k: getattr(args, k, None) for k in keys}
         got["layout"] = str(args.pipeline_model_parallel_layout)
-        st = hooks.state()
+        st = runtime.state
         got["slot"] = [st.slot.pipeline, st.slot.stage]
         got["virtual"] = st.virtual_num_microbatches
         out.append(got)

@@ -21,11 +21,12 @@ MESH = REPO / "examples/meshes/3090-t4-plan.yaml"
 
 
 def test_mesh_plan_refused_on_megatron_core_016_naming_017():
+    runtime = hooks.Runtime()
     with pytest.raises(HeteroError, match=r"needs megatron-core 0\.17 or later.*"
                                           r"MultiModulePipelineCommunicator.*0\.16\.1 is installed"):
-        hooks.before_validate(argparse.Namespace(hetero_plan=str(MESH), rank=0, world_size=32),
-                              argv=[])
-    assert hooks.mesh_state() is None
+        runtime.start(argparse.Namespace(hetero_plan=str(MESH), rank=0, world_size=32),
+                      argv=[])
+    assert runtime.state is None
 
 
 def test_format_1_plans_pass_the_gate():
@@ -46,13 +47,13 @@ placement.exchange_rank_infos = lambda mine, world, store: [
     for r in range(world)]
 printed = []
 for world, argv in json.loads(sys.stdin.read()):  # one case after the other
-    hooks.reset()
+    runtime = hooks.Runtime()  # a fresh process's
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         args = argparse.Namespace(hetero_plan={path!r}, rank=21, world_size=world,
                                   hetero_device_type="RTX3090-24GB")
         try:
-            st = hooks.before_validate(args, argv=argv)
+            st = runtime.start(args, argv=argv).state
         except HeteroError as exc:
             print("refused:", exc)
         else:

@@ -13,6 +13,7 @@ from megatron_hetero.emulate.shrink import shrink_plan, without_module_inputs
 from megatron_hetero.mcore import cpu_offload
 from megatron_hetero.mcore.stage_policies import stage_config_kwargs
 from megatron_hetero.runtime import hooks, policies
+from megatron_hetero.runtime.core_run import CoreBackend, CoreRankState
 from megatron_hetero.runtime.plan_args import ArgumentConflict, check_and_apply
 
 from .plans import make_plan
@@ -25,10 +26,8 @@ NOT_OFFLOADING = {"fine_grained_activation_offloading": False, "offload_modules"
 
 @pytest.fixture(autouse=True)
 def _fresh_state(monkeypatch):
-    hooks.reset()
     monkeypatch.setattr(cpu_offload, "_joined", [False])
     yield
-    hooks.reset()
 
 
 def _subset(d: dict, keys) -> dict:
@@ -69,17 +68,17 @@ def test_apply_stage_config_sets_this_ranks_chunks():
 
     plan = make_plan(chunks=[[1, 1], [1, 1]], replicas=[(1, 2)], offload=[ON, None])
     for rank, want in ((0, OFFLOADING), (1, NOT_OFFLOADING)):
-        hooks._state = hooks.RankState(plan=plan, plan_path="p.yaml", launcher_rank=rank,
-                                       megatron_rank=rank, device_type=A100,
-                                       slot=plan.slot_of_rank(rank))
+        backend = CoreBackend(state=CoreRankState(
+            plan=plan, plan_path="p.yaml", launcher_rank=rank, megatron_rank=rank,
+            device_type=A100, slot=plan.slot_of_rank(rank)))
         for chunk in (0, 1):
-            config = hooks.apply_stage_config(
+            config = backend.apply_stage_config(
                 SimpleNamespace(fine_grained_activation_offloading=not want[
                     "fine_grained_activation_offloading"], offload_modules=["x"]), chunk)
             assert _subset(vars(config), want) == want, (rank, chunk)
         # the start-up line of each rank says whether it offloads
         offloads = want["fine_grained_activation_offloading"]
-        assert ("module inputs offloaded to host" in hooks._state.describe()) == offloads
+        assert ("module inputs offloaded to host" in backend.state.describe()) == offloads
 
 
 def _refusal(plan, **kw) -> str:
@@ -207,13 +206,14 @@ def test_get_forward_backward_func_hook_joins_on_the_non_offloading_rank(monkeyp
 
     calls = _recording_summary(monkeypatch)
     plan = make_plan(split=(2, 2), offload=[ON, None])
-    wrapped = hooks._wrap_get_fb(lambda: (lambda **kw: "losses"))
+    runtime = hooks.Runtime()
+    wrapped = runtime.wrap("forward_backward_func", lambda: (lambda **kw: "losses"))
     for rank, joins in ((0, []), (1, [{}])):
         monkeypatch.setattr(cpu_offload, "_joined", [False])
         calls.clear()
-        hooks._state = hooks.RankState(plan=plan, plan_path="p.yaml", launcher_rank=rank,
-                                       megatron_rank=rank, device_type=A100,
-                                       slot=plan.slot_of_rank(rank))
+        runtime.backend = CoreBackend(state=CoreRankState(
+            plan=plan, plan_path="p.yaml", launcher_rank=rank, megatron_rank=rank,
+            device_type=A100, slot=plan.slot_of_rank(rank)))
         assert wrapped()(num_microbatches=1) == "losses"
         assert calls == joins, rank
 

@@ -141,12 +141,8 @@ def test_hooks_detect_a_plan_defined_type_through_the_plans_catalog(tmp_path, mo
                            tensor_model_parallel_size=1, pipeline_model_parallel_layout=None,
                            micro_batch_size=None, recompute_granularity=None,
                            recompute_method=None, recompute_num_layers=None)
-    hooks.reset()
-    try:
-        state = hooks.before_validate(args, argv=[])
-        assert state.device_type == "Acme-NPU" and state.megatron_rank == 0
-    finally:
-        hooks.reset()
+    state = hooks.Runtime().start(args, argv=[]).state
+    assert state.device_type == "Acme-NPU" and state.megatron_rank == 0
 
 
 def _run_placement(rank, world, plan_data, types):
@@ -161,8 +157,9 @@ def _run_placement(rank, world, plan_data, types):
 
     plan = plan_from_data(plan_data)
     os.environ["MEGATRON_HETERO_DEVICE_TYPE"] = types[rank]
-    mrank = place_this_rank(plan, launcher_rank=rank, world_size=world,
-                            device_type=detect_device_type())
+    placed = place_this_rank(plan, launcher_rank=rank, world_size=world,
+                             device_type=detect_device_type())  # rank 0 hosts the store
+    mrank = placed.rank
     dist.init_process_group("gloo", rank=mrank, world_size=world)  # env://, joins the same store
     from megatron.core import parallel_state as ps
 

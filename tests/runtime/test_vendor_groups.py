@@ -28,7 +28,8 @@ _CHECKER = textwrap.dedent("""
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from megatron.core import parallel_state
     from megatron_hetero.plan import load_plan
-    from megatron_hetero.runtime import vendors
+    from megatron_hetero.runtime import hooks, vendors
+    from megatron_hetero.runtime.core_run import CoreBackend, CoreRankState
 
     original = dist.new_group
 
@@ -38,6 +39,7 @@ _CHECKER = textwrap.dedent("""
         return original(*a, **kw)
 
     dist.new_group = new_group
+    runtime = hooks.install()
     every = []
     for path in sys.argv[1:]:  # one plan after the other
         plan = load_plan(path)
@@ -46,25 +48,28 @@ _CHECKER = textwrap.dedent("""
             asked.append([])
             dist.init_process_group("fake", store=FakeStore(), rank=rank,
                                     world_size=plan.world_size)
-            vendors.install(plan, cpu_backend=False)
+            groups = vendors.groups_for(plan, cpu_backend=False)  # what validate_args prepares
+            runtime.backend = CoreBackend(vendor_groups=groups, state=CoreRankState(
+                plan=plan, plan_path=path, launcher_rank=rank, megatron_rank=rank,
+                device_type=plan.device_type_of_rank(rank), slot=plan.slot_of_rank(rank)))
             parallel_state.initialize_model_parallel(
                 tensor_model_parallel_size=plan.tensor_model_parallel_size,
                 pipeline_model_parallel_size=plan.pipeline_model_parallel_size,
                 distributed_timeout_minutes=1)
-            router = vendors.routes()
+            router = groups.routes if groups else None
             out.append({"staged_peers": sorted(p for p, e in router.edges.items() if e.staged)
                         if router else None,
                         "device_peers": sorted(p for p, e in router.edges.items()
                                                if not e.staged) if router else None,
-                        "choices": len(vendors.choices())})
+                        "choices": len(groups.choices) if groups else 0})
             parallel_state.destroy_model_parallel()
             dist.destroy_process_group()
         every.append({"asked": asked, "ranks": out})
     print("RESULT" + json.dumps(every))
 """)
 
-# The plans of the tests below; the one of a single vendor first (before any plan across vendors
-# installed its hooks in the checker's process).
+# The plans of the tests below; the one of a single vendor first (its groups are Megatron's own:
+# the hooks call straight through).
 PLANS = {
     "one-vendor": make_plan(split=(1, 1), devices=[[A100, H100]], replicas=[(1, 2)]),
     "tp2": make_plan(split=(1, 2), tp=2, devices=[[A100, MI300X]] * 2, replicas=[(1, 2), (2, 1)]),

@@ -105,8 +105,9 @@ if __name__ == "__main__":
     if out:
         import torch.distributed as dist
         LOG["rank"] = dist.get_rank()
-        from megatron_hetero.runtime import vendors
-        router = vendors.routes()  # a plan across vendors: messages through host buffers
+        from megatron_hetero.runtime import hooks
+        groups = getattr(hooks.installed().backend, "vendor_groups", None)
+        router = groups.routes if groups else None  # across vendors: messages via host buffers
         if router is not None:
             LOG["staged"] = [router.staged_sends, router.staged_recvs]
         launcher = os.environ.get("MEGATRON_HETERO_LAUNCHER_RANK", os.environ["RANK"])
