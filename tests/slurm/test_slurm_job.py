@@ -121,7 +121,8 @@ def test_slurm_job_fails_when_a_rank_fails(slurm_cluster, plan4, tmp_path):
 @pytest.mark.slow
 def test_torchrun_launcher_two_hosts(plan4, tmp_path):
     hosts = tmp_path / "hosts"
-    hosts.write_text(f"localhost {A100} 2\nlocalhost {V100} 2\n")
+    # two names of this machine: a host file lists each host once (jobspec refuses a repeat)
+    hosts.write_text(f"localhost {A100} 2\n127.0.0.1 {V100} 2\n")
     env = launch_env(MH_LAUNCH="patched", MH_PRETRAIN_SCRIPT=str(PROBE), MH_MASTER_PORT=str(
         29000 + os.getpid() % 1000))
     procs = [subprocess.Popen([str(TORCHRUN), str(hosts), str(plan4), "--", "--train-iters", "2"],
