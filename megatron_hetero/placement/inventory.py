@@ -9,7 +9,7 @@ from ..errors import Described, SchemaError
 from ..hardware.catalog import Catalog, GPUSpec, load_catalog
 from ..plan import Plan
 
-__all__ = ["check_plan_against_inventory", "check_plan_gpus", "embedded_gpus",
+__all__ = ["check_plan_against_inventory", "check_gpu_count", "check_plan_gpus", "embedded_gpus",
            "check_plan_vendors", "GLOO_DEVICES"]
 
 _COMPARED = [f.name for f in dataclasses.fields(GPUSpec) if f.name not in ("name", "notes")]
@@ -45,17 +45,23 @@ def embedded_gpus(plan: Plan, catalog: Catalog) -> dict[str, GPUSpec]:
     return out
 
 
+def check_gpu_count(gpu: str, need: int, inventory, *, source: str, path: str) -> None:
+    """Raise :class:`SchemaError` at ``path`` if a plan needs more GPUs of type ``gpu`` than
+    the inventory has."""
+    have = inventory.gpu_counts()
+    if need > have.get(gpu, 0):
+        raise SchemaError(source, path, Described(f"{need} GPUs of type {gpu}"),
+                          f"at most {have.get(gpu, 0)} (what {inventory.source} has; it has "
+                          + ", ".join(f"{n}x {g}" for g, n in sorted(have.items())) + ")")
+
+
 def check_plan_against_inventory(plan: Plan, inventory, *, source: str = "<plan>") -> None:
     """Raise :class:`SchemaError` if the plan's ``gpus`` entries differ from the inventory's
     (:func:`check_plan_gpus`), if it needs more GPUs of a type than the inventory has, or a
     tensor-parallel group larger than a node of that type."""
     check_plan_gpus(plan, inventory, source=source)
-    have = inventory.gpu_counts()
     for gpu, need in sorted(plan.device_counts().items()):
-        if need > have.get(gpu, 0):
-            raise SchemaError(source, "pipelines", Described(f"{need} GPUs of type {gpu}"),
-                              f"at most {have.get(gpu, 0)} (what {inventory.source} has; it has "
-                              + ", ".join(f"{n}x {g}" for g, n in sorted(have.items())) + ")")
+        check_gpu_count(gpu, need, inventory, source=source, path="pipelines")
         tp = plan.tensor_model_parallel_size
         widest = max(g.gpus_per_node for g in inventory.groups if g.gpu == gpu)
         if tp > widest:

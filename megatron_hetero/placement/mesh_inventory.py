@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from .meshes import place_meshes
 from ..errors import Described, InfeasibleError, SchemaError
-from .inventory import check_plan_against_inventory, check_plan_gpus
+from .inventory import check_gpu_count, check_plan_against_inventory, check_plan_gpus
 from ..plan import Plan
 
 __all__ = ["check_mesh_plan_against_inventory", "check_against_inventory"]
@@ -26,12 +26,8 @@ def check_mesh_plan_against_inventory(plan: Plan, inventory, *, source: str = "<
     wider than every node of its type (4-GPU and 8-GPU nodes differ), or groups that do not
     all fit whole inside nodes."""
     check_plan_gpus(plan, inventory, source=source)
-    have = inventory.gpu_counts()
     for gpu, need in sorted(plan.device_counts().items()):
-        if need > have.get(gpu, 0):
-            raise SchemaError(source, "meshes", Described(f"{need} GPUs of type {gpu}"),
-                              f"at most {have.get(gpu, 0)} (what {inventory.source} has; it has "
-                              + ", ".join(f"{n}x {g}" for g, n in sorted(have.items())) + ")")
+        check_gpu_count(gpu, need, inventory, source=source, path="meshes")
     for k, mesh in enumerate(plan.meshes):
         tp = mesh.tensor_model_parallel_size
         widest = max(g.gpus_per_node for g in inventory.groups if g.gpu == mesh.device_type)

@@ -20,9 +20,8 @@ from __future__ import annotations
 from ..cost.mesh import bridge_seconds, bridges, mesh_stage_shape, same_replicas
 from ..placement.meshes import place_meshes
 from ..cost.model import CostModel
-from ..models import step_model_flops
 from ..plan import Plan
-from .step import Event, HostMemory, SimResult, StageResult, nodes_host_memory
+from .step import Event, HostMemory, SimResult, StageResult, nodes_host_memory, step_result
 from .pipeline import pipeline_run
 
 __all__ = ["simulate_mesh"]
@@ -120,14 +119,8 @@ def simulate_mesh(plan: Plan, cost: CostModel, *, record_events: bool = True) ->
                 forward_s=sum(c.forward_s for c in times),
                 backward_s=sum(c.backward_s for c in times), busy_s=busy[s], bubble_s=bubble,
                 sync_s=sync, idle_s=max(0.0, step - busy[s] - bubble - sync), memory=mem))
-    hosts = _host_memory(plan, cost, placement)
-    fits = fits and all(h.fits for h in hosts)
-    flops = step_model_flops(plan.model, plan.global_batch_size)
-    peak = sum(n * cost.peak_flops(t) for t, n in plan.device_counts().items())
-    tokens = plan.global_batch_size * plan.model.seq_length
-    events.sort(key=lambda e: (e.pipeline, e.stage, e.start))
-    return SimResult(step_time_s=step, stages=stages, tokens_per_s=tokens / step, model_flops=flops,
-                     mfu=flops / step / peak, fits_memory=fits, events=events, host_nodes=hosts)
+    return step_result(plan, cost, step=step, stages=stages, events=events,
+                       hosts=_host_memory(plan, cost, placement), fits=fits)
 
 
 def _host_memory(plan: Plan, cost: CostModel, placement) -> list[HostMemory]:

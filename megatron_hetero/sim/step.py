@@ -421,11 +421,18 @@ def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True,
                 bubble_s=bubble,
                 sync_s=sync_of[d][s], idle_s=max(0.0, step - busy[s] - bubble - sync_of[d][s]),
                 memory=mem))
-    hosts = host_memory(plan, cost, placement)
-    fits = fits and all(h.fits for h in hosts)
+    return step_result(plan, cost, step=step, stages=stages, events=events,
+                       hosts=host_memory(plan, cost, placement), fits=fits)
+
+
+def step_result(plan: Plan, cost: CostModel, *, step: float, stages: list, events: list,
+                hosts: list, fits: bool) -> SimResult:
+    """The :class:`SimResult` of a simulated step (both simulators end here): throughput and MFU
+    from the plan's model and GPUs, the memory verdict with the hosts', events in stage order."""
     flops = step_model_flops(plan.model, plan.global_batch_size)
     peak = sum(n * cost.peak_flops(t) for t, n in plan.device_counts().items())
     tokens = plan.global_batch_size * plan.model.seq_length
     events.sort(key=lambda e: (e.pipeline, e.stage, e.start))
     return SimResult(step_time_s=step, stages=stages, tokens_per_s=tokens / step, model_flops=flops,
-                     mfu=flops / step / peak, fits_memory=fits, events=events, host_nodes=hosts)
+                     mfu=flops / step / peak, fits_memory=fits and all(h.fits for h in hosts),
+                     events=events, host_nodes=hosts)
