@@ -228,22 +228,36 @@ def plan_from_data(data: object, *, source: str = "<plan>", catalog: Catalog | N
         raise SchemaError(source, "format_version", 2,
                           "1 here: this command does not take mesh plans (format 2) yet")
     plan = from_data(Format1Plan, data, source=source)
+    catalog = bind_catalog(plan, catalog, source=source)
+    for d, pipe in enumerate(plan.pipelines):
+        for s, stage in enumerate(pipe.stages):
+            check_device_type(catalog, stage.device_type, precision=plan.precision,
+                              source=source, path=f"pipelines[{d}].stages[{s}].device_type")
+    return plan.plan()
+
+
+def bind_catalog(plan, catalog: Catalog | None, *, source: str) -> Catalog:
+    """``catalog`` (default: the built-in one) with the plan file's ``gpus`` entries added; the
+    plan keeps it and its entries resolved through it. Both formats' readers call it."""
     catalog = (catalog or load_catalog()).with_entries(plan.gpus, source=source)
     plan.gpus = {name: catalog.get(name) for name in plan.gpus}
     plan.catalog = catalog
-    for d, pipe in enumerate(plan.pipelines):
-        for s, stage in enumerate(pipe.stages):
-            path = f"pipelines[{d}].stages[{s}].device_type"
-            canonical = catalog.resolve(stage.device_type)
-            if canonical is None:
-                catalog.get(stage.device_type, source=source, path=path)  # raises the full message
-            if canonical != stage.device_type:
-                raise SchemaError(source, path, stage.device_type,
-                                  f"a canonical catalog name ({canonical!r})")
-            if plan.precision == "bf16" and not catalog.get(canonical).bf16:
-                raise SchemaError(source, "precision", plan.precision,
-                                  f"fp16 or fp32: {canonical} (at {path}) has no bf16")
-    return plan.plan()
+    return catalog
+
+
+def check_device_type(catalog: Catalog, name: str, *, precision: str, source: str,
+                      path: str) -> str:
+    """The canonical catalog name ``name`` at ``path`` must be (a :class:`SchemaError` for an
+    unknown name, an alias, or bf16 on a card without it); returns it."""
+    canonical = catalog.resolve(name)
+    if canonical is None:
+        catalog.get(name, source=source, path=path)  # raises the full message
+    if canonical != name:
+        raise SchemaError(source, path, name, f"a canonical catalog name ({canonical!r})")
+    if precision == "bf16" and not catalog.get(canonical).bf16:
+        raise SchemaError(source, "precision", precision,
+                          f"fp16 or fp32: {canonical} (at {path}) has no bf16")
+    return canonical
 
 
 def load_plan(path: str | Path, *, catalog: Catalog | None = None) -> Plan:

@@ -38,8 +38,8 @@ from typing import ClassVar, Literal
 
 from .._schema import from_data, read_yaml, write_yaml
 from ..errors import Described, SchemaError
-from ..hardware.catalog import Catalog, GPUSpec, load_catalog
-from .format1 import plan_from_data
+from ..hardware.catalog import Catalog, GPUSpec
+from .format1 import bind_catalog, check_device_type, plan_from_data
 from .policy import Offload, Recompute
 from .stages import ModelSpec, Pipeline, Replica, Stage
 from .types import Mesh, Plan
@@ -251,20 +251,11 @@ def mesh_plan_from_data(data: object, *, source: str = "<plan>",
     """Build and check a mesh plan from plain data, its device types against ``catalog`` plus
     the plan's ``gpus`` (as :func:`.format1.plan_from_data`)."""
     plan = from_data(Format2Plan, data, source=source)
-    catalog = (catalog or load_catalog()).with_entries(plan.gpus, source=source)
-    plan.gpus = {name: catalog.get(name) for name in plan.gpus}
-    plan.catalog = catalog
+    catalog = bind_catalog(plan, catalog, source=source)
     for k, mesh in enumerate(plan.meshes):
         path = f"meshes[{k}].device_type"
-        canonical = catalog.resolve(mesh.device_type)
-        if canonical is None:
-            catalog.get(mesh.device_type, source=source, path=path)  # raises the full message
-        if canonical != mesh.device_type:
-            raise SchemaError(source, path, mesh.device_type,
-                              f"a canonical catalog name ({canonical!r})")
-        if plan.precision == "bf16" and not catalog.get(canonical).bf16:
-            raise SchemaError(source, "precision", plan.precision,
-                              f"fp16 or fp32: {canonical} (at {path}) has no bf16")
+        canonical = check_device_type(catalog, mesh.device_type, precision=plan.precision,
+                                      source=source, path=path)
         first = catalog.get(plan.meshes[0].device_type)
         if catalog.get(canonical).stack.library != first.stack.library:
             raise SchemaError(source, path, mesh.device_type,
