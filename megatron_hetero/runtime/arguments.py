@@ -18,4 +18,13 @@ def add_hetero_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--hetero-device-type", type=str, default=None, metavar="GPU",
                        help=f"catalog GPU type of this rank's device, overriding detection "
                             f"(also ${DEVICE_TYPE_ENV})")
+    group.add_argument("--hetero-telemetry", type=str, default=None, metavar="DIR",
+                       help="write what each stage of each replica measures in a step, beside "
+                            "what the plan predicted, to DIR/telemetry.jsonl (with DIR/plan.yaml); "
+                            "read it with `megatron-hetero report DIR`")
+    group.add_argument("--hetero-telemetry-interval", type=int, default=None, metavar="N",
+                       help="report every N-th step (default 10)")
+    group.add_argument("--hetero-inventory", type=str, default=None, metavar="INVENTORY",
+                       help="the pool's inventory.yaml: the telemetry's predictions use its "
+                            "links (default: the catalog's, one group per device type)")
     return parser

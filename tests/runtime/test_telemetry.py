@@ -1,0 +1,66 @@
+"""``--hetero-telemetry DIR`` in a run of the tests' pretrain script on CPU ranks: every
+``interval``-th step, one line of measured figures per stage of each replica, beside the plan's
+prediction, with each rank's forwards and backwards in the order Megatron's schedule ran them."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_hetero.plan import load_plan, save_plan
+from megatron_hetero.schedule.order import rank_order
+from megatron_hetero.telemetry.records import read_records
+
+from .launching import launch
+from .plans import A100, V100, make_plan
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def _needs_mcore017(mcore017_env):
+    return mcore017_env
+
+
+def test_telemetry_of_an_interleaved_uneven_plan(tmp_path):
+    """PP=2 with 2 model chunks per stage, two replicas running 4 and 2 micro-batches (4 ranks),
+    4 steps reported every 2nd: two records, each naming the 4 stages by plan path, with every
+    forward and backward of every (micro-batch, chunk) once, in the schedule's order."""
+    plan = make_plan(chunks=[[1, 1], [2, 1]], devices=[[A100, V100]] * 2, replicas=[(1, 4), (1, 2)])
+    path = tmp_path / "plan.yaml"
+    save_plan(plan, path)
+    out = tmp_path / "telemetry"
+    results = launch(4, str(path), tmp_path, iters=4, timeout=400,
+                     extra=["--hetero-telemetry", str(out), "--hetero-telemetry-interval", "2"])
+    for code, text, _ in results:
+        assert code == 0, text[-3000:]
+    records = read_records(out)
+    assert [r.step for r in records] == [2, 4]
+    assert (out / "plan.yaml").read_bytes() == path.read_bytes()
+    assert load_plan(out / "plan.yaml") == load_plan(path)
+    assert "megatron-hetero telemetry: step 4:" in "".join(text for _, text, _ in results)
+    p, v = 2, 2
+    for rec in records:
+        assert [(s.path, s.replica, s.stage, s.device_type, s.micro_batches) for s in rec.stages] == [
+            ("pipelines[0].stages[0]", 0, 0, A100, 4), ("pipelines[0].stages[1]", 0, 1, V100, 4),
+            ("pipelines[1].stages[0]", 1, 0, A100, 2), ("pipelines[1].stages[1]", 1, 1, V100, 2)]
+        assert rec.clock == "wall" and "catalog" in rec.prediction
+        assert rec.predicted_step_time_s > 0
+        for s in rec.stages:
+            order = rank_order(p, s.stage, s.micro_batches, v, plan.microbatch_group_size)
+            assert [("FB"[k], mb, c) for k, mb, c in order] == [
+                (o.kind, o.micro_batch, o.chunk) for o in s.ops], s.path
+            starts = [o.start_s for o in s.ops]
+            assert starts == sorted(starts)
+            spans = {(o.kind, o.micro_batch, o.chunk): o for o in s.ops}
+            for (kind, mb, c), o in spans.items():  # a backward runs after its forward
+                if kind == "B":
+                    assert o.start_s >= spans[("F", mb, c)].end_s
+            m = s.measured
+            assert m.forward_s == pytest.approx(sum(o.end_s - o.start_s for o in s.ops
+                                                    if o.kind == "F"), rel=1e-6)
+            assert m.backward_s == pytest.approx(sum(o.end_s - o.start_s for o in s.ops
+                                                     if o.kind == "B"), rel=1e-6)
+            assert m.optimizer_s > 0 and m.sync_s > 0
+            assert m.compute_s + m.sync_s + m.optimizer_s + m.wait_s <= rec.step_time_s * (1 + 1e-6)
+            assert max(o.end_s for o in s.ops) <= rec.step_time_s
+            assert s.predicted is not None and s.predicted.compute_s > 0
