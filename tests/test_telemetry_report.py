@@ -16,6 +16,9 @@ from megatron_hetero.errors import SchemaError
 from megatron_hetero.plan import load_any_plan
 from megatron_hetero.sim.plan import simulate_plan
 from megatron_hetero.telemetry.prediction import implied_inventory, predict, stage_path
+from megatron_hetero.cost.profile_file import MeasuredProfile, load_profile
+from megatron_hetero.telemetry.profile_out import (profile_name, run_factors, run_profiles,
+                                                   software_now, write_run_profiles)
 from megatron_hetero.telemetry.records import (OpSpan, StageFigures, StageRecord, StepRecord,
                                                append_record, read_records)
 from megatron_hetero.telemetry.report import slow_stages, summarize
@@ -151,3 +154,60 @@ def test_report_command_prints_the_table_the_slow_stage_and_draws(tmp_path, caps
     with pytest.raises(SystemExit) as exc:
         main(["report", str(tmp_path), "--threshold", "0.5"])
     assert exc.value.code == 2
+
+
+@settings(max_examples=20, deadline=None)
+@given(factors=st.lists(st.floats(0.8, 3.0), min_size=2, max_size=2),
+       path=st.sampled_from([PLAN, MESH_PLAN]))
+def test_the_run_profile_reproduces_the_measured_compute(factors, path):
+    """Profiles from a run whose device types measured ``factors`` x their prediction: the cost
+    model with them predicts each device type's measured forward and backward compute."""
+    plan = load_any_plan(path)
+    types = sorted(plan.device_counts())
+    pred = predict(plan)
+    per_type = dict(zip(types, factors))
+    factor_of = {key: per_type[plan.meshes[plan.stage_index[key[1]][0]].pipelines[key[0]]
+                               .stages[plan.stage_index[key[1]][1]].device_type]
+                 for key in pred.stages}
+    _, _, records = _records(path, factor_of)
+    software = software_now(torch_version="2.13.0", megatron_core="0.19.2", python="3.11",
+                            cuda=None)
+    profiles = run_profiles(plan, records, pred.inventory, software=software,
+                            layer_spec="transformer_engine", backend="cuda")
+    assert sorted(profiles) == types
+    assert all(p.timing.method == "run-telemetry" and p.entries for p in profiles.values())
+    found = run_factors(records)
+    assert sorted(found) == types
+    for t, f in per_type.items():
+        assert found[t] == pytest.approx((f, f))
+    cost = CostModel(plan.model, pred.inventory, precision=plan.precision,
+                     profiles={t: MeasuredProfile(p) for t, p in profiles.items()},
+                     use_distributed_optimizer=plan.use_distributed_optimizer,
+                     overlap_grad_reduce=plan.overlap_grad_reduce)
+    sim = simulate_plan(plan, cost, record_events=False)
+    want, got = {}, {}
+    for s in sim.stages:
+        k, j = plan.stage_index[s.stage]
+        m = plan.meshes[k].pipelines[s.pipeline].num_microbatches
+        acc = got.setdefault(s.device_type, [0.0, 0.0])
+        acc[0] += s.forward_s * m
+        acc[1] += s.backward_s * m
+    for s in records[0].stages:
+        acc = want.setdefault(s.device_type, [0.0, 0.0])
+        acc[0] += s.measured.forward_s
+        acc[1] += s.measured.backward_s
+    for t in types:
+        assert got[t] == pytest.approx(want[t], rel=1e-6), t
+
+
+def test_profiles_are_written_whole_and_load_back(tmp_path):
+    plan, pred, records = _records(PLAN, {}, overall=2.0)
+    software = software_now(torch_version="2.13.0", megatron_core="0.19.2", python="3.11",
+                            cuda=None)
+    written = write_run_profiles(tmp_path, run_profiles(plan, records, pred.inventory,
+                                                        software=software, layer_spec="local",
+                                                        backend="cpu"))
+    assert sorted(p.name for p in written) == sorted(profile_name(t) for t in plan.device_counts())
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in written)
+    for p in written:
+        assert load_profile(p).data.timing.method == "run-telemetry"

@@ -123,7 +123,8 @@ class MeasuredProfile:
         measured micro-batch sizes of this shape and TP size; None otherwise."""
         if not shape_matches(self.data.model, model, "layer"):
             return None
-        got = _by_micro_batch(self._by_tp.get(tensor_parallel_size, []), micro_batch_size,
+        rows = [e for e in self._by_tp.get(tensor_parallel_size, []) if e.memory is not None]
+        got = _by_micro_batch(rows, micro_batch_size,
                               lambda e: (float(e.memory.activation_bytes_per_layer),))
         return None if got is None else got[0][0]
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from ..errors import HeteroError
 from ..hardware.inventory import load_inventory
 from ..telemetry.prediction import Prediction, predict, stage_path
+from ..telemetry.profile_out import run_profiles, software_now, write_run_profiles
 from ..telemetry.records import OpSpan, StageFigures, StageRecord, StepRecord, append_record
 
 __all__ = ["Telemetry", "DEFAULT_INTERVAL", "POINTS"]
@@ -104,7 +105,7 @@ class Telemetry:
     """The collector of one rank (made by :meth:`start`; the runtime hooks call its methods)."""
 
     def __init__(self, *, directory: Path, interval: int, plan, plan_path: str, slot,
-                 device_type: str, inventory, clock):
+                 device_type: str, inventory, clock, layer_spec: str):
         self.directory, self.interval = directory, interval
         self.plan, self.plan_path, self.slot = plan, plan_path, slot
         self.device_type, self.inventory, self.clock = device_type, inventory, clock
@@ -113,6 +114,8 @@ class Telemetry:
         self._group = None
         self._prediction: Prediction | None = None
         self._wrapped_optimizer = False
+        self._records: list[StepRecord] = []
+        self._layer_spec = layer_spec
 
     @classmethod
     def start(cls, args, state) -> "Telemetry | None":
@@ -129,9 +132,12 @@ class Telemetry:
         import torch
         clock = _CudaClock(torch) if torch.cuda.is_available() else _WallClock()
         stage = state.plan.stage_of_slot(state.slot)
-        return cls(directory=Path(directory), interval=interval, plan=state.plan,
-                   plan_path=state.plan_path, slot=state.slot, device_type=stage.device_type,
-                   inventory=inventory, clock=clock)
+        telemetry = cls(directory=Path(directory), interval=interval, plan=state.plan,
+                        plan_path=state.plan_path, slot=state.slot, device_type=stage.device_type,
+                        inventory=inventory, clock=clock, layer_spec=(
+                            "transformer_engine" if getattr(args, "transformer_impl", None)
+                            == "transformer_engine" else "local"))
+        return telemetry
 
     # -- the hooks -------------------------------------------------------------------------
     def train_step(self, original, *a, **kw):
@@ -261,7 +267,17 @@ class Telemetry:
         record = StepRecord(step=step, step_time_s=max(f["step_s"] for f in gathered),
                             predicted_step_time_s=pred.step_time_s, prediction=pred.source,
                             clock=self.clock.name, stages=stages)
-        append_record(self.directory, record)
+        self._records.append(record)
+        try:  # a full disk costs the telemetry, never the training
+            append_record(self.directory, record)
+            if pred.inventory is not None:
+                write_run_profiles(self.directory, run_profiles(
+                    plan, self._records, pred.inventory, software=self._software(),
+                    layer_spec=self._layer_spec,
+                    backend="cpu" if self.clock.name == "wall" else "cuda"))
+        except OSError as exc:
+            print(f"megatron-hetero telemetry: step {step} not written: {exc}", file=sys.stderr,
+                  flush=True)
         line = f"megatron-hetero telemetry: step {step}: {record.step_time_s:.3f} s"
         worst = max(stages, key=lambda s: s.slowdown or 0.0)
         if worst.slowdown is not None:
@@ -270,13 +286,25 @@ class Telemetry:
                      f"{worst.slowdown:.2f}x")
         print(line, file=sys.stderr, flush=True)
 
+    @staticmethod
+    def _software():
+        import platform
+
+        import torch
+        from megatron.core import package_info
+        return software_now(torch_version=str(torch.__version__),
+                            megatron_core=str(package_info.__version__),
+                            python=platform.python_version(), cuda=torch.version.cuda)
+
     def _begin(self) -> None:
         """Rank 0, at the first report: the folder, the plan's copy and the prediction."""
         self.directory.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(self.plan_path, self.directory / "plan.yaml")
         inv = self.inventory
         try:
-            self._prediction = predict(self.plan, inv, source=inv.source if inv else None)
+            self._prediction = predict(self.plan, inv, source=inv.source if inv else None,
+                                       flash_attention=None if self._layer_spec ==
+                                       "transformer_engine" else False)
         except HeteroError as exc:  # the run goes on; its records say why nothing is predicted
             print(f"megatron-hetero telemetry: no prediction: {exc}", file=sys.stderr, flush=True)
             self._prediction = Prediction(step_time_s=None, stages={}, source=f"none: {exc}")

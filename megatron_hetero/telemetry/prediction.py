@@ -54,18 +54,21 @@ class Prediction:
     """(replica, stage along the whole pipeline) -> its predicted figures."""
     source: str
     """What the prediction used: the inventory file, or the implied one."""
+    inventory: Inventory | None = None
+    """The inventory it was made on."""
 
 
-def predict(plan: Plan, inventory: Inventory | None = None, *,
-            source: str | None = None) -> Prediction:
+def predict(plan: Plan, inventory: Inventory | None = None, *, source: str | None = None,
+            flash_attention: bool | None = None) -> Prediction:
     """The plan's prediction on ``inventory`` (default :func:`implied_inventory`); ``source``
-    names the inventory in the records."""
+    names the inventory in the records; ``flash_attention``: False where the run's layers are
+    megatron-core's local ones (:class:`~megatron_hetero.cost.model.CostModel`)."""
     if inventory is None:
         inventory = implied_inventory(plan)
         source = "catalog figures, one group per device type (no --hetero-inventory)"
     cost = CostModel(plan.model, inventory, precision=plan.precision,
                      use_distributed_optimizer=plan.use_distributed_optimizer,
-                     overlap_grad_reduce=plan.overlap_grad_reduce)
+                     overlap_grad_reduce=plan.overlap_grad_reduce, flash_attention=flash_attention)
     sim = simulate_plan(plan, cost, record_events=False)
     index = plan.stage_index
     stages = {}
@@ -78,4 +81,4 @@ def predict(plan: Plan, inventory: Inventory | None = None, *,
             forward_s=s.forward_s * m, backward_s=s.backward_s * m, sync_s=s.sync_s - opt,
             optimizer_s=opt, wait_s=max(0.0, sim.step_time_s - s.busy_s - s.sync_s))
     return Prediction(step_time_s=sim.step_time_s, stages=stages,
-                      source=source or inventory.source)
+                      source=source or inventory.source, inventory=inventory)

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_hetero.plan import load_plan, save_plan
+from megatron_hetero.cli import main
+from megatron_hetero.cost.profile_file import load_profile
+from megatron_hetero.plan import load_any_plan, load_plan, save_plan
 from megatron_hetero.schedule.order import rank_order
 from megatron_hetero.telemetry.records import read_records
 
@@ -64,3 +66,18 @@ def test_telemetry_of_an_interleaved_uneven_plan(tmp_path):
             assert m.compute_s + m.sync_s + m.optimizer_s + m.wait_s <= rec.step_time_s * (1 + 1e-6)
             assert max(o.end_s for o in s.ops) <= rec.step_time_s
             assert s.predicted is not None and s.predicted.compute_s > 0
+    # the measured per-layer costs of each device type, which `tune --from-run` re-plans with
+    profiles = {load_profile(p).data.device.type: load_profile(p).data
+                for p in out.glob("profile.*.yaml")}
+    assert sorted(profiles) == sorted([A100, V100])
+    for data in profiles.values():
+        assert data.timing.method == "run-telemetry" and data.timing.repeats == 2
+        assert data.device.backend == "cpu" and data.model == plan.model
+        assert [(e.micro_batch_size, e.tensor_parallel_size) for e in data.entries] == [(1, 1)]
+    inventory = tmp_path / "inventory.yaml"
+    inventory.write_text(f"groups:\n  - {{gpu: {A100}, nodes: 1, gpus_per_node: 2}}\n"
+                         f"  - {{gpu: {V100}, nodes: 1, gpus_per_node: 2}}\n")
+    replanned = tmp_path / "replanned.yaml"
+    assert main(["tune", str(inventory), "--from-run", str(out), "-o", str(replanned), "-q"]) == 0
+    again = load_any_plan(str(replanned))
+    assert again.model == plan.model and again.global_batch_size == plan.global_batch_size
