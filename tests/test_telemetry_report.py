@@ -143,7 +143,7 @@ def test_report_command_prints_the_table_the_slow_stage_and_draws(tmp_path, caps
     assert main(["report", str(tmp_path), "--timeline", str(png), "--json", str(js)]) == 0
     out = capsys.readouterr().out
     assert "slow: pipelines[2].stages[1] replica 2" in out
-    assert "1.60x the job's median ratio (1.20)" in out
+    assert "1.60x the job's median ratio (1.2)" in out
     assert png.stat().st_size > 10_000
     data = json.loads(js.read_text())
     assert [(s["path"], s["replica"]) for s in data["slow"]] == [("pipelines[2].stages[1]", 2)]

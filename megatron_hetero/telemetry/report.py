@@ -92,8 +92,18 @@ def slow_stages(stages: list[StageSummary], *,
     return sorted(slow, key=lambda x: -x[1]), median
 
 
+def seconds_text(x: float) -> str:
+    """``x`` seconds in three figures in the unit that needs no leading zeros (``12.3ms``)."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6), ("ns", 1e-9)):
+        if abs(x) >= scale or unit == "ns":
+            return f"{x / scale:.3g}{unit}"
+    raise AssertionError("unreachable")
+
+
 def _pair(measured: float, predicted: float | None) -> str:
-    return f"{measured:.3f}" if predicted is None else f"{measured:.3f} / {predicted:.3f}"
+    if predicted is None:
+        return seconds_text(measured)
+    return f"{seconds_text(measured)}\n[dim]{seconds_text(predicted)}[/]"
 
 
 def report_lines(records: list[StepRecord], stages: list[StageSummary], *,
@@ -105,33 +115,35 @@ def report_lines(records: list[StepRecord], stages: list[StageSummary], *,
     table = Table(title=f"{source}: step{'s' if len(steps) > 1 else ''} "
                         f"{steps[0]}{'..' + str(steps[-1]) if len(steps) > 1 else ''} "
                         f"({'median of ' + str(len(steps)) if len(steps) > 1 else 'one step'}); "
-                        "seconds per step, measured / predicted")
-    for col in ("stage", "replica", "device", "forward", "backward", "grad sync", "optimizer",
-                "waits", "compute x"):
-        table.add_column(col, justify="left" if col in ("stage", "device") else "right")
+                        "seconds per step, measured (predicted under it)")
+    for col in ("stage", "r", "device", "forward", "backward", "sync", "optim.", "waits",
+                "x"):
+        table.add_column(col, justify="left" if col in ("stage", "device") else "right",
+                         no_wrap=col in ("stage", "device"))
     for s in stages:
         p = s.predicted
         table.add_row(s.path, str(s.replica), s.device_type,
                       *(_pair(getattr(s.measured, k), None if p is None else getattr(p, k))
                         for k in _KINDS),
-                      "-" if s.ratio is None else f"{s.ratio:.2f}")
+                      "-" if s.ratio is None else f"{s.ratio:.3g}")
     lines = []
     measured = statistics.median(r.step_time_s for r in records)
     predicted = [r.predicted_step_time_s for r in records if r.predicted_step_time_s]
-    line = f"step time {measured:.3f} s"
+    line = f"step time {seconds_text(measured)}"
     if predicted:
         pred = statistics.median(predicted)
-        line += f", predicted {pred:.3f} s ({measured / pred:.2f}x); prediction: {records[-1].prediction}"
+        line += (f", predicted {seconds_text(pred)} ({measured / pred:.3g}x); prediction: "
+                 f"{records[-1].prediction}")
     lines.append(line)
     slow, median = slow_stages(stages, threshold=threshold)
     if median is None:
         lines.append("no prediction in the telemetry: slow stages cannot be named")
     elif not slow:
         lines.append(f"no slow stage: none computes more than {threshold:g}x the job's median "
-                     f"measured/predicted ratio ({median:.2f})")
+                     f"measured/predicted ratio ({median:.3g})")
     for s, over in slow:
-        lines.append(f"slow: {s.path} replica {s.replica} ({s.device_type}): {s.ratio:.2f}x its "
-                     f"prediction, {over:.2f}x the job's median ratio ({median:.2f})")
+        lines.append(f"slow: {s.path} replica {s.replica} ({s.device_type}): {s.ratio:.3g}x its "
+                     f"prediction, {over:.2f}x the job's median ratio ({median:.3g})")
     return table, lines
 
 
