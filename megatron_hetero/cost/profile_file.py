@@ -31,7 +31,13 @@ from .profile_schema import (
 )
 
 __all__ = ["MeasuredProfile", "ProfileUsage", "inventory_entry", "load_profile", "load_profiles",
-           "save_profile", "shape_matches"]
+           "save_profile", "shape_matches", "run_profile_name"]
+
+
+def run_profile_name(device_type: str) -> str:
+    """The name of a device type's profile in a run's telemetry folder
+    (:mod:`megatron_hetero.telemetry.profile_out`; ``tune --from-run`` reads them)."""
+    return f"profile.{device_type}.yaml"
 
 
 def shape_matches(profiled: ModelSpec, asked: ModelSpec, part: Part) -> bool:

@@ -19,6 +19,7 @@ from pathlib import Path
 from .._schema import write_yaml
 from .._version import __version__
 from ..cost.model import CostModel
+from ..cost.profile_file import run_profile_name
 from ..cost.profile_schema import (FORMAT_VERSION, DeviceInfo, PartTimes, ProfileData,
                                    ProfileEntry, Software, Timing)
 from ..hardware.inventory import Inventory
@@ -26,6 +27,8 @@ from ..plan import Plan
 from .records import StepRecord
 
 __all__ = ["run_factors", "run_profiles", "write_run_profiles", "profile_name"]
+
+profile_name = run_profile_name
 
 LEAST_S = 1e-9
 """A part the cost model prices at nothing (the embedding's lookup) is written at 1 ns: the
@@ -46,10 +49,6 @@ def run_factors(records: list[StepRecord]) -> dict[str, tuple[float, float]]:
             acc[2] += s.measured.backward_s
             acc[3] += s.predicted.backward_s
     return {d: (mf / pf, mb / pb) for d, (mf, pf, mb, pb) in sums.items() if pf > 0 and pb > 0}
-
-
-def profile_name(device_type: str) -> str:
-    return f"profile.{device_type}.yaml"
 
 
 def run_profiles(plan: Plan, records: list[StepRecord], inventory: Inventory, *,

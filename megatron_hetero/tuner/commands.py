@@ -11,9 +11,9 @@ from ..errors import HeteroError
 from ..hardware.inventory import load_inventory
 from ..models import load_model
 from ..outputs import Outputs
+from ..cost.profile_file import run_profile_name as profile_name
 from ..plan import ModelSpec, Plan, load_any_plan, save_plan
 from ..placement.inventory import check_plan_against_inventory
-from ..telemetry.profile_out import profile_name
 
 __all__ = ["tune_main", "simulate_main", "add_tune_arguments", "add_simulate_arguments",
            "add_search_space_arguments", "parse_sizes"]
