@@ -38,6 +38,7 @@ from .meshes import mesh_plan_of
 from .stack import prepare_stack
 from .telemetry import POINTS as TELEMETRY_POINTS
 from .telemetry import Telemetry
+from .rebalance import LiveShares
 
 __all__ = ["install", "installed", "Runtime", "backend_class", "LAUNCHER_RANK_ENV"]
 
@@ -90,6 +91,9 @@ class Runtime:
         os.environ[LAUNCHER_RANK_ENV] = str(backend.state.launcher_rank)
         self.backend = backend
         self.telemetry = Telemetry.start(args, backend.state)
+        live = LiveShares.start(args, backend, source=path)
+        if live is not None:
+            self.telemetry.live = live
         return backend
 
     def validate_args(self, original, args, *a, **kw):

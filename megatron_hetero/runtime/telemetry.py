@@ -115,6 +115,9 @@ class Telemetry:
         self._prediction: Prediction | None = None
         self._wrapped_optimizer = False
         self._records: list[StepRecord] = []
+        self._began = False
+        self.live = None
+        """Live rebalancing (:class:`.rebalance.LiveShares`) where the run asks for it."""
         self._layer_spec = layer_spec
 
     @classmethod
@@ -146,6 +149,10 @@ class Telemetry:
         if iteration is None and len(a) > 7:
             iteration = a[7]
         step = (iteration or 0) + 1  # Megatron logs the step it runs as iteration + 1
+        if self.live is not None:
+            plan = self.live.before_step(step)
+            if plan is not None:  # new shares from this step: predicted anew at the next report
+                self.plan, self._prediction = plan, None
         if not self._wrapped_optimizer:
             self._wrap_optimizer(a[3] if len(a) > 3 else kw["optimizer"])
             model = a[2] if len(a) > 2 else kw["model"]
@@ -237,12 +244,22 @@ class Telemetry:
         rank = dist.get_rank()
         gathered = [None] * dist.get_world_size() if rank == 0 else None
         dist.gather_object(mine, gathered, dst=0, group=self._group)
-        if rank == 0:
-            self._write(step, gathered)
+        note = self._write(step, gathered) if rank == 0 else None
+        if self.live is not None:  # every rank takes rank 0's decision
+            box = [note]
+            dist.broadcast_object_list(box, src=0, group=self._group)
+            self.live.schedule(box[0], rank=rank)
 
-    def _write(self, step: int, gathered: list[dict]) -> None:
+    def _write(self, step: int, gathered: list[dict]):
+        """Rank 0: the step's record, written, and live rebalancing's decision on it."""
+        if not self._began:
+            try:
+                self._begin()
+            except OSError as exc:  # as below: the telemetry is lost, the training goes on
+                print(f"megatron-hetero telemetry: {exc}", file=sys.stderr, flush=True)
+                self._began = True
         if self._prediction is None:
-            self._begin()
+            self._predict()
         slowest: dict[tuple, dict] = {}
         for fig in gathered:
             key = fig["slot"]
@@ -267,6 +284,8 @@ class Telemetry:
         record = StepRecord(step=step, step_time_s=max(f["step_s"] for f in gathered),
                             predicted_step_time_s=pred.step_time_s, prediction=pred.source,
                             clock=self.clock.name, stages=stages)
+        if self.live is not None and record.predicted_step_time_s is not None:
+            record.rebalance = self.live.decide(record)
         self._records.append(record)
         try:  # a full disk costs the telemetry, never the training
             append_record(self.directory, record)
@@ -285,6 +304,7 @@ class Telemetry:
                      f"{worst.path} replica {worst.replica} ({worst.device_type}) "
                      f"{worst.slowdown:.2f}x")
         print(line, file=sys.stderr, flush=True)
+        return record.rebalance
 
     @staticmethod
     def _software():
@@ -297,9 +317,14 @@ class Telemetry:
                             python=platform.python_version(), cuda=torch.version.cuda)
 
     def _begin(self) -> None:
-        """Rank 0, at the first report: the folder, the plan's copy and the prediction."""
+        """Rank 0, at the first report: the folder and the plan's copy (the plan the run
+        started with)."""
         self.directory.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(self.plan_path, self.directory / "plan.yaml")
+        self._began = True
+
+    def _predict(self) -> None:
+        """Rank 0: the prediction of the plan as it runs now."""
         inv = self.inventory
         try:
             self._prediction = predict(self.plan, inv, source=inv.source if inv else None,

@@ -23,14 +23,16 @@ then a number of micro-batches); layers never move live.
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..errors import HeteroError
 from ..plan import Plan
+from ..plan.format1 import replace_grid
 from ..schedule.shares import water_fill
 from .records import StepRecord
 
-__all__ = ["RebalancePolicy", "Decision", "Rebalancer", "check_rebalanceable", "replica_costs"]
+__all__ = ["RebalancePolicy", "Decision", "Rebalancer", "check_rebalanceable", "replica_costs",
+           "with_shares"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -101,6 +103,8 @@ class Rebalancer:
     policy: RebalancePolicy
     drifting: dict[int, int] = field(default_factory=dict)
     """Replica -> reports in a row it drifted."""
+    said: str = ""
+    """The last message that moved nothing (said once, not at every report)."""
 
     def decide(self, plan: Plan, record: StepRecord) -> Decision:
         counts = [p.num_microbatches for p in plan.pipelines]
@@ -115,19 +119,25 @@ class Rebalancer:
             self.drifting[r] = self.drifting.get(r, 0) + 1 if x / median > limit else 0
         ready = [r for r, n in self.drifting.items() if n >= self.policy.patience]
         if not ready:
-            return Decision(message=self._everywhere(record, median, limit))
+            return self._once(self._everywhere(record, median, limit))
         shares = water_fill([a for a, _ in measured], [c for _, c in measured], sum(counts))
         self.drifting.clear()
         if shares is None or shares == counts:
-            return Decision(message=f"replica {ready[0]} drifts {ratios[ready[0]] / median:.2f}x "
-                                    f"the replicas' median, and no other split of the "
-                                    f"{sum(counts)} micro-batches is faster: shares stay {counts}")
+            return self._once(f"replica {ready[0]} drifts, and no other split of the "
+                              f"{sum(counts)} micro-batches is faster: shares stay {counts}")
+        self.said = ""
         before, after = max(times), max(a + m * c for (a, c), m in zip(measured, shares))
         return Decision(shares=shares,
                         message=f"replica {ready[0]} drifts {ratios[ready[0]] / median:.2f}x the "
                                 f"replicas' median for {self.policy.patience} report(s): shares "
                                 f"{counts} -> {shares} (slowest replica {before:.3g} s -> "
                                 f"{after:.3g} s as measured)")
+
+    def _once(self, message: str) -> Decision:
+        if message == self.said:
+            return Decision()
+        self.said = message
+        return Decision(message=message)
 
     @staticmethod
     def _everywhere(record: StepRecord, median_replica: float, limit: float) -> str:
@@ -145,3 +155,13 @@ class Rebalancer:
         return (f"stage {slow[0]} is slow in every replica ({min(by_stage[slow[0]]) / median:.2f}x "
                 "the job's median or more): moving shares between replicas cannot restore the "
                 "balance; re-plan from what ran: megatron-hetero tune INVENTORY --from-run DIR")
+
+
+def with_shares(plan: Plan, shares: list[int], *, source: str) -> Plan:
+    """``plan`` with replica ``d`` running ``shares[d]`` micro-batches, checked as a plan file
+    is (a warm-up or micro-batch group the new counts cannot hold is refused here)."""
+    if len(shares) != plan.data_parallel_size or sum(shares) != sum(
+            p.num_microbatches for p in plan.pipelines):
+        raise HeteroError(f"{source}: shares {shares} do not split the plan's micro-batches")
+    return replace_grid(plan, pipelines=[replace(p, num_microbatches=m)
+                                         for p, m in zip(plan.pipelines, shares)])

@@ -20,7 +20,7 @@ from pathlib import Path
 from .._schema import from_data, to_data
 from ..errors import SchemaError
 
-__all__ = ["StageFigures", "StageRecord", "StepRecord", "OpSpan", "TELEMETRY_FILE",
+__all__ = ["StageFigures", "StageRecord", "StepRecord", "OpSpan", "RebalanceNote", "TELEMETRY_FILE",
            "read_records", "append_record"]
 
 TELEMETRY_FILE = "telemetry.jsonl"
@@ -112,6 +112,17 @@ class StageRecord:
 
 
 @dataclass(kw_only=True, slots=True)
+class RebalanceNote:
+    """What live rebalancing decided at a reported step (``--hetero-rebalance``)."""
+
+    message: str
+    shares: list[int] | None = None
+    """The replicas' new micro-batch counts; None where nothing moved."""
+    from_step: int | None = None
+    """The first step that runs them."""
+
+
+@dataclass(kw_only=True, slots=True)
 class StepRecord:
     """One line of ``telemetry.jsonl``: one reported training step."""
 
@@ -126,6 +137,8 @@ class StepRecord:
     clock: str = "wall"
     """``cuda-events`` (GPU time between CUDA events) or ``wall`` (CPU ranks)."""
     stages: list[StageRecord]
+    rebalance: RebalanceNote | None = None
+    """Live rebalancing's decision at this step, where it decided or said something."""
 
     def __post_init__(self) -> None:
         _check_seconds("step_time_s", self.step_time_s)

@@ -81,3 +81,54 @@ def test_telemetry_of_an_interleaved_uneven_plan(tmp_path):
     assert main(["tune", str(inventory), "--from-run", str(out), "-o", str(replanned), "-q"]) == 0
     again = load_any_plan(str(replanned))
     assert again.model == plan.model and again.global_batch_size == plan.global_batch_size
+
+
+def _per_sample_all(log) -> dict[tuple[int, int], float]:
+    """(step, sample) -> loss of every sample this rank read (one stage: it reads and computes
+    the loss), steps told apart by the global batch the sample belongs to."""
+    return {i[0]: loss for i, (loss, _) in zip(log["indices"], log["losses"])}
+
+
+def test_rebalancing_moves_shares_from_a_slow_replica_and_trains_as_one_process(
+        tmp_path, reference_run):
+    """Two replicas of one stage, 3 micro-batches each; replica 1's rank turns slow from
+    iteration 1. With a report every step and patience 1, rank 0 moves micro-batches to replica
+    0 from step 3; every sample of every global batch is still read once, and each sample's loss
+    equals the one-process run's (per-token loss: exact whatever the shares)."""
+    plan = make_plan(split=(2,), replicas=[(1, 3), (1, 3)])
+    path = tmp_path / "plan.yaml"
+    save_plan(plan, path)
+    out = tmp_path / "telemetry"
+    steps = 6
+    runs = launch(2, str(path), tmp_path, iters=steps, timeout=400,
+                  env={"TINY_SLOW": "1:0.05:1"},
+                  extra=["--hetero-telemetry", str(out), "--hetero-telemetry-interval", "1",
+                         "--hetero-rebalance", "--hetero-rebalance-patience", "1"])
+    for code, text, _ in runs:
+        assert code == 0, text[-3000:]
+    one, _ = reference_run(1, make_plan(split=(2,), replicas=[(1, 6)]), iters=steps,
+                           extra=["--calculate-per-token-loss"])
+    assert one[0][0] == 0, one[0][1][-3000:]
+    records = read_records(out)
+    notes = [(r.step, r.rebalance) for r in records if r.rebalance is not None]
+    moved = [(step, n) for step, n in notes if n.shares is not None]
+    assert moved, [str(n) for n in notes]
+    step, note = moved[0]
+    assert note.from_step == step + 1 and note.shares[1] < 3 and sum(note.shares) == 6
+    assert "megatron-hetero rebalance: replica 1 drifts" in runs[0][1]
+    # the records after the switch show the new shares
+    after = [r for r in records if r.step >= note.from_step]
+    assert after and all([s.micro_batches for s in r.stages] == note.shares for r in after)
+    # every sample read once per global batch, by the replica whose share holds it
+    reads = [[i for [i] in log["indices"]] for _, _, log in runs]
+    assert sorted(reads[0] + reads[1]) == list(range(6 * steps))
+    g = 6
+    for k in range(steps):
+        shares = note.shares if k + 1 >= note.from_step else [3, 3]
+        batch0 = [i for i in reads[0] if k * g <= i < (k + 1) * g]
+        assert batch0 == list(range(k * g, k * g + shares[0])), k
+    merged = {**_per_sample_all(runs[0][2]), **_per_sample_all(runs[1][2])}
+    reference = _per_sample_all(one[0][2])
+    assert merged.keys() == reference.keys()
+    for i, loss in reference.items():
+        assert merged[i] == pytest.approx(loss, rel=1e-5), i
