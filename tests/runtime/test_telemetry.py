@@ -8,12 +8,12 @@ import pytest
 
 from megatron_hetero.cli import main
 from megatron_hetero.cost.profile_file import load_profile
-from megatron_hetero.plan import load_any_plan, load_plan, save_plan
+from megatron_hetero.plan import load_any_plan, load_plan, save_any_plan, save_plan
 from megatron_hetero.schedule.order import rank_order
 from megatron_hetero.telemetry.records import read_records
 
 from .launching import launch
-from .plans import A100, V100, make_plan
+from .plans import A100, V100, make_mesh_plan, make_plan
 
 pytestmark = pytest.mark.slow
 
@@ -132,3 +132,28 @@ def test_rebalancing_moves_shares_from_a_slow_replica_and_trains_as_one_process(
     assert merged.keys() == reference.keys()
     for i, loss in reference.items():
         assert merged[i] == pytest.approx(loss, rel=1e-5), i
+
+
+def test_telemetry_of_a_mesh_plan(tmp_path):
+    """A chain of meshes (2 replicas of one layer pair at TP 1, then one replica at TP 2: 4
+    ranks) on the multimodule path: each stage of each replica named by its mesh path, with its
+    forwards and backwards counted, the slowest tensor rank's kept."""
+    plan = make_mesh_plan([(1, 2, [2], None), (2, 1, [2], None)], devices=[A100, V100])
+    path = tmp_path / "plan.yaml"
+    save_any_plan(plan, path)
+    out = tmp_path / "telemetry"
+    results = launch(4, str(path), tmp_path, iters=2, timeout=400,
+                     extra=["--hetero-telemetry", str(out), "--hetero-telemetry-interval", "1"])
+    for code, text, _ in results:
+        assert code == 0, text[-3000:]
+    records = read_records(out)
+    assert [r.step for r in records] == [1, 2]
+    for rec in records:
+        assert [(s.path, s.replica, s.stage, s.device_type, s.micro_batches)
+                for s in rec.stages] == [("meshes[0].stages[0]", 0, 0, A100, 2),
+                                         ("meshes[1].stages[0]", 0, 1, V100, 2),
+                                         ("meshes[0].stages[0]", 1, 0, A100, 2)]
+        for s in rec.stages:
+            kinds = [(o.kind, o.micro_batch) for o in s.ops]
+            assert sorted(kinds) == [("B", 0), ("B", 1), ("F", 0), ("F", 1)], s.path
+            assert s.measured.compute_s > 0 and s.predicted is not None
