@@ -23,15 +23,18 @@ def _needs_mcore017(mcore017_env):
     return mcore017_env
 
 
-def test_telemetry_of_an_interleaved_uneven_plan(tmp_path):
+@pytest.mark.parametrize("stack", ["0.17", "0.19"])
+def test_telemetry_of_an_interleaved_uneven_plan(tmp_path, stack):
     """PP=2 with 2 model chunks per stage, two replicas running 4 and 2 micro-batches (4 ranks),
     4 steps reported every 2nd: two records, each naming the 4 stages by plan path, with every
-    forward and backward of every (micro-batch, chunk) once, in the schedule's order."""
+    forward and backward of every (micro-batch, chunk) once, in the schedule's order; profiles
+    of both device types that ``tune --from-run`` re-plans with. On megatron-core 0.17.1 and
+    0.19.2."""
     plan = make_plan(chunks=[[1, 1], [2, 1]], devices=[[A100, V100]] * 2, replicas=[(1, 4), (1, 2)])
     path = tmp_path / "plan.yaml"
     save_plan(plan, path)
     out = tmp_path / "telemetry"
-    results = launch(4, str(path), tmp_path, iters=4, timeout=400,
+    results = launch(4, str(path), tmp_path, iters=4, timeout=400, stack=stack,
                      extra=["--hetero-telemetry", str(out), "--hetero-telemetry-interval", "2"])
     for code, text, _ in results:
         assert code == 0, text[-3000:]
