@@ -120,7 +120,8 @@ if __name__ == "__main__":
         import torch.distributed as dist
         LOG["rank"] = dist.get_rank()
         from megatron_hetero.runtime import hooks
-        groups = getattr(hooks.installed().backend, "vendor_groups", None)
+        runtime = hooks.installed()  # None in a plain Megatron run (no hooks)
+        groups = getattr(runtime.backend, "vendor_groups", None) if runtime else None
         router = groups.routes if groups else None  # across vendors: messages via host buffers
         if router is not None:
             LOG["staged"] = [router.staged_sends, router.staged_recvs]
