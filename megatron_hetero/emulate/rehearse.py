@@ -141,7 +141,8 @@ def train_and_verify(plan, config, *, hooks, verify: bool, say):
 
 def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Catalog | None = None,
              verify: bool = False, source: str = "PLAN", progress=None,
-             calibration: Calibration | None = None, inventory=None) -> RehearsalResult:
+             calibration: Calibration | dict[str, Calibration] | None = None,
+             inventory=None) -> RehearsalResult:
     """Shrink, check, calibrate, run and predict ``plan`` (see the module docstring);
     ``inventory`` gives the links of ``config.emulate_links``; ``calibration``: one
     :class:`Calibration` or one per device type, measured before (none is then measured)."""
