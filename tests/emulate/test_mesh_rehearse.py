@@ -147,3 +147,23 @@ def test_offloading_mesh_rehearses_below_its_peak_without_offload(tmp_path, mcor
     (*_, peak_plain, _), (*_, peak_last_plain, _) = got["none"]["rows"]
     assert 0 < peak < peak_plain and peak < cap
     assert peak_last == pytest.approx(peak_last_plain, rel=1e-2)
+
+
+def test_host_capacity_counts_each_rank_at_its_mesh_stage():
+    """The host check prices every rank of a chain at its own mesh stage: fan-out (one T4 TP2
+    replica first, then two 3090 replicas) has more replicas in its second mesh than its first."""
+    from megatron_hetero._schema import read_yaml
+    from megatron_hetero.cost.stage import StageShape
+    from megatron_hetero.emulate.memory import cpu_rank_bytes, plan_cost_model
+    from megatron_hetero.plan import mesh_plan_from_data
+
+    data = read_yaml(PLAN)
+    data["meshes"] = list(reversed(data["meshes"]))
+    fan_out = shrink_plan(mesh_plan_from_data(data, source="<fan-out>"), 32)
+    got = cpu_rank_bytes(fan_out)
+    cost = plan_cost_model(fan_out, load_catalog(), precision="fp32", flash_attention=False,
+                           workspace_gb=0.0, use_distributed_optimizer=False)
+    for rank, mesh, replica in ((0, 0, 0), (1, 0, 0), (2, 1, 0), (3, 1, 1)):
+        m = cost.memory(StageShape.at(fan_out, mesh, 0, replica))
+        assert got[rank] == pytest.approx(m.params + m.grads + m.optimizer + 2 * m.activations)
+    assert got[2] == got[3] != got[0]
