@@ -24,16 +24,21 @@ _EPILOG = "Run `megatron-hetero COMMAND --help` for a command's options."
 def _add_validate(sub) -> None:
     p = sub.add_parser("validate", help="check a plan (and that an inventory can host it)",
                        description="Check PLAN against the plan schema and its invariants and "
-                                   "the offload settings megatron-core refuses; with --inventory, "
-                                   "also that the inventory has the GPUs it needs and that every "
-                                   "stage fits its card's memory under the cost model (what the "
-                                   "runtime would stop at). Exits 0 when valid, 1 with the "
+                                   "the offload settings megatron-core refuses, and that every "
+                                   "stage fits its card's memory under the cost model, less the "
+                                   "memory headroom (what the runtime would stop at; the cards "
+                                   "are the catalog's, with the inventory's or the plan's own "
+                                   "`gpus:` entries); with --inventory, also that the inventory "
+                                   "has the GPUs it needs and that each node's host memory holds "
+                                   "what its stages offload. Exits 0 when valid, 1 with the "
                                    "offending field path when not.")
     p.add_argument("plan", metavar="PLAN", help="plan.yaml")
     p.add_argument("--inventory", metavar="INV", help="inventory.yaml the plan must fit")
     p.add_argument("--no-memory-check", action="store_true",
-                   help="with --inventory, do not refuse a stage that needs more memory than "
-                        "its card under the cost model (or a node more host memory)")
+                   help="do not refuse a stage that needs more memory than its card under the "
+                        "cost model (or, with --inventory, a node more host memory)")
+    from ..tuner.commands import add_memory_headroom_argument
+    add_memory_headroom_argument(p)
     p.set_defaults(handler="megatron_hetero.cli.plan_commands:validate_main")
 
 

@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from ..cost.model import CostModel
+from ..cost.model import DEFAULT_MEMORY_HEADROOM, CostModel
 from ..cost.profile_protocol import DeviceProfile
 from ..hardware.inventory import Inventory
 from ..plan import ModelSpec
@@ -75,6 +75,9 @@ class TuneOptions:
     use_distributed_optimizer: bool = True
     """Plans shard optimizer state over data parallelism (``--use-distributed-optimizer``);
     ``replan`` keeps the checkpoint's choice."""
+    memory_headroom: float = DEFAULT_MEMORY_HEADROOM
+    """Fraction of each card's reported memory no stage's predicted peak may use
+    (``--memory-headroom``; :meth:`~megatron_hetero.cost.model.CostModel.capacity`)."""
     progress: bool = False
     """Show a progress bar (rich) while structures are evaluated."""
     cost_options: dict = field(default_factory=dict)
@@ -103,7 +106,7 @@ class Problem:
             self._costs[precision] = CostModel(
                 self.model, self.inv, profiles=self.profiles, precision=precision,
                 use_distributed_optimizer=self.opt.use_distributed_optimizer,
-                **self.opt.cost_options)
+                memory_headroom=self.opt.memory_headroom, **self.opt.cost_options)
         return self._costs[precision]
 
     def precision_for(self, types) -> str:

@@ -62,7 +62,7 @@ def replan_main(args: argparse.Namespace) -> int:
 
 def _replan(args: argparse.Namespace, source: Path, out: Outputs) -> int:
     from ..cost.profile_file import load_profiles
-    from .commands import parse_sizes
+    from .commands import memory_headroom, parse_sizes
     from .problem import TuneOptions
     from .report import summary_lines
     from .search import tune
@@ -87,7 +87,8 @@ def _replan(args: argparse.Namespace, source: Path, out: Outputs) -> int:
                           tensor_parallel_sizes=tp_sizes,
                           precision=ckpt.precision if ckpt else old.precision,
                           use_distributed_optimizer=bool(ckpt.args.get("use_distributed_optimizer"))
-                          if ckpt else old.use_distributed_optimizer)
+                          if ckpt else old.use_distributed_optimizer,
+                          memory_headroom=memory_headroom(args))
     profiles = load_profiles(args.profile, catalog=inventory.catalog) if args.profile else {}
     try:
         result = tune(model, inventory, gbs, profiles=profiles, options=options)
@@ -104,7 +105,8 @@ def _replan(args: argparse.Namespace, source: Path, out: Outputs) -> int:
     if ckpt:
         _check_loads(ckpt, plan, args.output)
     save_plan(plan, out.staged(args.output))
-    _as_validate_reads_it(out.staged(args.output), inventory, args.output)
+    _as_validate_reads_it(out.staged(args.output), inventory, args.output,
+                          options.memory_headroom)
     if ckpt:
         a = ckpt.args
         print(f"checkpoint {ckpt.folder}: iteration {ckpt.iteration}, {ckpt.format}, "
@@ -136,10 +138,12 @@ def _replan(args: argparse.Namespace, source: Path, out: Outputs) -> int:
     return 0
 
 
-def _as_validate_reads_it(staged: Path, inventory, output: str) -> None:
-    """Plan B as ``validate OUTPUT --inventory INVENTORY`` would read and check it."""
+def _as_validate_reads_it(staged: Path, inventory, output: str, headroom: float) -> None:
+    """Plan B as ``validate OUTPUT --inventory INVENTORY`` (with replan's memory headroom)
+    would read and check it."""
     try:
-        validate_plan(load_any_plan(staged, catalog=inventory.catalog), inventory, source=output)
+        validate_plan(load_any_plan(staged, catalog=inventory.catalog), inventory, source=output,
+                      memory_headroom=headroom)
     except HeteroError as exc:
         raise HeteroError(f"{str(exc).replace(str(staged), output)} (plan B was not written: "
                           "`validate` refuses it)") from None

@@ -70,7 +70,7 @@ def plan_table(plan: Plan, sim: SimResult, title: str):
             res = sim.stage(ds[0], s)
             mem = res.memory
             policy = policy_text(st).replace(", ", "\n")
-            row.append(f"{st.device_type}\n{mem.total / 1e9:.1f} / {mem.capacity / 1e9:.0f} GB\n"
+            row.append(f"{st.device_type}\n{mem.total / 1e9:.1f} / {mem.capacity / 1e9:.1f} GB\n"
                        f"{policy}\nbusy {res.busy_s:.2f} s")
         table.add_row(*row)
     return table

@@ -285,7 +285,7 @@ def infeasible_message(problem: Problem) -> str:
                                       tensor_parallel_size=tp, sequence_parallel=tp > 1,
                                       recompute=full, pipeline_size=pp, num_microbatches=pp,
                                       data_parallel_size=max(1, n_gpus // (tp * pp))))
-        parts.append(f"{gpu}: {need.total / 1e9:.1f} GB needed per GPU, {need.capacity / 1e9:.0f} GB "
+        parts.append(f"{gpu}: {need.total / 1e9:.1f} GB needed per GPU, {need.capacity / 1e9:.1f} GB "
                      f"available (all {n_gpus} of them as TP={tp} x PP={pp}, {per} layers per "
                      "stage, full recompute, micro-batch 1)")
     text = (f"{model.name} does not fit on {inv.source} under any plan the search "
