@@ -187,8 +187,8 @@ def _tune(args: argparse.Namespace, out: Outputs) -> int:
 
     from ..cost import CostModel
     from ..cost.crossings import vendor_crossings
-    from .report import (host_memory_lines, plan_table, report_dict, summary_lines, vendor_dict,
-                         vendor_lines)
+    from .report import (host_memory_lines, optimizer_seconds, plan_table, report_dict,
+                         summary_lines, unused_gpus, unused_line, vendor_dict, vendor_lines)
     from .problem import TuneOptions
     from .search import tune
 
@@ -210,10 +210,13 @@ def _tune(args: argparse.Namespace, out: Outputs) -> int:
     sources = _figure_sources(result.plan, inventory, profiles)
     used_types = sorted(result.plan.device_counts())
     cost = CostModel(model, inventory, profiles=profiles, precision=result.plan.precision,
+                     use_distributed_optimizer=result.plan.use_distributed_optimizer,
                      memory_headroom=options.memory_headroom)
     crossings = vendor_crossings(result.plan, cost)
+    optimizer = optimizer_seconds(result.plan, result.sim, cost)
     if args.report:
-        report = report_dict(result, args.output)
+        report = report_dict(result, args.output, optimizer=optimizer)
+        report["unused_gpus"] = unused_gpus(result.plan, inventory)
         report["figure_sources"] = sources.report(used_types)
         report["vendor_crossings"] = vendor_dict(crossings, result.sim)
         with open(out.staged(args.report), "w") as f:
@@ -223,9 +226,11 @@ def _tune(args: argparse.Namespace, out: Outputs) -> int:
         simulate(result.plan, cost).timeline_png(out.staged(args.timeline))
     console = Console(soft_wrap=True)  # summary lines stay whole in logs and pipes
     if not args.quiet:
-        console.print(plan_table(result.plan, result.sim, f"{model.name} on {_short(args.inventory)}"),
-                      soft_wrap=False)
+        console.print(plan_table(result.plan, result.sim, f"{model.name} on {_short(args.inventory)}",
+                                 optimizer), soft_wrap=False)
     console.print(summary_lines(result.plan, result.sim, "tuned   "), highlight=False)
+    if unused_line(result.plan, inventory):
+        console.print(unused_line(result.plan, inventory), highlight=False)
     if not args.quiet:
         console.print(headroom_line(options.memory_headroom), highlight=False)
     for line in host_memory_lines(result.sim):
@@ -266,7 +271,8 @@ def _simulate(args: argparse.Namespace, out: Outputs) -> int:
     from ..cost import CostModel
     from ..cost.crossings import vendor_crossings
     from ..sim.step import simulate
-    from .report import host_memory_lines, plan_table, summary_lines, vendor_lines
+    from .report import (host_memory_lines, optimizer_seconds, plan_table, stage_dicts,
+                         summary_lines, unused_line, vendor_lines)
 
     inventory = load_inventory(args.inventory)
     plan = load_any_plan(args.plan, catalog=inventory.catalog)
@@ -279,16 +285,20 @@ def _simulate(args: argparse.Namespace, out: Outputs) -> int:
                      memory_headroom=memory_headroom(args))
     sim = simulate(plan, cost, record_events=bool(args.timeline))
     _check_fits(args, plan, sim)
+    optimizer = optimizer_seconds(plan, sim, cost)
     console = Console(soft_wrap=True)
-    console.print(plan_table(plan, sim, f"{_short(args.plan)} on {_short(args.inventory)}"),
-                  soft_wrap=False)
+    console.print(plan_table(plan, sim, f"{_short(args.plan)} on {_short(args.inventory)}",
+                             optimizer), soft_wrap=False)
     console.print(summary_lines(plan, sim, "predicted"), highlight=False)
+    if unused_line(plan, inventory):
+        console.print(unused_line(plan, inventory), highlight=False)
     console.print(headroom_line(cost.memory_headroom), highlight=False)
     for line in _figure_sources(plan, inventory, profiles).summary_lines(sorted(plan.device_counts())):
         console.print(f"figures: {line}", highlight=False, soft_wrap=True)
     for s in sim.stages:
         console.print(f"  pipeline {s.pipeline} stage {s.stage} ({s.device_type}): busy "
-                      f"{s.busy_s:.3f} s, bubble {s.bubble_s:.3f} s, sync {s.sync_s:.3f} s, "
+                      f"{s.busy_s:.3f} s, bubble {s.bubble_s:.3f} s, sync {s.sync_s:.3f} s "
+                      f"(optimizer {optimizer[(s.pipeline, s.stage)]:.3f} s), "
                       f"idle {s.idle_s:.3f} s, memory {s.memory.total / 1e9:.1f}/"
                       f"{s.memory.capacity / 1e9:.1f} GB", highlight=False)
     over = [s for s in sim.stages if not s.memory.fits]
@@ -303,10 +313,12 @@ def _simulate(args: argparse.Namespace, out: Outputs) -> int:
         console.print(line, highlight=False)
     if args.json:
         with open(out.staged(args.json), "w") as f:
-            json.dump(sim.to_dict(), f, indent=2)
+            json.dump({**sim.to_dict(), "stages": stage_dicts(sim, optimizer)}, f, indent=2)
     if args.timeline:
         sim.timeline_png(out.staged(args.timeline))
-        console.print(f"wrote {args.timeline}", highlight=False)
+    written = [p for p in (args.json, args.timeline) if p]
+    if written:
+        console.print(f"wrote {', '.join(written)}", highlight=False)
     return 0
 
 
@@ -349,7 +361,9 @@ def _simulate_mesh_main(args: argparse.Namespace, plan: Plan, inventory, out: Ou
             json.dump(sim.to_dict(), f, indent=2)
     if args.timeline:
         sim.timeline_png(out.staged(args.timeline))
-        print(f"wrote {args.timeline}")
+    written = [p for p in (args.json, args.timeline) if p]
+    if written:
+        print(f"wrote {', '.join(written)}")
     return 0
 
 
@@ -360,12 +374,13 @@ def _tune_mesh_wins(args: argparse.Namespace, result, inventory, profiles, out: 
     from ..plan.megatron_args import megatron_args_line
     from ..plan import save_any_plan
     from ..sim.mesh import simulate_mesh
-    from .report import report_dict, summary_lines
+    from .report import report_dict, summary_lines, unused_gpus, unused_line
 
     plan, sim = result.mesh_plan, result.mesh_sim
     save_any_plan(plan, out.staged(args.output))
     if args.report:
         report = report_dict(result, None)  # the uniform plan's figures, and the mesh plan's
+        report["unused_gpus"] = unused_gpus(plan, inventory)
         report["mesh_plan"] = {"predicted_step_time_s": sim.step_time_s, "mfu": sim.mfu,
                                "efficiency": result.upper_bound_step_time_s / sim.step_time_s,
                                "speedup_over_uniform": result.sim.step_time_s / sim.step_time_s,
@@ -379,6 +394,8 @@ def _tune_mesh_wins(args: argparse.Namespace, result, inventory, profiles, out: 
         simulate_mesh(plan, cost).timeline_png(out.staged(args.timeline))
     print(f"tuned   : mesh plan, step {sim.step_time_s:.3f} s, {sim.tokens_per_s:,.0f} tokens/s, "
           f"MFU {sim.mfu:.3f}\n{plan.describe()}")
+    if unused_line(plan, inventory):
+        print(unused_line(plan, inventory))
     print(summary_lines(result.plan, result.sim, "uniform "))
     eff = result.upper_bound_step_time_s / sim.step_time_s
     print(f"upper bound {result.upper_bound_step_time_s:.3f} s; efficiency {eff:.3f}; speedup "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -115,6 +116,19 @@ def test_torchrun_launcher_checks_hosts_first(plan4, tmp_path):
     assert proc.returncode == 1 and "expected 0..1" in proc.stderr
     proc = _run([TORCHRUN, hosts, plan4])
     assert proc.returncode == 1 and "MEGATRON_LM is not set" in proc.stderr
+
+
+def test_torchrun_launcher_on_a_host_the_plan_does_not_need(plan4, tmp_path):
+    """A host file larger than the plan (issue 32 A.4): on a host left out, nothing runs."""
+    script = tmp_path / "train.py"
+    script.write_text("")
+    hosts = tmp_path / "hosts"
+    hosts.write_text("h0 A100-SXM-80GB 2\nh1 V100-SXM2-32GB 2\n"
+                     f"{socket.gethostname()} V100-SXM2-32GB 2\n")
+    proc = _run([TORCHRUN, hosts, plan4], MH_PRETRAIN_SCRIPT=str(script))
+    assert proc.returncode == 0, proc.stderr
+    assert "does not need it: nothing to run here" in proc.stdout
+    assert f"left idle: {socket.gethostname()} (2 V100-SXM2-32GB)" in proc.stderr
 
 
 def test_tune_wrapper_needs_model_and_batch(tmp_path):
