@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 import subprocess
 import sys
@@ -135,3 +136,38 @@ def test_tuned_plan_on_a_custom_gpu_carries_it_to_validate_and_args(tmp_path, ca
         err = capsys.readouterr().err
         assert f"{plan_path}: gpus.Acme-NPU.bf16_tflops: found 400.0; expected 300.0" in err
         assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv", [
+    ["args", "--one-per-line", str(REPO / "examples/llama2/7b/plan.yaml")],
+    ["validate", str(REPO / "examples/llama2/7b/plan.yaml")],
+    ["tune", "--help"],
+])
+def test_a_reader_that_left_ends_the_output_quietly(argv):
+    """`megatron-hetero ... | head -1`: stdout is a pipe nobody reads; no BrokenPipeError
+    traceback, the command's own exit code (issue 32)."""
+    read, write = os.pipe()
+    os.close(read)  # every write meets the closed pipe
+    try:
+        proc = subprocess.run([sys.executable, "-m", "megatron_hetero.cli", *argv], stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=120, cwd=REPO)
+    finally:
+        os.close(write)
+    assert (proc.returncode, proc.stderr) == (0, "")
+
+
+def test_tune_into_a_closed_pipe_still_writes_its_plan(tmp_path):
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text("groups:\n  - {gpu: A100-SXM-80GB, nodes: 1, gpus_per_node: 2}\n")
+    plan = tmp_path / "plan.yaml"
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "megatron_hetero.cli", "tune", str(inv),
+                               "--model", "llama2-7b", "--global-batch-size", "4",
+                               "--seq-length", "512", "-o", str(plan)], stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=120, cwd=REPO)
+    finally:
+        os.close(write)
+    assert (proc.returncode, proc.stderr) == (0, "")
+    assert main(["validate", str(plan)]) == 0

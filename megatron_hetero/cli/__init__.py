@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
+import io
+import os
 import sys
 from typing import Sequence
 
@@ -191,11 +193,54 @@ _COMMANDS = [_add_validate, _add_args, _add_profile, _add_tune, _add_replan, _ad
              _add_rehearse, _add_patch_megatron]
 
 
+class _ReaderMayLeave:
+    """``sys.stdout`` for one command: a reader that went away (``megatron-hetero ... | head
+    -1``) ends what is shown, not the command. The first write or flush that meets the closed
+    pipe points the descriptor at ``/dev/null`` (so that the interpreter's last flush finds
+    nothing to complain about) and drops the rest; the command goes on, writes its files and
+    exits as it would have."""
+
+    def __init__(self, stream):
+        self._stream = stream
+        self._gone = False
+
+    def write(self, text: str) -> int:
+        if not self._gone:
+            try:
+                return self._stream.write(text)
+            except BrokenPipeError:
+                self._leave()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self._gone:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._leave()
+
+    def _leave(self) -> None:
+        self._gone = True
+        try:
+            null = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(null, self._stream.fileno())
+            finally:
+                os.close(null)
+        except (OSError, ValueError, io.UnsupportedOperation):
+            pass  # not a descriptor (a test's capture): nothing is flushed at exit
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command. A user's mistake is one line and exit 1; Ctrl-C at any moment (start-up
     included: :mod:`megatron_hetero.interrupts`) one line and exit 130; files a command writes
     are put in place only once it has succeeded (:mod:`megatron_hetero.outputs`)."""
     command = "megatron-hetero"
+    stdout = sys.stdout
+    sys.stdout = _ReaderMayLeave(stdout)
     try:
         interrupts.deliver()
         args = build_parser().parse_args(argv)
@@ -203,6 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         module, func = args.handler.split(":")
         handler = getattr(importlib.import_module(module), func)
         code = int(handler(args) or 0)
+        sys.stdout.flush()  # here, where a reader that left is met quietly
         if interrupts.pending():  # raised where the interpreter swallowed it
             raise KeyboardInterrupt
         return code
@@ -224,5 +270,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{command}: interrupted", file=sys.stderr)
         return 130
     finally:
+        sys.stdout = stdout
         interrupts.restore()
 
