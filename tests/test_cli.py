@@ -171,3 +171,36 @@ def test_tune_into_a_closed_pipe_still_writes_its_plan(tmp_path):
         os.close(write)
     assert (proc.returncode, proc.stderr) == (0, "")
     assert main(["validate", str(plan)]) == 0
+
+
+def test_rehearse_refuses_a_plan_larger_than_the_machine_before_loading_torch():
+    """Issue 32 A.11: it spent 11 s importing megatron-core before saying so."""
+    plan = REPO / "examples/llama2/70b/plan.yaml"  # 64 ranks
+    code = ("import sys; from megatron_hetero.cli import main; "
+            f"rc = main(['rehearse', {str(plan)!r}]); print(rc, 'torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+    assert proc.stdout.split() == ["1", "False"], proc.stderr
+    assert "the plan has 64 ranks; this rehearsal starts at most 16" in proc.stderr
+
+
+def test_simulate_quiet_and_what_it_wrote(tmp_path, capsys):
+    plan = REPO / "examples/llama2/7b/plan.yaml"
+    inv = REPO / "examples/llama2/7b/inventory.yaml"
+    out = tmp_path / "sim.json"
+    assert main(["simulate", str(plan), "--inventory", str(inv), "--json", str(out)]) == 0
+    full = capsys.readouterr().out
+    assert "  pipeline 0 stage 0 (A100-SXM-80GB): busy" in full and "┃" in full
+    assert full.rstrip().endswith(f"wrote {out}")
+    assert main(["simulate", str(plan), "--inventory", str(inv), "-q", "--json", str(out)]) == 0
+    quiet = capsys.readouterr().out
+    assert "stage 0" not in quiet and "┃" not in quiet
+    assert quiet.startswith("predicted: step 14.900 s") and quiet.rstrip().endswith(f"wrote {out}")
+
+
+def test_tune_help_says_what_runs_mesh_plans(capsys):
+    with pytest.raises(SystemExit):
+        main(["tune", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "refuses mesh plans" not in text
+    assert "the runtime runs mesh plans from megatron-core 0.17" in text

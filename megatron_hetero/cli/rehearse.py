@@ -11,9 +11,7 @@ import sys
 from ..hardware.inventory import load_inventory
 from ..placement.mesh_inventory import check_against_inventory
 from ..plan import load_any_plan
-from ..emulate.mesh_rehearse import format_mesh_report, rehearse_mesh
-from ..emulate.rehearse import RehearsalConfig, rehearse
-from ..emulate.report import format_report
+from ..emulate.host import check_rank_count
 from ..errors import HeteroError
 from ..limits import check_quantity
 
@@ -28,6 +26,10 @@ def rehearse_main(args) -> int:
     catalog = plan.catalog  # the built-in (or the inventory's) catalog plus the plan's gpus
     if inventory is not None:
         check_against_inventory(plan, inventory, source=args.plan)
+    check_rank_count(plan, max_ranks=args.max_ranks, source=args.plan)  # before torch loads
+    # megatron-core and torch load here, seconds, once the plan is known to be rehearsable
+    from ..emulate.rehearse import RehearsalConfig, rehearse
+    from ..emulate.report import format_report
     try:
         config = RehearsalConfig(steps=args.steps, hidden_size=args.hidden_size,
                                  time_scale=args.time_scale, memory_cap=not args.no_memory_cap,
@@ -62,6 +64,7 @@ def _rehearse_mesh_plan(plan, config: RehearsalConfig, args, catalog, progress):
     if config.emulate_links:
         raise HeteroError(f"{args.plan}: link emulation (--emulate-links) is not built for mesh "
                           "plans (format 2) yet")
+    from ..emulate.mesh_rehearse import format_mesh_report, rehearse_mesh
     result = rehearse_mesh(plan, config, catalog=catalog, verify=args.verify, source=args.plan,
                            progress=progress)
     print(format_mesh_report(result, source=args.plan, real=plan.model))

@@ -75,7 +75,9 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
                         "later, with Transformer Engine's layers or the local ones)")
     p.add_argument("--meshes", action="store_true",
                    help="search mesh plans too (TP and DP per device type) and write one where "
-                        "it is faster; the runtime refuses mesh plans until it can run them")
+                        "it is faster; the runtime runs mesh plans from megatron-core 0.17 "
+                        "(docs/meshes.md), so without it tune writes only plans that run on "
+                        "every supported release")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no table")
 
 
@@ -91,6 +93,9 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
                         "memory) is simulated and printed with a warning, exit 0; without it, "
                         "such a plan is one error, exit 1, and nothing is written")
     add_memory_headroom_argument(p)
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="no table and no per-stage lines: the predicted step, warnings and "
+                        "what was written")
 
 
 def _profiles(paths, inventory):
@@ -287,15 +292,16 @@ def _simulate(args: argparse.Namespace, out: Outputs) -> int:
     _check_fits(args, plan, sim)
     optimizer = optimizer_seconds(plan, sim, cost)
     console = Console(soft_wrap=True)
-    console.print(plan_table(plan, sim, f"{_short(args.plan)} on {_short(args.inventory)}",
-                             optimizer), soft_wrap=False)
+    if not args.quiet:
+        console.print(plan_table(plan, sim, f"{_short(args.plan)} on {_short(args.inventory)}",
+                                 optimizer), soft_wrap=False)
     console.print(summary_lines(plan, sim, "predicted"), highlight=False)
     if unused_line(plan, inventory):
         console.print(unused_line(plan, inventory), highlight=False)
     console.print(headroom_line(cost.memory_headroom), highlight=False)
     for line in _figure_sources(plan, inventory, profiles).summary_lines(sorted(plan.device_counts())):
         console.print(f"figures: {line}", highlight=False, soft_wrap=True)
-    for s in sim.stages:
+    for s in [] if args.quiet else sim.stages:
         console.print(f"  pipeline {s.pipeline} stage {s.stage} ({s.device_type}): busy "
                       f"{s.busy_s:.3f} s, bubble {s.bubble_s:.3f} s, sync {s.sync_s:.3f} s "
                       f"(optimizer {optimizer[(s.pipeline, s.stage)]:.3f} s), "
@@ -348,11 +354,12 @@ def _simulate_mesh_main(args: argparse.Namespace, plan: Plan, inventory, out: Ou
                      memory_headroom=memory_headroom(args))
     sim = simulate_mesh(plan, cost, record_events=bool(args.timeline))
     _check_fits(args, plan, sim)
-    print(f"{_short(args.plan)} on {_short(args.inventory)}\n{plan.describe()}")
+    print(f"{_short(args.plan)} on {_short(args.inventory)}"
+          + ("" if args.quiet else f"\n{plan.describe()}"))
     print(f"predicted: step {sim.step_time_s:.3f} s, {sim.tokens_per_s:,.0f} tokens/s, "
           f"MFU {sim.mfu:.3f}; fits memory: {'yes' if sim.fits_memory else 'NO'}")
     print(headroom_line(cost.memory_headroom))
-    for s in sim.stages:
+    for s in [] if args.quiet else sim.stages:
         print(f"  replica {s.pipeline} stage {s.stage} ({s.device_type}): busy {s.busy_s:.3f} s, "
               f"bubble {s.bubble_s:.3f} s, sync {s.sync_s:.3f} s, idle {s.idle_s:.3f} s, memory "
               f"{s.memory.total / 1e9:.1f}/{s.memory.capacity / 1e9:.1f} GB")

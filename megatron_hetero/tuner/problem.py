@@ -68,7 +68,7 @@ class TuneOptions:
     meshes: bool = False
     """Search mesh plans too (:mod:`.meshes`: each device type of a mixed pool its own TP and
     DP); one wins where it is strictly faster than the best uniform-TP plan. Off by default:
-    the runtime refuses mesh plans until it can run them (docs/meshes.md)."""
+    the runtime runs mesh plans from megatron-core 0.17 (docs/meshes.md)."""
     precision: str | None = None
     """Train every plan in this precision (``bf16``, ``fp16``, ``fp32``); None: bf16 where all
     the plan's GPUs support it, else fp16. ``replan`` keeps the checkpoint's."""
