@@ -22,7 +22,7 @@
 #   MH_PRETRAIN_SCRIPT  training script (default: $MEGATRON_LM/pretrain_gpt.py)
 #   MH_LAUNCH           module (default: python -m megatron_hetero.launch SCRIPT) or patched
 #                       (python SCRIPT: a Megatron-LM patched by `megatron-hetero patch-megatron`)
-#   MH_PYTHON           Python with megatron_hetero and torch (default: python3)
+#   MH_PYTHON           Python with megatron_hetero and torch (default: the Python of the megatron-hetero on PATH, else python3)
 #   MH_NODE_RANK        this host's place among the hosts taken, from 0 (default: found by
 #                       hostname)
 #   MH_MASTER_PORT      rendezvous port on the first host (default: 29500)
@@ -54,8 +54,14 @@ fi
 if [[ -n ${MEGATRON_LM:-} ]]; then
     export PYTHONPATH=$MEGATRON_LM${PYTHONPATH:+:$PYTHONPATH}
 fi
-PY=${MH_PYTHON:-python3}
+PY=${MH_PYTHON:-}
+if [[ -z $PY ]]; then  # the Python of the megatron-hetero on PATH, else python3
+    mh=$(command -v megatron-hetero || true)
+    if [[ -n $mh && -x $(dirname "$mh")/python ]]; then PY=$(dirname "$mh")/python; else PY=python3; fi
+fi
 command -v "$PY" >/dev/null || die "MH_PYTHON=$PY: not found"
+"$PY" -c "import megatron_hetero" 2>/dev/null \
+    || die "$PY cannot import megatron_hetero: set MH_PYTHON to the Python of the environment it is installed in (e.g. .venv/bin/python)"
 
 gpn_args=()
 [[ -z ${MH_GPUS_PER_NODE:-} ]] || gpn_args=(--gpus-per-node "$MH_GPUS_PER_NODE")

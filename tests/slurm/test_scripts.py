@@ -204,3 +204,24 @@ def test_submit_passes_pool_and_options_on_for_the_node_loss_mode(plan4, tmp_pat
                 MH_PRETRAIN_SCRIPT=str(script), MH_ON_NODE_LOSS="replan")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("--no-kill --requeue --open-mode=append --nodes=1") == 2
+
+
+@pytest.mark.parametrize("script", ["tune.sh", "launch_torchrun.sh", "slurm/submit.sh"])
+def test_a_python_without_the_package_is_named(script, tmp_path):
+    """Issue 32 A.11: with a Python that lacks megatron_hetero the scripts said the plan "does
+    not validate"; they now say which Python and what to set."""
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\nexit 1\n")
+    fake.chmod(0o755)
+    inv = REPO / "examples" / "llama2" / "7b" / "inventory.yaml"
+    plan = REPO / "examples" / "llama2" / "7b" / "plan.yaml"
+    args = {"tune.sh": [inv, tmp_path / "out", "--model", "llama2-7b", "--global-batch-size", "8"],
+            "launch_torchrun.sh": [tmp_path / "hosts", plan],
+            "slurm/submit.sh": [plan]}[script]
+    (tmp_path / "hosts").write_text("h0 A100-SXM-80GB 8\n")
+    (tmp_path / "pretrain_gpt.py").write_text("")
+    proc = _run([REPO / "scripts" / script, *args], MH_PYTHON=str(fake),
+                MEGATRON_LM=str(tmp_path), MH_DRY_RUN="1")
+    assert proc.returncode == 1
+    assert f"{fake} cannot import megatron_hetero: set MH_PYTHON" in proc.stderr
+    assert "does not validate" not in proc.stderr
