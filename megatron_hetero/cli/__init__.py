@@ -70,7 +70,10 @@ def _add_profile(sub) -> None:
     p.add_argument("--tensor-parallel-sizes", default="1", metavar="LIST",
                    help="e.g. 1,2 (default 1); TP>1 starts that many processes")
     p.add_argument("--hidden-size", type=int, metavar="H",
-                   help="shrink the model to this width (for a CPU run)")
+                   help="shrink the model to this width (for a CPU run), as the rehearsal does: "
+                        "heads, FFN, vocabulary and sequence keep their ratio to the width "
+                        "(--seq-length and --vocab-size set the last two); it says what it "
+                        "profiles")
     p.add_argument("--vocab-size", type=int, metavar="V", help="override the vocabulary size")
     p.add_argument("-o", "--output", default="profile.yaml", metavar="FILE",
                    help="where to write the profile (default profile.yaml)")
