@@ -23,7 +23,7 @@ import pytest
 
 from megatron_hetero.plan import load_plan
 
-from .conftest import REPO
+from .conftest import MCORE017, REPO
 
 pytestmark = pytest.mark.slow  # builds a wheel
 
@@ -150,3 +150,16 @@ def test_launch_docs_give_the_cpu_flags_the_runtime_tests_pass():
         if i + 1 < len(base) and not base[i + 1].startswith("--"):
             assert given[j + 1] == base[i + 1], flag
     assert "pybind11" in doc
+
+
+def test_megatron_logs_its_first_iteration_without_resetting_the_loss_sums():
+    """Issue 32 A.10: the first loss a resumed run logs after the first line is the mean of two
+    iterations. docs/replan.md says it is Megatron-LM's `training_log` (which prints a run's first
+    iteration and keeps summing); this fails when the bundled Megatron-LM stops doing so."""
+    source = (MCORE017 / "megatron" / "training" / "training.py")
+    if not source.is_file():
+        pytest.skip(f"no megatron-core 0.17.1 at {MCORE017}")
+    text = source.read_text()
+    assert "should_reset = not is_first_iteration" in text
+    assert "if iteration % args.log_interval == 0 or is_first_iteration:" in text
+    assert "should_reset = not is_first_iteration" in (REPO / "docs/replan.md").read_text()
