@@ -104,6 +104,16 @@ def test_offload_megatron_refuses_is_refused_with_the_field_path(edits, path, ph
     assert main(["validate", str(bad)]) == 1
     err = one_line_error(capsys, "validate")
     assert f"{bad}: {path}: found" in err and phrase in err
+    # issue 32 (commands that disagree on one plan): args refuses it with the same line
+    assert main(["args", str(bad)]) == 1
+    assert one_line_error(capsys, "args") == err.replace("megatron-hetero validate:",
+                                                         "megatron-hetero args:")
+
+
+def test_args_of_a_plan_over_memory_still_prints(too_big, capsys):
+    """Memory is a prediction: validate and simulate refuse it, args does not."""
+    assert main(["args", str(too_big)]) == 0
+    assert capsys.readouterr().out.rstrip().endswith(f"--hetero-plan {too_big}")
 
 
 def _single_stage(tmp_path, stage: str):

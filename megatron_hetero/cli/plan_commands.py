@@ -45,6 +45,9 @@ def args_main(args: argparse.Namespace) -> int:
     plan = load_any_plan(args.plan, catalog=inventory.catalog if inventory else None)
     if inventory is not None:
         check_plan_gpus(plan, inventory, source=args.plan)
+    # what `validate` refuses, args refuses with the same line (memory aside: a prediction,
+    # which `validate` and `simulate` check)
+    validate_plan(plan, inventory, source=args.plan, memory_check=False)
     if args.one_per_line:
         listed = plan_megatron_args(plan, args.plan)
         print("\n".join(listed))
