@@ -49,5 +49,7 @@ def rehearse_main(args) -> int:
                   f"single-process run: {result.verify_message}")
             return 1
         print(f"verify: losses and final parameters match the single-process run "
-              f"(fp32, rtol 1e-5, atol 1e-5) over {config.steps} steps")
+              f"(fp32, rtol 1e-5, atol 1e-5) over {config.steps} steps, both trained with "
+              f"SGD (momentum 0.9): linear in the gradient, so rounding cannot grow into a "
+              f"difference as it can under Adam")
     return 0

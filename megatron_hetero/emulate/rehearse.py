@@ -64,7 +64,13 @@ from .report import RehearsalResult, format_report, stage_reports
 from .shrink import offload_min_numel, shrink_plan, without_module_inputs
 from .trainer import TrainConfig, compare_results, reference_plan, train_plan
 
-__all__ = ["RehearsalConfig", "rehearse", "train_and_verify", "format_report"]
+__all__ = ["RehearsalConfig", "rehearse", "train_and_verify", "format_report",
+           "VERIFY_OPTIMIZER"]
+
+VERIFY_OPTIMIZER = "sgd"
+"""The optimizer of a ``--verify`` rehearsal (Megatron's SGD, momentum 0.9): linear in the
+gradient, so the comparison with one process is decisive (the step's timing then holds SGD's
+optimizer step, not Adam's)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -177,7 +183,11 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
                        activation_scale=activation_scale(shrunk, calibration),
                        cpu_shards_optimizer=trainer_shards_optimizer(shrunk))
     say(f"running {config.steps} steps on {shrunk.world_size} CPU ranks")
+    # --verify trains with SGD: linear in the gradient, so a plan and one process agree to
+    # rounding, where Adam turns fp32 reduction-order noise (a TP group's) into parameter
+    # differences a bug could hide behind (issue 32 A.8)
     tconf = TrainConfig(steps=config.steps, seed=config.seed, gather_params=verify,
+                        optimizer=VERIFY_OPTIMIZER if verify else "adam",
                         eval_forward_only=verify, timeout_s=config.timeout_s,
                         offload_min_numel=offload_min_numel(plan, shrunk))
     metered = config.meter_memory or config.memory_cap
