@@ -23,7 +23,10 @@ import yaml
 from .errors import Described, SchemaError
 from .limits import check_quantity
 
-__all__ = ["from_data", "to_data", "read_yaml", "write_yaml"]
+__all__ = ["from_data", "to_data", "read_yaml", "write_yaml", "OMIT_DEFAULT"]
+
+OMIT_DEFAULT = {"omit_default": True}
+"""Field metadata: :func:`to_data` leaves the field out while it holds its default."""
 
 _YAML12_FLOAT = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)")
 """Exponent numbers without a dot, which YAML 1.2 reads as floats and PyYAML as strings."""
@@ -168,12 +171,16 @@ def from_data(cls: type, data: Any, *, source: str, path: str = "") -> Any:
 
 
 def to_data(obj: Any) -> Any:
-    """Plain data (dicts, lists, scalars) for ``obj``; fields equal to ``None`` are left out."""
+    """Plain data (dicts, lists, scalars) for ``obj``; fields equal to ``None`` are left out, as
+    are fields marked :data:`OMIT_DEFAULT` that hold their default (keys added to a format later:
+    files that do not use them are written as before)."""
     if dataclasses.is_dataclass(obj):
         out = {}
         for f in dataclasses.fields(obj):
             value = getattr(obj, f.name)
             if value is None or f.metadata.get("internal"):
+                continue
+            if f.metadata.get("omit_default") and value == f.default:
                 continue
             out[f.name] = to_data(value)
         return out

@@ -3,13 +3,19 @@ Llama-style decoder: FLOPs, parameter and activation bytes.
 
 Every figure is for one micro-batch of ``b`` sequences of ``s`` tokens, for the whole layer
 (divide by the tensor-parallel size where the text says so). Notation: ``h`` hidden size, ``f``
-FFN hidden size, ``a`` attention heads, ``g`` query groups, ``h_kv = h * g / a`` the key/value
-width, ``V`` the padded vocabulary, ``t`` the tensor-parallel size.
+FFN hidden size, ``a`` attention heads, ``g`` query groups, ``d`` the head size
+(``kv_channels``, by default ``h / a``), ``h_q = a * d`` the query width (``h`` by default),
+``h_kv = g * d`` the key/value width, ``V`` the padded vocabulary, ``t`` the tensor-parallel
+size.
 
 FLOPs (multiply-add = 2 FLOPs), forward of one layer::
 
-    QKV 2bsh(h + 2h_kv) + scores 2bs^2h + context 2bs^2h + projection 2bsh^2
+    QKV 2bsh(h_q + 2h_kv) + scores 2bs^2h_q + context 2bs^2h_q + projection 2bs h_q h
     + MLP 2bshf * (3 with SwiGLU, 2 without)
+
+Parameters: the QKV, projection and MLP weights, two norms, the biases where
+``add_bias_linear`` (every linear layer) or ``add_qkv_bias`` (QKV only) asks, and with
+``qk_layernorm`` a norm of ``d`` channels over each query and each key head.
 
 Backward is twice the forward. Attention is counted without the causal half (Megatron's and
 PaLM's MFU convention). The output layer costs 2bshV forward and 4bshV backward; the embedding
@@ -21,7 +27,7 @@ SwiGLU term by term; 16-bit activations, 1-byte dropout masks::
 
     replicated on every tensor rank: 2 LayerNorm inputs 4sbh, QKV input 2sbh, MLP input 2sbh,
                                      two dropout masks 2sbh                     -> 10sbh
-    sharded over t: Q 2sbh, K and V 4sb*h_kv, projection input 2sbh,
+    sharded over t: Q 2sb*h_q, K and V 4sb*h_kv, projection input 2sb*h_q,
                     MLP: SwiGLU input 4sbf + fc2 input 2sbf (GeLU: 2sbf + 2sbf)
     core attention (sharded): softmax 2as^2b + dropout mask as^2b + dropout out 2as^2b = 5as^2b
 
@@ -123,9 +129,10 @@ def shrink_model(m: ModelSpec, hidden_size: int, tp: int = 1) -> ModelSpec:
         raise HeteroError(f"--hidden-size {h}: no head count divides it into even head sizes "
                           f"and is divisible by the tensor-parallel size {tp}; use a multiple of "
                           f"{8 * tp}")
-    return dataclasses.replace(
+    return dataclasses.replace(  # heads h / heads wide: a kv_channels of the model is dropped
         m, name=f"{m.name}-shrunk-h{h}", hidden_size=h, num_attention_heads=heads,
-        num_query_groups=groups, ffn_hidden_size=_round_to(m.ffn_hidden_size * r, 8 * tp),
+        num_query_groups=groups, kv_channels=None,
+        ffn_hidden_size=_round_to(m.ffn_hidden_size * r, 8 * tp),
         vocab_size=_round_to(m.vocab_size * r, 16 * tp),
         seq_length=min(m.seq_length, max(16, _round_to(m.seq_length * r, 8))))
 
@@ -137,18 +144,24 @@ def padded_vocab_size(m: ModelSpec, tp: int = 1) -> int:
 
 
 def _kv(m: ModelSpec) -> int:
-    return m.hidden_size * m.num_query_groups // m.num_attention_heads
+    """``h_kv``: the key (or value) width."""
+    return m.num_query_groups * m.head_size
+
+
+def _q(m: ModelSpec) -> int:
+    """``h_q``: the query width (the hidden size unless ``kv_channels`` says otherwise)."""
+    return m.num_attention_heads * m.head_size
 
 
 def core_attention_forward_flops(m: ModelSpec, b: int) -> float:
     """Scores and context matmuls of one layer's forward (what selective recompute redoes)."""
-    return 4.0 * b * m.seq_length ** 2 * m.hidden_size
+    return 4.0 * b * m.seq_length ** 2 * _q(m)
 
 
 def layer_forward_flops(m: ModelSpec, b: int) -> float:
     """Forward FLOPs of one transformer layer for a micro-batch of ``b`` sequences."""
-    s, h, f = m.seq_length, m.hidden_size, m.ffn_hidden_size
-    linear = 2.0 * b * s * h * (h + 2 * _kv(m)) + 2.0 * b * s * h * h
+    s, h, f, q = m.seq_length, m.hidden_size, m.ffn_hidden_size, _q(m)
+    linear = 2.0 * b * s * h * (q + 2 * _kv(m)) + 2.0 * b * s * q * h
     mlp = 2.0 * b * s * h * f * (3 if m.swiglu else 2)
     return linear + mlp + core_attention_forward_flops(m, b)
 
@@ -166,11 +179,16 @@ def step_model_flops(m: ModelSpec, global_batch_size: int) -> float:
 
 def layer_params(m: ModelSpec) -> int:
     """Parameters of one transformer layer (weights, norms and biases)."""
-    h, f, kv = m.hidden_size, m.ffn_hidden_size, _kv(m)
-    n = h * (h + 2 * kv) + h * h + h * f * (3 if m.swiglu else 2)
-    n += 2 * h if m.normalization == "RMSNorm" else 4 * h
+    h, f, kv, q = m.hidden_size, m.ffn_hidden_size, _kv(m), _q(m)
+    per_norm = 1 if m.normalization == "RMSNorm" else 2  # weight (and bias)
+    n = h * (q + 2 * kv) + q * h + h * f * (3 if m.swiglu else 2)
+    n += 2 * per_norm * h
     if m.add_bias_linear:
-        n += (h + 2 * kv) + h + (2 * f if m.swiglu else f) + h
+        n += (q + 2 * kv) + h + (2 * f if m.swiglu else f) + h
+    elif m.add_qkv_bias:
+        n += q + 2 * kv
+    if m.qk_layernorm:
+        n += 2 * per_norm * m.head_size
     return n
 
 
@@ -207,7 +225,8 @@ def layer_activation_bytes(m: ModelSpec, b: int, tp: int, policy: Policy, *,
     sbh = s * b * h
     replicated = 10.0 * sbh / (tp if sequence_parallel else 1)
     mlp = (6.0 if m.swiglu else 4.0) * s * b * f
-    sharded = 2.0 * sbh + 4.0 * s * b * _kv(m) + 2.0 * sbh + mlp
+    sbq = s * b * _q(m)
+    sharded = 2.0 * sbq + 4.0 * s * b * _kv(m) + 2.0 * sbq + mlp
     total = replicated + sharded / tp
     if policy == "none" and not flash_attention:
         total += 5.0 * a * s * s * b / tp
@@ -219,11 +238,12 @@ def module_input_bytes(m: ModelSpec, b: int, tp: int, *, sequence_parallel: bool
     megatron-core's fine-grained activation offloading moves to the host when it offloads the
     inputs of ``attn_norm``, ``qkv_linear``, ``core_attn``, ``attn_proj`` and ``mlp_norm``:
     the two LayerNorm inputs and the QKV input (replicated, 6sbh; sharded with sequence
-    parallelism), Q, K and V and the projection input (sharded over t, 4sbh + 4sb*h_kv). The
+    parallelism), Q, K and V and the projection input (sharded over t, 4sb*h_q + 4sb*h_kv). The
     MLP's own activations and the dropout masks stay."""
     s, h = m.seq_length, m.hidden_size
     sbh = s * b * h
-    return 6.0 * sbh / (tp if sequence_parallel else 1) + (4.0 * sbh + 4.0 * s * b * _kv(m)) / tp
+    return 6.0 * sbh / (tp if sequence_parallel else 1) + (4.0 * s * b * _q(m)
+                                                           + 4.0 * s * b * _kv(m)) / tp
 
 
 def logits_bytes(m: ModelSpec, b: int, tp: int) -> float:

@@ -29,7 +29,8 @@ READABLE_VERSIONS = (1, 2)
 ``pipeline`` section)."""
 
 LAYER_SHAPE_FIELDS = ("hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-                      "seq_length", "swiglu", "normalization", "add_bias_linear")
+                      "seq_length", "swiglu", "normalization", "add_bias_linear", "add_qkv_bias",
+                      "kv_channels", "qk_layernorm")
 """ModelSpec fields that decide the cost of one transformer layer."""
 VOCAB_SHAPE_FIELDS = LAYER_SHAPE_FIELDS + ("vocab_size", "position_embedding_type")
 """ModelSpec fields that decide the cost of the embedding and of the output layer with its loss."""

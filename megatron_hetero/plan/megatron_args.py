@@ -135,6 +135,17 @@ def _model_args(m: ModelSpec) -> list[str]:
         args.append("--untie-embeddings-and-output-weights")
     if not m.add_bias_linear:
         args.append("--disable-bias-linear")
+    if m.add_qkv_bias:
+        args.append("--add-qkv-bias")
+    if m.kv_channels is not None:
+        args += ["--kv-channels", str(m.kv_channels)]
+    if m.qk_layernorm:
+        args.append("--qk-layernorm")
+    if m.position_embedding_type == "rope":
+        if m.rotary_base != 10000:
+            args += ["--rotary-base", str(m.rotary_base)]
+        if m.rotary_percent != 1.0:
+            args += ["--rotary-percent", f"{m.rotary_percent:g}"]
     return args
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from .._schema import OMIT_DEFAULT
 from ..errors import SchemaError
 from ..limits import check_model_sizes
 from .policy import Offload, Recompute
@@ -31,21 +32,46 @@ class ModelSpec:
     normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
     position_embedding_type: Literal["rope", "learned_absolute"] = "rope"
     untie_embeddings_and_output_weights: bool = True
+    """False: the output layer shares the input embedding's weights (tied embeddings)."""
     add_bias_linear: bool = False
+    add_qkv_bias: bool = field(default=False, metadata=OMIT_DEFAULT)
+    """A bias on the query, key and value projections only (Qwen2/2.5)."""
+    kv_channels: int | None = None
+    """Size of one attention head; None: ``hidden_size / num_attention_heads`` (Gemma sets
+    another)."""
+    qk_layernorm: bool = field(default=False, metadata=OMIT_DEFAULT)
+    """A norm over each query and key head (OLMo 2, Qwen3)."""
+    rotary_base: int = field(default=10000, metadata=OMIT_DEFAULT)
+    """Rotary position embedding's base (Mistral, Llama 3 and Qwen set larger ones)."""
+    rotary_percent: float = field(default=1.0, metadata=OMIT_DEFAULT)
+    """Fraction of each head's channels rotary embedding turns."""
 
     def __post_init__(self) -> None:
         check_model_sizes(self)
-        if self.hidden_size % self.num_attention_heads:
+        if self.kv_channels is not None and not 1 <= self.kv_channels <= self.hidden_size * 4:
+            raise SchemaError("", "kv_channels", self.kv_channels,
+                              f"a head size from 1 to {self.hidden_size * 4} (4 x hidden_size)")
+        if not 1 <= self.rotary_base <= 10**9:
+            raise SchemaError("", "rotary_base", self.rotary_base, "a base from 1 to 10^9")
+        if not 0 < self.rotary_percent <= 1:
+            raise SchemaError("", "rotary_percent", self.rotary_percent, "a fraction in (0, 1]")
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise SchemaError("", "hidden_size", self.hidden_size,
-                              f"a multiple of num_attention_heads ({self.num_attention_heads})")
-        head_dim = self.hidden_size // self.num_attention_heads
-        if self.position_embedding_type == "rope" and head_dim % 2:
-            raise SchemaError("", "hidden_size", self.hidden_size,
-                              f"an even size per attention head for rope (hidden_size / "
-                              f"num_attention_heads = {head_dim})")
+                              f"a multiple of num_attention_heads ({self.num_attention_heads}), "
+                              "or kv_channels given")
+        if self.position_embedding_type == "rope" and self.head_size % 2:
+            field_name = "kv_channels" if self.kv_channels is not None else "hidden_size"
+            raise SchemaError("", field_name, getattr(self, field_name),
+                              f"an even size per attention head for rope (head size "
+                              f"{self.head_size})")
         if self.num_attention_heads % self.num_query_groups:
             raise SchemaError("", "num_query_groups", self.num_query_groups,
                               f"a divisor of num_attention_heads ({self.num_attention_heads})")
+
+    @property
+    def head_size(self) -> int:
+        """Channels of one attention head (``kv_channels`` where set)."""
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
 
 @dataclass(kw_only=True, slots=True)
