@@ -8,12 +8,12 @@
 #
 #   scripts/gpu_bundle.sh [PYTHON_VERSION]       # then, on the GPU machine, docs/gpu.md's command
 #
-# MEGATRON_LM_GIT: a Megatron-LM git clone (default: the tests' mirror path).
+# MEGATRON_LM_GIT: a Megatron-LM git clone (required; docs/development.md).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 pyver=${1:-3.12}
-git_dir=${MEGATRON_LM_GIT:-/work/.mirror/NVIDIA+Megatron-LM/repo}
-[[ -d $git_dir ]] || { echo "gpu_bundle: no Megatron-LM git clone at $git_dir (set MEGATRON_LM_GIT)" >&2; exit 1; }
+git_dir=${MEGATRON_LM_GIT:-}
+[[ -n $git_dir && -d $git_dir ]] || { echo "gpu_bundle: set MEGATRON_LM_GIT to a Megatron-LM git clone (got '$git_dir')" >&2; exit 1; }
 exclude=$(git -C "$root" rev-parse --path-format=absolute --git-path info/exclude)
 grep -qx '/.gpu/' "$exclude" 2>/dev/null || { mkdir -p "$(dirname "$exclude")"; echo '/.gpu/' >> "$exclude"; }
 rm -rf "$root/.gpu" && mkdir -p "$root/.gpu/whl" "$root/.gpu/whl019" "$root/.gpu/Megatron-LM" \

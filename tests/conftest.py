@@ -20,6 +20,16 @@ MEGATRON_LM_TAGS = {"0.17": "core_v0.17.1", "0.19": "core_v0.19.0"}
 (``core_v0.19.0``'s pretrain_gpt.py is the same file as the ``core_r0.19.0`` branch's)."""
 
 
+def pytest_terminal_summary(terminalreporter):
+    """Say, even under -q, which scripts the launch tests ran (tests/runtime/launching.py)."""
+    git = os.environ.get("MEGATRON_LM_GIT")
+    terminalreporter.write_line("Megatron-LM: " + (
+        f"pretrain_gpt.py from MEGATRON_LM_GIT={git}" if git else
+        "MEGATRON_LM_GIT unset: Megatron's training loop from the megatron-core wheels with the "
+        "tests' providers (tests/runtime/data/train_tiny.py); tests of Megatron-LM's own "
+        "scripts skip"))
+
+
 def pytest_collection_modifyitems(config, items):
     try:
         import torch

@@ -3,16 +3,40 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
 
 import pytest
 
+from megatron_hetero._schema import read_yaml, write_yaml
+from megatron_hetero.cli import main as cli_main
+from megatron_hetero.hardware.inventory import inventory_from_data
+
 from .conftest import REPO
 
 
-def test_bench_tuner_quick():
+def _tuned_by_the_cli(scenario, tmp_path) -> dict:
+    """``tune --report`` and ``simulate --json`` of ``scenario`` (an examples/scenarios file)
+    through the command line: the report's figures, the GPUs and the simulated step."""
+    data = read_yaml(scenario)
+    inv, plan, report = (tmp_path / f"{scenario.stem}.{n}" for n in ("inv.yaml", "plan.yaml",
+                                                                     "json"))
+    write_yaml(data["inventory"], inv)
+    seq = ["--seq-length", str(data["seq_length"])] if data.get("seq_length") else []
+    assert cli_main(["tune", str(inv), "--model", str(data["model"]), *seq,
+                     "--global-batch-size", str(data["global_batch_size"]), "-q",
+                     "-o", str(plan), "--report", str(report)]) == 0
+    got = json.loads(report.read_text())
+    sim = tmp_path / f"{scenario.stem}.sim.json"
+    assert cli_main(["simulate", str(plan), "--inventory", str(inv), "--json", str(sim)]) == 0
+    got["simulated_s"] = json.loads(sim.read_text())["step_time_s"]
+    got["gpus"] = inventory_from_data(data["inventory"]).num_gpus
+    return got
+
+
+def test_bench_tuner_quick(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "scripts/bench_tuner.py"), "--quick"],
                           capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -24,9 +48,20 @@ def test_bench_tuner_quick():
     rows = [line.split() for line in lines[header + 2:]]
     rows = [r for r in rows if len(r) > 7 and r[1].isdigit()]
     assert rows, proc.stdout
+    quick = sorted(p.stem for p in (REPO / "examples/scenarios").glob("*.yaml")
+                   if read_yaml(p).get("quick"))
+    assert sorted(r[0] for r in rows) == quick, proc.stdout
     for row in rows:
         tuned, searched, baseline, bound = (float(x) for x in row[4:8])
         assert abs(float(row[8]) - baseline / tuned) < 0.01, row
+        # the figures are the scenario's as the command line tunes it: its report's tuned,
+        # baseline and bound seconds, and the simulate command's step for the plan it wrote
+        got = _tuned_by_the_cli(REPO / "examples/scenarios" / f"{row[0]}.yaml", tmp_path)
+        assert [tuned, baseline, bound] == pytest.approx(
+            [got["predicted_step_time_s"], got["baseline_step_time_s"],
+             got["upper_bound_step_time_s"]], abs=0.006), (row, got)
+        assert tuned == pytest.approx(got["simulated_s"], abs=0.006), (row, got)
+        assert int(row[1]) == got["gpus"], row
         # the local search on the simulator only ever keeps a faster plan
         assert tuned <= searched + 1e-9, row
         # The tuner never emits a plan slower than the baseline it reports, and no plan beats the
@@ -113,21 +148,48 @@ def test_bench_recovery_prints_every_part():
     assert size and int(size.group(1)) > 0, out
 
 
-@pytest.mark.slow
-def test_bench_mesh_rehearse_prints_both_plans(mcore017_env):
-    """Both mesh plans rehearse (2 steps, hidden 32, 4 CPU ranks each, one after the other) and
-    their row's ratio is measured over predicted."""
-    proc = subprocess.run([sys.executable, str(REPO / "scripts/bench_mesh_rehearse.py"), "--steps",
-                           "2", "--hidden-size", "32"], env=mcore017_env, capture_output=True,
-                          text=True, timeout=600, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = {r[0]: r for r in (line.split() for line in proc.stdout.splitlines())
+def test_bench_mesh_rehearse_rehearses_both_plans_and_prints_each_figure(monkeypatch, capsys):
+    """scripts/bench_mesh_rehearse.py without its two rehearsals (minutes on CPU ranks, and
+    tests/emulate/test_mesh_rehearse.py already rehearses a mesh plan against its prediction):
+    it rehearses the two plans its docstring names (fan-out: the meshes reversed, 14 layers on
+    the T4s' TP 2 mesh, 18 on the 3090s') with the command line's steps, time scale and hidden
+    size, memory metered not capped, and prints each figure of each result in its own column."""
+    from types import SimpleNamespace
+
+    from megatron_hetero.plan import load_any_plan
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import bench_mesh_rehearse as bench
+    finally:
+        sys.path.pop(0)
+    calls = []
+
+    def rehearse(plan, config, *, source):
+        calls.append((source, plan, config))
+        i = len(calls)  # distinct figures per plan and per column
+        return SimpleNamespace(predicted_step_s=1.0 * i, a_priori_step_s=2.0 * i, step_s=1.5 * i,
+                               ratio=0.75 * i, step_times=[1.25 * i, 1.5 * i])
+
+    monkeypatch.setattr(bench, "rehearse_mesh", rehearse)
+    monkeypatch.setattr(sys, "argv", ["bench_mesh_rehearse.py", "--steps", "3", "--time-scale",
+                                      "2", "--hidden-size", "32"])
+    bench.main()
+    rows = {r[0]: r for r in (line.split() for line in capsys.readouterr().out.splitlines())
             if r and r[0] in ("fan-in", "fan-out")}
-    assert set(rows) == {"fan-in", "fan-out"}, proc.stdout
-    for r in rows.values():
-        predicted, measured, ratio = float(r[1]), float(r[3]), float(r[4])
-        assert predicted > 0 and measured > 0
-        assert ratio == pytest.approx(measured / predicted, abs=0.006), r
+    # plan, predicted s, a priori s, measured s, ratio, the steps measured
+    assert rows["fan-in"][1:] == ["1.000", "2.000", "1.500", "0.75", "1.250,", "1.500"]
+    assert rows["fan-out"][1:] == ["2.000", "4.000", "3.000", "1.50", "2.500,", "3.000"]
+    assert [source for source, _, _ in calls] == ["fan-in", "fan-out"]
+    for _, _, config in calls:
+        assert (config.steps, config.time_scale, config.hidden_size, config.memory_cap) == \
+            (3, 2.0, 32, False)
+    fan_in, fan_out = calls[0][1], calls[1][1]
+    assert fan_in.to_data() == load_any_plan(REPO / "examples/meshes/rehearse-plan.yaml").to_data()
+    shape = [(m.device_type, m.layer_split, m.tensor_model_parallel_size) for m in fan_in.meshes]
+    assert shape == [("RTX3090-24GB", [14], 1), ("T4-16GB", [18], 2)]
+    assert [(m.device_type, m.layer_split, m.tensor_model_parallel_size)
+            for m in fan_out.meshes] == [("T4-16GB", [14], 2), ("RTX3090-24GB", [18], 1)]
 
 
 def test_gpu_evidence_table_in_the_docs_is_what_the_cost_model_predicts_now():

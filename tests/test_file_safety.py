@@ -120,6 +120,45 @@ def test_a_read_only_folder_is_refused(files, tmp_path, capsys):
     assert "not writable" in one_line_error(capsys, "tune")
 
 
+def test_a_read_only_mount_is_refused_as_root_too(files, tmp_path):
+    """The variant that runs as root (how CI runs), which writes through folder permissions:
+    the folder is a read-only mount, which root cannot write either, in a mount namespace of
+    its own (unshare) so that nothing outside the command sees it."""
+    import shutil
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("mounting needs root and unshare(1); test_a_read_only_folder_is_refused "
+                    "covers other users")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    tune = [sys.executable, "-m", "megatron_hetero.cli", "tune", str(tmp_path / "inv.yaml"),
+            *TUNE, "-o", str(ro / "p.yaml")]
+    proc = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                           f'mount -t tmpfs -o ro,size=1m tmpfs "{ro}" && exec "$@"', "sh",
+                           *tune], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("megatron-hetero tune: error:"), proc.stderr
+    assert "not writable" in lines[0]
+    assert list(ro.iterdir()) == []  # the mount went with its namespace
+
+
+def test_a_folder_the_access_check_refuses_is_refused(files, tmp_path, capsys, monkeypatch):
+    """The refusal rests on the operating system's access check, whoever runs it: a folder that
+    check calls unwritable (as it does for any user on a read-only mount) is refused."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: (
+        not (mode & os.W_OK) and real(path, mode, **kw)) if os.path.realpath(path) == str(
+            ro.resolve()) else real(path, mode, **kw))
+    assert main(["tune", str(tmp_path / "inv.yaml"), *TUNE, "-o", str(ro / "p.yaml")]) == 1
+    assert "not writable" in one_line_error(capsys, "tune")
+    assert list(ro.iterdir()) == []
+
+
 def test_outputs_remove_their_staged_files_on_any_exception(tmp_path):
     target = tmp_path / "a.yaml"
     target.write_text("old")

@@ -89,9 +89,9 @@ def _seeds(kind: str) -> tuple[str, ...]:
     return tuple(p.read_text() for p in LOADERS[kind][1]())
 
 
-def _load(kind: str, content: bytes | str) -> None:
-    """Load ``content`` with loader ``kind``: a valid object (:func:`_check_valid`) or a
-    HeteroError of one line, nothing else."""
+def _load(kind: str, content: bytes | str) -> bool:
+    """Load ``content`` with loader ``kind``: a valid object (:func:`_check_valid`; True) or a
+    HeteroError of one line (False), nothing else."""
     path = _DIR / f"{kind}.yaml"
     if isinstance(content, str):
         content = content.encode("utf-8", "surrogatepass")
@@ -100,8 +100,9 @@ def _load(kind: str, content: bytes | str) -> None:
         loaded = LOADERS[kind][0](path)
     except HeteroError as exc:
         assert "\n" not in str(exc), f"not one line: {exc}"
-        return
+        return False
     _check_valid(kind, loaded)
+    return True
 
 
 def _quantities_in_bounds(obj, where: str = "") -> None:
@@ -205,6 +206,24 @@ def _mutate(data, path, op, value):
     return data
 
 
+def _at(data, path):
+    for k in path:
+        data = data[k]
+    return data
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _nearby(value):
+    """Numbers a file could plausibly hold instead of ``value``: within a factor of 2, or 0 and
+    1 (mutations that loaders often accept, so that what they accept gets checked)."""
+    if isinstance(value, int):
+        return st.one_of(st.integers(max(value // 2, 0), max(value * 2, 2)), st.just(value + 1))
+    return st.floats(value / 2, value * 2) if value > 0 else st.sampled_from([0.0, 1.0])
+
+
 @st.composite
 def mutated_data(draw, kind):
     if kind == "hostfile":
@@ -212,8 +231,14 @@ def mutated_data(draw, kind):
     seed = yaml.safe_load(draw(st.sampled_from(_seeds(kind))))
     for _ in range(draw(st.integers(1, 3))):
         paths = list(_paths(seed))
+        op = draw(st.sampled_from(["replace", "replace", "delete", "wrap", "unknown", "nudge",
+                                   "nudge"]))
+        numbers = [p for p in paths if _is_number(_at(seed, p))]
+        if op == "nudge" and numbers:  # a plausible figure in place of another
+            path = draw(st.sampled_from(numbers))
+            seed = _mutate(seed, path, "replace", draw(_nearby(_at(seed, path))))
+            continue
         path = draw(st.sampled_from(paths))
-        op = draw(st.sampled_from(["replace", "replace", "delete", "wrap", "unknown"]))
         seed = _mutate(seed, path, op, draw(nasty))
     return yaml.safe_dump(seed, sort_keys=False, allow_unicode=draw(st.booleans()))
 
@@ -263,18 +288,31 @@ def test_random_documents(kind, data):
     _load(kind, yaml.safe_dump(data))
 
 
-@settings(FUZZ, max_examples=120)
-@given(st.data())
-def test_mutations_of_valid_documents(data):
-    kind = data.draw(kinds)
-    _load(kind, data.draw(mutated_data(kind)))
+def _mutations(mutated, counts: dict) -> None:
+    """120 examples of ``mutated`` (a strategy of a kind's documents); ``counts[kind]``: how
+    many each kind's loader accepted (and :func:`_check_valid` found valid)."""
+    @settings(FUZZ, max_examples=120)
+    @given(st.data())
+    def run(data):
+        kind = data.draw(kinds)
+        accepted = _load(kind, data.draw(mutated(kind)))
+        counts.setdefault(kind, [0, 0])[accepted] += 1
+    run()
 
 
-@settings(FUZZ, max_examples=120)
-@given(st.data())
-def test_text_mutations_of_valid_files(data):
-    kind = data.draw(kinds)
-    _load(kind, data.draw(mutated_text(kind)))
+def test_mutations_of_valid_documents():
+    """Mutated documents give one line or a valid object, and the validity check is reached:
+    of each kind some mutations are accepted (a fuzz that only ever saw refusals could not
+    catch a loader that accepts a wrong file)."""
+    counts = {}
+    _mutations(mutated_data, counts)
+    assert all(counts.get(kind, [0, 0])[True] > 0 for kind in LOADERS), counts
+
+
+def test_text_mutations_of_valid_files():
+    counts = {}
+    _mutations(mutated_text, counts)
+    assert all(counts.get(kind, [0, 0])[True] > 0 for kind in LOADERS), counts
 
 
 HOSTFILES = {

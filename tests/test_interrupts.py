@@ -178,21 +178,33 @@ def test_ctrl_c_while_validating(files, tmp_path):
     _interrupted(proc, "megatron-hetero validate")
 
 
-def test_ctrl_c_right_after_spawn(files, tmp_path):
-    """SIGINT as soon as the process exists. Where it lands depends on the machine: before
-    Python has installed its handler the process dies of the signal as any program does (no
-    output); inside Python's own start-up (``site``) Python prints its traceback, which names
-    none of the package's files; from the package's first line on it is one line and 130.
-    Whichever it was, no file changed."""
-    proc = _spawn(tmp_path, _tune(tmp_path))
+@pytest.mark.parametrize("hold_at, handled", [
+    ("megatron_hetero", False),  # the interpreter's start-up, before the package's first line
+    ("megatron_hetero.interrupts", False),  # the package's first line: the handler's module
+    ("megatron_hetero._version", True),  # the handler installed: the package's own answer
+])
+def test_ctrl_c_at_start_up_is_pythons_until_the_handler_then_one_line(hold_at, handled, files,
+                                                                       tmp_path):
+    """SIGINT at each moment of start-up, held there (not raced against the spawn): before the
+    package's handler is installed the process dies of the signal with Python's own traceback,
+    which names no file of the package but its first line (the import of the handler's
+    module); from the next import on it is one line and 130. Either way no file changed."""
+    proc = _spawn(tmp_path, _tune(tmp_path), HOLD_AT=hold_at)
+    assert proc.stderr.readline() == f"held at {hold_at}\n"
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
-    if proc.returncode == 130:
-        assert err in ("megatron-hetero: interrupted\n", "megatron-hetero tune: interrupted\n")
-    elif proc.returncode == -signal.SIGINT and not err:
-        pass
+    if handled:
+        assert proc.returncode == 130 and err == "megatron-hetero: interrupted\n", err
     else:
-        assert "KeyboardInterrupt" in err and f"{os.sep}megatron_hetero{os.sep}" not in err, err
+        assert proc.returncode == -signal.SIGINT, err
+        assert err.startswith("Traceback") and err.rstrip().endswith("KeyboardInterrupt"), err
+        package = [line.strip() for line in err.splitlines()
+                   if f"{os.sep}megatron_hetero{os.sep}" in line]
+        first = f'File "{REPO / "megatron_hetero" / "__init__.py"}", line'
+        assert all(line.startswith(first) for line in package), err
+        assert len(package) == (hold_at != "megatron_hetero"), err
+        if package:
+            assert "from . import interrupts" in err.split(package[0], 1)[1].splitlines()[1]
     _unchanged(files, tmp_path)
 
 

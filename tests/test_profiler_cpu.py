@@ -122,6 +122,37 @@ def test_idle_factor_measures_the_idle_penalty(tmp_path):
     assert abs(pen.backward_s) < 10 * entry.layer.backward_s * d.timing.layers
 
 
+def test_idle_penalty_is_the_cost_of_a_step_after_a_gap(monkeypatch):
+    """What the idle factor measures, on a clock of the test's own: a forward that follows a
+    sleep costs 0.3 s more than one right after other work, a backward 0.5 s more; the penalty
+    is exactly those, once per step, whatever the warm-up and repeats (the measured run above
+    can only bound it: a real machine's scatter gives either sign)."""
+    import torch
+
+    from megatron_hetero.profiler import parts
+
+    state = {"idle": False}
+    extra = {"forward": 0.3, "backward": 0.5}
+    weight = torch.ones(3, requires_grad=True)
+
+    def fwd():
+        return weight * 2.0
+
+    def timer(fn):
+        kind = "forward" if fn is fwd else "backward"
+        out = fn()
+        seconds = {"forward": 1.0, "backward": 2.0}[kind] + (extra[kind] if state["idle"] else 0)
+        state["idle"] = False
+        return seconds, out
+
+    monkeypatch.setattr(parts.time, "sleep", lambda s: state.__setitem__("idle", s > 0))
+    for warmup, repeats in ((0, 1), (1, 3)):
+        pen = parts.time_idle_penalty(fwd, timer, warmup, repeats, idle_factor=1.5)
+        assert (pen.forward_s, pen.backward_s) == (0.3, 0.5)
+    pen = parts.time_idle_penalty(fwd, timer, 1, 3, idle_factor=0.0)  # no gap, no penalty
+    assert (pen.forward_s, pen.backward_s) == (0.0, 0.0)
+
+
 def test_cost_model_uses_measured_figures(profiled):
     from megatron_hetero.cost.model import CostModel
     from megatron_hetero.hardware.inventory import load_inventory

@@ -17,7 +17,7 @@ from megatron_hetero.plan import load_plan, save_plan
 from megatron_hetero.placement.inventory import check_plan_against_inventory
 
 from .conftest import MCORE017
-from .runtime.launching import launch, logged_losses
+from .runtime.launching import launch, logged_losses, together
 from .runtime.plans import A100, V100, make_plan
 
 pytestmark = pytest.mark.slow
@@ -34,12 +34,17 @@ def saved(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("replan")
     plan = root / "plan-a.yaml"
     save_plan(make_plan(split=(1, 2), devices=[[A100, V100]], replicas=[(1, 4)]), plan)
-    (root / "run").mkdir()
-    results = launch(2, str(plan), root / "run", iters=4, timeout=400,
-                     extra=["--save", str(root / "ckpt"), "--save-interval", "2",
-                            "--exit-interval", "2", "--ckpt-format", "torch_dist"])
-    for code, out, _ in results:
+    (root / "run").mkdir(), (root / "uninterrupted").mkdir()
+    # beside it, plan A's 4 steps without the stop: what the resumed run must continue
+    results, whole = together(
+        lambda: launch(2, str(plan), root / "run", iters=4, timeout=400,
+                       extra=["--save", str(root / "ckpt"), "--save-interval", "2",
+                              "--exit-interval", "2", "--ckpt-format", "torch_dist"]),
+        lambda: launch(2, str(plan), root / "uninterrupted", iters=4, timeout=400))
+    for code, out, _ in results + whole:
         assert code == 0, out[-3000:]
+    (root / "uninterrupted-losses.txt").write_text(
+        " ".join(repr(x) for x in logged_losses(whole[-1][1])))
     return root
 
 
@@ -105,7 +110,7 @@ def test_replan_writes_plan_b_that_fits_the_new_pool_and_prints_the_restart(work
     assert f"scripts/slurm/submit.sh {work / 'plan-b.yaml'} --inventory {work / 'inv.yaml'}" in out
 
 
-def test_plan_b_resumes_the_checkpoint(work, capsys):
+def test_plan_b_resumes_the_checkpoint(saved, work, capsys):
     """The restart the command prints (here through the launch module on CPU ranks) loads the
     checkpoint under plan B and trains on from iteration 2."""
     (work / "inv.yaml").write_text("groups:\n  - {gpu: A100-SXM-80GB, nodes: 1, gpus_per_node: 1}\n")
@@ -118,6 +123,32 @@ def test_plan_b_resumes_the_checkpoint(work, capsys):
     assert code == 0, out[-3000:]
     assert "successfully loaded checkpoint" in out and "at iteration 2" in out
     assert "consumed samples:           16" in out and len(logged_losses(out)) == 2
+    # step 3 under plan B is plan A's uninterrupted step 3: the weights after step 2 and the
+    # data position carried across the change of plan (step 4: the test below)
+    whole = _uninterrupted(saved)
+    assert logged_losses(out)[0] == pytest.approx(whole[2], rel=1e-5)
+
+
+def _uninterrupted(saved: Path) -> list[float]:
+    """Plan A's 4 logged losses without the stop at step 2 (the ``saved`` fixture)."""
+    whole = [float(x) for x in (saved / "uninterrupted-losses.txt").read_text().split()]
+    assert len(whole) == 4
+    return whole
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "a resume with Adam without the distributed optimizer (plan A's and B's) departs from the "
+    "uninterrupted run at the first step after it: step 4 is 4.858227 resumed, 4.859939 "
+    "uninterrupted (relative 3.5e-4; the same under plan A itself and with "
+    "--dist-ckpt-optim-fully-reshardable): the optimizer state does not resume exactly"))
+def test_plan_b_continues_the_uninterrupted_run_after_its_first_update(saved, work, capsys):
+    (work / "inv.yaml").write_text("groups:\n  - {gpu: A100-SXM-80GB, nodes: 1, gpus_per_node: 1}\n")
+    assert main(_replan(work)) == 0
+    (work / "run").mkdir()
+    [(code, out, _)] = launch(1, str(work / "plan-b.yaml"), work / "run", iters=4, timeout=400,
+                              extra=["--load", str(work / "ckpt"), "--ckpt-format", "torch_dist"])
+    assert code == 0, out[-3000:]
+    assert logged_losses(out) == pytest.approx(_uninterrupted(saved)[2:], rel=1e-5)
     assert sorted(i for batch in log["indices"] for i in batch) == list(range(8, 16))
 
 

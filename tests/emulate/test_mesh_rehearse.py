@@ -7,6 +7,7 @@ the prediction, median of 3 rehearsals; scripts/bench_mesh_rehearse.py prints th
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -98,13 +99,21 @@ def test_mesh_plan_rehearses_and_verifies(mcore017_env):
     assert "verify: losses and final parameters match" in text
 
 
+A_PRIORI_BOUND = 4.0
+"""Measured over a-priori step time, median of 3 rehearsals: within [1/4, 4]. The a-priori
+prediction misses the CPU drift of 4 ranks sharing the cores: 2.02, 2.17 and 3.11 measured on
+the 2-core machine shared with other test runs (2026-11-27), where the refitted prediction met
+its 10%; a prediction off by a unit or a missing time scale is off by more than 4x."""
+
+
 @pytest.mark.slow
 def test_mesh_rehearsal_meets_its_prediction(mcore017_env):
     """``examples/meshes/rehearse-plan.yaml`` (3090s TP1 x DP2 -> T4s TP2 x DP1: a fan-in
     bridge and a TP broadcast) rehearsed 3 times: the median of measured / predicted is within
-    10% (issue 15, item 5). A shared, loaded machine misses it (docs/meshes.md, "Rehearsal of
+    10% (issue 15, item 5), and of measured / the a-priori prediction (made from the start-up
+    calibration before the run) within :data:`A_PRIORI_BOUND`. A shared, loaded machine misses it (docs/meshes.md, "Rehearsal of
     a mesh plan": gloo's messages then wait milliseconds for a core each)."""
-    ratios = []
+    ratios, a_priori = [], []
     for _ in range(3):
         out = subprocess.run([sys.executable, "-m", "megatron_hetero.cli", "rehearse", str(PLAN),
                               "--steps", "4", "--hidden-size", "64", "--no-memory-cap"],
@@ -113,7 +122,13 @@ def test_mesh_rehearsal_meets_its_prediction(mcore017_env):
         assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-2000:]
         line = next(x for x in out.stdout.splitlines() if x.startswith("step time: measured"))
         ratios.append(float(line.rsplit("measured/predicted", 1)[1].split()[0]))
+        measured = float(line.split("step time: measured", 1)[1].split()[0])
+        before = re.search(r"from that calibration alone the prediction is ([\d.]+) s", out.stdout)
+        a_priori.append(measured / float(before.group(1)))
     assert sorted(ratios)[1] == pytest.approx(1.0, abs=0.1), ratios
+    # the prediction made before the run (start-up calibration only, not rescaled by the run's
+    # own CPU time): within A_PRIORI_BOUND of the measured step, median of 3
+    assert 1 / A_PRIORI_BOUND <= sorted(a_priori)[1] <= A_PRIORI_BOUND, a_priori
 
 
 @pytest.mark.slow

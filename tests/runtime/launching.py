@@ -16,12 +16,13 @@ from ..conftest import MEGATRON_LM_TAGS, STACKS
 REPO = Path(__file__).resolve().parents[2]
 TRAIN_SCRIPT = Path(__file__).with_name("data") / "train_tiny.py"
 MCORE017 = Path(sys.prefix) / "mcore017"
-MEGATRON_GIT = Path(os.environ.get("MEGATRON_LM_GIT", "/work/.mirror/NVIDIA+Megatron-LM/repo"))
+MEGATRON_GIT = Path(os.environ["MEGATRON_LM_GIT"]) if os.environ.get("MEGATRON_LM_GIT") else None
+"""A Megatron-LM git clone, given only by ``$MEGATRON_LM_GIT`` (docs/development.md); None
+without it. A variable that names no git clone fails the tests that read it (git's error)."""
 RECORDING_SCRIPT = Path(__file__).with_name("data") / "pretrain_gpt_recording.py"
 
 needs_megatron_git = pytest.mark.skipif(
-    not MEGATRON_GIT.is_dir(),
-    reason=f"no Megatron-LM git clone at {MEGATRON_GIT} (set MEGATRON_LM_GIT)")
+    MEGATRON_GIT is None, reason="needs a Megatron-LM git clone: set MEGATRON_LM_GIT")
 
 # Megatron arguments the tiny script needs on CPU; the plan supplies the model and batches.
 BASE_ARGS = [
@@ -58,6 +59,28 @@ def megatron_lm_checkout(tmp_path, stack: str = "0.17") -> Path:
     shutil.copy(RECORDING_SCRIPT, checkout / RECORDING_SCRIPT.name)
     shutil.copy(RECORDING_SCRIPT.with_name("recording.py"), checkout / "recording.py")
     return checkout
+
+
+def training_script(root: Path, stack: str = "0.17") -> tuple[Path, list[str], str]:
+    """The script Megatron's training loop runs from, its base arguments and what it is, in
+    words: with ``$MEGATRON_LM_GIT``, Megatron-LM's own ``pretrain_gpt.py`` (its release of
+    ``stack``, through the recording wrapper, mock data); without it, ``data/train_tiny.py``:
+    ``megatron.training.pretrain`` of the megatron-core wheel of ``stack`` with the tests' own
+    model and data providers. Tests name the choice with :func:`name_training_script`."""
+    if MEGATRON_GIT is not None:
+        return (megatron_lm_checkout(root, stack) / RECORDING_SCRIPT.name, PRETRAIN_GPT_ARGS,
+                f"Megatron-LM {MEGATRON_LM_TAGS[stack]} pretrain_gpt.py from $MEGATRON_LM_GIT "
+                f"({MEGATRON_GIT}), megatron-core {stack}")
+    return (TRAIN_SCRIPT, BASE_ARGS,
+            f"tests/runtime/data/train_tiny.py (the tests' providers; megatron.training of the "
+            f"megatron-core {stack} wheel; no MEGATRON_LM_GIT)")
+
+
+def name_training_script(request, what: str) -> None:
+    """Say in the test's output which script ran: a ``training_script`` property (junit XML)
+    and a printed line (``pytest -rA`` shows it under the test)."""
+    request.node.user_properties.append(("training_script", what))
+    print("training script:", what)
 
 
 # The baseline without the plugin: the same CPU preparation, no hooks, the plan's arguments

@@ -44,8 +44,7 @@ import pytest
 
 from megatron_hetero.plan import save_plan
 
-from .launching import (BASE_ARGS, MEGATRON_GIT, PRETRAIN_GPT_ARGS, RECORDING_SCRIPT, TRAIN_SCRIPT,
-                        launch, megatron_lm_checkout)
+from .launching import launch, name_training_script, training_script
 from .plans import A100, V100, make_plan
 
 pytestmark = pytest.mark.slow
@@ -85,16 +84,19 @@ def _runs(root: Path) -> list[tuple[str, str, list[str]]]:
     ]
 
 
+@pytest.fixture
+def chain(chain_runs, request):
+    """:func:`chain_runs`, the script that ran named in each test's output."""
+    name_training_script(request, chain_runs["script"])
+    return chain_runs
+
+
 @pytest.fixture(scope="module")
-def chain(tmp_path_factory):
-    """Every run's per-rank records (``{run: [record per launcher rank]}``), its wall time and
-    the checkpoint directories."""
+def chain_runs(tmp_path_factory):
+    """Every run's per-rank records (``{run: [record per launcher rank]}``), its wall time, the
+    checkpoint directories and the training script (:func:`.launching.training_script`)."""
     root = tmp_path_factory.mktemp("chain")
-    if MEGATRON_GIT.is_dir():
-        script, base_args = megatron_lm_checkout(root) / RECORDING_SCRIPT.name, PRETRAIN_GPT_ARGS
-    else:
-        script, base_args = TRAIN_SCRIPT, BASE_ARGS
-    print("training script:", script)
+    script, base_args, what = training_script(root)
     for name, (_, plan) in PLANS.items():
         save_plan(plan, root / f"{name}.yaml")
     records, walls = {}, {}
@@ -113,7 +115,7 @@ def chain(tmp_path_factory):
             assert code == 0, f"{run}: {out[-3000:]}"
         records[run] = [json.loads((work / f"samples.{r}").read_text()) for r in range(nproc)]
     print("wall time per run (s):", {k: round(v, 1) for k, v in walls.items()})
-    return {"records": records, "root": root, "walls": walls}
+    return {"records": records, "root": root, "walls": walls, "script": what}
 
 
 def _steps(records) -> dict[int, tuple[float, float]]:

@@ -51,8 +51,7 @@ import pytest
 from megatron_hetero.plan import save_any_plan, save_plan
 
 from ..conftest import STACKS
-from .launching import (BASE_ARGS, MEGATRON_GIT, PRETRAIN_GPT_ARGS, RECORDING_SCRIPT, TRAIN_SCRIPT,
-                        launch, megatron_lm_checkout)
+from .launching import launch, name_training_script, training_script
 from .plans import A100, V100, make_mesh_plan, make_plan
 from .test_checkpoint_resume import CHECKPOINT_ARGS, _assert_same_state, _close, _steps, _tensors
 
@@ -109,8 +108,18 @@ def _runs(root: Path, names: list[str]):
     return runs
 
 
+@pytest.fixture
+def chains(mesh_chains, request):
+    """:func:`mesh_chains`, the script that ran named in the test's output."""
+    def chain(stack: str) -> dict:
+        done = mesh_chains(stack)
+        name_training_script(request, done["what"])
+        return done
+    return chain
+
+
 @pytest.fixture(scope="module")
-def chains(tmp_path_factory):
+def mesh_chains(tmp_path_factory):
     """``chain(stack)``: the records of :data:`MESH_RUNS` ``[stack]``'s chain, run once."""
     done = {}
 
@@ -122,12 +131,7 @@ def chains(tmp_path_factory):
 
 
 def _chain(root: Path, stack: str) -> dict:
-    if MEGATRON_GIT.is_dir():
-        script, base_args = (megatron_lm_checkout(root, stack) / RECORDING_SCRIPT.name,
-                             PRETRAIN_GPT_ARGS)
-    else:
-        script, base_args = TRAIN_SCRIPT, BASE_ARGS
-    print("training script:", script)
+    script, base_args, what = training_script(root, stack)
     for ref in ("ref", "ref-plain"):
         save_plan(make_plan(split=(4,), replicas=[(2, 2)],
                             distributed_optimizer=ref not in PLAIN), root / f"{ref}.yaml")
@@ -166,7 +170,7 @@ def _chain(root: Path, stack: str) -> dict:
     for args in runs[refs:]:
         run_one(*args)
     print("wall time per run (s):", {k: round(v, 1) for k, v in walls.items()})
-    return {"records": records, "root": root, "script": script}
+    return {"records": records, "root": root, "script": script, "what": what}
 
 
 def _by_rank(records: list) -> list:

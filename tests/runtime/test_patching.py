@@ -13,13 +13,11 @@ import pytest
 from megatron_hetero.cli import main as cli_main
 from megatron_hetero.runtime.patching import MARKER, PATCHES_DIR
 
-MEGATRON_GIT = Path(os.environ.get("MEGATRON_LM_GIT", "/work/.mirror/NVIDIA+Megatron-LM/repo"))
+from .launching import MEGATRON_GIT, needs_megatron_git
+
 LINES = sorted(p.parent.name for p in PATCHES_DIR.glob("*/pretrain_gpt.patch"))
 REFS = {"core_r0.16": "core_v0.16.1", "core_r0.17": "core_v0.17.1", "core_r0.18": "core_v0.18.2",
         "core_r0.19": "core_v0.19.0", "main": "main"}
-needs_megatron_git = pytest.mark.skipif(
-    not MEGATRON_GIT.is_dir(),
-    reason=f"no Megatron-LM git clone at {MEGATRON_GIT} (set MEGATRON_LM_GIT)")
 
 
 def _old_side(patch: Path) -> str:

@@ -149,8 +149,8 @@ def test_slurm_trains_tiny_megatron_on_cpu_backend(slurm_cluster, tmp_path, mcor
     """The batch script runs `python -m megatron_hetero.launch` on a pretrain_gpt.py-style script
     (megatron.training 0.17.1, CPU backend) for 2 steps with a 4-rank PP=2 x DP=2 plan whose
     replicas run 3 and 1 micro-batches and mix GPU types: every rank plays a slot of its device
-    type, and the losses are finite."""
-    from tests.runtime.launching import BASE_ARGS, TRAIN_SCRIPT, logged_losses
+    type, and the losses are those of one replica running all 4 micro-batches."""
+    from tests.runtime.launching import BASE_ARGS, TRAIN_SCRIPT, launch, logged_losses
     from tests.runtime.plans import make_plan
 
     from megatron_hetero.plan import save_plan
@@ -178,3 +178,12 @@ def test_slurm_trains_tiny_megatron_on_cpu_backend(slurm_cluster, tmp_path, mcor
     assert launchers == set(range(plan.world_size)) and moved > 0
     losses = logged_losses(log)
     assert len(losses) == 2 and all(math.isfinite(x) and x > 0 for x in losses), log[-4000:]
+    # the same stages with one replica running all 4 micro-batches, launched here on 2 local
+    # ranks: the job trained exactly as it (every sample once, in its step, on the plan's
+    # stages), not merely to some finite loss
+    one = make_plan(split=(1, 1), devices=[[A100, V100]], replicas=[(1, 4)])
+    save_plan(one, tmp_path / "one.yaml")
+    (tmp_path / "one").mkdir()
+    ref = launch(2, str(tmp_path / "one.yaml"), tmp_path / "one", timeout=400)
+    assert all(code == 0 for code, _, _ in ref), ref[-1][1][-3000:]
+    assert losses == pytest.approx(logged_losses(ref[-1][1]), rel=1e-5)

@@ -16,6 +16,7 @@ from megatron_hetero.plan import ModelSpec, plan_from_data
 from megatron_hetero.placement.inventory import check_plan_against_inventory
 from megatron_hetero.sim.step import simulate
 from megatron_hetero.tuner import tune
+from megatron_hetero.tuner.validation import validate_plan
 
 GPUS = ["H100-SXM-80GB", "A100-SXM-40GB", "V100-SXM2-32GB", "RTX4090-24GB", "A40-48GB", "T4-16GB"]
 
@@ -49,6 +50,16 @@ def _check_emitted(result, inventory, model, gbs):
             assert mem.total <= mem.capacity, (d, s, mem)
     sim = simulate(plan, cost, record_events=False)
     assert sim.step_time_s == pytest.approx(result.sim.step_time_s)
+    # validate --inventory's every check (what the command runs) accepts it
+    validate_plan(again, inventory, source="tuned")
+    # no stage finishes its micro-batches' forwards and backwards faster than the cost model
+    # prices them one after another: a step that drops work (a micro-batch, a backward, a
+    # recompute) is shorter than this
+    for d, pipe in enumerate(plan.pipelines):
+        for s in range(plan.pipeline_model_parallel_size):
+            work = pipe.num_microbatches * cost.stage_times(plan, d, s).total_s
+            assert sim.step_time_s >= work * (1 - 1e-9), (d, s, sim.step_time_s, work)
+            assert sim.stage(d, s).busy_s >= work * (1 - 1e-9), (d, s)
     # host RAM too, where the inventory gives it
     assert sim.fits_memory
     assert all(h.used_bytes <= h.capacity_bytes for h in sim.host_nodes)
