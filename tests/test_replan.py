@@ -136,19 +136,19 @@ def _uninterrupted(saved: Path) -> list[float]:
     return whole
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a resume with Adam without the distributed optimizer (plan A's and B's) departs from the "
-    "uninterrupted run at the first step after it: step 4 is 4.858227 resumed, 4.859939 "
-    "uninterrupted (relative 3.5e-4; the same under plan A itself and with "
-    "--dist-ckpt-optim-fully-reshardable): the optimizer state does not resume exactly"))
 def test_plan_b_continues_the_uninterrupted_run_after_its_first_update(saved, work, capsys):
+    """Steps 3 and 4 under plan B are plan A's uninterrupted steps 3 and 4: the weights, the
+    optimizer state and the data position carried across the change of plan."""
     (work / "inv.yaml").write_text("groups:\n  - {gpu: A100-SXM-80GB, nodes: 1, gpus_per_node: 1}\n")
     assert main(_replan(work)) == 0
     (work / "run").mkdir()
-    [(code, out, _)] = launch(1, str(work / "plan-b.yaml"), work / "run", iters=4, timeout=400,
-                              extra=["--load", str(work / "ckpt"), "--ckpt-format", "torch_dist"])
+    [(code, out, log)] = launch(1, str(work / "plan-b.yaml"), work / "run", iters=4, timeout=400,
+                                extra=["--load", str(work / "ckpt"), "--ckpt-format", "torch_dist"])
     assert code == 0, out[-3000:]
-    assert logged_losses(out) == pytest.approx(_uninterrupted(saved)[2:], rel=1e-5)
+    step3, mean34 = logged_losses(out)
+    # Megatron's training_log does not reset its sums at a run's first iteration: the second
+    # line after a resume is the mean of steps 3 and 4 (docs/replan.md)
+    assert [step3, 2 * mean34 - step3] == pytest.approx(_uninterrupted(saved)[2:], rel=1e-5)
     assert sorted(i for batch in log["indices"] for i in batch) == list(range(8, 16))
 
 
