@@ -11,7 +11,7 @@ Plans (4 CPU ranks each, Llama-2 7B's 32 layers shrunk in width):
 Neither fits its cards' memory (Llama-2 7B on four 16-24 GB cards without the distributed
 optimizer): memory is metered, not capped.
 
-For each it prints the predicted step (the cost model and ``simulate_mesh`` on the emulated
+For each it prints the predicted step (the cost model and the simulator (``sim.step.simulate``) on the emulated
 cluster, compute rescaled by the CPU time the ranks measured), the prediction from the
 start-up calibration alone, the measured median of the reported steps and measured/predicted.
 Must run under megatron-core 0.17.1:

@@ -9,7 +9,7 @@ import os
 import sys
 
 from ..hardware.inventory import load_inventory
-from ..placement.mesh_inventory import check_against_inventory
+from ..placement.inventory import check_against_inventory
 from ..plan import load_any_plan
 from ..emulate.mesh_rehearse import format_mesh_report, rehearse_mesh
 from ..emulate.rehearse import RehearsalConfig, rehearse

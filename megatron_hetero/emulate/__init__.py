@@ -11,7 +11,7 @@
   each rank runs around the trainer), :mod:`.links` (link emulation: pipeline messages take the
   time of their link in the inventory) and :mod:`.report` (per-stage results and the printout).
 - :mod:`.mesh_trainer`: ``train_mesh_plan(plan)`` / ``train_mesh_rank``, the mini trainer of a
-  mesh plan (format 2), and :mod:`.mesh_rehearse`, its rehearsal against ``simulate_mesh``.
+  mesh plan (format 2), and :mod:`.mesh_rehearse`, its rehearsal against the simulator.
 
 megatron-core's objects, the CPU backend and the gloo process spawner come from
 :mod:`megatron_hetero.mcore`. Importing this package imports neither torch nor megatron; the

@@ -13,7 +13,7 @@ one CPU process per plan rank, each playing its mesh's GPU type.
    and capped at its device's memory scaled with the model (:func:`.memory.memory_caps`, the
    cost model's memory of the rank's mesh stage); the first step is a warm-up.
 5. *Predict* the same emulated cluster with the cost model and the mesh simulator
-   (:func:`megatron_hetero.sim.mesh.simulate_mesh`), the calibrated compute rescaled by the
+   (:func:`megatron_hetero.sim.step.simulate`), the calibrated compute rescaled by the
    CPU time the ranks measured (:mod:`.drift`), and report both.
 
 Not rehearsed on mesh plans (yet): link emulation.
@@ -134,7 +134,7 @@ def predict_mesh(shrunk: Plan, calibration, factors: dict[str, float], *,
     (:func:`.prediction.emulated_cluster`: each device type the calibrated CPU over its factor,
     gloo between them) for ``shrunk`` as the CPU ranks run it (fp32). Returns a ``SimResult``."""
     from ..cost.model import CostModel
-    from ..sim.mesh import simulate_mesh
+    from ..sim.step import simulate
 
     inventory, profiles, options = emulated_cluster(dict(shrunk.device_counts()), calibration,
                                                     factors)
@@ -145,7 +145,7 @@ def predict_mesh(shrunk: Plan, calibration, factors: dict[str, float], *,
     emu = mesh_plan_from_data(data, source="<emulated plan>", catalog=inventory.catalog)
     cost = CostModel(emu.model, inventory, profiles=profiles, precision="fp32",
                      use_distributed_optimizer=distributed_optimizer, **options)
-    return simulate_mesh(emu, cost, record_events=False)
+    return simulate(emu, cost, record_events=False)
 
 
 def _device_slowdowns(plan: Plan, catalog: Catalog) -> dict[str, float]:

@@ -7,12 +7,11 @@ from __future__ import annotations
 from ..cost import CostModel
 from ..errors import SchemaError
 from ..hardware.inventory import Inventory
-from ..placement.inventory import check_plan_vendors
-from ..placement.mesh_inventory import check_against_inventory
+from ..placement.inventory import check_against_inventory, check_plan_vendors
 from ..plan import Plan
 from ..plan.checks import check_offload
 from ..sim.fits import check_fits
-from ..sim.plan import simulate_plan
+from ..sim.step import simulate
 
 __all__ = ["validate_plan", "check_memory"]
 
@@ -42,5 +41,5 @@ def check_memory(plan: Plan, inventory: Inventory, *, source: str) -> None:
     it."""
     cost = CostModel(plan.model, inventory, precision=plan.precision,
                      use_distributed_optimizer=plan.use_distributed_optimizer)
-    check_fits(plan, simulate_plan(plan, cost, record_events=False), source=source,
+    check_fits(plan, simulate(plan, cost, record_events=False), source=source,
                skip_hint="--no-memory-check skips this check")
