@@ -112,18 +112,21 @@ def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True,
     runs = [_run_path(plan, cost, placement, times_of[rep[d]], d, rep[d], cache, record_events,
                       lockstep, None if d not in pipeline_sends else tuple(pipeline_sends[d]))
             for d in range(paths)]
-    path_of = [0 if lockstep else r for r in range(max(m.data_parallel_size for m in meshes))]
+    # per replica index: its path's run and representative (every mesh has ``paths``
+    # replicas unless the paths run in lockstep)
+    most = max(m.data_parallel_size for m in meshes)
+    run_of, rep_of = (runs * most, rep * most) if lockstep else (runs, rep)
     replicas = [meshes[k].data_parallel_size for k, _ in index]  # per stage
     events: list[Event] = []
     stage_end: list[list[float]] = []
     sync_of: list[list[float]] = []
     for s, (k, j) in enumerate(index):
         D, pipes = replicas[s], meshes[k].pipelines
-        shape = shapes[rep[path_of[0]]][s]
+        shape = shapes[rep_of[0]][s]
         bw = placement.dp_bandwidth(k, j)
         comm = cost.dp_sync_seconds(cost.stage_params(shape), D, bw)
         staged = record_events and placement.dp_host_staged(k, j)
-        mine = [runs[path_of[r]] for r in range(D)]
+        mine = run_of if D == len(run_of) else run_of[:D]
         finish = max(run[0][s] for run in mine)
         if plan.overlap_grad_reduce or cost.overlap_grad_reduce:
             # each model chunk's buckets go once its last backward starts on every replica,
@@ -147,7 +150,7 @@ def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True,
             key = (st.device_type, st.offload.optimizer_fraction)
             opt = opts.get(key)
             if opt is None:
-                opt = opts[key] = cost.optimizer_seconds(shapes[rep[path_of[d]]][s])
+                opt = opts[key] = cost.optimizer_seconds(shapes[rep_of[d]][s])
             ends[d] = sync_end + opt
             syncs[d] = (sync_end - max(start, mine[d][0][s])) + opt
             if record_events:
@@ -160,33 +163,33 @@ def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True,
     step = max(max(row) for row in stage_end)
     fits = all(mem.fits for row in memory_of.values() for mem in row)
     if record_events:
-        for d in range(len(path_of)):
-            evs = runs[path_of[d]][3]
+        for d in range(most):
+            evs = run_of[d][3]
             if lockstep:  # the replica's own stages: meshes with more than d replicas
                 evs = [ev for ev in evs if d < replicas[ev[0]]]
             events.extend(Event(d, *ev) for ev in evs)
             events.extend(_host_sends(plan, cost, placement, d, evs, pipeline_sends.get(d)))
     stages: list[StageResult] = []
-    for d, s in _result_order(plan, replicas):
-        k, j = index[s]
-        finish, busy = runs[path_of[d]][0], runs[path_of[d]][1]
-        r = rep[path_of[d]]
-        bubble = finish[s] - busy[s]
-        stages.append(StageResult(
-            pipeline=d, stage=s, device_type=meshes[k].pipelines[d].stages[j].device_type,
-            num_layers=meshes[k].pipelines[d].stages[j].num_layers, forward_s=sums[r][s][0],
-            backward_s=sums[r][s][1], busy_s=busy[s], bubble_s=bubble, sync_s=sync_of[s][d],
-            idle_s=max(0.0, step - busy[s] - bubble - sync_of[s][d]), memory=memory_of[r][s]))
+    for d in range(most):
+        finish, busy = run_of[d][0], run_of[d][1]
+        sum_of, mem_of = sums[rep_of[d]], memory_of[rep_of[d]]
+        s = 0
+        for mesh in meshes:
+            if d >= mesh.data_parallel_size:
+                s += mesh.num_stages
+                continue
+            for st in mesh.pipelines[d].stages:
+                bubble, sync = finish[s] - busy[s], sync_of[s][d]
+                stages.append(StageResult(
+                    pipeline=d, stage=s, device_type=st.device_type, num_layers=st.num_layers,
+                    forward_s=sum_of[s][0], backward_s=sum_of[s][1], busy_s=busy[s],
+                    bubble_s=bubble, sync_s=sync, idle_s=max(0.0, step - busy[s] - bubble - sync),
+                    memory=mem_of[s]))
+                s += 1
+    if not plan.one_grid:  # stage by stage: a chain's replicas per stage differ
+        stages.sort(key=lambda x: (x.stage, x.pipeline))
     return step_result(plan, cost, step=step, stages=stages, events=events,
                        hosts=host_memory(plan, cost, placement), fits=fits)
-
-
-def _result_order(plan: Plan, replicas: list[int]) -> list[tuple[int, int]]:
-    """(replica, stage) of every stage result: pipeline by pipeline for one grid (format 1's
-    order); stage by stage for a chain of meshes, whose replicas per stage differ."""
-    if plan.one_grid:
-        return [(d, s) for d in range(replicas[0]) for s in range(len(replicas))]
-    return [(d, s) for s, n in enumerate(replicas) for d in range(n)]
 
 
 def _run_path(plan: Plan, cost: CostModel, placement, times, d: int, key, cache: dict,
@@ -326,8 +329,12 @@ def host_memory(plan: Plan, cost: CostModel, placement) -> list[HostMemory]:
         return []
     caps = {gi for gi, g in enumerate(inv.groups) if g.host_memory_gb}
     index = plan.stage_index
+    slots = [(d, s) for s, (k, _) in enumerate(index)
+             for d in range(plan.meshes[k].data_parallel_size)]
+    if plan.one_grid:  # pipeline by pipeline, as the stages of the result
+        slots.sort()
     used: dict = {}
-    for d, s in _result_order(plan, [plan.meshes[k].data_parallel_size for k, _ in index]):
+    for d, s in slots:
         k, j = index[s]
         node = placement.node(k, j, d)
         if node.group in caps:
