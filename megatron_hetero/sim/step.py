@@ -13,21 +13,23 @@ pipeline send at the mesh's TP over the link the two stages' nodes share; betwee
 the bridge's forward or backward (:func:`~megatron_hetero.cost.mesh.bridge_seconds`).
 
 Each path runs non-interleaved 1F1B: stage ``s`` of ``p`` does ``min(p - s - 1, m)`` warm-up
-forwards (or the stage's ``warmup_microbatches``, the heterogeneity-aware 1F1B), then alternates one forward and one backward, then drains its backwards. A forward of
+forwards (or the stage's ``warmup_microbatches``, the heterogeneity-aware 1F1B), then
+alternates one forward and one backward, then drains its backwards. A forward of
 micro-batch ``i`` on stage ``s`` starts when stage ``s`` is free and the forward of ``i`` on
 stage ``s - 1`` has ended and its activations have crossed the link between the two stages;
 backwards likewise from stage ``s + 1``. Sends run on the link, not on the compute stream.
 
 After its last backward every stage joins its data-parallel gradient sync (one group per stage:
-its mesh's replicas, on the slowest link among their nodes): the sync starts when the slowest replica of that stage is
-done (or, with ``overlap_grad_reduce``, when the last replica starts its last backward; with
-interleaving, chunk by chunk as each chunk's last backward starts) and is followed by the
-optimizer step. The step time is the latest end over all ranks.
+its mesh's replicas, on the slowest link among their nodes): the sync starts when the slowest
+replica of that stage is done (or, with ``overlap_grad_reduce``, when the last replica starts its
+last backward; with interleaving, chunk by chunk as each chunk's last backward starts) and is
+followed by the optimizer step. The step time is the latest end over all ranks. Sends across
+vendors inside a mesh are recorded as ``T`` events (a bridge's are not drawn).
 
-With interleaved pipelining (``virtual_pipeline_size`` v > 1, a plan of one mesh) each rank runs its v model
-chunks in Megatron's interleaved order (:func:`megatron_hetero.schedule.order.rank_order`, with
-the plan's ``microbatch_group_size``). The
-forward of (micro-batch ``i``, chunk ``c``) on stage ``s`` waits for (``i``, ``c``) on stage
+With interleaved pipelining (``virtual_pipeline_size`` v > 1, a plan of one mesh) each rank runs
+its v model chunks in Megatron's interleaved order
+(:func:`megatron_hetero.schedule.order.rank_order`, with the plan's ``microbatch_group_size``).
+The forward of (micro-batch ``i``, chunk ``c``) on stage ``s`` waits for (``i``, ``c``) on stage
 ``s - 1``, or for (``i``, ``c - 1``) on the last stage when ``s = 0`` (over the link from the
 last stage back to the first); backwards mirror it. Every chunk boundary is a send, so each
 link carries v times the sends of the non-interleaved schedule.
@@ -40,11 +42,10 @@ Memory: every stage's peak (:meth:`~megatron_hetero.cost.CostModel.stage_memory`
 device; and, on the nodes of inventory groups that give ``host_memory_gb``, what the node's
 ranks offload to the host (:meth:`~megatron_hetero.cost.CostModel.host_bytes`, each
 (mesh, stage, replica) its mesh's TP ranks on its node from
-:meth:`~megatron_hetero.cost.CostModel.placement`) plus the
-cost model's ``host_reserve_gb`` against the node's host memory (:attr:`SimResult.host_nodes`).
-Either one over makes ``fits_memory`` false.
+:meth:`~megatron_hetero.cost.CostModel.placement`) plus the cost model's ``host_reserve_gb``
+against the node's host memory (:attr:`SimResult.host_nodes`). Either one over makes
+``fits_memory`` false.
 """
-
 
 from __future__ import annotations
 

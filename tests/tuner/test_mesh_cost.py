@@ -178,3 +178,40 @@ def test_uneven_replicas_run_their_own_paths():
               for d in range(4)}
     sync_start = min(e.start for e in sim.events if e.kind == "S" and e.stage == 0)
     assert last_b[0] > last_b[2] and sync_start >= last_b[0]
+
+
+def test_a_chain_runs_per_stage_warmups_in_the_one_simulator():
+    """Format 1's per-stage warm-ups on a chain of meshes (one code path for every shape): stage
+    0 of the 3-stage path warms up 3 forwards where Megatron's 1F1B warms up 2."""
+    def first_ops(plan: Plan) -> str:
+        ops = sorted((e.start, e.kind) for e in simulate(plan, COST).events
+                     if e.pipeline == 0 and e.stage == 0 and e.kind in "FB")
+        return "".join(kind for _, kind in ops[:5])
+
+    plan = _two_meshes(8)
+    assert first_ops(plan)[:4] == "FFFB"
+    for pipe in plan.meshes[0].pipelines:
+        pipe.stages = [dataclasses.replace(pipe.stages[0], warmup_microbatches=3), pipe.stages[1]]
+    assert first_ops(plan) == "FFFFB"
+
+
+def test_a_chain_whose_replicas_differ_in_device_type_at_one_stage():
+    """Replica 0 of the T4 mesh runs its stage on an RTX 3090 (what format 1 lets pipelines do):
+    each replica's stage is costed on its own card and placed on a node of that type."""
+    inv = inventory_from_data({"groups": [
+        {"gpu": "RTX3090-24GB", "nodes": 3, "gpus_per_node": 8},
+        {"gpu": "T4-16GB", "nodes": 4, "gpus_per_node": 4}]}, source="inv.yaml")
+    cost = CostModel(MODEL, inv, precision="fp16")
+    plan = _two_meshes(8)
+    t4 = plan.meshes[1].pipelines[0]
+    plan.meshes[1].pipelines[0] = Pipeline(
+        micro_batch_size=t4.micro_batch_size, num_microbatches=t4.num_microbatches,
+        stages=[dataclasses.replace(t4.stages[0], device_type="RTX3090-24GB")])
+    sim = simulate(plan, cost)
+    assert (sim.stage(0, 2).device_type, sim.stage(1, 2).device_type) == ("RTX3090-24GB", "T4-16GB")
+    for d in (0, 1):
+        shape = StageShape.at(plan, 1, 0, d)
+        assert sim.stage(d, 2).forward_s == sum(c.forward_s for c in cost.chunk_times(shape))
+    assert sim.stage(0, 2).forward_s != sim.stage(1, 2).forward_s
+    node = cost.placement(plan).node(1, 0, 0)
+    assert inv.groups[node.group].gpu == "RTX3090-24GB"
