@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""Benchmark: rehearse mesh plans on CPU ranks and compare the measured step with the mesh
-simulator's prediction (issue 15: within 10%, median of 3 steps).
+"""Benchmark: rehearse mesh plans on CPU ranks and compare the measured step with the
+simulator's prediction (issue 15: within 10%).
 
 Plans (4 CPU ranks each, Llama-2 7B's 32 layers shrunk in width):
 
@@ -11,9 +11,9 @@ Plans (4 CPU ranks each, Llama-2 7B's 32 layers shrunk in width):
 Neither fits its cards' memory (Llama-2 7B on four 16-24 GB cards without the distributed
 optimizer): memory is metered, not capped.
 
-For each it prints the predicted step (the cost model and the simulator (``sim.step.simulate``) on the emulated
+For each it prints the predicted step (the cost model and the simulator on the emulated
 cluster, compute rescaled by the CPU time the ranks measured), the prediction from the
-start-up calibration alone, the measured median of the reported steps and measured/predicted.
+start-up calibration alone, the measured mean of the reported steps and measured/predicted.
 Must run under megatron-core 0.17.1:
 
     PYTHONPATH=.venv/mcore017:. .venv/bin/python scripts/bench_mesh_rehearse.py [--steps 4] \
@@ -30,8 +30,8 @@ import time
 os.environ.setdefault("PYTHONWARNINGS", "ignore")
 
 from megatron_hetero._schema import read_yaml  # noqa: E402
-from megatron_hetero.emulate.mesh_rehearse import format_mesh_report, rehearse_mesh  # noqa: E402
-from megatron_hetero.emulate.rehearse import RehearsalConfig  # noqa: E402
+from megatron_hetero.emulate.rehearse import (RehearsalConfig, format_report,  # noqa: E402
+                                              rehearse)
 from megatron_hetero.plan import mesh_plan_from_data  # noqa: E402
 
 PLAN = os.path.join(os.path.dirname(__file__), "..", "examples", "meshes", "rehearse-plan.yaml")
@@ -60,9 +60,9 @@ def main() -> None:
     for name, plan in plans().items():
         config = RehearsalConfig(steps=args.steps, time_scale=args.time_scale,
                                  hidden_size=args.hidden_size, memory_cap=False)
-        res = rehearse_mesh(plan, config, source=name)
+        res = rehearse(plan, config, source=name)
         if args.verbose:
-            print(format_mesh_report(res, source=name, real=plan.model), flush=True)
+            print(format_report(res, source=name, real=plan.model), flush=True)
         rows.append((name, res))
     load = os.getloadavg()[0]
     print(f"\n{time.strftime('%Y-%m-%d', time.gmtime())} {start[0]} -> "

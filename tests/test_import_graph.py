@@ -3,7 +3,8 @@ no cycle between its parts, the layers the design asks for, and a tuner that imp
 torch.
 
 Parts: each subpackage (``plan``, ``placement``, ``schedule``, ``sim``, ``cost``, ``tuner``,
-``runtime``, ``emulate``, ``profiler``, ``launch``, ``cli``, ``hardware``, ``mcore``) is one
+``runtime``, ``emulate``, ``profiler``, ``launch``, ``cli``, ``hardware``, ``mcore``,
+``telemetry``) is one
 node, each top-level module (``models``, ``errors``, ...) is its own. Modules are checked too:
 no cycle between two modules, inside one package or across. Imports by string
 (``importlib.import_module``) are not seen.
@@ -25,7 +26,8 @@ PACKAGE = REPO / "megatron_hetero"
 
 EXECUTION = ("runtime", "emulate", "profiler")
 """Parts that run megatron-core: each depends on the plan and on ``mcore``, never on another."""
-PLAN_LEVEL = ("tuner", "cost", "sim", "plan", "placement", "schedule", "models", "hardware")
+PLAN_LEVEL = ("tuner", "cost", "sim", "plan", "placement", "schedule", "models", "hardware",
+              "telemetry")
 """Pure Python: never imports an execution part or the megatron-core builder."""
 
 
@@ -206,6 +208,7 @@ def test_checker_finds_a_cycle_inside_one_package(tmp_path):
 @pytest.mark.parametrize("heavy", ["torch", "megatron"])
 def test_tuner_and_cli_import_without_torch(heavy):
     script = ("import sys; import megatron_hetero.tuner, megatron_hetero.cli; "
+              "import megatron_hetero.telemetry.report, megatron_hetero.cli.report; "
               f"print(sorted(m for m in sys.modules if m.split('.')[0] == {heavy!r}))")
     out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})

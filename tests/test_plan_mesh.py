@@ -12,7 +12,7 @@ import yaml
 from megatron_hetero import cli
 from megatron_hetero.errors import SchemaError
 from megatron_hetero.hardware import inventory_from_data
-from megatron_hetero.plan.megatron_args import mesh_megatron_args
+from megatron_hetero.plan.megatron_args import megatron_args
 from megatron_hetero.plan import (Plan, Slot, any_plan_from_data, load_any_plan, load_plan,
                                   mesh_plan_from_data, plan_from_data, save_any_plan)
 from megatron_hetero.placement.inventory import check_against_inventory
@@ -65,7 +65,7 @@ def test_offload_of_a_mesh_plan_is_per_stage():
     data = copy.deepcopy(BASE)
     data["meshes"][1]["stages"][0]["offload"] = {"optimizer_fraction": 0.5}
     assert mesh_plan_from_data(data, source="p.yaml").offloads_optimizer
-    assert "--use-precision-aware-optimizer" in mesh_megatron_args(
+    assert "--use-precision-aware-optimizer" in megatron_args(
         mesh_plan_from_data(data, source="p.yaml"))
 
 
@@ -161,7 +161,7 @@ def test_uneven_replicas_only_where_the_bridges_keep_the_paths():
     data["meshes"][1]["replicas"] = copy.deepcopy(uneven)
     plan = mesh_plan_from_data(data)  # DP 8 -> 8: replica r's samples stay on path r
     assert not plan.meshes[0].even
-    assert "--calculate-per-token-loss" in mesh_megatron_args(plan)
+    assert "--calculate-per-token-loss" in megatron_args(plan)
     data["meshes"][1]["replicas"] = _replicas(4, 2, 16)
     err = _error(data)
     assert err.path == "meshes[0].replicas"

@@ -169,6 +169,36 @@ def _add_patch_megatron(sub) -> None:
     p.set_defaults(handler="megatron_hetero.runtime.patching:patch_megatron_main")
 
 
+def _add_report(sub) -> None:
+    p = sub.add_parser("report", help="what a run's telemetry measured against its plan",
+                       description="Read DIR/telemetry.jsonl, written by a run with "
+                                   "--hetero-telemetry DIR: per stage of each replica, the "
+                                   "measured seconds of a step beside the plan's prediction "
+                                   "(median over the reported steps), and the slow stages named "
+                                   "by plan path.")
+    p.add_argument("dir", metavar="DIR", help="the run's --hetero-telemetry folder")
+    p.add_argument("--step", type=int, metavar="N", help="one reported step instead of the median")
+    p.add_argument("--threshold", type=_ratio, default=1.15, metavar="X",
+                   help="a stage is slow when its measured/predicted compute exceeds the job's "
+                        "median ratio by more than X times (default 1.15)")
+    p.add_argument("--timeline", metavar="PNG",
+                   help="draw the last reported step's measured timeline above the predicted one")
+    p.add_argument("--inventory", metavar="INV",
+                   help="inventory.yaml for the predicted timeline (default: the catalog's links)")
+    p.add_argument("--json", metavar="FILE", help="write each stage's ratio and the slow stages")
+    p.set_defaults(handler="megatron_hetero.cli.report:report_main")
+
+
+def _ratio(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 1.0 <= value <= 100.0:
+        raise argparse.ArgumentTypeError(f"found {text!r}; expected a ratio from 1 to 100")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megatron-hetero",
@@ -183,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _COMMANDS = [_add_validate, _add_args, _add_profile, _add_tune, _add_replan, _add_simulate,
-             _add_rehearse, _add_patch_megatron]
+             _add_rehearse, _add_report, _add_patch_megatron]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

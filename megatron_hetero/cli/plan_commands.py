@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..hardware.inventory import load_inventory
-from ..plan.megatron_args import megatron_args_line, plan_megatron_args
+from ..plan.megatron_args import megatron_args, megatron_args_line
 from ..placement.inventory import check_plan_gpus
 from ..plan import load_any_plan
 from ..tuner.validation import validate_plan
@@ -43,7 +43,7 @@ def args_main(args: argparse.Namespace) -> int:
     if inventory is not None:
         check_plan_gpus(plan, inventory, source=args.plan)
     if args.one_per_line:
-        listed = plan_megatron_args(plan, args.plan)
+        listed = megatron_args(plan, args.plan)
         print("\n".join(listed))
     else:
         print(megatron_args_line(plan, args.plan))

@@ -1,7 +1,6 @@
 """``megatron-hetero rehearse PLAN``: the command's handler. The rehearsal itself is
-:func:`megatron_hetero.emulate.rehearse.rehearse` (format-1 plans) and
-:func:`megatron_hetero.emulate.mesh_rehearse.rehearse_mesh` (mesh plans); this module is
-imported only when the subcommand runs."""
+:func:`megatron_hetero.emulate.rehearse.rehearse` (every plan shape); this module is imported
+only when the subcommand runs."""
 
 from __future__ import annotations
 
@@ -11,9 +10,7 @@ import sys
 from ..hardware.inventory import load_inventory
 from ..placement.inventory import check_against_inventory
 from ..plan import load_any_plan
-from ..emulate.mesh_rehearse import format_mesh_report, rehearse_mesh
-from ..emulate.rehearse import RehearsalConfig, rehearse
-from ..emulate.report import format_report
+from ..emulate.rehearse import RehearsalConfig, format_report, rehearse
 from ..errors import HeteroError
 from ..limits import check_quantity
 
@@ -40,12 +37,9 @@ def rehearse_main(args) -> int:
         check_quantity("time_scale", args.time_scale, source="time_scale (--time-scale)")
     check_quantity("link_latency_s", args.link_latency, source="link_latency_s (--link-latency)")
     progress = lambda msg: print(f"[rehearse] {msg}", file=sys.stderr, flush=True)  # noqa: E731
-    if not plan.one_grid:  # a chain of meshes: emulate.mesh_rehearse
-        result = _rehearse_mesh_plan(plan, config, args, catalog, progress)
-    else:
-        result = rehearse(plan, config, catalog=catalog, verify=args.verify, source=args.plan,
-                          progress=progress, inventory=inventory)
-        print(format_report(result, source=args.plan, real=plan.model))
+    result = rehearse(plan, config, catalog=catalog, verify=args.verify, source=args.plan,
+                      progress=progress, inventory=inventory)
+    print(format_report(result, source=args.plan, real=plan.model))
     if args.verify:
         if result.verify_message is not None:
             print(f"verify: FAILED: the {plan.world_size}-rank run diverges from the "
@@ -54,15 +48,3 @@ def rehearse_main(args) -> int:
         print(f"verify: losses and final parameters match the single-process run "
               f"(fp32, rtol 1e-5, atol 1e-5) over {config.steps} steps")
     return 0
-
-
-def _rehearse_mesh_plan(plan, config: RehearsalConfig, args, catalog, progress):
-    """``rehearse`` of a mesh plan (:mod:`megatron_hetero.emulate.mesh_rehearse`): no link
-    emulation."""
-    if config.emulate_links:
-        raise HeteroError(f"{args.plan}: link emulation (--emulate-links) is not built for mesh "
-                          "plans (format 2) yet")
-    result = rehearse_mesh(plan, config, catalog=catalog, verify=args.verify, source=args.plan,
-                           progress=progress)
-    print(format_mesh_report(result, source=args.plan, real=plan.model))
-    return result

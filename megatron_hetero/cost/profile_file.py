@@ -31,7 +31,13 @@ from .profile_schema import (
 )
 
 __all__ = ["MeasuredProfile", "ProfileUsage", "inventory_entry", "load_profile", "load_profiles",
-           "save_profile", "shape_matches"]
+           "save_profile", "shape_matches", "run_profile_name"]
+
+
+def run_profile_name(device_type: str) -> str:
+    """The name of a device type's profile in a run's telemetry folder
+    (:mod:`megatron_hetero.telemetry.profile_out`; ``tune --from-run`` reads them)."""
+    return f"profile.{device_type}.yaml"
 
 
 def shape_matches(profiled: ModelSpec, asked: ModelSpec, part: Part) -> bool:
@@ -123,7 +129,8 @@ class MeasuredProfile:
         measured micro-batch sizes of this shape and TP size; None otherwise."""
         if not shape_matches(self.data.model, model, "layer"):
             return None
-        got = _by_micro_batch(self._by_tp.get(tensor_parallel_size, []), micro_batch_size,
+        rows = [e for e in self._by_tp.get(tensor_parallel_size, []) if e.memory is not None]
+        got = _by_micro_batch(rows, micro_batch_size,
                               lambda e: (float(e.memory.activation_bytes_per_layer),))
         return None if got is None else got[0][0]
 

@@ -73,10 +73,13 @@ class Software:
 class Timing:
     """How the times were taken."""
 
-    method: Literal["cuda-events", "thread-cpu-time", "synchronize-wall-clock"]
+    method: Literal["cuda-events", "thread-cpu-time", "synchronize-wall-clock", "run-telemetry"]
     """``cuda-events``: GPU time between CUDA events. ``thread-cpu-time``: CPU time of the calling
     thread (CPU runs with one torch thread; immune to other processes on the cores).
-    ``synchronize-wall-clock``: wall-clock time (CPU runs with several threads)."""
+    ``synchronize-wall-clock``: wall-clock time (CPU runs with several threads).
+    ``run-telemetry``: a training run's own measured stage compute (``--hetero-telemetry``),
+    apportioned to the parts in the ratios the cost model prices them
+    (:mod:`megatron_hetero.telemetry.profile_out`); no memory figures."""
     warmup: int
     """Untimed iterations before the timed ones."""
     repeats: int
@@ -153,7 +156,9 @@ class ProfileEntry:
     embedding: PartTimes
     output: PartTimes
     """The output layer with its cross-entropy loss."""
-    memory: MemoryFigures
+    memory: MemoryFigures | None = None
+    """None in a profile taken from a run's telemetry (``timing.method: run-telemetry``): the
+    cost model then prices memory as it does without a profile."""
     achieved_tflops: float | None = field(default=None, metadata=quantity("tflops"))
     """Model FLOPs of one layer's forward and backward over its measured time, per rank."""
     clock: Literal["cuda-events", "thread-cpu-time", "synchronize-wall-clock"] | None = None

@@ -13,7 +13,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
-from ..plan import Pipeline, Plan, Stage, replace_grid
+from ..plan import Mesh, Pipeline, Plan, Stage
 
 __all__ = ["Calibration", "calibrate", "activation_scale", "idle_gap"]
 
@@ -95,7 +95,7 @@ def _calibrate_rank(rank: int, world_size: int, shrunk: Plan, reps: int, seed: i
     dist.init_process_group("gloo", rank=0, world_size=1,
                             init_method=f"tcp://127.0.0.1:{free_port()}")
     enable_cpu_backend()
-    for b in sorted({p.micro_batch_size for p in shrunk.pipelines}):
+    for b in sorted({p.micro_batch_size for m in shrunk.meshes for p in m.pipelines}):
         one, three = (_time_layers(shrunk, b, n, reps=reps, seed=seed, meter=meter,
                                    idle_factor=idle_factor) for n in (1, 3))
         out.optimizer_gb_s = three.optimizer_gb_s
@@ -157,13 +157,13 @@ def _time_layers(shrunk: Plan, b: int, n: int, *, reps: int, seed: int, meter: b
     from .memory import MemoryMeter
     from .trainer import micro_batches
 
-    plan = replace_grid(
-        shrunk, model=dataclasses.replace(shrunk.model, num_layers=n),
-        tensor_model_parallel_size=1, sequence_parallel=False, virtual_pipeline_size=1,
-        microbatch_group_size=None, global_batch_size=b, pipelines=[Pipeline(
+    device = shrunk.meshes[0].pipelines[0].stages[0].device_type
+    plan = dataclasses.replace(  # one process: n layers of the shrunk model, TP 1
+        shrunk, model=dataclasses.replace(shrunk.model, num_layers=n), global_batch_size=b,
+        sequence_parallel=False, virtual_pipeline_size=1, microbatch_group_size=None,
+        meshes=[Mesh(tensor_model_parallel_size=1, pipelines=[Pipeline(
             micro_batch_size=b, num_microbatches=1,
-            stages=[Stage(device_type=shrunk.pipelines[0].stages[0].device_type,
-                          num_layers=n)])])
+            stages=[Stage(device_type=device, num_layers=n)])])])
     clock = time.thread_time
     fw, bw, ef, eb, idle_fw, idle_bw = [], [], [], [], [], []
     optimizer_gb_s = None
@@ -173,7 +173,7 @@ def _time_layers(shrunk: Plan, b: int, n: int, *, reps: int, seed: int, meter: b
         model = gpt_model(plan.model, plan_transformer_config(plan, plan.pipelines[0].stages[0]))
         (ddp,) = wrap_ddp([model])
         meter_of = MemoryMeter(rank=0, pipeline=0, stage=0, device_type="")
-        batch = next(micro_batches(plan, 0, 0, seed))
+        batch = next(micro_batches(plan, plan.slot_of_rank(0), 0, seed))
         metered = meter_of.saved_activations if meter else contextlib.nullcontext
         held = [0]  # bytes the forward saved for the backward (read before it runs)
 

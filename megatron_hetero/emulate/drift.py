@@ -17,17 +17,15 @@ from .calibration import Calibration, _mean
 __all__ = ["cpu_drifts", "measured_allreduce_gb_s", "rescaled", "in_run_calibrations"]
 
 
-def cpu_drifts(shrunk: Plan, leads, a_priori, steps, *,
-               device_of=None) -> tuple[dict[str, float], float]:
+def cpu_drifts(shrunk: Plan, leads, a_priori, steps) -> tuple[dict[str, float], float]:
     """(device type -> drift, the drift over all of them): the CPU time the ranks' compute
     measured over what the start-up calibration expected for it (``a_priori``, a ``SimResult``),
-    from the tensor-parallel lead ranks ``leads`` over the reported ``steps``; ``device_of(r)``
-    the device type of rank result ``r`` (default: its stage's in ``shrunk``)."""
+    from the tensor-parallel lead ranks ``leads`` over the reported ``steps`` (each rank's device
+    type is its stage's in ``shrunk``)."""
     measured_cpu: dict[str, float] = {}
     calibrated_cpu: dict[str, float] = {}
     for r in leads:
-        dev = (device_of(r) if device_of is not None
-               else shrunk.stage(r.pipeline, r.stage).device_type)
+        dev = shrunk.device_type_of_rank(r.rank)
         measured_cpu[dev] = measured_cpu.get(dev, 0.0) + _mean([r.extra["cpu"][k] for k in steps])
         calibrated_cpu[dev] = (calibrated_cpu.get(dev, 0.0)
                                + a_priori.stage(r.pipeline, r.stage).busy_s / r.extra["factor"])

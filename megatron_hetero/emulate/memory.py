@@ -93,14 +93,14 @@ def plan_cost_model(plan: Plan, catalog: Catalog, *, use_distributed_optimizer: 
 
 def cpu_rank_bytes(shrunk: Plan, catalog: Catalog | None = None, *,
                    shards_optimizer: bool = False) -> dict[int, float]:
-    """Bytes each CPU rank needs for ``shrunk`` under the cost model (fp32, unfused attention)."""
+    """Bytes each CPU rank needs for ``shrunk`` (any shape: each rank's mesh stage,
+    :func:`_rank_memory`) under the cost model (fp32, unfused attention)."""
     cost = plan_cost_model(shrunk, catalog or load_catalog(), precision="fp32",
                            flash_attention=False, workspace_gb=0.0,
                            use_distributed_optimizer=shards_optimizer)
     out = {}
     for rank in range(shrunk.world_size):
-        slot = shrunk.slot_of_rank(rank)
-        m = cost.stage_memory(shrunk, slot.pipeline, slot.stage)
+        m = _rank_memory(cost, shrunk, rank)[1]
         out[rank] = m.params + m.grads + m.optimizer + 2 * m.activations
     return out
 
@@ -110,7 +110,7 @@ def memory_caps(real: Plan, shrunk: Plan,
                 activation_scale: float = 1.0, cpu_shards_optimizer: bool = False
                 ) -> dict[int, tuple[float, float, float]]:
     """For every rank: (cap bytes, device bytes, scale) under the rule in the module docstring
-    (``real`` and ``shrunk`` both format-1 plans or both mesh plans).
+    (``real`` and ``shrunk`` of the same shape).
 
     ``estimate`` is the tuner's cost model (:meth:`CostModel.stage_memory`): for the real plan
     as the tuner sees it (its precision, fused attention, workspace reserve); for the shrunk

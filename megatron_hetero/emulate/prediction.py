@@ -4,13 +4,14 @@ linked by gloo as measured)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from ..plan import Plan, plan_from_data
+from ..plan import Mesh, Plan
 from .calibration import Calibration
 
-__all__ = ["EmulatedProfile", "emulated_name", "emulated_cluster", "emulated_sends", "predict",
-           "trainer_shards_optimizer"]
+__all__ = ["EmulatedProfile", "emulated_name", "emulated_cluster", "emulated_plan",
+           "emulated_sends", "predict", "trainer_shards_optimizer"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -105,27 +106,38 @@ def emulated_cluster(device_counts: dict[str, int], calibration,
     return inventory, profiles, options
 
 
+def emulated_plan(shrunk: Plan, catalog) -> Plan:
+    """``shrunk`` as the CPU ranks run it (fp32) on the emulated cluster: every stage's device
+    type its emulated one (:func:`emulated_name`, in ``catalog``)."""
+    def relabel(pipe):
+        return dataclasses.replace(pipe, stages=[
+            dataclasses.replace(st, device_type=emulated_name(st.device_type))
+            for st in pipe.stages])
+
+    meshes = [Mesh(tensor_model_parallel_size=m.tensor_model_parallel_size,
+                   pipelines=[relabel(p) for p in m.pipelines]) for m in shrunk.meshes]
+    return dataclasses.replace(shrunk, meshes=meshes, precision="fp32", prediction=None,
+                               catalog=catalog)
+
+
 def predict(shrunk: Plan, calibration, factors: dict[str, float], *, links=None):
     """The tuner's cost model and simulator on the emulated cluster (:func:`emulated_cluster`)
-    for ``shrunk`` as the CPU ranks run it (fp32); ``calibration``: one :class:`Calibration` or
-    one per device type; ``links``: the rehearsal's emulated link table
-    (:func:`.links.rehearsal_links`), whose sends then take the place of gloo's
+    for ``shrunk`` (any shape) as the CPU ranks run it (fp32); ``calibration``: one
+    :class:`Calibration` or one per device type; ``links``: the rehearsal's emulated link table
+    (:func:`.links.rehearsal_links`, one grid), whose sends then take the place of gloo's
     (:func:`emulated_sends`). Returns a ``SimResult``."""
     from ..cost.model import CostModel
     from ..sim.step import simulate
 
     inventory, profiles, options = emulated_cluster(dict(shrunk.device_counts()), calibration,
                                                     factors)
-    data = shrunk.to_data()
-    data["precision"] = "fp32"
-    for pipe in data["pipelines"]:
-        for st in pipe["stages"]:
-            st["device_type"] = emulated_name(st["device_type"])
-    emu = plan_from_data(data, source="<emulated plan>", catalog=inventory.catalog)
+    emu = emulated_plan(shrunk, inventory.catalog)
     cost = CostModel(emu.model, inventory, profiles=profiles, precision="fp32",
                      use_distributed_optimizer=trainer_shards_optimizer(shrunk), **options)
-    sends = None if links is None else emulated_sends(emu, cost, links)
-    return simulate(emu, cost, record_events=False, pipeline_sends=sends)
+    if links is None:
+        return simulate(emu, cost, record_events=False)
+    return simulate(emu, cost, record_events=False,
+                    pipeline_sends=emulated_sends(emu, cost, links))
 
 
 def emulated_sends(emu: Plan, cost, links) -> dict[int, list[float]]:

@@ -1,26 +1,34 @@
 """Rehearse a plan on this machine: one CPU process per plan rank, each playing its GPU type.
+One rehearsal for every plan shape: one grid or a chain of meshes (the trainer's backend,
+:mod:`.rank_backends`, is the only part that differs; a chain needs megatron-core 0.17+).
 
 ``megatron-hetero rehearse PLAN`` (see :func:`megatron_hetero.cli.rehearse.rehearse_main`):
 
 1. *Shrink* the model in width (:func:`~megatron_hetero.models.shrink_model`): hidden size,
    heads, FFN, vocabulary and sequence scale down together (FFN, vocabulary and sequence keep
    their ratio to the hidden size, so layers, output layer and attention keep their relative
-   costs); the layer count, the layer split, the micro-batch sizes and counts stay as in the
-   plan.
+   costs; heads divisible by every mesh's TP); the layer count, the layer split, the meshes,
+   the micro-batch sizes and counts and each stage's policies stay as in the plan.
 2. *Refuse* a plan this machine cannot host (:func:`.host.check_host_capacity`): more than
    :data:`.host.MAX_RANKS` ranks, or more estimated memory than is available.
 3. *Calibrate*, on two CPU processes, what the emulated cluster is made of: the CPU time of one
    forward and backward of the shrunk layer, embedding and output layer, the bytes a layer
    saves for the backward pass, the optimizer step's rate, and gloo's point-to-point latency and
-   bandwidth and all-reduce bandwidth; the emulated device ``d`` then computes at
+   bandwidth and all-reduce bandwidth, at each micro-batch size of the plan, once per device
+   type's idle gaps; the emulated device ``d`` then computes at
    ``cpu speed / factor(d)`` (:mod:`.speed`).
 4. *Run* N steps on the CPU ranks under the speed and memory emulation (:mod:`.speed`,
    :mod:`.memory`); the first step is a warm-up and is not reported.
-5. *Predict* the same emulated setup with the tuner's cost model and simulator, over an
+5. *Predict* the same emulated setup with the tuner's cost model and simulator
+   (:func:`megatron_hetero.sim.step.simulate`), over an
    inventory whose custom GPU entries are these emulated devices, and print both side by side.
    The CPU's speed drifts between the calibration and the run on a shared machine, so the
    calibrated compute is rescaled by one factor, the CPU time the ranks' compute measured over
    what the calibration expected for it (both predictions are reported).
+
+Not rehearsed on a chain of meshes: link emulation (refused: megatron-core's bridges send with
+``dist.send``/``recv``/``broadcast`` directly, not through the two p2p primitives
+:mod:`.links` wraps).
 
 ``--verify`` also trains the same model, data and seed in one process and compares losses and
 final parameters (fp32, rtol 1e-5, atol 1e-5: 1% of an Adam step); it names the first diverging
@@ -50,11 +58,13 @@ from .drift import cpu_drifts, in_run_calibrations, measured_allreduce_gb_s
 from .host import MAX_RANKS, auto_time_scale, check_host_capacity
 from .links import rehearsal_links
 from .prediction import predict, trainer_shards_optimizer
+from .rank_backends import backend_for
 from .rank_hooks import rehearsal_hooks, user_error
 from .report import RehearsalResult, format_report, stage_reports
 from .shrink import offload_min_numel, shrink_plan, without_module_inputs
+from .trainer import TrainConfig, compare_results, reference_plan, train_plan
 
-__all__ = ["RehearsalConfig", "rehearse", "train_and_verify"]
+__all__ = ["RehearsalConfig", "rehearse", "train_and_verify", "format_report"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -106,17 +116,16 @@ class RehearsalConfig:
                              "expected a finite number of seconds >= 0")
 
 
-def train_and_verify(train, reference, plan, config, *, hooks, verify: bool, say):
-    """``train(plan, config, hooks_factory=hooks)`` on CPU ranks, a rank's plan mistake (out of
-    memory under the caps) raised as its one-line error; with ``verify``, also
-    ``train(reference(plan), config)`` in one process and :func:`.trainer.compare_results` of
-    the two. Returns the result and the comparison's message (None: not verified or equal).
-    Format-1 and mesh plans (:mod:`.mesh_rehearse`) both run through it."""
+def train_and_verify(plan, config, *, hooks, verify: bool, say):
+    """:func:`.trainer.train_plan` of ``plan`` on CPU ranks, ``hooks`` each rank's hooks, a
+    rank's plan mistake (out of memory under the caps) raised as its one-line error; with
+    ``verify``, also its :func:`.trainer.reference_plan` in one process and
+    :func:`.trainer.compare_results` of the two. Returns the result and the comparison's
+    message (None: not verified or equal)."""
     from ..mcore.spawn import SpawnError
-    from .trainer import compare_results
 
     try:
-        result = train(plan, config, hooks_factory=hooks)
+        result = train_plan(plan, config, hooks_factory=hooks)
     except SpawnError as exc:
         user = user_error(exc)
         if user is not None:
@@ -125,22 +134,27 @@ def train_and_verify(train, reference, plan, config, *, hooks, verify: bool, say
     if not verify:
         return result, None
     say("training the same model, data and seed in one process")
-    ref = train(reference(plan), config)
+    ref = train_plan(reference_plan(plan), config)
     # atol: 1% of one Adam step (lr 1e-3); see tests/emulate/test_equivalence.py
     return result, compare_results(result, ref, rtol=1e-5, atol=1e-5)
 
 
 def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Catalog | None = None,
              verify: bool = False, source: str = "PLAN", progress=None,
-             calibration: Calibration | None = None, inventory=None) -> RehearsalResult:
+             calibration: Calibration | dict[str, Calibration] | None = None,
+             inventory=None) -> RehearsalResult:
     """Shrink, check, calibrate, run and predict ``plan`` (see the module docstring);
-    ``inventory`` gives the links of ``config.emulate_links``."""
+    ``inventory`` gives the links of ``config.emulate_links``; ``calibration``: one
+    :class:`Calibration` or one per device type, measured before (none is then measured)."""
     from ..mcore.cpu_offload import module_input_offload_supported
     from .memory import memory_caps
     from .speed import device_slowdowns
-    from .trainer import TrainConfig, reference_plan, train_plan
 
     config = config or RehearsalConfig()
+    backend_for(plan).check_installed(source)
+    if config.emulate_links and not plan.one_grid:
+        raise HeteroError(f"{source}: link emulation (--emulate-links) is not built for a "
+                          "chain of meshes (format 2) yet")
     if config.emulate_links and inventory is None:
         raise HeteroError(f"{source}: link emulation (--emulate-links) needs the inventory "
                           "(--inventory): the links between the plan's GPUs come from it")
@@ -155,10 +169,10 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
     factors = {d: s * time_scale for d, s in slowdowns.items()}
     if calibration is None:
         say("calibrating the CPU and gloo")
-        calibrations = _calibrate_devices(shrunk, factors, config)
+        calibration = _calibrate_devices(shrunk, factors, config)
+    calibrations = calibration
+    if not isinstance(calibration, Calibration):  # the fastest device's
         calibration = calibrations[min(factors, key=lambda d: (factors[d], d))]
-    else:
-        calibrations = calibration
     caps = memory_caps(plan, shrunk, catalog,
                        activation_scale=activation_scale(shrunk, calibration),
                        cpu_shards_optimizer=trainer_shards_optimizer(shrunk))
@@ -171,8 +185,8 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
     hooks = functools.partial(rehearsal_hooks, factors=factors, time_scale=time_scale,
                               caps=caps if metered else None, enforce_caps=config.memory_cap,
                               nice=config.nice, links=links)
-    result, verify_message = train_and_verify(train_plan, reference_plan, shrunk, tconf,
-                                              hooks=hooks, verify=verify, say=say)
+    result, verify_message = train_and_verify(shrunk, tconf, hooks=hooks, verify=verify,
+                                              say=say)
 
     steps = range(1, config.steps)  # step 0 is the warm-up
     step_times = [max(r.step_times[k] for r in result.ranks) for k in steps]

@@ -17,7 +17,13 @@ class StageReport:
     """Measured and predicted figures of one (pipeline, stage), seconds per step."""
 
     pipeline: int
+    """The replica (data-parallel rank) in its mesh."""
     stage: int
+    """The stage in the whole pipeline."""
+    mesh: int = 0
+    """The mesh the stage belongs to."""
+    tensor_model_parallel_size: int = 1
+    """Its mesh's tensor-parallel size."""
     device_type: str
     num_layers: int
     num_microbatches: int
@@ -96,16 +102,19 @@ def stage_reports(shrunk: Plan, leads, steps, caps: dict[int, tuple[float, float
                   sim) -> list[StageReport]:
     """One :class:`StageReport` per tensor-parallel lead rank in ``leads`` (the trainer's rank
     results), measured over the reported ``steps`` and predicted by ``sim`` (a ``SimResult``),
-    in (pipeline, stage) order."""
+    in (mesh, pipeline, stage) order."""
     stages = []
     for r in leads:
         extra = r.extra
-        st = shrunk.stage(r.pipeline, r.stage)
+        slot = shrunk.slot_of_rank(r.rank)
+        mesh = shrunk.meshes[slot.mesh]
+        st = shrunk.stage_of_slot(slot)
         pred = sim.stage(r.pipeline, r.stage)
         stages.append(StageReport(
-            pipeline=r.pipeline, stage=r.stage, device_type=st.device_type,
-            num_layers=st.num_layers,
-            num_microbatches=shrunk.pipelines[r.pipeline].num_microbatches,
+            pipeline=r.pipeline, stage=r.stage, mesh=slot.mesh,
+            tensor_model_parallel_size=mesh.tensor_model_parallel_size,
+            device_type=st.device_type, num_layers=st.num_layers,
+            num_microbatches=mesh.pipelines[slot.replica].num_microbatches,
             factor=extra["factor"], step_s=_mean([r.step_times[k] for k in steps]),
             busy_s=_mean([extra["busy"][k] for k in steps]),
             cpu_s=_mean([extra["cpu"][k] for k in steps]),
@@ -114,7 +123,7 @@ def stage_reports(shrunk: Plan, leads, steps, caps: dict[int, tuple[float, float
             peak_bytes=extra["peak_bytes"], cap_bytes=caps[r.rank][0],
             predicted_busy_s=pred.busy_s, predicted_idle_s=sim.step_time_s - pred.busy_s,
             predicted_sync_s=pred.sync_s + pred.idle_s))
-    stages.sort(key=lambda s: (s.pipeline, s.stage))
+    stages.sort(key=lambda s: (s.mesh, s.pipeline, s.stage))
     return stages
 
 
@@ -131,11 +140,13 @@ def module_inputs_note(slots: list[tuple[int, int]]) -> str:
 
 def format_report(result: RehearsalResult, *, source: str = "PLAN",
                   real: ModelSpec | None = None) -> str:
-    """The rehearsal's table: measured and predicted time per pipeline and stage."""
+    """The rehearsal's table: measured and predicted time per pipeline and stage (of a chain of
+    meshes, each row also names its mesh and the mesh's TP)."""
     m = result.plan.model
     c = result.calibration
     n_steps = len(result.step_times)
     plan = result.plan
+    chain = not plan.one_grid  # rows name their mesh and its TP
     split = (f"{plan.layer_split}, interleaved: {plan.virtual_pipeline_size} model chunks per "
              f"stage of {[s.chunk_layers for s in plan.pipelines[0].stages]} layers"
              + (f", micro-batches in groups of {plan.microbatch_group_size}"
@@ -154,7 +165,9 @@ def format_report(result: RehearsalResult, *, source: str = "PLAN",
         f"{c.bandwidth_gb_s:.2f} GB/s, all-reduce {c.allreduce_gb_s:.2f} GB/s; optimizer "
         f"{c.optimizer_gb_s:.2f} GB/s",
         "",
-        f"{'pipe':>4} {'stage':>5}  {'device':<18} {'layers':>6} {'micro':>5} {'slow':>6}"
+        (f"{'mesh':>4} " if chain else "")
+        + f"{'pipe':>4} {'stage':>5}  {'device':<18} " + (f"{'TP':>2} " if chain else "")
+        + f"{'layers':>6} {'micro':>5} {'slow':>6}"
         f" | {'step s':>7} {'busy s':>7} {'idle s':>7} {'bubble':>6} {'sync s':>6}"
         f" | {'pred busy':>9} {'pred idle':>9} {'bubble':>6} {'sync s':>6}"
         f" | {'memory peak/cap':>17}",
@@ -166,8 +179,10 @@ def format_report(result: RehearsalResult, *, source: str = "PLAN",
                f"{st.peak_bytes / 2**20:.2f}/{st.cap_bytes / 2**20:.2f} MiB"
                + ("!" if st.peak_bytes > st.cap_bytes else ""))
         lines.append(
-            f"{st.pipeline:>4} {st.stage:>5}  {st.device_type:<18} {st.num_layers:>6} "
-            f"{st.num_microbatches:>5} {st.factor:>5.2f}x"
+            (f"{st.mesh:>4} " if chain else "")
+            + f"{st.pipeline:>4} {st.stage:>5}  {st.device_type:<18} "
+            + (f"{st.tensor_model_parallel_size:>2} " if chain else "")
+            + f"{st.num_layers:>6} {st.num_microbatches:>5} {st.factor:>5.2f}x"
             f" | {st.step_s:>7.3f} {st.busy_s:>7.3f} {st.idle_s:>7.3f} {st.bubble_fraction:>6.1%}"
             f" {st.sync_s:>6.3f}"
             f" | {st.predicted_busy_s:>9.3f} {st.predicted_idle_s:>9.3f} {pred_bubble:>6.1%}"

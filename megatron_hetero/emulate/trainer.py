@@ -1,7 +1,11 @@
 """A mini trainer: real megatron-core training of a plan on CPU processes.
 
 It is the execution engine of the equivalence tests and of ``rehearse`` (its ranks and its
-calibration). Each process plays one Megatron rank of a :class:`~megatron_hetero.plan.Plan`.
+calibration). Each process plays one Megatron rank of a :class:`~megatron_hetero.plan.Plan` of
+any shape: the rank's megatron-core machinery is a :mod:`.rank_backends` backend chosen by the
+plan's shape (megatron-core's own schedules on one grid, the multimodule communicator over a
+chain of meshes); the data, the steps, the hooks, the reference and the merge are this
+module's, the same for both.
 
 Public API
 ----------
@@ -16,15 +20,14 @@ Public API
 ``train_rank(plan, rank, config, hooks=None) -> RankResult``
     Run inside a process of a gloo group of ``plan.world_size`` (see
     :mod:`megatron_hetero.mcore.spawn`); enables the CPU backend (and its offload fixes,
-    :mod:`megatron_hetero.mcore.cpu_offload`), builds megatron-core's parallel state (TP, PP,
-    DP and the pipeline layout from the plan), a ``GPTModel`` (local spec, fp32, CPU
-    initialization, this stage's recompute and module-input offload; one model chunk per
-    virtual pipeline stage), Megatron's DDP (``plan.overlap_grad_reduce``),
-    ``get_megatron_optimizer`` (Adam or SGD, grad clipping; distributed as
-    :meth:`TrainConfig.distributed_optimizer` says; the stage's optimizer offload) and runs
-    ``config.steps`` steps of Megatron's own schedule (1F1B, interleaved 1F1B, or
-    :mod:`megatron_hetero.mcore.warmup_schedule`'s per-stage warm-up), then one forward-only
-    pass. ``plan.precision`` is ignored: everything is fp32.
+    :mod:`megatron_hetero.mcore.cpu_offload`), builds the rank through its backend
+    (:func:`.rank_backends.backend_for`): a ``GPTModel`` (local spec, fp32, CPU initialization,
+    this stage's recompute and module-input offload), Megatron's DDP
+    (``plan.overlap_grad_reduce``) and optimizer (Adam or SGD, grad clipping; distributed as
+    :meth:`TrainConfig.distributed_optimizer` says; the stage's optimizer offload), and runs
+    ``config.steps`` steps of the backend's schedule, then one forward-only pass.
+    ``plan.precision`` is ignored: everything is fp32. ``RankResult.pipeline`` is the rank's
+    replica in its mesh, ``RankResult.stage`` its stage in the whole pipeline.
 ``train_plan(plan, config, hooks_factory=None) -> TrainResult``
     Spawns ``plan.world_size`` CPU processes running :func:`train_rank` and merges their
     results: the global loss per step, the forward-only loss after training, every parameter
@@ -32,26 +35,33 @@ Public API
     step of each rank. ``hooks_factory(plan, rank) -> RankHooks`` is called in each rank (it
     must be importable by name, e.g. a module-level function or a ``functools.partial`` of one).
 ``reference_plan(plan) -> Plan``
-    The same model and global batch on one process: one stage, one pipeline. Comparing
+    The same model and global batch on one process: one stage, one pipeline, its micro-batch
+    the unit of the plan's data order. Comparing
     ``train_plan(plan)`` with ``train_plan(reference_plan(plan))`` is the equivalence check.
 ``with_tiny_model(plan, ...) -> Plan`` (explicit tiny sizes; the rehearsal's ``shrink_model`` keeps the model's ratios)
     The plan with a model narrow enough for CPUs: same layer count and split, same pipelines.
 ``compare_results(a, b, rtol, atol) -> str | None``
     The first step or tensor where two results diverge, or None.
-``sample_tokens(index, ...)``, ``micro_batches(plan, pipeline, step, seed)``
+``sample_tokens(index, ...)``, ``micro_batches(plan, slot, step, seed)``
     The synthetic dataset: one sample, and one replica's micro-batches of one step.
 
 Training semantics
 ------------------
-Each step, data-parallel replica ``d`` runs its own pipeline's ``num_microbatches`` micro-batches
-of its own ``micro_batch_size`` over its share of the global batch
-(``Plan.replica_sample_range(d)``). Sample ``i`` (global index ``step * global_batch_size +
-position``) is ``seq_length + 1`` tokens drawn from a generator seeded with ``(seed, i)``.
+Each step, a replica runs its own ``num_microbatches`` micro-batches of its own
+``micro_batch_size``. Sample ``i`` (global index ``step * global_batch_size + position``) is
+``seq_length + 1`` tokens drawn from a generator seeded with ``(seed, i)``. Which positions a
+replica reads (:func:`sample_index`): its own consecutive share of the global batch
+(:func:`share_offset`, the replicas in data-parallel rank order, as the runtime's sampler
+reads them), except in a chain of meshes whose replicas are alike: there micro-batch ``m`` of
+a step is positions ``m B .. (m + 1) B - 1`` (``B = D x micro_batch_size``, the same in every
+mesh), replica ``r`` taking rows ``r b .. (r + 1) b - 1`` of it, the order in which a bridge
+joins and splits them between meshes of different data-parallel sizes. On one grid
 ``calculate_per_token_loss`` makes the loss a sum, and ``finalize_model_grads`` divides the
-gradients by the tokens of the whole global batch, so uneven replicas are exact. The global
-loss of a step is sum of token losses / tokens, over all replicas. Parameters are initialized
-from a generator seeded by their layout-independent name, so any plan of the same model starts
-from the same weights.
+gradients by the tokens of the whole global batch, so uneven replicas are exact (a chain of
+meshes uses the per-token loss where its replicas differ, a gradient scale otherwise). The
+global loss of a step is sum of token losses / tokens, over all replicas. Parameters are
+initialized from a generator seeded by their layout-independent name, so any plan of the same
+model starts from the same weights.
 """
 
 from __future__ import annotations
@@ -63,17 +73,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Literal
 
-from ..mcore.config import plan_transformer_config
-from ..mcore.cpu_offload import enable_cpu_offload, join_offload_summary
-from ..mcore.model import gpt_model, wrap_ddp
-from ..mcore.stage_policies import optimizer_offload_kwargs
-from ..mcore.warmup_schedule import schedule_for
-from ..plan import ModelSpec, Pipeline, Plan, Slot, Stage, replace_grid
-from .params import init_params, local_params, merge_params
+from ..mcore.cpu_offload import enable_cpu_offload
+from ..plan import Mesh, ModelSpec, Pipeline, Plan, Slot, Stage, replace_grid
+from .params import merge_params
+from .rank_backends import backend_for
 
 __all__ = ["TrainConfig", "RankHooks", "RankResult", "TrainResult", "train_rank", "train_plan",
            "reference_plan", "with_tiny_model", "compare_results", "sample_tokens",
-           "micro_batches", "forward_step", "train_steps", "train_on_ranks"]
+           "micro_batches", "sample_index", "share_offset", "rows_joined", "forward_step",
+           "train_steps"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -176,18 +184,33 @@ class TrainResult:
 
 
 # -- plans ----------------------------------------------------------------------------------------
+def rows_joined(plan: Plan) -> bool:
+    """Whether the plan's replicas read their micro-batches row by row out of micro-batches of
+    ``D x micro_batch_size`` (a chain of meshes whose replicas are alike: its bridges join and
+    split them so), rather than each its own consecutive share of the global batch."""
+    return not plan.one_grid and not plan.per_token_loss
+
+
 def reference_plan(plan: Plan) -> Plan:
     """One stage, one pipeline, TP=1, no interleaving, the plain (not distributed) optimizer,
-    no overlapped gradient reduction: the same model and global batch on one process."""
-    mbs = math.gcd(*(p.micro_batch_size for p in plan.pipelines))
-    first = plan.pipelines[0].stages[0]
-    stage = Stage(device_type=first.device_type, num_layers=plan.model.num_layers)
-    return replace_grid(
-        plan, tensor_model_parallel_size=1, prediction=None, use_distributed_optimizer=False,
-        sequence_parallel=False, virtual_pipeline_size=1, microbatch_group_size=None,
-        overlap_grad_reduce=False,
-        pipelines=[Pipeline(micro_batch_size=mbs, num_microbatches=plan.global_batch_size // mbs,
-                            stages=[stage])])
+    no overlapped gradient reduction: the same model and global batch on one process, in
+    micro-batches of the plan's data order (:func:`rows_joined`: ``D x micro_batch_size``;
+    otherwise the largest size that divides every replica's micro-batch)."""
+    first = plan.meshes[0]
+    if rows_joined(plan):
+        mbs = first.data_parallel_size * first.pipelines[0].micro_batch_size
+    else:
+        mbs = math.gcd(*(p.micro_batch_size for p in first.pipelines))
+    stage = Stage(device_type=first.pipelines[0].stages[0].device_type,
+                  num_layers=plan.model.num_layers)
+    return Plan(model=plan.model, global_batch_size=plan.global_batch_size,
+                meshes=[Mesh(tensor_model_parallel_size=1, pipelines=[Pipeline(
+                    micro_batch_size=mbs, num_microbatches=plan.global_batch_size // mbs,
+                    stages=[stage])])],
+                precision=plan.precision, use_distributed_optimizer=False,
+                sequence_parallel=False, overlap_grad_reduce=False, virtual_pipeline_size=1,
+                microbatch_group_size=None, gpus=dict(plan.gpus), prediction=None,
+                catalog=plan.catalog)
 
 
 def with_tiny_model(plan: Plan, *, hidden_size: int = 64, num_attention_heads: int = 4,
@@ -216,16 +239,33 @@ def sample_tokens(index: int, seed: int, seq_length: int, vocab_size: int):
     return torch.randint(0, vocab_size, (seq_length + 1,), generator=g)
 
 
-def micro_batches(plan: Plan, pipeline: int, step: int, seed: int):
-    """The micro-batches data-parallel replica ``pipeline`` reads in step ``step``: its share of
-    the global batch (``Plan.replica_sample_range``), as the batches ``forward_step`` takes."""
+def share_offset(plan: Plan, slot: Slot) -> int:
+    """The first position of ``slot``'s replica's consecutive share of every global batch: its
+    mesh's replicas take consecutive shares in data-parallel rank order
+    (``Plan.replica_sample_range`` on one grid)."""
+    return sum(p.samples for p in plan.meshes[slot.mesh].pipelines[:slot.replica])
+
+
+def sample_index(plan: Plan, slot: Slot, step: int, micro: int, row: int) -> int:
+    """The global sample index of row ``row`` of micro-batch ``micro`` that ``slot``'s replica
+    reads in step ``step`` (see the module docstring)."""
+    mesh = plan.meshes[slot.mesh]
+    b = mesh.pipelines[slot.replica].micro_batch_size
+    base = step * plan.global_batch_size
+    if rows_joined(plan):
+        return base + micro * mesh.data_parallel_size * b + slot.replica * b + row
+    return base + share_offset(plan, slot) + micro * b + row
+
+
+def micro_batches(plan: Plan, slot: Slot, step: int, seed: int):
+    """The micro-batches ``slot``'s replica reads in step ``step`` (:func:`sample_index`), as
+    the batches ``forward_step`` takes (every stage reads them: the first its tokens, the last
+    its labels)."""
     import torch
     m = plan.model
-    offset, _ = plan.replica_sample_range(pipeline)
-    pipe = plan.pipelines[pipeline]
-    base = step * plan.global_batch_size + offset
+    pipe = plan.meshes[slot.mesh].pipelines[slot.replica]
     for k in range(pipe.num_microbatches):
-        rows = [sample_tokens(base + k * pipe.micro_batch_size + j, seed, m.seq_length,
+        rows = [sample_tokens(sample_index(plan, slot, step, k, j), seed, m.seq_length,
                               m.vocab_size) for j in range(pipe.micro_batch_size)]
         tokens = torch.stack(rows)
         yield {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
@@ -256,57 +296,6 @@ def _wrapped_backward(original):
 
     backward_step._hetero_wrapped = True
     return backward_step
-
-
-def _build_chunks(plan: Plan, slot: Slot, stage: Stage, config: TrainConfig):
-    """This rank's model chunks, each initialized by layout-independent names: ``[(pre, post)]``
-    (holds the embedding, holds the output layer) and the ``GPTModel`` of each."""
-    from megatron.core import parallel_state as ps
-
-    v = plan.virtual_pipeline_size
-    tied = not plan.model.untie_embeddings_and_output_weights
-    chunks, models = [], []
-    for vp in range(v):
-        tconf = plan_transformer_config(  # the stage's policies on its chunk
-            plan, stage, vp, offload_min_numel=config.offload_min_numel)
-        vp_stage = vp if v > 1 else None
-        pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
-        post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-        model = gpt_model(plan.model, tconf, pre_process=pre, post_process=post,
-                          vp_stage=vp_stage)
-        init_params(model, plan, config.seed, config.init_std, slot.tensor_rank,
-                    tied and post and not pre)
-        chunks.append((pre, post))
-        models.append(model)
-    return chunks, models
-
-
-def _wrap_for_training(plan: Plan, stage: Stage, models: list, config: TrainConfig):
-    """Megatron's DDP around each chunk and ``get_megatron_optimizer`` over them, wired into the
-    chunks' configs as Megatron-LM's training wires them: (ddps, optimizer)."""
-    import torch
-    from megatron.core.distributed import finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-    v = plan.virtual_pipeline_size
-    dist_opt = config.distributed_optimizer(plan)
-    overlap = plan.overlap_grad_reduce  # gradient reduction during the last backward
-    ddps = wrap_ddp(models, overlap_grad_reduce=overlap, use_distributed_optimizer=dist_opt)
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer=config.optimizer, lr=config.lr,
-                        weight_decay=config.weight_decay,
-                        clip_grad=config.clip_grad, bf16=False, fp16=False,
-                        params_dtype=torch.float32, use_distributed_optimizer=dist_opt,
-                        **optimizer_offload_kwargs(stage)),
-        ddps)
-    for tconf in (model.config for model in models):  # the schedule reads chunk 0's
-        tconf.finalize_model_grads_func = finalize_model_grads
-        tconf.grad_scale_func = optimizer.scale_loss
-        tconf.no_sync_func = [d.no_sync for d in ddps] if v > 1 else ddps[0].no_sync
-        if overlap:  # as Megatron-LM's training sets it (align_grad_reduce)
-            tconf.grad_sync_func = ([d.start_grad_sync for d in ddps] if v > 1
-                                    else ddps[0].start_grad_sync)
-    return ddps, optimizer
 
 
 def _loss_func(loss_mask, output_tensor):
@@ -372,7 +361,6 @@ def train_rank(plan: Plan, rank: int, config: TrainConfig | None = None,
                hooks: RankHooks | None = None) -> RankResult:
     """Train ``plan`` as Megatron rank ``rank`` (see the module docstring). The default gloo
     process group of ``plan.world_size`` ranks must be initialized."""
-    import torch
     import torch.distributed as dist
 
     from ..mcore.cpu_backend import enable_cpu_backend
@@ -385,87 +373,46 @@ def train_rank(plan: Plan, rank: int, config: TrainConfig | None = None,
     if dist.get_world_size() != plan.world_size:
         raise ValueError(f"the process group has {dist.get_world_size()} ranks; the plan needs "
                          f"{plan.world_size}")
-
-    from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     slot = plan.slot_of_rank(rank)
-    pipe = plan.pipelines[slot.pipeline]
-    m = plan.model
-    v = plan.virtual_pipeline_size
-    ps.initialize_model_parallel(tensor_model_parallel_size=plan.tensor_model_parallel_size,
-                                 pipeline_model_parallel_size=plan.pipeline_model_parallel_size,
-                                 virtual_pipeline_model_parallel_size=v if v > 1 else None)
-    try:
-        assert ps.get_data_parallel_rank() == slot.pipeline, "Megatron rank order is not tp-dp-pp"
-        assert ps.get_pipeline_model_parallel_rank() == slot.stage
-        tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
-        stage = plan.stage(slot.pipeline, slot.stage)
-        chunks, models = _build_chunks(plan, slot, stage, config)
-        ddps, optimizer = _wrap_for_training(plan, stage, models, config)
+    with backend_for(plan).open(plan, slot, config) as backend:
         if hooks.on_built:
-            hooks.on_built(ddps, optimizer)
-        forward_backward = join_offload_summary(schedule_for(  # non-offloading ranks join
-            plan, slot.pipeline, get_forward_backward_func()), plan, stage)
-        last_stage = ps.is_pipeline_last_stage()  # holds the loss (on its last chunk)
+            hooks.on_built(backend.ddps, backend.optimizer)
 
         def run(step: int, forward_only: bool) -> float:
-            # every chunk reads the replica's micro-batches in order (the interleaved schedule
-            # takes one iterator per chunk)
-            data = [micro_batches(plan, slot.pipeline, step, config.seed) for _ in ddps]
-            reduced = forward_backward(
-                forward_step_func=forward_step, data_iterator=data if v > 1 else data[0],
-                model=ddps, num_microbatches=pipe.num_microbatches,
-                seq_length=m.seq_length, micro_batch_size=pipe.micro_batch_size,
-                forward_only=forward_only)
-            totals = torch.zeros(2, dtype=torch.float64)
-            if last_stage and slot.tensor_rank == 0:
-                for item in reduced:
-                    totals += item["lm loss"].double()
-            dist.all_reduce(totals)
-            return float(totals[0] / totals[1])
+            # looked up at each step: a test's hooks may replace this module's micro_batches
+            batches = functools.partial(micro_batches, plan, slot, step, config.seed)
+            return backend.run(batches, forward_step, forward_only)
 
-        losses, times, grad_norms, eval_loss = train_steps(run, ddps, optimizer, config, hooks)
-
-        params = (local_params(models, chunks, plan, not m.untie_embeddings_and_output_weights)
-                  if config.gather_params else {})
-        return RankResult(rank=rank, pipeline=slot.pipeline, stage=slot.stage,
+        losses, times, grad_norms, eval_loss = train_steps(run, backend.ddps, backend.optimizer,
+                                                           config, hooks)
+        params = backend.params() if config.gather_params else {}
+        return RankResult(rank=rank, pipeline=slot.replica, stage=plan.global_stage(slot),
                           tensor_rank=slot.tensor_rank, losses=losses, eval_loss=eval_loss,
-                          grad_norms=grad_norms, step_times=times,
-                          params=params, extra=hooks.report() if hooks.report else None)
-    finally:
-        ps.destroy_model_parallel()
+                          grad_norms=grad_norms, step_times=times, params=params,
+                          extra=hooks.report() if hooks.report else None)
 
 
-def _rank_entry(rank: int, world_size: int, train, plan, config: TrainConfig,
+def _rank_entry(rank: int, world_size: int, plan, config: TrainConfig,
                 hooks_factory) -> RankResult:
     hooks = hooks_factory(plan, rank) if hooks_factory else None
-    return train(plan, rank, config, hooks)
-
-
-def train_on_ranks(train, plan, config: TrainConfig | None, hooks_factory, env, merge_params_of
-                   ) -> TrainResult:
-    """Run ``train(plan, rank, config, hooks)`` (:func:`train_rank`, or a mesh plan's) on
-    ``plan.world_size`` CPU processes, ``hooks_factory(plan, rank)`` making each rank's hooks,
-    and merge what they return: rank 0's losses, the parameters ``merge_params_of(ranks)``
-    (with ``config.gather_params``), every rank's step times."""
-    from ..mcore.spawn import spawn
-
-    config = config or TrainConfig()
-    ranks = spawn(_rank_entry, plan.world_size, args=(train, plan, config, hooks_factory),
-                  timeout_s=config.timeout_s, threads_per_rank=config.threads_per_rank, env=env)
-    params = merge_params_of(ranks) if config.gather_params else {}
-    return TrainResult(losses=ranks[0].losses, eval_loss=ranks[0].eval_loss, params=params,
-                       step_times={r.rank: r.step_times for r in ranks}, ranks=ranks)
+    return train_rank(plan, rank, config, hooks)
 
 
 def train_plan(plan: Plan, config: TrainConfig | None = None,
                hooks_factory: Callable[[Plan, int], RankHooks] | None = None,
                env: dict[str, str] | None = None) -> TrainResult:
-    """Train ``plan`` on ``plan.world_size`` CPU processes and merge what they return."""
-    return train_on_ranks(train_rank, plan, config, hooks_factory, env,
-                          functools.partial(merge_params, plan))
+    """Train ``plan`` on ``plan.world_size`` CPU processes running :func:`train_rank`,
+    ``hooks_factory(plan, rank)`` making each rank's hooks, and merge what they return: rank
+    0's losses, every parameter under its layout-independent name (from replica 0 of each mesh,
+    tensor-parallel shards joined; with ``config.gather_params``), every rank's step times."""
+    from ..mcore.spawn import spawn
+
+    config = config or TrainConfig()
+    ranks = spawn(_rank_entry, plan.world_size, args=(plan, config, hooks_factory),
+                  timeout_s=config.timeout_s, threads_per_rank=config.threads_per_rank, env=env)
+    params = merge_params(plan, ranks) if config.gather_params else {}
+    return TrainResult(losses=ranks[0].losses, eval_loss=ranks[0].eval_loss, params=params,
+                       step_times={r.rank: r.step_times for r in ranks}, ranks=ranks)
 
 
 def compare_results(result: TrainResult, reference: TrainResult, *, rtol: float = 1e-5,

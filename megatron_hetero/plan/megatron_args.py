@@ -23,7 +23,7 @@ import shlex
 from .stages import ModelSpec
 from .types import Plan
 
-__all__ = ["megatron_args", "mesh_megatron_args", "plan_megatron_args", "megatron_args_line", "split_args", "GROUP_FLAG"]
+__all__ = ["megatron_args", "megatron_args_line", "split_args", "GROUP_FLAG"]
 
 GROUP_FLAG = "--microbatch-group-size-per-virtual-pipeline-stage"
 """Megatron's flag for the interleaved schedule's micro-batch group (``Plan.microbatch_group_size``;
@@ -77,15 +77,25 @@ def _recompute_args(recomputes, *, interleaved: bool = False) -> list[str]:
 
 
 def megatron_args(plan: Plan, plan_path: str | None = None) -> list[str]:
-    """The argument list for ``pretrain_gpt.py`` (without data, tokenizer and schedule options)."""
-    args = [
-        "--tensor-model-parallel-size", str(plan.tensor_model_parallel_size),
-        "--pipeline-model-parallel-size", str(plan.pipeline_model_parallel_size),
-        *split_args(plan),
-        *_model_args(plan.model),
-        # Megatron's single --micro-batch-size; replicas that differ get theirs from the runtime.
-        "--micro-batch-size", str(plan.pipelines[0].micro_batch_size),
-        "--global-batch-size", str(plan.global_batch_size)]
+    """The argument list for ``pretrain_gpt.py`` (without data, tokenizer and schedule options)
+    of any plan: what is the same on every rank.
+
+    One grid (:attr:`.types.Plan.one_grid`): the tensor-parallel and pipeline sizes, the layer
+    split (:func:`split_args`) and Megatron's single ``--micro-batch-size`` (replica 0's; replicas
+    that differ get theirs from the runtime) lead the line, and ``--sequence-parallel`` follows
+    the plan. A chain of meshes: each mesh's tensor-parallel and pipeline sizes and micro-batch
+    size are its own, so none goes on the line (each rank takes its mesh's from the plan,
+    ``--hetero-plan``); the whole model's layout (one segment per stage over all meshes) does."""
+    if plan.one_grid:
+        args = ["--tensor-model-parallel-size", str(plan.tensor_model_parallel_size),
+                "--pipeline-model-parallel-size", str(plan.pipeline_model_parallel_size),
+                *split_args(plan), *_model_args(plan.model),
+                "--micro-batch-size", str(plan.pipelines[0].micro_batch_size),
+                "--global-batch-size", str(plan.global_batch_size)]
+    else:
+        args = [*_model_args(plan.model), "--global-batch-size", str(plan.global_batch_size)]
+        if len(plan.layer_split) > 1:
+            args += ["--pipeline-model-parallel-layout", plan.layout()]
     if plan.precision != "fp32":
         args.append(f"--{plan.precision}")
     if plan.use_distributed_optimizer:
@@ -98,35 +108,10 @@ def megatron_args(plan: Plan, plan_path: str | None = None) -> list[str]:
         # Megatron's hybrid-device optimizer needs this flag; the runtime turns on
         # --optimizer-cpu-offload with each rank's own fraction.
         args.append("--use-precision-aware-optimizer")
-    if not plan.uniform_data_parallel:
-        args.append("--calculate-per-token-loss")
-    args += _recompute_args((s.recompute for p in plan.pipelines for s in p.stages),
-                            interleaved=plan.virtual_pipeline_size > 1)
-    if plan_path is not None:
-        args += ["--hetero-plan", str(plan_path)]
-    return args
-
-
-def mesh_megatron_args(plan: Plan, plan_path: str | None = None) -> list[str]:
-    """The arguments common to every rank of a mesh plan: the model, the global batch, the
-    precision and the whole model's layout (``--pipeline-model-parallel-layout``, one segment per
-    stage over all meshes). The tensor-parallel and pipeline sizes and the micro-batch size are
-    each mesh's own, so none of them goes on the line: each rank takes its mesh's from the plan
-    (``--hetero-plan``)."""
-    args = [*_model_args(plan.model), "--global-batch-size", str(plan.global_batch_size)]
-    if len(plan.layer_split) > 1:
-        args += ["--pipeline-model-parallel-layout", plan.layout()]
-    if plan.precision != "fp32":
-        args.append(f"--{plan.precision}")
-    if plan.use_distributed_optimizer:
-        args.append("--use-distributed-optimizer")
-    if plan.overlap_grad_reduce:
-        args.append("--overlap-grad-reduce")
-    if plan.offloads_optimizer:
-        args.append("--use-precision-aware-optimizer")
     if plan.per_token_loss:
         args.append("--calculate-per-token-loss")
-    args += _recompute_args(st.recompute for m in plan.meshes for st in m.stages)
+    args += _recompute_args((s.recompute for s in plan.all_stages()),
+                            interleaved=plan.virtual_pipeline_size > 1)
     if plan_path is not None:
         args += ["--hetero-plan", str(plan_path)]
     return args
@@ -153,12 +138,6 @@ def _model_args(m: ModelSpec) -> list[str]:
     return args
 
 
-def plan_megatron_args(plan: Plan, plan_path: str | None = None) -> list[str]:
-    """The Megatron-LM arguments of ``plan``: :func:`megatron_args` where it is one grid,
-    :func:`mesh_megatron_args` for a chain of meshes (:attr:`.types.Plan.one_grid`)."""
-    return (megatron_args if plan.one_grid else mesh_megatron_args)(plan, plan_path)
-
-
 def megatron_args_line(plan: Plan, plan_path: str | None = None) -> str:
-    """:func:`plan_megatron_args` as one shell-ready line."""
-    return shlex.join(plan_megatron_args(plan, plan_path))
+    """:func:`megatron_args` as one shell-ready line."""
+    return shlex.join(megatron_args(plan, plan_path))

@@ -143,6 +143,11 @@ class CoreBackend(Backend):
     """The group and pipeline-edge hooks of a plan across vendors (None: one vendor)."""
     building_chunk: int | None = field(default=None, init=False)
     """The model chunk (``vp_stage``) ``get_model``'s provider is building, else None."""
+    live_shares: bool = field(default=False, init=False)
+    """Whether the replicas' shares may move during the run (``--hetero-rebalance``): the
+    replicas then run the uneven path (their own micro-batches and samplers) from the start."""
+    train_sampler: object = field(default=None, init=False)
+    """The training data loader's sampler (Megatron builds the training loader first)."""
 
     @classmethod
     def start(cls, args, plan: Plan, *, path: str, argv: Sequence[str]) -> "CoreBackend":
@@ -159,8 +164,8 @@ class CoreBackend(Backend):
 
     @property
     def uneven(self) -> bool:
-        """Whether the plan's replicas differ (each runs its own micro-batches)."""
-        return not self.state.plan.uniform_data_parallel
+        """Whether the plan's replicas differ (each runs its own micro-batches), or may come to."""
+        return not self.state.plan.uniform_data_parallel or self.live_shares
 
     def validate_args(self, original, args, *a, **kw):
         result = original(args, *a, **kw)
@@ -238,6 +243,8 @@ class CoreBackend(Backend):
         sampler = sampler_for_replica(self.state.plan, self.state.slot.pipeline,
                                       total_samples=len(dataset),
                                       consumed_samples=consumed_samples)
+        if self.train_sampler is None:
+            self.train_sampler = sampler
         return torch.utils.data.DataLoader(dataset, batch_sampler=sampler,
                                            num_workers=num_workers,
                                            pin_memory=torch.cuda.is_available(),

@@ -36,6 +36,9 @@ from .cpu import prepare_cpu_run
 from .mesh_run import MeshBackend
 from .meshes import mesh_plan_of
 from .stack import prepare_stack
+from .telemetry import POINTS as TELEMETRY_POINTS
+from .telemetry import Telemetry
+from .rebalance import LiveShares
 
 __all__ = ["install", "installed", "Runtime", "backend_class", "LAUNCHER_RANK_ENV"]
 
@@ -66,6 +69,8 @@ class Runtime:
     backend: Backend | None = None
     """This rank's backend once ``validate_args`` ran with ``--hetero-plan``; None before, or
     without a plan (every wrapper then calls straight through)."""
+    telemetry: Telemetry | None = None
+    """This rank's telemetry collector where ``--hetero-telemetry`` asks for one."""
 
     @property
     def state(self):
@@ -76,7 +81,7 @@ class Runtime:
         """Apply the plan of ``args.hetero_plan`` to this rank's parsed ``args`` (before
         Megatron's ``validate_args``): the backend of the plan's shape, started; None without
         a plan. ``argv``: the command line (default ``sys.argv[1:]``)."""
-        self.backend = None
+        self.backend = self.telemetry = None
         path = getattr(args, "hetero_plan", None)
         if not path:
             return None
@@ -85,6 +90,10 @@ class Runtime:
         backend = backend_class(plan).start(args, plan, path=path, argv=argv)
         os.environ[LAUNCHER_RANK_ENV] = str(backend.state.launcher_rank)
         self.backend = backend
+        self.telemetry = Telemetry.start(args, backend.state)
+        live = LiveShares.start(args, backend, source=path)
+        if live is not None:
+            self.telemetry.live = live
         return backend
 
     def validate_args(self, original, args, *a, **kw):
@@ -103,11 +112,22 @@ class Runtime:
                 return self.validate_args(original, *a, **kw)
             return validate_args
 
+        if point in _TELEMETRY_ONLY:
+            @functools.wraps(original)
+            def timed(*a, **kw):
+                if self.telemetry is None:
+                    return original(*a, **kw)
+                return getattr(self.telemetry, point)(original, *a, **kw)
+            return timed
+
         @functools.wraps(original)
         def wrapper(*a, **kw):
             if self.backend is None:
                 return original(*a, **kw)
-            return getattr(self.backend, point)(original, *a, **kw)
+            call = functools.partial(getattr(self.backend, point), original)
+            if self.telemetry is not None and point == "finalize_model_grads":
+                return self.telemetry.finalize_model_grads(call, *a, **kw)
+            return call(*a, **kw)
         return wrapper
 
 
@@ -148,6 +168,10 @@ _TARGETS = (  # (module, function, hook point: the Backend method it goes to)
 )
 
 
+_TELEMETRY_ONLY = frozenset(TELEMETRY_POINTS.values())
+"""Hook points that only the telemetry uses (no backend method)."""
+
+
 def installed() -> Runtime | None:
     """The :class:`Runtime` whose hooks wrap Megatron in this process, or None."""
     module = sys.modules.get("megatron.training.arguments")
@@ -183,6 +207,9 @@ def install() -> Runtime:
     rebind("megatron.training.arguments", "parse_args", _wrap_parse_args)
     for module_name, attr, point in _TARGETS:
         rebind(module_name, attr, functools.partial(runtime.wrap, point))
+    for (module_name, attr), point in TELEMETRY_POINTS.items():
+        if hasattr(importlib.import_module(module_name), attr):
+            rebind(module_name, attr, functools.partial(runtime.wrap, point))
     validate_args = sys.modules["megatron.training.arguments"].validate_args
     setattr(validate_args, _RUNTIME_MARK, runtime)
     if releases.has("model_builders"):  # megatron-core 0.19's pretrain_gpt.py builds through them

@@ -65,7 +65,7 @@ from typing import Sequence
 from ..errors import HeteroError
 from ..mcore.cpu_backend import cpu_mode
 from ..mcore.cpu_offload import join_offload_summary
-from ..plan.megatron_args import mesh_megatron_args
+from ..plan.megatron_args import megatron_args
 from ..plan import Plan, Slot
 from . import mesh_model, plan_args, policies
 from .backend import Backend
@@ -115,7 +115,7 @@ def before_validate(args, plan: Plan, *, path: str, argv) -> MeshRankState:
         if flag in given:
             conflicts.append(f"  {flag}: not with a mesh plan (the gradients are scaled by "
                              "1 / D of the last mesh after a sum over each mesh)")
-    for item in plan_args.implied_from_tokens(mesh_megatron_args(plan)):
+    for item in plan_args.implied_from_tokens(megatron_args(plan)):
         if item.flag == "--hetero-plan":
             continue
         current = getattr(args, item.dest, None)

@@ -11,7 +11,8 @@ from ..errors import HeteroError
 from ..hardware.inventory import load_inventory
 from ..models import load_model
 from ..outputs import Outputs
-from ..plan import Plan, load_any_plan, save_plan
+from ..cost.profile_file import run_profile_name as profile_name
+from ..plan import ModelSpec, Plan, load_any_plan, save_plan
 from ..placement.inventory import check_against_inventory
 
 __all__ = ["tune_main", "simulate_main", "add_tune_arguments", "add_simulate_arguments",
@@ -32,10 +33,15 @@ def add_search_space_arguments(p: argparse.ArgumentParser, *, tp_default: str) -
 
 def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("inventory", metavar="INVENTORY", help="inventory.yaml of the GPU pool")
-    p.add_argument("--model", required=True, metavar="M",
+    p.add_argument("--model", metavar="M",
                    help="model preset (llama2-7b, llama2-13b, llama2-70b, llama3-8b, llama3-70b) "
-                        "or a YAML file with the model fields")
-    p.add_argument("--global-batch-size", type=int, required=True, metavar="N")
+                        "or a YAML file with the model fields (required without --from-run)")
+    p.add_argument("--global-batch-size", type=int, metavar="N",
+                   help="samples per step (required without --from-run)")
+    p.add_argument("--from-run", metavar="DIR",
+                   help="re-plan a run's own model and global batch (DIR/plan.yaml) with the "
+                        "per-layer costs it measured (DIR/profile.*.yaml), from the folder its "
+                        "--hetero-telemetry wrote")
     p.add_argument("--seq-length", type=int, metavar="S", help="sequence length (default: the model's)")
     p.add_argument("-o", "--output", default="plan.yaml", metavar="PLAN",
                    help="where to write the plan (default plan.yaml)")
@@ -130,7 +136,41 @@ def _check_timeline(path: str | None) -> None:
                           + ", ".join(f".{k}" for k in usable) + " (e.g. timeline.png)")
 
 
+def _from_run(args: argparse.Namespace) -> ModelSpec | None:
+    """With ``--from-run DIR``: the run's model, its global batch and measured profiles put in
+    ``args``; without it, None after checking that ``--model`` and ``--global-batch-size``
+    are given."""
+    if not args.from_run:
+        missing = [f for f, v in (("--model", args.model), ("--global-batch-size",
+                                                            args.global_batch_size)) if v is None]
+        if missing:
+            raise HeteroError(f"{' and '.join(missing)}: missing; expected "
+                              f"{'them' if len(missing) > 1 else 'it'}, or --from-run DIR")
+        return None
+    folder = Path(args.from_run)
+    given = [f for f, v in (("--model", args.model), ("--global-batch-size",
+                                                      args.global_batch_size),
+                            ("--seq-length", args.seq_length)) if v is not None]
+    if given:
+        raise HeteroError(f"{', '.join(given)}: given with --from-run, which re-plans the run's "
+                          f"own model and global batch ({folder / 'plan.yaml'}); drop "
+                          f"{'them' if len(given) > 1 else 'it'}")
+    plan_path = folder / "plan.yaml"
+    if not plan_path.is_file():
+        raise HeteroError(f"--from-run {folder}: no plan.yaml there; expected the folder a run's "
+                          "--hetero-telemetry wrote")
+    plan = load_any_plan(str(plan_path))
+    profiles = sorted(str(p) for p in folder.glob(profile_name("*")))
+    if not profiles:
+        raise HeteroError(f"--from-run {folder}: no {profile_name('<device type>')} there; "
+                          "expected a run that reported at least one step")
+    args.global_batch_size = plan.global_batch_size
+    args.profile = [*args.profile, *profiles]
+    return plan.model
+
+
 def tune_main(args: argparse.Namespace) -> int:
+    model = _from_run(args)
     if args.global_batch_size < 1:
         raise HeteroError(f"--global-batch-size: {args.global_batch_size}; expected a positive integer")
     if args.seq_length is not None and args.seq_length < 1:
@@ -142,7 +182,7 @@ def tune_main(args: argparse.Namespace) -> int:
     with _outputs("tune", args, inputs={"INVENTORY": args.inventory},
                   outputs={"-o/--output": args.output, "--report": args.report,
                            "--timeline": args.timeline}) as out:
-        return _tune(args, out)
+        return _tune(args, out, model=model)
 
 
 def _outputs(command: str, args: argparse.Namespace, *, inputs: dict, outputs: dict) -> Outputs:
@@ -157,7 +197,7 @@ def _outputs(command: str, args: argparse.Namespace, *, inputs: dict, outputs: d
     return Outputs(command, inputs=inputs, outputs=outputs)
 
 
-def _tune(args: argparse.Namespace, out: Outputs) -> int:
+def _tune(args: argparse.Namespace, out: Outputs, *, model: ModelSpec | None = None) -> int:
     from rich.console import Console
 
     from ..cost import CostModel
@@ -168,7 +208,8 @@ def _tune(args: argparse.Namespace, out: Outputs) -> int:
     from .search import tune
 
     inventory = load_inventory(args.inventory)
-    model = load_model(args.model, seq_length=args.seq_length)
+    if model is None:
+        model = load_model(args.model, seq_length=args.seq_length)
     tp_sizes = (None if args.tensor_parallel_sizes is None
                 else parse_sizes(args.tensor_parallel_sizes, "--tensor-parallel-sizes"))
     options = TuneOptions(micro_batch_sizes=parse_sizes(args.micro_batch_sizes),

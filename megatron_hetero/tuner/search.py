@@ -4,7 +4,7 @@ stage tables (:mod:`.tables`), simulation of the finalists, and :func:`tune`.
 Each structure gets the layer split from a dynamic program (:func:`.split.min_max_split`) that
 minimises the slowest stage relative to each template's balanced ideal, with each stage's
 cost the time of its cheapest memory policy that fits (:mod:`.tables`); then micro-batch counts
-by exact min-max water-filling (:func:`.shares.water_fill`). Structures are visited in order of
+by exact min-max water-filling (:func:`megatron_hetero.schedule.shares.water_fill`). Structures are visited in order of
 a lower bound on their step time and the walk stops once the bound passes the best estimate
 found. The best few estimates are simulated (:func:`megatron_hetero.sim.step.simulate`) and
 the best simulated plan wins; a local search on the simulator (:mod:`.refine`) then moves
@@ -52,7 +52,7 @@ from .meshes import best_mesh_plan
 from .policy import Policy
 from .problem import Problem, TuneOptions
 from .refine import climb, refine_chunk_cap
-from .shares import water_fill
+from ..schedule.shares import water_fill
 from .space import Structure, upper_bound_step_time
 from .split import min_max_split
 from .tables import StageTables, even_chunks, stage_shape

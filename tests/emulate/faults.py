@@ -13,9 +13,9 @@ def hooks_with_wrong_labels(plan, rank, *, wrong_replica: int, **kwargs):
     from step 1 on (so that ``--verify`` has a real divergence to catch)."""
     original = getattr(trainer.micro_batches, "_test_original", trainer.micro_batches)
 
-    def micro_batches(plan, d, step, seed):
-        for batch in original(plan, d, step, seed):
-            if d == wrong_replica and step >= 1:
+    def micro_batches(plan, slot, step, seed):
+        for batch in original(plan, slot, step, seed):
+            if slot.replica == wrong_replica and step >= 1:
                 batch = dict(batch, labels=(batch["labels"] + 1) % plan.model.vocab_size)
             yield batch
 

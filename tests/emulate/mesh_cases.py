@@ -10,17 +10,17 @@ def train_against_one_process(plan_path: str, clip_grad: float) -> dict:
     reference once; return each run's losses, every rank's gradient norms and the first
     divergence from the reference (losses, forward-only loss, parameters: rtol 1e-5, atol 1e-5,
     1% of an Adam step) or None."""
-    from megatron_hetero.emulate.mesh_trainer import mesh_reference_plan, train_mesh_plan
-    from megatron_hetero.emulate.trainer import TrainConfig, compare_results
+    from megatron_hetero.emulate.trainer import (TrainConfig, compare_results, reference_plan,
+                                                 train_plan)
     from megatron_hetero.plan import load_any_plan
 
     plan = load_any_plan(plan_path)
     out = {}
-    ref = train_mesh_plan(mesh_reference_plan(plan), TrainConfig(steps=3, clip_grad=clip_grad))
+    ref = train_plan(reference_plan(plan), TrainConfig(steps=3, clip_grad=clip_grad))
     out["reference"] = {"losses": ref.losses, "grad_norms": ref.ranks[0].grad_norms}
     for name, dist_opt in (("plain", False), ("distributed", True)):
-        got = train_mesh_plan(plan, TrainConfig(steps=3, clip_grad=clip_grad,
-                                                use_distributed_optimizer=dist_opt))
+        got = train_plan(plan, TrainConfig(steps=3, clip_grad=clip_grad,
+                                           use_distributed_optimizer=dist_opt))
         out[name] = {"losses": got.losses, "grad_norms": [r.grad_norms for r in got.ranks],
                      "diverges": compare_results(got, ref, rtol=1e-5, atol=1e-5)}
     return out
@@ -31,8 +31,7 @@ def rehearse_with_and_without_offload(plan_path: str, hidden_size: int) -> dict:
     is, with ``--verify``, then with every stage's offload removed (one device type: the second
     run reuses the first's calibration); return each run's rows ``[mesh, stage, replica, peak
     bytes, cap bytes]`` and the first run's verification message."""
-    from megatron_hetero.emulate.mesh_rehearse import rehearse_mesh
-    from megatron_hetero.emulate.rehearse import RehearsalConfig
+    from megatron_hetero.emulate.rehearse import RehearsalConfig, rehearse
     from megatron_hetero.plan import load_any_plan, mesh_plan_from_data
 
     plan = load_any_plan(plan_path)
@@ -45,9 +44,9 @@ def rehearse_with_and_without_offload(plan_path: str, hidden_size: int) -> dict:
     config = RehearsalConfig(steps=2, hidden_size=hidden_size, memory_cap=False)
     out, calibration = {}, None
     for name, p in (("offload", plan), ("none", plain)):
-        got = rehearse_mesh(p, config, verify=name == "offload", calibration=calibration)
+        got = rehearse(p, config, verify=name == "offload", calibration=calibration)
         calibration = {device: got.calibration}
-        out[name] = {"rows": [[s.mesh, s.stage, s.replica, s.peak_bytes, s.cap_bytes]
+        out[name] = {"rows": [[s.mesh, s.stage, s.pipeline, s.peak_bytes, s.cap_bytes]
                               for s in got.stages],
                      "verify": got.verify_message}
     return out

@@ -128,8 +128,8 @@ def test_sgd_matches_to_rounding(name):
 
 def _wrong_share(plan, rank):
     """Every replica reads the first samples of the batch instead of its own share."""
-    from megatron_hetero import plan as plan_module
-    plan_module.Plan.replica_sample_range = lambda self, d: (0, self.pipelines[d].samples)
+    from megatron_hetero.emulate import trainer
+    trainer.share_offset = lambda plan, slot: 0
     return RankHooks()
 
 
@@ -140,15 +140,15 @@ def test_wrong_share_is_caught(reference):
 
 def _mean_loss_per_replica(plan, rank):
     """Megatron's default loss: a mean per replica, then averaged over replicas."""
-    from megatron_hetero.emulate import trainer
-    build = trainer.plan_transformer_config
+    from megatron_hetero.emulate import rank_backends
+    build = rank_backends.plan_transformer_config
 
     def transformer_config(plan, stage, chunk=None, **settings):
         config = build(plan, stage, chunk, **settings)
         config.calculate_per_token_loss = False
         return config
 
-    trainer.plan_transformer_config = transformer_config
+    rank_backends.plan_transformer_config = transformer_config
     return RankHooks()
 
 

@@ -25,7 +25,7 @@ PLAN = REPO / "examples/meshes/rehearse-plan.yaml"
 
 def test_shrunk_mesh_plan_keeps_meshes_split_and_replicas():
     plan = load_any_plan(PLAN)
-    shrunk = shrink_plan(plan, 32, plan.catalog, precision="fp32")  # as rehearse_mesh does
+    shrunk = shrink_plan(plan, 32, plan.catalog, precision="fp32")
     assert shrunk.precision == "fp32" and shrunk.prediction is None
     assert shrunk.model.hidden_size == 32 and shrunk.model.num_layers == plan.model.num_layers
     assert shrunk.model.num_attention_heads % 2 == 0  # the T4 mesh's TP
@@ -83,17 +83,18 @@ def test_mesh_plan_rehearses_and_verifies(mcore017_env):
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-2000:]
     text = out.stdout
+    # rows: mesh, pipe (replica), stage, device, TP, layers, micro, slow | ... | peak/cap MiB
     rows = [line.split() for line in text.splitlines() if "|" in line and "GB " in line]
-    assert [(r[0], r[1], r[2], r[3], r[4]) for r in rows] == [
+    assert [(r[0], r[2], r[1], r[3], r[4]) for r in rows] == [
         ("0", "0", "0", "RTX3090-24GB", "1"), ("0", "0", "1", "RTX3090-24GB", "1"),
         ("1", "1", "0", "T4-16GB", "2")]
     fast, slow = float(rows[0][7].rstrip("x")), float(rows[2][7].rstrip("x"))
-    peaks = [float(r[-2]) for r in rows]
+    peaks = [float(r[-2].split("/")[0]) for r in rows]
     assert all(p > 0 for p in peaks) and rows[0][-1] != "-"  # metered, and its cap shown
     cat = load_catalog()
     want = cat.get("RTX3090-24GB").achievable_flops / cat.get("T4-16GB").achievable_flops
     assert slow / fast == pytest.approx(want, rel=0.01)
-    assert "measured/predicted" in text and "by the mesh simulator" in text
+    assert "measured/predicted" in text and "by the tuner's cost model" in text
     assert "verify: losses and final parameters match" in text
 
 
@@ -146,3 +147,23 @@ def test_offloading_mesh_rehearses_below_its_peak_without_offload(tmp_path, mcor
     (*_, peak_plain, _), (*_, peak_last_plain, _) = got["none"]["rows"]
     assert 0 < peak < peak_plain and peak < cap
     assert peak_last == pytest.approx(peak_last_plain, rel=1e-2)
+
+
+def test_host_capacity_counts_each_rank_at_its_mesh_stage():
+    """The host check prices every rank of a chain at its own mesh stage: fan-out (one T4 TP2
+    replica first, then two 3090 replicas) has more replicas in its second mesh than its first."""
+    from megatron_hetero._schema import read_yaml
+    from megatron_hetero.cost.stage import StageShape
+    from megatron_hetero.emulate.memory import cpu_rank_bytes, plan_cost_model
+    from megatron_hetero.plan import mesh_plan_from_data
+
+    data = read_yaml(PLAN)
+    data["meshes"] = list(reversed(data["meshes"]))
+    fan_out = shrink_plan(mesh_plan_from_data(data, source="<fan-out>"), 32)
+    got = cpu_rank_bytes(fan_out)
+    cost = plan_cost_model(fan_out, load_catalog(), precision="fp32", flash_attention=False,
+                           workspace_gb=0.0, use_distributed_optimizer=False)
+    for rank, mesh, replica in ((0, 0, 0), (1, 0, 0), (2, 1, 0), (3, 1, 1)):
+        m = cost.memory(StageShape.at(fan_out, mesh, 0, replica))
+        assert got[rank] == pytest.approx(m.params + m.grads + m.optimizer + 2 * m.activations)
+    assert got[2] == got[3] != got[0]

@@ -1,5 +1,5 @@
-"""The mini trainer of mesh plans (megatron_hetero/emulate/mesh_trainer.py) trains equal to one
-process: megatron-core 0.17.1's DDP, optimizer (plain and distributed) and finalize over each
+"""The mini trainer (megatron_hetero/emulate/trainer.py) trains a chain of meshes (its
+multimodule backend, emulate/rank_backends.py) equal to one process: megatron-core 0.17.1's DDP, optimizer (plain and distributed) and finalize over each
 mesh, Adam with gradient clipping that clips (so the norm over the whole model is checked: every
 rank's norm equals the one process's), the 1 / D_last gradient scale, per-token loss where
 replicas differ. Each megatron-core of ``tests.conftest.STACKS`` trains its cases of

@@ -94,3 +94,54 @@ def test_no_sample_lost_or_read_twice_across_a_plan_change(plans, before, after)
     second = _all(b, total, consumed=before * g)
     read = [i for part in (first, second) for batches_d in part for mb in batches_d for i in mb]
     assert sorted(read) == list(range(total))
+
+
+@settings(max_examples=150, deadline=None)
+@given(mbs=st.integers(1, 3), shares=st.lists(st.integers(1, 5), min_size=2, max_size=4),
+       changes=st.lists(st.tuples(st.integers(1, 6), st.randoms(use_true_random=False)),
+                        max_size=3),
+       batches=st.integers(1, 8), consumed=st.integers(0, 3))
+def test_shares_that_change_between_batches_read_every_sample_once(mbs, shares, changes,
+                                                                    batches, consumed):
+    """Live rebalancing: every replica switches to the new shares at the same global batch;
+    each batch is still read exactly once, each replica reading its new slice, and a sampler
+    resumed after the switch reads what the switched one does."""
+    plan = make_plan(replicas=[(mbs, n) for n in shares])
+    g, total = plan.global_batch_size, batches * plan.global_batch_size
+    consumed = min(consumed, batches) * g
+    samplers = [sampler_for_replica(plan, d, total_samples=total, consumed_samples=consumed)
+                for d in range(len(shares))]
+    shares_of = {0: list(shares)}
+    at = 0
+    for step, rng in changes:
+        at += step
+        new = list(shares)
+        rng.shuffle(new)  # the same micro-batches, moved between replicas
+        offsets = [sum(new[:d]) * mbs for d in range(len(new))]
+        for d, s in enumerate(samplers):
+            s.switch(from_batch=at, offset=offsets[d], num_microbatches=new[d])
+        shares_of[at] = new
+    read = [list(s) for s in samplers]
+    assert sorted(i for r in read for mb in r for i in mb) == list(range(consumed, total))
+    for d, s in enumerate(samplers):
+        assert len(s) == len(read[d]) and all(len(mb) == mbs for mb in read[d])
+        pos = 0
+        for k in range(consumed // g, batches):
+            current = shares_of[max(b for b in shares_of if b <= k)]
+            lo = k * g + sum(current[:d]) * mbs
+            got = [i for mb in read[d][pos:pos + current[d]] for i in mb]
+            assert got == list(range(lo, lo + current[d] * mbs)), (d, k)
+            pos += current[d]
+
+
+def test_a_switch_of_a_started_batch_is_refused():
+    plan = make_plan(replicas=[(1, 2), (1, 2)])
+    s = sampler_for_replica(plan, 0, total_samples=40, consumed_samples=0)
+    it = iter(s)
+    next(it)  # batch 0 started
+    with pytest.raises(ValueError, match="already being read"):
+        s.switch(from_batch=0, offset=0, num_microbatches=3)
+    s.switch(from_batch=1, offset=0, num_microbatches=3)
+    assert [next(it) for _ in range(4)] == [[1], [4], [5], [6]]
+    with pytest.raises(ValueError, match="does not fit"):
+        s.switch(from_batch=2, offset=2, num_microbatches=3)

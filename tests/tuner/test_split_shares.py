@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from megatron_hetero.tuner.shares import water_fill
+from megatron_hetero.schedule.shares import water_fill
 from megatron_hetero.tuner.split import min_max_split
 
 

@@ -65,7 +65,21 @@ def loss_func(loss_mask, output_tensor):
     return loss, num_tokens, {"lm loss": torch.cat([loss.detach().view(1), num_tokens.view(1).float()])}
 
 
+def _slow_down():
+    """``TINY_SLOW=RANK:SECONDS:ITERATION``: Megatron rank RANK sleeps SECONDS in every forward
+    from iteration ITERATION on (a card that slows down, for the rebalancing tests)."""
+    spec = os.environ.get("TINY_SLOW")
+    if not spec:
+        return
+    import time
+    import torch.distributed as dist
+    rank, seconds, start = spec.split(":")
+    if dist.get_rank() == int(rank) and get_args().curr_iteration >= int(start):
+        time.sleep(float(seconds))
+
+
 def forward_step(data_iterator, model):
+    _slow_down()
     batch = next(data_iterator) if data_iterator is not None else None
     if batch is None:  # middle/last pipeline stages without data
         return model(None, None, attention_mask=None), partial(loss_func, None)
@@ -106,7 +120,8 @@ if __name__ == "__main__":
         import torch.distributed as dist
         LOG["rank"] = dist.get_rank()
         from megatron_hetero.runtime import hooks
-        groups = getattr(hooks.installed().backend, "vendor_groups", None)
+        runtime = hooks.installed()  # None in a plain Megatron run (no hooks)
+        groups = getattr(runtime.backend, "vendor_groups", None) if runtime else None
         router = groups.routes if groups else None  # across vendors: messages via host buffers
         if router is not None:
             LOG["staged"] = [router.staged_sends, router.staged_recvs]

@@ -1,4 +1,5 @@
-"""Micro-batch shares of uneven data parallelism: exact min-max integer assignment."""
+"""Micro-batch shares of uneven data parallelism: exact min-max integer assignment (the
+tuner's split of a global batch among replicas, and the runtime's when it rebalances live)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,167 @@
+"""Live rebalancing of the replicas' micro-batch shares (``--hetero-rebalance``): the decision.
+
+With per-token loss, uneven data parallelism is exact whatever the shares, so shares may move
+between global batches without changing the mathematics. At every report the collector hands
+the step's record here:
+
+- Each replica's measured pipeline time is priced as 1F1B runs it: its slowest stage's compute
+  per micro-batch ``c`` for every micro-batch, plus the other stages' compute of one micro-batch
+  (the fill and drain), ``T = sum_s c_s + (m - 1) max_s c_s``. Its *drift* is ``T`` over what
+  the plan predicted for it, over the median of that ratio across replicas.
+- A replica that drifts beyond ``threshold`` on ``patience`` reports in a row triggers a new
+  split: the tuner's own min-max assignment (:func:`megatron_hetero.schedule.shares.water_fill`)
+  of the global batch's micro-batches, each replica's fixed part and per-micro-batch part as
+  measured. Where the split is the current one, nothing changes.
+- Where one stage is slow in every replica (its measured over predicted compute beyond
+  ``threshold`` times the job's median, on every replica), shares cannot restore balance: the
+  decision says so and suggests re-planning from the run (``tune --from-run``).
+
+Shares change for one-grid plans whose replicas share a micro-batch size (the global batch is
+then a number of micro-batches); layers never move live.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field, replace
+
+from ..errors import HeteroError
+from ..plan import Plan
+from ..plan.format1 import replace_grid
+from ..schedule.shares import water_fill
+from .records import StepRecord
+
+__all__ = ["RebalancePolicy", "Decision", "Rebalancer", "check_rebalanceable", "replica_costs",
+           "with_shares"]
+
+
+@dataclass(kw_only=True, slots=True)
+class RebalancePolicy:
+    """When to move shares."""
+
+    threshold: float = 1.15
+    """A replica drifts when its measured over predicted time exceeds the replicas' median of
+    that ratio by more than this factor."""
+    patience: int = 2
+    """Reports in a row a replica must drift before its shares move."""
+
+    def __post_init__(self) -> None:
+        if not 1.0 < self.threshold <= 100.0:
+            raise HeteroError(f"--hetero-rebalance-threshold: found {self.threshold}; expected a "
+                              "ratio above 1 and at most 100")
+        if not 1 <= self.patience <= 1000:
+            raise HeteroError(f"--hetero-rebalance-patience: found {self.patience}; expected a "
+                              "number of reports from 1 to 1000")
+
+
+@dataclass(kw_only=True, slots=True)
+class Decision:
+    """What one report decided."""
+
+    shares: list[int] | None = None
+    """The replicas' new micro-batch counts, or None: no change."""
+    message: str = ""
+    """What was decided and why (logged and written to the telemetry); empty: nothing to say."""
+
+
+def check_rebalanceable(plan: Plan, *, source: str) -> None:
+    """Refuse, at start, a plan whose shares cannot move live."""
+    if not plan.one_grid:
+        raise HeteroError(f"{source}: --hetero-rebalance moves shares between the replicas of "
+                          "one grid; this plan is a chain of meshes")
+    sizes = {p.micro_batch_size for p in plan.pipelines}
+    if len(sizes) > 1:
+        raise HeteroError(f"{source}: --hetero-rebalance needs one micro-batch size in every "
+                          f"replica (found {sorted(sizes)}): shares move by whole micro-batches")
+    if plan.data_parallel_size < 2:
+        raise HeteroError(f"{source}: --hetero-rebalance needs at least two replicas")
+
+
+def _per_micro_batch(record: StepRecord, *, predicted: bool) -> dict[int, list[float]]:
+    """Per replica, each stage's compute of one micro-batch (measured or predicted)."""
+    out: dict[int, list[tuple[int, float]]] = {}
+    for s in record.stages:
+        f = s.predicted if predicted else s.measured
+        if f is None:
+            raise HeteroError("telemetry: no prediction to rebalance against")
+        out.setdefault(s.replica, []).append((s.stage, f.compute_s / s.micro_batches))
+    return {r: [c for _, c in sorted(rows)] for r, rows in out.items()}
+
+
+def replica_costs(record: StepRecord, *, predicted: bool = False) -> list[tuple[float, float]]:
+    """Per replica: (fixed seconds, seconds per micro-batch) of its pipeline under 1F1B, as
+    measured (or predicted): the fill and drain of one micro-batch through the other stages,
+    and the slowest stage's compute per micro-batch."""
+    per = _per_micro_batch(record, predicted=predicted)
+    return [(sum(c) - max(c), max(c)) for _, c in sorted(per.items())]
+
+
+@dataclass(kw_only=True, slots=True)
+class Rebalancer:
+    """The decisions of one run (rank 0 keeps it)."""
+
+    policy: RebalancePolicy
+    drifting: dict[int, int] = field(default_factory=dict)
+    """Replica -> reports in a row it drifted."""
+    said: str = ""
+    """The last message that moved nothing (said once, not at every report)."""
+
+    def decide(self, plan: Plan, record: StepRecord) -> Decision:
+        counts = [p.num_microbatches for p in plan.pipelines]
+        measured = replica_costs(record)
+        predicted = replica_costs(record, predicted=True)
+        times = [a + m * c for (a, c), m in zip(measured, counts)]
+        planned = [a + m * c for (a, c), m in zip(predicted, counts)]
+        ratios = [t / p for t, p in zip(times, planned)]
+        median = statistics.median(ratios)
+        limit = self.policy.threshold
+        for r, x in enumerate(ratios):
+            self.drifting[r] = self.drifting.get(r, 0) + 1 if x / median > limit else 0
+        ready = [r for r, n in self.drifting.items() if n >= self.policy.patience]
+        if not ready:
+            return self._once(self._everywhere(record, median, limit))
+        shares = water_fill([a for a, _ in measured], [c for _, c in measured], sum(counts))
+        self.drifting.clear()
+        if shares is None or shares == counts:
+            return self._once(f"replica {ready[0]} drifts, and no other split of the "
+                              f"{sum(counts)} micro-batches is faster: shares stay {counts}")
+        self.said = ""
+        before, after = max(times), max(a + m * c for (a, c), m in zip(measured, shares))
+        return Decision(shares=shares,
+                        message=f"replica {ready[0]} drifts {ratios[ready[0]] / median:.2f}x the "
+                                f"replicas' median for {self.policy.patience} report(s): shares "
+                                f"{counts} -> {shares} (slowest replica {before:.3g} s -> "
+                                f"{after:.3g} s as measured)")
+
+    def _once(self, message: str) -> Decision:
+        if message == self.said:
+            return Decision()
+        self.said = message
+        return Decision(message=message)
+
+    @staticmethod
+    def _everywhere(record: StepRecord, median_replica: float, limit: float) -> str:
+        """A stage slow in every replica, which shares cannot help, or ''."""
+        by_stage: dict[int, list[float]] = {}
+        for s in record.stages:
+            if s.predicted is not None and s.predicted.compute_s > 0:
+                by_stage.setdefault(s.stage, []).append(s.measured.compute_s / s.predicted.compute_s)
+        if len(by_stage) < 2:
+            return ""
+        median = statistics.median(x for xs in by_stage.values() for x in xs)
+        slow = [st for st, xs in sorted(by_stage.items()) if min(xs) / median > limit]
+        if not slow:
+            return ""
+        return (f"stage {slow[0]} is slow in every replica ({min(by_stage[slow[0]]) / median:.2f}x "
+                "the job's median or more): moving shares between replicas cannot restore the "
+                "balance; re-plan from what ran: megatron-hetero tune INVENTORY --from-run DIR")
+
+
+def with_shares(plan: Plan, shares: list[int], *, source: str) -> Plan:
+    """``plan`` with replica ``d`` running ``shares[d]`` micro-batches, checked as a plan file
+    is (a warm-up or micro-batch group the new counts cannot hold is refused here)."""
+    if len(shares) != plan.data_parallel_size or sum(shares) != sum(
+            p.num_microbatches for p in plan.pipelines):
+        raise HeteroError(f"{source}: shares {shares} do not split the plan's micro-batches")
+    return replace_grid(plan, pipelines=[replace(p, num_microbatches=m)
+                                         for p, m in zip(plan.pipelines, shares)])
