@@ -30,6 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from megatron_hetero.cost.model import DEFAULT_MEMORY_HEADROOM  # noqa: E402
 from megatron_hetero.plan.megatron_args import megatron_args_line  # noqa: E402
 from megatron_hetero.plan import Plan, load_plan  # noqa: E402
 from megatron_hetero.tuner.report import policy_text  # noqa: E402
@@ -150,7 +151,7 @@ def _pipeline_rows(plan: Plan, report: dict) -> list[str]:
         for gpu, layers, policy, m in stages:
             text = f"{gpu}, {layers}, {policy}"
             if m and m[0] is not None and m[1]:
-                text += f", {m[0] / 1e9:.1f}/{m[1] / 1e9:.0f} GB"
+                text += f", {m[0] / 1e9:.1f}/{m[1] / 1e9:.1f} GB"
             cells.append(text)
         rows.append(f"| {who} | {nmb} x {mbs} | " + "<br>".join(
             f"{s}: {c}" for s, c in enumerate(cells)) + " |")
@@ -210,6 +211,10 @@ def readme(ex: Example, plan: Plan, report: dict, inventory_text: str) -> str:
         "| pipelines | micro-batches x size | stages (device, layers, memory policy, predicted memory) |",
         "|---|---|---|",
         *_pipeline_rows(plan, report),
+        "",
+        f"Predicted memory is out of each card's usable memory: "
+        f"{100 * (1 - DEFAULT_MEMORY_HEADROOM):g}% of what the device reports "
+        f"(`--memory-headroom {DEFAULT_MEMORY_HEADROOM:g}`, docs/tuner.md).",
         "",
         "## Files",
         "",

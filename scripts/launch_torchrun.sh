@@ -10,17 +10,21 @@
 #   node-a100-0   A100-SXM-80GB      8
 #   node-v100-0   V100-SXM2-32GB     8
 #
-# The first host is the rendezvous master. The hosts must offer exactly the GPUs the plan needs
-# (checked before anything starts). torchrun starts one process per GPU of this host; the
-# runtime then puts each rank on a plan slot of its GPU type.
+# The hosts must offer at least the GPUs the plan needs (checked before anything starts). Of
+# each GPU type the plan takes the first hosts in file order until it has its GPUs (the last
+# one taken may give only some of its GPUs), and says on stderr which hosts or GPUs stay idle;
+# on a host it does not take, the script exits 0 and runs nothing. The first host taken is the
+# rendezvous master. torchrun starts one process per GPU taken on this host; the runtime then
+# puts each rank on a plan slot of its GPU type.
 #
 # Environment:
 #   MEGATRON_LM         Megatron-LM checkout (required unless MH_PRETRAIN_SCRIPT is set)
 #   MH_PRETRAIN_SCRIPT  training script (default: $MEGATRON_LM/pretrain_gpt.py)
 #   MH_LAUNCH           module (default: python -m megatron_hetero.launch SCRIPT) or patched
 #                       (python SCRIPT: a Megatron-LM patched by `megatron-hetero patch-megatron`)
-#   MH_PYTHON           Python with megatron_hetero and torch (default: python3)
-#   MH_NODE_RANK        this host's line in HOSTFILE, from 0 (default: found by hostname)
+#   MH_PYTHON           Python with megatron_hetero and torch (default: the Python of the megatron-hetero on PATH, else python3)
+#   MH_NODE_RANK        this host's place among the hosts taken, from 0 (default: found by
+#                       hostname)
 #   MH_MASTER_PORT      rendezvous port on the first host (default: 29500)
 #   MH_GPUS_PER_NODE    GPU count of lines that give none
 #   MH_SET_DEVICE_TYPES=1  export this host's GPU type as MEGATRON_HETERO_DEVICE_TYPE (for GPUs
@@ -50,8 +54,14 @@ fi
 if [[ -n ${MEGATRON_LM:-} ]]; then
     export PYTHONPATH=$MEGATRON_LM${PYTHONPATH:+:$PYTHONPATH}
 fi
-PY=${MH_PYTHON:-python3}
+PY=${MH_PYTHON:-}
+if [[ -z $PY ]]; then  # the Python of the megatron-hetero on PATH, else python3
+    mh=$(command -v megatron-hetero || true)
+    if [[ -n $mh && -x $(dirname "$mh")/python ]]; then PY=$(dirname "$mh")/python; else PY=python3; fi
+fi
 command -v "$PY" >/dev/null || die "MH_PYTHON=$PY: not found"
+"$PY" -c "import megatron_hetero" 2>/dev/null \
+    || die "$PY cannot import megatron_hetero: set MH_PYTHON to the Python of the environment it is installed in (e.g. .venv/bin/python)"
 
 gpn_args=()
 [[ -z ${MH_GPUS_PER_NODE:-} ]] || gpn_args=(--gpus-per-node "$MH_GPUS_PER_NODE")
@@ -73,7 +83,17 @@ else
         read -r h _ _ <<<"${lines[$i]}"
         if [[ $names == *" $h "* ]]; then node_rank=${node_rank:-$i}; matches=$((matches + 1)); fi
     done
-    [[ -n $node_rank ]] || die "this host ($(hostname)) is not in $hostfile: add it, or set MH_NODE_RANK"
+    if [[ -z $node_rank ]]; then
+        # a host of the file the plan does not need: nothing runs here
+        while read -r h _; do
+            h=${h%%#*}
+            if [[ -n $h && $names == *" $h "* ]]; then
+                echo "launch_torchrun.sh: this host ($h) is in $hostfile but $plan does not need it: nothing to run here"
+                exit 0
+            fi
+        done <"$hostfile"
+        die "this host ($(hostname)) is not in $hostfile: add it, or set MH_NODE_RANK"
+    fi
     ((matches == 1)) || die "this host ($(hostname)) is on $matches lines of $hostfile: set MH_NODE_RANK"
 fi
 read -r master _ _ <<<"${lines[0]}"

@@ -8,7 +8,7 @@
 #   report.json         predicted step time, baseline, upper bound, per-stage figures
 #   megatron_args.txt   the Megatron-LM arguments the plan implies, ending in --hetero-plan
 # then checks the plan against the inventory and prints the launch commands.
-# Environment: MH_PYTHON, a Python with megatron_hetero installed (default: python3).
+# Environment: MH_PYTHON, a Python with megatron_hetero installed (default: the Python of the megatron-hetero on PATH, else python3).
 set -euo pipefail
 
 die() { echo "tune.sh: error: $*" >&2; exit 1; }
@@ -29,8 +29,14 @@ for arg in "$@"; do
             die "$arg: tune.sh writes OUTDIR/plan.yaml and OUTDIR/report.json itself; expected no -o/--output or --report among tune's options (give OUTDIR instead)" ;;
     esac
 done
-PY=${MH_PYTHON:-python3}
+PY=${MH_PYTHON:-}
+if [[ -z $PY ]]; then  # the Python of the megatron-hetero on PATH, else python3
+    mh=$(command -v megatron-hetero || true)
+    if [[ -n $mh && -x $(dirname "$mh")/python ]]; then PY=$(dirname "$mh")/python; else PY=python3; fi
+fi
 command -v "$PY" >/dev/null || die "MH_PYTHON=$PY: not found"
+"$PY" -c "import megatron_hetero" 2>/dev/null \
+    || die "$PY cannot import megatron_hetero: set MH_PYTHON to the Python of the environment it is installed in (e.g. .venv/bin/python)"
 
 mkdir -p "$outdir"
 plan=$outdir/plan.yaml

@@ -243,7 +243,7 @@ def test_replan_writes_only_a_plan_its_validate_accepts(tmp_path, capsys, monkey
     (tmp_path / "b.yaml").write_text("old")
     import megatron_hetero.tuner.replan as replan
 
-    def refuse(plan, inventory, *, source, memory_check=True):
+    def refuse(plan, inventory, *, source, memory_check=True, memory_headroom=0.1):
         raise SchemaError(source, "pipelines[0]", 1, "what validate wants")
 
     monkeypatch.setattr(replan, "validate_plan", refuse)

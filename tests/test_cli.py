@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 import subprocess
 import sys
@@ -39,7 +40,7 @@ def test_validate_against_inventory(tmp_path, capsys):
     inv.write_text(inv.read_text() + "  - {gpu: Tesla V100-SXM2-32GB, nodes: 1, gpus_per_node: 8}\n")
     # the README's hand-written plan is tight: its V100 stage needs 44 GB under the cost model
     assert main(["validate", str(PLAN), "--inventory", str(inv)]) == 1
-    assert "stage 1 (V100-SXM2-32GB, layers 14-31) needs 44.2 GB of 32 GB" in capsys.readouterr().err
+    assert "stage 1 (V100-SXM2-32GB, layers 14-31) needs 44.2 GB of 30.6" in capsys.readouterr().err
     assert main(["validate", str(PLAN), "--inventory", str(inv), "--no-memory-check"]) == 0
 
 
@@ -135,3 +136,71 @@ def test_tuned_plan_on_a_custom_gpu_carries_it_to_validate_and_args(tmp_path, ca
         err = capsys.readouterr().err
         assert f"{plan_path}: gpus.Acme-NPU.bf16_tflops: found 400.0; expected 300.0" in err
         assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv", [
+    ["args", "--one-per-line", str(REPO / "examples/llama2/7b/plan.yaml")],
+    ["validate", str(REPO / "examples/llama2/7b/plan.yaml")],
+    ["tune", "--help"],
+])
+def test_a_reader_that_left_ends_the_output_quietly(argv):
+    """`megatron-hetero ... | head -1`: stdout is a pipe nobody reads; no BrokenPipeError
+    traceback, the command's own exit code (issue 32)."""
+    read, write = os.pipe()
+    os.close(read)  # every write meets the closed pipe
+    try:
+        proc = subprocess.run([sys.executable, "-m", "megatron_hetero.cli", *argv], stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=120, cwd=REPO)
+    finally:
+        os.close(write)
+    assert (proc.returncode, proc.stderr) == (0, "")
+
+
+def test_tune_into_a_closed_pipe_still_writes_its_plan(tmp_path):
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text("groups:\n  - {gpu: A100-SXM-80GB, nodes: 1, gpus_per_node: 2}\n")
+    plan = tmp_path / "plan.yaml"
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "megatron_hetero.cli", "tune", str(inv),
+                               "--model", "llama2-7b", "--global-batch-size", "4",
+                               "--seq-length", "512", "-o", str(plan)], stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=120, cwd=REPO)
+    finally:
+        os.close(write)
+    assert (proc.returncode, proc.stderr) == (0, "")
+    assert main(["validate", str(plan)]) == 0
+
+
+def test_rehearse_refuses_a_plan_larger_than_the_machine_before_loading_torch():
+    """Issue 32 A.11: it spent 11 s importing megatron-core before saying so."""
+    plan = REPO / "examples/llama2/70b/plan.yaml"  # 64 ranks
+    code = ("import sys; from megatron_hetero.cli import main; "
+            f"rc = main(['rehearse', {str(plan)!r}]); print(rc, 'torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+    assert proc.stdout.split() == ["1", "False"], proc.stderr
+    assert "the plan has 64 ranks; this rehearsal starts at most 16" in proc.stderr
+
+
+def test_simulate_quiet_and_what_it_wrote(tmp_path, capsys):
+    plan = REPO / "examples/llama2/7b/plan.yaml"
+    inv = REPO / "examples/llama2/7b/inventory.yaml"
+    out = tmp_path / "sim.json"
+    assert main(["simulate", str(plan), "--inventory", str(inv), "--json", str(out)]) == 0
+    full = capsys.readouterr().out
+    assert "  pipeline 0 stage 0 (A100-SXM-80GB): busy" in full and "┃" in full
+    assert full.rstrip().endswith(f"wrote {out}")
+    assert main(["simulate", str(plan), "--inventory", str(inv), "-q", "--json", str(out)]) == 0
+    quiet = capsys.readouterr().out
+    assert "stage 0" not in quiet and "┃" not in quiet
+    assert quiet.startswith("predicted: step 14.900 s") and quiet.rstrip().endswith(f"wrote {out}")
+
+
+def test_tune_help_says_what_runs_mesh_plans(capsys):
+    with pytest.raises(SystemExit):
+        main(["tune", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "refuses mesh plans" not in text
+    assert "the runtime runs mesh plans from megatron-core 0.17" in text

@@ -33,3 +33,22 @@ def test_bad_arguments(tmp_path, capsys, extra, message):
 def test_unknown_model(capsys):
     assert main(["profile", "--model", "llama9-1t"]) == 1
     assert "llama2-7b" in capsys.readouterr().err  # the presets are listed
+
+
+def test_profile_hidden_size_says_what_else_it_shrinks(capsys):
+    """Issue 32 A.11: --hidden-size also shrinks the sequence and the vocabulary; it says so."""
+    from megatron_hetero.profiler.cli import resolve_model, shrink_note
+
+    full = resolve_model("llama2-7b")
+    small = resolve_model("llama2-7b", hidden_size=256)
+    note = shrink_note(full, small)
+    assert note.startswith("profile: llama2-7b shrunk as the rehearsal shrinks it: hidden 4096 "
+                           "-> 256, FFN 11008 -> 688, ")  # 32 heads of 8 stay
+    assert f"vocabulary 32000 -> {small.vocab_size}" in note
+    assert f"sequence 4096 -> {small.seq_length}" in note
+    kept = resolve_model("llama2-7b", hidden_size=256, seq_length=4096)
+    assert "sequence 4096 ->" not in shrink_note(full, kept)
+    assert shrink_note(full, full) is None
+    with pytest.raises(SystemExit):
+        main(["profile", "--help"])
+    assert "vocabulary and sequence keep their ratio" in " ".join(capsys.readouterr().out.split())

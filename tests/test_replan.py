@@ -211,6 +211,18 @@ def test_optimizer_state_that_reshards_only_across_data_parallel_is_refused(work
     err = _refused(work, capsys, _replan(work))
     assert "content_metadata.distrib_optim_sharding_type: found 'dp_reshardable'" in err
     assert "--dist-ckpt-optim-fully-reshardable" in err
+    assert "`replan --no-load-optim`" in err
+    # issue 32 A.7: the route it names works, and the restart command carries the flag
+    assert main(_replan(work, "--no-load-optim")) == 0
+    out = capsys.readouterr().out
+    assert "optimizer state not loaded (--no-load-optim" in out
+    submit = [line for line in out.splitlines() if "submit.sh" in line][0]
+    torchrun = [line for line in out.splitlines() if "torchrun" in line][0]
+    for line in (submit, torchrun):
+        assert line.endswith("--ckpt-format torch_dist --no-load-optim"), line
+    plan_b = load_plan(work / "plan-b.yaml")
+    assert plan_b.pipeline_model_parallel_size == 1  # not the checkpoint's PP=2
+    assert main(["validate", str(work / "plan-b.yaml"), "--inventory", str(work / "inv.yaml")]) == 0
 
 
 def test_replan_runs_without_torch(work):

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
+import io
+import os
 import sys
 from typing import Sequence
 
@@ -24,16 +26,21 @@ _EPILOG = "Run `megatron-hetero COMMAND --help` for a command's options."
 def _add_validate(sub) -> None:
     p = sub.add_parser("validate", help="check a plan (and that an inventory can host it)",
                        description="Check PLAN against the plan schema and its invariants and "
-                                   "the offload settings megatron-core refuses; with --inventory, "
-                                   "also that the inventory has the GPUs it needs and that every "
-                                   "stage fits its card's memory under the cost model (what the "
-                                   "runtime would stop at). Exits 0 when valid, 1 with the "
+                                   "the offload settings megatron-core refuses, and that every "
+                                   "stage fits its card's memory under the cost model, less the "
+                                   "memory headroom (what the runtime would stop at; the cards "
+                                   "are the catalog's, with the inventory's or the plan's own "
+                                   "`gpus:` entries); with --inventory, also that the inventory "
+                                   "has the GPUs it needs and that each node's host memory holds "
+                                   "what its stages offload. Exits 0 when valid, 1 with the "
                                    "offending field path when not.")
     p.add_argument("plan", metavar="PLAN", help="plan.yaml")
     p.add_argument("--inventory", metavar="INV", help="inventory.yaml the plan must fit")
     p.add_argument("--no-memory-check", action="store_true",
-                   help="with --inventory, do not refuse a stage that needs more memory than "
-                        "its card under the cost model (or a node more host memory)")
+                   help="do not refuse a stage that needs more memory than its card under the "
+                        "cost model (or, with --inventory, a node more host memory)")
+    from ..tuner.commands import add_memory_headroom_argument
+    add_memory_headroom_argument(p)
     p.set_defaults(handler="megatron_hetero.cli.plan_commands:validate_main")
 
 
@@ -63,7 +70,10 @@ def _add_profile(sub) -> None:
     p.add_argument("--tensor-parallel-sizes", default="1", metavar="LIST",
                    help="e.g. 1,2 (default 1); TP>1 starts that many processes")
     p.add_argument("--hidden-size", type=int, metavar="H",
-                   help="shrink the model to this width (for a CPU run)")
+                   help="shrink the model to this width (for a CPU run), as the rehearsal does: "
+                        "heads, FFN, vocabulary and sequence keep their ratio to the width "
+                        "(--seq-length and --vocab-size set the last two); it says what it "
+                        "profiles")
     p.add_argument("--vocab-size", type=int, metavar="V", help="override the vocabulary size")
     p.add_argument("-o", "--output", default="profile.yaml", metavar="FILE",
                    help="where to write the profile (default profile.yaml)")
@@ -216,11 +226,54 @@ _COMMANDS = [_add_validate, _add_args, _add_profile, _add_tune, _add_replan, _ad
              _add_rehearse, _add_report, _add_patch_megatron]
 
 
+class _ReaderMayLeave:
+    """``sys.stdout`` for one command: a reader that went away (``megatron-hetero ... | head
+    -1``) ends what is shown, not the command. The first write or flush that meets the closed
+    pipe points the descriptor at ``/dev/null`` (so that the interpreter's last flush finds
+    nothing to complain about) and drops the rest; the command goes on, writes its files and
+    exits as it would have."""
+
+    def __init__(self, stream):
+        self._stream = stream
+        self._gone = False
+
+    def write(self, text: str) -> int:
+        if not self._gone:
+            try:
+                return self._stream.write(text)
+            except BrokenPipeError:
+                self._leave()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self._gone:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._leave()
+
+    def _leave(self) -> None:
+        self._gone = True
+        try:
+            null = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(null, self._stream.fileno())
+            finally:
+                os.close(null)
+        except (OSError, ValueError, io.UnsupportedOperation):
+            pass  # not a descriptor (a test's capture): nothing is flushed at exit
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command. A user's mistake is one line and exit 1; Ctrl-C at any moment (start-up
     included: :mod:`megatron_hetero.interrupts`) one line and exit 130; files a command writes
     are put in place only once it has succeeded (:mod:`megatron_hetero.outputs`)."""
     command = "megatron-hetero"
+    stdout = sys.stdout
+    sys.stdout = _ReaderMayLeave(stdout)
     try:
         interrupts.deliver()
         args = build_parser().parse_args(argv)
@@ -228,6 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         module, func = args.handler.split(":")
         handler = getattr(importlib.import_module(module), func)
         code = int(handler(args) or 0)
+        sys.stdout.flush()  # here, where a reader that left is met quietly
         if interrupts.pending():  # raised where the interpreter swallowed it
             raise KeyboardInterrupt
         return code
@@ -249,5 +303,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{command}: interrupted", file=sys.stderr)
         return 130
     finally:
+        sys.stdout = stdout
         interrupts.restore()
 

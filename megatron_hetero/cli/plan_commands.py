@@ -8,15 +8,18 @@ from ..hardware.inventory import load_inventory
 from ..plan.megatron_args import megatron_args, megatron_args_line
 from ..placement.inventory import check_plan_gpus
 from ..plan import load_any_plan
+from ..tuner.commands import memory_headroom
 from ..tuner.validation import validate_plan
 
 __all__ = ["validate_main", "args_main"]
 
 
 def validate_main(args: argparse.Namespace) -> int:
+    headroom = memory_headroom(args)
     inventory = load_inventory(args.inventory) if args.inventory else None
     plan = load_any_plan(args.plan, catalog=inventory.catalog if inventory else None)
-    validate_plan(plan, inventory, source=args.plan, memory_check=not args.no_memory_check)
+    validate_plan(plan, inventory, source=args.plan, memory_check=not args.no_memory_check,
+                  memory_headroom=headroom)
     if not plan.one_grid:
         print(f"{args.plan}: valid mesh plan for {plan.model.name}: {len(plan.meshes)} meshes, "
               f"PP={plan.pipeline_model_parallel_size} ({plan.world_size} GPUs); layers "
@@ -42,6 +45,9 @@ def args_main(args: argparse.Namespace) -> int:
     plan = load_any_plan(args.plan, catalog=inventory.catalog if inventory else None)
     if inventory is not None:
         check_plan_gpus(plan, inventory, source=args.plan)
+    # what `validate` refuses, args refuses with the same line (memory aside: a prediction,
+    # which `validate` and `simulate` check)
+    validate_plan(plan, inventory, source=args.plan, memory_check=False)
     if args.one_per_line:
         listed = megatron_args(plan, args.plan)
         print("\n".join(listed))

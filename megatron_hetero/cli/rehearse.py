@@ -10,7 +10,7 @@ import sys
 from ..hardware.inventory import load_inventory
 from ..placement.inventory import check_against_inventory
 from ..plan import load_any_plan
-from ..emulate.rehearse import RehearsalConfig, format_report, rehearse
+from ..emulate.host import check_rank_count
 from ..errors import HeteroError
 from ..limits import check_quantity
 
@@ -25,6 +25,9 @@ def rehearse_main(args) -> int:
     catalog = plan.catalog  # the built-in (or the inventory's) catalog plus the plan's gpus
     if inventory is not None:
         check_against_inventory(plan, inventory, source=args.plan)
+    check_rank_count(plan, max_ranks=args.max_ranks, source=args.plan)  # before torch loads
+    # megatron-core and torch load here, seconds, once the plan is known to be rehearsable
+    from ..emulate.rehearse import RehearsalConfig, format_report, rehearse
     try:
         config = RehearsalConfig(steps=args.steps, hidden_size=args.hidden_size,
                                  time_scale=args.time_scale, memory_cap=not args.no_memory_cap,

@@ -24,7 +24,10 @@ device type (with the inventory's overrides) and, where given, a measured profil
   one layer's worth stays on the device; the copies run on side streams and cost a layer only
   what its own compute cannot hide at the host link's ``pcie_bandwidth_gb_s``),
   the transient activations of one recomputed chunk, and a fixed workspace reserve (CUDA context,
-  communication buffers, allocator slack).
+  communication buffers, allocator slack). A stage fits where this is at most its card's
+  usable memory (:meth:`CostModel.capacity`): the memory the device reports less the memory
+  headroom, a fraction (:data:`DEFAULT_MEMORY_HEADROOM`) kept for the caching allocator's gap
+  above its peak and the model's error.
 * host memory per rank (:meth:`CostModel.host_bytes`): the offloaded fraction of the
   optimizer shard and the module inputs offloaded at the stage's peak; the simulator adds a
   node's ranks and a fixed reserve and compares them with the inventory's ``host_memory_gb``.
@@ -43,6 +46,7 @@ from functools import lru_cache
 from typing import Literal, Mapping
 
 from .. import models as M
+from ..errors import HeteroError
 from ..hardware.inventory import Inventory
 from ..plan import ModelSpec, Offload, Plan, Recompute
 from ..placement.host_path import DEFAULT_HOST_LINK_GB_S
@@ -51,7 +55,28 @@ from ..placement.nodes import Placement, place
 from .profile_protocol import DeviceProfile
 from .stage import Memory, StageShape, StageTimes
 
-__all__ = ["CostModel"]
+__all__ = ["CostModel", "DEFAULT_MEMORY_HEADROOM", "check_memory_headroom", "usable_memory_text"]
+
+DEFAULT_MEMORY_HEADROOM = 0.10
+"""Fraction of each card's reported memory no stage's predicted peak may use. Calibrated on the
+H200 of docs/gpu.md (run 4): the caching allocator reserved 5.3%, 9.2% and 28.9% beyond the
+peak the model predicts (8.4% at most without full recompute, whose working set the model
+under-counts), and the CUDA context sits outside both; 10% covers the first two."""
+
+
+def check_memory_headroom(value: float, *, flag: str = "--memory-headroom") -> float:
+    """``value`` when it is a fraction in [0, 1); else the user's mistake, named by ``flag``."""
+    if not (isinstance(value, (int, float)) and 0.0 <= value < 1.0):
+        raise HeteroError(f"{flag}: {value!r}; expected the fraction of each card's memory to "
+                          f"keep free, at least 0 and below 1 (default "
+                          f"{DEFAULT_MEMORY_HEADROOM:g})")
+    return float(value)
+
+
+def usable_memory_text(headroom: float) -> str:
+    """What the memory figures are out of, for messages and summaries."""
+    return (f"usable memory is {100 * (1 - headroom):g}% of what the device reports "
+            f"(--memory-headroom {headroom:g})")
 
 
 class CostModel(StageMemory):
@@ -68,7 +93,8 @@ class CostModel(StageMemory):
                  pcie_bandwidth_gb_s: float = DEFAULT_HOST_LINK_GB_S,
                  host_reserve_gb: float = 64.0,
                  p2p_latency_s: float = 20e-6,
-                 pipeline_overhead_s: tuple[float, float] = (0.0, 0.0)):
+                 pipeline_overhead_s: tuple[float, float] = (0.0, 0.0),
+                 memory_headroom: float = DEFAULT_MEMORY_HEADROOM):
         """
         ``flash_attention``: core attention runs a fused kernel that stores no ``s x s``
         matrices (Megatron's default with Transformer Engine), so no-recompute activations
@@ -92,6 +118,8 @@ class CostModel(StageMemory):
         ``pipeline_overhead_s``: (forward, backward) seconds a stage of
         a pipeline pays per micro-batch beyond its parts (schedule, p2p handling) where no
         profile of the device type measured it (:meth:`pipeline_overhead`); default 0.
+        ``memory_headroom``: fraction of each card's reported memory kept free
+        (:meth:`capacity`, :data:`DEFAULT_MEMORY_HEADROOM`).
         """
         self.model = model
         self.inventory = inventory
@@ -106,6 +134,7 @@ class CostModel(StageMemory):
         self.host_reserve_bytes = host_reserve_gb * 1e9
         self.p2p_latency_s = p2p_latency_s
         self.pipeline_overhead_s = pipeline_overhead_s
+        self.memory_headroom = check_memory_headroom(memory_headroom, flag="memory_headroom")
         self.param_bytes = 4.0 if precision == "fp32" else 2.0
         self.grad_bytes = 2.0 if precision == "fp16" else 4.0
         self.optim_bytes = 8.0 if precision == "fp32" else 12.0
@@ -148,7 +177,10 @@ class CostModel(StageMemory):
         return (spec.fp32_tflops if self.precision == "fp32" else spec.bf16_tflops) * 1e12
 
     def capacity(self, device_type: str) -> float:
-        return self.spec(device_type).memory_bytes
+        """Bytes a stage may use on one card of this type: what the device reports
+        (:attr:`~megatron_hetero.hardware.catalog.GPUSpec.visible_memory_bytes`) less the
+        memory headroom."""
+        return self.spec(device_type).visible_memory_bytes * (1.0 - self.memory_headroom)
 
     def intra_node_bandwidth(self, device_type: str) -> float:
         """Bytes/s of the slowest intra-node link among the groups of this type."""

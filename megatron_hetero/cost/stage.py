@@ -192,7 +192,8 @@ class Memory:
     activations: float
     workspace: float
     capacity: float
-    """Device memory (catalog ``memory_gb``)."""
+    """Device memory a stage may use: what the card reports less the memory headroom
+    (:meth:`~megatron_hetero.cost.model.CostModel.capacity`)."""
 
     @property
     def total(self) -> float:

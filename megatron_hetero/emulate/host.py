@@ -8,7 +8,8 @@ from ..errors import HeteroError
 from ..hardware.catalog import Catalog
 from ..plan import Plan
 
-__all__ = ["MAX_RANKS", "RANK_OVERHEAD_BYTES", "check_host_capacity", "auto_time_scale"]
+__all__ = ["MAX_RANKS", "RANK_OVERHEAD_BYTES", "check_rank_count", "check_host_capacity",
+           "auto_time_scale"]
 
 MAX_RANKS = 16
 """Most CPU ranks a rehearsal starts on one machine."""
@@ -27,17 +28,27 @@ def _available_bytes() -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
 
 
+_HINT = ("rehearse a smaller plan (fewer pipelines or stages: the layer split and micro-batch "
+         "shares are what the rehearsal checks), or a lower --hidden-size")
+
+
+def check_rank_count(plan: Plan, *, max_ranks: int = MAX_RANKS, source: str = "PLAN") -> None:
+    """Refuse a plan of more ranks than a rehearsal starts: no torch needed, so ``rehearse``
+    says it at once, before it imports megatron-core."""
+    n = plan.world_size
+    if n > max_ranks:
+        raise HeteroError(f"{source}: the plan has {n} ranks; this rehearsal starts at most "
+                          f"{max_ranks} CPU processes on one machine: {_HINT}")
+
+
 def check_host_capacity(shrunk: Plan, *, max_ranks: int = MAX_RANKS, source: str = "PLAN",
                         catalog: Catalog | None = None) -> float:
     """Refuse a plan this machine cannot host; returns the estimated host bytes."""
     from .memory import cpu_rank_bytes
 
+    check_rank_count(shrunk, max_ranks=max_ranks, source=source)
     n = shrunk.world_size
-    hint = ("rehearse a smaller plan (fewer pipelines or stages: the layer split and micro-batch "
-            "shares are what the rehearsal checks), or a lower --hidden-size")
-    if n > max_ranks:
-        raise HeteroError(f"{source}: the plan has {n} ranks; this rehearsal starts at most "
-                          f"{max_ranks} CPU processes on one machine: {hint}")
+    hint = _HINT
     need = n * RANK_OVERHEAD_BYTES + sum(cpu_rank_bytes(shrunk, catalog).values())
     have = _available_bytes()
     if need > have:

@@ -15,7 +15,13 @@ from .._schema import from_data
 from ..errors import Described, SchemaError
 from ..limits import quantity
 
-__all__ = ["GPUSpec", "GPUOverride", "Catalog", "load_catalog", "DeviceStack", "VENDOR_STACKS"]
+__all__ = ["GPUSpec", "GPUOverride", "Catalog", "load_catalog", "DeviceStack", "VENDOR_STACKS",
+           "DRIVER_SHARE"]
+
+DRIVER_SHARE = 0.01
+"""Share of a card's memory (as sold, read in GiB) the driver keeps where a catalog entry gives
+no ``visible_memory_gib``: the H200 of docs/gpu.md, sold as 141 GB, reports 139.8 GiB (0.85%).
+Cards with ECC on GDDR memory (T4, L4, A10) keep more: give their ``visible_memory_gib``."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -51,6 +57,7 @@ class GPUSpec:
     bf16: bool
     fp32_tflops: float = field(metadata=quantity("tflops"))
     memory_gb: float = field(metadata=quantity("memory_gb"))
+    """Device memory as sold, in GB (the datasheet's figure)."""
     memory_bandwidth_gb_s: float = field(metadata=quantity("bandwidth_gb_s"))
     intra_node_link: str
     intra_node_bandwidth_gb_s: float = field(metadata=quantity("bandwidth_gb_s"))
@@ -64,6 +71,10 @@ class GPUSpec:
     dist_backend: str | None = None
     """The ``torch.distributed`` backend of its device tensors; absent: the vendor's, else
     ``nccl``."""
+    visible_memory_gib: float | None = field(default=None, metadata=quantity("memory_gb"))
+    """Device memory as torch reports it (``total_memory`` / 2^30, what the driver leaves);
+    absent: :data:`DRIVER_SHARE` less than ``memory_gb`` read as GiB
+    (:attr:`visible_memory_bytes`)."""
 
     def __post_init__(self) -> None:
         for key in ("bf16_tflops", "fp32_tflops", "memory_gb", "memory_bandwidth_gb_s",
@@ -72,6 +83,10 @@ class GPUSpec:
                 raise SchemaError("", key, getattr(self, key), "a positive number")
         if not 0 < self.efficiency <= 1:
             raise SchemaError("", "efficiency", self.efficiency, "a fraction in (0, 1]")
+        if self.visible_memory_gib is not None and not 0 < self.visible_memory_gib <= self.memory_gb:
+            raise SchemaError("", "visible_memory_gib", self.visible_memory_gib,
+                              f"what the device reports, in GiB: positive and at most memory_gb "
+                              f"({self.memory_gb:g}) read as GiB")
         self._check_stack()
 
     def _check_stack(self) -> None:
@@ -108,7 +123,18 @@ class GPUSpec:
 
     @property
     def memory_bytes(self) -> float:
+        """The memory as sold, in bytes (``memory_gb`` x 10^9)."""
         return self.memory_gb * 1e9
+
+    @property
+    def visible_memory_bytes(self) -> float:
+        """The memory the device reports: ``visible_memory_gib`` where the entry gives it, else
+        ``memory_gb`` read as GiB (HBM and GDDR come in binary sizes: a card sold as 80 GB
+        holds 80 GiB) less :data:`DRIVER_SHARE`. The cost model plans against this, less the
+        memory headroom (:class:`~megatron_hetero.cost.model.CostModel`)."""
+        if self.visible_memory_gib is not None:
+            return self.visible_memory_gib * 2**30
+        return self.memory_gb * 2**30 * (1.0 - DRIVER_SHARE)
 
     @property
     def achievable_flops(self) -> float:
@@ -134,6 +160,7 @@ class GPUOverride:
     notes: str | None = None
     torch_device: str | None = None
     dist_backend: str | None = None
+    visible_memory_gib: float | None = field(default=None, metadata=quantity("memory_gb"))
 
 
 def _norm(name: str) -> str:

@@ -12,7 +12,9 @@ run them yet.
 
 Run as ``python -m megatron_hetero.launch.jobspec PLAN [...] --print sbatch-args`` (one argument a
 line, components separated by ``:``), ``--print device-types`` (comma-separated, one per
-component) or ``--hostfile FILE --print hosts`` (checks a torchrun host file against the plan).
+component) or ``--hostfile FILE --print hosts`` (checks a torchrun host file against the plan
+and prints the hosts it uses: a host file may offer more GPUs than the plan needs, and the
+first hosts of each type in file order are taken, :func:`check_hosts`).
 No torch import: this runs on login nodes.
 """
 
@@ -32,7 +34,7 @@ from ..hardware.inventory import Inventory, load_inventory
 from ..plan import Plan, load_any_plan
 
 __all__ = ["SlurmComponent", "HostEntry", "slurm_components", "sbatch_args", "parse_mapping",
-           "read_hostfile", "check_hosts", "main"]
+           "read_hostfile", "check_hosts", "left_out", "main"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -198,25 +200,50 @@ def read_hostfile(path: str | Path, catalog: Catalog, *, default_gpus: int | Non
 
 
 def check_hosts(plan: Plan, entries: Sequence[HostEntry], *, source: str = "<plan>",
-                hostfile: str = "<hostfile>") -> None:
-    """Raise :class:`HeteroError` unless the hosts offer exactly the GPUs the plan needs."""
+                hostfile: str = "<hostfile>") -> list[HostEntry]:
+    """The hosts the plan runs on: of each GPU type, the first hosts in file order until the
+    plan's GPUs of that type are reached (the last one taken may give fewer GPUs than it has).
+    The hosts left out stay idle. Raise :class:`HeteroError` where the hosts offer too few GPUs
+    of a type, or a host taken would split a tensor-parallel group."""
     have: Counter[str] = Counter()
     for e in entries:
         have[e.device_type] += e.num_gpus
     need = plan.device_counts()
-    if have != need:
+    if any(have[g] < n for g, n in need.items()):
         def show(c: Counter[str]) -> str:
-            return ", ".join(f"{n}x {g}" for g, n in sorted(c.items())) or "nothing"
-        raise HeteroError(f"{hostfile} offers {show(have)}; {source} needs exactly {show(need)} "
-                          f"(world size {plan.world_size})")
-    tp = _tp_sizes(plan)
+            return ", ".join(f"{n}x {g}" for g, n in sorted(c.items()) if n) or "nothing"
+        short = ", ".join(f"{need[g] - have[g]} more {g}" for g in sorted(need)
+                          if have[g] < need[g])
+        raise HeteroError(f"{hostfile} offers {show(have)}; {source} needs {show(need)} "
+                          f"(world size {plan.world_size}): {short}")
+    taken: Counter[str] = Counter()
+    picked = []
     for e in entries:
+        use = min(e.num_gpus, need.get(e.device_type, 0) - taken[e.device_type])
+        if use > 0:
+            taken[e.device_type] += use
+            picked.append(HostEntry(host=e.host, device_type=e.device_type, num_gpus=use))
+    tp = _tp_sizes(plan)
+    for e in picked:
         unit = math.lcm(*tp.get(e.device_type, {1}))
         if e.num_gpus % unit:
             raise HeteroError(f"{hostfile}: host {e.host}: found {e.num_gpus} {e.device_type} "
                               f"GPUs; expected a multiple of {unit}, the tensor-parallel size of "
                               f"{source}'s groups on {e.device_type} (a group must sit in one "
                               "node; its NVLink is what TP is priced on)")
+    return picked
+
+
+def left_out(entries: Sequence[HostEntry], picked: Sequence[HostEntry]) -> list[str]:
+    """What the plan leaves idle of a host file: hosts not taken, and hosts taken in part."""
+    used = {e.host: e.num_gpus for e in picked}
+    out = []
+    for e in entries:
+        if e.host not in used:
+            out.append(f"{e.host} ({e.num_gpus} {e.device_type})")
+        elif used[e.host] < e.num_gpus:
+            out.append(f"{e.num_gpus - used[e.host]} of {e.host}'s {e.num_gpus} {e.device_type}")
+    return out
 
 
 def _tp_sizes(plan: Plan) -> dict[str, set[int]]:
@@ -263,8 +290,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not args.hostfile:
                 raise HeteroError("--print hosts needs --hostfile FILE")
             entries = read_hostfile(args.hostfile, catalog, default_gpus=args.gpus_per_node)
-            check_hosts(plan, entries, source=args.plan, hostfile=args.hostfile)
-            for e in entries:
+            picked = check_hosts(plan, entries, source=args.plan, hostfile=args.hostfile)
+            idle = left_out(entries, picked)
+            if idle:
+                print(f"{args.hostfile}: {args.plan} runs on {len(picked)} of its "
+                      f"{len(entries)} hosts ({', '.join(e.host for e in picked)}); left idle: "
+                      + ", ".join(idle), file=sys.stderr)
+            for e in picked:
                 print(e.host, e.device_type, e.num_gpus)
             return 0
         comps = slurm_components(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 
 from ..errors import HeteroError
@@ -39,6 +40,20 @@ def resolve_model(name: str, *, seq_length: int | None = None,
     return model
 
 
+def shrink_note(full: ModelSpec, model: ModelSpec) -> str | None:
+    """One line saying what ``profile --hidden-size`` changed besides the width (None when it
+    changed nothing)."""
+    keys = (("hidden_size", "hidden"), ("num_attention_heads", "heads"),
+            ("num_query_groups", "query groups"), ("ffn_hidden_size", "FFN"),
+            ("vocab_size", "vocabulary"), ("seq_length", "sequence"))
+    changed = [f"{word} {getattr(full, k)} -> {getattr(model, k)}" for k, word in keys
+               if getattr(full, k) != getattr(model, k)]
+    if not changed:
+        return None
+    return (f"profile: {full.name} shrunk as the rehearsal shrinks it: {', '.join(changed)} "
+            "(--seq-length and --vocab-size set the sequence and the vocabulary)")
+
+
 def profile_main(args) -> int:
     """Handler of ``megatron-hetero profile``."""
     model = resolve_model(args.model, seq_length=args.seq_length, hidden_size=args.hidden_size)
@@ -46,6 +61,9 @@ def profile_main(args) -> int:
         if args.vocab_size < 1:
             raise HeteroError(f"--vocab-size {args.vocab_size}: expected a positive integer")
         model = dataclasses.replace(model, vocab_size=args.vocab_size)
+    note = shrink_note(resolve_model(args.model, seq_length=args.seq_length), model)
+    if note and args.hidden_size is not None:
+        print(note, file=sys.stderr)
     inputs = {"--model": args.model} if Path(args.model).exists() else {}
     with Outputs("profile", inputs=inputs, outputs={"-o/--output": args.output}) as out:
         return _profile(args, model, out)
@@ -67,7 +85,8 @@ def _profile(args, model: ModelSpec, out: Outputs) -> int:
         return 0
     eff = f"; layer efficiency {data.efficiency:.3f}" if data.efficiency else ""
     print(f"{args.output}: profile of {data.device.type} ({data.device.name}) for "
-          f"{model.name} h={model.hidden_size} s={model.seq_length}: {len(data.entries)} "
+          f"{model.name} h={model.hidden_size} s={model.seq_length} v={model.vocab_size}: "
+          f"{len(data.entries)} "
           f"entries{eff}")
     for e in data.entries:
         print(f"  TP={e.tensor_parallel_size} mbs={e.micro_batch_size}: layer fwd "

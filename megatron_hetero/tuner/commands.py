@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from ..cost.model import DEFAULT_MEMORY_HEADROOM, check_memory_headroom, usable_memory_text
 from ..errors import HeteroError
 from ..hardware.inventory import load_inventory
 from ..models import load_model
@@ -16,7 +17,28 @@ from ..plan import ModelSpec, Plan, load_any_plan, save_plan
 from ..placement.inventory import check_against_inventory
 
 __all__ = ["tune_main", "simulate_main", "add_tune_arguments", "add_simulate_arguments",
-           "add_search_space_arguments", "parse_sizes"]
+           "add_search_space_arguments", "add_memory_headroom_argument", "memory_headroom",
+           "headroom_line", "parse_sizes"]
+
+
+def add_memory_headroom_argument(p: argparse.ArgumentParser) -> None:
+    """``--memory-headroom F`` (``tune``, ``replan``, ``simulate``, ``validate``); read it with
+    :func:`memory_headroom`."""
+    p.add_argument("--memory-headroom", type=float, default=None, metavar="F",
+                   help="fraction of each card's memory (as the device reports it) that no "
+                        f"stage's predicted peak may use (default {DEFAULT_MEMORY_HEADROOM:g}: "
+                        "the allocator's gap and the model's error, docs/tuner.md)")
+
+
+def memory_headroom(args: argparse.Namespace) -> float:
+    """The ``--memory-headroom`` given (checked), else the default."""
+    given = getattr(args, "memory_headroom", None)
+    return DEFAULT_MEMORY_HEADROOM if given is None else check_memory_headroom(given)
+
+
+def headroom_line(headroom: float) -> str:
+    """One line saying what the memory figures are out of."""
+    return f"memory: each card's {usable_memory_text(headroom)}"
 
 
 def add_search_space_arguments(p: argparse.ArgumentParser, *, tp_default: str) -> None:
@@ -29,6 +51,7 @@ def add_search_space_arguments(p: argparse.ArgumentParser, *, tp_default: str) -
                    help="micro-batch sizes to try (default 1,2,4,8)")
     p.add_argument("--tensor-parallel-sizes", metavar="LIST",
                    help=f"tensor-parallel sizes to try (default: {tp_default})")
+    add_memory_headroom_argument(p)
 
 
 def add_tune_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,7 +81,9 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
                         "later, with Transformer Engine's layers or the local ones)")
     p.add_argument("--meshes", action="store_true",
                    help="search mesh plans too (TP and DP per device type) and write one where "
-                        "it is faster; the runtime refuses mesh plans until it can run them")
+                        "it is faster; the runtime runs mesh plans from megatron-core 0.17 "
+                        "(docs/meshes.md), so without it tune writes only plans that run on "
+                        "every supported release")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no table")
 
 
@@ -73,6 +98,10 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
                    help="a plan whose stage does not fit its card's memory (or a node its host "
                         "memory) is simulated and printed with a warning, exit 0; without it, "
                         "such a plan is one error, exit 1, and nothing is written")
+    add_memory_headroom_argument(p)
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="no table and no per-stage lines: the predicted step, warnings and "
+                        "what was written")
 
 
 def _profiles(paths, inventory):
@@ -175,6 +204,7 @@ def tune_main(args: argparse.Namespace) -> int:
         raise HeteroError(f"--global-batch-size: {args.global_batch_size}; expected a positive integer")
     if args.seq_length is not None and args.seq_length < 1:
         raise HeteroError(f"--seq-length: {args.seq_length}; expected a positive integer")
+    memory_headroom(args)
     _check_timeline(args.timeline)
     if args.timeline:  # at least a forward and a backward of every micro-batch of the batch
         from ..sim.step import check_recordable
@@ -202,8 +232,8 @@ def _tune(args: argparse.Namespace, out: Outputs, *, model: ModelSpec | None = N
 
     from ..cost import CostModel
     from ..cost.crossings import vendor_crossings
-    from .report import (host_memory_lines, plan_table, report_dict, summary_lines, vendor_dict,
-                         vendor_lines)
+    from .report import (host_memory_lines, optimizer_seconds, plan_table, report_dict,
+                         summary_lines, unused_gpus, unused_line, vendor_dict, vendor_lines)
     from .problem import TuneOptions
     from .search import tune
 
@@ -216,7 +246,7 @@ def _tune(args: argparse.Namespace, out: Outputs, *, model: ModelSpec | None = N
                           tensor_parallel_sizes=tp_sizes,
                           optimizer_offload=not args.no_optimizer_offload,
                           activation_offload=not args.no_activation_offload,
-                          meshes=args.meshes,
+                          meshes=args.meshes, memory_headroom=memory_headroom(args),
                           progress=not args.quiet and sys.stderr.isatty())
     profiles = _profiles(args.profile, inventory)
     result = tune(model, inventory, args.global_batch_size, profiles=profiles, options=options)
@@ -225,10 +255,14 @@ def _tune(args: argparse.Namespace, out: Outputs, *, model: ModelSpec | None = N
     save_plan(result.plan, out.staged(args.output))
     sources = _figure_sources(result.plan, inventory, profiles)
     used_types = sorted(result.plan.device_counts())
-    cost = CostModel(model, inventory, profiles=profiles, precision=result.plan.precision)
+    cost = CostModel(model, inventory, profiles=profiles, precision=result.plan.precision,
+                     use_distributed_optimizer=result.plan.use_distributed_optimizer,
+                     memory_headroom=options.memory_headroom)
     crossings = vendor_crossings(result.plan, cost)
+    optimizer = optimizer_seconds(result.plan, result.sim, cost)
     if args.report:
-        report = report_dict(result, args.output)
+        report = report_dict(result, args.output, optimizer=optimizer)
+        report["unused_gpus"] = unused_gpus(result.plan, inventory)
         report["figure_sources"] = sources.report(used_types)
         report["vendor_crossings"] = vendor_dict(crossings, result.sim)
         with open(out.staged(args.report), "w") as f:
@@ -238,9 +272,13 @@ def _tune(args: argparse.Namespace, out: Outputs, *, model: ModelSpec | None = N
         simulate(result.plan, cost).timeline_png(out.staged(args.timeline))
     console = Console(soft_wrap=True)  # summary lines stay whole in logs and pipes
     if not args.quiet:
-        console.print(plan_table(result.plan, result.sim, f"{model.name} on {_short(args.inventory)}"),
-                      soft_wrap=False)
+        console.print(plan_table(result.plan, result.sim, f"{model.name} on {_short(args.inventory)}",
+                                 optimizer), soft_wrap=False)
     console.print(summary_lines(result.plan, result.sim, "tuned   "), highlight=False)
+    if unused_line(result.plan, inventory):
+        console.print(unused_line(result.plan, inventory), highlight=False)
+    if not args.quiet:
+        console.print(headroom_line(options.memory_headroom), highlight=False)
     for line in host_memory_lines(result.sim):
         console.print(f"[bold red]warning[/]: {line}", highlight=False)
     for line in vendor_lines(crossings, result.sim):
@@ -266,6 +304,7 @@ def _tune(args: argparse.Namespace, out: Outputs, *, model: ModelSpec | None = N
 
 
 def simulate_main(args: argparse.Namespace) -> int:
+    memory_headroom(args)
     _check_timeline(args.timeline)
     with _outputs("simulate", args, inputs={"PLAN": args.plan, "--inventory": args.inventory},
                   outputs={"--json": args.json, "--timeline": args.timeline}) as out:
@@ -278,7 +317,8 @@ def _simulate(args: argparse.Namespace, out: Outputs) -> int:
     from ..cost import CostModel
     from ..cost.crossings import vendor_crossings
     from ..sim.step import simulate
-    from .report import host_memory_lines, plan_table, summary_lines, vendor_lines
+    from .report import (host_memory_lines, optimizer_seconds, plan_table, stage_dicts,
+                         summary_lines, unused_line, vendor_lines)
 
     inventory = load_inventory(args.inventory)
     plan = load_any_plan(args.plan, catalog=inventory.catalog)
@@ -287,36 +327,45 @@ def _simulate(args: argparse.Namespace, out: Outputs) -> int:
         return _simulate_mesh_main(args, plan, inventory, out)
     profiles = _profiles(args.profile, inventory)
     cost = CostModel(plan.model, inventory, profiles=profiles,
-                     precision=plan.precision, use_distributed_optimizer=plan.use_distributed_optimizer)
+                     precision=plan.precision, use_distributed_optimizer=plan.use_distributed_optimizer,
+                     memory_headroom=memory_headroom(args))
     sim = simulate(plan, cost, record_events=bool(args.timeline))
     _check_fits(args, plan, sim)
+    optimizer = optimizer_seconds(plan, sim, cost)
     console = Console(soft_wrap=True)
-    console.print(plan_table(plan, sim, f"{_short(args.plan)} on {_short(args.inventory)}"),
-                  soft_wrap=False)
+    if not args.quiet:
+        console.print(plan_table(plan, sim, f"{_short(args.plan)} on {_short(args.inventory)}",
+                                 optimizer), soft_wrap=False)
     console.print(summary_lines(plan, sim, "predicted"), highlight=False)
+    if unused_line(plan, inventory):
+        console.print(unused_line(plan, inventory), highlight=False)
+    console.print(headroom_line(cost.memory_headroom), highlight=False)
     for line in _figure_sources(plan, inventory, profiles).summary_lines(sorted(plan.device_counts())):
         console.print(f"figures: {line}", highlight=False, soft_wrap=True)
-    for s in sim.stages:
+    for s in [] if args.quiet else sim.stages:
         console.print(f"  pipeline {s.pipeline} stage {s.stage} ({s.device_type}): busy "
-                      f"{s.busy_s:.3f} s, bubble {s.bubble_s:.3f} s, sync {s.sync_s:.3f} s, "
+                      f"{s.busy_s:.3f} s, bubble {s.bubble_s:.3f} s, sync {s.sync_s:.3f} s "
+                      f"(optimizer {optimizer[(s.pipeline, s.stage)]:.3f} s), "
                       f"idle {s.idle_s:.3f} s, memory {s.memory.total / 1e9:.1f}/"
-                      f"{s.memory.capacity / 1e9:.0f} GB", highlight=False)
+                      f"{s.memory.capacity / 1e9:.1f} GB", highlight=False)
     over = [s for s in sim.stages if not s.memory.fits]
     if over:
         s = over[0]
         console.print(f"[bold red]warning[/]: {len(over)} stage(s) exceed device memory, e.g. "
                       f"pipeline {s.pipeline} stage {s.stage} ({s.device_type}) needs "
-                      f"{s.memory.total / 1e9:.1f} GB of {s.memory.capacity / 1e9:.0f} GB")
+                      f"{s.memory.total / 1e9:.1f} GB of {s.memory.capacity / 1e9:.1f} GB")
     for line in host_memory_lines(sim):
         console.print(f"[bold red]warning[/]: {line}", highlight=False)
     for line in vendor_lines(vendor_crossings(plan, cost), sim):
         console.print(line, highlight=False)
     if args.json:
         with open(out.staged(args.json), "w") as f:
-            json.dump(sim.to_dict(), f, indent=2)
+            json.dump({**sim.to_dict(), "stages": stage_dicts(sim, optimizer)}, f, indent=2)
     if args.timeline:
         sim.timeline_png(out.staged(args.timeline))
-        console.print(f"wrote {args.timeline}", highlight=False)
+    written = [p for p in (args.json, args.timeline) if p]
+    if written:
+        console.print(f"wrote {', '.join(written)}", highlight=False)
     return 0
 
 
@@ -325,7 +374,8 @@ def _check_fits(args: argparse.Namespace, plan, sim) -> None:
     if not args.warn_only:
         from ..sim.fits import check_fits
         check_fits(plan, sim, source=args.plan,
-                   skip_hint="--warn-only simulates it anyway, with a warning")
+                   skip_hint=f"{usable_memory_text(memory_headroom(args))}; --warn-only "
+                             "simulates it anyway, with a warning")
 
 
 def _simulate_mesh_main(args: argparse.Namespace, plan: Plan, inventory, out: Outputs) -> int:
@@ -338,22 +388,27 @@ def _simulate_mesh_main(args: argparse.Namespace, plan: Plan, inventory, out: Ou
         check_recordable(recorded_ops(plan))
     profiles = _profiles(args.profile, inventory)
     cost = CostModel(plan.model, inventory, profiles=profiles, precision=plan.precision,
-                     use_distributed_optimizer=plan.use_distributed_optimizer)
+                     use_distributed_optimizer=plan.use_distributed_optimizer,
+                     memory_headroom=memory_headroom(args))
     sim = simulate(plan, cost, record_events=bool(args.timeline))
     _check_fits(args, plan, sim)
-    print(f"{_short(args.plan)} on {_short(args.inventory)}\n{plan.describe()}")
+    print(f"{_short(args.plan)} on {_short(args.inventory)}"
+          + ("" if args.quiet else f"\n{plan.describe()}"))
     print(f"predicted: step {sim.step_time_s:.3f} s, {sim.tokens_per_s:,.0f} tokens/s, "
           f"MFU {sim.mfu:.3f}; fits memory: {'yes' if sim.fits_memory else 'NO'}")
-    for s in sim.stages:
+    print(headroom_line(cost.memory_headroom))
+    for s in [] if args.quiet else sim.stages:
         print(f"  replica {s.pipeline} stage {s.stage} ({s.device_type}): busy {s.busy_s:.3f} s, "
               f"bubble {s.bubble_s:.3f} s, sync {s.sync_s:.3f} s, idle {s.idle_s:.3f} s, memory "
-              f"{s.memory.total / 1e9:.1f}/{s.memory.capacity / 1e9:.0f} GB")
+              f"{s.memory.total / 1e9:.1f}/{s.memory.capacity / 1e9:.1f} GB")
     if args.json:
         with open(out.staged(args.json), "w") as f:
             json.dump(sim.to_dict(), f, indent=2)
     if args.timeline:
         sim.timeline_png(out.staged(args.timeline))
-        print(f"wrote {args.timeline}")
+    written = [p for p in (args.json, args.timeline) if p]
+    if written:
+        print(f"wrote {', '.join(written)}")
     return 0
 
 
@@ -364,12 +419,13 @@ def _tune_mesh_wins(args: argparse.Namespace, result, inventory, profiles, out: 
     from ..plan.megatron_args import megatron_args_line
     from ..plan import save_any_plan
     from ..sim.step import simulate
-    from .report import report_dict, summary_lines
+    from .report import report_dict, summary_lines, unused_gpus, unused_line
 
     plan, sim = result.mesh_plan, result.mesh_sim
     save_any_plan(plan, out.staged(args.output))
     if args.report:
         report = report_dict(result, None)  # the uniform plan's figures, and the mesh plan's
+        report["unused_gpus"] = unused_gpus(plan, inventory)
         report["mesh_plan"] = {"predicted_step_time_s": sim.step_time_s, "mfu": sim.mfu,
                                "efficiency": result.upper_bound_step_time_s / sim.step_time_s,
                                "speedup_over_uniform": result.sim.step_time_s / sim.step_time_s,
@@ -378,10 +434,13 @@ def _tune_mesh_wins(args: argparse.Namespace, result, inventory, profiles, out: 
         with open(out.staged(args.report), "w") as f:
             json.dump(report, f, indent=2)
     if args.timeline:
-        cost = CostModel(plan.model, inventory, profiles=profiles, precision=plan.precision)
+        cost = CostModel(plan.model, inventory, profiles=profiles, precision=plan.precision,
+                         memory_headroom=memory_headroom(args))
         simulate(plan, cost).timeline_png(out.staged(args.timeline))
     print(f"tuned   : mesh plan, step {sim.step_time_s:.3f} s, {sim.tokens_per_s:,.0f} tokens/s, "
           f"MFU {sim.mfu:.3f}\n{plan.describe()}")
+    if unused_line(plan, inventory):
+        print(unused_line(plan, inventory))
     print(summary_lines(result.plan, result.sim, "uniform "))
     eff = result.upper_bound_step_time_s / sim.step_time_s
     print(f"upper bound {result.upper_bound_step_time_s:.3f} s; efficiency {eff:.3f}; speedup "

@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from ..cost.model import CostModel
+from ..cost.model import DEFAULT_MEMORY_HEADROOM, CostModel
 from ..cost.profile_protocol import DeviceProfile
 from ..hardware.inventory import Inventory
 from ..plan import ModelSpec
@@ -68,13 +68,16 @@ class TuneOptions:
     meshes: bool = False
     """Search mesh plans too (:mod:`.meshes`: each device type of a mixed pool its own TP and
     DP); one wins where it is strictly faster than the best uniform-TP plan. Off by default:
-    the runtime refuses mesh plans until it can run them (docs/meshes.md)."""
+    the runtime runs mesh plans from megatron-core 0.17 (docs/meshes.md)."""
     precision: str | None = None
     """Train every plan in this precision (``bf16``, ``fp16``, ``fp32``); None: bf16 where all
     the plan's GPUs support it, else fp16. ``replan`` keeps the checkpoint's."""
     use_distributed_optimizer: bool = True
     """Plans shard optimizer state over data parallelism (``--use-distributed-optimizer``);
     ``replan`` keeps the checkpoint's choice."""
+    memory_headroom: float = DEFAULT_MEMORY_HEADROOM
+    """Fraction of each card's reported memory no stage's predicted peak may use
+    (``--memory-headroom``; :meth:`~megatron_hetero.cost.model.CostModel.capacity`)."""
     progress: bool = False
     """Show a progress bar (rich) while structures are evaluated."""
     cost_options: dict = field(default_factory=dict)
@@ -103,7 +106,7 @@ class Problem:
             self._costs[precision] = CostModel(
                 self.model, self.inv, profiles=self.profiles, precision=precision,
                 use_distributed_optimizer=self.opt.use_distributed_optimizer,
-                **self.opt.cost_options)
+                memory_headroom=self.opt.memory_headroom, **self.opt.cost_options)
         return self._costs[precision]
 
     def precision_for(self, types) -> str:

@@ -46,6 +46,12 @@ def add_replan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", metavar="M", help="a preset or model YAML the checkpoint must hold")
     p.add_argument("--global-batch-size", type=int, metavar="N",
                    help="must equal the checkpoint's (Megatron resumes its sample count)")
+    p.add_argument("--no-load-optim", action="store_true",
+                   help="plan B restarts without the checkpoint's optimizer state (Megatron's "
+                        "--no-load-optim: the weights load, Adam's state starts afresh); the "
+                        "route for a checkpoint saved with Megatron's default 'dp_reshardable' "
+                        "optimizer state, which loads only under its own TP and PP sizes; the "
+                        "restart command carries the flag")
     from .commands import add_search_space_arguments
 
     add_search_space_arguments(p, tp_default="every size the checkpoint loads under that divides "
@@ -62,7 +68,7 @@ def replan_main(args: argparse.Namespace) -> int:
 
 def _replan(args: argparse.Namespace, source: Path, out: Outputs) -> int:
     from ..cost.profile_file import load_profiles
-    from .commands import parse_sizes
+    from .commands import memory_headroom, parse_sizes
     from .problem import TuneOptions
     from .report import summary_lines
     from .search import tune
@@ -87,7 +93,8 @@ def _replan(args: argparse.Namespace, source: Path, out: Outputs) -> int:
                           tensor_parallel_sizes=tp_sizes,
                           precision=ckpt.precision if ckpt else old.precision,
                           use_distributed_optimizer=bool(ckpt.args.get("use_distributed_optimizer"))
-                          if ckpt else old.use_distributed_optimizer)
+                          if ckpt else old.use_distributed_optimizer,
+                          memory_headroom=memory_headroom(args))
     profiles = load_profiles(args.profile, catalog=inventory.catalog) if args.profile else {}
     try:
         result = tune(model, inventory, gbs, profiles=profiles, options=options)
@@ -102,9 +109,10 @@ def _replan(args: argparse.Namespace, source: Path, out: Outputs) -> int:
                               "the pool has")
     check_against_inventory(plan, inventory, source=args.output)
     if ckpt:
-        _check_loads(ckpt, plan, args.output)
+        _check_loads(ckpt, plan, args.output, load_optim=not args.no_load_optim)
     save_plan(plan, out.staged(args.output))
-    _as_validate_reads_it(out.staged(args.output), inventory, args.output)
+    _as_validate_reads_it(out.staged(args.output), inventory, args.output,
+                          options.memory_headroom)
     if ckpt:
         a = ckpt.args
         print(f"checkpoint {ckpt.folder}: iteration {ckpt.iteration}, {ckpt.format}, "
@@ -120,11 +128,15 @@ def _replan(args: argparse.Namespace, source: Path, out: Outputs) -> int:
         print(f"loads: {ckpt.format} reshards to TP={plan.tensor_model_parallel_size} "
               f"PP={plan.pipeline_model_parallel_size} DP={plan.data_parallel_size}; the "
               f"embedding keeps its {ckpt.padded_vocab_size(plan.tensor_model_parallel_size)} "
-              f"rows; optimizer state {ckpt.optimizer_sharding or 'per parameter'}")
+              f"rows; optimizer state "
+              + ("not loaded (--no-load-optim: Adam's state starts afresh)" if args.no_load_optim
+                 else f"{ckpt.optimizer_sharding or 'per parameter'}"))
     else:
         print(f"loads: not checked (give the checkpoint folder instead of {args.source} to check it)")
     load = str(ckpt.folder) if ckpt else "CHECKPOINT"
     restart = ["--load", load, "--ckpt-format", "torch_dist"]
+    if args.no_load_optim:
+        restart.append("--no-load-optim")
     print(f"wrote {args.output}")
     print(f"restart on {plan.world_size} GPUs, with the first run's data, tokenizer and schedule "
           "arguments added:")
@@ -136,10 +148,12 @@ def _replan(args: argparse.Namespace, source: Path, out: Outputs) -> int:
     return 0
 
 
-def _as_validate_reads_it(staged: Path, inventory, output: str) -> None:
-    """Plan B as ``validate OUTPUT --inventory INVENTORY`` would read and check it."""
+def _as_validate_reads_it(staged: Path, inventory, output: str, headroom: float) -> None:
+    """Plan B as ``validate OUTPUT --inventory INVENTORY`` (with replan's memory headroom)
+    would read and check it."""
     try:
-        validate_plan(load_any_plan(staged, catalog=inventory.catalog), inventory, source=output)
+        validate_plan(load_any_plan(staged, catalog=inventory.catalog), inventory, source=output,
+                      memory_headroom=headroom)
     except HeteroError as exc:
         raise HeteroError(f"{str(exc).replace(str(staged), output)} (plan B was not written: "
                           "`validate` refuses it)") from None
@@ -249,7 +263,7 @@ def _loadable_tp_sizes(ckpt: Checkpoint | None, old, model: ModelSpec, args) -> 
         saved = ckpt.padded_vocab_size(tp0)
         fits = tuple(t for t in heads if ckpt.padded_vocab_size(t) == saved)
         why = f"the {saved} embedding rows saved in {ckpt.folder}"
-        sharding = ckpt.optimizer_sharding
+        sharding = None if args.no_load_optim else ckpt.optimizer_sharding
         if sharding is not None and sharding not in FULLY_RESHARDABLE and tp0 in fits:
             fits = (tp0,)  # that optimizer state loads only under its TP (and PP) size
     elif old is not None and old.one_grid:
@@ -268,8 +282,9 @@ def _loadable_tp_sizes(ckpt: Checkpoint | None, old, model: ModelSpec, args) -> 
     return fits
 
 
-def _check_loads(ckpt: Checkpoint, plan: Plan, source: str) -> None:
-    """Refuse plan B where Megatron would refuse to load the checkpoint under it."""
+def _check_loads(ckpt: Checkpoint, plan: Plan, source: str, *, load_optim: bool = True) -> None:
+    """Refuse plan B where Megatron would refuse to load the checkpoint under it (its optimizer
+    state too, unless ``load_optim`` is false: the restart passes ``--no-load-optim``)."""
     tp0 = int(ckpt.args.get("tensor_model_parallel_size") or 1)
     pp0 = int(ckpt.args.get("pipeline_model_parallel_size") or 1)
     tp, pp = plan.tensor_model_parallel_size, plan.pipeline_model_parallel_size
@@ -278,10 +293,12 @@ def _check_loads(ckpt: Checkpoint, plan: Plan, source: str) -> None:
         raise SchemaError(source, "tensor_model_parallel_size", tp,
                           f"a size that keeps the {ckpt.padded_vocab_size(tp0)} embedding rows "
                           f"saved in {ckpt.folder} (TP={tp} pads to {rows})")
-    sharding = ckpt.optimizer_sharding
+    sharding = ckpt.optimizer_sharding if load_optim else None
     if sharding is not None and sharding not in FULLY_RESHARDABLE and (tp, pp) != (tp0, pp0):
         raise SchemaError(f"{ckpt.common_file}", "content_metadata.distrib_optim_sharding_type",
                           sharding, f"a fully reshardable optimizer state to load under TP={tp} "
                           f"PP={pp} (saved under TP={tp0} PP={pp0}): Megatron loads "
-                          f"'{sharding}' only under the same TP and PP sizes; save with "
-                          "--dist-ckpt-optim-fully-reshardable, or restart with --no-load-optim")
+                          f"'{sharding}' only under the same TP and PP sizes (Megatron's "
+                          "default); save with --dist-ckpt-optim-fully-reshardable, or re-plan "
+                          "with `replan --no-load-optim` (the weights load, Adam's state starts "
+                          "afresh; the restart command carries the flag)")

@@ -10,7 +10,59 @@ from ..plan import Plan
 from ..sim.step import SimResult
 
 __all__ = ["plan_table", "summary_lines", "host_memory_lines", "report_dict", "policy_text",
-           "vendor_lines", "vendor_dict"]
+           "vendor_lines", "vendor_dict", "optimizer_seconds", "stage_dicts", "unused_gpus",
+           "unused_line"]
+
+
+def optimizer_seconds(plan: Plan, sim: SimResult, cost) -> dict[tuple[int, int], float]:
+    """Each (pipeline, stage)'s optimizer step in seconds, as the simulator adds it after the
+    gradient sync (part of ``sync_s``): memory-bound on the device, the offloaded fraction at
+    the host's rate (:meth:`~megatron_hetero.cost.model.CostModel.optimizer_seconds`). Empty
+    for a mesh plan."""
+    if not plan.one_grid:
+        return {}
+    from ..cost.stage import StageShape
+
+    seen: dict[tuple, float] = {}
+    out = {}
+    for st in sim.stages:
+        stage = plan.stage(st.pipeline, st.stage)
+        key = (st.stage, stage.device_type, stage.offload.optimizer_fraction)
+        if key not in seen:
+            seen[key] = cost.optimizer_seconds(StageShape.of(plan, st.pipeline, st.stage))
+        out[(st.pipeline, st.stage)] = seen[key]
+    return out
+
+
+def stage_dicts(sim: SimResult, optimizer: dict[tuple[int, int], float]) -> list[dict]:
+    """The per-stage JSON of ``simulate --json`` and ``tune --report``: each stage's figures,
+    with ``optimizer_s`` (its optimizer step, inside ``sync_s``) where known."""
+    out = []
+    for st in sim.stages:
+        d = st.to_dict()
+        if (st.pipeline, st.stage) in optimizer:
+            d["optimizer_s"] = optimizer[(st.pipeline, st.stage)]
+        out.append(d)
+    return out
+
+
+def unused_gpus(plan: Plan, inventory) -> dict[str, int]:
+    """GPUs of the inventory the plan leaves idle, per device type (none: empty)."""
+    need = plan.device_counts()
+    return {gpu: n - need.get(gpu, 0) for gpu, n in sorted(inventory.gpu_counts().items())
+            if n > need.get(gpu, 0)}
+
+
+def unused_line(plan: Plan, inventory) -> str | None:
+    """One line naming the GPUs the plan leaves idle, or None when it uses them all."""
+    idle = unused_gpus(plan, inventory)
+    if not idle:
+        return None
+    have = inventory.gpu_counts()
+    parts = ", ".join(f"{n} of {have[g]}x {g}" for g, n in idle.items())
+    return (f"unused: {parts} (the plan needs {plan.world_size} of the inventory's "
+            f"{inventory.num_gpus} GPUs; the launchers place its ranks on the hosts it needs, "
+            "docs/launch.md)")
 
 
 def _recompute_text(stage) -> str:
@@ -51,8 +103,11 @@ def _span(ds: list[int]) -> str:
     return f"pipelines {','.join(map(str, ds[:4]))}{',...' if len(ds) > 4 else ''} (x{len(ds)})"
 
 
-def plan_table(plan: Plan, sim: SimResult, title: str):
-    """A rich Table: stages as rows, (groups of identical) pipelines as columns."""
+def plan_table(plan: Plan, sim: SimResult, title: str,
+               optimizer: dict[tuple[int, int], float] | None = None):
+    """A rich Table: stages as rows, (groups of identical) pipelines as columns; a stage that
+    offloads optimizer state shows its optimizer step's seconds (``optimizer``, from
+    :func:`optimizer_seconds`)."""
     from rich.table import Table
 
     table = Table(title=title, show_lines=True)
@@ -70,8 +125,11 @@ def plan_table(plan: Plan, sim: SimResult, title: str):
             res = sim.stage(ds[0], s)
             mem = res.memory
             policy = policy_text(st).replace(", ", "\n")
-            row.append(f"{st.device_type}\n{mem.total / 1e9:.1f} / {mem.capacity / 1e9:.0f} GB\n"
-                       f"{policy}\nbusy {res.busy_s:.2f} s")
+            opt = (optimizer or {}).get((ds[0], s))
+            row.append(f"{st.device_type}\n{mem.total / 1e9:.1f} / {mem.capacity / 1e9:.1f} GB\n"
+                       f"{policy}\nbusy {res.busy_s:.2f} s"
+                       + (f"\noptimizer {opt:.2f} s" if opt is not None
+                          and st.offload.optimizer_fraction else ""))
         table.add_row(*row)
     return table
 
@@ -122,8 +180,10 @@ def vendor_dict(crossings: list[Crossing], sim: SimResult) -> dict:
             "host_staged_share": busy / sim.step_time_s}
 
 
-def report_dict(result, plan_path: str | None) -> dict:
-    """The JSON report of ``tune`` (a :class:`~megatron_hetero.tuner.search.TuneResult`)."""
+def report_dict(result, plan_path: str | None, *,
+                optimizer: dict[tuple[int, int], float] | None = None) -> dict:
+    """The JSON report of ``tune`` (a :class:`~megatron_hetero.tuner.search.TuneResult`);
+    ``optimizer``: each stage's optimizer seconds (:func:`optimizer_seconds`)."""
     plan, sim = result.plan, result.sim
     base = result.baseline_sim
     out = {
@@ -151,7 +211,7 @@ def report_dict(result, plan_path: str | None) -> dict:
                  "overlap_grad_reduce": plan.overlap_grad_reduce,
                  "num_microbatches": [p.num_microbatches for p in plan.pipelines],
                  "device_counts": dict(sorted(plan.device_counts().items()))},
-        "stages": [s.to_dict() for s in sim.stages],
+        "stages": stage_dicts(sim, optimizer or {}),
     }
     if sim.host_nodes:
         out["host_nodes"] = [h.to_dict() for h in sim.host_nodes]

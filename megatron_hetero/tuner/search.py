@@ -460,7 +460,9 @@ def _tune(model: ModelSpec, inventory: Inventory, global_batch_size: int, *,
         best, fell_back = base_best, True
     plan, sim = best
     upper = upper_bound_step_time(model, inventory, global_batch_size,
-                                  problem.cost(problem.precision_for(problem.types)))
+                                  problem.cost(problem.precision_for(problem.types)),
+                                  [(b, t) for b in options.micro_batch_sizes
+                                   for t in space.tp_sizes(problem)])
     mesh = best_mesh_plan(problem, search.tables, uniform=sim, upper_bound_s=upper) \
         if options.meshes else None
     elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0

@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+from typing import Iterable
 
 from .. import models as M
 from ..cost.model import CostModel
@@ -56,10 +57,33 @@ class Structure:
 
 
 def upper_bound_step_time(model: ModelSpec, inventory: Inventory, global_batch_size: int,
-                          cost: CostModel) -> float:
-    """Model FLOPs of one step over the summed achievable FLOP/s of every GPU in the inventory."""
-    rate = sum(n * cost.flops_rate(gpu) for gpu, n in sorted(inventory.gpu_counts().items()))
+                          cost: CostModel, shapes: Iterable[tuple[int, int]] = ()) -> float:
+    """Model FLOPs of one step over the summed achievable FLOP/s of every GPU in the inventory
+    (:func:`bound_flops_rate`: the same figures the plans are priced with)."""
+    shapes = tuple(shapes)
+    rate = sum(n * bound_flops_rate(cost, gpu, shapes)
+               for gpu, n in sorted(inventory.gpu_counts().items()))
     return M.step_model_flops(model, global_batch_size) / rate
+
+
+def bound_flops_rate(cost: CostModel, gpu: str, shapes: Iterable[tuple[int, int]]) -> float:
+    """FLOP/s one GPU of type ``gpu`` can reach under the cost model: the catalog (or profile)
+    efficiency's rate, or, where a profile measured a layer or the output layer at a
+    (micro-batch size, TP size) of ``shapes``, the fastest rate those measured seconds give, so
+    that no plan priced from them beats the bound (a CPU profile's layers at one shape can run
+    faster than its efficiency, taken at another, says)."""
+    rate = cost.flops_rate(gpu)
+    prof = cost.profiles.get(gpu)
+    if prof is None:
+        return rate
+    m = cost.model
+    for b, tp in shapes:
+        for part, flops in (("layer", M.layer_forward_flops(m, b)),
+                            ("output", M.output_forward_flops(m, b, tp))):
+            got = prof.times(part, model=m, micro_batch_size=b, tensor_parallel_size=tp)
+            if got is not None and sum(got) > 0:
+                rate = max(rate, 3.0 * flops / tp / sum(got))
+    return rate
 
 
 def slots(inventory: Inventory, tp: int) -> dict[str, int]:
@@ -285,7 +309,7 @@ def infeasible_message(problem: Problem) -> str:
                                       tensor_parallel_size=tp, sequence_parallel=tp > 1,
                                       recompute=full, pipeline_size=pp, num_microbatches=pp,
                                       data_parallel_size=max(1, n_gpus // (tp * pp))))
-        parts.append(f"{gpu}: {need.total / 1e9:.1f} GB needed per GPU, {need.capacity / 1e9:.0f} GB "
+        parts.append(f"{gpu}: {need.total / 1e9:.1f} GB needed per GPU, {need.capacity / 1e9:.1f} GB "
                      f"available (all {n_gpus} of them as TP={tp} x PP={pp}, {per} layers per "
                      "stage, full recompute, micro-batch 1)")
     text = (f"{model.name} does not fit on {inv.source} under any plan the search "

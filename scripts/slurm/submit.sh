@@ -14,7 +14,7 @@
 #   --dry-run                print the sbatch command instead of running it (or MH_DRY_RUN=1)
 # MEGATRON ARGS are your own Megatron-LM arguments (data, tokenizer, iterations...).
 #
-# Environment: MEGATRON_LM (or MH_PRETRAIN_SCRIPT), MH_PYTHON (default python3), MH_LAUNCH,
+# Environment: MEGATRON_LM (or MH_PRETRAIN_SCRIPT), MH_PYTHON (default: the Python of the megatron-hetero on PATH, else python3), MH_LAUNCH,
 # MH_MASTER_PORT, MH_SRUN_ARGS, MH_ON_NODE_LOSS and its settings are passed on to the batch script
 # (see megatron_hetero.sbatch; --inventory also sets MH_INVENTORY for the node-loss mode).
 # MH_SET_DEVICE_TYPES=1 exports each component's GPU type to its tasks as
@@ -26,7 +26,11 @@ usage() { sed -n '2,21p' "${BASH_SOURCE[0]}"; }
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 batch=$here/megatron_hetero.sbatch
-PY=${MH_PYTHON:-python3}
+PY=${MH_PYTHON:-}
+if [[ -z $PY ]]; then  # the Python of the megatron-hetero on PATH, else python3
+    mh=$(command -v megatron-hetero || true)
+    if [[ -n $mh && -x $(dirname "$mh")/python ]]; then PY=$(dirname "$mh")/python; else PY=python3; fi
+fi
 
 [[ $# -ge 1 ]] || { usage >&2; die "missing PLAN"; }
 case $1 in -h|--help) usage; exit 0 ;; esac
@@ -54,6 +58,8 @@ if [[ -z ${MH_PRETRAIN_SCRIPT:-} ]]; then
     [[ -f $MEGATRON_LM/pretrain_gpt.py ]] || die "MEGATRON_LM=$MEGATRON_LM has no pretrain_gpt.py"
 fi
 command -v "$PY" >/dev/null || die "MH_PYTHON=$PY: not found"
+"$PY" -c "import megatron_hetero" 2>/dev/null \
+    || die "$PY cannot import megatron_hetero: set MH_PYTHON to the Python of the environment it is installed in (e.g. .venv/bin/python)"
 
 # Node-loss mode: a node that goes down must not take the job, and its batch script, with it
 # (--no-kill; a heterogeneous job that loses a whole component still ends); where Slurm ends the

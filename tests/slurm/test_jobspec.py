@@ -90,7 +90,8 @@ def test_hostfile_checked_against_plan(plan, tmp_path):
     assert [(e.host, e.device_type, e.num_gpus) for e in entries] == [("h0", V100, 2), ("h1", A100, 2)]
     jobspec.check_hosts(plan, entries)
     short = [entries[0], jobspec.HostEntry(host="h1", device_type=A100, num_gpus=1)]
-    with pytest.raises(HeteroError, match=r"offers 1x A100-SXM-80GB, 2x V100.*needs exactly 2x A100"):
+    with pytest.raises(HeteroError, match=r"offers 1x A100-SXM-80GB, 2x V100.*needs 2x A100.*"
+                                          r": 1 more A100-SXM-80GB$"):
         jobspec.check_hosts(plan, short, hostfile="hosts")
     with pytest.raises(HeteroError, match="no NUM_GPUS"):
         jobspec.read_hostfile(good, cat)
@@ -129,3 +130,30 @@ def test_mesh_plan_components_follow_its_meshes(capsys):
     assert jobspec.main([str(path), "--gpus-per-node", "8", "--print", "device-types",
                          "--partition", "RTX3090-24GB=a", "--partition", "T4-16GB=b"]) == 0
     assert capsys.readouterr().out.strip() == "RTX3090-24GB,T4-16GB"
+
+
+def test_a_larger_hostfile_gives_the_plan_its_first_hosts(plan, tmp_path, capsys):
+    """Issue 32 A.4: the whole pool's host file; the plan takes the first hosts of each type in
+    file order (the last one in part) and says which stay idle."""
+    entries = [jobspec.HostEntry(host="v0", device_type=V100, num_gpus=1),
+               jobspec.HostEntry(host="a0", device_type=A100, num_gpus=8),
+               jobspec.HostEntry(host="v1", device_type=V100, num_gpus=1),
+               jobspec.HostEntry(host="v2", device_type=V100, num_gpus=1),
+               jobspec.HostEntry(host="a1", device_type=A100, num_gpus=8)]
+    picked = jobspec.check_hosts(plan, entries)
+    assert [(e.host, e.device_type, e.num_gpus) for e in picked] == [
+        ("v0", V100, 1), ("a0", A100, 2), ("v1", V100, 1)]
+    assert jobspec.left_out(entries, picked) == [f"6 of a0's 8 {A100}", f"v2 (1 {V100})",
+                                                 f"a1 (8 {A100})"]
+    path, hosts = tmp_path / "plan.yaml", tmp_path / "hosts"
+    from megatron_hetero.plan import save_plan
+    save_plan(plan, path)
+    hosts.write_text("".join(f"{e.host} {e.device_type} {e.num_gpus}\n" for e in entries))
+    assert jobspec.main([str(path), "--hostfile", str(hosts), "--print", "hosts"]) == 0
+    out, err = capsys.readouterr()
+    assert out.splitlines() == [f"v0 {V100} 1", f"a0 {A100} 2", f"v1 {V100} 1"]
+    assert f"runs on 3 of its 5 hosts (v0, a0, v1); left idle: 6 of a0's 8 {A100}" in err
+    # the exact host file says nothing on stderr
+    hosts.write_text(f"v0 {V100} 1\na0 {A100} 2\nv1 {V100} 1\n")
+    assert jobspec.main([str(path), "--hostfile", str(hosts), "--print", "hosts"]) == 0
+    assert capsys.readouterr().err == ""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -117,6 +118,19 @@ def test_torchrun_launcher_checks_hosts_first(plan4, tmp_path):
     assert proc.returncode == 1 and "MEGATRON_LM is not set" in proc.stderr
 
 
+def test_torchrun_launcher_on_a_host_the_plan_does_not_need(plan4, tmp_path):
+    """A host file larger than the plan (issue 32 A.4): on a host left out, nothing runs."""
+    script = tmp_path / "train.py"
+    script.write_text("")
+    hosts = tmp_path / "hosts"
+    hosts.write_text("h0 A100-SXM-80GB 2\nh1 V100-SXM2-32GB 2\n"
+                     f"{socket.gethostname()} V100-SXM2-32GB 2\n")
+    proc = _run([TORCHRUN, hosts, plan4], MH_PRETRAIN_SCRIPT=str(script))
+    assert proc.returncode == 0, proc.stderr
+    assert "does not need it: nothing to run here" in proc.stdout
+    assert f"left idle: {socket.gethostname()} (2 V100-SXM2-32GB)" in proc.stderr
+
+
 def test_tune_wrapper_needs_model_and_batch(tmp_path):
     inv = REPO / "examples" / "llama2" / "7b" / "inventory.yaml"
     proc = _run([REPO / "scripts" / "tune.sh", inv, tmp_path, "--global-batch-size", "8"])
@@ -190,3 +204,24 @@ def test_submit_passes_pool_and_options_on_for_the_node_loss_mode(plan4, tmp_pat
                 MH_PRETRAIN_SCRIPT=str(script), MH_ON_NODE_LOSS="replan")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("--no-kill --requeue --open-mode=append --nodes=1") == 2
+
+
+@pytest.mark.parametrize("script", ["tune.sh", "launch_torchrun.sh", "slurm/submit.sh"])
+def test_a_python_without_the_package_is_named(script, tmp_path):
+    """Issue 32 A.11: with a Python that lacks megatron_hetero the scripts said the plan "does
+    not validate"; they now say which Python and what to set."""
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\nexit 1\n")
+    fake.chmod(0o755)
+    inv = REPO / "examples" / "llama2" / "7b" / "inventory.yaml"
+    plan = REPO / "examples" / "llama2" / "7b" / "plan.yaml"
+    args = {"tune.sh": [inv, tmp_path / "out", "--model", "llama2-7b", "--global-batch-size", "8"],
+            "launch_torchrun.sh": [tmp_path / "hosts", plan],
+            "slurm/submit.sh": [plan]}[script]
+    (tmp_path / "hosts").write_text("h0 A100-SXM-80GB 8\n")
+    (tmp_path / "pretrain_gpt.py").write_text("")
+    proc = _run([REPO / "scripts" / script, *args], MH_PYTHON=str(fake),
+                MEGATRON_LM=str(tmp_path), MH_DRY_RUN="1")
+    assert proc.returncode == 1
+    assert f"{fake} cannot import megatron_hetero: set MH_PYTHON" in proc.stderr
+    assert "does not validate" not in proc.stderr
