@@ -268,12 +268,18 @@ def _representatives(plan: Plan, paths: int) -> list[int]:
     by_stages: dict[tuple, int] = {}
     rep = []
     meshes = plan.meshes
+    one = len(meshes) == 1  # one mesh: its pipelines themselves (the search's hot path)
     for d in range(paths):
-        pipes = [m.pipelines[d] for m in meshes]
-        quick = tuple((id(x.stages), x.micro_batch_size, x.num_microbatches) for x in pipes)
+        if one:
+            pipe = meshes[0].pipelines[d]
+            quick = (id(pipe.stages), pipe.micro_batch_size, pipe.num_microbatches)
+        else:
+            pipes = [m.pipelines[d] for m in meshes]
+            quick = tuple((id(x.stages), x.micro_batch_size, x.num_microbatches) for x in pipes)
         r = by_stages.get(quick)
         if r is None:
-            r = by_stages[quick] = first.setdefault(tuple(_pipeline_key(x) for x in pipes), d)
+            key = _pipeline_key(pipe) if one else tuple(_pipeline_key(x) for x in pipes)
+            r = by_stages[quick] = first.setdefault(key, d)
         rep.append(r)
     return rep
 
