@@ -103,7 +103,7 @@ def _pipelines(plan, cost):
     for d, pipe in enumerate(plan.pipelines):
         times = [cost.chunk_times(StageShape.of(plan, d, s))
                  for s in range(plan.pipeline_model_parallel_size)]
-        bws = placement.pipeline_links(d, plan.virtual_pipeline_size > 1)
+        bws = placement.path_links(0, d, plan.virtual_pipeline_size > 1)
         sends = [cost.p2p_seconds(pipe.micro_batch_size, bw, tp=plan.tensor_model_parallel_size,
                                   sp=plan.sequence_parallel) for bw in bws]
         key = (tuple(tuple((c.forward_s, c.backward_s) for c in t) for t in times), tuple(sends),

@@ -240,7 +240,7 @@ def main(argv=None) -> int:
             ours, rule = harp_warmups(megatron, simulate(megatron, cost, record_events=False),
                                       cost), "Harp's rule"
         if ours.pipelines[0] == megatron.pipelines[0]:  # Harp's rule keeps Megatron's too
-            bws = cost.placement(megatron).pipeline_links(0, False)
+            bws = cost.placement(megatron).path_links(0, 0, False)
             slowest = min(range(len(bws)), key=bws.__getitem__)
             ours = with_warmups(megatron, [2 if s == slowest else 1 for s in range(len(bws))])
             rule = "one more across the slowest link"

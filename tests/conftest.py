@@ -111,3 +111,15 @@ def one_line_error(capsys, command: str) -> str:
     assert err.startswith(f"megatron-hetero {command}: error: "), err
     assert err.count("\n") == 1 and "Traceback" not in err, err
     return err
+
+
+def typed_plan(types: list[list[str]], tp: int):
+    """A plan of one grid whose pipeline ``d`` runs device type ``types[d][s]`` on stage ``s`` at
+    TP ``tp`` (one layer a stage): what placement reads of a plan."""
+    from megatron_hetero.plan import Mesh, ModelSpec, Pipeline, Plan, Stage
+    model = ModelSpec(name="typed", num_layers=len(types[0]), hidden_size=64, ffn_hidden_size=128,
+                      num_attention_heads=4, num_query_groups=4, vocab_size=128, seq_length=16)
+    pipes = [Pipeline(micro_batch_size=1, num_microbatches=1,
+                      stages=[Stage(device_type=t, num_layers=1) for t in row]) for row in types]
+    return Plan(model=model, global_batch_size=len(types),
+                meshes=[Mesh(tensor_model_parallel_size=tp, pipelines=pipes)])

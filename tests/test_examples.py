@@ -12,7 +12,7 @@ import pytest
 from megatron_hetero.hardware.inventory import load_inventory
 from megatron_hetero.plan.megatron_args import megatron_args_line
 from megatron_hetero.plan import load_plan
-from megatron_hetero.placement.inventory import check_plan_against_inventory
+from megatron_hetero.placement.inventory import check_against_inventory
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = {"7b": "llama2-7b", "13b": "llama2-13b", "70b": "llama2-70b"}
@@ -25,7 +25,7 @@ def test_example_validates_against_its_inventory(name):
         assert (d / f).is_file(), f"{d / f} missing"
     inv = load_inventory(d / "inventory.yaml")
     plan = load_plan(d / "plan.yaml", catalog=inv.catalog)
-    check_plan_against_inventory(plan, inv, source=str(d / "plan.yaml"))
+    check_against_inventory(plan, inv, source=str(d / "plan.yaml"))
     assert plan.model.name == EXAMPLES[name]
     assert len(plan.device_counts()) >= 2, "an example plan should use the mixed pool"
     rel = f"examples/llama2/{name}/plan.yaml"

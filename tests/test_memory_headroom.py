@@ -62,12 +62,12 @@ def test_inventory_gives_visible_memory(tmp_path):
 def _peak_fraction(plan_path, inv_path, headroom: float = 0.0) -> float:
     """The largest predicted stage peak of a plan over its card's reported memory."""
     from megatron_hetero.hardware.inventory import load_inventory
-    from megatron_hetero.sim.plan import simulate_plan
+    from megatron_hetero.sim.step import simulate
 
     inv = load_inventory(inv_path)
     plan = load_any_plan(plan_path, catalog=inv.catalog)
     cost = CostModel(plan.model, inv, precision=plan.precision, memory_headroom=headroom)
-    sim = simulate_plan(plan, cost, record_events=False)
+    sim = simulate(plan, cost, record_events=False)
     return max(s.memory.total / inv.spec(s.device_type).visible_memory_bytes for s in sim.stages)
 
 

@@ -17,7 +17,7 @@ from megatron_hetero.errors import SchemaError
 from megatron_hetero.hardware import inventory_from_data, load_catalog
 from megatron_hetero.plan import (Offload, Plan, Recompute, Slot, load_plan, plan_from_data,
                                   save_plan)
-from megatron_hetero.placement.inventory import check_plan_against_inventory
+from megatron_hetero.placement.inventory import check_against_inventory
 
 from .conftest import EXAMPLE_PLANS, REPO
 
@@ -144,16 +144,16 @@ def _inventory(a100: int, v100: int, per_node: int = 8):
 
 def test_against_inventory():
     plan = plan_from_data(BASE)
-    check_plan_against_inventory(plan, _inventory(2, 2))
+    check_against_inventory(plan, _inventory(2, 2))
     with pytest.raises(SchemaError, match="found 2 GPUs of type V100-SXM2-32GB; expected at most 1"):
-        check_plan_against_inventory(plan, _inventory(8, 1), source="plan.yaml")
+        check_against_inventory(plan, _inventory(8, 1), source="plan.yaml")
     with pytest.raises(SchemaError, match="at most 0"):
-        check_plan_against_inventory(plan, _inventory(8, 0))
+        check_against_inventory(plan, _inventory(8, 0))
     wide = _mutate("tensor_model_parallel_size", 4)
     wide["global_batch_size"] = 128
     plan4 = plan_from_data(wide)
     with pytest.raises(SchemaError, match="tensor-parallel group stays inside a node"):
-        check_plan_against_inventory(plan4, inventory_from_data(
+        check_against_inventory(plan4, inventory_from_data(
             {"groups": [{"gpu": "A100-SXM-80GB", "nodes": 4, "gpus_per_node": 2},
                         {"gpu": "V100-SXM2-32GB", "nodes": 4, "gpus_per_node": 2}]}))
 
@@ -425,7 +425,7 @@ def test_plan_gpus_must_agree_with_a_given_inventory():
               {"gpu": "A100-SXM-80GB", "nodes": 1, "gpus_per_node": 2}]
     same = inventory_from_data({"gpus": {"Acme-NPU": ACME, "NVIDIA A100-SXM4-80GB": {"efficiency": 0.55}},
                                 "groups": groups}, source="inv.yaml")
-    check_plan_against_inventory(plan, same, source="plan.yaml")
+    check_against_inventory(plan, same, source="plan.yaml")
     again = plan_from_data(plan.to_data(), source="plan.yaml", catalog=same.catalog)
     assert again == plan
     changed = inventory_from_data({"gpus": {"Acme-NPU": {**ACME, "bf16_tflops": 250.0},
@@ -433,11 +433,11 @@ def test_plan_gpus_must_agree_with_a_given_inventory():
                                    "groups": groups}, source="inv.yaml")
     with pytest.raises(SchemaError, match=r"plan\.yaml: gpus\.Acme-NPU\.bf16_tflops: found 200\.0; "
                                           r"expected 250\.0, as in inv\.yaml's catalog entry"):
-        check_plan_against_inventory(plan, changed, source="plan.yaml")
+        check_against_inventory(plan, changed, source="plan.yaml")
     # the plan's A100 figures are an override the inventory no longer makes
     plain = inventory_from_data({"gpus": {"Acme-NPU": ACME}, "groups": groups}, source="inv.yaml")
     with pytest.raises(SchemaError, match=r"gpus\.A100-SXM-80GB\.efficiency: found 0\.55"):
-        check_plan_against_inventory(plan, plain, source="plan.yaml")
+        check_against_inventory(plan, plain, source="plan.yaml")
 
 
 def test_recompute_and_offload_hash_as_their_fields_in_any_process():

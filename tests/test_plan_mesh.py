@@ -15,7 +15,7 @@ from megatron_hetero.hardware import inventory_from_data
 from megatron_hetero.plan.megatron_args import megatron_args
 from megatron_hetero.plan import (Plan, Slot, any_plan_from_data, load_any_plan, load_plan,
                                   mesh_plan_from_data, plan_from_data, save_any_plan)
-from megatron_hetero.placement.mesh_inventory import check_mesh_plan_against_inventory
+from megatron_hetero.placement.inventory import check_against_inventory
 
 from .conftest import EXAMPLE_PLANS, REPO
 
@@ -213,12 +213,12 @@ def _inventory(t4_per_node: int = 4, t4_nodes: int = 4):
 
 def test_inventory_check_per_mesh_node_size():
     plan = load_any_plan(EXAMPLE)
-    check_mesh_plan_against_inventory(plan, _inventory(), source="p.yaml")
+    check_against_inventory(plan, _inventory(), source="p.yaml")
     data = _with(m1=("tensor_model_parallel_size", 8))
     data["meshes"][1]["replicas"] = _replicas(8, 1, 16)
     big = mesh_plan_from_data(data)
     with pytest.raises(SchemaError) as exc:  # 64 T4s asked for, 16 there
-        check_mesh_plan_against_inventory(big, _inventory(t4_per_node=4, t4_nodes=16), source="p.yaml")
+        check_against_inventory(big, _inventory(t4_per_node=4, t4_nodes=16), source="p.yaml")
     assert exc.value.path == "meshes[1].tensor_model_parallel_size"
     assert "at most 4, the GPUs per node of type T4-16GB" in exc.value.expected
     # TP=8 on the 3090s' 8-GPU nodes is fine where the pool is large enough
@@ -227,9 +227,9 @@ def test_inventory_check_per_mesh_node_size():
     data["meshes"][0]["replicas"] = _replicas(1, 8, 16)
     data["meshes"][0]["stages"] = [{"num_layers": 20}]
     data["meshes"][1]["replicas"] = _replicas(8, 1, 16)
-    check_mesh_plan_against_inventory(mesh_plan_from_data(data), _inventory(), source="p.yaml")
+    check_against_inventory(mesh_plan_from_data(data), _inventory(), source="p.yaml")
     with pytest.raises(SchemaError) as exc:  # 16 T4s asked for, 12 there
-        check_mesh_plan_against_inventory(plan, _inventory(t4_nodes=3), source="p.yaml")
+        check_against_inventory(plan, _inventory(t4_nodes=3), source="p.yaml")
     assert exc.value.path == "meshes" and "at most 12" in exc.value.expected
 
 
@@ -240,7 +240,7 @@ def test_whole_groups_inside_nodes():
     data["meshes"][1]["replicas"] = _replicas(8, 1, 16)
     plan = mesh_plan_from_data(data)
     with pytest.raises(SchemaError) as exc:
-        check_mesh_plan_against_inventory(plan, _inventory(t4_per_node=3, t4_nodes=6), source="p.yaml")
+        check_against_inventory(plan, _inventory(t4_per_node=3, t4_nodes=6), source="p.yaml")
     assert exc.value.path == "meshes" and "whole groups of 2" in exc.value.expected
 
 
@@ -292,7 +292,7 @@ def test_random_mesh_plans_round_trip_and_number_every_rank_once(tmp_path):
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from megatron_hetero.placement.meshes import place_meshes
+    from megatron_hetero.placement.nodes import place
 
     big = inventory_from_data({"groups": [
         {"gpu": g, "nodes": 64, "gpus_per_node": 8}
@@ -309,11 +309,11 @@ def test_random_mesh_plans_round_trip_and_number_every_rank_once(tmp_path):
         slots = [plan.slot_of_rank(r) for r in range(plan.world_size)]
         assert len(set(slots)) == plan.world_size
         assert [plan.rank_of_slot(s) for s in slots] == list(range(plan.world_size))
-        placed = place_meshes(plan, big)
+        placed = place(plan, big)
         for k, mesh in enumerate(plan.meshes):
             for j in range(len(mesh.stages)):
                 for r in range(mesh.data_parallel_size):
                     assert big.groups[placed.node(k, j, r).group].gpu == mesh.device_type
-        check_mesh_plan_against_inventory(plan, big, source="p.yaml")
+        check_against_inventory(plan, big, source="p.yaml")
 
     check()

@@ -14,7 +14,7 @@ from megatron_hetero.launch.checkpoint import read_checkpoint
 from megatron_hetero.cli import main
 from megatron_hetero.hardware.inventory import load_inventory
 from megatron_hetero.plan import load_plan, save_plan
-from megatron_hetero.placement.inventory import check_plan_against_inventory
+from megatron_hetero.placement.inventory import check_against_inventory
 
 from .conftest import MCORE017
 from .runtime.launching import launch, logged_losses, together
@@ -93,7 +93,7 @@ def test_replan_writes_plan_b_that_fits_the_new_pool_and_prints_the_restart(work
     out = capsys.readouterr().out
     inventory = load_inventory(work / "inv.yaml")
     plan = load_plan(work / "plan-b.yaml", catalog=inventory.catalog)
-    check_plan_against_inventory(plan, inventory, source="plan-b.yaml")
+    check_against_inventory(plan, inventory, source="plan-b.yaml")
     old = load_plan(work / "plan-a.yaml")
     # the checkpoint's model (named as in the old plan: its path is in the saved arguments),
     # sequence length, global batch, precision and optimizer

@@ -14,7 +14,7 @@ from megatron_hetero.cli import main
 from megatron_hetero.cost.model import CostModel
 from megatron_hetero.errors import SchemaError
 from megatron_hetero.plan import load_any_plan
-from megatron_hetero.sim.plan import simulate_plan
+from megatron_hetero.sim.step import simulate
 from megatron_hetero.telemetry.prediction import implied_inventory, predict, stage_path
 from megatron_hetero.cost.profile_file import MeasuredProfile, load_profile
 from megatron_hetero.telemetry.profile_out import (profile_name, run_factors, run_profiles,
@@ -99,7 +99,7 @@ def test_the_prediction_is_the_simulators(path):
     plan = load_any_plan(path)
     inv = implied_inventory(plan)
     assert dict(inv.gpu_counts()) == dict(plan.device_counts())
-    sim = simulate_plan(plan, CostModel(plan.model, inv, precision=plan.precision,
+    sim = simulate(plan, CostModel(plan.model, inv, precision=plan.precision,
                                         use_distributed_optimizer=plan.use_distributed_optimizer,
                                         overlap_grad_reduce=plan.overlap_grad_reduce),
                         record_events=False)
@@ -184,7 +184,7 @@ def test_the_run_profile_reproduces_the_measured_compute(factors, path):
                      profiles={t: MeasuredProfile(p) for t, p in profiles.items()},
                      use_distributed_optimizer=plan.use_distributed_optimizer,
                      overlap_grad_reduce=plan.overlap_grad_reduce)
-    sim = simulate_plan(plan, cost, record_events=False)
+    sim = simulate(plan, cost, record_events=False)
     want, got = {}, {}
     for s in sim.stages:
         k, j = plan.stage_index[s.stage]

@@ -12,7 +12,7 @@ from megatron_hetero.cli import main
 from megatron_hetero.cost import CostModel
 from megatron_hetero.hardware.inventory import load_inventory
 from megatron_hetero.plan import load_any_plan
-from megatron_hetero.sim.plan import simulate_plan
+from megatron_hetero.sim.step import simulate
 
 A100_T4 = ("groups:\n  - {gpu: A100-SXM-80GB, nodes: 1, gpus_per_node: 8}\n"
            "  - {gpu: T4-16GB, nodes: 1, gpus_per_node: 4}\n")
@@ -51,7 +51,7 @@ def test_optimizer_time_of_an_offloading_stage(tmp_path, capsys):
     assert stage.offload.optimizer_fraction > 0  # the card is too small without it
     # the simulator's own optimizer interval: the O event of the recorded step
     inventory = load_inventory(inv)
-    sim = simulate_plan(p, CostModel(p.model, inventory, precision=p.precision,
+    sim = simulate(p, CostModel(p.model, inventory, precision=p.precision,
                                      memory_headroom=0.0), record_events=True)
     opt = [e.end - e.start for e in sim.events if e.kind == "O" and e.pipeline == 0
            and e.stage == 0][0]

@@ -21,6 +21,8 @@ from megatron_hetero.plan import ModelSpec, plan_from_data
 from megatron_hetero.placement.inventory import check_plan_vendors
 from megatron_hetero.sim.step import simulate
 
+from .conftest import typed_plan
+
 TINY = ModelSpec(name="tiny", num_layers=4, hidden_size=1024, ffn_hidden_size=4096,
                  num_attention_heads=16, num_query_groups=16, vocab_size=32000,
                  seq_length=1024)
@@ -113,8 +115,8 @@ def test_tcp_is_slower_than_rdma_and_bounded_by_one_stream():
 
 def test_same_vendor_links_are_unchanged_and_cross_vendor_ones_staged():
     inv = _inventory()
-    pl = place([["A100-SXM-80GB", "H100-SXM-80GB", "MI300X-192GB"]], 1, inv)
-    a, v, m = (pl.node(0, s) for s in range(3))
+    pl = place(typed_plan([["A100-SXM-80GB", "H100-SXM-80GB", "MI300X-192GB"]], 1), inv)
+    a, v, m = (pl.node(0, s, 0) for s in range(3))
     assert pl.link_bandwidth(a, v) == inv.inter_group_bandwidth_gb_s  # both NVIDIA
     assert not pl.host_staged(a, v) and pl.host_staged(v, m)
     path = host_path(inv, (v.group, m.group))
@@ -178,7 +180,7 @@ def test_search_keeps_tensor_and_data_parallel_groups_inside_one_vendor(a100_mi3
     for d, pipe in enumerate(plan.pipelines):
         for s, stage in enumerate(pipe.stages):
             # a TP group is one stage on one node of one group, whose GPUs are its type's
-            assert inv.groups[pl.node(d, s).group].gpu == stage.device_type
+            assert inv.groups[pl.node(0, s, d).group].gpu == stage.device_type
     crossings = vendor_crossings(plan, cost)
     assert crossings and all(c.kind == "pipeline edge" for c in crossings)
 

@@ -8,7 +8,7 @@ import os
 import sys
 
 from ..hardware.inventory import load_inventory
-from ..placement.mesh_inventory import check_against_inventory
+from ..placement.inventory import check_against_inventory
 from ..plan import load_any_plan
 from ..emulate.host import check_rank_count
 from ..errors import HeteroError

@@ -52,7 +52,7 @@ def _predicted_events(directory: Path, inventory_path: str | None):
     """The simulator's events of the run's plan (``DIR/plan.yaml``), or (None, None) where the
     folder has no plan."""
     from ..cost.model import CostModel
-    from ..sim.plan import simulate_plan
+    from ..sim.step import simulate
 
     path = directory / "plan.yaml"
     if not path.is_file():
@@ -63,5 +63,5 @@ def _predicted_events(directory: Path, inventory_path: str | None):
     cost = CostModel(plan.model, inventory, precision=plan.precision,
                      use_distributed_optimizer=plan.use_distributed_optimizer,
                      overlap_grad_reduce=plan.overlap_grad_reduce)
-    sim = simulate_plan(plan, cost, record_events=True)
+    sim = simulate(plan, cost, record_events=True)
     return sim.events, sim.step_time_s

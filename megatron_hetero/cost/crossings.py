@@ -46,8 +46,8 @@ def vendor_crossings(plan: Plan, cost: CostModel) -> list[Crossing]:
     p = plan.pipeline_model_parallel_size
     out = []
     for d, pipe in enumerate(plan.pipelines):
-        row = placement.nodes[d]
-        bws = placement.pipeline_links(d, v > 1)
+        row = placement.row(0, d)
+        bws = placement.path_links(0, d, v > 1)
         for s, bw in enumerate(bws):
             a, b = row[s], row[(s + 1) % p]
             if not placement.host_staged(a, b):
@@ -59,11 +59,11 @@ def vendor_crossings(plan: Plan, cost: CostModel) -> list[Crossing]:
                 seconds_per_step=sends * cost.p2p_seconds(pipe.micro_batch_size, bw, tp=tp, sp=sp)))
     D = plan.data_parallel_size
     for s in range(p):
-        if not placement.stage_host_staged(s):
+        if not placement.dp_host_staged(0, s):
             continue
-        bw = placement.stage_bandwidth(s)
+        bw = placement.dp_bandwidth(0, s)
         params = cost.stage_params(StageShape.of(plan, 0, s))
-        vendors = sorted({inv.vendor(row[s].group) for row in placement.nodes})
+        vendors = sorted({inv.vendor(n.group) for n in placement.nodes[0][s]})
         out.append(Crossing(kind="data-parallel group", where=f"stage {s}", vendors=tuple(vendors),
                             bandwidth_gb_s=bw, seconds_per_step=cost.dp_sync_seconds(params, D, bw)))
     return out

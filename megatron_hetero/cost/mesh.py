@@ -1,7 +1,7 @@
 """Costs of mesh plans (:mod:`megatron_hetero.plan.format2`): the
 shape of each of its stages, and the bridge between two meshes.
 
-Placement is :func:`megatron_hetero.placement.meshes.place_meshes`.
+Placement is :func:`megatron_hetero.placement.nodes.place`.
 
 The bridge (megatron-core's ``BridgeCommunicator``) between mesh ``a`` (``D_a`` replicas of
 ``T_a`` ranks, micro-batch ``b_a``) and mesh ``b``, per micro-batch:
@@ -29,8 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..plan import Mesh, Plan, Replica
-from ..placement.meshes import MeshPlacement
-from ..placement.nodes import Node
+from ..placement.nodes import Placement
 from .stage import StageShape
 
 __all__ = ["mesh_stage_shape", "Bridge", "bridge_seconds",
@@ -61,7 +60,7 @@ class Bridge:
     dst_broadcast_gb_s: float
 
 
-def bridges(plan: Plan, placement: MeshPlacement, inventory,
+def bridges(plan: Plan, placement: Placement, inventory,
             replica_of_path: int | None = None) -> list[Bridge]:
     """The bridge after every mesh but the last. ``replica_of_path``: where every mesh has the
     same replicas, the one path (replica index) to cost; None costs the slowest hub of all."""
@@ -69,15 +68,15 @@ def bridges(plan: Plan, placement: MeshPlacement, inventory,
     for k in range(len(plan.meshes) - 1):
         a, b = plan.meshes[k], plan.meshes[k + 1]
         da, db = a.data_parallel_size, b.data_parallel_size
-        src = [placement.node(k, len(a.stages) - 1, r) for r in range(da)]
+        src = [placement.node(k, a.num_stages - 1, r) for r in range(da)]
         dst = [placement.node(k + 1, 0, r) for r in range(db)]
         if da >= db:  # each leader of b joins da/db tensors (one when equal)
             ratio = da // db
-            hubs = [tuple(placement.link(src[i * ratio + x], dst[i]) for x in range(ratio))
+            hubs = [tuple(placement.link_bandwidth(src[i * ratio + x], dst[i]) for x in range(ratio))
                     for i in range(db)]
         else:  # each leader of a splits its tensor over db/da leaders of b
             ratio = db // da
-            hubs = [tuple(placement.link(src[i], dst[i * ratio + x]) for x in range(ratio))
+            hubs = [tuple(placement.link_bandwidth(src[i], dst[i * ratio + x]) for x in range(ratio))
                     for i in range(da)]
         if replica_of_path is not None:
             hubs = [hubs[replica_of_path]]

@@ -337,13 +337,14 @@ class CostModel(StageMemory):
         return self.host_bytes(StageShape.of(plan, pipeline, stage))
 
     def placement(self, plan: Plan) -> Placement:
-        """Where ``plan``'s stages sit (cached per stage types and TP size: the search
-        simulates many plans of one shape)."""
-        key = (tuple(tuple(s.device_type for s in p.stages) for p in plan.pipelines),
-               plan.tensor_model_parallel_size)
+        """Where ``plan``'s tensor-parallel groups sit, every shape alike (cached per mesh's TP
+        size and stage types: the search simulates many plans of one shape)."""
+        key = tuple((m.tensor_model_parallel_size,
+                     tuple(tuple(s.device_type for s in p.stages) for p in m.pipelines))
+                    for m in plan.meshes)
         got = self._placements.get(key)
         if got is None:
-            got = self._placements[key] = place([list(t) for t in key[0]], key[1], self.inventory)
+            got = self._placements[key] = place(plan, self.inventory)
         return got
 
 

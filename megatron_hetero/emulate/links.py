@@ -75,15 +75,14 @@ def plan_links(plan: Plan, inventory, *, latency_s: float, time_stretch: float =
     one direction) and ``latency_s`` per message, scaled by ``time_stretch`` and
     ``bytes_ratio`` (see the module docstring)."""
     tp, p = plan.tensor_model_parallel_size, plan.pipeline_model_parallel_size
-    types = [[s.device_type for s in pipe.stages] for pipe in plan.pipelines]
-    placement = place(types, tp, inventory)
+    placement = place(plan, inventory)
     pairs = [(s, s + 1) for s in range(p - 1)]
     if plan.virtual_pipeline_size > 1:
         pairs.append((p - 1, 0))  # the chunk boundary from the last stage back to the first
     out: dict[tuple[int, int], Link] = {}
     for d in range(plan.data_parallel_size):
         for a, b in pairs:
-            na, nb = placement.node(d, a), placement.node(d, b)
+            na, nb = placement.node(0, a, d), placement.node(0, b, d)
             gb_s = placement.link_bandwidth(na, nb)
             staged = (host_path(inventory, (na.group, nb.group))
                       if placement.host_staged(na, nb) else None)

@@ -127,7 +127,6 @@ def predict(shrunk: Plan, calibration, factors: dict[str, float], *, links=None)
     (:func:`.links.rehearsal_links`, one grid), whose sends then take the place of gloo's
     (:func:`emulated_sends`). Returns a ``SimResult``."""
     from ..cost.model import CostModel
-    from ..sim.plan import simulate_plan
     from ..sim.step import simulate
 
     inventory, profiles, options = emulated_cluster(dict(shrunk.device_counts()), calibration,
@@ -136,7 +135,7 @@ def predict(shrunk: Plan, calibration, factors: dict[str, float], *, links=None)
     cost = CostModel(emu.model, inventory, profiles=profiles, precision="fp32",
                      use_distributed_optimizer=trainer_shards_optimizer(shrunk), **options)
     if links is None:
-        return simulate_plan(emu, cost, record_events=False)
+        return simulate(emu, cost, record_events=False)
     return simulate(emu, cost, record_events=False,
                     pipeline_sends=emulated_sends(emu, cost, links))
 

@@ -20,7 +20,7 @@ One rehearsal for every plan shape: one grid or a chain of meshes (the trainer's
 4. *Run* N steps on the CPU ranks under the speed and memory emulation (:mod:`.speed`,
    :mod:`.memory`); the first step is a warm-up and is not reported.
 5. *Predict* the same emulated setup with the tuner's cost model and simulator
-   (:func:`megatron_hetero.sim.plan.simulate_plan`), over an
+   (:func:`megatron_hetero.sim.step.simulate`), over an
    inventory whose custom GPU entries are these emulated devices, and print both side by side.
    The CPU's speed drifts between the calibration and the run on a shared machine, so the
    calibrated compute is rescaled by one factor, the CPU time the ranks' compute measured over

@@ -1,15 +1,17 @@
-"""A plan against an inventory: does the pool have the GPUs it asks for, in whole
-tensor-parallel groups inside a node, with the figures the plan was tuned with?"""
+"""A plan against an inventory, one check for every plan shape: does the pool have the GPUs it
+asks for, in whole tensor-parallel groups inside a node, with the figures the plan was tuned
+with? And can the runtime carry a plan across vendors?"""
 
 from __future__ import annotations
 
 import dataclasses
 
-from ..errors import Described, SchemaError
+from ..errors import Described, InfeasibleError, SchemaError
 from ..hardware.catalog import Catalog, GPUSpec, load_catalog
 from ..plan import Plan
+from .nodes import place
 
-__all__ = ["check_plan_against_inventory", "check_gpu_count", "check_plan_gpus", "embedded_gpus",
+__all__ = ["check_against_inventory", "check_gpu_count", "check_plan_gpus", "embedded_gpus",
            "check_plan_vendors", "GLOO_DEVICES"]
 
 _COMPARED = [f.name for f in dataclasses.fields(GPUSpec) if f.name not in ("name", "notes")]
@@ -21,7 +23,7 @@ def check_plan_gpus(plan: Plan, inventory, *, source: str = "<plan>") -> None:
     for name, ours in plan.gpus.items():
         canonical = inventory.catalog.resolve(name)
         if canonical is None:
-            continue  # a type the inventory does not have: check_plan_against_inventory says so
+            continue  # a type the inventory does not have: check_against_inventory says so
         theirs = inventory.catalog.get(canonical)
         diff = [k for k in _COMPARED if getattr(ours, k) != getattr(theirs, k)]
         if diff:
@@ -55,24 +57,52 @@ def check_gpu_count(gpu: str, need: int, inventory, *, source: str, path: str) -
                           + ", ".join(f"{n}x {g}" for g, n in sorted(have.items())) + ")")
 
 
-def check_plan_against_inventory(plan: Plan, inventory, *, source: str = "<plan>") -> None:
-    """Raise :class:`SchemaError` if the plan's ``gpus`` entries differ from the inventory's
-    (:func:`check_plan_gpus`), if it needs more GPUs of a type than the inventory has, or a
-    tensor-parallel group larger than a node of that type."""
+def check_against_inventory(plan: Plan, inventory, *, source: str = "<plan>") -> None:
+    """Raise :class:`SchemaError` naming the field where ``plan`` (any shape) asks more of
+    ``inventory`` than it has: a ``gpus`` entry that differs (:func:`check_plan_gpus`), more
+    GPUs of a type, a mesh whose tensor-parallel group is wider than every node of a type it
+    runs on (4-GPU and 8-GPU nodes differ), or groups that do not all fit whole inside nodes
+    (every group placed: :func:`.nodes.place`, the placement the simulator and the runtime use).
+
+    Field paths are the plan file's: ``pipelines`` and ``tensor_model_parallel_size`` for a plan
+    of one grid (format 1), ``meshes`` and ``meshes[k].tensor_model_parallel_size`` for a chain.
+    One grid has one TP size, so its whole groups per type are a count, checked type by type
+    with the GPU count and the node width."""
     check_plan_gpus(plan, inventory, source=source)
+    one = plan.one_grid
+    field = "pipelines" if one else "meshes"
     for gpu, need in sorted(plan.device_counts().items()):
-        check_gpu_count(gpu, need, inventory, source=source, path="pipelines")
-        tp = plan.tensor_model_parallel_size
-        widest = max(g.gpus_per_node for g in inventory.groups if g.gpu == gpu)
-        if tp > widest:
-            raise SchemaError(source, "tensor_model_parallel_size", tp,
-                              f"at most {widest}, the GPUs per node of type {gpu} in "
-                              f"{inventory.source} (a tensor-parallel group stays inside a node)")
-        whole = tp * sum(g.nodes * (g.gpus_per_node // tp) for g in inventory.groups if g.gpu == gpu)
-        if need > whole:
-            raise SchemaError(source, "pipelines", Described(f"{need} GPUs of type {gpu}"),
-                              f"at most {whole}: {inventory.source} holds that many in whole "
-                              f"tensor-parallel groups of {tp} inside a node")
+        check_gpu_count(gpu, need, inventory, source=source, path=field)
+        if one:
+            _check_width(plan, 0, gpu, inventory, source=source)
+            tp = plan.meshes[0].tensor_model_parallel_size
+            whole = tp * sum(g.nodes * (g.gpus_per_node // tp) for g in inventory.groups
+                             if g.gpu == gpu)
+            if need > whole:
+                raise SchemaError(source, field, Described(f"{need} GPUs of type {gpu}"),
+                                  f"at most {whole}: {inventory.source} holds that many in whole "
+                                  f"tensor-parallel groups of {tp} inside a node")
+    for k, mesh in enumerate(plan.meshes):
+        for gpu in mesh.device_types:
+            _check_width(plan, k, gpu, inventory, source=source)
+    try:
+        place(plan, inventory)
+    except InfeasibleError as exc:
+        raise SchemaError(source, field, Described("tensor-parallel groups that do not all "
+                                                   "fit whole inside nodes"), str(exc)) from None
+
+
+def _check_width(plan: Plan, mesh: int, gpu: str, inventory, *, source: str) -> None:
+    """Raise :class:`SchemaError` if mesh ``mesh``'s tensor-parallel group is wider than every
+    node of type ``gpu`` (a group stays inside a node)."""
+    tp = plan.meshes[mesh].tensor_model_parallel_size
+    widest = max(g.gpus_per_node for g in inventory.groups if g.gpu == gpu)
+    if tp > widest:
+        path = ("tensor_model_parallel_size" if plan.one_grid
+                else f"meshes[{mesh}].tensor_model_parallel_size")
+        raise SchemaError(source, path, tp,
+                          f"at most {widest}, the GPUs per node of type {gpu} in "
+                          f"{inventory.source} (a tensor-parallel group stays inside a node)")
 
 
 GLOO_DEVICES = ("cuda",)

@@ -2,10 +2,11 @@
 
 The plan names device types, not hosts. The mapping here mirrors the runtime's
 (:func:`megatron_hetero.runtime.placement.assign_ranks`): tensor-parallel groups are handed out
-in Megatron rank order (stage by stage, and within a stage pipeline by pipeline), each to the
-next GPUs of its device type, nodes taken in inventory order (group, node). A tensor-parallel
-group never straddles two nodes. So a stage's data-parallel replicas sit side by side, and
-consecutive stages share a node only when a node holds both.
+in rank order (mesh by mesh; inside a mesh stage by stage, and within a stage replica by
+replica: Megatron's order for a plan of one grid), each to the next GPUs of its device type,
+nodes taken in inventory order (group, node). A tensor-parallel group never straddles two
+nodes. So a stage's data-parallel replicas sit side by side, and consecutive stages share a node
+only when a node holds both. One placement for every plan shape: a plan of one grid is one mesh.
 
 Between nodes of two vendors the link is the host path (:mod:`.host_path`): pipeline sends
 and data-parallel groups that cross vendors are staged through the hosts.
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 
 from ..errors import InfeasibleError
 from ..hardware.inventory import Inventory
+from ..plan import Plan
 from .host_path import crosses_vendors, host_path, staged_ring_gb_s
 
 __all__ = ["Node", "Placement", "place", "allocate", "between_groups_gb_s"]
@@ -32,24 +34,29 @@ class Node:
 
 @dataclass(slots=True)
 class Placement:
-    """The node of every (pipeline, stage) of a plan (all its tensor ranks share it)."""
+    """The node of every (mesh, stage, replica) tensor-parallel group of a plan (all its tensor
+    ranks share it); a plan of one grid is one mesh, its replicas the pipelines."""
 
     inventory: Inventory
-    nodes: list[list[Node]]
-    """``nodes[pipeline][stage]``."""
+    nodes: list[list[list[Node]]]
+    """``nodes[mesh][stage of the mesh][replica]``."""
     _links: dict = field(default_factory=dict, repr=False, compare=False)
     _dp: dict = field(default_factory=dict, repr=False, compare=False)
 
-    def node(self, pipeline: int, stage: int) -> Node:
-        return self.nodes[pipeline][stage]
+    def node(self, mesh: int, stage: int, replica: int) -> Node:
+        return self.nodes[mesh][stage][replica]
 
-    def pipeline_links(self, pipeline: int, wrap: bool) -> tuple[float, ...]:
-        """GB/s of the links between consecutive stages of ``pipeline`` and, with ``wrap``
-        (interleaved 1F1B), from its last stage back to its first."""
-        key = (pipeline, wrap)
+    def row(self, mesh: int, replica: int) -> list[Node]:
+        """The nodes of ``replica``'s stages of ``mesh``, stage by stage."""
+        return [stage[replica] for stage in self.nodes[mesh]]
+
+    def path_links(self, mesh: int, replica: int, wrap: bool) -> tuple[float, ...]:
+        """GB/s of the links between consecutive stages of ``replica`` inside ``mesh`` and, with
+        ``wrap`` (interleaved 1F1B), from its last stage back to its first."""
+        key = (mesh, replica, wrap)
         got = self._links.get(key)
         if got is None:
-            row = self.nodes[pipeline]
+            row = self.row(mesh, replica)
             pairs = list(zip(row, row[1:])) + ([(row[-1], row[0])] if wrap else [])
             got = self._links[key] = tuple(self.link_bandwidth(a, b) for a, b in pairs)
         return got
@@ -67,16 +74,18 @@ class Placement:
         """Whether the link between two nodes is the host path (their GPUs' vendors differ)."""
         return a.group != b.group and crosses_vendors(self.inventory, (a.group, b.group))
 
-    def stage_bandwidth(self, stage: int) -> float:
-        """:meth:`slowest_bandwidth` of the data-parallel group of ``stage`` (its replicas)."""
-        got = self._dp.get(stage)
+    def dp_bandwidth(self, mesh: int, stage: int) -> float:
+        """:meth:`slowest_bandwidth` of the data-parallel group of (mesh, stage): its replicas."""
+        key = (mesh, stage)
+        got = self._dp.get(key)
         if got is None:
-            got = self._dp[stage] = self.slowest_bandwidth([row[stage] for row in self.nodes])
+            got = self._dp[key] = self.slowest_bandwidth(self.nodes[mesh][stage])
         return got
 
-    def stage_host_staged(self, stage: int) -> bool:
-        """Whether the data-parallel group of ``stage`` spans vendors (syncs on the host path)."""
-        return crosses_vendors(self.inventory, {row[stage].group for row in self.nodes})
+    def dp_host_staged(self, mesh: int, stage: int) -> bool:
+        """Whether the data-parallel group of (mesh, stage) spans vendors (syncs on the host
+        path)."""
+        return crosses_vendors(self.inventory, {n.group for n in self.nodes[mesh][stage]})
 
     def slowest_bandwidth(self, nodes: list[Node]) -> float:
         """GB/s of the slowest link inside a set of nodes (a data-parallel group)."""
@@ -128,14 +137,24 @@ def allocate(requests: list[tuple[str, int, str]], inventory: Inventory) -> list
     return out
 
 
-def place(stage_types: list[list[str]], tp: int, inventory: Inventory) -> Placement:
-    """Place stages (``stage_types[pipeline][stage]`` = device type) on the inventory's nodes."""
-    D = len(stage_types)
-    p = len(stage_types[0]) if stage_types else 0
-    order = [(d, s) for s in range(p) for d in range(D)]
-    nodes = allocate([(stage_types[d][s], tp, f"pipelines[{d}].stages[{s}]") for d, s in order],
-                     inventory)
-    out: list[list[Node | None]] = [[None] * p for _ in range(D)]
-    for (d, s), node in zip(order, nodes):
-        out[d][s] = node
-    return Placement(inventory, out)  # type: ignore[arg-type]
+def place(plan: Plan, inventory: Inventory) -> Placement:
+    """Place every tensor-parallel group of ``plan`` on ``inventory``'s nodes in rank order
+    (:meth:`~megatron_hetero.plan.Plan.slot_of_rank`: mesh by mesh, inside a mesh stage by
+    stage and, within a stage, replica by replica), each on its stage's device type
+    (:class:`~megatron_hetero.errors.InfeasibleError`, naming the group, where the pool runs
+    out)."""
+    one = plan.one_grid
+    order = [(k, j, r) for k, mesh in enumerate(plan.meshes) for j in range(mesh.num_stages)
+             for r in range(mesh.data_parallel_size)]
+    requests = []
+    for k, j, r in order:
+        mesh = plan.meshes[k]
+        requests.append((mesh.pipelines[r].stages[j].device_type, mesh.tensor_model_parallel_size,
+                         f"pipelines[{r}].stages[{j}]" if one
+                         else f"meshes[{k}].stages[{j}] of replica {r}"))
+    got = allocate(requests, inventory)
+    nodes: list = [[[None] * m.data_parallel_size for _ in range(m.num_stages)]
+                   for m in plan.meshes]
+    for (k, j, r), node in zip(order, got):
+        nodes[k][j][r] = node
+    return Placement(inventory, nodes)

@@ -16,7 +16,7 @@ from ..cost.model import CostModel
 from ..cost.stage import StageShape
 from ..hardware.inventory import Inventory, inventory_from_data
 from ..plan import Plan
-from ..sim.plan import simulate_plan
+from ..sim.step import simulate
 from .records import StageFigures
 
 __all__ = ["Prediction", "predict", "implied_inventory", "stage_path"]
@@ -69,7 +69,7 @@ def predict(plan: Plan, inventory: Inventory | None = None, *, source: str | Non
     cost = CostModel(plan.model, inventory, precision=plan.precision,
                      use_distributed_optimizer=plan.use_distributed_optimizer,
                      overlap_grad_reduce=plan.overlap_grad_reduce, flash_attention=flash_attention)
-    sim = simulate_plan(plan, cost, record_events=False)
+    sim = simulate(plan, cost, record_events=False)
     index = plan.stage_index
     stages = {}
     for s in sim.stages:

@@ -14,7 +14,7 @@ from ..models import load_model
 from ..outputs import Outputs
 from ..cost.profile_file import run_profile_name as profile_name
 from ..plan import ModelSpec, Plan, load_any_plan, save_plan
-from ..placement.inventory import check_plan_against_inventory
+from ..placement.inventory import check_against_inventory
 
 __all__ = ["tune_main", "simulate_main", "add_tune_arguments", "add_simulate_arguments",
            "add_search_space_arguments", "add_memory_headroom_argument", "memory_headroom",
@@ -322,9 +322,9 @@ def _simulate(args: argparse.Namespace, out: Outputs) -> int:
 
     inventory = load_inventory(args.inventory)
     plan = load_any_plan(args.plan, catalog=inventory.catalog)
+    check_against_inventory(plan, inventory, source=args.plan)
     if not plan.one_grid:
         return _simulate_mesh_main(args, plan, inventory, out)
-    check_plan_against_inventory(plan, inventory, source=args.plan)
     profiles = _profiles(args.profile, inventory)
     cost = CostModel(plan.model, inventory, profiles=profiles,
                      precision=plan.precision, use_distributed_optimizer=plan.use_distributed_optimizer,
@@ -379,21 +379,18 @@ def _check_fits(args: argparse.Namespace, plan, sim) -> None:
 
 
 def _simulate_mesh_main(args: argparse.Namespace, plan: Plan, inventory, out: Outputs) -> int:
-    """``simulate`` of a mesh plan: its meshes, the predicted step and every stage."""
+    """``simulate`` of a chain of meshes (checked against the inventory): its meshes, the
+    predicted step and every stage."""
     from ..cost import CostModel
-    from ..placement.mesh_inventory import check_mesh_plan_against_inventory
-    from ..sim.mesh import simulate_mesh
+    from ..sim.step import check_recordable, recorded_ops, simulate
 
-    check_mesh_plan_against_inventory(plan, inventory, source=args.plan)
-    if args.timeline:  # the op-count limit of format 1's recorded step (sim.step.recorded_ops)
-        from ..sim.step import check_recordable
-        check_recordable(sum(2 * len(m.stages) * sum(r.num_microbatches for r in m.replicas)
-                             for m in plan.meshes))
+    if args.timeline:
+        check_recordable(recorded_ops(plan))
     profiles = _profiles(args.profile, inventory)
     cost = CostModel(plan.model, inventory, profiles=profiles, precision=plan.precision,
                      use_distributed_optimizer=plan.use_distributed_optimizer,
                      memory_headroom=memory_headroom(args))
-    sim = simulate_mesh(plan, cost, record_events=bool(args.timeline))
+    sim = simulate(plan, cost, record_events=bool(args.timeline))
     _check_fits(args, plan, sim)
     print(f"{_short(args.plan)} on {_short(args.inventory)}"
           + ("" if args.quiet else f"\n{plan.describe()}"))
@@ -421,7 +418,7 @@ def _tune_mesh_wins(args: argparse.Namespace, result, inventory, profiles, out: 
     from ..cost import CostModel
     from ..plan.megatron_args import megatron_args_line
     from ..plan import save_any_plan
-    from ..sim.mesh import simulate_mesh
+    from ..sim.step import simulate
     from .report import report_dict, summary_lines, unused_gpus, unused_line
 
     plan, sim = result.mesh_plan, result.mesh_sim
@@ -439,7 +436,7 @@ def _tune_mesh_wins(args: argparse.Namespace, result, inventory, profiles, out: 
     if args.timeline:
         cost = CostModel(plan.model, inventory, profiles=profiles, precision=plan.precision,
                          memory_headroom=memory_headroom(args))
-        simulate_mesh(plan, cost).timeline_png(out.staged(args.timeline))
+        simulate(plan, cost).timeline_png(out.staged(args.timeline))
     print(f"tuned   : mesh plan, step {sim.step_time_s:.3f} s, {sim.tokens_per_s:,.0f} tokens/s, "
           f"MFU {sim.mfu:.3f}\n{plan.describe()}")
     if unused_line(plan, inventory):

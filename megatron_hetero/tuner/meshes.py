@@ -13,7 +13,7 @@ without sequence parallelism: a bridge carries whole ``[s, b, h]`` tensors); the
 from :func:`.split.min_max_split` on seconds per micro-batch (every stage runs the same
 micro-batches). Candidates are visited in order of a lower bound on their estimate (``(m + P -
 1)`` times the slowest stage, the layers split as if each stage took any fraction of them at
-its no-recompute speed), until it passes the best few estimates, which are simulated (:func:`megatron_hetero.sim.mesh.simulate_mesh`).
+its no-recompute speed), until it passes the best few estimates, which are simulated (:func:`megatron_hetero.sim.step.simulate`).
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ from ..cost.stage import StageShape
 from ..errors import InfeasibleError
 from ..placement.inventory import embedded_gpus
 from ..plan import Format2Mesh, MeshStage, Plan, Replica, mesh_plan
-from ..sim.step import SimResult
-from ..sim.mesh import simulate_mesh
+from ..sim.step import SimResult, simulate
 from . import space
 from .problem import Problem
 from .split import min_max_split
@@ -173,7 +172,7 @@ def best_mesh_plan(problem: Problem, tables: StageTables, *, uniform: SimResult,
     best = None
     for _, plan in search.candidates(problem.opt.finalists):
         try:
-            sim = simulate_mesh(plan, problem.cost(plan.precision), record_events=False)
+            sim = simulate(plan, problem.cost(plan.precision), record_events=False)
         except InfeasibleError:
             continue
         if sim.fits_memory and (best is None or sim.step_time_s < best[1].step_time_s):

@@ -23,7 +23,7 @@ from ..plan.megatron_args import megatron_args_line
 from ..models import load_model
 from ..outputs import Outputs
 from ..plan import ModelSpec, Plan, load_any_plan, save_plan
-from ..placement.inventory import check_plan_against_inventory
+from ..placement.inventory import check_against_inventory
 from .validation import validate_plan
 
 __all__ = ["add_replan_arguments", "replan_main"]
@@ -107,7 +107,7 @@ def _replan(args: argparse.Namespace, source: Path, out: Outputs) -> int:
         raise InfeasibleError(f"{args.inventory}: cannot hold {model.name} at global batch {gbs}"
                               f" in {options.precision}: the best plan needs more memory than "
                               "the pool has")
-    check_plan_against_inventory(plan, inventory, source=args.output)
+    check_against_inventory(plan, inventory, source=args.output)
     if ckpt:
         _check_loads(ckpt, plan, args.output, load_optim=not args.no_load_optim)
     save_plan(plan, out.staged(args.output))

@@ -8,12 +8,11 @@ from ..cost import CostModel
 from ..cost.model import DEFAULT_MEMORY_HEADROOM, usable_memory_text
 from ..errors import SchemaError
 from ..hardware.inventory import GPUGroup, Inventory
-from ..placement.inventory import check_plan_vendors
-from ..placement.mesh_inventory import check_against_inventory
+from ..placement.inventory import check_against_inventory, check_plan_vendors
 from ..plan import Plan
 from ..plan.checks import check_offload
 from ..sim.fits import check_fits
-from ..sim.plan import simulate_plan
+from ..sim.step import simulate
 
 __all__ = ["validate_plan", "check_memory", "own_gpus"]
 
@@ -58,6 +57,6 @@ def check_memory(plan: Plan, inventory: Inventory, *, source: str,
     cost = CostModel(plan.model, inventory, precision=plan.precision,
                      use_distributed_optimizer=plan.use_distributed_optimizer,
                      memory_headroom=memory_headroom)
-    check_fits(plan, simulate_plan(plan, cost, record_events=False), source=source,
+    check_fits(plan, simulate(plan, cost, record_events=False), source=source,
                skip_hint=f"{usable_memory_text(memory_headroom)}; --no-memory-check skips "
                          "this check")

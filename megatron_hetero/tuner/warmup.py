@@ -106,7 +106,7 @@ def _send_seconds(plan: Plan, sim: SimResult, cost: CostModel
     slowest = max(s.forward_s + s.backward_s for s in sim.stages)
     worst: dict[int, float] = {}
     for d, pipe in enumerate(plan.pipelines):
-        for s, bw in enumerate(placement.pipeline_links(d, False)):
+        for s, bw in enumerate(placement.path_links(0, d, False)):
             t = cost.p2p_seconds(pipe.micro_batch_size, bw, tp=plan.tensor_model_parallel_size,
                                  sp=plan.sequence_parallel)
             worst[s] = max(worst.get(s, 0.0), t)

@@ -14,6 +14,7 @@ from megatron_hetero.plan import ModelSpec, Offload, Recompute, plan_from_data
 from megatron_hetero.sim.step import simulate
 from megatron_hetero.sim.pipeline import one_f_one_b
 
+from ..conftest import typed_plan
 from ..shapes import stage
 
 TINY = ModelSpec(name="tiny", num_layers=4, hidden_size=64, ffn_hidden_size=128,
@@ -167,21 +168,21 @@ def test_placement_follows_megatron_rank_order():
     inv = _inventory()  # 2 A100 nodes of 4, 1 V100 node of 4
     stages = [["A100-SXM-80GB", "A100-SXM-80GB", "V100-SXM2-32GB"]] * 2
     from megatron_hetero.cost import place
-    pl = place(stages, 2, inv)
+    pl = place(typed_plan(stages, 2), inv)
     # stage 0 of both pipelines fills the first A100 node, stage 1 the second
-    assert pl.node(0, 0) == pl.node(1, 0) != pl.node(0, 1) == pl.node(1, 1)
-    assert pl.node(0, 2) == pl.node(1, 2) and pl.node(0, 2).group == 1
-    assert pl.link_bandwidth(pl.node(0, 0), pl.node(0, 1)) == inv.inter_node_bandwidth(0)
-    assert pl.link_bandwidth(pl.node(0, 1), pl.node(0, 2)) == inv.inter_group_bandwidth_gb_s
-    assert pl.slowest_bandwidth([pl.node(0, 0), pl.node(1, 0)]) == inv.intra_node_bandwidth(0)
+    assert pl.node(0, 0, 0) == pl.node(0, 0, 1) != pl.node(0, 1, 0) == pl.node(0, 1, 1)
+    assert pl.node(0, 2, 0) == pl.node(0, 2, 1) and pl.node(0, 2, 0).group == 1
+    assert pl.link_bandwidth(pl.node(0, 0, 0), pl.node(0, 1, 0)) == inv.inter_node_bandwidth(0)
+    assert pl.link_bandwidth(pl.node(0, 1, 0), pl.node(0, 2, 0)) == inv.inter_group_bandwidth_gb_s
+    assert pl.slowest_bandwidth([pl.node(0, 0, 0), pl.node(0, 0, 1)]) == inv.intra_node_bandwidth(0)
     from megatron_hetero.errors import InfeasibleError
     with pytest.raises(InfeasibleError, match="V100"):
-        place([["V100-SXM2-32GB"]] * 3, 2, inv)
+        place(typed_plan([["V100-SXM2-32GB"]] * 3, 2), inv)
     # a TP group never straddles nodes: 3 groups of 2 do not fit two nodes of 3
     odd = inventory_from_data({"groups": [{"gpu": "A100-SXM-80GB", "nodes": 2, "gpus_per_node": 3}]})
-    assert len({place([["A100-SXM-80GB"]] * 2, 2, odd).node(d, 0) for d in range(2)}) == 2
+    assert len({place(typed_plan([["A100-SXM-80GB"]] * 2, 2), odd).node(0, 0, d) for d in range(2)}) == 2
     with pytest.raises(InfeasibleError):
-        place([["A100-SXM-80GB"]] * 3, 2, odd)
+        place(typed_plan([["A100-SXM-80GB"]] * 3, 2), odd)
 
 
 def test_profile_times_replace_estimates():

@@ -16,7 +16,6 @@ from megatron_hetero.models import load_model
 from megatron_hetero.plan import (Format2Mesh, MeshStage, Offload, Pipeline, Plan, Recompute,
                                   Replica, Stage, mesh_plan, meshes_of, uniform_plan)
 from megatron_hetero.sim.step import simulate
-from megatron_hetero.sim.mesh import simulate_mesh
 
 MODEL = load_model("llama2-7b", seq_length=2048)
 INV = inventory_from_data({"groups": [
@@ -41,7 +40,7 @@ def test_one_mesh_equals_the_uniform_plan_exactly(tp, dp, split, m):
     plan = _uniform(tp, dp, split, m=m)
     mesh = meshes_of(plan)
     assert len(mesh.meshes) == 1
-    a, b = simulate(plan, COST), simulate_mesh(mesh, COST)
+    a, b = simulate(plan, COST), simulate(mesh, COST)
     assert b.step_time_s == a.step_time_s and b.mfu == a.mfu
     key = lambda r: (r.pipeline, r.stage)  # noqa: E731
     for x, y in zip(sorted(a.stages, key=key), sorted(b.stages, key=key)):
@@ -110,7 +109,7 @@ def test_each_mesh_has_its_own_tp_and_dp_in_memory_and_sync():
     # the distributed optimizer shards over the mesh's own replicas
     assert COST.memory(t4).optimizer == pytest.approx(
         COST.memory(t4.but(data_parallel_size=1)).optimizer / 4)
-    sim = simulate_mesh(plan, COST)
+    sim = simulate(plan, COST)
     assert {(s.stage, s.pipeline) for s in sim.stages} == (
         {(s, d) for s in (0, 1) for d in range(8)} | {(2, d) for d in range(4)})
     assert sim.stage(3, 2).memory == COST.memory(t4)
@@ -120,7 +119,7 @@ def test_each_mesh_has_its_own_tp_and_dp_in_memory_and_sync():
 def test_fan_in_costs_more_than_a_bridge_that_keeps_the_replicas():
     """Same T4 work per GPU: DP 8 -> 8 at TP 2 against 8 -> 4 at TP 4 (each T4 leader joins two
     pieces and broadcasts to 3 peers)."""
-    keep, fan = simulate_mesh(_two_meshes(8), COST), simulate_mesh(_two_meshes(4, tp_b=4), COST)
+    keep, fan = simulate(_two_meshes(8), COST), simulate(_two_meshes(4, tp_b=4), COST)
     assert keep.fits_memory
     f_keep = [e for e in keep.events if e.kind == "F" and e.stage == 2][0]
     f_fan = [e for e in fan.events if e.kind == "F" and e.stage == 2][0]
@@ -151,7 +150,7 @@ def test_host_memory_of_a_mesh_plan_per_node():
         inv = inventory_from_data({"groups": [
             {"gpu": "RTX3090-24GB", "nodes": 2, "gpus_per_node": 8, "host_memory_gb": host_gb},
             {"gpu": "T4-16GB", "nodes": 4, "gpus_per_node": 4}]}, source="inv.yaml")
-        return simulate_mesh(plan, CostModel(MODEL, inv, precision="fp16"), record_events=False)
+        return simulate(plan, CostModel(MODEL, inv, precision="fp16"), record_events=False)
 
     roomy = run(1024)
     assert [h.index for h in roomy.host_nodes] == [0, 1] and roomy.fits_memory
@@ -171,7 +170,7 @@ def test_uneven_replicas_run_their_own_paths():
                                         replicas=list(reps), stages=[MeshStage(num_layers=20, recompute=FULL)]),
                             Format2Mesh(device_type="T4-16GB", tensor_model_parallel_size=2,
                                         replicas=list(reps), stages=[MeshStage(num_layers=12, recompute=FULL)])])
-    sim = simulate_mesh(plan, COST)
+    sim = simulate(plan, COST)
     busy = {(s.pipeline, s.stage): s.busy_s for s in sim.stages}
     assert busy[(0, 0)] == pytest.approx(busy[(2, 0)] * 10 / 6)
     assert busy[(1, 1)] == busy[(0, 1)]
@@ -179,3 +178,40 @@ def test_uneven_replicas_run_their_own_paths():
               for d in range(4)}
     sync_start = min(e.start for e in sim.events if e.kind == "S" and e.stage == 0)
     assert last_b[0] > last_b[2] and sync_start >= last_b[0]
+
+
+def test_a_chain_runs_per_stage_warmups_in_the_one_simulator():
+    """Format 1's per-stage warm-ups on a chain of meshes (one code path for every shape): stage
+    0 of the 3-stage path warms up 3 forwards where Megatron's 1F1B warms up 2."""
+    def first_ops(plan: Plan) -> str:
+        ops = sorted((e.start, e.kind) for e in simulate(plan, COST).events
+                     if e.pipeline == 0 and e.stage == 0 and e.kind in "FB")
+        return "".join(kind for _, kind in ops[:5])
+
+    plan = _two_meshes(8)
+    assert first_ops(plan)[:4] == "FFFB"
+    for pipe in plan.meshes[0].pipelines:
+        pipe.stages = [dataclasses.replace(pipe.stages[0], warmup_microbatches=3), pipe.stages[1]]
+    assert first_ops(plan) == "FFFFB"
+
+
+def test_a_chain_whose_replicas_differ_in_device_type_at_one_stage():
+    """Replica 0 of the T4 mesh runs its stage on an RTX 3090 (what format 1 lets pipelines do):
+    each replica's stage is costed on its own card and placed on a node of that type."""
+    inv = inventory_from_data({"groups": [
+        {"gpu": "RTX3090-24GB", "nodes": 3, "gpus_per_node": 8},
+        {"gpu": "T4-16GB", "nodes": 4, "gpus_per_node": 4}]}, source="inv.yaml")
+    cost = CostModel(MODEL, inv, precision="fp16")
+    plan = _two_meshes(8)
+    t4 = plan.meshes[1].pipelines[0]
+    plan.meshes[1].pipelines[0] = Pipeline(
+        micro_batch_size=t4.micro_batch_size, num_microbatches=t4.num_microbatches,
+        stages=[dataclasses.replace(t4.stages[0], device_type="RTX3090-24GB")])
+    sim = simulate(plan, cost)
+    assert (sim.stage(0, 2).device_type, sim.stage(1, 2).device_type) == ("RTX3090-24GB", "T4-16GB")
+    for d in (0, 1):
+        shape = StageShape.at(plan, 1, 0, d)
+        assert sim.stage(d, 2).forward_s == sum(c.forward_s for c in cost.chunk_times(shape))
+    assert sim.stage(0, 2).forward_s != sim.stage(1, 2).forward_s
+    node = cost.placement(plan).node(1, 0, 0)
+    assert inv.groups[node.group].gpu == "RTX3090-24GB"

@@ -12,8 +12,8 @@ from megatron_hetero.cost.model import CostModel
 from megatron_hetero.hardware import inventory_from_data
 from megatron_hetero.models import load_model
 from megatron_hetero.plan import load_any_plan
-from megatron_hetero.placement.mesh_inventory import check_mesh_plan_against_inventory
-from megatron_hetero.sim.mesh import simulate_mesh
+from megatron_hetero.placement.inventory import check_against_inventory
+from megatron_hetero.sim.step import simulate
 from megatron_hetero.tuner import TuneOptions, tune
 from megatron_hetero.tuner.meshes import MeshSearch
 from megatron_hetero.tuner.problem import Problem
@@ -57,8 +57,8 @@ def test_a_mesh_plan_wins_where_it_is_strictly_faster():
     assert not plan.one_grid and sim is r.mesh_sim
     assert sim.step_time_s < r.sim.step_time_s
     assert len({m.tensor_model_parallel_size for m in plan.meshes}) > 1
-    check_mesh_plan_against_inventory(plan, inv, source="tuned")
-    again = simulate_mesh(plan, CostModel(model, inv, precision=plan.precision))
+    check_against_inventory(plan, inv, source="tuned")
+    again = simulate(plan, CostModel(model, inv, precision=plan.precision))
     assert again.step_time_s == pytest.approx(sim.step_time_s, rel=1e-12)
     assert plan.prediction["uniform_step_time_s"] == pytest.approx(r.sim.step_time_s, abs=1e-6)
     off = tune(model, inv, 512)  # mesh search is opt-in: the runtime refuses mesh plans yet

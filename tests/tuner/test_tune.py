@@ -13,7 +13,7 @@ from megatron_hetero.errors import InfeasibleError
 from megatron_hetero.hardware.inventory import inventory_from_data
 from megatron_hetero.models import PRESETS, model_preset
 from megatron_hetero.plan import ModelSpec, plan_from_data
-from megatron_hetero.placement.inventory import check_plan_against_inventory
+from megatron_hetero.placement.inventory import check_against_inventory
 from megatron_hetero.sim.step import simulate
 from megatron_hetero.tuner import tune
 from megatron_hetero.tuner.validation import validate_plan
@@ -41,7 +41,7 @@ def _check_emitted(result, inventory, model, gbs):
     plan = result.plan
     # the plan round-trips through the strict loader and fits the inventory
     again = plan_from_data(plan.to_data(), catalog=inventory.catalog)
-    check_plan_against_inventory(again, inventory)
+    check_against_inventory(again, inventory)
     assert again.global_batch_size == gbs and again.model == model
     cost = CostModel(model, inventory, precision=plan.precision)
     for d in range(plan.data_parallel_size):

@@ -67,7 +67,7 @@ def test_given_sends_replace_the_placed_links(slow_pool):
     plan = _tune(slow_pool, warmup=False).plan
     cost = CostModel(model, inv, precision=plan.precision)
     placed = simulate(plan, cost, record_events=False)
-    bws = cost.placement(plan).pipeline_links(0, False)
+    bws = cost.placement(plan).path_links(0, 0, False)
     same = [cost.p2p_seconds(plan.pipelines[0].micro_batch_size, bw,
                              tp=plan.tensor_model_parallel_size, sp=plan.sequence_parallel)
             for bw in bws]
@@ -95,7 +95,7 @@ def test_harp_rule_follows_the_link_against_the_slowest_stage(slow_pool, gb_s, s
     sim = simulate(plan, cost, record_events=False)
     slowest = max(s.forward_s + s.backward_s for s in sim.stages)
     link = cost.p2p_seconds(plan.pipelines[0].micro_batch_size,
-                            cost.placement(plan).pipeline_links(0, False)[0],
+                            cost.placement(plan).path_links(0, 0, False)[0],
                             tp=plan.tensor_model_parallel_size, sp=plan.sequence_parallel)
     assert share[0] <= link / slowest < share[1]  # the case's premise
     harp = harp_warmups(plan, sim, cost)
