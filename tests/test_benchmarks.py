@@ -171,7 +171,7 @@ def test_bench_mesh_rehearse_rehearses_both_plans_and_prints_each_figure(monkeyp
         return SimpleNamespace(predicted_step_s=1.0 * i, a_priori_step_s=2.0 * i, step_s=1.5 * i,
                                ratio=0.75 * i, step_times=[1.25 * i, 1.5 * i])
 
-    monkeypatch.setattr(bench, "rehearse_mesh", rehearse)
+    monkeypatch.setattr(bench, "rehearse", rehearse)
     monkeypatch.setattr(sys, "argv", ["bench_mesh_rehearse.py", "--steps", "3", "--time-scale",
                                       "2", "--hidden-size", "32"])
     bench.main()
