@@ -15,7 +15,7 @@ from megatron_hetero.errors import HeteroError
 from megatron_hetero.hardware.inventory import inventory_from_data
 from megatron_hetero.models import load_model
 from megatron_hetero.plan import ModelSpec, any_plan_from_data
-from megatron_hetero.sim.plan import simulate_plan
+from megatron_hetero.sim.step import simulate
 from megatron_hetero.tuner import TuneOptions, tune
 from megatron_hetero.tuner.validation import validate_plan
 
@@ -38,7 +38,7 @@ def _check(plan, sim, inventory) -> None:
     validate_plan(again, inventory, source="tuned")
     cost = CostModel(again.model, inventory, precision=again.precision,
                      use_distributed_optimizer=again.use_distributed_optimizer)
-    assert simulate_plan(again, cost, record_events=False).step_time_s == pytest.approx(
+    assert simulate(again, cost, record_events=False).step_time_s == pytest.approx(
         sim.step_time_s, rel=1e-9)
 
 
@@ -168,7 +168,7 @@ def test_mesh_plans_keep_their_invariants():
             return
         cost = CostModel(plan.model, inv, precision=plan.precision,
                          use_distributed_optimizer=plan.use_distributed_optimizer)
-        sim = simulate_plan(plan, cost, record_events=False)
+        sim = simulate(plan, cost, record_events=False)
         assert all(st_.busy_s <= sim.step_time_s * (1 + 1e-9) for st_ in sim.stages)
         simulated.append(sim.step_time_s)
 
