@@ -114,11 +114,11 @@ def test_bench_recovery_prints_every_part():
 
 
 @pytest.mark.slow
-def test_bench_mesh_rehearse_prints_both_plans(mcore017_env):
+def test_bench_mesh_rehearse_prints_both_plans(mcore_env):
     """Both mesh plans rehearse (2 steps, hidden 32, 4 CPU ranks each, one after the other) and
     their row's ratio is measured over predicted."""
     proc = subprocess.run([sys.executable, str(REPO / "scripts/bench_mesh_rehearse.py"), "--steps",
-                           "2", "--hidden-size", "32"], env=mcore017_env, capture_output=True,
+                           "2", "--hidden-size", "32"], env=mcore_env, capture_output=True,
                           text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = {r[0]: r for r in (line.split() for line in proc.stdout.splitlines())

@@ -16,7 +16,6 @@ from megatron_hetero.hardware.inventory import load_inventory
 from megatron_hetero.plan import load_plan, save_plan
 from megatron_hetero.placement.inventory import check_plan_against_inventory
 
-from .conftest import MCORE017
 from .runtime.launching import launch, logged_losses
 from .runtime.plans import A100, V100, make_plan
 
@@ -29,8 +28,6 @@ OLD = "old plan"
 def saved(tmp_path_factory) -> Path:
     """A torch_dist checkpoint of iteration 2 of 4, saved under plan A (stages of 1 and 2 layers
     on an A100 and a V100); the old plan beside it as ``plan-a.yaml``."""
-    if not (MCORE017 / "megatron" / "training").is_dir():
-        pytest.fail(f"megatron-core 0.17.1 is missing at {MCORE017}: run scripts/bootstrap.sh")
     root = tmp_path_factory.mktemp("replan")
     plan = root / "plan-a.yaml"
     save_plan(make_plan(split=(1, 2), devices=[[A100, V100]], replicas=[(1, 4)]), plan)

@@ -9,7 +9,7 @@ import copy
 import pytest
 import yaml
 
-from ..conftest import REPO, evaluate_under_017, evaluated
+from ..conftest import REPO, evaluate_under, evaluated
 from .tiny_mesh_plans import tiny_mesh_plan as _plan
 
 BASE = yaml.safe_load((REPO / "examples/meshes/3090-t4-plan.yaml").read_text())
@@ -67,7 +67,7 @@ def ranks_ran(tmp_path_factory) -> dict:
     # last: on fake process groups in the subprocess itself, after the spawned ranks
     path = _plan_1024(tmp_path_factory.mktemp("fake"))
     calls["fake/1024"] = f"fake_grid_ranks({path!r}, {RANKS_1024!r})"
-    return evaluate_under_017("from megatron_hetero.mcore.spawn import spawn\n"
+    return evaluate_under("from megatron_hetero.mcore.spawn import spawn\n"
                               "from tests.mcore.mesh_ranks import (bridge_ranks, fake_grid_ranks,"
                               " schedule_ranks)", calls, timeout=300 * len(calls))
 

@@ -17,7 +17,7 @@ from megatron_hetero.errors import HeteroError
 from megatron_hetero.plan import save_plan
 from megatron_hetero.runtime import vendors
 
-from ..conftest import mcore017_environ
+from ..conftest import mcore_environ
 from .plans import A100, H100, make_plan
 
 MI300X = "MI300X-192GB"
@@ -87,7 +87,7 @@ def groups(tmp_path_factory) -> dict:
         paths.append(str(root / f"{name}.yaml"))
         save_plan(plan, paths[-1])
     proc = subprocess.run([sys.executable, "-c", _CHECKER, *paths], text=True,
-                          capture_output=True, env=mcore017_environ(), timeout=300 * len(paths))
+                          capture_output=True, env=mcore_environ(), timeout=300 * len(paths))
     assert proc.returncode == 0, proc.stderr[-4000:]
     return dict(zip(PLANS, json.loads(proc.stdout.split("RESULT", 1)[1])))
 

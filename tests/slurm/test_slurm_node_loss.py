@@ -54,7 +54,7 @@ def _plan_a(tmp_path: Path) -> tuple[Path, Path]:
 
 
 @pytest.mark.slow
-def test_node_loss_replans_and_resumes_on_the_node_left(lost_node, tmp_path, mcore017_env):
+def test_node_loss_replans_and_resumes_on_the_node_left(lost_node, tmp_path, mcore_env):
     from tests.runtime.launching import BASE_ARGS, TRAIN_SCRIPT, logged_losses
 
     plan, pool = _plan_a(tmp_path)
@@ -63,7 +63,7 @@ def test_node_loss_replans_and_resumes_on_the_node_left(lost_node, tmp_path, mco
                      MH_PRETRAIN_SCRIPT=str(FLAKY), FLAKY_SCRIPT=str(TRAIN_SCRIPT),
                      FLAKY_MARKER=str(tmp_path / "lost"), FLAKY_NODE=lost_node,
                      MEGATRON_HETERO_CPU="1", TINY_LOG=str(tmp_path / "log"),
-                     PYTHONPATH=mcore017_env["PYTHONPATH"])
+                     PYTHONPATH=mcore_env["PYTHONPATH"])
     first = _submit(plan, pool, out, env, *BASE_ARGS, "--train-iters", "4", "--save", str(ckpt),
                     "--save-interval", "2", "--ckpt-format", "torch_dist")
     log, states, _ = wait_job(first, out, timeout=420, expect_ok=False)
