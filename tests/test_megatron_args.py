@@ -1,5 +1,5 @@
-"""The arguments `args` prints pass Megatron-LM's own parse_args + validate_args (megatron-core
-0.17.1 ships megatron.training) and mean the plan's split, sizes and batches."""
+"""The arguments `args` prints pass Megatron-LM's own parse_args + validate_args (the venv's
+megatron-core, 0.19.2, ships megatron.training) and mean the plan's split, sizes and batches."""
 
 from __future__ import annotations
 
@@ -235,7 +235,7 @@ _PER_RANK_CHECKER = textwrap.dedent("""
 """)
 
 
-# Both checkers in one subprocess under megatron-core 0.17.1, each with its own input, in turn
+# Both checkers in one subprocess under the venv's megatron-core, each with its own input, in turn
 # (the per-rank one sets megatron-core's TE version: it goes second).
 _BOTH = textwrap.dedent("""
     import contextlib, io, json, sys

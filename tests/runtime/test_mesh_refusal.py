@@ -81,9 +81,9 @@ _CPU = "from megatron_hetero.mcore.cpu_backend import enable_cpu_backend; enable
 @pytest.fixture(scope="module")
 def on_017() -> dict:
     """What the hooks printed for each of ``CASES`` (launcher rank 21, a 3090) on
-    megatron-core 0.17.1: one subprocess for the cases on CPU ranks (the CPU backend enabled,
-    as ``launch --cpu`` runs them: they run the example's module-input offload without
-    Transformer Engine), one for the others."""
+    the venv's megatron-core (0.19.2): one subprocess for the cases on CPU ranks (the CPU
+    backend enabled, as ``launch --cpu`` runs them: they run the example's module-input offload
+    without Transformer Engine), one for the others."""
     printed = {}
     for cpu in (True, False):
         names = [name for name, case in CASES.items() if case[2] is cpu]

@@ -80,7 +80,7 @@ PLANS = {
 @pytest.fixture(scope="module")
 def groups(tmp_path_factory) -> dict:
     """``{plan: {"asked": [groups asked per rank], "ranks": [routes per rank]}}`` of every plan of
-    ``PLANS``, one subprocess under megatron-core 0.17.1 for all of them."""
+    ``PLANS``, one subprocess under the venv's megatron-core (0.19.2) for all of them."""
     root = tmp_path_factory.mktemp("vendor_groups")
     paths = []
     for name, plan in PLANS.items():
