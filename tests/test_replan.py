@@ -16,6 +16,7 @@ from megatron_hetero.hardware.inventory import load_inventory
 from megatron_hetero.plan import load_plan, save_plan
 from megatron_hetero.placement.inventory import check_plan_against_inventory
 
+from .conftest import OLD_STACK
 from .runtime.launching import launch, logged_losses
 from .runtime.plans import A100, V100, make_plan
 
@@ -27,12 +28,15 @@ OLD = "old plan"
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> Path:
     """A torch_dist checkpoint of iteration 2 of 4, saved under plan A (stages of 1 and 2 layers
-    on an A100 and a V100); the old plan beside it as ``plan-a.yaml``."""
+    on an A100 and a V100); the old plan beside it as ``plan-a.yaml``. Saved (and resumed) by
+    megatron-core 0.17.1, whose saves keep ``common.pt``, the file the damaged-checkpoint cases
+    below edit; 0.19 keeps that object inside the ``*.distcp`` files, which ``replan``'s reader
+    reads in ``tests/runtime/test_mesh_training.py`` (both stacks)."""
     root = tmp_path_factory.mktemp("replan")
     plan = root / "plan-a.yaml"
     save_plan(make_plan(split=(1, 2), devices=[[A100, V100]], replicas=[(1, 4)]), plan)
     (root / "run").mkdir()
-    results = launch(2, str(plan), root / "run", iters=4, timeout=400,
+    results = launch(2, str(plan), root / "run", iters=4, timeout=400, stack=OLD_STACK,
                      extra=["--save", str(root / "ckpt"), "--save-interval", "2",
                             "--exit-interval", "2", "--ckpt-format", "torch_dist"])
     for code, out, _ in results:
@@ -111,7 +115,8 @@ def test_plan_b_resumes_the_checkpoint(work, capsys):
     assert plan.world_size == 1 and plan.pipeline_model_parallel_size == 1
     (work / "run").mkdir()
     [(code, out, log)] = launch(1, str(work / "plan-b.yaml"), work / "run", iters=4, timeout=400,
-                                extra=["--load", str(work / "ckpt"), "--ckpt-format", "torch_dist"])
+                                extra=["--load", str(work / "ckpt"), "--ckpt-format", "torch_dist"],
+                                stack=OLD_STACK)
     assert code == 0, out[-3000:]
     assert "successfully loaded checkpoint" in out and "at iteration 2" in out
     assert "consumed samples:           16" in out and len(logged_losses(out)) == 2
