@@ -1,5 +1,6 @@
 # Quick start: `make demo` (tune the bundled Llama-2 7B example) and `make test`.
-# Both create .venv first (scripts/bootstrap.sh): the CPU stack pinned for Python 3.11.
+# Both create .venv first (scripts/bootstrap.sh): the CPU stack pinned for Python 3.11
+# (megatron-core 0.19.2 the venv's own; 0.17.1, the oldest supported, beside it for the tests).
 VENV ?= .venv
 MH := $(VENV)/bin/megatron-hetero
 
@@ -27,4 +28,4 @@ bench: venv
 	$(VENV)/bin/python scripts/bench_rehearse.py
 	$(VENV)/bin/python scripts/bench_runtime_overhead.py
 	$(VENV)/bin/python scripts/bench_recovery.py
-	PYTHONPATH=$(VENV)/mcore017:. $(VENV)/bin/python scripts/bench_mesh_rehearse.py
+	$(VENV)/bin/python scripts/bench_mesh_rehearse.py

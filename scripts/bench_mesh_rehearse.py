@@ -14,9 +14,9 @@ optimizer): memory is metered, not capped.
 For each it prints the predicted step (the cost model and the simulator on the emulated
 cluster, compute rescaled by the CPU time the ranks measured), the prediction from the
 start-up calibration alone, the measured mean of the reported steps and measured/predicted.
-Must run under megatron-core 0.17.1:
+Needs megatron-core 0.17 or later (the venv's 0.19.2):
 
-    PYTHONPATH=.venv/mcore017:. .venv/bin/python scripts/bench_mesh_rehearse.py [--steps 4] \
+    .venv/bin/python scripts/bench_mesh_rehearse.py [--steps 4] \
         [--time-scale T] [--hidden-size 64] [--verbose]
 """
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Live rebalancing against a stage that turns 2.5x slower, side by side in one run.
 
-Megatron's own training loop (megatron-core 0.17.1's ``megatron.training``, the tests' tiny
+Megatron's own training loop (the venv's megatron-core 0.19.2 and its ``megatron.training``; the tests' tiny
 GPT) on 4 CPU ranks: PP=2 x DP=2, each replica 6 micro-batches. Three runs:
 
 1. *even*: no slowdown; its telemetry gives each stage's compute per micro-batch ``c``;

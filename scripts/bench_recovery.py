@@ -3,7 +3,7 @@
 
 Plan A trains a tiny GPT on two CPU ranks playing an A100 stage and a V100 stage (Megatron-LM's
 own pretrain_gpt.py with mock data when a Megatron-LM git clone is at $MEGATRON_LM_GIT, else the
-tests' pretrain_gpt.py-style script; megatron-core 0.17.1's megatron.training either way),
+tests' pretrain_gpt.py-style script; the venv's megatron-core 0.19.2 either way),
 saves a torch_dist checkpoint at iteration 2 and ends there: the failure, as if the V100 node
 were lost right after that save. Then, with one A100 left:
 
@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from datetime import datetime
+from importlib.metadata import version
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,7 +41,7 @@ sys.path.insert(0, str(REPO))
 from megatron_hetero.launch.checkpoint import read_checkpoint  # noqa: E402
 from megatron_hetero.plan import load_plan, save_plan  # noqa: E402
 from tests.runtime.launching import (BASE_ARGS, PRETRAIN_GPT_ARGS, TRAIN_SCRIPT,  # noqa: E402
-                                     launch)
+                                     launch, megatron_lm_checkout)
 from tests.runtime.plans import A100, V100, make_plan  # noqa: E402
 
 MEGATRON_GIT = os.environ.get("MEGATRON_LM_GIT")  # a Megatron-LM git clone, only from here
@@ -48,18 +49,11 @@ _STAMP = r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+)"
 
 
 def _pretrain_gpt(tmp: Path) -> Path | None:
-    """Megatron-LM 0.17.1's pretrain_gpt.py and what it imports, from the git clone."""
+    """The pretrain_gpt.py of the venv's megatron-core's Megatron-LM release (core_v0.19.0) and
+    what it imports, from the git clone."""
     if not MEGATRON_GIT:
         return None
-    archive = subprocess.run(["git", "--git-dir", MEGATRON_GIT, "archive", "core_v0.17.1",
-                              "pretrain_gpt.py", "gpt_builders.py", "model_provider.py",
-                              "megatron/legacy"], capture_output=True)
-    if archive.returncode:
-        return None
-    checkout = tmp / "Megatron-LM"
-    checkout.mkdir()
-    subprocess.run(["tar", "-x", "-C", str(checkout)], input=archive.stdout, check=True)
-    return checkout / "pretrain_gpt.py"
+    return megatron_lm_checkout(tmp) / "pretrain_gpt.py"
 
 
 def _stamp(output: str, marker: str, *, required: bool = True) -> float | None:
@@ -143,7 +137,7 @@ def main() -> int:
         out = "\n".join(o for _, o, _ in second)
         load_s = _timer_ms(out, "load-checkpoint") / 1e3
         initialized = _stamp(out, "after megatron is initialized")
-        # pretrain_gpt.py records when pretrain() began (megatron-core 0.17's start-up stamps)
+        # pretrain_gpt.py records when pretrain() began (megatron-core's start-up stamps)
         entered = _stamp(out, "before megatron-init", required=False)
         built = _stamp(out, "after model, optimizer, and learning rate scheduler are built")
         loop = _stamp(out, "before the start of training step")
@@ -160,7 +154,8 @@ def main() -> int:
              ("checkpoint load", load_s),
              ("set-up (data loaders) until the loop", loop - built),
              (f"first step (iteration {it})", first_ms / 1e3)]
-    print(f"training script: {script.name} (megatron-core 0.17.1's megatron.training), "
+    print(f"training script: {script.name} (megatron-core {version('megatron-core')}'s "
+          f"megatron.training), "
           f"CPU ranks, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print(f"plan A: {opts.layers} layers, hidden {opts.hidden}, 2 ranks (A100 stage "
           f"{half} layers, V100 stage {opts.layers - half}); failure after the save of iteration "

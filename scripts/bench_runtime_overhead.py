@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Step time of Megatron-LM training with the megatron-hetero hooks vs without, side by side.
 
-Both runs use megatron.training.pretrain (megatron-core 0.17.1's) on the CPU backend with the
+Both runs use megatron.training.pretrain (the venv's megatron-core, 0.19.2) on the CPU backend with the
 same tiny GPT, the same uniform plan and the same arguments: once through
 ``python -m megatron_hetero.launch ... --hetero-plan plan.yaml``, once as plain Megatron with the
 plan's arguments spelled out (``megatron-hetero args``) and no hooks. Runs alternate (and swap order every repeat); each run's

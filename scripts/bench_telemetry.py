@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """What ``--hetero-telemetry`` costs a training step, side by side in one run.
 
-Megatron's own training loop (megatron-core 0.17.1's ``megatron.training``) on CPU ranks, the
-same tiny GPT and uneven plan each time: without telemetry, reporting every 10th step (the
+Megatron's own training loop (the venv's megatron-core 0.19.2 and its ``megatron.training``) on
+CPU ranks, the same tiny GPT and uneven plan each time: without telemetry, reporting every 10th step (the
 default) and every step (the worst case: every step gathered to rank 0 and written). Runs
 alternate and swap order every repeat; each run's figure is the mean step time over its steps
 after the warm-up (the mean, not the median: a report every 10th step is a cost paid once in 10

@@ -11,10 +11,15 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE_PLANS = sorted(REPO.glob("examples/**/plan.yaml"))
 MCORE017 = Path(sys.prefix) / "mcore017"
-MCORE019 = Path(sys.prefix) / "mcore019"
-STACKS = {"0.17": MCORE017, "0.19": MCORE019}
-"""megatron-core installed beside the venv's 0.16.1 by scripts/bootstrap.sh, by release line:
-0.17.1, and 0.19.2 (its cp312 wheel made to run on 3.11, scripts/install_mcore019.sh)."""
+DEFAULT_STACK = "0.19"
+"""The venv's own megatron-core (0.19.2, scripts/install_mcore019.sh): what the tests run on
+unless they name another of :data:`STACKS`."""
+OLD_STACK = "0.17"
+"""The oldest supported megatron-core (0.17.1, installed beside the venv's by
+scripts/bootstrap.sh): a marked subset of the tests, the multi-process tier included, runs on it."""
+STACKS = {DEFAULT_STACK: (), OLD_STACK: (MCORE017,)}
+"""megatron-core release line -> the folders put first on a subprocess's ``PYTHONPATH`` to import
+it (none for the venv's own)."""
 MEGATRON_LM_TAGS = {"0.17": "core_v0.17.1", "0.19": "core_v0.19.0"}
 """The Megatron-LM release whose scripts (pretrain_gpt.py) run beside each of :data:`STACKS`
 (``core_v0.19.0``'s pretrain_gpt.py is the same file as the ``core_r0.19.0`` branch's)."""
@@ -30,6 +35,15 @@ def pytest_terminal_summary(terminalreporter):
         "scripts skip"))
 
 
+def stack_pythonpath(stack: str = DEFAULT_STACK) -> str:
+    """``PYTHONPATH`` for a subprocess that imports this repository and the megatron-core of
+    ``stack`` (a key of :data:`STACKS`); fails the test where bootstrap did not install it."""
+    for where in STACKS[stack]:
+        if not (where / "megatron" / "training").is_dir():
+            pytest.fail(f"megatron-core {stack} is missing at {where}: run scripts/bootstrap.sh")
+    return os.pathsep.join([*map(str, STACKS[stack]), str(REPO)])
+
+
 def pytest_collection_modifyitems(config, items):
     try:
         import torch
@@ -43,26 +57,16 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
-def mcore_environ(stack: str = "0.17") -> dict:
+def mcore_environ(stack: str = DEFAULT_STACK) -> dict:
     """Environment for a subprocess that imports the megatron-core of ``stack`` (a key of
     :data:`STACKS`; each ships megatron.training)."""
-    where = STACKS[stack]
-    if not (where / "megatron" / "training").is_dir():
-        pytest.fail(f"megatron-core {stack} is missing at {where}: run scripts/bootstrap.sh")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(where), str(REPO)])
-    return env
-
-
-def mcore017_environ() -> dict:
-    """Environment for a subprocess that imports megatron-core 0.17.1 (it ships megatron.training)."""
-    return mcore_environ("0.17")
+    return dict(os.environ, PYTHONPATH=stack_pythonpath(stack))
 
 
 @pytest.fixture
-def mcore017_env() -> dict:
-    """:func:`mcore017_environ` for one test."""
-    return mcore017_environ()
+def mcore_env() -> dict:
+    """:func:`mcore_environ` of the default stack for one test."""
+    return mcore_environ()
 
 
 _CALLS = """
@@ -79,12 +83,12 @@ print(json.dumps(done))
 """
 
 
-def evaluate_under_017(prelude: str, calls: dict[str, str], *, timeout: float,
-                       stack: str = "0.17") -> dict:
+def evaluate_under(prelude: str, calls: dict[str, str], *, timeout: float,
+                   stack: str = DEFAULT_STACK) -> dict:
     """Evaluate each Python expression of ``calls`` (``{key: expression}``, after ``prelude``)
-    in one subprocess under megatron-core 0.17.1, in order: one interpreter (and one forkserver
-    of :func:`megatron_hetero.mcore.spawn.spawn`) for the cases of a module instead of one per
-    test (``stack``: another of :data:`STACKS` instead). Returns ``{key: {"value": JSON of its value}}``, or ``{key: {"error": traceback}}``
+    in one subprocess under the megatron-core of ``stack`` (a key of :data:`STACKS`), in order:
+    one interpreter (and one forkserver of :func:`megatron_hetero.mcore.spawn.spawn`) for the
+    cases of a module instead of one per test. Returns ``{key: {"value": JSON of its value}}``, or ``{key: {"error": traceback}}``
     for an expression that raised (:func:`evaluated` fails that test with it)."""
     import json
     import subprocess
@@ -97,7 +101,7 @@ def evaluate_under_017(prelude: str, calls: dict[str, str], *, timeout: float,
 
 
 def evaluated(results: dict, key: str):
-    """The value :func:`evaluate_under_017` got for ``key``; the test fails with the
+    """The value :func:`evaluate_under` got for ``key``; the test fails with the
     subprocess's traceback where the expression raised."""
     if "error" in results[key]:
         pytest.fail(f"{key}: {results[key]['error'][-4000:]}")

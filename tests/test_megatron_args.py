@@ -1,5 +1,5 @@
-"""The arguments `args` prints pass Megatron-LM's own parse_args + validate_args (megatron-core
-0.17.1 ships megatron.training) and mean the plan's split, sizes and batches."""
+"""The arguments `args` prints pass Megatron-LM's own parse_args + validate_args (the venv's
+megatron-core, 0.19.2, ships megatron.training) and mean the plan's split, sizes and batches."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import yaml
 from megatron_hetero.plan.megatron_args import megatron_args, split_args
 from megatron_hetero.plan import load_plan, plan_from_data
 
-from .conftest import EXAMPLE_PLANS, REPO, mcore017_environ
+from .conftest import EXAMPLE_PLANS, REPO, mcore_environ
 
 BASE = yaml.safe_load((REPO / "tests/data/plan_a100_v100.yaml").read_text())
 
@@ -235,7 +235,7 @@ _PER_RANK_CHECKER = textwrap.dedent("""
 """)
 
 
-# Both checkers in one subprocess under megatron-core 0.17.1, each with its own input, in turn
+# Both checkers in one subprocess under the venv's megatron-core, each with its own input, in turn
 # (the per-rank one sets megatron-core's TE version: it goes second).
 _BOTH = textwrap.dedent("""
     import contextlib, io, json, sys
@@ -265,7 +265,7 @@ def checked(tmp_path_factory) -> dict:
     proc = subprocess.run([sys.executable, "-c", _BOTH], text=True, capture_output=True,
                           input=json.dumps([[_CHECKER, json.dumps(accepts)],
                                             [_PER_RANK_CHECKER, json.dumps(per_rank)]]),
-                          env=mcore017_environ(), timeout=600)
+                          env=mcore_environ(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return dict(zip(["accepts", "per-rank"], json.loads(proc.stdout.split("BOTH", 1)[1])))
 

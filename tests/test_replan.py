@@ -16,7 +16,7 @@ from megatron_hetero.hardware.inventory import load_inventory
 from megatron_hetero.plan import load_plan, save_plan
 from megatron_hetero.placement.inventory import check_against_inventory
 
-from .conftest import MCORE017
+from .conftest import OLD_STACK
 from .runtime.launching import launch, logged_losses, together
 from .runtime.plans import A100, V100, make_plan
 
@@ -28,19 +28,21 @@ OLD = "old plan"
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> Path:
     """A torch_dist checkpoint of iteration 2 of 4, saved under plan A (stages of 1 and 2 layers
-    on an A100 and a V100); the old plan beside it as ``plan-a.yaml``."""
-    if not (MCORE017 / "megatron" / "training").is_dir():
-        pytest.fail(f"megatron-core 0.17.1 is missing at {MCORE017}: run scripts/bootstrap.sh")
+    on an A100 and a V100); the old plan beside it as ``plan-a.yaml``. Saved (and resumed) by
+    megatron-core 0.17.1, whose saves keep ``common.pt``, the file the damaged-checkpoint cases
+    below edit; 0.19 keeps that object inside the ``*.distcp`` files, which ``replan``'s reader
+    reads in ``tests/runtime/test_mesh_training.py`` (both stacks)."""
     root = tmp_path_factory.mktemp("replan")
     plan = root / "plan-a.yaml"
     save_plan(make_plan(split=(1, 2), devices=[[A100, V100]], replicas=[(1, 4)]), plan)
     (root / "run").mkdir(), (root / "uninterrupted").mkdir()
     # beside it, plan A's 4 steps without the stop: what the resumed run must continue
     results, whole = together(
-        lambda: launch(2, str(plan), root / "run", iters=4, timeout=400,
+        lambda: launch(2, str(plan), root / "run", iters=4, timeout=400, stack=OLD_STACK,
                        extra=["--save", str(root / "ckpt"), "--save-interval", "2",
                               "--exit-interval", "2", "--ckpt-format", "torch_dist"]),
-        lambda: launch(2, str(plan), root / "uninterrupted", iters=4, timeout=400))
+        lambda: launch(2, str(plan), root / "uninterrupted", iters=4, timeout=400,
+                       stack=OLD_STACK))
     for code, out, _ in results + whole:
         assert code == 0, out[-3000:]
     (root / "uninterrupted-losses.txt").write_text(
@@ -119,7 +121,8 @@ def test_plan_b_resumes_the_checkpoint(saved, work, capsys):
     assert plan.world_size == 1 and plan.pipeline_model_parallel_size == 1
     (work / "run").mkdir()
     [(code, out, log)] = launch(1, str(work / "plan-b.yaml"), work / "run", iters=4, timeout=400,
-                                extra=["--load", str(work / "ckpt"), "--ckpt-format", "torch_dist"])
+                                extra=["--load", str(work / "ckpt"), "--ckpt-format", "torch_dist"],
+                                stack=OLD_STACK)
     assert code == 0, out[-3000:]
     assert "successfully loaded checkpoint" in out and "at iteration 2" in out
     assert "consumed samples:           16" in out and len(logged_losses(out)) == 2
@@ -143,7 +146,8 @@ def test_plan_b_continues_the_uninterrupted_run_after_its_first_update(saved, wo
     assert main(_replan(work)) == 0
     (work / "run").mkdir()
     [(code, out, log)] = launch(1, str(work / "plan-b.yaml"), work / "run", iters=4, timeout=400,
-                                extra=["--load", str(work / "ckpt"), "--ckpt-format", "torch_dist"])
+                                extra=["--load", str(work / "ckpt"), "--ckpt-format", "torch_dist"],
+                                stack=OLD_STACK)
     assert code == 0, out[-3000:]
     step3, mean34 = logged_losses(out)
     # Megatron's training_log does not reset its sums at a run's first iteration: the second

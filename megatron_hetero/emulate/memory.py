@@ -311,7 +311,10 @@ def _metered_pop(pop):
     def tensor_pop(self, tag):
         import torch
 
-        held = self.offload_groups[tag[0] - 1]._tensors.get(tag)
+        if torch.is_tensor(tag):  # megatron-core 0.19: one it does not manage, passed through
+            held = tag
+        else:
+            held = self.offload_groups[tag[0] - 1]._tensors.get(tag)
         tensor = pop(self, tag)
         if torch.is_tensor(held):  # on the device until now: the backward pass takes it
             _offload_meter[0]._release(_storage(held)[0])
@@ -320,12 +323,13 @@ def _metered_pop(pop):
 
 
 def _metered_offload(offload):
-    def bulk_offload_group(self):
+    def bulk_offload_group(self, *given):
         import torch
 
-        group = self._groups_to_offload[-1]
+        # megatron-core 0.19 passes the group; 0.17 offloads the last one queued
+        group = given[0] if given else self._groups_to_offload[-1]
         before = {tag: t for tag, t in group._tensors.items() if torch.is_tensor(t)}
-        offload(self)
+        offload(self, *given)
         for tag, t in before.items():
             if not torch.is_tensor(group._tensors.get(tag)):  # copied to the host pool
                 _offload_meter[0]._release(_storage(t)[0])

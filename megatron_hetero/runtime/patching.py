@@ -16,8 +16,8 @@ from pathlib import Path
 
 from ..errors import HeteroError
 
-__all__ = ["PATCHES_DIR", "release_line", "patch_for", "apply_patch", "patch_megatron_main",
-           "MARKER"]
+__all__ = ["PATCHES_DIR", "release_line", "patch_for", "found_release", "apply_patch",
+           "patch_megatron_main", "MARKER"]
 
 def _patches_dir() -> Path:
     """``patches/`` of a source checkout, else the copy an installed wheel ships as
@@ -70,6 +70,17 @@ def patch_for(megatron: Path) -> tuple[str, Path]:
                       f"megatron_hetero.launch {megatron / 'pretrain_gpt.py'} ... --hetero-plan PLAN)")
 
 
+def found_release(megatron: Path, line: str) -> str:
+    """What ``patch-megatron`` says it found: ``"Megatron-LM core_r0.19 (megatron-core 0.19.x,
+    0.19.1 here)"``, or for a checkout newer than every release line ``"Megatron-LM main
+    (megatron-core 0.20.0, newer than every release line)"``."""
+    _, version = release_line(megatron)
+    if line == "main":
+        return f"Megatron-LM main (megatron-core {version}, newer than every release line)"
+    series = ".".join(version.split(".")[:2])
+    return f"Megatron-LM {line} (megatron-core {series}.x, {version} here)"
+
+
 def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
 
@@ -93,8 +104,9 @@ def patch_megatron_main(args: argparse.Namespace) -> int:
     if not script.is_file():
         raise HeteroError(f"{megatron}: no pretrain_gpt.py (give the Megatron-LM checkout's root)")
     line, patch = patch_for(megatron)
+    found = found_release(megatron, line)
     if MARKER in script.read_text():
-        print(f"{script}: already patched for megatron-hetero ({line})")
+        print(f"{script}: already patched for megatron-hetero; found {found}")
         return 0
     result = apply_patch(megatron, patch, check=True)  # never leave a half-patched checkout
     if result.returncode == 0 and not args.check:
@@ -106,7 +118,7 @@ def patch_megatron_main(args: argparse.Namespace) -> int:
                           f"expected that release's unmodified pretrain_gpt.py (or run it "
                           f"unpatched: python -m megatron_hetero.launch {script} ...)")
     if args.check:
-        print(f"{script}: the {line} patch applies cleanly ({patch})")
+        print(f"{script}: found {found}; the {line} patch applies cleanly ({patch})")
     else:
-        print(f"{script}: patched ({line}); run it with --hetero-plan PLAN")
+        print(f"{script}: found {found}; patched ({line}); run it with --hetero-plan PLAN")
     return 0

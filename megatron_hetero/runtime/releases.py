@@ -18,7 +18,9 @@ argument through); ``BridgeCommunicator`` a leader group made with ``backend='nc
 (:func:`megatron_hetero.mcore.mesh_grids.gloo_bridges`); the optimizers'
 ``get_main_grads_for_grad_norm`` became ``get_grads_for_grad_norm``
 (:func:`megatron_hetero.mcore.mesh_train.use_whole_model_grad_norm`); fine-grained activation
-offloading takes only ``cuda`` tensors (the CPU backend: :mod:`megatron_hetero.mcore.cpu_offload`).
+offloading takes only ``cuda`` tensors (the CPU backend: :mod:`megatron_hetero.mcore.cpu_offload`)
+and its ``ChunkOffloadHandler.bulk_offload_group`` takes the group to offload (the rehearsal's
+memory meter: :mod:`megatron_hetero.emulate.memory`).
 """
 
 from __future__ import annotations

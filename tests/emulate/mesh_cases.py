@@ -1,5 +1,5 @@
 """Runs of the mesh-trainer tests (importable by name; each test runs one in a subprocess under
-megatron-core 0.17.1)."""
+megatron-core of tests.conftest.STACKS)."""
 
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ import pytest
 from megatron_hetero.emulate.trainer import (RankHooks, TrainConfig, compare_results,
                                              reference_plan, train_plan)
 
-from ..conftest import evaluate_under_017, evaluated
+from ..conftest import OLD_STACK, evaluate_under, evaluated
 from .conftest import tiny_plan
 
 pytestmark = pytest.mark.slow
@@ -217,14 +217,15 @@ def under_017() -> dict:
                     compare_results(train_plan(plan, config),
                                     train_plan(reference_plan(plan), config), rtol=%r, atol=%r)]
     """ % (RTOL, ATOL))
-    return evaluate_under_017(prelude, {name: f"versus_one_process({plan})"
-                                        for name, plan in UNDER_017.items()}, timeout=240 * 2)
+    return evaluate_under(prelude, {name: f"versus_one_process({plan})"
+                                        for name, plan in UNDER_017.items()}, timeout=240 * 2,
+                          stack=OLD_STACK)
 
 
 @pytest.mark.parametrize("name", list(UNDER_017))
 def test_megatron_core_017(under_017, name):
-    """(b) and an interleaved plan like (i) under megatron-core 0.17.1 (a subprocess with
-    PYTHONPATH=.venv/mcore017)."""
+    """(b) and an interleaved plan like (i) under megatron-core 0.17.1, the oldest supported (a
+    subprocess with PYTHONPATH=.venv/mcore017; the tests above run on the venv's 0.19.2)."""
     version, diff = evaluated(under_017, name)
     assert version.startswith("0.17"), version
     assert diff is None, diff

@@ -1,15 +1,16 @@
 """The mini trainer (megatron_hetero/emulate/trainer.py) trains a chain of meshes (its
-multimodule backend, emulate/rank_backends.py) equal to one process: megatron-core 0.17.1's DDP, optimizer (plain and distributed) and finalize over each
+multimodule backend, emulate/rank_backends.py) equal to one process: megatron-core's DDP, optimizer (plain and distributed) and finalize over each
 mesh, Adam with gradient clipping that clips (so the norm over the whole model is checked: every
 rank's norm equals the one process's), the 1 / D_last gradient scale, per-token loss where
 replicas differ. Each megatron-core of ``tests.conftest.STACKS`` trains its cases of
-:data:`STACK_CASES` (0.19.2: two, for CI's time)."""
+:data:`STACK_CASES` (0.19.2, the default: all; 0.17.1, the oldest supported: two, for CI's
+time)."""
 
 from __future__ import annotations
 
 import pytest
 
-from ..conftest import STACKS, evaluate_under_017, evaluated
+from ..conftest import STACKS, evaluate_under, evaluated
 from ..mcore.tiny_mesh_plans import tiny_mesh_plan as _plan
 
 pytestmark = pytest.mark.slow  # each case spawns 3-4 ranks three times
@@ -27,7 +28,7 @@ MESHES = {  # case: (meshes, world, tiny_mesh_plan's keyword arguments)
 }
 
 
-STACK_CASES = {"0.17": list(MESHES), "0.19": ["tp2dp1-tp1dp2", "uneven"]}
+STACK_CASES = {"0.19": list(MESHES), "0.17": ["tp2dp1-tp1dp2", "uneven"]}
 """The cases each megatron-core of :data:`tests.conftest.STACKS` trains."""
 assert set(STACK_CASES) == set(STACKS)
 
@@ -49,7 +50,7 @@ def trained(tmp_path_factory):
             for name in STACK_CASES[stack]:
                 plan = _plan(tmp_path_factory.mktemp(name), MESHES[name][0], **MESHES[name][2])
                 calls[name] = f"train_against_one_process({plan!r}, {CLIP!r})"
-            done[stack] = evaluate_under_017(
+            done[stack] = evaluate_under(
                 "from tests.emulate.mesh_cases import train_against_one_process", calls,
                 timeout=600 * len(calls), stack=stack)
         return done[stack]

@@ -128,10 +128,10 @@ def test_interleaved_plan_rehearses_and_verifies(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_offloading_replica_rehearses_below_its_peak_without_offload(tmp_path, mcore017_env):
+def test_offloading_replica_rehearses_below_its_peak_without_offload(tmp_path, mcore_env):
     """Two replicas of one 4-layer stage (a real layer input of 1024 x 1024 elements: at
     megatron-core's offload threshold), replica 0 offloading its module inputs and half its
-    optimizer state, on megatron-core 0.17.1: the rehearsal runs both offloads (megatron-core's
+    optimizer state, on the venv's megatron-core (0.19.2): the rehearsal runs both offloads (megatron-core's
     offload summary), replica 0's measured peak is below replica 1's, within its cap, and the
     run trains equal to one process."""
     model = {"name": "wide", "num_layers": 4, "hidden_size": 1024, "ffn_hidden_size": 2816,
@@ -143,7 +143,7 @@ def test_offloading_replica_rehearses_below_its_peak_without_offload(tmp_path, m
                                                     "optimizer_fraction": 0.5}
     out = subprocess.run([sys.executable, "-m", "megatron_hetero.cli", "rehearse",
                           _write(tmp_path, data), "--steps", "2", "--hidden-size", "32",
-                          "--verify"], env=mcore017_env | {"PYTHONWARNINGS": "ignore"},
+                          "--verify"], env=mcore_env | {"PYTHONWARNINGS": "ignore"},
                          cwd=REPO, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-2000:]
     text = out.stdout

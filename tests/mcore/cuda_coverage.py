@@ -92,6 +92,12 @@ NOT_REDIRECTED: tuple[tuple[str, str, str], ...] = (
      "count as device parameters while it splits (CPU ranks)"),
     ("pipeline_parallel.fine_grained_activation_offload", "default 'cuda'", "GPUTensorPool's "
      "default device; megatron-core builds it only as the host pool (device='cpu')"),
+    ("pipeline_parallel.utils", "torch.cuda.Stream.priority_range", "set_streams (megatron-core "
+     "0.19): only the combined 1F1B of expert-parallel overlap calls it (off the path)"),
+    ("pipeline_parallel.fine_grained_activation_offload", "'cuda' in Compare", "ChunkOffloadHandler."
+     "_can_manage_tensor_for_offload (megatron-core 0.19) manages cuda tensors only: "
+     "megatron_hetero.mcore.cpu_offload wraps it so that a CPU rank's tensor is asked about as "
+     "its device's"),
     ("transformer.mlp", "torch.cuda.OutOfMemoryError", "an exception class in an except clause"),
     ("transformer.module", "torch.cuda.FloatTensor", "fp16/bf16 conversion helpers (fp32 runs "
      "do not convert)"),

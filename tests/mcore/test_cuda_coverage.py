@@ -1,5 +1,5 @@
 """The CPU backend's redirect table pinned against the installed megatron-core's source (and
-megatron-core 0.17.1's)."""
+megatron-core 0.17.1's, the oldest supported)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import textwrap
 
 import pytest
 
+from tests.conftest import OLD_STACK, mcore_environ
 from tests.mcore.cuda_coverage import (CPU_PATH_MODULES, cuda_uses, is_covered,
                                                  uncovered_cuda_uses)
 
@@ -37,11 +38,11 @@ def test_interleaved_schedule_is_scanned_and_covered():
 
 
 @pytest.mark.slow
-def test_table_covers_megatron_core_017(mcore017_env):
+def test_table_covers_megatron_core_017():
     script = ("import megatron.core; from tests.mcore.cuda_coverage import "
               "uncovered_cuda_uses as u; print(megatron.core.__version__, u())")
-    out = subprocess.run([sys.executable, "-W", "ignore", "-c", script], env=mcore017_env,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", script],
+                         env=mcore_environ(OLD_STACK), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "0.17.1 []"
 

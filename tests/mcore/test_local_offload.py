@@ -42,6 +42,10 @@ def test_the_offload_manager_enters_its_context_with_the_stand_in(monkeypatch):
     manager.cur_forward_chunk = lambda: chunk
     manager.on_save_for_backward = lambda t: t
     manager.on_get_saved_tensor = lambda t: t
+    # megatron-core 0.19's __init__ keeps the saved-tensor hooks' context (0.17 made it in __enter__)
+    from torch.autograd.graph import saved_tensors_hooks
+    manager._saved_tensors_hooks = saved_tensors_hooks(manager.on_save_for_backward,
+                                                       manager.on_get_saved_tensor)
     manager.__enter__()
     try:
         assert te_extensions.cpu_offload.CPUOffloadEnabled is True

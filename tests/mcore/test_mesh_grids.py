@@ -1,4 +1,4 @@
-"""megatron-core 0.17.1's grids and bridges built from a mesh plan on gloo CPU ranks: the ranks
+"""megatron-core's grids and bridges built from a mesh plan on gloo CPU ranks: the ranks
 the plan numbers are the ranks megatron-core's grids and leaders use, and a micro-batch crosses
 each bridge whole (TP1 -> TP2 broadcast, DP2 -> DP1 fan-in, DP1 -> DP2 fan-out)."""
 
@@ -9,7 +9,7 @@ import copy
 import pytest
 import yaml
 
-from ..conftest import REPO, evaluate_under_017, evaluated
+from ..conftest import REPO, evaluate_under, evaluated
 from .tiny_mesh_plans import tiny_mesh_plan as _plan
 
 BASE = yaml.safe_load((REPO / "examples/meshes/3090-t4-plan.yaml").read_text())
@@ -50,7 +50,7 @@ def ranks_ran(tmp_path_factory) -> dict:
     """``bridge/<case>`` and ``schedule/<case>``: every rank's result of
     ``tests/mcore/mesh_ranks.py``'s ``bridge_ranks`` and ``schedule_ranks`` on each case's plan;
     ``fake/1024``: ``fake_grid_ranks`` on the 1024-rank plan; all from one subprocess under
-    megatron-core 0.17.1."""
+    the venv's megatron-core (0.19.2)."""
     calls = {}
     for name, (meshes, world) in BRIDGES.items():
         path = _plan(tmp_path_factory.mktemp("bridge"), meshes)
@@ -67,7 +67,7 @@ def ranks_ran(tmp_path_factory) -> dict:
     # last: on fake process groups in the subprocess itself, after the spawned ranks
     path = _plan_1024(tmp_path_factory.mktemp("fake"))
     calls["fake/1024"] = f"fake_grid_ranks({path!r}, {RANKS_1024!r})"
-    return evaluate_under_017("from megatron_hetero.mcore.spawn import spawn\n"
+    return evaluate_under("from megatron_hetero.mcore.spawn import spawn\n"
                               "from tests.mcore.mesh_ranks import (bridge_ranks, fake_grid_ranks,"
                               " schedule_ranks)", calls, timeout=300 * len(calls))
 

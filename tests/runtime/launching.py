@@ -11,11 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from ..conftest import MEGATRON_LM_TAGS, STACKS
+from ..conftest import DEFAULT_STACK, MCORE017, MEGATRON_LM_TAGS, stack_pythonpath
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN_SCRIPT = Path(__file__).with_name("data") / "train_tiny.py"
-MCORE017 = Path(sys.prefix) / "mcore017"
 MEGATRON_GIT = Path(os.environ["MEGATRON_LM_GIT"]) if os.environ.get("MEGATRON_LM_GIT") else None
 """A Megatron-LM git clone, given only by ``$MEGATRON_LM_GIT`` (docs/development.md); None
 without it. A variable that names no git clone fails the tests that read it (git's error)."""
@@ -43,10 +42,11 @@ PRETRAIN_GPT_ARGS = [a for a in BASE_ARGS if a != "--no-create-attention-mask-in
 _SCRIPTS = ("pretrain_gpt.py", "gpt_builders.py", "model_provider.py", "megatron/legacy")
 
 
-def megatron_lm_checkout(tmp_path, stack: str = "0.17") -> Path:
-    """Megatron-LM 0.17.1's scripts (its megatron.core/training come from megatron-core 0.17.1;
-    ``stack``: another release line of :data:`tests.conftest.STACKS`), with the tests'
-    recording wrapper (``data/pretrain_gpt_recording.py``) beside ``pretrain_gpt.py``."""
+def megatron_lm_checkout(tmp_path, stack: str = DEFAULT_STACK) -> Path:
+    """Megatron-LM core_v0.19.0's scripts (its megatron.core/training come from the venv's
+    megatron-core 0.19.2; ``stack``: another release line of :data:`tests.conftest.STACKS`, with
+    its release's scripts, :data:`tests.conftest.MEGATRON_LM_TAGS`), with the tests' recording
+    wrapper (``data/pretrain_gpt_recording.py``) beside ``pretrain_gpt.py``."""
     tag = MEGATRON_LM_TAGS[stack]
     # megatron/legacy (gone by core_v0.19.0) where the release has it
     present = subprocess.run(["git", "--git-dir", str(MEGATRON_GIT), "ls-tree", "--name-only",
@@ -97,7 +97,7 @@ _PLAIN = (
 
 def launch(nproc: int, plan: str, workdir: Path, *, iters: int = 2, extra=(), env=None,
            timeout: float = 240, script: Path = TRAIN_SCRIPT, launcher_types=None,
-           hooks: bool = True, base_args=BASE_ARGS, stack: str = "0.17") -> list:
+           hooks: bool = True, base_args=BASE_ARGS, stack: str = DEFAULT_STACK) -> list:
     """Start ``nproc`` ranks; returns [(returncode, output, log dict or None)] per launcher rank.
     ``hooks=False`` runs plain Megatron with the plan's implied arguments instead; ``stack``:
     the megatron-core of :data:`tests.conftest.STACKS` the ranks import."""
@@ -110,7 +110,7 @@ def launch(nproc: int, plan: str, workdir: Path, *, iters: int = 2, extra=(), en
         e.update(RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
                  MASTER_PORT=str(port), OMP_NUM_THREADS="1", MEGATRON_HETERO_CPU="1",
                  TINY_LOG=str(workdir / "log"),
-                 PYTHONPATH=os.pathsep.join([str(STACKS[stack]), str(REPO)]), **(env or {}))
+                 PYTHONPATH=stack_pythonpath(stack), **(env or {}))
         if launcher_types:
             e["MEGATRON_HETERO_DEVICE_TYPE"] = launcher_types[r]
         if hooks:

@@ -1,9 +1,10 @@
-"""Checkpoints that survive a change of plan (issue 16, items 1-3), with Megatron-LM 0.17.1's own
-pretrain_gpt.py (mock data, distributed optimizer, ``--ckpt-format torch_dist`` with
-``--dist-ckpt-optim-fully-reshardable``) on CPU ranks. Where no Megatron-LM git clone is at hand
-(CI's clean clone: megatron-core's wheel ships ``megatron.training`` but not the scripts), the
-chain runs the tests' own ``data/train_tiny.py`` instead: the same ``megatron.training.pretrain``,
-checkpointing and distributed optimizer, its own GPT and synthetic samples.
+"""Checkpoints that survive a change of plan (issue 16, items 1-3), with Megatron-LM
+core_v0.19.0's own pretrain_gpt.py (mock data, distributed optimizer, ``--ckpt-format
+torch_dist`` with ``--dist-ckpt-optim-fully-reshardable``) on CPU ranks. Where no Megatron-LM
+git clone is at hand (CI's clean clone: megatron-core's wheel ships ``megatron.training`` but not
+the scripts), the chain runs the tests' own ``data/train_tiny.py`` instead: the same
+``megatron.training.pretrain``, checkpointing and distributed optimizer, its own GPT and synthetic
+samples.
 
 One chain of runs, global batch G = 6, 8 steps in all (every run has ``--train-iters 8``, so
 Megatron builds the same mock dataset; ``--exit-interval`` stops a run early, after a save):

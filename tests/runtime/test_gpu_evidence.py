@@ -3,18 +3,23 @@ shapes against Megatron-LM's own pretrain_gpt.py: every part runs within its bud
 its outcome; the shapes part trains each shape under --hetero-plan next to its predictions; the
 MoE part (scripts/gpu_moe_profile.py) times megatron-core's MoE and dense layers and counts the
 tokens per expert; the megatron-core 0.19.2 part records its outcome either way (it passes only
-where megatron-core 0.19.2 is installed in .venv/mcore019 with what it imports)."""
+where megatron-core 0.19.2 is installed with what it imports: the venv's own). Here the shapes
+and MoE parts run on the oldest supported megatron-core, 0.17.1 (with core_v0.17.1's scripts),
+and the 0.19.2 part on the venv's site-packages."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import sysconfig
+from pathlib import Path
 
-from ..conftest import mcore_environ
-from .launching import MCORE017, MEGATRON_GIT, REPO, megatron_lm_checkout, needs_megatron_git
+from ..conftest import OLD_STACK, mcore_environ
+from .launching import MEGATRON_GIT, REPO, megatron_lm_checkout, needs_megatron_git
 
-MCORE019 = MCORE017.with_name("mcore019")
+MCORE019 = Path(sysconfig.get_paths()["platlib"])
+"""Where the venv's megatron-core 0.19.2 is installed (scripts/install_mcore019.sh)."""
 
 
 def megatron_lm_019(tmp_path):
@@ -31,9 +36,9 @@ def megatron_lm_019(tmp_path):
 @needs_megatron_git
 def test_gpu_evidence_script_rehearses_on_cpu(tmp_path):
     out = tmp_path / "out"
-    env = mcore_environ("0.17")
+    env = mcore_environ(OLD_STACK)
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_evidence.py"), "--cpu",
-                           "--megatron-lm", str(megatron_lm_checkout(tmp_path)),
+                           "--megatron-lm", str(megatron_lm_checkout(tmp_path, OLD_STACK)),
                            "--megatron-lm-019", str(megatron_lm_019(tmp_path)),
                            "--mcore019", str(MCORE019), "--out", str(out), "--layers", "2",
                            "--iters", "3", "--profile-warmup", "1", "--profile-repeats", "2"],

@@ -1,6 +1,6 @@
 """``python -m megatron_hetero.launch --cpu`` runs a pretrain_gpt.py-style script (written for
-these tests: megatron.training.pretrain, tiny GPT, synthetic data) under megatron-core 0.17.1's
-megatron.training, on CPU processes, with the plan applied by the hooks."""
+these tests: megatron.training.pretrain, tiny GPT, synthetic data) under the venv's
+megatron-core 0.19.2's megatron.training, on CPU processes, with the plan applied by the hooks."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(autouse=True)
-def _needs_mcore017(mcore017_env):
-    return mcore017_env
+def _needs_mcore(mcore_env):
+    return mcore_env
 
 
 def _per_sample(log) -> dict[int, float]:
@@ -220,8 +220,8 @@ def test_interleaved_uneven_plan_equals_one_replica(tmp_path, reference_run):
 
 def test_per_stage_warmup_schedule_trains_as_megatrons(tmp_path, reference_run):
     """A plan whose first stage warms up 3 micro-batches (Megatron: 1) runs the per-stage
-    warm-up schedule through the get_forward_backward_func hook of megatron.training 0.17.1
-    (megatron-core 0.17's backward_step) and trains exactly as Megatron's own 1F1B on the same
+    warm-up schedule through the get_forward_backward_func hook of megatron.training 0.19.2
+    (megatron-core's backward_step) and trains exactly as Megatron's own 1F1B on the same
     plan without the field."""
     warm = tmp_path / "warm.yaml"
     data = TWO_STAGES_4.to_data()
@@ -259,13 +259,13 @@ def test_mismatch_and_conflict_stop_with_one_message(tmp_path):
 
 
 @needs_megatron_git
-@pytest.mark.parametrize("stack,tp", [("0.17", 1), ("0.17", 2), ("0.19", 2)])
+@pytest.mark.parametrize("stack,tp", [("0.19", 1), ("0.19", 2), ("0.17", 2)])
 def test_unchanged_pretrain_gpt_uneven_data_parallel(tmp_path, stack, tp):
-    """Megatron-LM 0.17.1's own pretrain_gpt.py (unpatched, mock data), run by launch: a
-    2-replica 3:1 plan logs the same training and validation losses and grad norms as one
-    replica (with TP=2 the replicas' batches go through Megatron's tensor-parallel batch
-    broadcast too). Under megatron-core 0.19.2, core_v0.19.0's pretrain_gpt.py (its model
-    built by GPTModelBuilder, not get_model)."""
+    """Megatron-LM core_v0.19.0's own pretrain_gpt.py (unpatched, mock data; its model built
+    by GPTModelBuilder, not get_model), run by launch: a 2-replica 3:1 plan logs the same
+    training and validation losses and grad norms as one replica (with TP=2 the replicas'
+    batches go through Megatron's tensor-parallel batch broadcast too). Under megatron-core
+    0.17.1, the oldest supported, core_v0.17.1's pretrain_gpt.py (TP=2)."""
     mcore_environ(stack)  # fails where bootstrap did not install it
     checkout = megatron_lm_checkout(tmp_path, stack)
     before = (checkout / "pretrain_gpt.py").read_bytes()
@@ -297,9 +297,9 @@ def _validation_losses(output: str) -> list[float]:
 
 
 @needs_megatron_git
-@pytest.mark.parametrize("stack", ["0.17", "0.19"])
+@pytest.mark.parametrize("stack", ["0.19", "0.17"])
 def test_unchanged_pretrain_gpt_interleaved_uneven_plan(tmp_path, stack):
-    """Megatron-LM 0.17.1's own pretrain_gpt.py (core_v0.19.0's under megatron-core 0.19.2)
+    """Megatron-LM core_v0.19.0's own pretrain_gpt.py (core_v0.17.1's under megatron-core 0.17.1)
     runs an interleaved plan (PP=2, model chunks of 1+1 and 2+1 layers) with replicas of 4 and
     2 micro-batches: training and validation losses and grad norms as one replica running all
     6 micro-batches through the same chunks."""

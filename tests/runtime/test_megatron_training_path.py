@@ -1,4 +1,4 @@
-"""The hooks on Megatron-LM's own argument path (megatron-core 0.17.1 ships megatron.training):
+"""The hooks on Megatron-LM's own argument path (megatron-core ships megatron.training):
 ``parse_args`` gets ``--hetero-plan`` through the hooked extra-args provider, ``validate_args``
 gets the plan's arguments, this rank's placement and stage policies; conflicts are refused."""
 
@@ -13,7 +13,7 @@ import pytest
 
 from megatron_hetero.plan import save_plan
 
-from ..conftest import mcore017_environ
+from ..conftest import mcore_environ
 from .plans import A100, V100, make_plan
 
 _CHECKER = textwrap.dedent("""
@@ -27,7 +27,10 @@ _CHECKER = textwrap.dedent("""
     from megatron_hetero.errors import HeteroError
     runtime = hooks.install()
     assert hooks.install() is runtime and hooks.installed() is runtime  # one per process
-    from megatron.training.initialize import parse_args, validate_args  # the names Megatron uses
+    try:  # the names Megatron uses: megatron-core 0.17's initialize
+        from megatron.training.initialize import parse_args, validate_args
+    except ImportError:  # 0.19: parse_and_validate_args calls its own module's two
+        from megatron.training.arguments import parse_args, validate_args
     out = []
     for case in json.loads(sys.stdin.read()):
         # the other launcher ranks' reports, as the rendezvous store would hold them
@@ -76,7 +79,7 @@ _LAUNCHER_TYPES = [V100, A100, A100, V100]  # differs from the plan's A100, A100
 @pytest.fixture(scope="module")
 def checked(tmp_path_factory) -> dict:
     """``{test: (plan, [result per case])}``: every case of the tests below through Megatron's
-    own parse_args and validate_args, all in one subprocess under megatron-core 0.17.1."""
+    own parse_args and validate_args, all in one subprocess under the venv's megatron-core."""
     root = tmp_path_factory.mktemp("training_path")
     plan = make_plan(split=(1, 3), devices=[[A100, V100], [A100, V100]],
                      replicas=[(1, 3), (1, 1)],
@@ -116,7 +119,7 @@ def checked(tmp_path_factory) -> dict:
             *({"argv": local, "types": [A100, V100], "rank": r} for r in range(2)),
             {"argv": ["--hetero-plan", opath], "types": [A100, V100], "rank": 0}]),
     }
-    results = _run(mcore017_environ(), [c for _, test in cases.values() for c in test])
+    results = _run(mcore_environ(), [c for _, test in cases.values() for c in test])
     out = {}
     for name, (p, test) in cases.items():
         out[name], results = (p, results[:len(test)]), results[len(test):]

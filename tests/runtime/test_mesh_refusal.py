@@ -1,6 +1,8 @@
 """A mesh plan under the runtime hooks on megatron-core 0.16: refused on every rank before the
-model is built, naming the megatron-core it needs (tier 1/2: no process group). On 0.17 the
-hooks run it (``test_mesh_training.py``); what they refuse there is checked here too."""
+model is built, naming the megatron-core it needs (tier 1/2: no process group; 0.16 is below the
+supported range and no longer installed, so the installed release is made to say 0.16.1). On
+0.17 and later the hooks run it (``test_mesh_training.py``); what they refuse there is checked
+here too."""
 
 from __future__ import annotations
 
@@ -12,15 +14,16 @@ import sys
 import pytest
 
 from megatron_hetero.errors import HeteroError
-from megatron_hetero.runtime import hooks
+from megatron_hetero.runtime import hooks, releases
 from megatron_hetero.runtime.meshes import mesh_plan_of
 
-from ..conftest import EXAMPLE_PLANS, REPO, mcore017_environ
+from ..conftest import EXAMPLE_PLANS, REPO, mcore_environ
 
 MESH = REPO / "examples/meshes/3090-t4-plan.yaml"
 
 
-def test_mesh_plan_refused_on_megatron_core_016_naming_017():
+def test_mesh_plan_refused_on_megatron_core_016_naming_017(monkeypatch):
+    monkeypatch.setattr(releases, "installed", lambda: ("0.16.1", (0, 16)))
     runtime = hooks.Runtime()
     with pytest.raises(HeteroError, match=r"needs megatron-core 0\.17 or later.*"
                                           r"MultiModulePipelineCommunicator.*0\.16\.1 is installed"):
@@ -78,16 +81,16 @@ _CPU = "from megatron_hetero.mcore.cpu_backend import enable_cpu_backend; enable
 @pytest.fixture(scope="module")
 def on_017() -> dict:
     """What the hooks printed for each of ``CASES`` (launcher rank 21, a 3090) on
-    megatron-core 0.17.1: one subprocess for the cases on CPU ranks (the CPU backend enabled,
-    as ``launch --cpu`` runs them: they run the example's module-input offload without
-    Transformer Engine), one for the others."""
+    the venv's megatron-core (0.19.2): one subprocess for the cases on CPU ranks (the CPU
+    backend enabled, as ``launch --cpu`` runs them: they run the example's module-input offload
+    without Transformer Engine), one for the others."""
     printed = {}
     for cpu in (True, False):
         names = [name for name, case in CASES.items() if case[2] is cpu]
         out = subprocess.run([sys.executable, "-c", _ON_017.format(
                                   path=str(MESH), cpu=_CPU if cpu else "")],
                              input=json.dumps([CASES[n][:2] for n in names]),
-                             env=mcore017_environ(), capture_output=True, text=True, timeout=300)
+                             env=mcore_environ(), capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-2000:]
         printed.update(zip(names, json.loads(out.stdout.split("CASES", 1)[1])))
     return printed

@@ -1,5 +1,5 @@
-"""Mesh plans (format 2) under Megatron-LM's own training loop on megatron-core 0.17.1, through
-``python -m megatron_hetero.launch`` on CPU ranks (gloo): Megatron-LM 0.17.1's ``pretrain_gpt.py``
+"""Mesh plans (format 2) under Megatron-LM's own training loop on megatron-core 0.19.2, through
+``python -m megatron_hetero.launch`` on CPU ranks (gloo): Megatron-LM core_v0.19.0's ``pretrain_gpt.py``
 (mock data) where its git clone is at hand, else the tests' own ``data/train_tiny.py`` (the same
 ``megatron.training.pretrain``), with the distributed optimizer (Adam), gradient clipping at 1.0
 and ``--ckpt-format torch_dist``.
@@ -34,9 +34,9 @@ process's step-4 state under the same keys (each layer under its global number).
 3-4 equal to the one process: a checkpoint crosses from a mesh plan back to a plain one.
 
 Each megatron-core of ``tests.conftest.STACKS`` runs the chain with its own Megatron-LM release
-(``launching.megatron_lm_checkout``): 0.17.1 every run above, 0.19.2 (core_v0.19.0's
-``pretrain_gpt.py``) ``ref``, ``tp1-tp2``, ``uneven``, ``resume`` and ``from-mesh``
-(:data:`MESH_RUNS`, chosen for CI's time).
+(``launching.megatron_lm_checkout``): 0.19.2, the default, every run above; 0.17.1, the oldest
+supported (core_v0.17.1's ``pretrain_gpt.py``), ``ref``, ``tp1-tp2``, ``uneven``, ``resume`` and
+``from-mesh`` (:data:`MESH_RUNS`, chosen for CI's time).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ REPLICAS = {"uneven": [(1, 3), (1, 1)]}
 DEVICES = {"tp1-tp2": [A100, V100]}
 LAUNCHER_TYPES = {run: [V100, V100, A100] for run in ("tp1-tp2", "resume")}  # V100s first
 PLACED = {run: [1, 2, 0] for run in ("tp1-tp2", "resume")}  # Megatron rank of each launcher rank
-MESH_RUNS = {"0.17": list(MESH_PLANS), "0.19": ["tp1-tp2", "uneven"]}
+MESH_RUNS = {"0.19": list(MESH_PLANS), "0.17": ["tp1-tp2", "uneven"]}
 """The mesh plans each megatron-core of :data:`tests.conftest.STACKS` trains."""
 assert set(MESH_RUNS) == set(STACKS)
 

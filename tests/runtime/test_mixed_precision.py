@@ -22,8 +22,8 @@ STEPS = 6
 
 
 @pytest.fixture(autouse=True)
-def _needs_mcore017(mcore017_env):
-    return mcore017_env
+def _needs_megatron_core(mcore_env):
+    return mcore_env
 
 
 def _per_sample(results) -> dict[int, float]:

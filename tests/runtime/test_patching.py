@@ -79,6 +79,25 @@ def test_patch_applies_to_the_real_release(tmp_path, line):
 
 
 @needs_megatron_git
+@pytest.mark.parametrize("line,found", [
+    ("core_r0.18", "Megatron-LM core_r0.18 (megatron-core 0.18.x, 0.18.2 here)"),
+    ("core_r0.19", "Megatron-LM core_r0.19 (megatron-core 0.19.x, 0.19.1 here)"),
+    ("main", "Megatron-LM main (megatron-core 0.20.0, newer than every release line)")])
+def test_check_says_which_release_it_found(tmp_path, line, found, capsys):
+    """``patch-megatron --check`` on the stored releases' own pretrain_gpt.py and package_info.py
+    (core_v0.19.0's package_info.py says 0.19.1) names the release line and megatron-core it
+    found, and the patch it would apply."""
+    files = subprocess.run(["git", "--git-dir", str(MEGATRON_GIT), "archive", REFS[line],
+                            "pretrain_gpt.py", "megatron/core/package_info.py"],
+                           capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tmp_path)], input=files, check=True)
+    assert cli_main(["patch-megatron", str(tmp_path), "--check"]) == 0
+    out = capsys.readouterr().out
+    assert f"found {found}; the {line} patch applies cleanly" in out, out
+    assert MARKER not in (tmp_path / "pretrain_gpt.py").read_text()
+
+
+@needs_megatron_git
 def test_patched_megatron_lm_takes_hetero_plan(tmp_path):
     """The patched pretrain_gpt.py of a Megatron-LM 0.17.1 checkout lists --hetero-plan."""
     archive = subprocess.run(["git", "--git-dir", str(MEGATRON_GIT), "archive", "core_v0.17.1"],

@@ -12,6 +12,7 @@ from megatron_hetero.plan import load_any_plan, load_plan, save_any_plan, save_p
 from megatron_hetero.schedule.order import rank_order
 from megatron_hetero.telemetry.records import read_records
 
+from ..conftest import DEFAULT_STACK, OLD_STACK
 from .launching import launch
 from .plans import A100, V100, make_mesh_plan, make_plan
 
@@ -19,17 +20,17 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(autouse=True)
-def _needs_mcore017(mcore017_env):
-    return mcore017_env
+def _needs_megatron_core(mcore_env):
+    return mcore_env
 
 
-@pytest.mark.parametrize("stack", ["0.17", "0.19"])
+@pytest.mark.parametrize("stack", [DEFAULT_STACK, OLD_STACK])
 def test_telemetry_of_an_interleaved_uneven_plan(tmp_path, stack):
     """PP=2 with 2 model chunks per stage, two replicas running 4 and 2 micro-batches (4 ranks),
     4 steps reported every 2nd: two records, each naming the 4 stages by plan path, with every
     forward and backward of every (micro-batch, chunk) once, in the schedule's order; profiles
-    of both device types that ``tune --from-run`` re-plans with. On megatron-core 0.17.1 and
-    0.19.2."""
+    of both device types that ``tune --from-run`` re-plans with. On megatron-core 0.19.2 and
+    0.17.1 (the supported range's ends)."""
     plan = make_plan(chunks=[[1, 1], [2, 1]], devices=[[A100, V100]] * 2, replicas=[(1, 4), (1, 2)])
     path = tmp_path / "plan.yaml"
     save_plan(plan, path)

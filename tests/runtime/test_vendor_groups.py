@@ -17,7 +17,7 @@ from megatron_hetero.errors import HeteroError
 from megatron_hetero.plan import save_plan
 from megatron_hetero.runtime import vendors
 
-from ..conftest import mcore017_environ
+from ..conftest import mcore_environ
 from .plans import A100, H100, make_plan
 
 MI300X = "MI300X-192GB"
@@ -80,14 +80,14 @@ PLANS = {
 @pytest.fixture(scope="module")
 def groups(tmp_path_factory) -> dict:
     """``{plan: {"asked": [groups asked per rank], "ranks": [routes per rank]}}`` of every plan of
-    ``PLANS``, one subprocess under megatron-core 0.17.1 for all of them."""
+    ``PLANS``, one subprocess under the venv's megatron-core (0.19.2) for all of them."""
     root = tmp_path_factory.mktemp("vendor_groups")
     paths = []
     for name, plan in PLANS.items():
         paths.append(str(root / f"{name}.yaml"))
         save_plan(plan, paths[-1])
     proc = subprocess.run([sys.executable, "-c", _CHECKER, *paths], text=True,
-                          capture_output=True, env=mcore017_environ(), timeout=300 * len(paths))
+                          capture_output=True, env=mcore_environ(), timeout=300 * len(paths))
     assert proc.returncode == 0, proc.stderr[-4000:]
     return dict(zip(PLANS, json.loads(proc.stdout.split("RESULT", 1)[1])))
 

@@ -19,8 +19,8 @@ MI300X = "MI300X-192GB"
 
 
 @pytest.fixture(autouse=True)
-def _needs_mcore017(mcore017_env):
-    return mcore017_env
+def _needs_mcore(mcore_env):
+    return mcore_env
 
 
 def test_two_vendor_uneven_plan_equals_one_vendor_replica(tmp_path, reference_run):

@@ -145,7 +145,7 @@ SLOT_LINE = re.compile(r"megatron-hetero: launcher rank (\d+) \((\S+)\) -> Megat
 
 
 @pytest.mark.slow
-def test_slurm_trains_tiny_megatron_on_cpu_backend(slurm_cluster, tmp_path, mcore017_env):
+def test_slurm_trains_tiny_megatron_on_cpu_backend(slurm_cluster, tmp_path, mcore_env):
     """The batch script runs `python -m megatron_hetero.launch` on a pretrain_gpt.py-style script
     (megatron.training 0.17.1, CPU backend) for 2 steps with a 4-rank PP=2 x DP=2 plan whose
     replicas run 3 and 1 micro-batches and mix GPU types: every rank plays a slot of its device
@@ -162,7 +162,7 @@ def test_slurm_trains_tiny_megatron_on_cpu_backend(slurm_cluster, tmp_path, mcor
     save_plan(plan, plan_path)
     env = launch_env(MH_LAUNCH="module", MH_PRETRAIN_SCRIPT=str(TRAIN_SCRIPT),
                      MEGATRON_HETERO_CPU="1", MEGATRON_HETERO_VERBOSE="1",
-                     TINY_LOG=str(tmp_path / "log"), PYTHONPATH=mcore017_env["PYTHONPATH"])
+                     TINY_LOG=str(tmp_path / "log"), PYTHONPATH=mcore_env["PYTHONPATH"])
     log, _ = sbatch_wait(plan_path, tmp_path / "job.out", env, *BASE_ARGS, "--train-iters", "2",
                          timeout=420)
     slots = {int(m.group(3)): m.groups() for m in SLOT_LINE.finditer(log)}
