@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shlex
 import subprocess
@@ -204,3 +205,31 @@ def test_tune_help_says_what_runs_mesh_plans(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "refuses mesh plans" not in text
     assert "the runtime runs mesh plans from megatron-core 0.17" in text
+
+
+@pytest.mark.parametrize("has, distributed", [(True, True), (False, True), (True, False)])
+def test_args_saves_the_optimizer_fully_reshardable_where_megatron_can(tmp_path, capsys,
+                                                                      monkeypatch, has,
+                                                                      distributed):
+    """With the distributed optimizer, `args` adds --dist-ckpt-optim-fully-reshardable where the
+    installed Megatron-LM has it, so that replan may change TP and PP (issue 32 A.7)."""
+    from megatron_hetero.cli import plan_commands
+    from megatron_hetero.plan import load_plan, save_plan
+
+    plan = load_plan(REPO / "examples/llama2/7b/plan.yaml")
+    path = tmp_path / "plan.yaml"
+    save_plan(dataclasses.replace(plan, use_distributed_optimizer=distributed), path)
+    monkeypatch.setattr(plan_commands, "megatron_training_option",
+                        lambda dest: has and dest == "dist_ckpt_optim_fully_reshardable")
+    assert main(["args", str(path)]) == 0
+    argv = shlex.split(capsys.readouterr().out)
+    assert ("--dist-ckpt-optim-fully-reshardable" in argv) == (has and distributed)
+    assert argv[-2:] == ["--hetero-plan", str(path)]
+
+
+def test_megatron_options_are_read_from_the_installed_source():
+    from megatron_hetero.hardware.optional import have_megatron_core, megatron_training_option
+
+    assert not megatron_training_option("no_such_option_of_megatron")
+    if have_megatron_core():  # the venv's megatron-core 0.19.2 ships megatron.training
+        assert megatron_training_option("dist_ckpt_optim_fully_reshardable")

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 
 from ..hardware.inventory import load_inventory
-from ..plan.megatron_args import megatron_args, megatron_args_line
+from ..hardware.optional import megatron_training_option
+from ..plan.megatron_args import megatron_args
 from ..placement.inventory import check_plan_gpus
 from ..plan import load_any_plan
 from ..tuner.commands import memory_headroom
@@ -48,9 +50,15 @@ def args_main(args: argparse.Namespace) -> int:
     # what `validate` refuses, args refuses with the same line (memory aside: a prediction,
     # which `validate` and `simulate` check)
     validate_plan(plan, inventory, source=args.plan, memory_check=False)
-    if args.one_per_line:
-        listed = megatron_args(plan, args.plan)
-        print("\n".join(listed))
-    else:
-        print(megatron_args_line(plan, args.plan))
+    listed = megatron_args(plan, args.plan)
+    if plan.use_distributed_optimizer and megatron_training_option(RESHARDABLE_DEST):
+        listed[-2:-2] = [RESHARDABLE_FLAG]  # before --hetero-plan PLAN, which ends the list
+    print("\n".join(listed) if args.one_per_line else shlex.join(listed))
     return 0
+
+
+RESHARDABLE_FLAG = "--dist-ckpt-optim-fully-reshardable"
+"""Megatron-LM's option that saves the distributed optimizer's state so that any plan can load
+it: ``replan`` can then change TP and PP (Megatron's default, ``dp_reshardable``, loads only at
+the saved TP and PP). ``args`` adds it where the installed Megatron-LM has it."""
+RESHARDABLE_DEST = "dist_ckpt_optim_fully_reshardable"

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 from functools import cache
+from pathlib import Path
 
-__all__ = ["have_transformer_engine", "have_apex", "have_megatron_core", "have_torch"]
+__all__ = ["have_transformer_engine", "have_apex", "have_megatron_core", "have_torch",
+           "megatron_training_option"]
 
 
 def _present(module: str) -> bool:
@@ -36,3 +38,20 @@ def have_megatron_core() -> bool:
 @cache
 def have_torch() -> bool:
     return _present("torch")
+
+
+@cache
+def megatron_training_option(dest: str) -> bool:
+    """Whether the installed Megatron-LM's ``megatron.training`` knows the option whose
+    ``args`` attribute is ``dest`` (``dist_ckpt_optim_fully_reshardable``), read from its source
+    as text: nothing is imported (``args`` runs without torch)."""
+    try:
+        spec = importlib.util.find_spec("megatron")
+    except (ImportError, ValueError):
+        return False
+    for root in (spec.submodule_search_locations or ()) if spec else ():
+        folder = Path(root) / "training"
+        for path in (folder / "arguments.py", *sorted((folder / "config").glob("*.py"))):
+            if path.is_file() and dest in path.read_text(encoding="utf-8", errors="replace"):
+                return True
+    return False
