@@ -48,8 +48,9 @@ def rehearse_main(args) -> int:
             print(f"verify: FAILED: the {plan.world_size}-rank run diverges from the "
                   f"single-process run: {result.verify_message}")
             return 1
+        how = ("SGD (momentum 0.9): linear in the gradient, so rounding cannot grow into a "
+               "difference as it can under Adam" if result.verify_optimizer == "sgd" else
+               "Adam (the plan offloads optimizer state, which megatron-core does for Adam only)")
         print(f"verify: losses and final parameters match the single-process run "
-              f"(fp32, rtol 1e-5, atol 1e-5) over {config.steps} steps, both trained with "
-              f"SGD (momentum 0.9): linear in the gradient, so rounding cannot grow into a "
-              f"difference as it can under Adam")
+              f"(fp32, rtol 1e-5, atol 1e-5) over {config.steps} steps, both trained with {how}")
     return 0

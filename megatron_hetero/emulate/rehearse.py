@@ -70,7 +70,8 @@ __all__ = ["RehearsalConfig", "rehearse", "train_and_verify", "format_report",
 VERIFY_OPTIMIZER = "sgd"
 """The optimizer of a ``--verify`` rehearsal (Megatron's SGD, momentum 0.9): linear in the
 gradient, so the comparison with one process is decisive (the step's timing then holds SGD's
-optimizer step, not Adam's)."""
+optimizer step, not Adam's). A plan that offloads optimizer state verifies with Adam (the
+hybrid optimizer megatron-core offloads with takes Adam only)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -186,8 +187,10 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
     # --verify trains with SGD: linear in the gradient, so a plan and one process agree to
     # rounding, where Adam turns fp32 reduction-order noise (a TP group's) into parameter
     # differences a bug could hide behind (issue 32 A.8)
+    # (a plan that offloads optimizer state runs megatron-core's hybrid optimizer: Adam only)
+    optimizer = VERIFY_OPTIMIZER if verify and not shrunk.offloads_optimizer else "adam"
     tconf = TrainConfig(steps=config.steps, seed=config.seed, gather_params=verify,
-                        optimizer=VERIFY_OPTIMIZER if verify else "adam",
+                        optimizer=optimizer,
                         eval_forward_only=verify, timeout_s=config.timeout_s,
                         offload_min_numel=offload_min_numel(plan, shrunk))
     metered = config.meter_memory or config.memory_cap
@@ -219,6 +222,7 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
                            cpu_drifts=drifts,
                            losses=result.losses, calibration=calibration, time_scale=time_scale,
                            verify_message=verify_message, kept_module_inputs=kept_inputs,
+                           verify_optimizer=optimizer if verify else None,
                            links=links, link_stretch=link_stretch)
 
 

@@ -82,6 +82,8 @@ class RehearsalResult:
     verify_message: str | None = None
     """With ``verify``: None when the run matched the single-process reference, else the first
     divergence."""
+    verify_optimizer: str | None = None
+    """The optimizer ``--verify`` trained both runs with (None: not verified)."""
     kept_module_inputs: list[tuple[int, int]] = field(default_factory=list)
     """(pipeline, stage) slots whose ``offload.module_inputs`` the CPU ranks did not run: the
     installed megatron-core has no fine-grained activation offloading
