@@ -28,4 +28,6 @@ bench: venv
 	$(VENV)/bin/python scripts/bench_rehearse.py
 	$(VENV)/bin/python scripts/bench_runtime_overhead.py
 	$(VENV)/bin/python scripts/bench_recovery.py
+	$(VENV)/bin/python scripts/bench_telemetry.py
+	$(VENV)/bin/python scripts/bench_rebalance.py
 	$(VENV)/bin/python scripts/bench_mesh_rehearse.py
