@@ -78,3 +78,21 @@ def test_what_cannot_rebalance_is_refused_at_start():
         RebalancePolicy(threshold=1.0)
     with pytest.raises(HeteroError, match="--hetero-rebalance-patience"):
         RebalancePolicy(patience=0)
+
+
+def test_a_split_barely_faster_does_not_move():
+    """Two near-equal splits do not swap on noise: a split that shortens the slowest replica by
+    less than min_gain stays put (and says so once)."""
+    plan = load_any_plan(PLAN)
+    _, _, (rec, again) = _records(PLAN, _slow(plan, replica=2, stage=0, factor=1.25))
+    eager = Rebalancer(policy=RebalancePolicy(patience=1, threshold=1.05, min_gain=1.0))
+    moved = eager.decide(plan, rec).shares
+    assert moved is not None
+    costs = replica_costs(rec)
+    counts = [p.num_microbatches for p in plan.pipelines]
+    gain = max(a + m * c for (a, c), m in zip(costs, counts)) / \
+        max(a + m * c for (a, c), m in zip(costs, moved))
+    steady = Rebalancer(policy=RebalancePolicy(patience=1, threshold=1.05, min_gain=gain * 1.01))
+    first = steady.decide(plan, rec)
+    assert first.shares is None and "shares stay" in first.message
+    assert steady.decide(plan, again).message == ""  # said once

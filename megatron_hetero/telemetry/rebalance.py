@@ -44,11 +44,17 @@ class RebalancePolicy:
     that ratio by more than this factor."""
     patience: int = 2
     """Reports in a row a replica must drift before its shares move."""
+    min_gain: float = 1.05
+    """A new split moves only when it shortens the slowest replica's measured time by at least
+    this factor: near-equal splits do not swap back and forth on measurement noise."""
 
     def __post_init__(self) -> None:
         if not 1.0 < self.threshold <= 100.0:
             raise HeteroError(f"--hetero-rebalance-threshold: found {self.threshold}; expected a "
                               "ratio above 1 and at most 100")
+        if not 1.0 <= self.min_gain <= 100.0:
+            raise HeteroError(f"rebalancing's min_gain: found {self.min_gain}; expected a "
+                              "factor from 1 to 100")
         if not 1 <= self.patience <= 1000:
             raise HeteroError(f"--hetero-rebalance-patience: found {self.patience}; expected a "
                               "number of reports from 1 to 1000")
@@ -122,11 +128,13 @@ class Rebalancer:
             return self._once(self._everywhere(record, median, limit))
         shares = water_fill([a for a, _ in measured], [c for _, c in measured], sum(counts))
         self.drifting.clear()
-        if shares is None or shares == counts:
+        before = max(times)
+        after = None if shares is None else max(a + m * c for (a, c), m in zip(measured, shares))
+        if shares is None or shares == counts or before < self.policy.min_gain * after:
             return self._once(f"replica {ready[0]} drifts, and no other split of the "
-                              f"{sum(counts)} micro-batches is faster: shares stay {counts}")
+                              f"{sum(counts)} micro-batches is {self.policy.min_gain:g}x faster: "
+                              f"shares stay {counts}")
         self.said = ""
-        before, after = max(times), max(a + m * c for (a, c), m in zip(measured, shares))
         return Decision(shares=shares,
                         message=f"replica {ready[0]} drifts {ratios[ready[0]] / median:.2f}x the "
                                 f"replicas' median for {self.policy.patience} report(s): shares "
