@@ -9,7 +9,7 @@ from pathlib import Path
 from ..hardware.inventory import load_inventory
 from ..outputs import Outputs
 from ..plan import load_any_plan
-from ..telemetry.prediction import implied_inventory
+from ..telemetry.prediction import implied_inventory, plan_cost_model
 from ..telemetry.records import TELEMETRY_FILE, read_records
 from ..telemetry.report import pick, report_lines, slow_stages, summarize, timelines_png
 
@@ -51,7 +51,6 @@ def report_main(args) -> int:
 def _predicted_events(directory: Path, inventory_path: str | None):
     """The simulator's events of the run's plan (``DIR/plan.yaml``), or (None, None) where the
     folder has no plan."""
-    from ..cost.model import CostModel
     from ..sim.step import simulate
 
     path = directory / "plan.yaml"
@@ -60,8 +59,5 @@ def _predicted_events(directory: Path, inventory_path: str | None):
     inventory = load_inventory(inventory_path) if inventory_path else None
     plan = load_any_plan(str(path), catalog=inventory.catalog if inventory else None)
     inventory = inventory or implied_inventory(plan)
-    cost = CostModel(plan.model, inventory, precision=plan.precision,
-                     use_distributed_optimizer=plan.use_distributed_optimizer,
-                     overlap_grad_reduce=plan.overlap_grad_reduce)
-    sim = simulate(plan, cost, record_events=True)
+    sim = simulate(plan, plan_cost_model(plan, inventory), record_events=True)
     return sim.events, sim.step_time_s

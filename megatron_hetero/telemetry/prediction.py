@@ -19,7 +19,7 @@ from ..plan import Plan
 from ..sim.step import simulate
 from .records import StageFigures
 
-__all__ = ["Prediction", "predict", "implied_inventory", "stage_path"]
+__all__ = ["Prediction", "predict", "implied_inventory", "stage_path", "plan_cost_model"]
 
 NODE_GPUS = 8
 """GPUs per node of the implied inventory."""
@@ -44,6 +44,15 @@ def implied_inventory(plan: Plan) -> Inventory:
     return inventory_from_data({"groups": groups}, source="<inventory implied by the plan>")
 
 
+def plan_cost_model(plan: Plan, inventory: Inventory, *,
+                    flash_attention: bool | None = None) -> CostModel:
+    """The cost model that prices ``plan`` as it runs: its precision, optimizer and gradient
+    overlap, on ``inventory`` (the telemetry's prediction, its profiles and report's timeline)."""
+    return CostModel(plan.model, inventory, precision=plan.precision,
+                     use_distributed_optimizer=plan.use_distributed_optimizer,
+                     overlap_grad_reduce=plan.overlap_grad_reduce, flash_attention=flash_attention)
+
+
 @dataclass(kw_only=True, slots=True)
 class Prediction:
     """The plan's predicted step, per stage of each replica."""
@@ -66,9 +75,7 @@ def predict(plan: Plan, inventory: Inventory | None = None, *, source: str | Non
     if inventory is None:
         inventory = implied_inventory(plan)
         source = "catalog figures, one group per device type (no --hetero-inventory)"
-    cost = CostModel(plan.model, inventory, precision=plan.precision,
-                     use_distributed_optimizer=plan.use_distributed_optimizer,
-                     overlap_grad_reduce=plan.overlap_grad_reduce, flash_attention=flash_attention)
+    cost = plan_cost_model(plan, inventory, flash_attention=flash_attention)
     sim = simulate(plan, cost, record_events=False)
     index = plan.stage_index
     stages = {}

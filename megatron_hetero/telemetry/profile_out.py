@@ -18,12 +18,12 @@ from pathlib import Path
 
 from .._schema import write_yaml
 from .._version import __version__
-from ..cost.model import CostModel
 from ..cost.profile_file import run_profile_name
 from ..cost.profile_schema import (FORMAT_VERSION, DeviceInfo, PartTimes, ProfileData,
                                    ProfileEntry, Software, Timing)
 from ..hardware.inventory import Inventory
 from ..plan import Plan
+from .prediction import plan_cost_model
 from .records import StepRecord
 
 __all__ = ["run_factors", "run_profiles", "write_run_profiles", "profile_name"]
@@ -54,8 +54,7 @@ def run_factors(records: list[StepRecord]) -> dict[str, tuple[float, float]]:
 def run_profiles(plan: Plan, records: list[StepRecord], inventory: Inventory, *,
                  software: Software, layer_spec: str, backend: str) -> dict[str, ProfileData]:
     """The profile of each device type of the run (see the module docstring)."""
-    cost = CostModel(plan.model, inventory, precision=plan.precision,
-                     use_distributed_optimizer=plan.use_distributed_optimizer)
+    cost = plan_cost_model(plan, inventory)  # per-part prices: gradient overlap changes none
     shapes: dict[str, set[tuple[int, int]]] = {}
     for mesh in plan.meshes:
         for pipe in mesh.pipelines:
