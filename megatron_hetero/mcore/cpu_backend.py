@@ -21,7 +21,7 @@ Public API
 the modules the supported features run, which fails when an upgrade adds a CUDA path that
 neither :data:`REDIRECTS` nor its list of deliberate exceptions covers.
 
-What it makes work (megatron-core 0.16.x and 0.17.x, torch 2.13 CPU): ``GPTModel`` on the local
+What it makes work (megatron-core 0.17.x and 0.19.x, torch 2.13 CPU): ``GPTModel`` on the local
 spec, the 1F1B, interleaved 1F1B (virtual pipeline stages: its CUDA uses, the device-literal
 token counter and the p2p receive buffers, fall under the device mode; its overlapped sends need
 mechanism 5 below) and forward-only schedules, p2p (batched, and the interleaved schedule's
@@ -31,7 +31,9 @@ with grad buffers, ``finalize_model_grads`` (per-token loss too), the fp32 optim
 grad clipping, activation recompute (full and selective), the RNG tracker and TP=2; with
 :mod:`megatron_hetero.mcore.cpu_offload` also megatron-core's CPU-offload optimizer and its
 fine-grained activation offloading (pinned memory, ``record_stream`` and TE's ``cpu_offload``
-flag are covered here).
+flag are covered here); megatron-core's mixture-of-experts layer with expert parallelism over
+gloo (router with its load-balancing loss, the all-to-all and all-gather token dispatchers,
+sequential experts; the dispatcher's split sizes are the one redirect it needs).
 
 How
 ---
@@ -140,6 +142,13 @@ REDIRECTS: tuple[tuple[str, str, str], ...] = (
      "its wait(). Megatron frees a pipeline output's storage right after sending it "
      "(deallocate_pipeline_outputs), which CUDA's stream-ordered allocator makes safe; gloo "
      "reads the buffer asynchronously, so the freed storage raced (wrong losses)"),
+    ("megatron.core.transformer.moe.moe_utils", "maybe_move_tensor_to_cpu",
+     "the all-to-all token dispatcher's split sizes: on a GPU it copies them to the host as "
+     "numpy arrays; it leaves a tensor that is not CUDA as it is, and gloo's all_to_all_single "
+     "refuses a tensor as split sizes. The stand-in copies any tensor as the original copies a "
+     "CUDA one"),
+    ("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu",
+     "the dispatcher's own reference to the function above"),
 )
 
 #: ``torch.cuda`` functions that are left as they are: queries that answer correctly on a
@@ -282,6 +291,12 @@ def _cuda_standins() -> dict[tuple[str, str], object]:
     def _set_cuda_rng_state(new_state, device=-1, graph_safe=False):
         torch.set_rng_state(new_state)
 
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if not torch.is_tensor(tensor):
+            return tensor
+        host = tensor.detach().clone()
+        return host.numpy() if as_numpy else host
+
     nop = lambda *a, **k: None  # noqa: E731
     return {
         ("torch.cuda", "current_device"): lambda: 0,
@@ -309,6 +324,10 @@ def _cuda_standins() -> dict[tuple[str, str], object]:
         ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state"): _set_cuda_rng_state,
         ("megatron.core.pipeline_parallel.p2p_communication", "_p2p_ops"):
             _keep_send_buffers(p2p_communication._p2p_ops),
+        ("megatron.core.transformer.moe.moe_utils", "maybe_move_tensor_to_cpu"):
+            maybe_move_tensor_to_cpu,
+        ("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu"):
+            maybe_move_tensor_to_cpu,
     }
 
 

@@ -63,6 +63,14 @@ CPU_PATH_MODULES: tuple[str, ...] = (
     "models.common.embeddings.rotary_pos_embedding",
     "optimizer.cpu_offloading.hybrid_optimizer",  # a plan's offload.optimizer_fraction
     "pipeline_parallel.fine_grained_activation_offload",  # a plan's offload.module_inputs
+    # mixture of experts: the layer, its router, the all-to-all and all-gather token
+    # dispatchers and the sequential experts (tests/mcore/test_moe_cpu.py)
+    "transformer.moe.moe_layer",
+    "transformer.moe.router",
+    "transformer.moe.token_dispatcher",
+    "transformer.moe.experts",
+    "transformer.moe.moe_utils",
+    "transformer.moe.shared_experts",
 )
 
 #: ``(module under megatron.core, use, reason)``: CUDA uses in CPU_PATH_MODULES that the
@@ -98,6 +106,9 @@ NOT_REDIRECTED: tuple[tuple[str, str, str], ...] = (
      "_can_manage_tensor_for_offload (megatron-core 0.19) manages cuda tensors only: "
      "megatron_hetero.mcore.cpu_offload wraps it so that a CPU rank's tensor is asked about as "
      "its device's"),
+    ("transformer.moe.token_dispatcher", "torch.cuda.get_device_capability", "the NCCL "
+     "expert-parallel manager of the 'flex' dispatcher (megatron-core 0.19; needs NCCL's device "
+     "API, off the path: plans use the all-to-all and all-gather dispatchers)"),
     ("transformer.mlp", "torch.cuda.OutOfMemoryError", "an exception class in an except clause"),
     ("transformer.module", "torch.cuda.FloatTensor", "fp16/bf16 conversion helpers (fp32 runs "
      "do not convert)"),
