@@ -31,6 +31,25 @@ SwiGLU term by term; 16-bit activations, 1-byte dropout masks::
                     MLP: SwiGLU input 4sbf + fc2 input 2sbf (GeLU: 2sbf + 2sbf)
     core attention (sharded): softmax 2as^2b + dropout mask as^2b + dropout out 2as^2b = 5as^2b
 
+Mixture of experts (``num_experts`` E set; ``k`` the router's top-k, ``f_e`` one expert's FFN
+size, ``f_s`` the shared experts' together, ``M`` the MoE layers among the ``L``). An MoE layer
+replaces the MLP by::
+
+    FLOPs   router 2bshE + routed experts 2bs k h f_e (3|2) + shared experts 2bshf_s (3|2)
+    params  router hE + E experts h f_e (3|2) + shared h f_s (3|2) (+ h with the shared gate)
+    bytes   router scores (fp32) 4sbE + dispatched tokens 2sbkh + experts' SwiGLU input 4sbkf_e
+            and fc2 input 2sbkf_e (GeLU: 2 + 2) + shared experts as a dense MLP of f_s
+
+(attention, norms and their activations as a dense layer). The expert terms are sharded over
+``t`` like the MLP's: megatron-core's MoE layer with TP runs sequence parallelism, each rank
+routing ``1/t`` of the tokens (expert tensor parallelism splits the same work another way).
+Expert parallelism shards the experts' weights, not their work: each rank of an EP group
+receives on average the ``k`` routed copies of as many tokens as it sent. The per-layer figures
+of an MoE model (:func:`layer_forward_flops`, :func:`layer_activation_bytes`, the parts of
+:func:`layer_param_parts`) are the mean over its layers: a stage of ``n`` layers holds ``n M / L``
+MoE layers in the cost model (exact where every layer is one, as in the presets).
+:func:`model_layer_params` counts the layers exactly.
+
 For plain multi-head attention with ``f = 4h`` and no SwiGLU this is Korthikanti's
 ``sbh(10 + 24/t + 5as/(ht))``. Selective recompute drops the core-attention term; full recompute
 keeps only the layer input (2sbh). With a fused (flash) attention kernel the core-attention term
@@ -51,7 +70,9 @@ from .plan import ModelSpec
 __all__ = ["PRESETS", "model_preset", "load_model", "shrink_model", "padded_vocab_size",
            "layer_forward_flops", "output_forward_flops", "layer_params", "embedding_params",
            "output_params", "layer_activation_bytes", "core_attention_forward_flops",
-           "step_model_flops", "layer_input_bytes", "logits_bytes"]
+           "step_model_flops", "layer_input_bytes", "logits_bytes", "moe_fraction",
+           "layer_param_parts", "model_layer_params", "expert_forward_flops",
+           "moe_dispatch_bytes"]
 
 PRESETS: dict[str, ModelSpec] = {
     "llama2-7b": ModelSpec(name="llama2-7b", num_layers=32, hidden_size=4096, ffn_hidden_size=11008,
@@ -69,8 +90,28 @@ PRESETS: dict[str, ModelSpec] = {
     "llama3-70b": ModelSpec(name="llama3-70b", num_layers=80, hidden_size=8192,
                             ffn_hidden_size=28672, num_attention_heads=64, num_query_groups=8,
                             vocab_size=128256, seq_length=8192),
+    # mixtures of experts (their published config.json, in Megatron's names)
+    "mixtral-8x7b": ModelSpec(name="mixtral-8x7b", num_layers=32, hidden_size=4096,
+                              ffn_hidden_size=14336, num_attention_heads=32, num_query_groups=8,
+                              vocab_size=32000, seq_length=4096, rotary_base=1000000,
+                              num_experts=8, moe_router_topk=2),
+    "qwen3-30b-a3b": ModelSpec(name="qwen3-30b-a3b", num_layers=48, hidden_size=2048,
+                               ffn_hidden_size=6144, num_attention_heads=32, num_query_groups=4,
+                               kv_channels=128, vocab_size=151936, seq_length=4096,
+                               qk_layernorm=True, rotary_base=1000000, num_experts=128,
+                               moe_router_topk=8, moe_ffn_hidden_size=768),
+    "qwen2-57b-a14b": ModelSpec(name="qwen2-57b-a14b", num_layers=28, hidden_size=3584,
+                                ffn_hidden_size=18944, num_attention_heads=28,
+                                num_query_groups=4, vocab_size=151936, seq_length=4096,
+                                add_qkv_bias=True, rotary_base=1000000, num_experts=64,
+                                moe_router_topk=8, moe_ffn_hidden_size=2560,
+                                moe_shared_expert_intermediate_size=20480,
+                                moe_shared_expert_gate=True),
 }
-"""Llama presets by name (Megatron argument names; sequence length as published)."""
+"""Presets by name (Megatron argument names; sequence length as published, 4096 for the
+mixtures of experts): Llama 2 and 3, and the mixtures of experts Mixtral 8x7B (8 experts, top
+2), Qwen3-30B-A3B (128 experts of 768, top 8) and Qwen2-57B-A14B (64 experts of 2560, top 8, a
+gated shared expert of 20480)."""
 
 Policy = Literal["none", "selective", "full"]
 
@@ -159,11 +200,48 @@ def core_attention_forward_flops(m: ModelSpec, b: int) -> float:
 
 
 def layer_forward_flops(m: ModelSpec, b: int) -> float:
-    """Forward FLOPs of one transformer layer for a micro-batch of ``b`` sequences."""
+    """Forward FLOPs of one transformer layer for a micro-batch of ``b`` sequences (an MoE
+    model's: the mean over its layers, routed experts included)."""
     s, h, f, q = m.seq_length, m.hidden_size, m.ffn_hidden_size, _q(m)
     linear = 2.0 * b * s * h * (q + 2 * _kv(m)) + 2.0 * b * s * q * h
     mlp = 2.0 * b * s * h * f * (3 if m.swiglu else 2)
+    if m.is_moe:
+        x = moe_fraction(m)
+        moe = 2.0 * b * s * h * m.num_experts + _shared_flops(m, b) + expert_forward_flops(m, b) / x
+        mlp = (1.0 - x) * mlp + x * moe
     return linear + mlp + core_attention_forward_flops(m, b)
+
+
+def moe_fraction(m: ModelSpec) -> float:
+    """``M / L``: the share of the layers that are MoE layers (0 for a dense model)."""
+    return sum(m.moe_layer_pattern) / m.num_layers
+
+
+def _mlp_width(m: ModelSpec) -> int:
+    return 3 if m.swiglu else 2
+
+
+def _shared_flops(m: ModelSpec, b: int) -> float:
+    fs = m.moe_shared_expert_intermediate_size or 0
+    return 2.0 * b * m.seq_length * m.hidden_size * fs * _mlp_width(m)
+
+
+def expert_forward_flops(m: ModelSpec, b: int) -> float:
+    """Forward FLOPs of the routed experts per layer (mean over the layers): ``k`` copies of
+    every token through one expert's MLP (what a load imbalance slows down)."""
+    if not m.is_moe:
+        return 0.0
+    per_moe = (2.0 * b * m.seq_length * m.moe_router_topk * m.hidden_size
+               * m.expert_ffn_hidden_size * _mlp_width(m))
+    return moe_fraction(m) * per_moe
+
+
+def moe_dispatch_bytes(m: ModelSpec, b: int) -> float:
+    """Bytes of one dispatch (or combine) all-to-all per layer (mean over the layers), before
+    tensor parallelism splits the tokens: the ``k`` routed 16-bit copies of every token."""
+    if not m.is_moe:
+        return 0.0
+    return moe_fraction(m) * 2.0 * b * m.seq_length * m.moe_router_topk * m.hidden_size
 
 
 def output_forward_flops(m: ModelSpec, b: int, tp: int = 1) -> float:
@@ -178,7 +256,8 @@ def step_model_flops(m: ModelSpec, global_batch_size: int) -> float:
 
 
 def layer_params(m: ModelSpec) -> int:
-    """Parameters of one transformer layer (weights, norms and biases)."""
+    """Parameters of one dense transformer layer (weights, norms and biases); an MoE model's
+    layers: :func:`layer_param_parts`, :func:`model_layer_params`."""
     h, f, kv, q = m.hidden_size, m.ffn_hidden_size, _kv(m), _q(m)
     per_norm = 1 if m.normalization == "RMSNorm" else 2  # weight (and bias)
     n = h * (q + 2 * kv) + q * h + h * f * (3 if m.swiglu else 2)
@@ -190,6 +269,46 @@ def layer_params(m: ModelSpec) -> int:
     if m.qk_layernorm:
         n += 2 * per_norm * m.head_size
     return n
+
+
+def _mlp_params(m: ModelSpec, f: int) -> int:
+    """One MLP of hidden size ``f`` (weights, and biases where ``add_bias_linear``)."""
+    n = m.hidden_size * f * _mlp_width(m)
+    if m.add_bias_linear:
+        n += (2 * f if m.swiglu else f) + m.hidden_size
+    return n
+
+
+def _moe_params(m: ModelSpec) -> tuple[int, int]:
+    """(router and shared experts, routed experts) of one MoE layer."""
+    h, fs = m.hidden_size, m.moe_shared_expert_intermediate_size
+    replicated = h * m.num_experts
+    if fs:
+        replicated += _mlp_params(m, fs) + (h if m.moe_shared_expert_gate else 0)
+    return replicated, m.num_experts * _mlp_params(m, m.expert_ffn_hidden_size)
+
+
+def layer_param_parts(m: ModelSpec) -> tuple[float, float]:
+    """(parameters every rank of a layer's tensor group holds a share of, routed-expert
+    parameters that expert parallelism shards), the mean over the model's layers; (dense
+    layer, 0) for a dense model."""
+    dense = layer_params(m)
+    if not m.is_moe:
+        return float(dense), 0.0
+    x = moe_fraction(m)
+    replicated, experts = _moe_params(m)
+    mlp = _mlp_params(m, m.ffn_hidden_size)
+    return dense - x * mlp + x * replicated, x * experts
+
+
+def model_layer_params(m: ModelSpec) -> int:
+    """Parameters of all the transformer layers, layer by layer (exact for a mixed pattern)."""
+    dense = layer_params(m)
+    if not m.is_moe:
+        return m.num_layers * dense
+    moe = dense - _mlp_params(m, m.ffn_hidden_size) + sum(_moe_params(m))
+    pattern = m.moe_layer_pattern
+    return sum(pattern) * moe + (len(pattern) - sum(pattern)) * dense
 
 
 def embedding_params(m: ModelSpec, tp: int = 1) -> int:
@@ -225,6 +344,12 @@ def layer_activation_bytes(m: ModelSpec, b: int, tp: int, policy: Policy, *,
     sbh = s * b * h
     replicated = 10.0 * sbh / (tp if sequence_parallel else 1)
     mlp = (6.0 if m.swiglu else 4.0) * s * b * f
+    if m.is_moe:
+        x, k, fe = moe_fraction(m), m.moe_router_topk, m.expert_ffn_hidden_size
+        per = 6.0 if m.swiglu else 4.0
+        moe = (4.0 * s * b * m.num_experts + 2.0 * s * b * k * h + per * s * b * k * fe
+               + per * s * b * (m.moe_shared_expert_intermediate_size or 0))
+        mlp = (1.0 - x) * mlp + x * moe
     sbq = s * b * _q(m)
     sharded = 2.0 * sbq + 4.0 * s * b * _kv(m) + 2.0 * sbq + mlp
     total = replicated + sharded / tp

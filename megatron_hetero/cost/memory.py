@@ -55,9 +55,16 @@ class StageMemory:
         the embedding (``first``) and the output layer (``last``)."""
         return self._params(num_layers, first, last, tp)
 
-    def _params(self, num_layers: int, first: bool, last: bool, tp: int) -> float:
+    def _params(self, num_layers: int, first: bool, last: bool, tp: int,
+                shards: int | None = None) -> float:
+        """... with an MoE model's routed experts split over ``shards`` ranks (expert TP x EP;
+        None: ``tp``) and the rest of its layers over ``tp``."""
         m = self.model
-        n = num_layers * M.layer_params(m)
+        if m.is_moe:
+            rest, experts = M.layer_param_parts(m)
+            n = num_layers * (rest + experts * tp / (shards or tp))
+        else:
+            n = num_layers * M.layer_params(m)
         if first:
             n += M.embedding_params(m, tp)
         if last:
@@ -67,12 +74,26 @@ class StageMemory:
     def stage_params(self, shape: StageShape) -> float:
         """Parameters one tensor rank of the stage holds."""
         return self._params(shape.num_layers, shape.first, shape.last,
-                            shape.tensor_parallel_size)
+                            shape.tensor_parallel_size, shape.expert_shards)
 
     def chunk_params(self, shape: StageShape, chunk: int) -> float:
         """Parameters one tensor rank holds in model chunk ``chunk`` of the stage."""
         layers, first, last, _ = self._part(shape, chunk)
-        return self._params(layers, first, last, shape.tensor_parallel_size)
+        return self._params(layers, first, last, shape.tensor_parallel_size, shape.expert_shards)
+
+    def expert_params(self, shape: StageShape) -> float:
+        """The routed-expert parameters one rank of the stage holds (0 for a dense model)."""
+        return shape.num_layers * M.layer_param_parts(self.model)[1] / shape.expert_shards
+
+    def optimizer_params(self, shape: StageShape) -> float:
+        """Parameters whose optimizer state one rank of the stage holds: with the distributed
+        optimizer its dense parameters over the ``D`` replicas and its expert shard over the
+        ``T D / (ETP EP)`` expert-data-parallel replicas, which comes to the stage's parameters
+        over ``T D`` whatever the expert split; else all it holds."""
+        if not self.use_distributed_optimizer:
+            return self.stage_params(shape)
+        return self._params(shape.num_layers, shape.first, shape.last,
+                            shape.tensor_parallel_size) / shape.data_parallel_size
 
     def optimizer_shard(self, params: float, data_parallel: int) -> float:
         """Parameters whose optimizer state one rank holds: sharded over the data-parallel
@@ -212,8 +233,12 @@ class StageMemory:
         device_type, b, tp = shape.device_type, shape.micro_batch_size, shape.tensor_parallel_size
         sp, n, r = shape.sequence_parallel and tp > 1, sum(chunk_layers), recompute
         first, last = s == 0, s == p - 1
-        params = self._params(n, first, last, tp)
-        shard = params / shape.data_parallel_size if self.use_distributed_optimizer else params
+        shards = shape.expert_shards
+        params = self._params(n, first, last, tp, shards)
+        if shards != tp and self.use_distributed_optimizer:  # :meth:`optimizer_params`
+            shard = self._params(n, first, last, tp) / shape.data_parallel_size
+        else:
+            shard = params / shape.data_parallel_size if self.use_distributed_optimizer else params
         margin = 0.0
         if offload.module_inputs and n - r.recomputed_layers(n) > 0:
             margin = self._module_inputs(b, tp, sp)
@@ -245,7 +270,7 @@ class StageMemory:
         plus the fp32 copy of those parameters' gradients the CPU optimizer steps on) and, with
         ``module_inputs``, the module inputs of the micro-batches in flight at the stage's peak
         (its activations without the offload less those with it)."""
-        shard = self.optimizer_shard(self.stage_params(shape), shape.data_parallel_size)
+        shard = self.optimizer_params(shape)
         offload = shape.offload
         host = offload.optimizer_fraction * shard * (self.optim_bytes + 4.0)
         if offload.module_inputs:

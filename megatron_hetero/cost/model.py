@@ -50,6 +50,7 @@ from ..errors import HeteroError
 from ..hardware.inventory import Inventory
 from ..plan import ModelSpec, Offload, Plan, Recompute
 from ..placement.host_path import DEFAULT_HOST_LINK_GB_S
+from .experts import ExpertCosts, check_imbalance
 from .memory import StageMemory
 from ..placement.nodes import Placement, place
 from .profile_protocol import DeviceProfile
@@ -79,7 +80,7 @@ def usable_memory_text(headroom: float) -> str:
             f"(--memory-headroom {headroom:g})")
 
 
-class CostModel(StageMemory):
+class CostModel(StageMemory, ExpertCosts):
     """Compute, memory and communication costs of a model on an inventory's device types."""
 
     def __init__(self, model: ModelSpec, inventory: Inventory, *,
@@ -94,7 +95,8 @@ class CostModel(StageMemory):
                  host_reserve_gb: float = 64.0,
                  p2p_latency_s: float = 20e-6,
                  pipeline_overhead_s: tuple[float, float] = (0.0, 0.0),
-                 memory_headroom: float = DEFAULT_MEMORY_HEADROOM):
+                 memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
+                 moe_load_imbalance: float = 1.0):
         """
         ``flash_attention``: core attention runs a fused kernel that stores no ``s x s``
         matrices (Megatron's default with Transformer Engine), so no-recompute activations
@@ -120,6 +122,8 @@ class CostModel(StageMemory):
         profile of the device type measured it (:meth:`pipeline_overhead`); default 0.
         ``memory_headroom``: fraction of each card's reported memory kept free
         (:meth:`capacity`, :data:`DEFAULT_MEMORY_HEADROOM`).
+        ``moe_load_imbalance``: an MoE model's most loaded expert rank's tokens over the mean
+        (at least 1) where no profile of the device type measured it (:mod:`.experts`).
         """
         self.model = model
         self.inventory = inventory
@@ -135,6 +139,7 @@ class CostModel(StageMemory):
         self.p2p_latency_s = p2p_latency_s
         self.pipeline_overhead_s = pipeline_overhead_s
         self.memory_headroom = check_memory_headroom(memory_headroom, flag="memory_headroom")
+        self.moe_load_imbalance = check_imbalance(moe_load_imbalance, flag="moe_load_imbalance")
         self.param_bytes = 4.0 if precision == "fp32" else 2.0
         self.grad_bytes = 2.0 if precision == "fp16" else 4.0
         self.optim_bytes = 8.0 if precision == "fp32" else 12.0
@@ -150,6 +155,8 @@ class CostModel(StageMemory):
         self.memory = lru_cache(maxsize=None)(self.memory)
         self._params = lru_cache(maxsize=None)(self._params)
         self._chunk_activations = lru_cache(maxsize=None)(self._chunk_activations)
+        self._alltoall = lru_cache(maxsize=None)(self._alltoall)
+        self.expert_link_gb_s = lru_cache(maxsize=None)(self.expert_link_gb_s)
         self._placements: dict[tuple, Placement] = {}
 
     # -- device figures -------------------------------------------------------------------------
@@ -204,7 +211,11 @@ class CostModel(StageMemory):
         if got is not None:
             return got
         m = self.model
-        fwd = M.layer_forward_flops(m, b) / tp / self.flops_rate(device_type)
+        if m.is_moe:  # the most loaded expert rank sets the pace
+            extra = (self.load_imbalance(device_type) - 1.0) * M.expert_forward_flops(m, b)
+            fwd = (M.layer_forward_flops(m, b) + extra) / tp / self.flops_rate(device_type)
+        else:
+            fwd = M.layer_forward_flops(m, b) / tp / self.flops_rate(device_type)
         comm = 2 * self._allreduce(M.layer_input_bytes(m, b), tp, self.intra_node_bandwidth(device_type))
         return fwd + comm, 2 * fwd + comm
 
@@ -266,6 +277,9 @@ class CostModel(StageMemory):
         num_layers, first, last, recompute = self._part(shape, chunk)
         lf, lb = self.layer_times(device_type, b, tp)
         fwd, bwd = num_layers * lf, num_layers * lb
+        if self.model.is_moe:  # dispatch and combine, forward and backward
+            a2a = num_layers * self.alltoall_seconds(shape)
+            fwd, bwd = fwd + a2a, bwd + a2a
         if shape.offload.module_inputs:
             # copies on side streams: a layer waits only for what its own compute cannot hide
             n = num_layers - recompute.recomputed_layers(num_layers)
@@ -280,6 +294,8 @@ class CostModel(StageMemory):
             of, ob = self.output_times(device_type, b, tp)
             fwd, bwd = fwd + of, bwd + ob
         bwd += self._recompute_extra(device_type, b, tp, num_layers, recompute)
+        if self.model.is_moe and recompute.granularity == "full":  # the recompute's all-to-alls
+            bwd += recompute.recomputed_layers(num_layers) * self.alltoall_seconds(shape)
         sf, sb = self.step_overhead(device_type, b, tp)
         fwd, bwd = fwd + sf, bwd + sb
         if not (first and last):  # a pipeline stage (or an interleaved chunk)
@@ -313,7 +329,7 @@ class CostModel(StageMemory):
         return self._optimizer_seconds(shape, 1.0) - self._optimizer_seconds(shape, 0.0)
 
     def _optimizer_seconds(self, shape: StageShape, fraction: float) -> float:
-        shard = self.optimizer_shard(self.stage_params(shape), shape.data_parallel_size)
+        shard = self.optimizer_params(shape)
         touched = shard * (self.grad_bytes + 2 * self.optim_bytes + self.param_bytes)
         dev_bw = self.spec(shape.device_type).memory_bandwidth_gb_s * 1e9
         return (1 - fraction) * touched / dev_bw + fraction * touched / self.host_optimizer_rate

@@ -48,6 +48,13 @@ class StageShape:
     """Replicas the stage's optimizer state is sharded over."""
     warmup_microbatches: int | None = None
     """Warm-up forwards of the stage (non-interleaved; None: Megatron's ``p - s - 1``)."""
+    expert_parallel_size: int = 1
+    """Ranks the stage's routed experts are sharded over (an MoE model's EP group)."""
+    expert_tensor_parallel_size: int | None = None
+    """Tensor ranks of one expert (None: ``tensor_parallel_size``, Megatron's default)."""
+    alltoall_gb_s: float | None = None
+    """GB/s of the slowest link the stage's EP group spans (None: the cost model's guess from
+    the device type's nodes, :meth:`~megatron_hetero.cost.model.CostModel.expert_link_gb_s`)."""
 
     num_layers: int = field(init=False, compare=False, repr=False)
     """The stage's layers, all chunks together (derived)."""
@@ -101,7 +108,9 @@ class StageShape:
                    stage=global_stage, num_microbatches=pipe.num_microbatches,
                    microbatch_group=plan.microbatch_group_size,
                    data_parallel_size=len(m.pipelines),
-                   warmup_microbatches=st.warmup_microbatches)
+                   warmup_microbatches=st.warmup_microbatches,
+                   expert_parallel_size=m.expert_model_parallel_size,
+                   expert_tensor_parallel_size=m.expert_tensor_parallel_size)
 
     def but(self, **changes) -> StageShape:
         """This shape with some fields changed (as :func:`dataclasses.replace`, checked the
@@ -141,6 +150,12 @@ class StageShape:
         if w is None:
             w = megatron_warmup(self.pipeline_size, self.stage, self.num_microbatches)
         return min(w + 1, self.num_microbatches)
+
+    @property
+    def expert_shards(self) -> int:
+        """Ranks one MoE layer's routed experts are split over: expert TP x EP."""
+        etp = self.expert_tensor_parallel_size
+        return (self.tensor_parallel_size if etp is None else etp) * self.expert_parallel_size
 
     @property
     def sp(self) -> bool:

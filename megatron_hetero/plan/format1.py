@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from .._schema import from_data, read_yaml, write_yaml
+from .._schema import OMIT_DEFAULT, from_data, read_yaml, write_yaml
 from ..errors import Described, SchemaError
 from ..hardware.catalog import Catalog, GPUSpec, load_catalog
 from ..schedule.rules import check_warmups, group_fits
+from .experts import check_expert_vendors, check_experts
 from .stages import ModelSpec, Pipeline
 from .types import Mesh, Plan
 
@@ -70,6 +71,11 @@ class Format1Plan:
     Left out of the file when empty."""
     prediction: dict[str, float] | None = None
     """Figures the tuner predicted for this plan (informational; never read back as input)."""
+    expert_model_parallel_size: int = field(default=1, metadata=OMIT_DEFAULT)
+    """An MoE model's expert parallelism (EP, Megatron's ``--expert-model-parallel-size``):
+    each stage's routed experts split over EP of its ranks (:mod:`.experts`)."""
+    expert_tensor_parallel_size: int | None = None
+    """Tensor ranks of one expert (Megatron's ``--expert-tensor-parallel-size``; None: TP)."""
     catalog: Catalog | None = field(default=None, compare=False, repr=False,
                                     metadata={"internal": True})
     """The catalog the plan was checked against on load (the given one plus ``gpus``); None for
@@ -114,6 +120,9 @@ class Format1Plan:
             raise SchemaError("", "sequence_parallel", True,
                               "false when tensor_model_parallel_size is 1")
         self._check_chunks()
+        check_experts(m, tp=tp, ep=self.expert_model_parallel_size,
+                      etp=self.expert_tensor_parallel_size, pipelines=self.pipelines,
+                      sequence_parallel=self.sequence_parallel, where="", replicas="pipelines")
         check_warmups(self)
         samples = sum(p.samples for p in self.pipelines)
         if samples != self.global_batch_size:
@@ -188,7 +197,9 @@ class Format1Plan:
         """The one in-memory plan: one mesh of this file's TP and pipelines."""
         return Plan(model=self.model, global_batch_size=self.global_batch_size,
                     meshes=[Mesh(tensor_model_parallel_size=self.tensor_model_parallel_size,
-                                 pipelines=self.pipelines)],
+                                 pipelines=self.pipelines,
+                                 expert_model_parallel_size=self.expert_model_parallel_size,
+                                 expert_tensor_parallel_size=self.expert_tensor_parallel_size)],
                     precision=self.precision,
                     use_distributed_optimizer=self.use_distributed_optimizer,
                     sequence_parallel=self.sequence_parallel,
@@ -215,7 +226,9 @@ def replace_grid(plan: Plan, **changes) -> Plan:
                   overlap_grad_reduce=plan.overlap_grad_reduce,
                   virtual_pipeline_size=plan.virtual_pipeline_size,
                   microbatch_group_size=plan.microbatch_group_size, gpus=plan.gpus,
-                  prediction=plan.prediction, catalog=plan.catalog)
+                  prediction=plan.prediction, catalog=plan.catalog,
+                  expert_model_parallel_size=plan.meshes[0].expert_model_parallel_size,
+                  expert_tensor_parallel_size=plan.meshes[0].expert_tensor_parallel_size)
     return uniform_plan(**(fields | changes))
 
 
@@ -233,7 +246,9 @@ def plan_from_data(data: object, *, source: str = "<plan>", catalog: Catalog | N
         for s, stage in enumerate(pipe.stages):
             check_device_type(catalog, stage.device_type, precision=plan.precision,
                               source=source, path=f"pipelines[{d}].stages[{s}].device_type")
-    return plan.plan()
+    out = plan.plan()
+    check_expert_vendors(out, catalog, source=source)
+    return out
 
 
 def bind_catalog(plan, catalog: Catalog | None, *, source: str) -> Catalog:

@@ -36,9 +36,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from .._schema import from_data, read_yaml, write_yaml
+from .._schema import OMIT_DEFAULT, from_data, read_yaml, write_yaml
 from ..errors import Described, SchemaError
 from ..hardware.catalog import Catalog, GPUSpec
+from .experts import check_experts
 from .format1 import bind_catalog, check_device_type, plan_from_data
 from .policy import Offload, Recompute
 from .stages import ModelSpec, Pipeline, Replica, Stage
@@ -83,6 +84,11 @@ class Format2Mesh:
     """The mesh's data-parallel replicas, in data-parallel rank order (``D`` is their number)."""
     stages: list[MeshStage]
     """The mesh's pipeline stages, in pipeline order."""
+    expert_model_parallel_size: int = field(default=1, metadata=OMIT_DEFAULT)
+    """An MoE model's expert parallelism on this mesh (:mod:`.experts`): its EP groups lie
+    inside the mesh, on its one device type."""
+    expert_tensor_parallel_size: int | None = None
+    """Tensor ranks of one expert on this mesh (None: the mesh's TP)."""
 
     def __post_init__(self) -> None:
         if self.tensor_model_parallel_size < 1:
@@ -156,6 +162,10 @@ class Format2Plan:
                                   Described(f"replicas taking {samples} samples per step"),
                                   f"micro_batch_size x num_microbatches adding up to "
                                   f"global_batch_size ({self.global_batch_size}) in every mesh")
+            check_experts(m, tp=tp, ep=mesh.expert_model_parallel_size,
+                          etp=mesh.expert_tensor_parallel_size,
+                          pipelines=mesh.replicas, sequence_parallel=False,
+                          where=f"meshes[{k}].", replicas=f"meshes[{k}].replicas")
         self._check_layers()
         for k in range(len(self.meshes) - 1):
             self._check_boundary(k)
@@ -226,6 +236,8 @@ class Format2Plan:
             stages = [Stage(device_type=mesh.device_type, num_layers=st.num_layers,
                             recompute=st.recompute, offload=st.offload) for st in mesh.stages]
             meshes.append(Mesh(tensor_model_parallel_size=mesh.tensor_model_parallel_size,
+                               expert_model_parallel_size=mesh.expert_model_parallel_size,
+                               expert_tensor_parallel_size=mesh.expert_tensor_parallel_size,
                                pipelines=[Pipeline(micro_batch_size=r.micro_batch_size,
                                                    num_microbatches=r.num_microbatches,
                                                    stages=stages) for r in mesh.replicas]))
@@ -305,9 +317,12 @@ def meshes_of(plan: Plan) -> Plan | None:
         if meshes and meshes[-1].device_type == st.device_type:
             meshes[-1].stages.append(stage)
         else:
+            grid = plan.meshes[0]
             meshes.append(Format2Mesh(device_type=st.device_type,
                                       tensor_model_parallel_size=plan.tensor_model_parallel_size,
-                                      replicas=list(replicas), stages=[stage]))
+                                      replicas=list(replicas), stages=[stage],
+                                      expert_model_parallel_size=grid.expert_model_parallel_size,
+                                      expert_tensor_parallel_size=grid.expert_tensor_parallel_size))
     out = mesh_plan(model=plan.model, global_batch_size=plan.global_batch_size, meshes=meshes,
                     precision=plan.precision,
                     use_distributed_optimizer=plan.use_distributed_optimizer,

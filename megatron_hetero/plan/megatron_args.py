@@ -96,6 +96,7 @@ def megatron_args(plan: Plan, plan_path: str | None = None) -> list[str]:
         args = [*_model_args(plan.model), "--global-batch-size", str(plan.global_batch_size)]
         if len(plan.layer_split) > 1:
             args += ["--pipeline-model-parallel-layout", plan.layout()]
+    args += _expert_args(plan)
     if plan.precision != "fp32":
         args.append(f"--{plan.precision}")
     if plan.use_distributed_optimizer:
@@ -146,6 +147,35 @@ def _model_args(m: ModelSpec) -> list[str]:
             args += ["--rotary-base", str(m.rotary_base)]
         if m.rotary_percent != 1.0:
             args += ["--rotary-percent", f"{m.rotary_percent:g}"]
+    return args
+
+
+def _expert_args(plan: Plan) -> list[str]:
+    """An MoE model's keys, and its expert-parallel sizes where every mesh has the same (a
+    chain whose meshes differ leaves them to each rank's mesh, ``--hetero-plan``)."""
+    m = plan.model
+    if not m.is_moe:
+        return []
+    args = ["--num-experts", str(m.num_experts), "--moe-router-topk", str(m.moe_router_topk)]
+    if m.moe_ffn_hidden_size is not None:
+        args += ["--moe-ffn-hidden-size", str(m.moe_ffn_hidden_size)]
+    if m.moe_shared_expert_intermediate_size is not None:
+        args += ["--moe-shared-expert-intermediate-size",
+                 str(m.moe_shared_expert_intermediate_size)]
+    if m.moe_shared_expert_gate:
+        args.append("--moe-shared-expert-gate")
+    freq = m.moe_layer_freq
+    if freq != 1:  # Megatron reads a pattern as a Python list expression
+        args += ["--moe-layer-freq", str(freq) if isinstance(freq, int)
+                 else "([" + ",".join(map(str, freq)) + "])"]
+    args += ["--moe-router-load-balancing-type", m.moe_router_load_balancing_type,
+             "--moe-token-dispatcher-type", "alltoall"]
+    if m.moe_grouped_gemm:
+        args.append("--moe-grouped-gemm")
+    sizes = {(k.expert_model_parallel_size, k.expert_tensor_size) for k in plan.meshes}
+    if len(sizes) == 1:
+        ep, etp = sizes.pop()
+        args += ["--expert-model-parallel-size", str(ep), "--expert-tensor-parallel-size", str(etp)]
     return args
 
 

@@ -55,10 +55,19 @@ class Mesh:
     pipelines: list[Pipeline]
     """The mesh's data-parallel replicas in data-parallel rank order (``D`` is their number),
     each with this mesh's stages of its path."""
+    expert_model_parallel_size: int = 1
+    """Ranks of a stage that split an MoE layer's routed experts (EP), carved out of the
+    stage's ``T x D`` ranks (Megatron's expert grid: ``ETP x EP`` consecutive ranks, then
+    expert data parallelism)."""
+    expert_tensor_parallel_size: int | None = None
+    """Tensor ranks of one expert (ETP; None: ``tensor_model_parallel_size``, Megatron's
+    default)."""
 
     def __post_init__(self) -> None:
         if self.tensor_model_parallel_size < 1:
             raise ValueError(f"tensor_model_parallel_size {self.tensor_model_parallel_size} < 1")
+        if self.expert_model_parallel_size < 1:
+            raise ValueError(f"expert_model_parallel_size {self.expert_model_parallel_size} < 1")
         if not self.pipelines:
             raise ValueError("a mesh needs at least one pipeline")
         first = self.pipelines[0].stages
@@ -82,6 +91,28 @@ class Mesh:
     @property
     def layer_split(self) -> list[int]:
         return [s.num_layers for s in self.pipelines[0].stages]
+
+    @property
+    def expert_tensor_size(self) -> int:
+        """ETP in effect (``expert_tensor_parallel_size``, or the mesh's TP)."""
+        etp = self.expert_tensor_parallel_size
+        return self.tensor_model_parallel_size if etp is None else etp
+
+    @property
+    def expert_data_parallel_size(self) -> int:
+        """Replicas of each expert shard per stage: ``T D / (ETP EP)`` (whole where the plan
+        is valid)."""
+        return (self.tensor_model_parallel_size * self.data_parallel_size
+                // (self.expert_tensor_size * self.expert_model_parallel_size))
+
+    def expert_blocks(self) -> list[range]:
+        """The replicas each expert block of a stage spans: its ``ETP x EP`` consecutive ranks
+        in ``tp-dp`` order (one block per EP group and its expert-TP peers; one replica where
+        the block fits in a tensor group)."""
+        e = self.expert_tensor_size * self.expert_model_parallel_size
+        t, n = self.tensor_model_parallel_size, self.tensor_model_parallel_size * len(self.pipelines)
+        return [range(i // t, min((i + e - 1) // t + 1, len(self.pipelines)))
+                for i in range(0, n, e)]
 
     @property
     def alike(self) -> bool:
@@ -433,6 +464,7 @@ class Plan:
                      "virtual_pipeline_size": self.virtual_pipeline_size}
             if self.microbatch_group_size is not None:
                 data["microbatch_group_size"] = self.microbatch_group_size
+            data |= _expert_data(mesh)
         else:
             data |= {"meshes": [{"device_type": m.device_type,
                                  "tensor_model_parallel_size": m.tensor_model_parallel_size,
@@ -440,7 +472,7 @@ class Plan:
                                  "stages": [{"num_layers": s.num_layers,
                                              "recompute": to_data(s.recompute),
                                              "offload": to_data(s.offload)} for s in m.stages]}
-                                for m in self.meshes],
+                                | _expert_data(m) for m in self.meshes],
                      "precision": self.precision,
                      "use_distributed_optimizer": self.use_distributed_optimizer,
                      "overlap_grad_reduce": self.overlap_grad_reduce}
@@ -449,3 +481,14 @@ class Plan:
         if self.prediction is not None:
             data["prediction"] = to_data(self.prediction)
         return data
+
+
+def _expert_data(mesh: Mesh) -> dict:
+    """A mesh's expert-parallel keys where they differ from their defaults (a plan without
+    them is written as before)."""
+    out: dict = {}
+    if mesh.expert_model_parallel_size != 1:
+        out["expert_model_parallel_size"] = mesh.expert_model_parallel_size
+    if mesh.expert_tensor_parallel_size is not None:
+        out["expert_tensor_parallel_size"] = mesh.expert_tensor_parallel_size
+    return out

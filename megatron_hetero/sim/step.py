@@ -51,6 +51,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from ..cost.experts import placed_expert_link
 from ..cost.mesh import bridge_seconds, bridges, same_replicas
 from ..cost.model import CostModel
 from ..cost.stage import StageShape
@@ -103,7 +104,8 @@ def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True,
     paths = 1 if lockstep else meshes[0].data_parallel_size
     # paths alike in every stage share their costs (large pools repeat one template)
     rep = _representatives(plan, paths)
-    shapes = {r: [StageShape.at(plan, k, j, r, global_stage=s) for s, (k, j) in enumerate(index)]
+    shapes = {r: [placed_expert_link(StageShape.at(plan, k, j, r, global_stage=s), meshes[k],
+                                     placement, k, j, r) for s, (k, j) in enumerate(index)]
               for r in set(rep)}
     times_of = {r: [cost.chunk_times(shape) for shape in row] for r, row in shapes.items()}
     memory_of = {r: [cost.memory(shape) for shape in row] for r, row in shapes.items()}
@@ -125,7 +127,7 @@ def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True,
         D, pipes = replicas[s], meshes[k].pipelines
         shape = shapes[rep_of[0]][s]
         bw = placement.dp_bandwidth(k, j)
-        comm = cost.dp_sync_seconds(cost.stage_params(shape), D, bw)
+        comm = cost.grad_sync_seconds(shape, bw)
         staged = record_events and placement.dp_host_staged(k, j)
         mine = run_of if D == len(run_of) else run_of[:D]
         finish = max(run[0][s] for run in mine)

@@ -45,6 +45,8 @@ class _MeshShape:
     pp: int
     dp: int
     mbs: int
+    ep: int = 1
+    """Expert parallelism of the mesh (an MoE model; its TP is 1, :mod:`megatron_hetero.plan.experts`)."""
 
 
 class MeshSearch:
@@ -54,9 +56,10 @@ class MeshSearch:
         self.problem, self.tables = problem, tables
         self.evaluated = 0
 
-    def layouts(self) -> list[list[tuple[str, int, int, int]]]:
-        """Every (type, TP, PP, DP) chain: one mesh per type, the types memory-rich first
-        (:attr:`.problem.Problem.types`) or the reverse."""
+    def layouts(self) -> list[list[tuple[str, int, int, int, int]]]:
+        """Every (type, TP, PP, DP, EP) chain: one mesh per type, the types memory-rich first
+        (:attr:`.problem.Problem.types`) or the reverse; an MoE model's meshes at TP 1, each
+        with every expert-parallel size its replicas allow (:func:`.space.expert_sizes`)."""
         p, inv = self.problem, self.problem.inv
         counts = inv.gpu_counts()
         per_type = {}
@@ -69,9 +72,12 @@ class MeshSearch:
                 groups = space.slots(inv, tp).get(gpu, 0)
                 if groups * tp != counts[gpu]:
                     continue  # a TP size that strands GPUs of the type
+                if tp > 1 and p.model.is_moe:
+                    continue  # an MoE mesh runs TP 1 (no sequence parallelism in a mesh plan)
                 for pp in range(1, min(groups, p.model.num_layers) + 1):
                     if groups % pp == 0:
-                        options.append((gpu, tp, pp, groups // pp))
+                        for ep in space.expert_sizes(p.model, tp, ((gpu, groups // pp),), 0):
+                            options.append((gpu, tp, pp, groups // pp, ep))
             per_type[gpu] = options
         out = []
         for types in (p.types, p.types[::-1]):
@@ -99,7 +105,7 @@ class MeshSearch:
                 if p.gbs % batch or any(batch % c[3] for c in chain):
                     continue
                 rate = 0.0
-                for t, tp, pp, dp in chain:
+                for t, tp, pp, dp, _ in chain:
                     key = (t, batch // dp, tp)
                     if key not in layer:
                         layer[key] = sum(cost.layer_times(*key))
@@ -113,8 +119,9 @@ class MeshSearch:
         for lb, _, chain, batch in todo:
             if len(best) >= keep and lb >= best[-1][0]:
                 break
-            got = self.evaluate([_MeshShape(device_type=t, tp=tp, pp=pp, dp=dp, mbs=batch // dp)
-                                 for t, tp, pp, dp in chain], p.gbs // batch)
+            got = self.evaluate([_MeshShape(device_type=t, tp=tp, pp=pp, dp=dp, mbs=batch // dp,
+                                            ep=ep)
+                                 for t, tp, pp, dp, ep in chain], p.gbs // batch)
             if got is not None:
                 best.append(got)
                 best.sort(key=lambda x: x[0])
@@ -134,7 +141,7 @@ class MeshSearch:
                 position = StageShape(device_type=x.device_type, chunk_layers=(0,),
                                       micro_batch_size=x.mbs, tensor_parallel_size=x.tp,
                                       pipeline_size=P, stage=s, num_microbatches=m,
-                                      data_parallel_size=x.dp)
+                                      data_parallel_size=x.dp, expert_parallel_size=x.ep)
                 rows.append(self.tables.table(position, precision=prec).fit)
                 s += 1
         got = min_max_split(np.stack([r.seconds for r in rows]), L)
@@ -147,6 +154,7 @@ class MeshSearch:
             model=p.model, global_batch_size=p.gbs, precision=prec,
             overlap_grad_reduce=p.opt.overlap_grad_reduce,
             meshes=[Format2Mesh(device_type=x.device_type, tensor_model_parallel_size=x.tp,
+                                expert_model_parallel_size=x.ep,
                                 replicas=[Replica(micro_batch_size=x.mbs, num_microbatches=m)] * x.dp,
                                 stages=[_stage(next(layers), next(policies)) for _ in range(x.pp)])
                     for x in meshes])

@@ -121,6 +121,9 @@ class _Policies:
         self.tp, self.p, self.D = plan.tensor_model_parallel_size, plan.pipeline_model_parallel_size, \
             plan.data_parallel_size
         self.sp = plan.sequence_parallel and self.tp > 1
+        grid = plan.meshes[0]
+        self.experts = dict(expert_parallel_size=grid.expert_model_parallel_size,
+                            expert_tensor_parallel_size=grid.expert_tensor_parallel_size)
         self._memo: dict[tuple, Policy | None] = {}
 
     def choose(self, gpu: str, chunks: tuple[int, ...], s: int, *, micro_batch_size: int,
@@ -133,7 +136,7 @@ class _Policies:
                                micro_batch_size=micro_batch_size, tensor_parallel_size=self.tp,
                                sequence_parallel=self.sp, pipeline_size=self.p, stage=s,
                                num_microbatches=microbatches, microbatch_group=group,
-                               data_parallel_size=self.D)
+                               data_parallel_size=self.D, **self.experts)
             got = self._memo[key] = cheapest_for_stage(self.cost, shape, self.menu)
         return got
 
@@ -172,7 +175,9 @@ def _build(plan: Plan, lay: Layout, policies: _Policies, *, share: bool = True) 
                     tensor_model_parallel_size=plan.tensor_model_parallel_size, pipelines=pipelines,
                     precision=plan.precision, use_distributed_optimizer=plan.use_distributed_optimizer,
                     sequence_parallel=plan.sequence_parallel, virtual_pipeline_size=lay.v,
-                    microbatch_group_size=lay.group, overlap_grad_reduce=plan.overlap_grad_reduce)
+                    microbatch_group_size=lay.group, overlap_grad_reduce=plan.overlap_grad_reduce,
+                    expert_model_parallel_size=plan.meshes[0].expert_model_parallel_size,
+                    expert_tensor_parallel_size=plan.meshes[0].expert_tensor_parallel_size)
     except SchemaError:
         return None
 
@@ -343,7 +348,9 @@ def _balanced_totals(plan: Plan, cost: CostModel, order: tuple[int, ...], v: int
         for s, gpu in enumerate(gpus):
             row = [m * cost.times(StageShape(
                 device_type=gpu, chunk_layers=(n,), micro_batch_size=mbs, tensor_parallel_size=tp,
-                sequence_parallel=plan.sequence_parallel, pipeline_size=p, stage=s)).total_s
+                sequence_parallel=plan.sequence_parallel, pipeline_size=p, stage=s,
+                expert_parallel_size=plan.meshes[0].expert_model_parallel_size,
+                expert_tensor_parallel_size=plan.meshes[0].expert_tensor_parallel_size)).total_s
                 for n in range(L + 1)]
             costs[s] = np.maximum(costs[s], row)
     costs[:, :v] = np.inf  # every chunk holds a layer

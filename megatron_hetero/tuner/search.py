@@ -181,11 +181,14 @@ class _Search:
                 return None
             mb = [u * unit for u in units]
         else:
-            mb = water_fill(fixed, per, total)
+            mb = _shared_fill(fixed, per, total, max(1, st.ep // tp))
             if mb is None:
                 return None
         if v > 1 and not self._chunks_fit(st, cost, split, policies, mb):
             return None
+        g = max(1, st.ep // tp)
+        if any(len(set(mb[i:i + g])) > 1 for i in range(0, D, g)):
+            return None  # an EP group's replicas run one count (interleaved groups may not)
         step = max(a + k * c for a, c, k in zip(fixed, per, mb))
         step += self._sync_estimate(st, split, cost) + offload_tail
         return _Candidate(st, split, policies, mb, step, prec, max(fixed))
@@ -275,7 +278,8 @@ class _Search:
                     use_distributed_optimizer=self.opt.use_distributed_optimizer,
                     sequence_parallel=st.tp > 1, virtual_pipeline_size=v,
                     microbatch_group_size=_group_size(st.pp, v, cand.microbatches),
-                    overlap_grad_reduce=self.opt.overlap_grad_reduce)
+                    overlap_grad_reduce=self.opt.overlap_grad_reduce,
+                    expert_model_parallel_size=st.ep, expert_tensor_parallel_size=st.etp)
 
     def walk(self, structures, *, baseline: bool, tick: Callable[[], None]) -> list[_Candidate]:
         """The best estimates (``finalists``) of the structures visited in lower-bound order,
@@ -481,6 +485,16 @@ def _tune(model: ModelSpec, inventory: Inventory, global_batch_size: int, *,
                       warmup_gain=1.0 if fell_back else warmup_gain,
                       mesh_plan=mesh[0] if mesh else None, mesh_sim=mesh[1] if mesh else None,
                       mesh_candidates=mesh[2] if mesh else 0)
+
+
+def _shared_fill(fixed: list[float], per: list[float], total: int, g: int) -> list[int] | None:
+    """:func:`~megatron_hetero.schedule.shares.water_fill` of ``total`` micro-batches over the pipelines with every run
+    of ``g`` consecutive pipelines (one EP group's replicas, alike: :func:`.space.expert_sizes`)
+    taking one count: filled over the groups, ``total / g`` each."""
+    if g == 1:
+        return water_fill(fixed, per, total)
+    got = water_fill(fixed[::g], per[::g], total // g)
+    return None if got is None else [k for k in got for _ in range(g)]
 
 
 def _group_size(p: int, v: int, microbatches) -> int | None:

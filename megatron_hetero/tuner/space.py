@@ -37,7 +37,7 @@ from ..plan.checks import FP32_OPTIMIZER_OFFLOAD, optimizer_offload_runs
 from ..schedule.rules import whole_group
 from .problem import Problem
 
-__all__ = ["Structure", "infeasible_message", "structures", "templates", "subsets", "orders", "slots", "tp_sizes",
+__all__ = ["Structure", "expert_sizes", "infeasible_message", "structures", "templates", "subsets", "orders", "slots", "tp_sizes",
            "upper_bound_step_time"]
 
 
@@ -50,6 +50,14 @@ class Structure:
     """(stage device types, number of pipelines) per template."""
     vp: int = 1
     """Model chunks per stage (interleaved 1F1B when > 1)."""
+    ep: int = 1
+    """Expert parallelism of an MoE model (:func:`expert_sizes`), expert TP 1."""
+
+    @property
+    def etp(self) -> int | None:
+        """Expert TP: 1 where the model has experts and TP > 1 (Megatron's common choice: no
+        expert is split, EP takes the tensor ranks too); None (TP) otherwise."""
+        return 1 if self.ep > 1 and self.tp > 1 else None
 
     @property
     def num_pipelines(self) -> int:
@@ -246,20 +254,44 @@ def structures(problem: Problem) -> list[tuple[float, Structure]]:
                                                 _whole_layers(layer, L))
                         paces.append((1 / got[0], got[1], n))
                     rate = _rate(paces)
-                    out.append((_bound(paces, total, pp - 1, rate), tp, pp, mbs, 1, tm))
+                    eps = expert_sizes(problem.model, tp, tm, total)
+                    for ep in eps:
+                        out.append((_bound(paces, total, pp - 1, rate), tp, pp, mbs, 1, ep, tm))
                     unit = whole_group(pp, [total])  # micro-batch groups of the interleaving
                     if pp == 1 or unit is None or total // unit < Dm:
                         continue
                     for v in chunks:
-                        out.append((_bound(paces, total, (pp - 1) / v, rate), tp, pp, mbs, v, tm))
+                        for ep in eps:
+                            out.append((_bound(paces, total, (pp - 1) / v, rate), tp, pp, mbs, v,
+                                        ep, tm))
     out.sort()
     unique, seen = [], set()
-    for lb, tp, pp, mbs, v, tm in out:
-        key = (tp, pp, mbs, v, id(tm))  # equal templates are one object
+    for lb, tp, pp, mbs, v, ep, tm in out:
+        key = (tp, pp, mbs, v, ep, id(tm))  # equal templates are one object
         if key not in seen:
             seen.add(key)
-            unique.append((lb, Structure(tp, pp, mbs, tm, v)))
+            unique.append((lb, Structure(tp, pp, mbs, tm, v, ep)))
     return unique
+
+
+def expert_sizes(model: ModelSpec, tp: int, templates, microbatches: int) -> list[int]:
+    """The expert-parallel sizes a structure of TP ``tp`` and these templates can run (1 for a
+    dense model): divisors of ``num_experts`` whose EP groups (expert TP 1) divide the stage's
+    ``tp x D`` ranks, cover whole tensor groups or fit in one, and never straddle two
+    templates (each template's pipelines form whole groups), so that replicas of one EP group
+    can take one micro-batch count (the search shares them by group); the ``microbatches``
+    must split evenly over the groups (0: replicas alike, nothing to split). The bound is the same for every EP (the
+    all-to-alls are left out of it): the search weighs them."""
+    if not model.is_moe:
+        return [1]
+    out = []
+    for ep in range(1, model.num_experts + 1):
+        if model.num_experts % ep or (ep > tp and ep % tp) or (ep < tp and tp % ep):
+            continue
+        g = max(1, ep // tp)  # replicas per EP group
+        if all(n % g == 0 for _, n in templates) and microbatches % g == 0:
+            out.append(ep)
+    return out
 
 
 def _whole_layers(layer: list[tuple[float, int]], L: int) -> float:

@@ -183,7 +183,8 @@ class StageTables:
         :func:`.policy.timing_position` says, the seconds depend on the stage's place only
         through first and last, and not on the optimizer offload)."""
         quick = (precision, types[s], st.tp, st.mbs, st.vp, s == 0, s == st.pp - 1, layers,
-                 policy.recompute, policy.offload.module_inputs, policy.offload.activations)
+                 policy.recompute, policy.offload.module_inputs, policy.offload.activations,
+                 st.ep)
         got = self._seconds.get(quick)
         if got is None:
             shape = stage_shape(st, types, s, layers=layers, policy=policy)
@@ -202,7 +203,7 @@ class StageTables:
             for s in range(p):
                 # the search asks for the same positions again and again: find them by a tuple
                 # before building their shape
-                quick = (prec, types[s], st.tp, st.mbs, st.vp, p, s, m, D)
+                quick = (prec, types[s], st.tp, st.mbs, st.vp, p, s, m, D, st.ep)
                 got = self._seen.get(quick)
                 if got is None:
                     got = self._seen[quick] = self.table(stage_shape(st, types, s, microbatches=m),
@@ -248,7 +249,8 @@ def stage_shape(st: Structure, types, s: int, *, layers: int = 0, policy: Policy
                       micro_batch_size=st.mbs, tensor_parallel_size=st.tp,
                       sequence_parallel=st.tp > 1, recompute=policy.recompute,
                       offload=policy.offload, pipeline_size=st.pp, stage=s,
-                      num_microbatches=microbatches, data_parallel_size=st.num_pipelines)
+                      num_microbatches=microbatches, data_parallel_size=st.num_pipelines,
+                      expert_parallel_size=st.ep, expert_tensor_parallel_size=st.etp)
 
 
 def _canonical(position: StageShape) -> StageShape:

@@ -1,0 +1,104 @@
+"""The mixture-of-experts half of the cost model: the all-to-alls of expert parallelism, the
+load imbalance of the experts, and the gradient sync of expert-data parallelism.
+
+Per MoE layer and micro-batch, one rank of an EP group of ``EP`` ranks sends its tokens' ``k``
+routed 16-bit copies (``2 b s k h / t`` bytes, its share of the tokens under tensor and
+sequence parallelism, :func:`megatron_hetero.models.moe_dispatch_bytes`) to the experts'
+ranks, and gets them back after the experts: one dispatch and one combine all-to-all forward,
+and the same two backward. Of each, ``(EP - 1) / EP`` leaves the rank, over the slowest link
+the EP group spans (the stage's ``alltoall_gb_s``, which the simulator reads off the placement;
+else :meth:`ExpertCosts.expert_link_gb_s`), at the load imbalance's multiple (the most loaded
+rank receives the most), plus one message latency. At EP = 1 the tokens stay on the rank.
+
+The load imbalance (the most loaded expert rank's routed tokens over the mean, at least 1) is
+the device type's profile's ``moe_load_imbalance`` where it measured one, else the cost
+model's ``moe_load_imbalance`` (default 1: balanced, what an auxiliary loss aims at). It slows
+the routed experts' FLOPs (:meth:`~megatron_hetero.cost.model.CostModel.layer_times`) and the
+all-to-alls alike.
+
+Gradient sync: a stage's dense parameters reduce over its ``D`` replicas as before; its expert
+shard over the ``T D / (ETP EP)`` expert-data-parallel replicas (Megatron's
+``expert_data_parallel`` group) on the same links.
+"""
+
+from __future__ import annotations
+
+from .. import models as M
+from ..errors import HeteroError
+from .stage import StageShape
+
+__all__ = ["ExpertCosts", "check_imbalance"]
+
+
+def check_imbalance(value: float, *, flag: str) -> float:
+    """``value`` when it is a factor from 1 to 1000 (the user's mistake otherwise)."""
+    if not (isinstance(value, (int, float)) and 1.0 <= value <= 1000.0):
+        raise HeteroError(f"{flag}: {value!r}; expected the most loaded expert rank's tokens "
+                          "over the mean, from 1 (balanced) to 1000")
+    return float(value)
+
+
+class ExpertCosts:
+    """MoE costs; a base of :class:`~megatron_hetero.cost.model.CostModel`, which sets the
+    attributes it reads and caches :meth:`_alltoall` and :meth:`expert_link_gb_s`."""
+
+    moe_load_imbalance: float
+    p2p_latency_s: float
+
+    def load_imbalance(self, device_type: str) -> float:
+        """The device type's profile's measured imbalance, else the cost model's."""
+        got = getattr(self.profiles.get(device_type), "moe_load_imbalance", None)
+        return self.moe_load_imbalance if got is None else got
+
+    def expert_link_gb_s(self, device_type: str, span: int) -> float:
+        """GB/s of the slowest link an EP group of ``span`` consecutive ranks (its expert
+        block) of ``device_type`` spans, placed as the placement places tensor groups: inside
+        one node where a node of each group of the type holds ``span`` GPUs, else between
+        nodes."""
+        inv = self.inventory
+        groups = [i for i, g in enumerate(inv.groups) if g.gpu == device_type]
+        if not groups:
+            return self.spec(device_type).intra_node_bandwidth_gb_s
+        if all(span <= inv.groups[i].gpus_per_node for i in groups):
+            return min(inv.intra_node_bandwidth(i) for i in groups)
+        return min(inv.inter_node_bandwidth(i) for i in groups)
+
+    def alltoall_seconds(self, shape: StageShape) -> float:
+        """Seconds of one layer's two all-to-alls (dispatch and combine) on one micro-batch, the
+        mean over the model's layers; forward and backward each pay it (module docstring)."""
+        ep = shape.expert_parallel_size
+        if ep == 1 or not self.model.is_moe:
+            return 0.0
+        gb_s = shape.alltoall_gb_s
+        if gb_s is None:
+            gb_s = self.expert_link_gb_s(shape.device_type, shape.expert_shards)
+        return self._alltoall(shape.device_type, shape.micro_batch_size,
+                              shape.tensor_parallel_size, ep, gb_s)
+
+    def _alltoall(self, device_type: str, b: int, tp: int, ep: int, gb_s: float) -> float:
+        nbytes = M.moe_dispatch_bytes(self.model, b) / tp * self.load_imbalance(device_type)
+        one = (self.p2p_latency_s * M.moe_fraction(self.model)
+               + (ep - 1) / ep * nbytes / (gb_s * 1e9))
+        return 2.0 * one
+
+    def grad_sync_seconds(self, shape: StageShape, bandwidth_gb_s: float) -> float:
+        """The stage's gradient sync: dense parameters over its replicas, the expert shard
+        over its expert-data-parallel replicas (module docstring)."""
+        d = shape.data_parallel_size
+        params = self.stage_params(shape)
+        if not self.model.is_moe:
+            return self.dp_sync_seconds(params, d, bandwidth_gb_s)
+        experts = self.expert_params(shape)
+        edp = max(1, shape.tensor_parallel_size * d // shape.expert_shards)
+        return (self.dp_sync_seconds(params - experts, d, bandwidth_gb_s)
+                + self.dp_sync_seconds(experts, edp, bandwidth_gb_s))
+
+
+def placed_expert_link(shape: StageShape, mesh, placement, k: int, j: int, r: int) -> StageShape:
+    """``shape`` (mesh ``k``'s stage ``j`` of replica ``r``) with the slowest link its EP group
+    spans on ``placement``: the nodes of the replicas of its expert block."""
+    if shape.expert_parallel_size == 1:
+        return shape
+    block = next(b for b in mesh.expert_blocks() if r in b)
+    gb_s = placement.slowest_bandwidth([placement.node(k, j, x) for x in block])
+    return shape.but(alltoall_gb_s=gb_s)
