@@ -2,7 +2,9 @@
 plan of a model, and gathered back into full tensors.
 
 Layout-independent names: ``decoder.layers.<global layer index>.<rest>``, the embedding, the
-final norm and the output layer under their megatron-core names. Tensor-parallel shards are
+final norm and the output layer under their megatron-core names; a routed expert of an MoE
+layer under its global index (``...mlp.experts.local_experts.<expert>.<rest>``: the experts of
+expert-parallel rank ``e`` are ``e x local .. (e + 1) x local - 1``). Tensor-parallel shards are
 gathered along their partition dimension (fused SwiGLU ``linear_fc1`` shards are un-interleaved
 as gate and up halves). Each parameter is initialized from a generator seeded by its name, so
 any plan of the same model starts from the same weights.
@@ -18,15 +20,24 @@ from ..plan import Plan
 __all__ = ["canonical_names", "init_params", "local_params", "merge_params", "merge_shards"]
 
 
-def canonical_names(model, tied_last_stage: bool, *, layer_offset: int = 0) -> dict[str, str]:
+_EXPERTS = ".mlp.experts.local_experts."
+
+
+def canonical_names(model, tied_last_stage: bool, *, layer_offset: int = 0,
+                    expert_offset: int = 0) -> dict[str, str]:
     """Local parameter name -> layout-independent name (``layer_offset``: the model's layers
-    before this one's first, where its layers number from 1: a mesh plan's stage)."""
+    before this one's first, where its layers number from 1: a mesh plan's stage;
+    ``expert_offset``: the routed experts of each MoE layer before this rank's first, its
+    expert-parallel rank times its local experts)."""
     names = {}
     layers = model.decoder.layers if hasattr(model, "decoder") else []
     for name, _ in model.named_parameters():
         canon = name
         if name.startswith("decoder.layers."):
             local, rest = name[len("decoder.layers."):].split(".", 1)
+            if rest.startswith(_EXPERTS[1:]):
+                expert, tail = rest[len(_EXPERTS) - 1:].split(".", 1)
+                rest = f"{_EXPERTS[1:]}{int(expert) + expert_offset}.{tail}"
             canon = f"decoder.layers.{layers[int(local)].layer_number - 1 + layer_offset}.{rest}"
         elif name == "output_layer.weight" and tied_last_stage:
             canon = "embedding.word_embeddings.weight"
@@ -57,14 +68,17 @@ def _shard(full, param, tp: int, tp_rank: int, glu: bool):
 
 
 def init_params(model, plan: Plan, seed: int, std: float, tp_rank: int, tied_last: bool, *,
-                tensor_parallel_size: int | None = None, layer_offset: int = 0) -> None:
+                tensor_parallel_size: int | None = None, layer_offset: int = 0,
+                expert_offset: int = 0) -> None:
     """Every parameter of ``model`` (one model chunk, on tensor rank ``tp_rank``) drawn from a
     generator seeded by ``seed`` and its layout-independent name: biases small, norms near 1,
     matrices with standard deviation ``std``; this rank's shard of the full tensor.
     ``tensor_parallel_size`` (default the plan's) and ``layer_offset`` (see
-    :func:`canonical_names`) place a mesh plan's stage."""
+    :func:`canonical_names`) place a mesh plan's stage, ``expert_offset`` an expert-parallel
+    rank's experts."""
     import torch
-    names = canonical_names(model, tied_last, layer_offset=layer_offset)
+    names = canonical_names(model, tied_last, layer_offset=layer_offset,
+                            expert_offset=expert_offset)
     tp = tensor_parallel_size or plan.tensor_model_parallel_size
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -81,14 +95,17 @@ def init_params(model, plan: Plan, seed: int, std: float, tp_rank: int, tied_las
 
 
 def local_params(models, chunks: list[tuple[bool, bool]], plan: Plan,
-                 tied: bool, *, layer_offset: int = 0) -> dict[str, tuple[Any, int | None, bool]]:
+                 tied: bool, *, layer_offset: int = 0,
+                 expert_offset: int = 0) -> dict[str, tuple[Any, int | None, bool]]:
     """This rank's parameters of its model chunks (``chunks``: (pre, post) of each): name ->
     (tensor copy, tensor-parallel partition dim or None, is fused GLU), without the last stage's
-    copy of a shared embedding (``layer_offset``: see :func:`canonical_names`)."""
+    copy of a shared embedding (``layer_offset``, ``expert_offset``: see
+    :func:`canonical_names`)."""
     params = {}
     for model, (pre, post) in zip(models, chunks):
         tied_copy = tied and post and not pre
-        names = canonical_names(model, tied_copy, layer_offset=layer_offset)
+        names = canonical_names(model, tied_copy, layer_offset=layer_offset,
+                                expert_offset=expert_offset)
         for name, p in model.named_parameters():
             if tied_copy and name == "output_layer.weight":
                 continue  # the last stage's copy of the shared embedding
@@ -99,13 +116,15 @@ def local_params(models, chunks: list[tuple[bool, bool]], plan: Plan,
 
 def merge_params(plan: Plan, ranks) -> dict[str, Any]:
     """Full parameters by layout-independent name, from the ``RankResult.params`` of data-parallel
-    replica 0's ranks (tensor-parallel shards concatenated)."""
+    replica 0's ranks (tensor-parallel shards concatenated), and the routed experts that other
+    replicas hold (expert parallelism is carved out of data parallelism)."""
     by_name: dict[str, dict[int, tuple]] = {}
-    for r in ranks:
-        if r.pipeline != 0:
-            continue
+    holder: dict[str, int] = {}  # the replica whose copy of a parameter is taken
+    for r in sorted(ranks, key=lambda r: r.pipeline):  # replica 0 first
         for name, (tensor, dim, glu) in r.params.items():
-            by_name.setdefault(name, {})[r.tensor_rank] = (tensor, dim, glu)
+            if (r.pipeline == 0 or _EXPERTS in name) and holder.setdefault(name, r.pipeline) \
+                    == r.pipeline:
+                by_name.setdefault(name, {})[r.tensor_rank] = (tensor, dim, glu)
     return merge_shards(by_name)
 
 

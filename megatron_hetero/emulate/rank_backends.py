@@ -111,10 +111,12 @@ class GridRank(RankBackend):
     def open(cls, plan: Plan, slot: Slot, config):
         from megatron.core import parallel_state as ps
 
-        v = plan.virtual_pipeline_size
+        v, mesh = plan.virtual_pipeline_size, plan.meshes[0]
         ps.initialize_model_parallel(tensor_model_parallel_size=plan.tensor_model_parallel_size,
                                      pipeline_model_parallel_size=plan.pipeline_model_parallel_size,
-                                     virtual_pipeline_model_parallel_size=v if v > 1 else None)
+                                     virtual_pipeline_model_parallel_size=v if v > 1 else None,
+                                     expert_model_parallel_size=mesh.expert_model_parallel_size,
+                                     expert_tensor_parallel_size=mesh.expert_tensor_size)
         try:
             yield cls(plan, slot, config)
         finally:
@@ -138,7 +140,7 @@ class GridRank(RankBackend):
             model = gpt_model(plan.model, tconf, pre_process=pre, post_process=post,
                               vp_stage=vp_stage)
             init_params(model, plan, config.seed, config.init_std, slot.tensor_rank,
-                        tied and post and not pre)
+                        tied and post and not pre, expert_offset=_expert_offset(plan))
             chunks.append((pre, post))
             models.append(model)
         return chunks, models
@@ -186,7 +188,19 @@ class GridRank(RankBackend):
 
     def params(self):
         tied = not self.plan.model.untie_embeddings_and_output_weights
-        return local_params(self.models, self.chunks, self.plan, tied)
+        return local_params(self.models, self.chunks, self.plan, tied,
+                            expert_offset=_expert_offset(self.plan))
+
+
+def _expert_offset(plan: Plan) -> int:
+    """The routed experts of each MoE layer before this rank's first (its expert-parallel rank
+    in megatron-core's parallel state, times its local experts; 0 for a dense model)."""
+    from megatron.core import parallel_state as ps
+
+    if not plan.model.is_moe:
+        return 0
+    ep = plan.meshes[0].expert_model_parallel_size
+    return ps.get_expert_model_parallel_rank() * (plan.model.num_experts // ep)
 
 
 class ChainRank(RankBackend):

@@ -12,7 +12,7 @@ from __future__ import annotations
 from ..plan import ModelSpec, Plan, Stage
 from .stage_policies import built_module_input_kwargs, recompute_kwargs
 
-__all__ = ["torch_dtype", "transformer_config", "plan_transformer_config"]
+__all__ = ["torch_dtype", "transformer_config", "plan_transformer_config", "moe_settings"]
 
 
 def torch_dtype(precision: str):
@@ -21,12 +21,38 @@ def torch_dtype(precision: str):
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
 
 
+def moe_settings(model: ModelSpec, *, first_layer: int = 0, num_layers: int | None = None,
+                 expert_parallel_size: int = 1, expert_tensor_parallel_size: int | None = None
+                 ) -> dict:
+    """The ``TransformerConfig`` fields of ``model``'s experts (none for a dense model), for
+    its layers ``first_layer .. first_layer + num_layers - 1`` (all by default; a mesh stage
+    builds its own layers as a model of their own, so the MoE pattern is that slice's), at
+    these expert-parallel sizes. Routing is dropless (no capacity factor) and tokens travel
+    by the all-to-all dispatcher, as ``megatron-hetero args`` tells Megatron-LM; the experts
+    run one by one (megatron-core's ``SequentialMLP``) unless the model asks for grouped GEMM,
+    which needs Transformer Engine."""
+    if not model.is_moe:
+        return {}
+    n = model.num_layers - first_layer if num_layers is None else num_layers
+    return dict(num_moe_experts=model.num_experts, moe_router_topk=model.moe_router_topk,
+                moe_ffn_hidden_size=model.expert_ffn_hidden_size,
+                moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size,
+                moe_shared_expert_gate=model.moe_shared_expert_gate,
+                moe_layer_freq=list(model.moe_layer_pattern[first_layer:first_layer + n]),
+                moe_router_load_balancing_type=model.moe_router_load_balancing_type,
+                moe_grouped_gemm=model.moe_grouped_gemm, moe_token_dispatcher_type="alltoall",
+                expert_model_parallel_size=expert_parallel_size,
+                expert_tensor_parallel_size=expert_tensor_parallel_size)
+
+
 def transformer_config(model: ModelSpec, *, num_layers: int | None = None,
                        tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                        precision: str = "fp32", cpu_initialization: bool = True, **settings):
     """The ``TransformerConfig`` of ``model`` (its layer count unless ``num_layers``) at these
     parallel sizes and precision (parameters, pipeline messages and the bf16/fp16 switch),
-    without dropout or fused kernels; ``settings`` are further ``TransformerConfig`` fields."""
+    without dropout or fused kernels; ``settings`` are further ``TransformerConfig`` fields.
+    An MoE model's experts come from :func:`moe_settings` (its first ``num_layers`` layers, no
+    expert parallelism) unless ``settings`` gives them."""
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -49,6 +75,7 @@ def transformer_config(model: ModelSpec, *, num_layers: int | None = None,
         # layer on an H200 than the 16-bit one Megatron-LM trains with (docs/gpu.md)
         attention_softmax_in_fp32=False,
     )
+    kwargs.update(moe_settings(model, num_layers=num_layers))
     kwargs.update(settings)
     return TransformerConfig(**kwargs)
 
@@ -79,6 +106,9 @@ def plan_transformer_config(plan: Plan, stage: Stage, chunk: int | None = None, 
                         microbatch_group_size_per_vp_stage=plan.microbatch_group)
     settings.update(recompute_kwargs(stage, chunk if plan.virtual_pipeline_size > 1 else None))
     settings.update(built_module_input_kwargs(stage, offload_min_numel=offload_min_numel))
+    mesh = plan.meshes[0]
+    settings.update(moe_settings(plan.model, expert_parallel_size=mesh.expert_model_parallel_size,
+                                 expert_tensor_parallel_size=mesh.expert_tensor_size))
     return transformer_config(plan.model, tensor_parallel_size=plan.tensor_model_parallel_size,
                               pipeline_parallel_size=pp, precision="fp32",
                               cpu_initialization=True, **settings)

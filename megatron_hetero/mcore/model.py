@@ -31,12 +31,20 @@ def gpt_model(model: ModelSpec, config, *, pre_process: bool = True, post_proces
     """The ``GPTModel`` (or pipeline stage of it: ``pre_process`` holds the embedding,
     ``post_process`` the final norm and output layer; ``vp_stage`` the model chunk of an
     interleaved plan) of ``model`` on ``config``, with the layer spec of ``device``, on
-    ``parallel_state``'s groups or ``pg_collection``'s (a mesh plan's rank). Built where
+    ``parallel_state``'s groups or ``pg_collection``'s (a mesh plan's rank). An MoE model's
+    layers follow ``config.moe_layer_freq`` (megatron-core's decoder block spec). Built where
     ``config`` says (``use_cpu_initialization``); moving it is the caller's."""
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     tied = not model.untie_embeddings_and_output_weights
-    return GPTModel(config=config, transformer_layer_spec=layer_spec(model, device),
+    spec = layer_spec(model, device)
+    if model.is_moe:  # MoE and dense layers as config.moe_layer_freq says, this chunk's slice
+        spec = get_gpt_decoder_block_spec(
+            config, use_transformer_engine=layer_spec_name(device) == "transformer_engine",
+            normalization=model.normalization, vp_stage=vp_stage,
+            pp_rank=0 if pg_collection is not None else None)  # a mesh stage: a model of its own
+    return GPTModel(config=config, transformer_layer_spec=spec,
                     vocab_size=model.vocab_size, max_sequence_length=model.seq_length,
                     pre_process=pre_process, post_process=post_process,
                     share_embeddings_and_output_weights=tied,

@@ -9,11 +9,12 @@ def tiny_plan(split: list[int], pipes: list[tuple[int, int]], *, tp: int = 1,
               recompute: list[dict | None] | None = None,
               use_distributed_optimizer: bool = False, chunks: list[list[int]] | None = None,
               overlap_grad_reduce: bool = False, microbatch_group_size: int | None = None,
-              **model) -> Plan:
+              expert_model_parallel_size: int = 1, **model) -> Plan:
     """A plan of the tiny model: ``split`` layers per stage, ``pipes`` = [(micro_batch_size,
     num_microbatches)] per data-parallel replica; ``chunks`` (interleaved plans) the layers of
     each stage's model chunks (``split`` is then their sums), ``microbatch_group_size`` their
-    schedule's micro-batch group; ``model`` overrides model fields."""
+    schedule's micro-batch group, ``expert_model_parallel_size`` an MoE model's EP; ``model``
+    overrides model fields."""
     if chunks is not None:
         split = [sum(c) for c in chunks]
 
@@ -37,6 +38,8 @@ def tiny_plan(split: list[int], pipes: list[tuple[int, int]], *, tp: int = 1,
         "virtual_pipeline_size": len(chunks[0]) if chunks else 1,
         "overlap_grad_reduce": overlap_grad_reduce,
         **({"microbatch_group_size": microbatch_group_size} if microbatch_group_size else {}),
+        **({"expert_model_parallel_size": expert_model_parallel_size}
+           if expert_model_parallel_size != 1 else {}),
         "global_batch_size": sum(m * n for m, n in pipes), "tensor_model_parallel_size": tp,
         "pipelines": [{"micro_batch_size": m, "num_microbatches": n, "stages": stages()}
                       for m, n in pipes]})
