@@ -152,8 +152,8 @@ def _round_to(x: float, unit: int) -> int:
 def shrink_model(m: ModelSpec, hidden_size: int, tp: int = 1) -> ModelSpec:
     """``m`` shrunk in width to ``hidden_size`` (the CPU rehearsal's and the CPU profile's
     model): heads keep a head size of at least 8 and the model's query-group ratio where they
-    can; FFN, vocabulary and sequence keep their ratio to the hidden size. Layer count and
-    everything else stay. A model no wider than ``hidden_size`` is returned unchanged."""
+    can; FFN (the experts' too), vocabulary and sequence keep their ratio to the hidden size.
+    Layer count, experts and everything else stay. A model no wider than ``hidden_size`` is returned unchanged."""
     if hidden_size >= m.hidden_size:
         return m
     h = hidden_size
@@ -174,6 +174,11 @@ def shrink_model(m: ModelSpec, hidden_size: int, tp: int = 1) -> ModelSpec:
         m, name=f"{m.name}-shrunk-h{h}", hidden_size=h, num_attention_heads=heads,
         num_query_groups=groups, kv_channels=None,
         ffn_hidden_size=_round_to(m.ffn_hidden_size * r, 8 * tp),
+        moe_ffn_hidden_size=(None if m.moe_ffn_hidden_size is None
+                             else _round_to(m.moe_ffn_hidden_size * r, 8 * tp)),
+        moe_shared_expert_intermediate_size=(
+            None if m.moe_shared_expert_intermediate_size is None
+            else _round_to(m.moe_shared_expert_intermediate_size * r, 8 * tp)),
         vocab_size=_round_to(m.vocab_size * r, 16 * tp),
         seq_length=min(m.seq_length, max(16, _round_to(m.seq_length * r, 8))))
 

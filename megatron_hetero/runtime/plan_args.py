@@ -21,6 +21,7 @@ and ``--offload-modules`` always): each is a conflict naming the plan field that
 
 from __future__ import annotations
 
+import ast
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -67,10 +68,18 @@ def _dest(flag: str) -> str:
 
 
 def _typed(text: str) -> Any:
+    """A token's value as Megatron's parser leaves it: an integer, a list where the plan writes
+    a list expression (``--moe-layer-freq "([0,1,1])"``, which Megatron evaluates), else the
+    text."""
     try:
         return int(text)
     except ValueError:
-        return text
+        pass
+    if text.startswith(("(", "[")):
+        value = ast.literal_eval(text)
+        if isinstance(value, list):
+            return value
+    return text
 
 
 def implied_arguments(plan: Plan) -> list[Implied]:

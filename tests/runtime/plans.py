@@ -9,11 +9,13 @@ A100, V100, H100 = "A100-SXM-80GB", "V100-SXM2-32GB", "H100-SXM-80GB"
 
 def make_plan(*, split=(1, 1), devices=None, replicas=((1, 1),), tp=1, recompute=None,
               offload=None, hidden=16, heads=4, vocab=128, seq=8, precision="fp32",
-              chunks=None, group=None, distributed_optimizer=False) -> Plan:
+              chunks=None, group=None, distributed_optimizer=False, experts=None,
+              expert_model_parallel_size=1) -> Plan:
     """``replicas``: (micro_batch_size, num_microbatches) per pipeline; ``devices[d][s]``,
     ``recompute[s]`` and ``offload[s]`` per stage (recompute/offload the same in every pipeline);
     ``chunks[s]``: an interleaved plan's layers per model chunk of stage s (``split`` follows);
-    ``group`` its micro-batch group (``microbatch_group_size``)."""
+    ``group`` its micro-batch group (``microbatch_group_size``); ``experts`` an MoE model's keys
+    (``num_experts`` and the ``moe_*`` keys), ``expert_model_parallel_size`` its EP."""
     if chunks is not None:
         split = tuple(sum(c) for c in chunks)
     devices = devices or [[A100] * len(split) for _ in replicas]
@@ -44,6 +46,10 @@ def make_plan(*, split=(1, 1), devices=None, replicas=((1, 1),), tp=1, recompute
     }
     if group is not None:
         data["microbatch_group_size"] = group
+    if experts:
+        data["model"].update(experts)
+    if expert_model_parallel_size != 1:
+        data["expert_model_parallel_size"] = expert_model_parallel_size
     return plan_from_data(data, source="test-plan")
 
 

@@ -8,7 +8,8 @@ import torch
 
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec,
+                                                      get_gpt_layer_local_spec)
 from megatron.core.utils import get_attr_wrapped_model
 from megatron.training import get_args, pretrain
 from megatron.training.arguments import core_transformer_config_from_args
@@ -33,7 +34,9 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, **_):
     config = core_transformer_config_from_args(args)
     LOG["recompute"] = config.recompute_granularity
     LOG.setdefault("chunks", []).append(None)  # per model chunk: layers, recompute
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
+    spec = (get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp_stage)
+            if args.num_experts else get_gpt_layer_local_spec())  # MoE: as pretrain_gpt.py
+    model = GPTModel(config=config, transformer_layer_spec=spec,
                     vocab_size=args.padded_vocab_size,
                     max_sequence_length=args.max_position_embeddings,
                     pre_process=pre_process, post_process=post_process,
