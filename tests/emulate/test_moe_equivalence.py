@@ -37,3 +37,26 @@ def test_expert_parallel_plan_equals_one_process(name, plan):
     assert len(experts) == 4 * 4 * 2  # fc1 and fc2 of 4 experts in 4 MoE layers
     assert sorted(got.params) == sorted(ref.params)
     assert compare_results(got, ref, rtol=1e-5, atol=1e-5) is None
+
+
+def test_rehearsal_of_the_moe_example_verifies(mcore_env):
+    """``rehearse examples/rehearse/moe-h100-a100/plan.yaml --verify``: the PP2 x DP2 x EP2
+    plan (uneven 5:3 split, 8 experts) rehearses on 4 CPU ranks, every stage of both replicas
+    is measured beside its prediction, and training matches one process."""
+    import subprocess
+    import sys
+
+    from ..conftest import REPO
+
+    example = REPO / "examples" / "rehearse" / "moe-h100-a100"
+    out = subprocess.run([sys.executable, "-m", "megatron_hetero.cli", "rehearse",
+                          str(example / "plan.yaml"), "--inventory",
+                          str(example / "inventory.yaml"), "--steps", "2", "--hidden-size",
+                          "32", "--verify"], env=mcore_env | {"PYTHONWARNINGS": "ignore"},
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-2000:]
+    rows = [line.split() for line in out.stdout.splitlines() if "-SXM-80GB" in line and "|" in line]
+    assert [(r[0], r[1], r[2], r[3]) for r in rows] == [
+        ("0", "0", "H100-SXM-80GB", "5"), ("0", "1", "A100-SXM-80GB", "3"),
+        ("1", "0", "H100-SXM-80GB", "5"), ("1", "1", "A100-SXM-80GB", "3")]
+    assert "verify: losses and final parameters match" in out.stdout
