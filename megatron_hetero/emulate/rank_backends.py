@@ -192,6 +192,17 @@ class GridRank(RankBackend):
                             expert_offset=_expert_offset(self.plan))
 
 
+def _mesh_expert_offset(plan: Plan, slot: Slot) -> int:
+    """:func:`_expert_offset` on a mesh of a chain: the slot's expert-parallel rank in its
+    mesh's expert grid (the stage's replicas in blocks of ``ETP x EP`` consecutive ranks)."""
+    if not plan.model.is_moe:
+        return 0
+    mesh = plan.meshes[slot.mesh]
+    index = slot.replica * mesh.tensor_model_parallel_size + slot.tensor_rank
+    ep_rank = index // mesh.expert_tensor_size % mesh.expert_model_parallel_size
+    return ep_rank * (plan.model.num_experts // mesh.expert_model_parallel_size)
+
+
 def _expert_offset(plan: Plan) -> int:
     """The routed experts of each MoE layer before this rank's first (its expert-parallel rank
     in megatron-core's parallel state, times its local experts; 0 for a dense model)."""
@@ -217,9 +228,10 @@ class ChainRank(RankBackend):
                                                         ep_rank=0, etp_rank=0)
 
         def init(gpt, slot):
+            self.expert_offset = _mesh_expert_offset(plan, slot)
             init_params(gpt, plan, config.seed, config.init_std, slot.tensor_rank, False,
                         tensor_parallel_size=mesh.tensor_model_parallel_size,
-                        layer_offset=offset)
+                        layer_offset=offset, expert_offset=self.expert_offset)
 
         self.plan, self.slot, self.layer_offset = plan, slot, offset
         stage = plan.stage_of_slot(slot)
@@ -263,4 +275,4 @@ class ChainRank(RankBackend):
     def params(self):
         chunk = (self.built.first, self.built.last)
         return local_params([self.built.gpt], [chunk], self.plan, False,
-                            layer_offset=self.layer_offset)
+                            layer_offset=self.layer_offset, expert_offset=self.expert_offset)

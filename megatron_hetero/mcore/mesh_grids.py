@@ -16,14 +16,19 @@ from __future__ import annotations
 
 from ..plan import Plan
 
-__all__ = ["mesh_grids", "mesh_communicator", "module_name", "DIM_MAPPING", "GRID_DIMS",
-           "gloo_bridges"]
+__all__ = ["mesh_grids", "mesh_expert_grids", "mesh_communicator", "module_name", "DIM_MAPPING",
+           "GRID_DIMS", "EXPERT_DIMS", "gloo_bridges"]
 
 GRID_DIMS = ["tp", "cp", "dp", "pp"]
 """The grid's dimensions, fastest first: Megatron's ``tp-cp-dp-pp`` order inside a mesh."""
 DIM_MAPPING = {"s": 0, "b": 1, "h": 2}
 """Megatron's hidden states are ``[s, b, h]``: the bridges join and split on ``b``."""
 _GROUPS = ("tp", "cp", "dp", "pp", ["tp", "pp"], ["dp", "cp"], ["tp", "cp"])
+EXPERT_DIMS = ["etp", "ep", "edp", "pp"]
+"""An MoE model's expert grid, fastest first: megatron-core's expert order inside a mesh (the
+stage's ``T x D`` ranks cut into blocks of ``ETP x EP``, the blocks its expert data parallelism,
+:meth:`megatron_hetero.plan.Mesh.expert_blocks`)."""
+_EXPERT_GROUPS = ("etp", "ep", "edp", ["etp", "ep"], ["etp", "ep", "pp"])
 
 
 def module_name(mesh: int) -> str:
@@ -41,6 +46,25 @@ def mesh_grids(plan: Plan, *, backend: str | None = None) -> list:
                               len(mesh.stages)], list(GRID_DIMS),
                              rank_offset=plan.rank_offset(k), backend=backend)
         for dims in _GROUPS:
+            grid.create_pg(dims)
+        grids.append(grid)
+    return grids
+
+
+def mesh_expert_grids(plan: Plan, *, backend: str | None = None) -> list:
+    """The expert grid of every mesh of an MoE model, shape ``[ETP, EP, EDP, P]`` over
+    :data:`EXPERT_DIMS` on the mesh's ranks, each with its groups created (call on every rank,
+    after :func:`mesh_grids`); ``None`` per mesh for a dense model."""
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+
+    if not plan.model.is_moe:
+        return [None] * len(plan.meshes)
+    grids = []
+    for k, mesh in enumerate(plan.meshes):
+        grid = HyperCommGrid([mesh.expert_tensor_size, mesh.expert_model_parallel_size,
+                              mesh.expert_data_parallel_size, len(mesh.stages)],
+                             list(EXPERT_DIMS), rank_offset=plan.rank_offset(k), backend=backend)
+        for dims in _EXPERT_GROUPS:
             grid.create_pg(dims)
         grids.append(grid)
     return grids

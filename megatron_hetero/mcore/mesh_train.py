@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..plan import Plan, Slot
-from .mesh_grids import gloo_bridges, mesh_communicator, mesh_grids
+from .mesh_grids import gloo_bridges, mesh_communicator, mesh_expert_grids, mesh_grids
 from .mesh_stage import (MeshStageModule, gradient_scale, mesh_process_groups,
                          multimodule_collection, use_mesh_globals)
 
@@ -83,7 +83,7 @@ def mesh_transformer_config(plan: Plan, slot: Slot, *,
     lengths (the multimodule schedule needs them, and they need the all-to-all token
     dispatcher to pass the config's checks) and :func:`per_token_loss`; ``settings`` are
     further fields."""
-    from .config import transformer_config
+    from .config import moe_settings, transformer_config
     from .stage_policies import built_module_input_kwargs, recompute_kwargs
 
     mesh = plan.meshes[slot.mesh]
@@ -92,22 +92,34 @@ def mesh_transformer_config(plan: Plan, slot: Slot, *,
                   moe_token_dispatcher_type="alltoall",
                   calculate_per_token_loss=per_token_loss(plan), **recompute_kwargs(stage),
                   **built_module_input_kwargs(stage, offload_min_numel=offload_min_numel))
+    fields.update(moe_settings(  # this stage's layers of an MoE model, its mesh's EP
+        plan.model, first_layer=sum(plan.layer_split[:plan.global_stage(slot)]),
+        num_layers=stage.num_layers, expert_parallel_size=mesh.expert_model_parallel_size,
+        expert_tensor_parallel_size=mesh.expert_tensor_size))
     fields.update(settings)
     return transformer_config(plan.model, num_layers=stage.num_layers,
                               tensor_parallel_size=mesh.tensor_model_parallel_size,
                               precision="fp32", **fields)
 
 
-def training_process_groups(grid):
-    """The ``ProcessGroupCollection`` DDP and the optimizer take on a rank of ``grid`` (its
-    mesh's): :func:`~.mesh_stage.mesh_process_groups` plus what they ask for by name: no
-    expert parallelism (its data-parallel group is the mesh's), and the distributed optimizer's
-    gradient statistics over the whole world (:func:`use_whole_model_grad_norm`)."""
+def training_process_groups(grid, expert_grid=None):
+    """The ``ProcessGroupCollection`` the model, DDP and the optimizer take on a rank of
+    ``grid`` (its mesh's): :func:`~.mesh_stage.mesh_process_groups` plus what they ask for by
+    name: the expert groups of ``expert_grid`` (an MoE model's, :func:`.mesh_grids.
+    mesh_expert_grids`; a dense model has no expert parallelism, and its expert data-parallel
+    group is the mesh's), and the distributed optimizer's gradient statistics over the whole
+    world (:func:`use_whole_model_grad_norm`)."""
     import torch.distributed as dist
 
     pgs = mesh_process_groups(grid)
-    pgs.ep, pgs.tp_ep_pp = None, None
-    pgs.expt_dp = pgs.dp
+    if expert_grid is None:
+        pgs.ep, pgs.tp_ep_pp = None, None
+        pgs.expt_dp = pgs.dp
+    else:
+        pgs.ep, pgs.expt_tp = expert_grid.get_pg("ep"), expert_grid.get_pg("etp")
+        pgs.expt_dp = expert_grid.get_pg("edp")
+        pgs.tp_ep = expert_grid.get_pg(["etp", "ep"])
+        pgs.tp_ep_pp = expert_grid.get_pg(["etp", "ep", "pp"])
     pgs.intra_dist_opt = dist.group.WORLD
     return pgs
 
@@ -275,7 +287,8 @@ def build_mesh_rank(plan: Plan, rank: int, optimizer_config, *, config=None,
         gloo_bridges()
     slot = plan.slot_of_rank(rank)
     grids = mesh_grids(plan)
-    pgs = training_process_groups(grids[slot.mesh])
+    expert_grids = mesh_expert_grids(plan)
+    pgs = training_process_groups(grids[slot.mesh], expert_grids[slot.mesh])
     use_mesh_globals(pgs)
     config = config or mesh_transformer_config(plan, slot)
     last_mesh = slot.mesh == len(plan.meshes) - 1

@@ -60,3 +60,33 @@ def test_rehearsal_of_the_moe_example_verifies(mcore_env):
         ("0", "0", "H100-SXM-80GB", "5"), ("0", "1", "A100-SXM-80GB", "3"),
         ("1", "0", "H100-SXM-80GB", "5"), ("1", "1", "A100-SXM-80GB", "3")]
     assert "verify: losses and final parameters match" in out.stdout
+
+
+def _mesh_plan(tmp_path, experts_on_mesh1: int):
+    """A chain of two meshes of the tiny MoE model: mesh 0 (TP1, DP1, layers 0-1) feeds mesh 1
+    (TP1, DP2, layers 2-5) whose two replicas split its experts ``experts_on_mesh1`` ways."""
+    import yaml
+
+    from megatron_hetero.plan import load_any_plan
+
+    from ..mcore.tiny_mesh_plans import tiny_mesh_plan
+
+    path = tiny_mesh_plan(tmp_path, [(1, 1), (1, 2)], stages={0: [2], 1: [4]})
+    data = yaml.safe_load(open(path))
+    data["model"].update(num_layers=6, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+                         num_query_groups=4, seq_length=8, **MOE)
+    data["meshes"][1]["expert_model_parallel_size"] = experts_on_mesh1
+    with open(path, "w") as f:
+        yaml.safe_dump(data, f)
+    return load_any_plan(path)
+
+
+def test_mesh_plan_with_expert_parallelism_on_one_mesh_equals_one_process(tmp_path):
+    """Mesh 0 holds every expert of its MoE layer; mesh 1's replicas hold half each (EP2 on
+    that mesh's own expert grid); 3 steps equal one process (losses and every parameter)."""
+    plan = _mesh_plan(tmp_path, 2)
+    assert [m.expert_model_parallel_size for m in plan.meshes] == [1, 2]
+    got = train_plan(plan, CONFIG)
+    ref = train_plan(reference_plan(plan), CONFIG)
+    assert sorted(got.params) == sorted(ref.params)
+    assert compare_results(got, ref, rtol=1e-5, atol=1e-5) is None
