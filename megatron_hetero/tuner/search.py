@@ -54,6 +54,7 @@ from .problem import Problem, TuneOptions
 from .refine import climb, refine_chunk_cap
 from ..schedule.shares import water_fill
 from .space import Structure, upper_bound_step_time
+from .experts import shared_fill
 from .split import min_max_split
 from .tables import StageTables, even_chunks, stage_shape
 from .warmup import warmups_or_flat
@@ -181,7 +182,7 @@ class _Search:
                 return None
             mb = [u * unit for u in units]
         else:
-            mb = _shared_fill(fixed, per, total, max(1, st.ep // tp))
+            mb = shared_fill(fixed, per, total, max(1, st.ep // tp))
             if mb is None:
                 return None
         if v > 1 and not self._chunks_fit(st, cost, split, policies, mb):
@@ -485,16 +486,6 @@ def _tune(model: ModelSpec, inventory: Inventory, global_batch_size: int, *,
                       warmup_gain=1.0 if fell_back else warmup_gain,
                       mesh_plan=mesh[0] if mesh else None, mesh_sim=mesh[1] if mesh else None,
                       mesh_candidates=mesh[2] if mesh else 0)
-
-
-def _shared_fill(fixed: list[float], per: list[float], total: int, g: int) -> list[int] | None:
-    """:func:`~megatron_hetero.schedule.shares.water_fill` of ``total`` micro-batches over the pipelines with every run
-    of ``g`` consecutive pipelines (one EP group's replicas, alike: :func:`.space.expert_sizes`)
-    taking one count: filled over the groups, ``total / g`` each."""
-    if g == 1:
-        return water_fill(fixed, per, total)
-    got = water_fill(fixed[::g], per[::g], total // g)
-    return None if got is None else [k for k in got for _ in range(g)]
 
 
 def _group_size(p: int, v: int, microbatches) -> int | None:
