@@ -27,11 +27,28 @@ shard over the ``T D / (ETP EP)`` expert-data-parallel replicas (Megatron's
 
 from __future__ import annotations
 
+import functools
+
 from .. import models as M
 from ..errors import HeteroError
 from .stage import StageShape
 
-__all__ = ["ExpertCosts", "check_imbalance"]
+__all__ = ["ExpertCosts", "check_imbalance", "per_stage_mix", "placed_expert_link"]
+
+
+def per_stage_mix(method):
+    """A cost-model method of a stage shape (its first argument) that prices a shape with its
+    own ``moe_layers`` (a stage of a model that mixes MoE and dense layers) on the cost model of
+    that stage's mix (:meth:`ExpertCosts.layer_mix`), and any other shape as it is."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def priced(self, shape, *args):
+        if shape.moe_layers is None:
+            return method(self, shape, *args)
+        mix = self.layer_mix(shape.moe_layers, shape.num_layers)
+        return getattr(mix, name)(shape.but(moe_layers=None), *args)
+    return priced
 
 
 def check_imbalance(value: float, *, flag: str) -> float:
@@ -48,6 +65,22 @@ class ExpertCosts:
 
     moe_load_imbalance: float
     p2p_latency_s: float
+    options: dict
+    """The keyword arguments the cost model was built with (its mixes are built alike)."""
+    _mixes: dict
+
+    def layer_mix(self, moe_layers: int, layers: int):
+        """The cost model, built alike, of a stage of ``layers`` layers of which ``moe_layers``
+        are MoE layers (:func:`megatron_hetero.models.mixed_model`); itself for a stage of no
+        layers."""
+        if layers == 0:
+            return self
+        model = M.mixed_model(self.model, moe_layers, layers)
+        key = (model.num_experts, tuple(model.moe_layer_pattern))
+        got = self._mixes.get(key)
+        if got is None:
+            got = self._mixes[key] = type(self)(model, self.inventory, **self.options)
+        return got
 
     def load_imbalance(self, device_type: str) -> float:
         """The device type's profile's measured imbalance, else the cost model's."""
@@ -67,6 +100,7 @@ class ExpertCosts:
             return min(inv.intra_node_bandwidth(i) for i in groups)
         return min(inv.inter_node_bandwidth(i) for i in groups)
 
+    @per_stage_mix
     def alltoall_seconds(self, shape: StageShape) -> float:
         """Seconds of one layer's token dispatch and combine on one micro-batch (the EP
         all-to-alls, the ETP gathers), the mean over the model's layers; forward and backward
@@ -92,6 +126,7 @@ class ExpertCosts:
             one += (etp - 1) * nbytes / self.intra_node_bandwidth(device_type)
         return 2.0 * one
 
+    @per_stage_mix
     def grad_sync_seconds(self, shape: StageShape, bandwidth_gb_s: float) -> float:
         """The stage's gradient sync: dense parameters over its replicas, the expert shard
         over its expert-data-parallel replicas (module docstring)."""

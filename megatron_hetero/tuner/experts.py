@@ -7,14 +7,24 @@ over it (:mod:`megatron_hetero.cost.experts`), so EP is weighed together with TP
 count and types, the layer split and the data-parallel shares. A larger EP holds fewer experts
 per rank (less memory, so fewer recomputed layers or more micro-batches in flight) and pays
 all-to-alls over a wider, and past one node slower, group.
+
+The stage tables price a stage of ``n`` layers as ``n`` mean layers (the model's share of MoE
+layers); where a model mixes MoE and dense layers, the layer split weighs each stage by its own
+layers (:func:`split_scale`), and the plans it gives are simulated stage by stage at their own
+mix (:attr:`~megatron_hetero.cost.stage.StageShape.moe_layers`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
+
+from .. import models as M
 from ..plan import ModelSpec
 from ..schedule.shares import water_fill
 
-__all__ = ["expert_sizes", "shared_fill"]
+__all__ = ["expert_sizes", "shared_fill", "split_scale"]
 
 
 def expert_sizes(model: ModelSpec, tp: int, templates, microbatches: int) -> list[int]:
@@ -45,3 +55,24 @@ def shared_fill(fixed: list[float], per: list[float], total: int, g: int) -> lis
         return water_fill(fixed, per, total)
     got = water_fill(fixed[::g], per[::g], total // g)
     return None if got is None else [k for k in got for _ in range(g)]
+
+
+
+def split_scale(model: ModelSpec) -> np.ndarray | None:
+    """For :func:`.split.min_max_split`: per (layers so far ``l``, a stage's layers ``n``) its
+    layers' forward FLOPs over ``n`` mean layers' (MoE and dense layers by their own FLOPs);
+    None where the layers are alike (a dense model, or MoE layers throughout)."""
+    pattern = model.moe_layer_pattern
+    if not model.is_moe or all(pattern):
+        return None
+    moe = M.layer_forward_flops(dataclasses.replace(model, moe_layer_freq=1), 1)
+    dense = M.layer_forward_flops(M.mixed_model(model, 0, 1), 1)
+    mean = M.layer_forward_flops(model, 1)
+    prefix = np.concatenate([[0.0], np.cumsum([moe if x else dense for x in pattern])])
+    L = model.num_layers
+    ends = np.arange(L + 1)[:, None]
+    sizes = np.arange(1, L + 1)[None, :]
+    starts = np.clip(ends - sizes, 0, None)
+    out = (prefix[ends] - prefix[starts]) / (sizes * mean)
+    out[ends < sizes] = 1.0  # a stage longer than the layers so far: never read
+    return out

@@ -292,3 +292,49 @@ def test_random_moe_plans_keep_their_invariants(model, ep_index):
     assert cost.alltoall_seconds(smaller) == 0.0
     assert (cost.alltoall_seconds(shape) > 0) == (ep > 1)
     assert simulate(plan, cost, record_events=False).step_time_s > 0
+
+
+# -- models that mix MoE and dense layers ---------------------------------------------------------
+def test_stages_of_a_mixed_model_are_priced_by_their_own_layers():
+    """Dense layers first (DeepSeek's ``first_k_dense_replace``), then MoE: the simulator
+    prices each stage at its own mix, so the dense stage is cheaper in time and memory than
+    an MoE stage of as many layers, and the mix of all stages adds up to the model."""
+    model = dataclasses.replace(MIXTRAL, moe_layer_freq=[0] * 16 + [1] * 16)
+    plan = uniform_plan(model=model, global_batch_size=8, tensor_model_parallel_size=1,
+                        pipelines=_pipes((H100,) * 8, (1,) * 8), expert_model_parallel_size=8)
+    shapes = [StageShape.of(plan, 0, s) for s in range(2)]
+    assert [s.moe_layers for s in shapes] == [0, 16]
+    cost = CostModel(model, _inventory())
+    dense, moe = (cost.times(s).total_s for s in shapes)
+    assert dense < moe
+    assert cost.memory(shapes[0]).params < cost.memory(shapes[1]).params
+    assert cost.alltoall_seconds(shapes[0]) == 0 < cost.alltoall_seconds(shapes[1])
+    rest, experts = M.layer_param_parts(MIXTRAL)  # a layer of MoE throughout
+    dense_layer = M.layer_params(M.mixed_model(model, 0, 1))
+    assert cost.stage_params(shapes[0]) == pytest.approx(16 * dense_layer + M.embedding_params(model))
+    assert cost.stage_params(shapes[1]) == pytest.approx(16 * (rest + experts / 8)
+                                                         + M.output_params(model))
+
+
+@settings(max_examples=30, deadline=None)
+@given(pattern=st.lists(st.integers(0, 1), min_size=4, max_size=9).filter(lambda x: 1 in x),
+       p=st.integers(2, 3), seed=st.integers(0, 10**6))
+def test_the_weighted_split_is_the_brute_force_one(pattern, p, seed):
+    """:func:`min_max_split` with :func:`split_scale` finds the least slowest stage that an
+    exhaustive search over splits finds, each stage costed by its own layers."""
+    import itertools
+    import numpy as np
+
+    from megatron_hetero.tuner.experts import split_scale
+    from megatron_hetero.tuner.split import min_max_split
+
+    L = len(pattern)
+    model = dataclasses.replace(QWEN3, num_layers=L, moe_layer_freq=pattern)
+    rng = np.random.default_rng(seed)
+    costs = np.cumsum(rng.uniform(0.5, 1.5, size=(p, L + 1)), axis=1)  # grows with layers
+    scale = split_scale(model)
+    got = min_max_split(costs, L, scale)
+    best = min(max(costs[s, n] * scale[sum(split[:s + 1]), n - 1] for s, n in enumerate(split))
+               for split in (c for c in itertools.product(range(1, L + 1), repeat=p)
+                             if sum(c) == L))
+    assert got is not None and got[0] == pytest.approx(best)
