@@ -27,7 +27,7 @@ from __future__ import annotations
 from ..errors import SchemaError
 from .stages import ModelSpec
 
-__all__ = ["check_experts", "check_expert_vendors"]
+__all__ = ["check_experts", "check_expert_vendors", "expert_data"]
 
 
 def check_experts(model: ModelSpec, *, tp: int, ep: int, etp: int | None,
@@ -108,3 +108,14 @@ def check_expert_vendors(plan, catalog, *, source: str) -> None:
                                       f"a device on {lib}, as pipelines[{block[0]}] ({ref}): "
                                       "the two share an expert-parallel group, whose "
                                       "all-to-alls run on one collective library")
+
+
+def expert_data(mesh) -> dict:
+    """A mesh's (:class:`.types.Mesh`) expert-parallel keys where they differ from their
+    defaults, for its file (a plan without them is written as before)."""
+    out: dict = {}
+    if mesh.expert_model_parallel_size != 1:
+        out["expert_model_parallel_size"] = mesh.expert_model_parallel_size
+    if mesh.expert_tensor_parallel_size is not None:
+        out["expert_tensor_parallel_size"] = mesh.expert_tensor_parallel_size
+    return out

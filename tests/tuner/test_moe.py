@@ -317,7 +317,8 @@ def test_stages_of_a_mixed_model_are_priced_by_their_own_layers():
 
 
 @settings(max_examples=30, deadline=None)
-@given(pattern=st.lists(st.integers(0, 1), min_size=4, max_size=9).filter(lambda x: 1 in x),
+@given(pattern=st.lists(st.integers(0, 1), min_size=4, max_size=9).filter(
+    lambda x: 0 in x and 1 in x),
        p=st.integers(2, 3), seed=st.integers(0, 10**6))
 def test_the_weighted_split_is_the_brute_force_one(pattern, p, seed):
     """:func:`min_max_split` with :func:`split_scale` finds the least slowest stage that an
@@ -338,3 +339,27 @@ def test_the_weighted_split_is_the_brute_force_one(pattern, p, seed):
                for split in (c for c in itertools.product(range(1, L + 1), repeat=p)
                              if sum(c) == L))
     assert got is not None and got[0] == pytest.approx(best)
+    assert split_scale(dataclasses.replace(model, moe_layer_freq=1)) is None  # layers alike
+
+
+def test_a_profile_sets_the_load_imbalance(tmp_path):
+    """``moe_load_imbalance`` in a profile file: read back, refused below 1 at its field, and
+    what the cost model slows that device type's experts by."""
+    import yaml
+
+    from megatron_hetero.cost.profile_file import load_profile, save_profile
+
+    from ..test_profile_file import _profile
+
+    data = dataclasses.replace(_profile(device_type=H100), moe_load_imbalance=1.4)
+    path = tmp_path / "p.yaml"
+    save_profile(data, path)
+    prof = load_profile(path)
+    assert prof.moe_load_imbalance == 1.4
+    cost = CostModel(MIXTRAL, _inventory(), profiles={H100: prof})
+    assert cost.load_imbalance(H100) == 1.4 and cost.load_imbalance(A100) == 1.0
+    bad = to_data(data) | {"moe_load_imbalance": 0.5}
+    path.write_text(yaml.safe_dump(bad))
+    with pytest.raises(SchemaError) as err:
+        load_profile(path)
+    assert err.value.path == "moe_load_imbalance"
