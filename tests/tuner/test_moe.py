@@ -363,3 +363,19 @@ def test_a_profile_sets_the_load_imbalance(tmp_path):
     with pytest.raises(SchemaError) as err:
         load_profile(path)
     assert err.value.path == "moe_load_imbalance"
+
+
+def test_mesh_search_chooses_ep_per_mesh():
+    """``--meshes`` on Mixtral over 16 H100 + 16 A100: each mesh at TP 1 with its own EP
+    (the A100 mesh holds few layers and no EP, the H100 mesh most layers over EP groups); the
+    plan validates, and ``args`` leaves the sizes to each mesh."""
+    got = tune(MIXTRAL, _inventory(), 256, options=TuneOptions(meshes=True))
+    plan = got.mesh_plan
+    assert plan is not None and got.mesh_sim.fits_memory
+    assert all(m.tensor_model_parallel_size == 1 for m in plan.meshes)
+    assert any(m.expert_model_parallel_size > 1 for m in plan.meshes)
+    again = any_plan_from_data(plan.to_data())
+    assert [m.expert_model_parallel_size for m in again.meshes] == \
+        [m.expert_model_parallel_size for m in plan.meshes]
+    eps = {m.expert_model_parallel_size for m in plan.meshes}
+    assert ("--expert-model-parallel-size" in megatron_args(plan)) == (len(eps) == 1)
