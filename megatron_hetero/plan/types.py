@@ -37,7 +37,7 @@ from typing import Literal
 
 from .._schema import to_data
 from ..hardware.catalog import Catalog, GPUSpec
-from .experts import expert_data
+from .experts import expert_blocks, expert_data
 from .stages import ModelSpec, Pipeline, Replica, Stage
 
 __all__ = ["Mesh", "Plan", "Slot", "PlanShapeError"]
@@ -119,10 +119,8 @@ class Mesh:
         """The replicas each expert block of a stage spans: its ``ETP x EP`` consecutive ranks
         in ``tp-dp`` order (one block per EP group and its expert-TP peers; one replica where
         the block fits in a tensor group)."""
-        e = self.expert_tensor_size * self.expert_model_parallel_size
-        t, n = self.tensor_model_parallel_size, self.tensor_model_parallel_size * len(self.pipelines)
-        return [range(i // t, min((i + e - 1) // t + 1, len(self.pipelines)))
-                for i in range(0, n, e)]
+        return expert_blocks(len(self.pipelines), self.tensor_model_parallel_size,
+                             self.expert_tensor_size * self.expert_model_parallel_size)
 
     @property
     def alike(self) -> bool:
