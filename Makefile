@@ -24,6 +24,7 @@ bench: venv
 	$(VENV)/bin/python scripts/bench_batch_scaling.py
 	$(VENV)/bin/python scripts/bench_warmup.py
 	$(VENV)/bin/python scripts/bench_meshes.py
+	$(VENV)/bin/python scripts/bench_moe.py --large
 	$(VENV)/bin/python scripts/bench_efficiency.py
 	$(VENV)/bin/python scripts/bench_rehearse.py
 	$(VENV)/bin/python scripts/bench_runtime_overhead.py

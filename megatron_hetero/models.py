@@ -59,6 +59,7 @@ is never stored, so ``none`` costs what ``selective`` does (see :class:`Activati
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Literal
 
@@ -72,7 +73,7 @@ __all__ = ["PRESETS", "model_preset", "load_model", "shrink_model", "padded_voca
            "output_params", "layer_activation_bytes", "core_attention_forward_flops",
            "step_model_flops", "layer_input_bytes", "logits_bytes", "moe_fraction",
            "layer_param_parts", "model_layer_params", "expert_forward_flops",
-           "moe_dispatch_bytes"]
+           "moe_dispatch_bytes", "mixed_model"]
 
 PRESETS: dict[str, ModelSpec] = {
     "llama2-7b": ModelSpec(name="llama2-7b", num_layers=32, hidden_size=4096, ffn_hidden_size=11008,
@@ -239,6 +240,23 @@ def expert_forward_flops(m: ModelSpec, b: int) -> float:
     per_moe = (2.0 * b * m.seq_length * m.moe_router_topk * m.hidden_size
                * m.expert_ffn_hidden_size * _mlp_width(m))
     return moe_fraction(m) * per_moe
+
+
+def mixed_model(m: ModelSpec, moe_layers: int, layers: int) -> ModelSpec:
+    """``m`` as a model whose per-layer means are those of ``layers`` layers of which
+    ``moe_layers`` are MoE layers (a stage of a model that mixes them): its dense layer where
+    none is, else ``m`` with that share of MoE layers (the per-layer figures read nothing else
+    of the layer count)."""
+    if moe_layers == 0:
+        return dataclasses.replace(m, num_experts=None, moe_router_topk=2,
+                                   moe_ffn_hidden_size=None,
+                                   moe_shared_expert_intermediate_size=None,
+                                   moe_shared_expert_gate=False, moe_layer_freq=1,
+                                   moe_router_load_balancing_type="aux_loss",
+                                   moe_grouped_gemm=False)
+    g = math.gcd(moe_layers, layers)
+    k, n = moe_layers // g, layers // g
+    return dataclasses.replace(m, num_layers=n, moe_layer_freq=1 if k == n else [1] * k + [0] * (n - k))
 
 
 def moe_dispatch_bytes(m: ModelSpec, b: int) -> float:

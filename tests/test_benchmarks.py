@@ -85,6 +85,21 @@ def test_bench_vendors_on_the_13b_scenario():
     assert tuned < single, row  # both vendors together beat the faster one alone
 
 
+def test_bench_moe_prints_each_figure():
+    """scripts/bench_moe.py on the issue's two MoE pools: each tuned plan at least as fast as
+    plain Megatron's and within the bound, each figure printed."""
+    proc = subprocess.run([sys.executable, str(REPO / "scripts/bench_moe.py")],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    speedups = [float(x.split()[-1][:-1]) for x in out.splitlines() if "speedup" in x]
+    effs = [float(x.split()[-1]) for x in out.splitlines() if "efficiency" in x]
+    shares = [float(x.split()[-1]) for x in out.splitlines() if "all-to-all share" in x]
+    assert len(speedups) == len(effs) == len(shares) == 2, out
+    assert all(s >= 1.0 for s in speedups) and all(0 < e <= 1 for e in effs), out
+    assert all(0 <= a < 1 for a in shares) and "search:" in out, out
+
+
 def test_bench_meshes_quick():
     proc = subprocess.run([sys.executable, str(REPO / "scripts/bench_meshes.py"), "--quick"],
                           capture_output=True, text=True, timeout=300, cwd=REPO)

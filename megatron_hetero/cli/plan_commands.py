@@ -29,8 +29,8 @@ def validate_main(args: argparse.Namespace) -> int:
         return 0
     counts = ", ".join(f"{n}x {gpu}" for gpu, n in sorted(plan.device_counts().items()))
     print(f"{args.plan}: valid plan for {plan.model.name}: TP={plan.tensor_model_parallel_size} "
-          f"PP={plan.pipeline_model_parallel_size} DP={plan.data_parallel_size} "
-          f"({plan.world_size} GPUs: {counts}); layers {plan.layer_split}; "
+          f"PP={plan.pipeline_model_parallel_size} DP={plan.data_parallel_size}"
+          f"{plan.meshes[0].expert_text} ({plan.world_size} GPUs: {counts}); layers {plan.layer_split}; "
           f"micro-batches {[p.num_microbatches for p in plan.pipelines]}")
     catalog = inventory.catalog if inventory else plan.catalog
     vendors = sorted({catalog.get(t).vendor for t in plan.device_counts()})

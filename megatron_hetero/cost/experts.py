@@ -9,6 +9,10 @@ and the same two backward. Of each, ``(EP - 1) / EP`` leaves the rank, over the 
 the EP group spans (the stage's ``alltoall_gb_s``, which the simulator reads off the placement;
 else :meth:`ExpertCosts.expert_link_gb_s`), at the load imbalance's multiple (the most loaded
 rank receives the most), plus one message latency. At EP = 1 the tokens stay on the rank.
+With expert tensor parallelism (ETP > 1: Megatron's default ETP = TP) the dispatcher also
+all-gathers the routed tokens over the ETP ranks after the dispatch and reduce-scatters them
+before the combine: ``(ETP - 1)`` times the rank's routed bytes over the device type's
+intra-node link (an ETP group lies inside a tensor group's node), each way.
 
 The load imbalance (the most loaded expert rank's routed tokens over the mean, at least 1) is
 the device type's profile's ``moe_load_imbalance`` where it measured one, else the cost
@@ -23,11 +27,28 @@ shard over the ``T D / (ETP EP)`` expert-data-parallel replicas (Megatron's
 
 from __future__ import annotations
 
+import functools
+
 from .. import models as M
 from ..errors import HeteroError
 from .stage import StageShape
 
-__all__ = ["ExpertCosts", "check_imbalance"]
+__all__ = ["ExpertCosts", "check_imbalance", "per_stage_mix", "placed_expert_link"]
+
+
+def per_stage_mix(method):
+    """A cost-model method of a stage shape (its first argument) that prices a shape with its
+    own ``moe_layers`` (a stage of a model that mixes MoE and dense layers) on the cost model of
+    that stage's mix (:meth:`ExpertCosts.layer_mix`), and any other shape as it is."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def priced(self, shape, *args):
+        if shape.moe_layers is None:
+            return method(self, shape, *args)
+        mix = self.layer_mix(shape.moe_layers, shape.num_layers)
+        return getattr(mix, name)(shape.but(moe_layers=None), *args)
+    return priced
 
 
 def check_imbalance(value: float, *, flag: str) -> float:
@@ -44,6 +65,22 @@ class ExpertCosts:
 
     moe_load_imbalance: float
     p2p_latency_s: float
+    options: dict
+    """The keyword arguments the cost model was built with (its mixes are built alike)."""
+    _mixes: dict
+
+    def layer_mix(self, moe_layers: int, layers: int):
+        """The cost model, built alike, of a stage of ``layers`` layers of which ``moe_layers``
+        are MoE layers (:func:`megatron_hetero.models.mixed_model`); itself for a stage of no
+        layers."""
+        if layers == 0:
+            return self
+        model = M.mixed_model(self.model, moe_layers, layers)
+        key = (model.num_experts, tuple(model.moe_layer_pattern))
+        got = self._mixes.get(key)
+        if got is None:
+            got = self._mixes[key] = type(self)(model, self.inventory, **self.options)
+        return got
 
     def load_imbalance(self, device_type: str) -> float:
         """The device type's profile's measured imbalance, else the cost model's."""
@@ -63,24 +100,33 @@ class ExpertCosts:
             return min(inv.intra_node_bandwidth(i) for i in groups)
         return min(inv.inter_node_bandwidth(i) for i in groups)
 
+    @per_stage_mix
     def alltoall_seconds(self, shape: StageShape) -> float:
-        """Seconds of one layer's two all-to-alls (dispatch and combine) on one micro-batch, the
-        mean over the model's layers; forward and backward each pay it (module docstring)."""
+        """Seconds of one layer's token dispatch and combine on one micro-batch (the EP
+        all-to-alls, the ETP gathers), the mean over the model's layers; forward and backward
+        each pay it (module docstring)."""
         ep = shape.expert_parallel_size
-        if ep == 1 or not self.model.is_moe:
+        etp = shape.expert_shards // ep
+        if (ep == 1 and etp == 1) or not self.model.is_moe:
             return 0.0
         gb_s = shape.alltoall_gb_s
         if gb_s is None:
             gb_s = self.expert_link_gb_s(shape.device_type, shape.expert_shards)
         return self._alltoall(shape.device_type, shape.micro_batch_size,
-                              shape.tensor_parallel_size, ep, gb_s)
+                              shape.tensor_parallel_size, ep, etp, gb_s)
 
-    def _alltoall(self, device_type: str, b: int, tp: int, ep: int, gb_s: float) -> float:
+    def _alltoall(self, device_type: str, b: int, tp: int, ep: int, etp: int,
+                  gb_s: float) -> float:
         nbytes = M.moe_dispatch_bytes(self.model, b) / tp * self.load_imbalance(device_type)
-        one = (self.p2p_latency_s * M.moe_fraction(self.model)
-               + (ep - 1) / ep * nbytes / (gb_s * 1e9))
+        one = 0.0
+        if ep > 1:
+            one += (self.p2p_latency_s * M.moe_fraction(self.model)
+                    + (ep - 1) / ep * nbytes / (gb_s * 1e9))
+        if etp > 1:
+            one += (etp - 1) * nbytes / self.intra_node_bandwidth(device_type)
         return 2.0 * one
 
+    @per_stage_mix
     def grad_sync_seconds(self, shape: StageShape, bandwidth_gb_s: float) -> float:
         """The stage's gradient sync: dense parameters over its replicas, the expert shard
         over its expert-data-parallel replicas (module docstring)."""

@@ -20,6 +20,7 @@ from functools import lru_cache
 from .. import models as M
 from ..plan import ModelSpec, Offload, Recompute, chunk_recompute
 from ..schedule.order import peak_activations
+from .experts import per_stage_mix
 from .stage import Memory, StageShape
 
 __all__ = ["StageMemory"]
@@ -71,20 +72,24 @@ class StageMemory:
             n += M.output_params(m, tp, single_stage=first)
         return n / tp
 
+    @per_stage_mix
     def stage_params(self, shape: StageShape) -> float:
         """Parameters one tensor rank of the stage holds."""
         return self._params(shape.num_layers, shape.first, shape.last,
                             shape.tensor_parallel_size, shape.expert_shards)
 
+    @per_stage_mix
     def chunk_params(self, shape: StageShape, chunk: int) -> float:
         """Parameters one tensor rank holds in model chunk ``chunk`` of the stage."""
         layers, first, last, _ = self._part(shape, chunk)
         return self._params(layers, first, last, shape.tensor_parallel_size, shape.expert_shards)
 
+    @per_stage_mix
     def expert_params(self, shape: StageShape) -> float:
         """The routed-expert parameters one rank of the stage holds (0 for a dense model)."""
         return shape.num_layers * M.layer_param_parts(self.model)[1] / shape.expert_shards
 
+    @per_stage_mix
     def optimizer_params(self, shape: StageShape) -> float:
         """Parameters whose optimizer state one rank of the stage holds: with the distributed
         optimizer its dense parameters over the ``D`` replicas and its expert shard over the
@@ -215,6 +220,7 @@ class StageMemory:
         return self._module_inputs(shape.micro_batch_size, shape.tensor_parallel_size, shape.sp)
 
     # -- the stage ------------------------------------------------------------------------------
+    @per_stage_mix
     def memory(self, shape: StageShape) -> Memory:
         """Peak memory of one tensor rank of the stage: in 1F1B stage ``s`` of ``p`` holds
         ``min(p - s, m)`` micro-batches in flight (its warm-up plus one,
@@ -264,6 +270,7 @@ class StageMemory:
                       activations=acts, workspace=self.workspace_bytes,
                       capacity=self.capacity(device_type))
 
+    @per_stage_mix
     def host_bytes(self, shape: StageShape) -> float:
         """Host bytes one tensor rank of the stage keeps: the offloaded fraction of its
         optimizer shard (fp32 master weights and Adam state, as :meth:`memory` counts them,

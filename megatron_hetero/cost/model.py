@@ -50,7 +50,7 @@ from ..errors import HeteroError
 from ..hardware.inventory import Inventory
 from ..plan import ModelSpec, Offload, Plan, Recompute
 from ..placement.host_path import DEFAULT_HOST_LINK_GB_S
-from .experts import ExpertCosts, check_imbalance
+from .experts import ExpertCosts, check_imbalance, per_stage_mix
 from .memory import StageMemory
 from ..placement.nodes import Placement, place
 from .profile_protocol import DeviceProfile
@@ -125,6 +125,14 @@ class CostModel(StageMemory, ExpertCosts):
         ``moe_load_imbalance``: an MoE model's most loaded expert rank's tokens over the mean
         (at least 1) where no profile of the device type measured it (:mod:`.experts`).
         """
+        self.options = dict(profiles=profiles, precision=precision,
+                            use_distributed_optimizer=use_distributed_optimizer,
+                            flash_attention=flash_attention, overlap_grad_reduce=overlap_grad_reduce,
+                            workspace_gb=workspace_gb, host_optimizer_gb_s=host_optimizer_gb_s,
+                            pcie_bandwidth_gb_s=pcie_bandwidth_gb_s, host_reserve_gb=host_reserve_gb,
+                            p2p_latency_s=p2p_latency_s, pipeline_overhead_s=pipeline_overhead_s,
+                            memory_headroom=memory_headroom, moe_load_imbalance=moe_load_imbalance)
+        self._mixes = {}
         self.model = model
         self.inventory = inventory
         self.profiles = dict(profiles)
@@ -260,11 +268,13 @@ class CostModel(StageMemory, ExpertCosts):
             return n * fwd * share
         return r.recomputed_layers(n) * fwd
 
+    @per_stage_mix
     def times(self, shape: StageShape) -> StageTimes:
         """Seconds of one micro-batch's forward and backward on the stage as a whole (the
         embedding, the output layer and the overheads counted once)."""
         return self._part_times(shape, None)
 
+    @per_stage_mix
     def chunk_times(self, shape: StageShape) -> tuple[StageTimes, ...]:
         """:meth:`times` of each model chunk of the stage, in chunk order (each pays the
         per-micro-batch overheads); the stage's own when it has one chunk."""
@@ -319,11 +329,13 @@ class CostModel(StageMemory, ExpertCosts):
             return (d - 1) / d * params_per_rank * (self.grad_bytes + self.param_bytes) / bw
         return 2.0 * (d - 1) / d * params_per_rank * self.grad_bytes / bw
 
+    @per_stage_mix
     def optimizer_seconds(self, shape: StageShape) -> float:
         """The stage's optimizer step: memory-bound on the device, the offloaded fraction at
         the host's rate."""
         return self._optimizer_seconds(shape, shape.offload.optimizer_fraction)
 
+    @per_stage_mix
     def optimizer_offload_seconds(self, shape: StageShape) -> float:
         """What offloading all of the stage's optimizer state adds to its step."""
         return self._optimizer_seconds(shape, 1.0) - self._optimizer_seconds(shape, 0.0)

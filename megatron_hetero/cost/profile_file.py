@@ -81,6 +81,11 @@ class MeasuredProfile:
     def efficiency(self) -> float | None:
         return self.data.efficiency
 
+    @property
+    def moe_load_imbalance(self) -> float | None:
+        """The measured load imbalance of an MoE model's experts (None: not measured)."""
+        return self.data.moe_load_imbalance
+
     def times(self, part: Part, *, model: ModelSpec, micro_batch_size: int,
               tensor_parallel_size: int) -> tuple[float, float] | None:
         found = self.lookup(part, model=model, micro_batch_size=micro_batch_size,
@@ -228,6 +233,10 @@ class _Recording:
     @property
     def efficiency(self) -> float | None:
         return self._p.efficiency
+
+    @property
+    def moe_load_imbalance(self) -> float | None:
+        return self._p.moe_load_imbalance
 
     def times(self, part: Part, *, model: ModelSpec, micro_batch_size: int,
               tensor_parallel_size: int) -> tuple[float, float] | None:

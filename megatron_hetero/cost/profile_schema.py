@@ -266,6 +266,10 @@ class ProfileData:
     communication: Communication | None = None
     pipeline: PipelineFigures | None = None
     """Format 2: the pipeline measurement (:class:`PipelineFigures`)."""
+    moe_load_imbalance: float | None = None
+    """An MoE model's most loaded expert rank's routed tokens over the mean (at least 1), as
+    measured: the cost model slows the routed experts and the all-to-alls by it on this device
+    type (docs/moe.md). Left out of the file when None."""
 
     def __post_init__(self) -> None:
         if self.format_version == 1 and (
@@ -287,6 +291,9 @@ class ProfileData:
                                             f"{key[1]} again"),
                                   f"one entry per pair (entries[{seen[key]}] has it)")
             seen[key] = i
+        if self.moe_load_imbalance is not None and not 1 <= self.moe_load_imbalance <= 1000:
+            raise SchemaError("", "moe_load_imbalance", self.moe_load_imbalance,
+                              "a factor from 1 (balanced) to 1000")
         if self.efficiency is not None and not 0 < self.efficiency <= 1:
             raise SchemaError("", "efficiency", self.efficiency, "a fraction in (0, 1]")
 

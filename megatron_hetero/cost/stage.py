@@ -55,6 +55,10 @@ class StageShape:
     alltoall_gb_s: float | None = None
     """GB/s of the slowest link the stage's EP group spans (None: the cost model's guess from
     the device type's nodes, :meth:`~megatron_hetero.cost.model.CostModel.expert_link_gb_s`)."""
+    moe_layers: int | None = None
+    """The MoE layers among the stage's layers, for a model that mixes MoE and dense layers
+    (None: the model's share of them; the cost model prices a stage that has it as
+    :func:`~megatron_hetero.models.mixed_model`)."""
 
     num_layers: int = field(init=False, compare=False, repr=False)
     """The stage's layers, all chunks together (derived)."""
@@ -110,7 +114,8 @@ class StageShape:
                    data_parallel_size=len(m.pipelines),
                    warmup_microbatches=st.warmup_microbatches,
                    expert_parallel_size=m.expert_model_parallel_size,
-                   expert_tensor_parallel_size=m.expert_tensor_parallel_size)
+                   expert_tensor_parallel_size=m.expert_tensor_parallel_size,
+                   moe_layers=_moe_layers(plan, global_stage))
 
     def but(self, **changes) -> StageShape:
         """This shape with some fields changed (as :func:`dataclasses.replace`, checked the
@@ -161,6 +166,22 @@ class StageShape:
     def sp(self) -> bool:
         """Sequence parallelism in effect (the flag, at TP > 1)."""
         return self.sequence_parallel and self.tensor_parallel_size > 1
+
+
+def _moe_layers(plan: Plan, global_stage: int) -> int | None:
+    """The MoE layers of pipeline stage ``global_stage`` of ``plan`` (all its model chunks);
+    None unless the model mixes MoE and dense layers."""
+    m = plan.model
+    if not m.is_moe or m.moe_layer_freq == 1:
+        return None
+    pattern = m.moe_layer_pattern
+    if all(pattern):
+        return None
+    segments, p = plan.virtual_stage_layers, plan.pipeline_model_parallel_size
+    starts = [0]
+    for n in segments:
+        starts.append(starts[-1] + n)
+    return sum(sum(pattern[starts[i]:starts[i + 1]]) for i in range(global_stage, len(segments), p))
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(StageShape) if f.init)

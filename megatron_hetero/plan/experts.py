@@ -27,7 +27,7 @@ from __future__ import annotations
 from ..errors import SchemaError
 from .stages import ModelSpec
 
-__all__ = ["check_experts", "check_expert_vendors"]
+__all__ = ["check_experts", "check_expert_vendors", "expert_data", "expert_blocks"]
 
 
 def check_experts(model: ModelSpec, *, tp: int, ep: int, etp: int | None,
@@ -75,12 +75,14 @@ def check_experts(model: ModelSpec, *, tp: int, ep: int, etp: int | None,
     _check_blocks(pipelines, tp=tp, size=etp_ * ep, replicas=replicas)
 
 
-def _blocks(d: int, tp: int, size: int) -> list[range]:
+def expert_blocks(d: int, tp: int, size: int) -> list[range]:
+    """The replicas each expert block of ``size`` (ETP x EP) consecutive ranks spans, of a
+    stage of ``d`` replicas of ``tp`` tensor ranks in ``tp-dp`` order."""
     return [range(i // tp, min((i + size - 1) // tp + 1, d)) for i in range(0, tp * d, size)]
 
 
 def _check_blocks(pipelines: list, *, tp: int, size: int, replicas: str) -> None:
-    for block in _blocks(len(pipelines), tp, size):
+    for block in expert_blocks(len(pipelines), tp, size):
         first = pipelines[block[0]].num_microbatches
         for r in block[1:]:
             if pipelines[r].num_microbatches != first:
@@ -108,3 +110,14 @@ def check_expert_vendors(plan, catalog, *, source: str) -> None:
                                       f"a device on {lib}, as pipelines[{block[0]}] ({ref}): "
                                       "the two share an expert-parallel group, whose "
                                       "all-to-alls run on one collective library")
+
+
+def expert_data(mesh) -> dict:
+    """A mesh's (:class:`.types.Mesh`) expert-parallel keys where they differ from their
+    defaults, for its file (a plan without them is written as before)."""
+    out: dict = {}
+    if mesh.expert_model_parallel_size != 1:
+        out["expert_model_parallel_size"] = mesh.expert_model_parallel_size
+    if mesh.expert_tensor_parallel_size is not None:
+        out["expert_tensor_parallel_size"] = mesh.expert_tensor_parallel_size
+    return out

@@ -37,6 +37,7 @@ from typing import Literal
 
 from .._schema import to_data
 from ..hardware.catalog import Catalog, GPUSpec
+from .experts import expert_blocks, expert_data
 from .stages import ModelSpec, Pipeline, Replica, Stage
 
 __all__ = ["Mesh", "Plan", "Slot", "PlanShapeError"]
@@ -105,14 +106,21 @@ class Mesh:
         return (self.tensor_model_parallel_size * self.data_parallel_size
                 // (self.expert_tensor_size * self.expert_model_parallel_size))
 
+    @property
+    def expert_text(self) -> str:
+        """`` EP=.. ETP=..`` where the mesh has expert parallelism or its own expert TP, else
+        empty (dense plans read as before)."""
+        etp = self.expert_tensor_parallel_size
+        return ((f" EP={self.expert_model_parallel_size}"
+                 if self.expert_model_parallel_size != 1 else "")
+                + (f" ETP={etp}" if etp is not None else ""))
+
     def expert_blocks(self) -> list[range]:
         """The replicas each expert block of a stage spans: its ``ETP x EP`` consecutive ranks
         in ``tp-dp`` order (one block per EP group and its expert-TP peers; one replica where
         the block fits in a tensor group)."""
-        e = self.expert_tensor_size * self.expert_model_parallel_size
-        t, n = self.tensor_model_parallel_size, self.tensor_model_parallel_size * len(self.pipelines)
-        return [range(i // t, min((i + e - 1) // t + 1, len(self.pipelines)))
-                for i in range(0, n, e)]
+        return expert_blocks(len(self.pipelines), self.tensor_model_parallel_size,
+                             self.expert_tensor_size * self.expert_model_parallel_size)
 
     @property
     def alike(self) -> bool:
@@ -424,7 +432,8 @@ class Plan:
             reps = sorted({(p.micro_batch_size, p.num_microbatches) for p in m.pipelines})
             lines.append(f"mesh {k}: {m.world_size}x {'+'.join(m.device_types)} "
                          f"TP={m.tensor_model_parallel_size} DP={m.data_parallel_size} "
-                         f"PP={m.num_stages} layers {m.layer_split}, micro-batches (size, count) "
+                         f"PP={m.num_stages}{m.expert_text} layers {m.layer_split}, micro-batches "
+                         "(size, count) "
                          + " ".join(f"{b}x{n}" for b, n in reps)
                          + f"; ranks {self.rank_offset(k)}-{self.rank_offset(k) + m.world_size - 1}")
         return "\n".join(lines)
@@ -464,7 +473,7 @@ class Plan:
                      "virtual_pipeline_size": self.virtual_pipeline_size}
             if self.microbatch_group_size is not None:
                 data["microbatch_group_size"] = self.microbatch_group_size
-            data |= _expert_data(mesh)
+            data |= expert_data(mesh)
         else:
             data |= {"meshes": [{"device_type": m.device_type,
                                  "tensor_model_parallel_size": m.tensor_model_parallel_size,
@@ -472,7 +481,7 @@ class Plan:
                                  "stages": [{"num_layers": s.num_layers,
                                              "recompute": to_data(s.recompute),
                                              "offload": to_data(s.offload)} for s in m.stages]}
-                                | _expert_data(m) for m in self.meshes],
+                                | expert_data(m) for m in self.meshes],
                      "precision": self.precision,
                      "use_distributed_optimizer": self.use_distributed_optimizer,
                      "overlap_grad_reduce": self.overlap_grad_reduce}
@@ -482,13 +491,3 @@ class Plan:
             data["prediction"] = to_data(self.prediction)
         return data
 
-
-def _expert_data(mesh: Mesh) -> dict:
-    """A mesh's expert-parallel keys where they differ from their defaults (a plan without
-    them is written as before)."""
-    out: dict = {}
-    if mesh.expert_model_parallel_size != 1:
-        out["expert_model_parallel_size"] = mesh.expert_model_parallel_size
-    if mesh.expert_tensor_parallel_size is not None:
-        out["expert_tensor_parallel_size"] = mesh.expert_tensor_parallel_size
-    return out

@@ -30,6 +30,7 @@ from ..plan import Format2Mesh, MeshStage, Plan, Replica, mesh_plan
 from ..sim.step import SimResult, simulate
 from . import space
 from .problem import Problem
+from .experts import split_scale
 from .split import min_max_split
 from .tables import StageTables
 
@@ -144,7 +145,7 @@ class MeshSearch:
                                       data_parallel_size=x.dp, expert_parallel_size=x.ep)
                 rows.append(self.tables.table(position, precision=prec).fit)
                 s += 1
-        got = min_max_split(np.stack([r.seconds for r in rows]), L)
+        got = min_max_split(np.stack([r.seconds for r in rows]), L, split_scale(p.model))
         if got is None:
             return None
         slowest, split = got

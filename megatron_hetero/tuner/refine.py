@@ -55,6 +55,7 @@ from ..schedule.rules import whole_group
 from ..sim.step import SimResult, simulate
 from .policy import Menu, Policy, cheapest_for_stage
 from .problem import Problem, TuneOptions
+from .experts import split_scale
 from .split import min_max_split
 from .tables import even_chunks
 
@@ -354,7 +355,7 @@ def _balanced_totals(plan: Plan, cost: CostModel, order: tuple[int, ...], v: int
                 for n in range(L + 1)]
             costs[s] = np.maximum(costs[s], row)
     costs[:, :v] = np.inf  # every chunk holds a layer
-    got = min_max_split(costs, L)
+    got = min_max_split(costs, L, split_scale(plan.model))
     return None if got is None else got[1]
 
 

@@ -139,6 +139,7 @@ def summary_lines(plan: Plan, sim: SimResult, label: str) -> str:
     return (f"{label}: step {sim.step_time_s:.3f} s, {sim.tokens_per_s:,.0f} tokens/s, "
             f"MFU {sim.mfu:.3f}; TP={plan.tensor_model_parallel_size} "
             f"PP={plan.pipeline_model_parallel_size} DP={plan.data_parallel_size}"
+            + plan.meshes[0].expert_text
             + (f" VP={plan.virtual_pipeline_size}" if plan.virtual_pipeline_size > 1 else "")
             + f" on {counts}; layers {plan.layer_split}"
             + (f" in {plan.virtual_pipeline_size} chunks per stage {plan.virtual_stage_layers}"

@@ -54,6 +54,7 @@ from .problem import Problem, TuneOptions
 from .refine import climb, refine_chunk_cap
 from ..schedule.shares import water_fill
 from .space import Structure, upper_bound_step_time
+from .experts import shared_fill, split_scale
 from .split import min_max_split
 from .tables import StageTables, even_chunks, stage_shape
 from .warmup import warmups_or_flat
@@ -127,6 +128,7 @@ class _Search:
         self.problem = problem
         self.model, self.inv, self.gbs, self.opt = problem.model, problem.inv, problem.gbs, problem.opt
         self.tables = StageTables(problem)
+        self.scale = split_scale(problem.model)
         self._links: dict[tuple, float] = {}
         self.evaluated = 0
 
@@ -149,7 +151,7 @@ class _Search:
             policies = baseline_policies(st, tables, split[0], self.tables, precision=prec,
                                          module_inputs=self.opt.activation_offload)
         else:
-            split, policies = _tuned_split(st, tables, L, offload=offload)
+            split, policies = _tuned_split(st, tables, L, offload=offload, scale=self.scale)
         if policies is None:
             return None
         fixed, per = [], []
@@ -181,7 +183,7 @@ class _Search:
                 return None
             mb = [u * unit for u in units]
         else:
-            mb = _shared_fill(fixed, per, total, max(1, st.ep // tp))
+            mb = shared_fill(fixed, per, total, max(1, st.ep // tp))
             if mb is None:
                 return None
         if v > 1 and not self._chunks_fit(st, cost, split, policies, mb):
@@ -355,10 +357,10 @@ class _Search:
         return best
 
 
-def _tuned_split(st: Structure, tables, L: int, *, offload: bool):
+def _tuned_split(st: Structure, tables, L: int, *, offload: bool, scale=None):
     """The layer split that minimises the slowest stage relative to each template's balanced
-    ideal, every stage at its cheapest fitting policy (``offload``: optimizer offload allowed);
-    and each (template, stage)'s policy. (None, None) when no split fits."""
+    ideal, every stage at its cheapest fitting policy (``offload``: optimizer offload allowed;
+    ``scale``: :func:`.experts.split_scale`); and each (template, stage)'s policy. (None, None) when no split fits."""
     v = st.vp
     norm = []
     for rows in tables:
@@ -371,7 +373,7 @@ def _tuned_split(st: Structure, tables, L: int, *, offload: bool):
     if v > 1:  # every chunk holds a layer
         costs = costs.copy()
         costs[:, :v] = np.inf
-    got = min_max_split(costs, L)
+    got = min_max_split(costs, L, scale)
     if got is None:
         return None, None
     split = got[1]
@@ -485,16 +487,6 @@ def _tune(model: ModelSpec, inventory: Inventory, global_batch_size: int, *,
                       warmup_gain=1.0 if fell_back else warmup_gain,
                       mesh_plan=mesh[0] if mesh else None, mesh_sim=mesh[1] if mesh else None,
                       mesh_candidates=mesh[2] if mesh else 0)
-
-
-def _shared_fill(fixed: list[float], per: list[float], total: int, g: int) -> list[int] | None:
-    """:func:`~megatron_hetero.schedule.shares.water_fill` of ``total`` micro-batches over the pipelines with every run
-    of ``g`` consecutive pipelines (one EP group's replicas, alike: :func:`.space.expert_sizes`)
-    taking one count: filled over the groups, ``total / g`` each."""
-    if g == 1:
-        return water_fill(fixed, per, total)
-    got = water_fill(fixed[::g], per[::g], total // g)
-    return None if got is None else [k for k in got for _ in range(g)]
 
 
 def _group_size(p: int, v: int, microbatches) -> int | None:

@@ -35,9 +35,10 @@ from ..hardware.inventory import Inventory
 from ..plan import ModelSpec, Recompute
 from ..plan.checks import FP32_OPTIMIZER_OFFLOAD, optimizer_offload_runs
 from ..schedule.rules import whole_group
+from .experts import expert_sizes
 from .problem import Problem
 
-__all__ = ["Structure", "expert_sizes", "infeasible_message", "structures", "templates", "subsets", "orders", "slots", "tp_sizes",
+__all__ = ["Structure", "infeasible_message", "structures", "templates", "subsets", "orders", "slots", "tp_sizes",
            "upper_bound_step_time"]
 
 
@@ -272,26 +273,6 @@ def structures(problem: Problem) -> list[tuple[float, Structure]]:
             seen.add(key)
             unique.append((lb, Structure(tp, pp, mbs, tm, v, ep)))
     return unique
-
-
-def expert_sizes(model: ModelSpec, tp: int, templates, microbatches: int) -> list[int]:
-    """The expert-parallel sizes a structure of TP ``tp`` and these templates can run (1 for a
-    dense model): divisors of ``num_experts`` whose EP groups (expert TP 1) divide the stage's
-    ``tp x D`` ranks, cover whole tensor groups or fit in one, and never straddle two
-    templates (each template's pipelines form whole groups), so that replicas of one EP group
-    can take one micro-batch count (the search shares them by group); the ``microbatches``
-    must split evenly over the groups (0: replicas alike, nothing to split). The bound is the same for every EP (the
-    all-to-alls are left out of it): the search weighs them."""
-    if not model.is_moe:
-        return [1]
-    out = []
-    for ep in range(1, model.num_experts + 1):
-        if model.num_experts % ep or (ep > tp and ep % tp) or (ep < tp and tp % ep):
-            continue
-        g = max(1, ep // tp)  # replicas per EP group
-        if all(n % g == 0 for _, n in templates) and microbatches % g == 0:
-            out.append(ep)
-    return out
 
 
 def _whole_layers(layer: list[tuple[float, int]], L: int) -> float:

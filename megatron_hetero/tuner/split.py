@@ -9,13 +9,18 @@ import numpy as np
 __all__ = ["min_max_split"]
 
 
-def min_max_split(costs: np.ndarray, total: int) -> tuple[float, list[int]] | None:
+def min_max_split(costs: np.ndarray, total: int,
+                  scale: np.ndarray | None = None) -> tuple[float, list[int]] | None:
     """Split ``total`` layers over ``p`` stages, each at least one layer, minimising the largest
     ``costs[s, n]`` (the cost of stage ``s`` holding ``n`` layers; ``inf`` where it cannot).
 
     ``costs`` has shape ``(p, total + 1)``; column 0 is ignored. Returns (cost, split), or None
     when no split is finite. Among ties, earlier stages get fewer layers: in 1F1B the first
     stage finishes last, so its optimizer step (and the embedding's) ends the step.
+
+    ``scale``: where layers differ (a model that mixes MoE and dense layers), ``scale[l, n - 1]``
+    multiplies the cost of a stage of ``n`` layers that ends after layer ``l`` (its layers' cost
+    over ``n`` mean layers', :func:`.experts.split_scale`); shape ``(total + 1, total)``.
     """
     p = costs.shape[0]
     if p > total:
@@ -27,13 +32,15 @@ def min_max_split(costs: np.ndarray, total: int) -> tuple[float, list[int]] | No
     best[0] = 0.0
     choice = np.zeros((p, total + 1), dtype=np.int64)
     for s in range(p - 1):
-        cand = np.maximum(best[prev_pos], costs[s, 1:][None, :])
+        stage = costs[s, 1:][None, :] if scale is None else costs[s, 1:][None, :] * scale
+        cand = np.maximum(best[prev_pos], stage)
         # first argmin: the fewest layers on this stage among ties, so later stages take more
         pick = cand.argmin(axis=1)
         choice[s] = pick + 1
         best[:total + 1] = cand[rows, pick]
     # the last stage: only the row of all the layers is read
-    last = np.maximum(best[prev_pos[total]], costs[p - 1, 1:])
+    last = np.maximum(best[prev_pos[total]],
+                      costs[p - 1, 1:] if scale is None else costs[p - 1, 1:] * scale[total])
     pick = int(last.argmin())
     if not np.isfinite(last[pick]):
         return None

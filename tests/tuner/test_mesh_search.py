@@ -36,7 +36,8 @@ def test_layouts_keep_tp_inside_each_types_node_and_use_every_gpu():
     tps = {t: set() for t in ("RTX3090-24GB", "T4-16GB")}
     for chain in layouts:
         assert sorted(c[0] for c in chain) == ["RTX3090-24GB", "T4-16GB"]
-        for gpu, tp, pp, dp in chain:
+        for gpu, tp, pp, dp, ep in chain:  # EP: 1 for a dense model
+            assert ep == 1
             assert tp * pp * dp == 16
             tps[gpu].add(tp)
         dps = [c[3] for c in chain]
