@@ -127,10 +127,6 @@ def check_supported(plan: Plan, *, source: str = "plan",
     cannot apply (of a format-1 or a mesh plan: every rank of a mesh plan runs its own
     stage's, as a format-1 plan's). ``use_precision_aware_optimizer`` and ``transformer_impl``
     (the parsed arguments) are checked when given."""
-    if plan.model.is_moe:
-        raise PolicyUnsupported(f"{source}: model.num_experts: the runtime does not run "
-                                "mixture-of-experts plans yet (tune, validate, args and simulate "
-                                "take them; docs/moe.md)")
     problems = []
     pp = plan.pipeline_model_parallel_size
     interleaved = getattr(plan, "virtual_pipeline_size", 1) > 1
