@@ -216,7 +216,8 @@ def initialize_per_mesh(original, st: MeshRankState, *a, **kw) -> None:
         original(**{**bound, "tensor_model_parallel_size": mesh.tensor_model_parallel_size,
                     "pipeline_model_parallel_size": len(mesh.stages),
                     "virtual_pipeline_model_parallel_size": None,
-                    "expert_tensor_parallel_size": None,
+                    "expert_model_parallel_size": mesh.expert_model_parallel_size,
+                    "expert_tensor_parallel_size": mesh.expert_tensor_parallel_size,
                     "local_world_size": mesh.world_size,
                     "rank_offset": st.plan.rank_offset(k)})
         if k == st.slot.mesh:

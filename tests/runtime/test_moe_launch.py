@@ -6,10 +6,12 @@ is dropless.
 
 Megatron initialises weights per pipeline and expert-parallel rank, so the plan shares its
 starting point with one process through a checkpoint, as the checkpoint chain does: one process
-trains a step and saves it (``torch_dist``); the PP2 (layers 1:2) x DP2 x EP2 plan and one
+trains a step and saves it (``torch_dist``; the plain optimizer: megatron-core's distributed
+optimizer takes Adam only); the PP2 (layers 1:2) x DP2 x EP2 plan, a chain of
+two meshes (layer 0 on one rank, layers 1-2 on two replicas with EP2 on that mesh alone) and one
 process each load it (PP 1 -> 2, EP 1 -> 2: the experts resharded by megatron-core's distributed
-checkpointing) and train steps 2-3. Every sample's loss in steps 2 and 3 (the second after an
-Adam update under expert parallelism) matches within rtol 1e-5.
+checkpointing) and train steps 2-3 with SGD. Every sample's loss in steps 2 and 3 (the second after an
+update under expert parallelism) matches within rtol 1e-5.
 
 Both load the weights only (``--no-load-optim``): megatron-core 0.19.2 refuses the one
 process's optimizer state on the expert-parallel plan ("Expected 2 entries in state dict, but
@@ -23,20 +25,34 @@ import re
 
 import pytest
 
-from megatron_hetero.plan import save_plan
+from megatron_hetero.plan import mesh_plan_from_data, save_any_plan, save_plan
 
 from .launching import launch, together
-from .plans import make_plan
+from .plans import make_mesh_plan, make_plan
 
 pytestmark = pytest.mark.slow
 
 EXPERTS = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32,
-           "moe_layer_freq": [1, 0, 1]}
+           "moe_layer_freq": [1, 0, 1],
+           "untie_embeddings_and_output_weights": True}  # as mesh plans have it
 PP2_DP2_EP2 = make_plan(split=(1, 2), replicas=[(1, 2), (1, 2)], experts=EXPERTS,
-                        expert_model_parallel_size=2, distributed_optimizer=True)
-ONE_PROCESS = make_plan(split=(3,), replicas=[(1, 4)], experts=EXPERTS,
-                        distributed_optimizer=True)
-CHECKPOINT = ["--ckpt-format", "torch_dist", "--dist-ckpt-optim-fully-reshardable"]
+                        expert_model_parallel_size=2)
+ONE_PROCESS = make_plan(split=(3,), replicas=[(1, 4)], experts=EXPERTS)
+
+
+def _with_experts(data: dict, ep: dict[int, int]) -> dict:
+    """A mesh plan's data with the MoE model and ``ep[k]`` as mesh k's expert parallelism."""
+    data["model"].update(EXPERTS)
+    for k, size in ep.items():
+        data["meshes"][k]["expert_model_parallel_size"] = size
+    return data
+
+
+MESHES_EP2_ON_ONE = mesh_plan_from_data(_with_experts(make_mesh_plan(
+    [(1, 1, [1], None), (1, 2, [2], None)], global_batch=4, num_microbatches=2,
+    distributed_optimizer=False).to_data(),
+    {1: 2}), source="test-mesh-plan")
+CHECKPOINT = ["--ckpt-format", "torch_dist"]
 
 
 def _by_step(log, steps: int) -> list[dict[int, float]]:
@@ -48,28 +64,34 @@ def _by_step(log, steps: int) -> list[dict[int, float]]:
 
 
 def test_expert_parallel_plan_equals_one_process(tmp_path, mcore_env):
-    for name, plan in (("one", ONE_PROCESS), ("ep", PP2_DP2_EP2)):
-        save_plan(plan, tmp_path / f"{name}.yaml")
+    for name, plan in (("one", ONE_PROCESS), ("ep", PP2_DP2_EP2), ("mesh", MESHES_EP2_ON_ONE)):
+        save_any_plan(plan, tmp_path / f"{name}.yaml")
         (tmp_path / name).mkdir()
     ckpt = str(tmp_path / "ckpt-start")
     (tmp_path / "start").mkdir()
     [start] = launch(1, str(tmp_path / "one.yaml"), tmp_path / "start", iters=1,
                      extra=CHECKPOINT + ["--save", ckpt, "--save-interval", "1"])
     assert start[0] == 0, start[1][-3000:]
-    resume = CHECKPOINT + ["--load", ckpt, "--no-load-optim", "--no-load-rng"]
-    [one], ep = together(
+    # SGD: linear in the gradient, so a wrong gradient scale (which Adam's normalised update
+    # hides) changes the next step's losses
+    resume = CHECKPOINT + ["--load", ckpt, "--no-load-optim", "--no-load-rng",
+                           "--optimizer", "sgd"]
+    [one], ep, mesh = together(
         lambda: launch(1, str(tmp_path / "one.yaml"), tmp_path / "one", iters=3, extra=resume),
-        lambda: launch(4, str(tmp_path / "ep.yaml"), tmp_path / "ep", iters=3, extra=resume))
-    for code, out, _ in [one, *ep]:
+        lambda: launch(4, str(tmp_path / "ep.yaml"), tmp_path / "ep", iters=3, extra=resume),
+        lambda: launch(3, str(tmp_path / "mesh.yaml"), tmp_path / "mesh", iters=3,
+                       extra=resume))
+    for code, out, _ in [one, *ep, *mesh]:
         assert code == 0, out[-3000:]
     # Megatron's own argument dump: the plan's expert parallelism and MoE layers took effect
     assert re.search(r"expert_model_parallel_size \.+ 2\n", ep[0][1])
     assert re.search(r"num_experts \.+ 4\n", ep[0][1])
     reference = _by_step(one[2], 2)
-    last = [log for _, _, log in ep if log and log["losses"]]
-    assert len(last) == 2  # the last stage of each replica computes the loss
-    for step, want in enumerate(reference, start=2):
-        got = {k: v for log in last for k, v in _by_step(log, 2)[step - 2].items()}
-        assert got.keys() == want.keys() and len(want) == 4, step
-        for i, loss in want.items():
-            assert got[i] == pytest.approx(loss, rel=1e-5), (step, i)
+    for run in (ep, mesh):
+        last = [log for _, _, log in run if log and log["losses"]]
+        assert len(last) == 2  # the last stage of each replica computes the loss
+        for step, want in enumerate(reference, start=2):
+            got = {k: v for log in last for k, v in _by_step(log, 2)[step - 2].items()}
+            assert got.keys() == want.keys() and len(want) == 4, step
+            for i, loss in want.items():
+                assert got[i] == pytest.approx(loss, rel=1e-5), (step, i)
