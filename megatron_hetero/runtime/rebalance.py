@@ -64,11 +64,7 @@ class LiveShares:
 
     def decide(self, record: StepRecord) -> RebalanceNote | None:
         """Rank 0: the decision at this report, or None."""
-        decision = self.rebalancer.decide(self.backend.state.plan, record)
-        if decision.shares is None:
-            return RebalanceNote(message=decision.message) if decision.message else None
-        return RebalanceNote(message=decision.message, shares=decision.shares,
-                             from_step=record.step + 1 + self.lookahead())
+        return self.rebalancer.note(self.backend.state.plan, record, lookahead=self.lookahead())
 
     def schedule(self, note: RebalanceNote | None, *, rank: int) -> None:
         """Every rank: take rank 0's decision (switch this replica's sampler now, its
