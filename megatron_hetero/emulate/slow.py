@@ -65,7 +65,10 @@ def parse_slow(text: str, plan: Plan, *, steps: int) -> SlowStage:
     names = stage_names(plan)
     path = match["path"]
     if path not in names:
-        some = list(names)
+        first: dict[tuple, str] = {}  # one name per stage: the telemetry's where it has one
+        for name, slot in names.items():
+            first.setdefault(slot, name)
+        some = list(first.values())
         raise SchemaError("--slow", "", path, "a stage of one replica of the plan: "
                           + ", ".join(some[:8]) + (", ..." if len(some) > 8 else ""))
     try:

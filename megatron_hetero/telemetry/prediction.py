@@ -44,9 +44,9 @@ def stage_names(plan: Plan) -> dict[str, tuple[int, int, int]]:
     for k, mesh in enumerate(plan.meshes):
         for r in range(mesh.data_parallel_size):
             for j in range(mesh.num_stages):
-                out[f"meshes[{k}].replicas[{r}].stages[{j}]"] = (k, j, r)
                 if plan.one_grid or mesh.data_parallel_size == 1:
                     out[stage_path(plan, mesh=k, stage=j, replica=r)] = (k, j, r)
+                out[f"meshes[{k}].replicas[{r}].stages[{j}]"] = (k, j, r)
     return out
 
 
