@@ -1,8 +1,30 @@
 #!/usr/bin/env python3
 """Live rebalancing against a stage that turns 2.5x slower, side by side in one run.
 
-Megatron's own training loop (the venv's megatron-core 0.19.2 and its ``megatron.training``; the tests' tiny
-GPT) on 4 CPU ranks: PP=2 x DP=2, each replica 6 micro-batches. Four runs:
+Two modes; ``--mode rehearsal`` (the default) is the issue's benchmark, ``--mode megatron``
+the same on Megatron-LM's own loop.
+
+``--mode rehearsal``: the rehearsal (``megatron-hetero rehearse``'s CPU trainer, 4 ranks
+playing PP=2 x DP=2, 6 + 6 micro-batches; replica 1's first stage is an A100-SXM-40GB, the
+other three A100-SXM-80GB, as fast in the catalog) with ``--slow 'pipelines[1].stages[0]=2.5@S'``:
+
+1. *kept*: the slowdown, telemetry on, shares kept;
+2. *rebalanced*: the same with ``--rebalance`` (the runtime's policy and defaults);
+3. *re-tuned*: a rehearsal slowed from the start writes its telemetry, ``tune INVENTORY
+   --from-run DIR`` re-plans the pool (3x A100-SXM-80GB + 1x A100-SXM-40GB) with what it
+   measured (its profiles: the slowed card is the only A100-SXM-40GB, so its profile is its
+   own), and the re-tuned plan is rehearsed under the same slowdown.
+
+Printed side by side: the mean step before the slowdown, after it with the shares kept, after
+rebalancing (every step from the first that runs new shares), the re-tuned plan's predicted
+step and its rehearsed one; the steps from the slowdown to the first step on new shares. Every
+run shares one calibration and one time scale.
+
+    .venv/bin/python scripts/bench_rebalance.py [--steps 14] [--slow-from 6]
+
+``--mode megatron``: Megatron's own training loop (the venv's megatron-core 0.19.2 and its
+``megatron.training``; the tests' tiny GPT) on 4 CPU ranks: PP=2 x DP=2, each replica 6
+micro-batches. Four runs:
 
 1. *even*: no slowdown; its telemetry gives each stage's compute per micro-batch ``c``;
 2. *slow*: from iteration ``--slow-from`` the rank of stage 0 of replica 1 sleeps ``1.5 c`` in
@@ -19,12 +41,13 @@ costs price it (each replica's 1F1B time, :func:`megatron_hetero.telemetry.rebal
 replica_costs`). The layers are not re-tuned: one replica's stage slowed, and a profile per
 device type cannot tell the two replicas' cards apart.
 
-    .venv/bin/python scripts/bench_rebalance.py [--iters 16] [--slow-from 4]
+    .venv/bin/python scripts/bench_rebalance.py --mode megatron [--iters 16] [--slow-from 4]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -33,7 +56,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from megatron_hetero.plan import Slot, save_plan  # noqa: E402
+from megatron_hetero.cli import main as cli_main  # noqa: E402
+from megatron_hetero.emulate.rehearse import RehearsalConfig, rehearse  # noqa: E402
+from megatron_hetero.emulate.slow import parse_slow  # noqa: E402
+from megatron_hetero.plan import Slot, load_any_plan, plan_from_data, save_plan  # noqa: E402
+from megatron_hetero.telemetry.prediction import stage_path  # noqa: E402
+from megatron_hetero.telemetry.rebalance import RebalancePolicy  # noqa: E402
 from megatron_hetero.schedule.shares import water_fill  # noqa: E402
 from megatron_hetero.telemetry.rebalance import replica_costs  # noqa: E402
 from megatron_hetero.telemetry.records import read_records  # noqa: E402
@@ -54,11 +82,119 @@ def _run(path, work: Path, *, iters: int, env=None, extra=()):
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--iters", type=int, default=16)
-    parser.add_argument("--slow-from", type=int, default=4, help="iteration the slowdown starts")
-    parser.add_argument("--hidden", type=int, default=64)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    parser.add_argument("--mode", choices=("rehearsal", "megatron"), default="rehearsal")
+    parser.add_argument("--iters", type=int, default=16, help="megatron mode: iterations")
+    parser.add_argument("--steps", type=int, default=14, help="rehearsal mode: steps")
+    parser.add_argument("--slow-from", type=int, default=None,
+                        help="the step the slowdown starts (default: 6 in the rehearsal, "
+                             "iteration 4 in Megatron's loop)")
+    parser.add_argument("--hidden", type=int, default=None,
+                        help="hidden size (default: 32 in the rehearsal, 64 in Megatron's loop)")
     opts = parser.parse_args()
+    print(f"load before: {_load()}", flush=True)
+    code = _rehearsal(opts) if opts.mode == "rehearsal" else _megatron(opts)
+    print(f"load after: {_load()}", flush=True)
+    return code
+
+
+def _load() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.1f}, {five:.1f}, {fifteen:.1f} on {os.cpu_count()} cores"
+
+
+SLOW_CARD, CARD = "A100-SXM-40GB", "A100-SXM-80GB"
+
+
+def _rehearsal(opts) -> int:
+    slow_from, hidden, steps = opts.slow_from or 6, opts.hidden or 32, opts.steps
+    model = {"name": "tiny", "num_layers": 4, "hidden_size": 256, "ffn_hidden_size": 688,
+             "num_attention_heads": 8, "num_query_groups": 8, "vocab_size": 1000,
+             "seq_length": 128}
+    plan = plan_from_data({
+        "format_version": 1, "model": model, "global_batch_size": 12, "precision": "fp16",
+        "tensor_model_parallel_size": 1,
+        "pipelines": [{"micro_batch_size": 1, "num_microbatches": 6, "stages": [
+            {"device_type": first, "num_layers": 2}, {"device_type": CARD, "num_layers": 2}]}
+            for first in (CARD, SLOW_CARD)]})
+    slow_path = "pipelines[1].stages[0]"
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+
+        def run(label, the_plan, path, first, n, **kw):
+            print(f"[bench] {label}", file=sys.stderr, flush=True)
+            config = RehearsalConfig(steps=n, hidden_size=hidden, time_scale=state.get("scale"),
+                                     slow=[parse_slow(f"{path}=2.5@{first}", the_plan, steps=n)],
+                                     **kw)
+            result = rehearse(the_plan, config, calibration=state.get("calibration"),
+                              progress=lambda m: print(f"[bench]   {m}", file=sys.stderr,
+                                                       flush=True))
+            state.setdefault("calibration", result.calibration)
+            state.setdefault("scale", result.time_scale)
+            return result
+
+        state: dict = {}
+        kept = run("shares kept", plan, slow_path, slow_from, steps, telemetry=tmp / "kept")
+        moved = run("rebalanced", plan, slow_path, slow_from, steps, telemetry=tmp / "moved",
+                    rebalance=RebalancePolicy())
+        measured = run("slowed from the start, for tune --from-run", plan, slow_path, 1, 6,
+                       telemetry=tmp / "measured")
+        inventory = tmp / "inventory.yaml"
+        inventory.write_text(f"groups:\n  - {{gpu: {CARD}, nodes: 1, gpus_per_node: 3}}\n"
+                             f"  - {{gpu: {SLOW_CARD}, nodes: 1, gpus_per_node: 1}}\n")
+        retuned_path = tmp / "retuned.yaml"
+        if cli_main(["tune", str(inventory), "--from-run", str(tmp / "measured"), "-q",
+                     "--micro-batch-sizes", "1", "--tensor-parallel-sizes", "1",
+                     "-o", str(retuned_path)]) != 0:
+            return 1
+        retuned = load_any_plan(str(retuned_path))
+        slot = next(retuned.slot_of_rank(r) for r in range(retuned.world_size)
+                    if retuned.device_type_of_rank(r) == SLOW_CARD)
+        path = stage_path(retuned, mesh=slot.mesh, stage=slot.stage, replica=slot.replica)
+        if not retuned.one_grid:
+            path = f"meshes[{slot.mesh}].replicas[{slot.replica}].stages[{slot.stage}]"
+        again = run("the re-tuned plan, slowed from the start", retuned, path, 1, 6)
+
+    def mean(result, first, last=None):  # the steps first..last (counted from 1) of a result
+        xs = [t for n, t in enumerate(result.step_times, 2)
+              if n >= first and (last is None or n <= last)]
+        return statistics.fmean(xs)
+
+    switches = [n for n in moved.rebalance if n.shares is not None]
+    before = mean(kept, 2, slow_from - 1)
+    after_kept = mean(kept, slow_from + 1)
+    print(f"PP=2 x DP=2 rehearsal, 6 + 6 micro-batches, hidden {hidden}, 4 CPU ranks "
+          f"(time scale {state['scale']:.2f}); {slow_path} ({SLOW_CARD}) 2.5x slower from step "
+          f"{slow_from}; mean step over the steps named")
+    print(f"  before the slowdown (steps 2..{slow_from - 1})          {before * 1e3:8.1f} ms")
+    print(f"  after it, shares kept [6, 6] (steps {slow_from + 1}..{steps})     "
+          f"{after_kept * 1e3:8.1f} ms")
+    if not switches:
+        print("  the rebalanced run moved no shares: " + "; ".join(
+            n.message for n in moved.rebalance))
+        return 1
+    first = switches[0].from_step
+    after_moved = mean(moved, first)
+    for note in moved.rebalance:
+        print(f"    rebalance: {note.message}"
+              + (f"; from step {note.from_step}" if note.from_step else ""))
+    predicted = retuned.prediction["step_time_s"]
+    print(f"  after it, rebalanced (steps {first}..{steps})           {after_moved * 1e3:8.1f} ms  "
+          f"(new shares from step {first}: {first - slow_from} step(s) after the slowdown began)")
+    print(f"  re-tuned plan (tune --from-run): {retuned.sizes_text()}, layers "
+          f"{retuned.layer_split}, micro-batches "
+          f"{[p.num_microbatches for p in retuned.meshes[0].pipelines]}")
+    print(f"    predicted                                  {predicted * 1e3:8.1f} ms")
+    print(f"    rehearsed, slowed alike (steps 2..6)       {again.step_s * 1e3:8.1f} ms")
+    print(f"  rebalanced over kept: {after_moved / after_kept:.3f}; rebalanced over the re-tuned "
+          f"plan's predicted step: {after_moved / predicted:.3f} (target <= 1.10); over its "
+          f"rehearsed step: {after_moved / again.step_s:.3f}")
+    return 0
+
+
+def _megatron(opts) -> int:
+    opts.slow_from = opts.slow_from or 4
+    opts.hidden = opts.hidden or 64
     plan = make_plan(split=(2, 2), replicas=[(1, 6), (1, 6)], hidden=opts.hidden, heads=4, seq=64)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "plan.yaml"

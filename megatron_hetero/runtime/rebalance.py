@@ -52,6 +52,7 @@ class LiveShares:
                 print("megatron-hetero: --hetero-rebalance turns on --calculate-per-token-loss",
                       flush=True)
         backend.live_shares = True
+        backend.eval_plan = backend.state.plan  # evaluation keeps the start's shares
         return cls(backend=backend, policy=policy,
                    num_workers=getattr(args, "num_workers", 0) or 0)
 
