@@ -16,7 +16,10 @@ Public API
     forward (``kind="forward"``) and backward (``"backward"``) micro-batch step of that rank
     (the real work only: no communication inside; speed emulation measures and sleeps there);
     ``on_step_end(step, wall_s)``; ``report()`` whose value comes back in ``RankResult.extra``;
-    ``on_built(model_chunks, optimizer)`` once before the first step.
+    ``on_built(model_chunks, optimizer)`` once before the first step; ``on_step_start(step)``;
+    ``around(kind, original, ...)`` around megatron-core's ``schedules.forward_step`` and
+    ``backward_step`` (the telemetry's marks); ``plan_at(step)``, the plan a step runs where
+    live rebalancing moved the replicas' shares (:mod:`.telemetry`).
 ``train_rank(plan, rank, config, hooks=None) -> RankResult``
     Run inside a process of a gloo group of ``plan.world_size`` (see
     :mod:`megatron_hetero.mcore.spawn`); enables the CPU backend (and its offload fixes,
