@@ -95,6 +95,9 @@ def main() -> int:
     parser.add_argument("--time-scale", type=float, default=None,
                         help="rehearsal mode: rehearse --time-scale (default: the rehearsal's "
                              "own); more keeps the emulation ahead of other load")
+    parser.add_argument("--nice", type=int, default=0,
+                        help="rehearsal mode: rehearse --nice (negative, as root, shields the "
+                             "emulated timing from other load)")
     parser.add_argument("--repeats", type=int, default=2,
                         help="rehearsal mode: runs with and without rebalancing, alternated")
     parser.add_argument("--slow-from", type=int, default=None,
@@ -135,7 +138,7 @@ def _rehearsal(opts) -> int:
     def run(label, the_plan, path, first, n, **kw):
         print(f"[bench] {label} ({_load()})", file=sys.stderr, flush=True)
         config = RehearsalConfig(steps=n, hidden_size=hidden,
-                                 time_scale=state.get("scale", opts.time_scale),
+                                 time_scale=state.get("scale", opts.time_scale), nice=opts.nice,
                                  slow=[parse_slow(f"{path}=2.5@{first}", the_plan, steps=n)],
                                  **kw)
         result = rehearse(the_plan, config, calibration=state.get("calibration"))
@@ -207,7 +210,7 @@ def _rehearsal(opts) -> int:
                                     for t in steps_of([r], sw[0].from_step))
     retuned_predicted = retuned.prediction["step_time_s"]
     print(f"PP=2 x DP=2 rehearsal, 6 + 6 micro-batches, hidden {hidden}, 4 CPU ranks (time "
-          f"scale {state['scale']:.2f}); {slow_path} ({SLOW_CARD}) 2.5x slower from step "
+          f"scale {state['scale']:.2f}, nice {opts.nice}); {slow_path} ({SLOW_CARD}) 2.5x slower from step "
           f"{slow_from} of {steps}; {opts.repeats} run(s) of each, alternated; median step")
     print(f"  before the slowdown (steps 2..{slow_from - 1})              {before * 1e3:8.1f} ms")
     print(f"  after it, shares kept 6:6 (steps {slow_from + 1}..)            "
