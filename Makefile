@@ -31,4 +31,5 @@ bench: venv
 	$(VENV)/bin/python scripts/bench_recovery.py
 	$(VENV)/bin/python scripts/bench_telemetry.py
 	$(VENV)/bin/python scripts/bench_rebalance.py
+	$(VENV)/bin/python scripts/bench_rebalance.py --mode megatron
 	$(VENV)/bin/python scripts/bench_mesh_rehearse.py

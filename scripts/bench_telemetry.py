@@ -81,10 +81,11 @@ def main() -> int:
 
 def _idle_call_us(calls: int = 200_000) -> float:
     """Microseconds a hooked call adds when its step is not armed (measured)."""
-    from megatron_hetero.runtime.telemetry import Telemetry, _WallClock
+    from megatron_hetero.runtime.telemetry import Telemetry
+    from megatron_hetero.telemetry.collect import WallClock
 
     tel = Telemetry(directory=Path("."), interval=10, plan=None, plan_path="", slot=None,
-                    device_type="", inventory=None, clock=_WallClock(), layer_spec="local")
+                    device_type="", inventory=None, clock=WallClock(), layer_spec="local")
 
     def original(*a, **kw):
         return None

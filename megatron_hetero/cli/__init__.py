@@ -164,6 +164,22 @@ def _add_rehearse(sub) -> None:
     p.add_argument("--link-latency", type=float, default=20e-6, metavar="S",
                    help="latency of one message on the real links with --emulate-links, in "
                         "seconds (default 2e-05)")
+    p.add_argument("--slow", action="append", default=[], metavar="PATH=FACTOR[@STEP]",
+                   help="make one stage of one replica FACTOR times slower from step STEP on "
+                        "(counted from 1; default 1), e.g. 'pipelines[1].stages[0]=2.5@4'; "
+                        "repeatable")
+    p.add_argument("--telemetry", metavar="DIR",
+                   help="write the runtime's telemetry (telemetry.jsonl, plan.yaml, "
+                        "profile.<type>.yaml) from the CPU ranks to DIR")
+    p.add_argument("--telemetry-interval", type=int, default=1, metavar="N",
+                   help="report every N-th step after the warm-up (default 1)")
+    p.add_argument("--rebalance", action="store_true",
+                   help="move the replicas' micro-batch shares live when one drifts, as "
+                        "--hetero-rebalance does in the runtime")
+    p.add_argument("--rebalance-threshold", type=float, default=1.15, metavar="X",
+                   help="a replica drifts beyond X times the replicas' median (default 1.15)")
+    p.add_argument("--rebalance-patience", type=int, default=2, metavar="N",
+                   help="reports in a row a replica must drift before shares move (default 2)")
     p.add_argument("--max-ranks", type=int, default=16, help=argparse.SUPPRESS)
     p.set_defaults(handler="megatron_hetero.cli.rehearse:rehearse_main")
 

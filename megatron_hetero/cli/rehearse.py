@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 from ..hardware.inventory import load_inventory
 from ..placement.inventory import check_against_inventory
 from ..plan import load_any_plan
 from ..emulate.host import check_rank_count
+from ..emulate.slow import parse_slow
 from ..errors import HeteroError
 from ..limits import check_quantity
+from ..telemetry.rebalance import RebalancePolicy, check_rebalanceable
 
 __all__ = ["rehearse_main"]
 
@@ -26,6 +29,11 @@ def rehearse_main(args) -> int:
     if inventory is not None:
         check_against_inventory(plan, inventory, source=args.plan)
     check_rank_count(plan, max_ranks=args.max_ranks, source=args.plan)  # before torch loads
+    slow = [parse_slow(text, plan, steps=args.steps) for text in args.slow]
+    policy = _rebalance_policy(args, plan)
+    if args.telemetry_interval is not None and not 1 <= args.telemetry_interval <= 1000:
+        raise HeteroError(f"--telemetry-interval: found {args.telemetry_interval}; expected a "
+                          "number of steps from 1 to 1000")
     # megatron-core and torch load here, seconds, once the plan is known to be rehearsable
     from ..emulate.rehearse import RehearsalConfig, format_report, rehearse
     try:
@@ -33,7 +41,10 @@ def rehearse_main(args) -> int:
                                  time_scale=args.time_scale, memory_cap=not args.no_memory_cap,
                                  seed=args.seed, max_ranks=args.max_ranks, nice=args.nice,
                                  emulate_links=args.emulate_links,
-                                 link_latency_s=args.link_latency)
+                                 link_latency_s=args.link_latency, slow=slow,
+                                 telemetry=Path(args.telemetry) if args.telemetry else None,
+                                 telemetry_interval=args.telemetry_interval,
+                                 rebalance=policy)
     except ValueError as exc:
         raise HeteroError(str(exc)) from None
     if args.time_scale is not None:  # finite and in range for the config; bounded here
@@ -54,3 +65,22 @@ def rehearse_main(args) -> int:
         print(f"verify: losses and final parameters match the single-process run "
               f"(fp32, rtol 1e-5, atol 1e-5) over {config.steps} steps, both trained with {how}")
     return 0
+
+
+def _rebalance_policy(args, plan) -> RebalancePolicy | None:
+    """``--rebalance``'s policy (its flags checked, the plan checked rebalanceable), or None."""
+    if not args.rebalance:
+        for flag, value, default in (("--rebalance-threshold", args.rebalance_threshold, 1.15),
+                                     ("--rebalance-patience", args.rebalance_patience, 2)):
+            if value != default:
+                raise HeteroError(f"{flag}: given without --rebalance")
+        return None
+    threshold, patience = args.rebalance_threshold, args.rebalance_patience
+    if not (1.0 < threshold <= 100.0):  # NaN fails too
+        raise HeteroError(f"--rebalance-threshold: found {threshold}; expected a ratio above 1 "
+                          "and at most 100")
+    if not 1 <= patience <= 1000:
+        raise HeteroError(f"--rebalance-patience: found {patience}; expected a number of "
+                          "reports from 1 to 1000")
+    check_rebalanceable(plan, source=args.plan)
+    return RebalancePolicy(threshold=threshold, patience=patience)

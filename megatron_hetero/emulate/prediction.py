@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from ..plan import Mesh, Plan
 from .calibration import Calibration
 
-__all__ = ["EmulatedProfile", "emulated_name", "emulated_cluster", "emulated_plan",
+__all__ = ["EmulatedProfile", "emulated_name", "emulated_cluster", "emulated_plan", "emulated_cost",
            "emulated_sends", "predict", "trainer_shards_optimizer"]
 
 
@@ -120,20 +120,27 @@ def emulated_plan(shrunk: Plan, catalog) -> Plan:
                                catalog=catalog)
 
 
+def emulated_cost(shrunk: Plan, calibration, factors: dict[str, float]):
+    """(``shrunk`` relabelled onto the emulated cluster, the tuner's cost model of that
+    cluster): what :func:`predict` simulates."""
+    from ..cost.model import CostModel
+
+    inventory, profiles, options = emulated_cluster(dict(shrunk.device_counts()), calibration,
+                                                    factors)
+    emu = emulated_plan(shrunk, inventory.catalog)
+    return emu, CostModel(emu.model, inventory, profiles=profiles, precision="fp32",
+                          use_distributed_optimizer=trainer_shards_optimizer(shrunk), **options)
+
+
 def predict(shrunk: Plan, calibration, factors: dict[str, float], *, links=None):
     """The tuner's cost model and simulator on the emulated cluster (:func:`emulated_cluster`)
     for ``shrunk`` (any shape) as the CPU ranks run it (fp32); ``calibration``: one
     :class:`Calibration` or one per device type; ``links``: the rehearsal's emulated link table
     (:func:`.links.rehearsal_links`, one grid), whose sends then take the place of gloo's
     (:func:`emulated_sends`). Returns a ``SimResult``."""
-    from ..cost.model import CostModel
     from ..sim.step import simulate
 
-    inventory, profiles, options = emulated_cluster(dict(shrunk.device_counts()), calibration,
-                                                    factors)
-    emu = emulated_plan(shrunk, inventory.catalog)
-    cost = CostModel(emu.model, inventory, profiles=profiles, precision="fp32",
-                     use_distributed_optimizer=trainer_shards_optimizer(shrunk), **options)
+    emu, cost = emulated_cost(shrunk, calibration, factors)
     if links is None:
         return simulate(emu, cost, record_events=False)
     return simulate(emu, cost, record_events=False,

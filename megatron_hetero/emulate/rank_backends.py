@@ -72,10 +72,13 @@ class RankBackend(ABC):
         keeps between runs in this process."""
 
     @abstractmethod
-    def run(self, batches: Callable[[], Iterator], forward_step, forward_only: bool) -> float:
+    def run(self, batches: Callable[[], Iterator], forward_step, forward_only: bool, *,
+            plan: Plan | None = None) -> float:
         """One pass of the schedule over the step's micro-batches (``batches()``: a fresh
         iterator of this replica's micro-batches of the step), ``forward_step`` the schedule's
-        ``forward_step_func``; returns the step's loss over the whole model (every rank)."""
+        ``forward_step_func``; returns the step's loss over the whole model (every rank).
+        ``plan``: the step's plan where live rebalancing moved the replicas' shares (the
+        plan the rank was built for, with other micro-batch counts; one grid only)."""
 
     @abstractmethod
     def params(self) -> dict[str, tuple[Any, int | None, bool]]:
@@ -93,7 +96,6 @@ class GridRank(RankBackend):
     def __init__(self, plan: Plan, slot: Slot, config) -> None:
         from megatron.core import parallel_state as ps
         from megatron.core import tensor_parallel
-        from megatron.core.pipeline_parallel import get_forward_backward_func
 
         assert ps.get_data_parallel_rank() == slot.replica, "Megatron rank order is not tp-dp-pp"
         assert ps.get_pipeline_model_parallel_rank() == slot.stage
@@ -102,9 +104,16 @@ class GridRank(RankBackend):
         stage = plan.stage_of_slot(slot)
         self.chunks, self.models = self._build_chunks(plan, slot, stage, config)
         self.ddps, self.optimizer = self._wrap_for_training(plan, stage, self.models, config)
-        self.forward_backward = join_offload_summary(schedule_for(  # non-offloading ranks join
-            plan, slot.replica, get_forward_backward_func()), plan, stage)
+        self.forward_backward = self._schedule(plan)
         self.last_stage = ps.is_pipeline_last_stage()  # holds the loss (on its last chunk)
+
+    def _schedule(self, plan: Plan):
+        """The schedule of this rank's replica under ``plan`` (its per-stage warm-ups)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        return join_offload_summary(schedule_for(  # non-offloading ranks join
+            plan, self.slot.replica, get_forward_backward_func()), plan,
+            plan.stage_of_slot(self.slot))
 
     @classmethod
     @contextlib.contextmanager
@@ -166,15 +175,17 @@ class GridRank(RankBackend):
                                         else ddps[0].start_grad_sync)
         return ddps, optimizer
 
-    def run(self, batches, forward_step, forward_only: bool) -> float:
+    def run(self, batches, forward_step, forward_only: bool, *, plan=None) -> float:
         import torch
         import torch.distributed as dist
 
-        plan, pipe = self.plan, self.plan.meshes[0].pipelines[self.slot.replica]
+        plan = plan or self.plan
+        pipe = plan.meshes[0].pipelines[self.slot.replica]
+        schedule = self.forward_backward if plan is self.plan else self._schedule(plan)
         # every chunk reads the replica's micro-batches in order (the interleaved schedule
         # takes one iterator per chunk)
         data = [batches() for _ in self.ddps]
-        reduced = self.forward_backward(
+        reduced = schedule(
             forward_step_func=forward_step, data_iterator=data if len(data) > 1 else data[0],
             model=self.ddps, num_microbatches=pipe.num_microbatches,
             seq_length=plan.model.seq_length, micro_batch_size=pipe.micro_batch_size,
@@ -266,9 +277,12 @@ class ChainRank(RankBackend):
             from megatron.core.pipeline_parallel.bridge_communicator import BridgeCommunicator
             BridgeCommunicator.destroy_broadcast_pgs()
 
-    def run(self, batches, forward_step, forward_only: bool) -> float:
+    def run(self, batches, forward_step, forward_only: bool, *, plan=None) -> float:
         from ..mcore.mesh_train import whole_model_loss
 
+        if plan is not None and plan != self.plan:
+            raise HeteroError("live rebalancing moves the shares of one grid; this plan is a "
+                              "chain of meshes")
         reduced = self.schedule(self.built, forward_step, batches(), forward_only=forward_only)
         return whole_model_loss(self.plan, self.slot, reduced)
 

@@ -9,6 +9,7 @@ import contextlib
 from ..errors import HeteroError
 from ..plan import Plan
 from .calibration import _all_reduce_seconds, _renice
+from .telemetry import LiveConfig, RankLive
 
 __all__ = ["rehearsal_hooks", "user_error"]
 
@@ -99,12 +100,14 @@ def _world_allreduce_gb_s(plan: Plan) -> float:
 
 def rehearsal_hooks(plan: Plan, rank: int, *, factors: dict[str, float],
                     time_scale: float, caps: dict[int, tuple[float, float, float]] | None,
-                    enforce_caps: bool = True, nice: int = 0, links=None):
+                    enforce_caps: bool = True, nice: int = 0, links=None,
+                    live: LiveConfig | None = None):
     """``hooks_factory`` of the rehearsal (runs inside each rank process): the rank's
     :class:`~.trainer.RankHooks` emulating its device's speed (``factors[device] / time_scale``
     slower than the CPU, on top of the time scale), with ``caps`` its memory (``caps[rank]``
-    = (cap, device bytes, scale); enforced when ``enforce_caps``) and with ``links`` (every
-    rank's :func:`.links.plan_links` table) the time of its pipeline messages."""
+    = (cap, device bytes, scale); enforced when ``enforce_caps``), with ``links`` (every
+    rank's :func:`.links.plan_links` table) the time of its pipeline messages and with
+    ``live`` its slowdowns, telemetry and live rebalancing (:mod:`.telemetry`)."""
     from .links import emulate_links
     from .memory import MemoryMeter, meter_module_input_offload
     from .speed import SpeedEmulation
@@ -127,8 +130,28 @@ def rehearsal_hooks(plan: Plan, rank: int, *, factors: dict[str, float],
             meter_module_input_offload(meter)  # the inputs its offload manager keeps
     emu = _RankEmulation(speed, meter)
     emu.allreduce_gb_s = allreduce_gb_s
-    return RankHooks(compute=emu.compute, on_step_end=emu.on_step_end, report=emu.report,
-                     on_built=emu.on_built)
+    if live is None:
+        return RankHooks(compute=emu.compute, on_step_end=emu.on_step_end, report=emu.report,
+                         on_built=emu.on_built)
+    rank_live = RankLive(plan=plan, rank=rank, config=live, speed=speed)
+
+    def on_built(model_chunks, optimizer):
+        emu.on_built(model_chunks, optimizer)
+        rank_live.on_built(model_chunks, optimizer)
+
+    def on_step_end(step: int, wall_s: float):
+        emu.on_step_end(step, wall_s)
+        rank_live.on_step_end(step, wall_s)
+
+    def report():
+        return {**emu.report(), "rebalance": rank_live.notes,
+                "shares": [(first, [p.num_microbatches for p in plan.pipelines])
+                           for first, plan in rank_live.shares.switches]}
+
+    return RankHooks(compute=emu.compute, on_step_end=on_step_end, report=report,
+                     on_built=on_built, on_step_start=rank_live.on_step_start,
+                     around=rank_live.around,
+                     plan_at=rank_live.plan_at if live.rebalance is not None else None)
 
 
 def _place(plan: Plan, rank: int) -> tuple[str, int, int]:

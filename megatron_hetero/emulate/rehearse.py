@@ -48,11 +48,13 @@ from __future__ import annotations
 import functools
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from ..errors import HeteroError
 from ..hardware.catalog import Catalog, load_catalog
 from ..plan import Plan
+from ..telemetry.rebalance import RebalancePolicy, check_rebalanceable
 from .calibration import Calibration, _mean, activation_scale, calibrate
 from .drift import cpu_drifts, in_run_calibrations, measured_allreduce_gb_s
 from .host import MAX_RANKS, auto_time_scale, check_host_capacity
@@ -61,6 +63,8 @@ from .prediction import predict, trainer_shards_optimizer
 from .rank_backends import backend_for
 from .rank_hooks import rehearsal_hooks, user_error
 from .report import RehearsalResult, format_report, stage_reports
+from .slow import SlowStage
+from .telemetry import LiveConfig
 from .shrink import offload_min_numel, shrink_plan, without_module_inputs
 from .trainer import TrainConfig, compare_results, reference_plan, train_plan
 
@@ -106,6 +110,15 @@ class RehearsalConfig:
     link_latency_s: float = 20e-6
     """Latency of one real pipeline message on every link, with ``emulate_links`` (seconds on
     the real cluster, scaled like the bandwidth; the cost model's default)."""
+    slow: list[SlowStage] = field(default_factory=list)
+    """``--slow``: stages of one replica made slower from a step on (:mod:`.slow`)."""
+    telemetry: Path | None = None
+    """``--telemetry DIR``: the runtime's telemetry files, written from the ranks
+    (:mod:`.telemetry`)."""
+    telemetry_interval: int = 1
+    """Report every N-th step after the warm-up (``--telemetry-interval``)."""
+    rebalance: RebalancePolicy | None = None
+    """``--rebalance``: move the replicas' micro-batch shares live, as the runtime does."""
 
     def __post_init__(self) -> None:
         # the rehearse command's option of each field is named: the CLI passes them through
@@ -118,6 +131,10 @@ class RehearsalConfig:
         if self.time_scale is not None and not 1 <= self.time_scale < math.inf:
             raise ValueError(f"time_scale (--time-scale): found {self.time_scale}; expected a "
                              "finite number >= 1")
+        if not 1 <= self.telemetry_interval <= 1000:
+            raise ValueError(f"telemetry_interval (--telemetry-interval): found "
+                             f"{self.telemetry_interval}; expected a number of steps from 1 "
+                             "to 1000")
         if not 0 <= self.link_latency_s < math.inf:
             raise ValueError(f"link_latency_s (--link-latency): found {self.link_latency_s}; "
                              "expected a finite number of seconds >= 0")
@@ -165,6 +182,8 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
     if config.emulate_links and inventory is None:
         raise HeteroError(f"{source}: link emulation (--emulate-links) needs the inventory "
                           "(--inventory): the links between the plan's GPUs come from it")
+    if config.rebalance is not None:
+        check_rebalanceable(plan, source=source)
     catalog = catalog or plan.catalog or load_catalog()
     say = progress or (lambda msg: None)
     shrunk, kept_inputs = shrink_plan(plan, config.hidden_size, catalog), []
@@ -195,9 +214,14 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
                         offload_min_numel=offload_min_numel(plan, shrunk))
     metered = config.meter_memory or config.memory_cap
     links, link_stretch = _links(plan, shrunk, config, inventory, calibration, factors)
+    live = None
+    if config.slow or config.telemetry is not None or config.rebalance is not None:
+        live = LiveConfig(slow=list(config.slow), directory=config.telemetry,
+                          interval=config.telemetry_interval, rebalance=config.rebalance,
+                          calibration=calibrations, factors=factors)
     hooks = functools.partial(rehearsal_hooks, factors=factors, time_scale=time_scale,
                               caps=caps if metered else None, enforce_caps=config.memory_cap,
-                              nice=config.nice, links=links)
+                              nice=config.nice, links=links, live=live)
     result, verify_message = train_and_verify(shrunk, tconf, hooks=hooks, verify=verify,
                                               say=say)
 
@@ -223,7 +247,9 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
                            losses=result.losses, calibration=calibration, time_scale=time_scale,
                            verify_message=verify_message, kept_module_inputs=kept_inputs,
                            verify_optimizer=optimizer if verify else None,
-                           links=links, link_stretch=link_stretch)
+                           links=links, link_stretch=link_stretch,
+                           rebalance=(result.ranks[0].extra or {}).get("rebalance", []),
+                           slow=list(config.slow), telemetry=config.telemetry)
 
 
 def _calibrate_devices(shrunk: Plan, factors: dict[str, float],

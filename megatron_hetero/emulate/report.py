@@ -93,6 +93,13 @@ class RehearsalResult:
     (:func:`.links.rehearsal_links`); None without."""
     link_stretch: float | None = None
     """With link emulation: emulated seconds per real second the link times were scaled by."""
+    rebalance: list = field(default_factory=list)
+    """With ``--rebalance``: what live rebalancing said, in order
+    (:class:`~megatron_hetero.telemetry.records.RebalanceNote`)."""
+    slow: list = field(default_factory=list)
+    """The ``--slow`` stages (:class:`.slow.SlowStage`)."""
+    telemetry: object = None
+    """The ``--telemetry`` folder (None: none written)."""
 
     @property
     def ratio(self) -> float | None:
@@ -215,6 +222,19 @@ def format_report(result: RehearsalResult, *, source: str = "PLAN",
         lines.append(f"  (the ranks' compute took {result.cpu_drift:.2f}x the CPU time the "
                      f"start-up calibration measured{per}; from that calibration alone the "
                      f"prediction is {result.a_priori_step_s:.3f} s)")
+    for sl in result.slow:
+        lines.append(f"slowed: {sl.path} {sl.factor:g}x from step {sl.from_step} (steps counted "
+                     "from 1; the report's slow column shows the last step's)")
+    if result.step_times and (result.slow or result.rebalance):
+        lines.append("step times: " + ", ".join(f"{x:.3f}" for x in result.step_times)
+                     + " s (steps 2.." + str(len(result.step_times) + 1) + ")")
+    for note in result.rebalance:
+        lines.append(f"rebalance: {note.message}"
+                     + (f"; from step {note.from_step}" if note.from_step else ""))
+    if result.telemetry is not None:
+        lines.append(f"telemetry: {result.telemetry}/telemetry.jsonl, plan.yaml (the shrunk plan "
+                     "that ran) and its profiles; megatron-hetero report "
+                     f"{result.telemetry}")
     lines.append("losses: " + ", ".join(f"{x:.4f}" for x in result.losses))
     return "\n".join(lines)
 

@@ -16,7 +16,10 @@ Public API
     forward (``kind="forward"``) and backward (``"backward"``) micro-batch step of that rank
     (the real work only: no communication inside; speed emulation measures and sleeps there);
     ``on_step_end(step, wall_s)``; ``report()`` whose value comes back in ``RankResult.extra``;
-    ``on_built(model_chunks, optimizer)`` once before the first step.
+    ``on_built(model_chunks, optimizer)`` once before the first step; ``on_step_start(step)``;
+    ``around(kind, original, ...)`` around megatron-core's ``schedules.forward_step`` and
+    ``backward_step`` (the telemetry's marks); ``plan_at(step)``, the plan a step runs where
+    live rebalancing moved the replicas' shares (:mod:`.telemetry`).
 ``train_rank(plan, rank, config, hooks=None) -> RankResult``
     Run inside a process of a gloo group of ``plan.world_size`` (see
     :mod:`megatron_hetero.mcore.spawn`); enables the CPU backend (and its offload fixes,
@@ -147,6 +150,17 @@ class RankHooks:
     on_built: Callable[[list, Any], None] | None = None
     """Called once with the model chunks (``[DistributedDataParallel]``) and the optimizer,
     after they are built and before the first step."""
+    on_step_start: Callable[[int], None] | None = None
+    """Called before each step with the step index (0 is the first)."""
+    around: Callable[..., Any] | None = None
+    """``around(kind, original, *args, **kwargs)`` wraps each call of megatron-core's
+    ``schedules.forward_step`` (``kind="forward"``) and ``backward_step`` (``"backward"``)
+    during training steps and returns its value (the telemetry's marks:
+    :class:`~megatron_hetero.telemetry.collect.RankCapture`)."""
+    plan_at: Callable[[int], Plan] | None = None
+    """The plan step ``step`` runs, where live rebalancing moved the replicas' micro-batch
+    shares (one grid; the forward-only pass after training takes ``plan_at(steps)``); None: the
+    plan throughout."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -274,28 +288,42 @@ def micro_batches(plan: Plan, slot: Slot, step: int, seed: int):
 
 
 # -- one rank -------------------------------------------------------------------------------------
-_compute_hook: list[Callable[[str], ContextManager] | None] = [None]
+_active: list[RankHooks | None] = [None]
+"""The hooks of the steps this process is training (None outside them)."""
 
 
-def _install_backward_hook() -> None:
-    """Wrap ``schedules.backward_step`` (and its multimodule twin) once for RankHooks.compute."""
+def _install_schedule_hooks() -> None:
+    """Wrap megatron-core's ``schedules.forward_step`` and ``backward_step`` (and its
+    multimodule twin) once for :attr:`RankHooks.around` and, on the backward,
+    :attr:`RankHooks.compute`."""
     from megatron.core.pipeline_parallel import schedules
-    for name in ("backward_step", "backward_step_multimodule"):
+    for name, kind in (("forward_step", "forward"), ("backward_step", "backward"),
+                       ("backward_step_multimodule", "backward")):
         original = getattr(schedules, name, None)
         if original is None or getattr(original, "_hetero_wrapped", False):
             continue
-        setattr(schedules, name, _wrapped_backward(original))
+        setattr(schedules, name, _wrapped(original, kind))
 
 
-def _wrapped_backward(original):
+def _wrapped(original, kind: str):
     @functools.wraps(original)
-    def backward_step(*args, **kwargs):
-        hook = _compute_hook[0]
-        with hook("backward") if hook else contextlib.nullcontext():
+    def step(*args, **kwargs):
+        hooks = _active[0]
+        if hooks is None:
             return original(*args, **kwargs)
+        call = original if kind == "forward" or hooks.compute is None else \
+            functools.partial(_computed, hooks.compute, original)
+        if hooks.around is not None:
+            return hooks.around(kind, call, *args, **kwargs)
+        return call(*args, **kwargs)
 
-    backward_step._hetero_wrapped = True
-    return backward_step
+    step._hetero_wrapped = True
+    return step
+
+
+def _computed(compute, original, *args, **kwargs):
+    with compute("backward"):
+        return original(*args, **kwargs)
 
 
 def _loss_func(loss_mask, output_tensor):
@@ -311,7 +339,8 @@ def forward_step(data_iterator, model_chunk):
     """The schedule's ``forward_step_func``: one micro-batch through ``model_chunk`` (inside
     ``RankHooks.compute("forward")`` while :func:`train_steps` trains) and its loss function."""
     batch = next(data_iterator)
-    hook = _compute_hook[0]  # RankHooks.compute while training, None in evaluation
+    hooks = _active[0]  # RankHooks.compute while training, None in evaluation
+    hook = hooks.compute if hooks is not None else None
     with hook("forward") if hook else contextlib.nullcontext():
         out = model_chunk(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return out, functools.partial(_loss_func, batch["loss_mask"])
@@ -327,11 +356,13 @@ def train_steps(run: Callable[[int, bool], float], ddps: list, optimizer, config
     steps, and the forward-only loss (None without it)."""
     import torch
 
-    _install_backward_hook()
+    _install_schedule_hooks()
     losses, times, grad_norms = [], [], []
-    _compute_hook[0] = hooks.compute
+    _active[0] = hooks
     try:
         for step in range(config.steps):
+            if hooks.on_step_start:
+                hooks.on_step_start(step)
             t0 = time.perf_counter()
             for ddp in ddps:
                 ddp.zero_grad_buffer()
@@ -345,7 +376,7 @@ def train_steps(run: Callable[[int, bool], float], ddps: list, optimizer, config
             if hooks.on_step_end:
                 hooks.on_step_end(step, times[-1])
     finally:
-        _compute_hook[0] = None
+        _active[0] = None
     eval_loss = None
     if config.eval_forward_only:
         for ddp in ddps:
@@ -379,9 +410,11 @@ def train_rank(plan: Plan, rank: int, config: TrainConfig | None = None,
             hooks.on_built(backend.ddps, backend.optimizer)
 
         def run(step: int, forward_only: bool) -> float:
+            now = hooks.plan_at(step) if hooks.plan_at else plan  # the step's shares
             # looked up at each step: a test's hooks may replace this module's micro_batches
-            batches = functools.partial(micro_batches, plan, slot, step, config.seed)
-            return backend.run(batches, forward_step, forward_only)
+            batches = functools.partial(micro_batches, now, slot, step, config.seed)
+            return backend.run(batches, forward_step, forward_only,
+                               plan=None if now is plan else now)
 
         losses, times, grad_norms, eval_loss = train_steps(run, backend.ddps, backend.optimizer,
                                                            config, hooks)

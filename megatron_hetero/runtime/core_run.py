@@ -148,6 +148,13 @@ class CoreBackend(Backend):
     replicas then run the uneven path (their own micro-batches and samplers) from the start."""
     train_sampler: object = field(default=None, init=False)
     """The training data loader's sampler (Megatron builds the training loader first)."""
+    eval_plan: Plan | None = field(default=None, init=False)
+    """With ``--hetero-rebalance``: the plan the run started with, whose shares evaluation
+    keeps. Only the training loader's sampler switches (:mod:`.rebalance`); the validation and
+    test loaders keep cutting every global batch by these shares, so the forward-only steps
+    run these counts too (:meth:`replica_forward_backward`): switching an evaluation loader
+    exactly would need a batch its prefetch has not cut yet, and evaluation, forward only and
+    occasional, gains little from the balance."""
 
     @classmethod
     def start(cls, args, plan: Plan, *, path: str, argv: Sequence[str]) -> "CoreBackend":
@@ -210,14 +217,16 @@ class CoreBackend(Backend):
 
     def replica_forward_backward(self, fb):
         """Wrap a schedule so that it runs this replica's micro-batches when called with
-        Megatron's global-accounting count (training and evaluation steps both are)."""
+        Megatron's global-accounting count (training and evaluation steps both are; evaluation
+        runs :attr:`eval_plan`'s where live rebalancing moved the training shares)."""
         st = self.state
 
         @functools.wraps(fb)
         def forward_backward(*a, **kw):
             if kw.get("num_microbatches") != st.virtual_num_microbatches:
                 return fb(*a, **kw)
-            pipe = st.pipeline
+            evaluating = kw.get("forward_only") and self.eval_plan is not None
+            pipe = self.eval_plan.pipelines[st.slot.pipeline] if evaluating else st.pipeline
             kw["num_microbatches"] = pipe.num_microbatches
             kw["micro_batch_size"] = pipe.micro_batch_size
             args, saved = st.args, st.args.micro_batch_size

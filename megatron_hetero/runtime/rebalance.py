@@ -52,6 +52,7 @@ class LiveShares:
                 print("megatron-hetero: --hetero-rebalance turns on --calculate-per-token-loss",
                       flush=True)
         backend.live_shares = True
+        backend.eval_plan = backend.state.plan  # evaluation keeps the start's shares
         return cls(backend=backend, policy=policy,
                    num_workers=getattr(args, "num_workers", 0) or 0)
 
@@ -64,11 +65,7 @@ class LiveShares:
 
     def decide(self, record: StepRecord) -> RebalanceNote | None:
         """Rank 0: the decision at this report, or None."""
-        decision = self.rebalancer.decide(self.backend.state.plan, record)
-        if decision.shares is None:
-            return RebalanceNote(message=decision.message) if decision.message else None
-        return RebalanceNote(message=decision.message, shares=decision.shares,
-                             from_step=record.step + 1 + self.lookahead())
+        return self.rebalancer.note(self.backend.state.plan, record, lookahead=self.lookahead())
 
     def schedule(self, note: RebalanceNote | None, *, rank: int) -> None:
         """Every rank: take rank 0's decision (switch this replica's sampler now, its

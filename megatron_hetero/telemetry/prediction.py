@@ -19,7 +19,8 @@ from ..plan import Plan
 from ..sim.step import simulate
 from .records import StageFigures
 
-__all__ = ["Prediction", "predict", "implied_inventory", "stage_path", "plan_cost_model"]
+__all__ = ["Prediction", "predict", "implied_inventory", "stage_path", "stage_names",
+           "plan_cost_model", "prediction_of"]
 
 NODE_GPUS = 8
 """GPUs per node of the implied inventory."""
@@ -32,6 +33,21 @@ def stage_path(plan: Plan, *, mesh: int, stage: int, replica: int) -> str:
     if plan.one_grid:
         return f"pipelines[{replica}].stages[{stage}]"
     return f"meshes[{mesh}].stages[{stage}]"
+
+
+def stage_names(plan: Plan) -> dict[str, tuple[int, int, int]]:
+    """Every stage of every replica by the names a user may give it -> (mesh, stage in the
+    mesh, replica): its telemetry path (:func:`stage_path`) where that names one replica's
+    stage (one grid, or a mesh of one replica), and ``meshes[k].replicas[r].stages[j]``
+    (format 2's words) always."""
+    out = {}
+    for k, mesh in enumerate(plan.meshes):
+        for r in range(mesh.data_parallel_size):
+            for j in range(mesh.num_stages):
+                if plan.one_grid or mesh.data_parallel_size == 1:
+                    out[stage_path(plan, mesh=k, stage=j, replica=r)] = (k, j, r)
+                out[f"meshes[{k}].replicas[{r}].stages[{j}]"] = (k, j, r)
+    return out
 
 
 def implied_inventory(plan: Plan) -> Inventory:
@@ -76,7 +92,14 @@ def predict(plan: Plan, inventory: Inventory | None = None, *, source: str | Non
         inventory = implied_inventory(plan)
         source = "catalog figures, one group per device type (no --hetero-inventory)"
     cost = plan_cost_model(plan, inventory, flash_attention=flash_attention)
-    sim = simulate(plan, cost, record_events=False)
+    return prediction_of(plan, cost, simulate(plan, cost, record_events=False),
+                         source=source or inventory.source, inventory=inventory)
+
+
+def prediction_of(plan: Plan, cost: CostModel, sim, *, source: str,
+                  inventory: Inventory | None) -> Prediction:
+    """The telemetry's figures of ``sim`` (the simulator's step of ``plan`` priced by
+    ``cost``), per stage of each replica."""
     index = plan.stage_index
     stages = {}
     for s in sim.stages:
@@ -87,5 +110,5 @@ def predict(plan: Plan, inventory: Inventory | None = None, *, source: str | Non
         stages[(s.pipeline, s.stage)] = StageFigures(
             forward_s=s.forward_s * m, backward_s=s.backward_s * m, sync_s=s.sync_s - opt,
             optimizer_s=opt, wait_s=max(0.0, sim.step_time_s - s.busy_s - s.sync_s))
-    return Prediction(step_time_s=sim.step_time_s, stages=stages,
-                      source=source or inventory.source, inventory=inventory)
+    return Prediction(step_time_s=sim.step_time_s, stages=stages, source=source,
+                      inventory=inventory)

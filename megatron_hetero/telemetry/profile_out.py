@@ -15,9 +15,11 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Callable
 
 from .._schema import write_yaml
 from .._version import __version__
+from ..cost.model import CostModel
 from ..cost.profile_file import run_profile_name
 from ..cost.profile_schema import (FORMAT_VERSION, DeviceInfo, PartTimes, ProfileData,
                                    ProfileEntry, Software, Timing)
@@ -51,10 +53,15 @@ def run_factors(records: list[StepRecord]) -> dict[str, tuple[float, float]]:
     return {d: (mf / pf, mb / pb) for d, (mf, pf, mb, pb) in sums.items() if pf > 0 and pb > 0}
 
 
-def run_profiles(plan: Plan, records: list[StepRecord], inventory: Inventory, *,
-                 software: Software, layer_spec: str, backend: str) -> dict[str, ProfileData]:
-    """The profile of each device type of the run (see the module docstring)."""
-    cost = plan_cost_model(plan, inventory)  # per-part prices: gradient overlap changes none
+def run_profiles(plan: Plan, records: list[StepRecord], inventory: Inventory | None, *,
+                 software: Software, layer_spec: str, backend: str, cost: CostModel | None = None,
+                 priced_as: Callable[[str], str] = str) -> dict[str, ProfileData]:
+    """The profile of each device type of the run (see the module docstring). ``cost``: the
+    cost model the records' predictions came from, where that is not the plan's on
+    ``inventory`` (the rehearsal's emulated cluster, whose device ``priced_as(d)`` plays the
+    plan's ``d``)."""
+    # per-part prices: gradient overlap changes none
+    cost = cost or plan_cost_model(plan, inventory)
     shapes: dict[str, set[tuple[int, int]]] = {}
     for mesh in plan.meshes:
         for pipe in mesh.pipelines:
@@ -69,7 +76,7 @@ def run_profiles(plan: Plan, records: list[StepRecord], inventory: Inventory, *,
             parts = {}
             for part, times in (("layer", cost.layer_times), ("embedding", cost.embedding_times),
                                 ("output", cost.output_times)):
-                f, bw = times(device, b, tp)
+                f, bw = times(priced_as(device), b, tp)
                 parts[part] = PartTimes(forward_s=max(kf * f, LEAST_S), backward_s=max(kb * bw, LEAST_S))
             entries.append(ProfileEntry(micro_batch_size=b, tensor_parallel_size=tp, **parts))
         out[device] = ProfileData(

@@ -29,7 +29,7 @@ from ..errors import HeteroError
 from ..plan import Plan
 from ..plan.format1 import replace_grid
 from ..schedule.shares import water_fill
-from .records import StepRecord
+from .records import RebalanceNote, StepRecord
 
 __all__ = ["RebalancePolicy", "Decision", "Rebalancer", "check_rebalanceable", "replica_costs",
            "with_shares"]
@@ -140,6 +140,16 @@ class Rebalancer:
                                 f"replicas' median for {self.policy.patience} report(s): shares "
                                 f"{counts} -> {shares} (slowest replica {before:.3g} s -> "
                                 f"{after:.3g} s as measured)")
+
+    def note(self, plan: Plan, record: StepRecord, *, lookahead: int = 0) -> RebalanceNote | None:
+        """The decision at this report as the telemetry writes it (None: nothing to say): new
+        shares run from step ``record.step + 1 + lookahead`` (``lookahead``: global batches the
+        data loader may have started beyond the next)."""
+        decision = self.decide(plan, record)
+        if decision.shares is None:
+            return RebalanceNote(message=decision.message) if decision.message else None
+        return RebalanceNote(message=decision.message, shares=decision.shares,
+                             from_step=record.step + 1 + lookahead)
 
     def _once(self, message: str) -> Decision:
         if message == self.said:

@@ -18,6 +18,7 @@ from megatron_hetero.cli import main
 from megatron_hetero.emulate.shrink import shrink_plan
 from megatron_hetero.hardware.catalog import load_catalog
 from megatron_hetero.plan import load_any_plan
+from megatron_hetero.telemetry.records import read_records
 
 from ..conftest import REPO, one_line_error
 
@@ -72,10 +73,11 @@ def test_mesh_memory_caps_scale_each_mesh_device():
 
 
 @pytest.mark.slow
-def test_mesh_plan_rehearses_and_verifies(mcore_env):
+def test_mesh_plan_rehearses_and_verifies(mcore_env, tmp_path):
     """The example plan (Llama-2 7B on four 16-24 GB cards, no distributed optimizer) does not
     fit its cards: capped, the rehearsal stops at the first rank past its scaled memory; with
-    --no-memory-cap it runs, meters each rank's peak and matches one process."""
+    --no-memory-cap it runs, meters each rank's peak and matches one process, its telemetry
+    (``--telemetry``) naming each stage by its mesh path."""
     env = mcore_env | {"PYTHONWARNINGS": "ignore"}
     capped = subprocess.run([sys.executable, "-m", "megatron_hetero.cli", "rehearse", str(PLAN),
                              "--steps", "2", "--hidden-size", "32"],
@@ -83,7 +85,8 @@ def test_mesh_plan_rehearses_and_verifies(mcore_env):
     assert capped.returncode == 1 and "ran out of memory" in capped.stderr, capped.stderr[-3000:]
     assert "Traceback" not in capped.stderr
     out = subprocess.run([sys.executable, "-m", "megatron_hetero.cli", "rehearse", str(PLAN),
-                          "--steps", "2", "--hidden-size", "32", "--verify", "--no-memory-cap"],
+                          "--steps", "2", "--hidden-size", "32", "--verify", "--no-memory-cap",
+                          "--telemetry", str(tmp_path / "tel")],
                          env=mcore_env | {"PYTHONWARNINGS": "ignore"}, cwd=REPO,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-2000:]
@@ -101,6 +104,10 @@ def test_mesh_plan_rehearses_and_verifies(mcore_env):
     assert slow / fast == pytest.approx(want, rel=0.01)
     assert "measured/predicted" in text and "by the tuner's cost model" in text
     assert "verify: losses and final parameters match" in text
+    (record,) = read_records(tmp_path / "tel")  # step 2: step 1 is the warm-up
+    assert [(st.path, st.replica, st.stage, st.micro_batches) for st in record.stages] == [
+        ("meshes[0].stages[0]", 0, 0, 8), ("meshes[1].stages[0]", 0, 1, 8),
+        ("meshes[0].stages[0]", 1, 0, 8)]
 
 
 A_PRIORI_BOUND = 4.0

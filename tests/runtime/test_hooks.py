@@ -190,6 +190,24 @@ def test_schedule_wrapper_runs_this_replicas_micro_batches():
     assert seen[-1] == (5, 2, 2)
 
 
+def test_evaluation_keeps_the_shares_its_loader_cuts_after_rebalancing():
+    """Live rebalancing switches the training shares (``state.plan``) and the training
+    sampler; the evaluation loaders keep the start's slices, so a forward-only step runs the
+    start's count (``eval_plan``) while a training step runs the new one."""
+    plan = make_plan(replicas=[(1, 3), (1, 3)])
+    args = SimpleNamespace(micro_batch_size=1)
+    backend = _backend(plan, 1, args)
+    backend.state.virtual_num_microbatches = 6
+    backend.eval_plan = plan
+    backend.state.plan = make_plan(replicas=[(1, 5), (1, 1)])  # what a switch leaves
+    seen = []
+    wrapped = backend.replica_forward_backward(
+        lambda **kw: seen.append((kw["forward_only"], kw["num_microbatches"])))
+    wrapped(num_microbatches=6, micro_batch_size=1, forward_only=False)
+    wrapped(num_microbatches=6, micro_batch_size=1, forward_only=True)
+    assert seen == [(False, 1), (True, 3)]
+
+
 def test_replica_loader_reads_its_share():
     torch = pytest.importorskip("torch")
     plan = make_plan(replicas=[(2, 1), (1, 2)])  # gbs 4: replica 0 takes 0-1, replica 1 2-3
