@@ -38,7 +38,7 @@ from ..placement.nodes import Placement
 from .stage import StageShape
 
 __all__ = ["mesh_stage_shape", "Bridge", "bridge_seconds",
-           "bridges", "same_replicas"]
+           "bridges", "bridge_crossings", "bridge_bytes", "same_replicas"]
 
 
 def mesh_stage_shape(plan: Plan, mesh: int, stage: int, replica: int) -> StageShape:
@@ -100,6 +100,22 @@ def _bridge(plan: Plan, placement: Placement, inventory, ka: int, kb: int,
                   hubs=tuple(hubs),
                   src_broadcast_gb_s=inventory.intra_node_bandwidth(src[0].group),
                   dst_broadcast_gb_s=inventory.intra_node_bandwidth(dst[0].group))
+
+
+def bridge_crossings(plan: Plan) -> list[int]:
+    """How often each micro-batch crosses each bridge of :func:`bridges` per direction: once
+    per model chunk between consecutive meshes, once per chunk but the last over the
+    wrap-around bridge (the last mesh's chunk ``c`` to mesh 0's chunk ``c + 1``)."""
+    v, n = plan.virtual_pipeline_size, len(plan.meshes)
+    return [v] * (n - 1) + ([v - 1] if plan.interleaved_chain else [])
+
+
+def bridge_bytes(plan: Plan, cost) -> list[float]:
+    """Bytes each bridge of :func:`bridges` carries per step in each direction (activations
+    forward, their gradients back: the same tensors), over all replicas: every sample crosses
+    it :func:`bridge_crossings` times as one 16-bit ``[s, 1, h]`` slice."""
+    sample = cost.hidden_bytes(1, 1)
+    return [n * plan.global_batch_size * sample for n in bridge_crossings(plan)]
 
 
 def _micro(replicas: list[Replica], r: int | None) -> int:
