@@ -137,3 +137,20 @@ def test_no_runtime_yet_refused_by_validate_args_and_rehearse(tmp_path, capsys):
         err = capsys.readouterr().err
         assert "meshes[0].stages[0].chunk_layers" in err and "runtime is pending" in err, err
     check_runnable(mesh_plan_from_data(copy.deepcopy(BASE), source="p.yaml"), source="p.yaml")
+
+
+def test_the_runtime_entry_refuses_it_by_its_field(tmp_path):
+    """``pretrain_gpt.py --hetero-plan`` and the launcher load a mesh plan through
+    ``runtime.meshes.mesh_plan_of``: a chunked one stops there, before anything is built."""
+    from megatron_hetero.runtime import releases
+    from megatron_hetero.runtime.meshes import mesh_plan_of
+
+    if not releases.has("multimodule_schedule"):
+        pytest.skip("this megatron-core refuses every mesh plan first (naming 0.17)")
+    path = tmp_path / "p.yaml"
+    save_any_plan(mesh_plan_from_data(_chunked([[5, 5], [4, 6], [6, 6]], microbatch_group_size=4),
+                                      source="p.yaml"), path)
+    with pytest.raises(SchemaError) as exc:
+        mesh_plan_of(str(path))
+    assert exc.value.path == "meshes[0].stages[0].chunk_layers"
+    assert mesh_plan_of(str(REPO / "examples/meshes/3090-t4-plan.yaml")) is not None
