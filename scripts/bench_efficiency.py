@@ -51,21 +51,22 @@ def shares(plan, sim, inventory, rate) -> dict[str, float]:
     total = sum(n * rate(g) for g, n in inventory.gpu_counts().items())
     out = dict.fromkeys(SHARES, 0.0)
     used = 0.0
-    by_slot = {(s.pipeline, s.stage): s for s in sim.stages}
     head = 2.0 * model.seq_length * model.hidden_size * model.vocab_size  # output layer, unpadded
-    for d, pipe in enumerate(plan.pipelines):
+    last = plan.pipeline_model_parallel_size - 1
+    for res in sim.stages:  # every (replica, stage) of any plan shape
+        k, j = plan.stage_index[res.stage]
+        mesh = plan.meshes[k]
+        pipe = mesh.pipelines[res.pipeline]
         b = pipe.micro_batch_size
-        for s, stage in enumerate(pipe.stages):
-            res = by_slot[(d, s)]
-            w = plan.tensor_model_parallel_size * rate(stage.device_type)
-            flops = stage.num_layers * M.layer_forward_flops(model, b)
-            if s == len(pipe.stages) - 1:
-                flops += b * head
-            used += w
-            out["busy+"] += w * (res.busy_s - 3.0 * flops * pipe.num_microbatches / w)
-            out["bubble"] += w * res.bubble_s
-            out["sync"] += w * res.sync_s
-            out["idle"] += w * res.idle_s
+        w = mesh.tensor_model_parallel_size * rate(res.device_type)
+        flops = res.num_layers * M.layer_forward_flops(model, b)
+        if res.stage == last:
+            flops += b * head
+        used += w
+        out["busy+"] += w * (res.busy_s - 3.0 * flops * pipe.num_microbatches / w)
+        out["bubble"] += w * res.bubble_s
+        out["sync"] += w * res.sync_s
+        out["idle"] += w * res.idle_s
     out = {k: v / (total * step) for k, v in out.items()}
     out["unused"] = (total - used) / total
     return out

@@ -13,6 +13,10 @@ subprocess of this script (``--json-one``) that imports megatron_hetero from its
 (scripts/_trees.py; both read this tree's scenarios). It prints each tree's median search time
 (wall and CPU), the ratio new/old and whether both trees tuned the same plan and step time;
 exit status 1 when they did not. ``--compare-tree PATH`` does the same against a source tree.
+``--meshes`` searches mesh plans too (``TuneOptions.meshes``) in every run, and ``--mesh-chunks``
+mesh plans with model chunks as well where the tree has that option (an older tree then runs
+its search with meshes alone: today's search against the one with chunks); the result compared
+is then the winner (``TuneResult.best``).
 """
 
 from __future__ import annotations
@@ -82,19 +86,26 @@ def load_scenario(path: Path):
     return inventory, model, int(data["global_batch_size"]), bool(data.get("quick", False))
 
 
-def json_one(path: Path, max_vp: int | None) -> dict:
+def json_one(path: Path, max_vp: int | None, meshes: bool = False,
+             mesh_chunks: bool = False) -> dict:
     """Tune one scenario: its search time and what it found (``--json-one``)."""
+    import dataclasses
+
     import megatron_hetero
     inventory, model, gbs, _ = load_scenario(path)
     options = TuneOptions()
     if max_vp is not None:
         options.max_virtual_pipeline_size = max_vp
+    chunks = mesh_chunks and "mesh_chunks" in {f.name for f in dataclasses.fields(TuneOptions)}
+    if meshes or chunks:
+        options = dataclasses.replace(options, meshes=True, **({"mesh_chunks": True} if chunks else {}))
     r = tune(model, inventory, gbs, options=options)
-    plan = r.plan.to_data()
+    best = getattr(r, "best", (r.plan, r.sim)) if meshes or chunks else (r.plan, r.sim)
+    plan = best[0].to_data()
     plan.pop("prediction", None)
     return {"scenario": path.stem, "gpus": inventory.num_gpus,
             "search_time_s": r.search_time_s, "search_cpu_s": r.search_cpu_s,
-            "step_time_s": r.sim.step_time_s,
+            "step_time_s": best[1].step_time_s, "mesh_chunks": chunks,
             "baseline_step_time_s": r.baseline_sim.step_time_s if r.baseline_sim else None,
             "structures_evaluated": r.structures_evaluated,
             "refine_simulations": getattr(r, "refine_simulations", None),
@@ -102,8 +113,8 @@ def json_one(path: Path, max_vp: int | None) -> dict:
             "package": str(Path(megatron_hetero.__file__).resolve().parent)}
 
 
-def _run_one(tree: Path, path: Path, max_vp: int | None) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--json-one", str(path)]
+def _run_one(tree: Path, path: Path, max_vp: int | None, flags: tuple[str, ...] = ()) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--json-one", str(path), *flags]
     if max_vp is not None:
         cmd += ["--max-virtual-pipeline-size", str(max_vp)]
     proc = subprocess.run(cmd, env=_trees.tree_env(tree), capture_output=True, text=True)
@@ -115,12 +126,13 @@ def _run_one(tree: Path, path: Path, max_vp: int | None) -> dict:
 
 
 def against(paths: list[Path], old_tree: Path, old_name: str, repeats: int, quick: bool,
-            max_vp: int | None) -> int:
+            max_vp: int | None, flags: tuple[str, ...] = ()) -> int:
     """Time each scenario's search under ``old_tree`` and this tree, ``repeats`` times each,
     alternating which runs first; print the medians and their ratio."""
     header = (f"{'scenario':34s} {'GPUs':>5s} {'old s':>7s} {'new s':>7s} {'new/old':>7s} "
               f"{'old cpu':>7s} {'new cpu':>7s} {'new/old':>7s}  same result")
     print(f"old: {old_name} ({old_tree})\nnew: this tree ({REPO})\n"
+          + (f"options: {' '.join(flags)}\n" if flags else "") +
           f"search time: median of {repeats} run(s) per tree, each a fresh process, the tree "
           f"that runs first alternating\n")
     print(header)
@@ -134,7 +146,7 @@ def against(paths: list[Path], old_tree: Path, old_name: str, repeats: int, quic
         runs: dict[str, list[dict]] = {"old": [], "new": []}
         for k in range(repeats):
             for which in (("old", "new") if (i + k) % 2 == 0 else ("new", "old")):
-                got = _run_one(trees[which], path, max_vp)
+                got = _run_one(trees[which], path, max_vp, flags)
                 if Path(got["package"]).resolve().parent != trees[which]:
                     raise SystemExit(f"{path.stem}: the {which} run imported {got['package']}")
                 runs[which].append(got)
@@ -181,13 +193,17 @@ def main(argv=None) -> int:
                        help="time the search of this tree against the source tree at PATH's")
     which.add_argument("--json-one", metavar="SCENARIO",
                        help="tune one scenario file and print its search time and result as JSON")
+    ap.add_argument("--meshes", action="store_true", help="search mesh plans too")
+    ap.add_argument("--mesh-chunks", action="store_true",
+                    help="search mesh plans with model chunks too (where the tree has them)")
     ap.add_argument("--repeats", type=int, default=3, metavar="N",
                     help="with --against: runs per scenario and tree, median taken (default 3)")
     ap.add_argument("scenarios", nargs="*", help="scenario files (default: all in examples/scenarios)")
     args = ap.parse_args(argv)
     if args.json_one:
         _trees.check_imported(_TREE)
-        print(json.dumps(json_one(Path(args.json_one), args.max_virtual_pipeline_size)))
+        print(json.dumps(json_one(Path(args.json_one), args.max_virtual_pipeline_size,
+                                  args.meshes, args.mesh_chunks)))
         return 0
     paths = [Path(p) for p in args.scenarios] or sorted(SCENARIOS.glob("*.yaml"))
     if args.against or args.compare_tree:
@@ -196,8 +212,10 @@ def main(argv=None) -> int:
         with _trees.other_tree(args.against, args.compare_tree) as tree:
             name = (f"{args.against} ({_trees.describe(args.against)})" if args.against
                     else args.compare_tree)
+            flags = tuple(f for f, on in (("--meshes", args.meshes),
+                                          ("--mesh-chunks", args.mesh_chunks)) if on)
             return against(paths, tree, name, args.repeats, args.quick,
-                           args.max_virtual_pipeline_size)
+                           args.max_virtual_pipeline_size, flags)
     header = (f"{'scenario':34s} {'GPUs':>5s} {'search s':>8s} {'cpu s':>6s} {'tuned s':>9s} {'searched':>8s} {'baseline s':>10s} "
               f"{'bound s':>9s} {'speedup':>7s} {'room':>6s} {'effic.':>6s} {'1F1B':>5s} {'VPP':>5s}  plan")
     print(header)

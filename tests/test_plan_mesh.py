@@ -106,7 +106,7 @@ def test_format_1_loader_refuses_a_mesh_plan_by_its_version():
      "meshes[1].replicas[7]", "keeps every sample on one replica's path"),
     (_with(m0=("device_type", "RTX 3090")), "meshes[0].device_type", "a canonical catalog name"),
     (_with(m1=("stages", [{"num_layers": 12, "chunk_layers": [6, 6]}])),
-     "meshes[1].stages[0].chunk_layers", "one of num_layers, recompute, offload"),
+     "meshes[1].stages[0].chunk_layers", "absent, as in meshes[0].stages[0]"),
 ])
 def test_errors_name_the_field(data, path, expected):
     err = _error(data)

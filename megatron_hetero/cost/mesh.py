@@ -20,6 +20,11 @@ The bridge (megatron-core's ``BridgeCommunicator``) between mesh ``a`` (``D_a`` 
 * backward: the same transfers carry the gradients the other way (the hub splits or joins
   them), then ``a``'s leaders broadcast ``[s, b_a, h]`` gradients inside their ``T_a`` group.
 
+With model chunks (:attr:`~megatron_hetero.plan.Plan.interleaved_chain`) every chunk boundary
+between meshes is such a bridge, each crossed once per micro-batch and chunk in each direction,
+and one more joins the last mesh's last stage (chunk ``c``) to mesh 0's first stage (chunk
+``c + 1``): the wrap-around bridge, priced the same way with the last mesh sending.
+
 Each message pays the cost model's ``p2p_latency_s``. Links are taken one transfer at a time
 (concurrent transfers of different hubs on one inter-node link are not slowed down).
 """
@@ -33,7 +38,7 @@ from ..placement.nodes import Placement
 from .stage import StageShape
 
 __all__ = ["mesh_stage_shape", "Bridge", "bridge_seconds",
-           "bridges", "same_replicas"]
+           "bridges", "bridge_crossings", "bridge_bytes", "same_replicas"]
 
 
 def mesh_stage_shape(plan: Plan, mesh: int, stage: int, replica: int) -> StageShape:
@@ -62,31 +67,55 @@ class Bridge:
 
 def bridges(plan: Plan, placement: Placement, inventory,
             replica_of_path: int | None = None) -> list[Bridge]:
-    """The bridge after every mesh but the last. ``replica_of_path``: where every mesh has the
+    """The bridge after every mesh but the last, then, with model chunks, the wrap-around
+    bridge from the last mesh back to mesh 0. ``replica_of_path``: where every mesh has the
     same replicas, the one path (replica index) to cost; None costs the slowest hub of all."""
-    out = []
-    for k in range(len(plan.meshes) - 1):
-        a, b = plan.meshes[k], plan.meshes[k + 1]
-        da, db = a.data_parallel_size, b.data_parallel_size
-        src = [placement.node(k, a.num_stages - 1, r) for r in range(da)]
-        dst = [placement.node(k + 1, 0, r) for r in range(db)]
-        if da >= db:  # each leader of b joins da/db tensors (one when equal)
-            ratio = da // db
-            hubs = [tuple(placement.link_bandwidth(src[i * ratio + x], dst[i]) for x in range(ratio))
-                    for i in range(db)]
-        else:  # each leader of a splits its tensor over db/da leaders of b
-            ratio = db // da
-            hubs = [tuple(placement.link_bandwidth(src[i], dst[i * ratio + x]) for x in range(ratio))
-                    for i in range(da)]
-        if replica_of_path is not None:
-            hubs = [hubs[replica_of_path]]
-        out.append(Bridge(src_tp=a.tensor_model_parallel_size, dst_tp=b.tensor_model_parallel_size,
-                          src_micro_batch=_micro(a.replicas, replica_of_path),
-                          dst_micro_batch=_micro(b.replicas, replica_of_path),
-                          hubs=tuple(hubs),
-                          src_broadcast_gb_s=inventory.intra_node_bandwidth(src[0].group),
-                          dst_broadcast_gb_s=inventory.intra_node_bandwidth(dst[0].group)))
-    return out
+    n = len(plan.meshes)
+    pairs = [(k, k + 1) for k in range(n - 1)]
+    if plan.interleaved_chain:
+        pairs.append((n - 1, 0))
+    return [_bridge(plan, placement, inventory, a, b, replica_of_path) for a, b in pairs]
+
+
+def _bridge(plan: Plan, placement: Placement, inventory, ka: int, kb: int,
+            replica_of_path: int | None) -> Bridge:
+    """The bridge from mesh ``ka``'s last stage to mesh ``kb``'s first stage."""
+    a, b = plan.meshes[ka], plan.meshes[kb]
+    da, db = a.data_parallel_size, b.data_parallel_size
+    src = [placement.node(ka, a.num_stages - 1, r) for r in range(da)]
+    dst = [placement.node(kb, 0, r) for r in range(db)]
+    if da >= db:  # each leader of b joins da/db tensors (one when equal)
+        ratio = da // db
+        hubs = [tuple(placement.link_bandwidth(src[i * ratio + x], dst[i]) for x in range(ratio))
+                for i in range(db)]
+    else:  # each leader of a splits its tensor over db/da leaders of b
+        ratio = db // da
+        hubs = [tuple(placement.link_bandwidth(src[i], dst[i * ratio + x]) for x in range(ratio))
+                for i in range(da)]
+    if replica_of_path is not None:
+        hubs = [hubs[replica_of_path]]
+    return Bridge(src_tp=a.tensor_model_parallel_size, dst_tp=b.tensor_model_parallel_size,
+                  src_micro_batch=_micro(a.replicas, replica_of_path),
+                  dst_micro_batch=_micro(b.replicas, replica_of_path),
+                  hubs=tuple(hubs),
+                  src_broadcast_gb_s=inventory.intra_node_bandwidth(src[0].group),
+                  dst_broadcast_gb_s=inventory.intra_node_bandwidth(dst[0].group))
+
+
+def bridge_crossings(plan: Plan) -> list[int]:
+    """How often each micro-batch crosses each bridge of :func:`bridges` per direction: once
+    per model chunk between consecutive meshes, once per chunk but the last over the
+    wrap-around bridge (the last mesh's chunk ``c`` to mesh 0's chunk ``c + 1``)."""
+    v, n = plan.virtual_pipeline_size, len(plan.meshes)
+    return [v] * (n - 1) + ([v - 1] if plan.interleaved_chain else [])
+
+
+def bridge_bytes(plan: Plan, cost) -> list[float]:
+    """Bytes each bridge of :func:`bridges` carries per step in each direction (activations
+    forward, their gradients back: the same tensors), over all replicas: every sample crosses
+    it :func:`bridge_crossings` times as one 16-bit ``[s, 1, h]`` slice."""
+    sample = cost.hidden_bytes(1, 1)
+    return [n * plan.global_batch_size * sample for n in bridge_crossings(plan)]
 
 
 def _micro(replicas: list[Replica], r: int | None) -> int:

@@ -15,6 +15,11 @@ card under the cost model is :func:`megatron_hetero.sim.fits.check_fits`).
 
 What depends on the installed stack (Transformer Engine, its ``NVTE_CPU_OFFLOAD_V1``) is the
 runtime's check at start (:func:`megatron_hetero.runtime.policies.check_supported`).
+
+:func:`check_runnable` refuses what no runtime of this project runs yet, though the cost model
+and the simulator take it: interleaved 1F1B over a chain of meshes (a mesh plan whose stages
+list ``chunk_layers``, issue 28). ``validate``, ``args``, ``rehearse`` and the runtime's entry
+call it, so such a plan is refused with its field path rather than run wrongly.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from __future__ import annotations
 from ..errors import Described, SchemaError
 from .types import Plan
 
-__all__ = ["check_offload", "stage_layers", "optimizer_offload_runs",
+__all__ = ["check_offload", "check_runnable", "RUNTIME_PENDING", "stage_layers", "optimizer_offload_runs",
            "plan_stages", "stage_path", "FP32_OPTIMIZER_OFFLOAD"]
 
 FP32_OPTIMIZER_OFFLOAD = (
@@ -65,6 +70,25 @@ def stage_path(plan: Plan, replica: int, stage: int) -> str:
     return f"meshes[{k}].stages[{j}]"
 
 
+RUNTIME_PENDING = (
+    "interleaved 1F1B over a chain of meshes is planned (simulate prices it; tune searches it "
+    "with --mesh-chunks) but its runtime is pending: megatron-core's multimodule schedule has "
+    "no interleaved form (docs/meshes.md)")
+"""Why :func:`check_runnable` refuses a mesh plan with model chunks."""
+
+
+def check_runnable(plan: Plan, *, source: str) -> None:
+    """Raise :class:`SchemaError` where ``plan`` asks for a schedule no runtime runs yet: model
+    chunks (``chunk_layers``) in a chain of meshes (:attr:`.types.Plan.interleaved_chain`)."""
+    if not plan.interleaved_chain:
+        return
+    first = plan.meshes[0].pipelines[0].stages[0]
+    hint = ("; its meshes share TP and DP, so as a format-1 plan (one grid) megatron-core's own "
+            "interleaved schedule runs it" if plan.shares_tp_dp else "")
+    raise SchemaError(source, "meshes[0].stages[0].chunk_layers", first.chunk_layers,
+                      f"absent in every stage: {RUNTIME_PENDING}{hint}")
+
+
 def check_offload(plan: Plan, *, source: str) -> None:
     """Raise :class:`SchemaError` at the first stage whose offload megatron-core refuses (see
     the module docstring)."""
@@ -104,7 +128,7 @@ def stage_layers(plan: Plan, s: int) -> str:
     split = plan.layer_split
     v = getattr(plan, "virtual_pipeline_size", 1)
     if v > 1:
-        chunks = [st.chunk_layers for st in plan.pipelines[0].stages]
+        chunks = [st.chunk_layers for m in plan.meshes for st in m.pipelines[0].stages]
         spans, start = [], 0
         for c in range(v):
             for i, row in enumerate(chunks):

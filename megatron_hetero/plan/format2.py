@@ -20,6 +20,15 @@ So every sample of a micro-batch crosses a boundary whole or split evenly:
   micro-batches, each mesh's replicas the same micro-batch size, and ``D_a x mbs_a = D_b x
   mbs_b`` (the micro-batch divides evenly across the boundary).
 
+Interleaving (issue 28): a stage may list ``chunk_layers`` as a format-1 stage does; then every
+stage of the chain lists the same number ``v`` of chunks (the plan's ``virtual_pipeline_size``,
+read off them), and the model runs chunk 0 of every stage of every mesh, then chunk 1, and so
+on. Every chunk boundary between meshes is a bridge, including the wrap-around from the last
+mesh's chunk ``c`` to mesh 0's chunk ``c + 1``, so the last mesh's and mesh 0's data-parallel
+sizes divide one another too. ``microbatch_group_size`` is format 1's. The simulator and the
+search run such plans; no runtime does yet (:func:`.checks.check_runnable` refuses them for
+``validate``, ``rehearse`` and the runtime).
+
 Rank numbering (the runtime builds one megatron-core ``HyperCommGrid`` per mesh, shape
 ``[T, 1, D, P]`` over ``["tp", "cp", "dp", "pp"]``, with ``rank_offset`` the ranks of the
 meshes before it): mesh ``k``'s ranks are ``offset_k .. offset_k + T_k D_k P_k - 1``, and slot
@@ -41,6 +50,7 @@ from ..errors import Described, SchemaError
 from ..hardware.catalog import Catalog, GPUSpec
 from .experts import check_experts
 from .format1 import bind_catalog, check_device_type, plan_from_data
+from ..schedule.rules import group_fits
 from .policy import Offload, Recompute
 from .stages import ModelSpec, Pipeline, Replica, Stage
 from .types import Mesh, Plan
@@ -60,10 +70,21 @@ class MeshStage:
     num_layers: int
     recompute: Recompute = field(default_factory=Recompute)
     offload: Offload = field(default_factory=Offload)
+    chunk_layers: list[int] | None = None
+    """With interleaving: the layers of each of the stage's model chunks, in chunk order (at
+    least 2; they add up to ``num_layers``). Every stage of the chain lists as many, or none."""
 
     def __post_init__(self) -> None:
         if self.num_layers < 0:
             raise SchemaError("", "num_layers", self.num_layers, "a non-negative integer")
+        if self.chunk_layers is not None:
+            if len(self.chunk_layers) < 2 or min(self.chunk_layers) < 0:
+                raise SchemaError("", "chunk_layers", self.chunk_layers,
+                                  "a list of at least 2 non-negative layer counts, one per model "
+                                  "chunk (or absent: one chunk)")
+            if sum(self.chunk_layers) != self.num_layers:
+                raise SchemaError("", "chunk_layers", self.chunk_layers,
+                                  f"counts adding up to num_layers ({self.num_layers})")
         if self.recompute.num_layers is not None and self.recompute.num_layers > max(self.num_layers, 1):
             raise SchemaError("", "recompute.num_layers", self.recompute.num_layers,
                               f"at most the stage's num_layers ({self.num_layers})")
@@ -130,6 +151,9 @@ class Format2Plan:
     """Shard each stage's optimizer state over its mesh's replicas."""
     overlap_grad_reduce: bool = False
     """Overlap each mesh's gradient reduction with its last backward."""
+    microbatch_group_size: int | None = None
+    """With interleaving (stages list ``chunk_layers``): micro-batches that run one model chunk
+    in a row, as in format 1 (None: the pipeline size, all meshes' stages)."""
     gpus: dict[str, GPUSpec] = field(default_factory=dict)
     """As in format 1 (:class:`.format1.Format1Plan`): catalog entries the plan carries. Left out of the
     file when empty."""
@@ -169,6 +193,65 @@ class Format2Plan:
         self._check_layers()
         for k in range(len(self.meshes) - 1):
             self._check_boundary(k)
+        self._check_chunks()
+
+    def _check_chunks(self) -> None:
+        """Interleaving as format 1 checks it (:meth:`.format1.Format1Plan._check_chunks`), over
+        every stage of the chain, plus the wrap-around bridge."""
+        v, g, p = self.virtual_pipeline_size, self.microbatch_group_size, len(self.stage_index)
+        if v == 1:
+            for k, j in self.stage_index:
+                got = self.meshes[k].stages[j].chunk_layers
+                if got is not None:
+                    raise SchemaError("", f"meshes[{k}].stages[{j}].chunk_layers", got,
+                                      "absent, as in meshes[0].stages[0] (every stage of the "
+                                      "chain runs the same number of model chunks)")
+            if g is not None:
+                raise SchemaError("", "microbatch_group_size", g,
+                                  "absent (it groups the micro-batches of the interleaved "
+                                  "schedule, and no stage lists chunk_layers)")
+            return
+        for k, j in self.stage_index:
+            got = self.meshes[k].stages[j].chunk_layers
+            if got is None or len(got) != v:
+                raise SchemaError("", f"meshes[{k}].stages[{j}].chunk_layers", got,
+                                  f"a list of {v} layer counts, as meshes[0].stages[0] (every "
+                                  "stage of the chain runs the same number of model chunks)")
+        if p == 1:
+            raise SchemaError("", "meshes[0].stages[0].chunk_layers",
+                              self.meshes[0].stages[0].chunk_layers,
+                              "absent when there is a single pipeline stage (interleaving needs "
+                              "pipeline parallelism)")
+        for k, mesh in enumerate(self.meshes):
+            for r, rep in enumerate(mesh.replicas):
+                m = rep.num_microbatches
+                if m % p and g is None:
+                    raise SchemaError("", f"meshes[{k}].replicas[{r}].num_microbatches", m,
+                                      f"a multiple of the {p} pipeline stages (whole groups of "
+                                      "micro-batches under the interleaved schedule), or a "
+                                      "microbatch_group_size whose groups it fills")
+                if g is not None and not group_fits(g, p, [m]):
+                    raise SchemaError("", "microbatch_group_size", g,
+                                      f"between the {p} pipeline stages and "
+                                      f"meshes[{k}].replicas[{r}]'s {m} micro-batches, with "
+                                      f"{m} % group 0 or at least {p} (Megatron's interleaved "
+                                      "schedule refuses other groups)")
+        chunks = self.virtual_stage_layers
+        for i, n in enumerate(chunks):
+            if n == 0 and 0 < i < len(chunks) - 1:
+                c, s = divmod(i, p)
+                k, j = self.stage_index[s]
+                raise SchemaError("", f"meshes[{k}].stages[{j}].chunk_layers[{c}]", 0,
+                                  "at least 1 layer (only the first chunk of the first stage and "
+                                  "the last chunk of the last stage may hold just the embedding "
+                                  "or the loss)")
+        d0, dl = self.meshes[0].data_parallel_size, self.meshes[-1].data_parallel_size
+        if len(self.meshes) > 1 and max(d0, dl) % min(d0, dl):
+            raise SchemaError("", f"meshes[{len(self.meshes) - 1}].replicas",
+                              Described(f"{dl} replicas, with {d0} in meshes[0]"),
+                              f"a multiple or a divisor of meshes[0]'s {d0} replicas (with "
+                              "model chunks the last mesh's chunk c feeds mesh 0's chunk c + 1 "
+                              "over a bridge, which joins or splits whole micro-batches)")
 
     def _check_layers(self) -> None:
         split = self.layer_split
@@ -228,13 +311,31 @@ class Format2Plan:
     def layer_split(self) -> list[int]:
         return [st.num_layers for mesh in self.meshes for st in mesh.stages]
 
+    @property
+    def virtual_pipeline_size(self) -> int:
+        """Model chunks per stage: mesh 0's first stage's ``chunk_layers`` (1 without)."""
+        got = self.meshes[0].stages[0].chunk_layers
+        return 1 if got is None else len(got)
+
+    @property
+    def virtual_stage_layers(self) -> list[int]:
+        """Layers per virtual pipeline stage in model order (chunk-major over every stage of
+        the chain); the stage totals without chunks."""
+        stages = [st for mesh in self.meshes for st in mesh.stages]
+        v = self.virtual_pipeline_size
+        if v == 1:
+            return [st.num_layers for st in stages]
+        return [st.chunk_layers[c] for c in range(v) for st in stages]
+
     def plan(self) -> Plan:
         """The one in-memory plan: these meshes, each replica of a mesh running the mesh's
         stages on its device type (one stage list shared by the replicas)."""
         meshes = []
         for mesh in self.meshes:
             stages = [Stage(device_type=mesh.device_type, num_layers=st.num_layers,
-                            recompute=st.recompute, offload=st.offload) for st in mesh.stages]
+                            recompute=st.recompute, offload=st.offload,
+                            chunk_layers=None if st.chunk_layers is None else list(st.chunk_layers))
+                      for st in mesh.stages]
             meshes.append(Mesh(tensor_model_parallel_size=mesh.tensor_model_parallel_size,
                                expert_model_parallel_size=mesh.expert_model_parallel_size,
                                expert_tensor_parallel_size=mesh.expert_tensor_parallel_size,
@@ -244,7 +345,9 @@ class Format2Plan:
         return Plan(model=self.model, global_batch_size=self.global_batch_size, meshes=meshes,
                     precision=self.precision,
                     use_distributed_optimizer=self.use_distributed_optimizer,
-                    overlap_grad_reduce=self.overlap_grad_reduce, gpus=self.gpus,
+                    overlap_grad_reduce=self.overlap_grad_reduce,
+                    virtual_pipeline_size=self.virtual_pipeline_size,
+                    microbatch_group_size=self.microbatch_group_size, gpus=self.gpus,
                     prediction=self.prediction, catalog=self.catalog)
 
 

@@ -96,6 +96,8 @@ def megatron_args(plan: Plan, plan_path: str | None = None) -> list[str]:
         args = [*_model_args(plan.model), "--global-batch-size", str(plan.global_batch_size)]
         if len(plan.layer_split) > 1:
             args += ["--pipeline-model-parallel-layout", plan.layout()]
+        if plan.microbatch_group_size is not None:
+            args += [GROUP_FLAG, str(plan.microbatch_group_size)]
     args += _expert_args(plan)
     if plan.precision != "fp32":
         args.append(f"--{plan.precision}")

@@ -16,6 +16,9 @@ Questions about the plan's shape are answered here, once:
   implementations, also where its meshes share TP and DP (:attr:`Plan.shares_tp_dp`).
 - :attr:`Plan.replicas_differ`: uneven data parallelism (some mesh's replicas differ in
   micro-batch size or count).
+- :attr:`Plan.interleaved_chain`: a chain of several meshes whose stages run model chunks
+  (``chunk_layers``): the cost model and the simulator run it; no runtime does yet
+  (:func:`.checks.check_runnable`).
 
 Rank numbering: mesh ``k``'s ranks are ``offset_k .. offset_k + T_k D_k P_k - 1`` (megatron-core's
 ``HyperCommGrid`` with ``rank_offset``), and slot (mesh ``k``, stage ``j`` of the mesh, replica
@@ -201,8 +204,8 @@ class Plan:
     overlap_grad_reduce: bool = False
     """Overlap the data-parallel gradient reduction with the last micro-batch's backward."""
     virtual_pipeline_size: int = 1
-    """Model chunks per pipeline stage (format 1 only: one mesh; every stage lists
-    ``chunk_layers``)."""
+    """Model chunks per pipeline stage of every mesh (> 1: every stage lists ``chunk_layers``,
+    and the model runs chunk 0 of every stage of every mesh, then chunk 1, ...)."""
     microbatch_group_size: int | None = None
     """With interleaving: micro-batches that run one model chunk in a row (None: the pipeline
     size)."""
@@ -222,8 +225,10 @@ class Plan:
         if sum(self.layer_split) != self.model.num_layers:
             raise ValueError(f"stages hold {sum(self.layer_split)} layers, the model "
                              f"{self.model.num_layers}")
-        if self.virtual_pipeline_size != 1 and not self.one_grid:
-            raise ValueError("interleaving needs a plan of one mesh")
+        v = self.virtual_pipeline_size
+        if v > 1 and any(s.chunk_layers is None or len(s.chunk_layers) != v
+                         for m in self.meshes for s in m.pipelines[0].stages):
+            raise ValueError(f"virtual_pipeline_size {v}: every stage needs {v} chunk_layers")
 
     # -- shape -----------------------------------------------------------------------------------
     @property
@@ -244,6 +249,12 @@ class Plan:
     def replicas_differ(self) -> bool:
         """Uneven data parallelism: some mesh's replicas differ in micro-batch size or count."""
         return any(not m.even for m in self.meshes)
+
+    @property
+    def interleaved_chain(self) -> bool:
+        """A chain of several meshes whose stages run ``virtual_pipeline_size`` > 1 model chunks
+        (interleaved 1F1B across meshes: simulated and searched; no runtime yet)."""
+        return self.virtual_pipeline_size > 1 and len(self.meshes) > 1
 
     @property
     def uniform_data_parallel(self) -> bool:
@@ -267,11 +278,11 @@ class Plan:
 
     @property
     def virtual_stage_layers(self) -> list[int]:
-        """Layers per virtual pipeline stage in model order (chunk-major); the stage totals
-        when ``virtual_pipeline_size`` is 1."""
+        """Layers per virtual pipeline stage in model order (chunk-major, over every stage of
+        every mesh); the stage totals when ``virtual_pipeline_size`` is 1."""
         if self.virtual_pipeline_size == 1:
             return self.layer_split
-        stages = self.meshes[0].pipelines[0].stages
+        stages = [s for mesh in self.meshes for s in mesh.pipelines[0].stages]
         return [s.chunk_layers[c] for c in range(self.virtual_pipeline_size) for s in stages]
 
     @property
@@ -443,15 +454,15 @@ class Plan:
     def format_version(self) -> int:
         """The simplest file format that expresses the plan: 1 for one mesh; 2 where every
         mesh's replicas run one stage list on one device type, with none of format 1's
-        interleaving, sequence parallelism, warm-ups or chunk layers. A chain of meshes beyond
-        both has no file format yet: :class:`PlanShapeError`."""
+        sequence parallelism or warm-ups (model chunks, ``chunk_layers``, and the micro-batch
+        group it takes as format 1 does). A chain of meshes beyond both has no file format
+        yet: :class:`PlanShapeError`."""
         if self.one_grid:
             return 1
-        if not (self.sequence_parallel or self.virtual_pipeline_size != 1
-                or self.microbatch_group_size is not None) and all(
+        if not self.sequence_parallel and all(
                 m.alike and len(m.device_types) == 1 and all(
-                    s.chunk_layers is None and s.warmup_microbatches is None
-                    for s in m.pipelines[0].stages) for m in self.meshes):
+                    s.warmup_microbatches is None for s in m.pipelines[0].stages)
+                for m in self.meshes):
             return 2
         raise PlanShapeError("a chain of meshes whose replicas differ in device types or stages "
                              "(or with format-1 options) has no file format yet")
@@ -478,16 +489,25 @@ class Plan:
             data |= {"meshes": [{"device_type": m.device_type,
                                  "tensor_model_parallel_size": m.tensor_model_parallel_size,
                                  "replicas": to_data(m.replicas),
-                                 "stages": [{"num_layers": s.num_layers,
-                                             "recompute": to_data(s.recompute),
-                                             "offload": to_data(s.offload)} for s in m.stages]}
+                                 "stages": [_mesh_stage_data(s, self.virtual_pipeline_size)
+                                            for s in m.stages]}
                                 | expert_data(m) for m in self.meshes],
                      "precision": self.precision,
                      "use_distributed_optimizer": self.use_distributed_optimizer,
                      "overlap_grad_reduce": self.overlap_grad_reduce}
+            if self.microbatch_group_size is not None:
+                data["microbatch_group_size"] = self.microbatch_group_size
         if self.gpus:
             data["gpus"] = to_data(self.gpus)
         if self.prediction is not None:
             data["prediction"] = to_data(self.prediction)
         return data
 
+
+def _mesh_stage_data(stage: Stage, v: int) -> dict:
+    """A format-2 file's stage: its layers, policies and, interleaved, its chunks."""
+    data = {"num_layers": stage.num_layers, "recompute": to_data(stage.recompute),
+            "offload": to_data(stage.offload)}
+    if v > 1:
+        data["chunk_layers"] = list(stage.chunk_layers)
+    return data

@@ -26,13 +26,15 @@ last backward; with interleaving, chunk by chunk as each chunk's last backward s
 followed by the optimizer step. The step time is the latest end over all ranks. Sends across
 vendors inside a mesh are recorded as ``T`` events (a bridge's are not drawn).
 
-With interleaved pipelining (``virtual_pipeline_size`` v > 1, a plan of one mesh) each rank runs
-its v model chunks in Megatron's interleaved order
-(:func:`megatron_hetero.schedule.order.rank_order`, with the plan's ``microbatch_group_size``).
-The forward of (micro-batch ``i``, chunk ``c``) on stage ``s`` waits for (``i``, ``c``) on stage
+With interleaved pipelining (``virtual_pipeline_size`` v > 1) each rank runs its v model chunks
+in Megatron's interleaved order (:func:`megatron_hetero.schedule.order.rank_order`, with the
+plan's ``microbatch_group_size``), over one mesh or a chain of meshes alike: a path's stages are
+every mesh's stages in pipeline order, and a rank's warm-up is that of its global stage. The
+forward of (micro-batch ``i``, chunk ``c``) on stage ``s`` waits for (``i``, ``c``) on stage
 ``s - 1``, or for (``i``, ``c - 1``) on the last stage when ``s = 0`` (over the link from the
-last stage back to the first); backwards mirror it. Every chunk boundary is a send, so each
-link carries v times the sends of the non-interleaved schedule.
+last stage back to the first: in a chain, the wrap-around bridge from the last mesh to mesh 0);
+backwards mirror it. Every chunk boundary is a send, so each link, bridges included, carries v
+times the sends of the non-interleaved schedule.
 
 Per stage: ``busy_s`` compute, ``bubble_s`` waiting inside the schedule (from time 0 to the
 stage's last backward), ``sync_s`` gradient sync and optimizer, ``idle_s`` the rest of the step
@@ -232,7 +234,8 @@ def _run_path(plan: Plan, cost: CostModel, placement, times, d: int, key, cache:
 def _path_links(plan: Plan, cost: CostModel, placement, d: int, lockstep: bool) -> tuple:
     """The links of path ``d`` in stage order: GB/s between consecutive stages inside a mesh
     (and, interleaved, from the last stage back to the first), a
-    :class:`~megatron_hetero.cost.mesh.Bridge` between meshes."""
+    :class:`~megatron_hetero.cost.mesh.Bridge` between meshes (interleaved, the last one the
+    wrap-around bridge from the last mesh back to mesh 0)."""
     meshes = plan.meshes
     if len(meshes) == 1:
         return placement.path_links(0, d, plan.virtual_pipeline_size > 1)
@@ -249,14 +252,15 @@ def _sends(plan: Plan, cost: CostModel, d: int, links: tuple) -> tuple[list, lis
     """(forward, backward) seconds of one micro-batch over each of path ``d``'s ``links``."""
     send_f, send_b = [], []
     it = iter(links)
-    sp, wrap = plan.sequence_parallel, plan.virtual_pipeline_size > 1
+    sp, wrap, last = plan.sequence_parallel, plan.virtual_pipeline_size > 1, len(plan.meshes) - 1
     for k, mesh in enumerate(plan.meshes):
         mbs, tp = mesh.pipelines[d].micro_batch_size, mesh.tensor_model_parallel_size
-        for _ in range(mesh.num_stages - 1 + wrap):
+        # interleaved, one mesh wraps around over its own link, a chain over a bridge
+        for _ in range(mesh.num_stages - 1 + (wrap and last == 0)):
             seconds = cost.p2p_seconds(mbs, next(it), tp=tp, sp=sp)
             send_f.append(seconds)
             send_b.append(seconds)
-        if k < len(plan.meshes) - 1:
+        if k < last or (wrap and last > 0):
             f, b = bridge_seconds(cost, next(it))
             send_f.append(f)
             send_b.append(b)
@@ -305,7 +309,8 @@ def _host_sends(plan: Plan, cost: CostModel, placement, d: int, evs,
     p, v = len(index), plan.virtual_pipeline_size
     edges = {s: (k, j, j + 1) for s, (k, j) in enumerate(index)
              if d < meshes[k].data_parallel_size and j + 1 < meshes[k].num_stages}
-    if v > 1:
+    wraps = v > 1 and len(meshes) == 1  # a chain's wrap-around is a bridge (not drawn)
+    if wraps:
         edges[p - 1] = (0, p - 1, 0)
     staged = {e: (k, a) for e, (k, a, b) in edges.items()
               if placement.host_staged(placement.node(k, a, d), placement.node(k, b, d))}
@@ -324,7 +329,7 @@ def _host_sends(plan: Plan, cost: CostModel, placement, d: int, evs,
             k, a = staged[edge]
             mesh = meshes[k]
             seconds = given[edge] if given is not None else cost.p2p_seconds(
-                mesh.pipelines[d].micro_batch_size, placement.path_links(k, d, v > 1)[a],
+                mesh.pipelines[d].micro_batch_size, placement.path_links(k, d, wraps)[a],
                 tp=mesh.tensor_model_parallel_size, sp=plan.sequence_parallel)
             out.append(Event(d, stage, "T", mb, end, end + seconds, c, host_staged=True))
     return out

@@ -84,6 +84,10 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
                         "it is faster; the runtime runs mesh plans from megatron-core 0.17 "
                         "(docs/meshes.md), so without it tune writes only plans that run on "
                         "every supported release")
+    p.add_argument("--mesh-chunks", action="store_true",
+                   help="with --meshes, search mesh plans whose stages run model chunks too "
+                        "(interleaved 1F1B across meshes): planned, runtime pending; validate, "
+                        "rehearse and the runtime refuse such a plan (docs/meshes.md)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no table")
 
 
@@ -246,7 +250,8 @@ def _tune(args: argparse.Namespace, out: Outputs, *, model: ModelSpec | None = N
                           tensor_parallel_sizes=tp_sizes,
                           optimizer_offload=not args.no_optimizer_offload,
                           activation_offload=not args.no_activation_offload,
-                          meshes=args.meshes, memory_headroom=memory_headroom(args),
+                          meshes=args.meshes or args.mesh_chunks,
+                          mesh_chunks=args.mesh_chunks, memory_headroom=memory_headroom(args),
                           progress=not args.quiet and sys.stderr.isatty())
     profiles = _profiles(args.profile, inventory)
     result = tune(model, inventory, args.global_batch_size, profiles=profiles, options=options)
@@ -418,10 +423,11 @@ def _tune_mesh_wins(args: argparse.Namespace, result, inventory, profiles, out: 
     from ..cost import CostModel
     from ..plan.megatron_args import megatron_args_line
     from ..plan import save_any_plan
+    from ..plan.checks import RUNTIME_PENDING
     from ..sim.step import simulate
     from .report import report_dict, summary_lines, unused_gpus, unused_line
 
-    plan, sim = result.mesh_plan, result.mesh_sim
+    plan, sim = result.best
     save_any_plan(plan, out.staged(args.output))
     if args.report:
         report = report_dict(result, None)  # the uniform plan's figures, and the mesh plan's
@@ -451,4 +457,7 @@ def _tune_mesh_wins(args: argparse.Namespace, result, inventory, profiles, out: 
     print(megatron_args_line(plan, args.output))
     print("note: mesh plans run on megatron-core 0.17 or later (docs/meshes.md); without --meshes tune "
           f"gives the best uniform-TP plan ({result.sim.step_time_s:.3f} s)")
+    if plan.interleaved_chain:
+        print(f"note: this mesh plan runs model chunks across meshes: {RUNTIME_PENDING}; "
+              "validate, rehearse and the runtime refuse it")
     return 0

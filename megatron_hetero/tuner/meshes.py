@@ -14,10 +14,24 @@ from :func:`.split.min_max_split` on seconds per micro-batch (every stage runs t
 micro-batches). Candidates are visited in order of a lower bound on their estimate (``(m + P -
 1)`` times the slowest stage, the layers split as if each stage took any fraction of them at
 its no-recompute speed), until it passes the best few estimates, which are simulated (:func:`megatron_hetero.sim.step.simulate`).
+
+With ``TuneOptions.mesh_chunks`` the same chains also run ``v`` model chunks a stage
+(interleaved 1F1B across the meshes, issue 28; planned, its runtime pending): ``v`` from 2 to
+``refine_max_virtual_pipeline_size`` while every stage keeps a layer a chunk, each stage's
+layers in even chunks (:func:`.tables.even_chunks`), the micro-batches in whole groups
+(:func:`~megatron_hetero.schedule.rules.whole_group`), the stage tables at the interleaved
+in-flight peak, and the fill and drain ``v`` times shorter in the bound and the estimate
+(``(m + (P - 1) / v)`` times the slowest stage; a chain's bound with chunks is raised to that
+times its unchunked estimate's slowest stage before it is evaluated, since chunks hold more
+micro-batches in flight). They are searched apart
+(:func:`best_mesh_plan` with ``chunks``), so the best mesh plan with chunks and the best
+without are both known.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import heapq
 import itertools
 from dataclasses import dataclass
 
@@ -27,14 +41,15 @@ from ..cost.stage import StageShape
 from ..errors import InfeasibleError
 from ..placement.inventory import embedded_gpus
 from ..plan import Format2Mesh, MeshStage, Plan, Replica, mesh_plan
+from ..schedule.rules import whole_group
 from ..sim.step import SimResult, simulate
 from . import space
 from .problem import Problem
 from .experts import split_scale
 from .split import min_max_split
-from .tables import StageTables
+from .tables import StageTables, even_chunks
 
-__all__ = ["MeshSearch", "best_mesh_plan"]
+__all__ = ["MeshSearch", "best_mesh_plan", "mesh_results"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +71,10 @@ class MeshSearch:
     def __init__(self, problem: Problem, tables: StageTables):
         self.problem, self.tables = problem, tables
         self.evaluated = 0
+        self._slowest: dict[tuple, float | None] = {}
+        """Per (meshes, micro-batches): the slowest stage of its unchunked estimate (None:
+        nothing fits), from every evaluation without chunks."""
+        self._pairs: list | None = None
 
     def layouts(self) -> list[list[tuple[str, int, int, int, int]]]:
         """Every (type, TP, PP, DP, EP) chain: one mesh per type, the types memory-rich first
@@ -90,14 +109,25 @@ class MeshSearch:
                     out.append(list(chain))
         return out
 
-    def candidates(self, keep: int) -> list[tuple[float, Plan]]:
-        """The ``keep`` best estimates over every layout and micro-batch size, visited in order
-        of a lower bound on their estimate until it passes the ``keep``-th."""
+    def chunk_counts(self, chunks: bool) -> list[int]:
+        """The model chunks a stage searched: 1, or with ``chunks`` 2 up to the options'
+        ``refine_max_virtual_pipeline_size``."""
+        if not chunks:
+            return [1]
+        return list(range(2, max(2, self.problem.opt.refine_max_virtual_pipeline_size) + 1))
+
+    def pairs(self) -> list[tuple[float, list, int, int, int]]:
+        """Every (layout, micro-batch) in listing order, computed once: ``L / rate`` (the
+        slowest stage if each stage took any fraction of the layers at its no-recompute speed),
+        the chain, the samples of a micro-batch over the mesh with most replicas, the
+        micro-batches and the pipeline stages."""
+        if self._pairs is not None:
+            return self._pairs
         p = self.problem
         L = p.model.num_layers
         cost = self.problem.cost(self.problem.precision_for(p.types))
         layer: dict[tuple, float] = {}  # one layer's seconds per micro-batch, by (type, mbs, TP)
-        todo = []
+        out = []
         for chain in self.layouts():
             dmax = max(c[3] for c in chain)
             P = sum(c[2] for c in chain)
@@ -111,65 +141,132 @@ class MeshSearch:
                     if key not in layer:
                         layer[key] = sum(cost.layer_times(*key))
                     rate += pp / layer[key]
-                m = p.gbs // batch
-                # a lower bound on the estimate: (m + P - 1) times the slowest stage of the best
-                # split if each stage took any fraction of the layers at no-recompute speed
-                todo.append(((m + P - 1) * L / rate, len(todo), chain, batch))
-        todo.sort(key=lambda x: x[:2])
+                out.append((L / rate, chain, batch, p.gbs // batch, P))
+        self._pairs = out
+        return out
+
+    def candidates(self, keep: int, *, chunks: bool = False,
+                   budget: int | None = None) -> list[tuple[float, Plan]]:
+        """The ``keep`` best estimates over every layout, micro-batch size and (``chunks``)
+        chunk count, visited in order of a lower bound on their estimate until it passes the
+        ``keep``-th, or (``budget``) once that many candidates were estimated.
+
+        The bound: ``(m + (P - 1) / v)`` times the slowest stage of the best split if each
+        stage took any fraction of the layers at its no-recompute speed. With chunks, one entry
+        per (layout, micro-batch) at its most chunks comes first; once visited, its unchunked
+        estimate's slowest stage bounds each chunk count's (chunks hold more in flight, so
+        their slowest stage is no faster), and those go back in order."""
+        stop = None if budget is None else self.evaluated + budget
+        L = self.problem.model.num_layers
+        counts = self.chunk_counts(chunks)
+        todo = []  # (bound, listing index, chunks (0: every count, to expand), chain, batch)
+        for i, (base, chain, batch, m, P) in enumerate(self.pairs()):
+            if not chunks:
+                todo.append(((m + P - 1) * base, i, 1, chain, batch))
+            elif P > 1 and L >= 2 * P and whole_group(P, [m]) is not None:
+                top = max(v for v in counts if L >= P * v)
+                todo.append(((m + (P - 1) / top) * base, i, 0, chain, batch))
+        heapq.heapify(todo)  # in order of the bound (then of listing): a sorted walk
         best: list[tuple[float, Plan]] = []
-        for lb, _, chain, batch in todo:
-            if len(best) >= keep and lb >= best[-1][0]:
+        while todo:
+            lb, i, v, chain, batch = heapq.heappop(todo)
+            if len(best) >= keep and lb >= best[-1][0] or stop is not None and self.evaluated >= stop:
                 break
-            got = self.evaluate([_MeshShape(device_type=t, tp=tp, pp=pp, dp=dp, mbs=batch // dp,
-                                            ep=ep)
-                                 for t, tp, pp, dp, ep in chain], p.gbs // batch)
+            shapes = [_MeshShape(device_type=t, tp=tp, pp=pp, dp=dp, mbs=batch // dp, ep=ep)
+                      for t, tp, pp, dp, ep in chain]
+            base, _, _, m, P = self._pairs[i]
+            if v == 0:
+                key = (tuple(shapes), m)
+                if key not in self._slowest:
+                    self.evaluate(shapes, m, 1, build=False)
+                if self._slowest[key] is not None:
+                    for c in counts:
+                        if L >= P * c:
+                            heapq.heappush(todo, ((m + (P - 1) / c) * max(base, self._slowest[key]),
+                                                  i, c, chain, batch))
+                continue
+            got = self.evaluate(shapes, m, v)
             if got is not None:
                 best.append(got)
                 best.sort(key=lambda x: x[0])
                 del best[keep:]
         return best
 
-    def evaluate(self, meshes: list[_MeshShape], m: int) -> tuple[float, Plan] | None:
-        """The split and policies of one candidate, and its estimated step (None: nothing
-        fits)."""
+    def evaluate(self, meshes: list[_MeshShape], m: int, v: int = 1, *,
+                 build: bool = True) -> tuple[float, Plan | None] | None:
+        """The split and policies of one candidate of ``v`` model chunks a stage, and its
+        estimated step (None: nothing fits, or the micro-batches make no whole groups); without
+        ``build`` the estimate alone (the plan None)."""
         self.evaluated += 1
         p = self.problem
         L, P = p.model.num_layers, sum(x.pp for x in meshes)
+        group = None
+        if v > 1:
+            g = whole_group(P, [m])
+            if g is None:
+                return None
+            group = None if g == P else g
         prec = p.precision_for({x.device_type for x in meshes})
         rows, s = [], 0
         for x in meshes:
             for _ in range(x.pp):
-                position = StageShape(device_type=x.device_type, chunk_layers=(0,),
+                position = StageShape(device_type=x.device_type, chunk_layers=(0,) * v,
                                       micro_batch_size=x.mbs, tensor_parallel_size=x.tp,
                                       pipeline_size=P, stage=s, num_microbatches=m,
-                                      data_parallel_size=x.dp, expert_parallel_size=x.ep)
+                                      microbatch_group=group, data_parallel_size=x.dp,
+                                      expert_parallel_size=x.ep)
                 rows.append(self.tables.table(position, precision=prec).fit)
                 s += 1
         got = min_max_split(np.stack([r.seconds for r in rows]), L, split_scale(p.model))
+        if v == 1:
+            self._slowest[tuple(meshes), m] = None if got is None else got[0]
         if got is None:
             return None
         slowest, split = got
+        if v > 1 and min(split) < v:
+            return None  # every chunk holds a layer
+        if not build:
+            return (m + (P - 1) / v) * slowest, None
         policies = iter([r.policy(n) for r, n in zip(rows, split)])
         layers = iter(split)
         plan = mesh_plan(
             model=p.model, global_batch_size=p.gbs, precision=prec,
-            overlap_grad_reduce=p.opt.overlap_grad_reduce,
+            overlap_grad_reduce=p.opt.overlap_grad_reduce, microbatch_group_size=group,
             meshes=[Format2Mesh(device_type=x.device_type, tensor_model_parallel_size=x.tp,
                                 expert_model_parallel_size=x.ep,
                                 replicas=[Replica(micro_batch_size=x.mbs, num_microbatches=m)] * x.dp,
-                                stages=[_stage(next(layers), next(policies)) for _ in range(x.pp)])
+                                stages=[_stage(next(layers), next(policies), v)
+                                        for _ in range(x.pp)])
                     for x in meshes])
-        return (m + P - 1) * slowest, plan
+        return (m + (P - 1) / v) * slowest, plan
 
 
-def _stage(n: int, policy) -> MeshStage:
-    return MeshStage(num_layers=n, recompute=policy.recompute, offload=policy.offload)
+def _early_chunks(plan: Plan) -> Plan:
+    """``plan`` with every stage's remainder layers on its early chunks
+    (:func:`.tables.even_chunks` with ``early``)."""
+    v = plan.virtual_pipeline_size
+    meshes = []
+    for mesh in plan.meshes:
+        stages = [dataclasses.replace(st, chunk_layers=list(even_chunks(st.num_layers, v, True)))
+                  for st in mesh.pipelines[0].stages]
+        meshes.append(dataclasses.replace(mesh, pipelines=[dataclasses.replace(p, stages=stages)
+                                                           for p in mesh.pipelines]))
+    return dataclasses.replace(plan, meshes=meshes)
+
+
+def _stage(n: int, policy, v: int) -> MeshStage:
+    return MeshStage(num_layers=n, recompute=policy.recompute, offload=policy.offload,
+                     chunk_layers=list(even_chunks(n, v)) if v > 1 else None)
 
 
 def best_mesh_plan(problem: Problem, tables: StageTables, *, uniform: SimResult,
-                   upper_bound_s: float) -> tuple[Plan, SimResult, int] | None:
+                   upper_bound_s: float, chunks: bool = False, search: MeshSearch | None = None,
+                   budget: int | None = None) -> tuple[Plan, SimResult, int] | None:
     """The fastest simulated of the best estimated mesh plans that fits (its ``prediction``
-    beside the ``uniform`` plan's step and the upper bound), and the candidates estimated; None
+    beside the ``uniform`` plan's step and the upper bound), and the candidates estimated;
+    ``chunks``: of the plans with model chunks (:meth:`MeshSearch.chunk_counts`) instead;
+    ``search``: a search to go on with (its estimates reused), ``budget``: the most candidates
+    to estimate (:meth:`MeshSearch.candidates`). None
     on a pool of one device type (one mesh is a uniform plan, which the main search covers), on
     a pool of several vendors' collective libraries (the bridges need one), for a model whose
     output layer is tied to its embedding, or where none fits."""
@@ -177,9 +274,13 @@ def best_mesh_plan(problem: Problem, tables: StageTables, *, uniform: SimResult,
     if len(problem.types) < 2 or len(libraries) > 1 \
             or not problem.model.untie_embeddings_and_output_weights:
         return None  # one library for the bridges; a mesh plan cannot tie the embeddings
-    search = MeshSearch(problem, tables)
-    best = None
-    for _, plan in search.candidates(problem.opt.finalists):
+    search = search or MeshSearch(problem, tables)
+    before, best = search.evaluated, None
+    finalists = [plan for _, plan in search.candidates(problem.opt.finalists, chunks=chunks,
+                                                       budget=budget)]
+    if chunks:  # the remainder layers on the early chunks too: the estimate misses the bubbles
+        finalists += [_early_chunks(plan) for plan in finalists]  # of unequal chunks
+    for plan in finalists:
         try:
             sim = simulate(plan, problem.cost(plan.precision), record_events=False)
         except InfeasibleError:
@@ -194,4 +295,35 @@ def best_mesh_plan(problem: Problem, tables: StageTables, *, uniform: SimResult,
                        "uniform_step_time_s": round(uniform.step_time_s, 6),
                        "upper_bound_step_time_s": round(upper_bound_s, 6)}
     plan.gpus = embedded_gpus(plan, problem.inv.catalog)
-    return plan, sim, search.evaluated
+    return plan, sim, search.evaluated - before
+
+
+def mesh_results(problem: Problem, tables: StageTables, *, uniform: SimResult,
+                 upper_bound_s: float) -> dict:
+    """The :class:`~megatron_hetero.tuner.search.TuneResult` fields of the mesh search the
+    options ask for (``meshes``, ``mesh_chunks``): the best mesh plan without model chunks, the
+    best with them, and the candidates estimated (nothing without ``meshes``). The search with
+    chunks goes on from the one without (its estimates bound the chunked ones) and estimates at
+    most :data:`CHUNK_BUDGET` times as many candidates (at least :data:`CHUNK_BUDGET_LEAST`),
+    in order of their bound: what keeps its time near the search without chunks."""
+    if not problem.opt.meshes:
+        return {}
+    out: dict = {"mesh_candidates": 0}
+    search = MeshSearch(problem, tables)
+    for chunks, plan_field, sim_field in ((False, "mesh_plan", "mesh_sim"),
+                                          (True, "chunked_mesh_plan", "chunked_mesh_sim")):
+        if chunks and not problem.opt.mesh_chunks:
+            continue
+        budget = max(CHUNK_BUDGET_LEAST, CHUNK_BUDGET * search.evaluated) if chunks else None
+        got = best_mesh_plan(problem, tables, uniform=uniform, upper_bound_s=upper_bound_s,
+                             chunks=chunks, search=search, budget=budget)
+        if got is not None:
+            out[plan_field], out[sim_field] = got[0], got[1]
+            out["mesh_candidates"] += got[2]
+    return out
+
+
+CHUNK_BUDGET = 4
+"""The search with chunks estimates at most this many times the candidates of the one without."""
+CHUNK_BUDGET_LEAST = 64
+"""... and at least this many."""

@@ -69,6 +69,11 @@ class TuneOptions:
     """Search mesh plans too (:mod:`.meshes`: each device type of a mixed pool its own TP and
     DP); one wins where it is strictly faster than the best uniform-TP plan. Off by default:
     the runtime runs mesh plans from megatron-core 0.17 (docs/meshes.md)."""
+    mesh_chunks: bool = False
+    """With ``meshes``: search mesh plans whose stages run model chunks too (interleaved 1F1B
+    across meshes, :mod:`.meshes`). Planned, its runtime pending: ``validate``, ``rehearse`` and
+    the runtime refuse such a plan (:func:`~megatron_hetero.plan.checks.check_runnable`), so it
+    is off by default (``tune --mesh-chunks``)."""
     precision: str | None = None
     """Train every plan in this precision (``bf16``, ``fp16``, ``fp32``); None: bf16 where all
     the plan's GPUs support it, else fp16. ``replan`` keeps the checkpoint's."""

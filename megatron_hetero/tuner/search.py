@@ -48,7 +48,7 @@ from ..schedule.rules import whole_group
 from ..sim.step import SimResult, simulate
 from . import space
 from .baseline import baseline_policies, best_group
-from .meshes import best_mesh_plan
+from .meshes import mesh_results
 from .policy import Policy
 from .problem import Problem, TuneOptions
 from .refine import climb, refine_chunk_cap
@@ -107,17 +107,24 @@ class TuneResult:
     mesh_sim: SimResult | None = None
     mesh_candidates: int = 0
     """Mesh candidates estimated."""
+    chunked_mesh_plan: Plan | None = None
+    """The best mesh plan with model chunks (``TuneOptions.mesh_chunks``; runtime pending)."""
+    chunked_mesh_sim: SimResult | None = None
 
     @property
     def mesh_wins(self) -> bool:
-        """The mesh plan is strictly faster than the uniform-TP plan."""
-        return self.mesh_sim is not None and \
-            self.mesh_sim.step_time_s < self.sim.step_time_s * (1 - 1e-9)
+        """A mesh plan (with model chunks or without) is strictly faster than the uniform one."""
+        return self.best[0] is not self.plan
 
     @property
     def best(self) -> tuple[Plan, SimResult]:
-        """The plan that wins, and its simulation: the mesh plan where it is strictly faster."""
-        return (self.mesh_plan, self.mesh_sim) if self.mesh_wins else (self.plan, self.sim)
+        """The plan that wins: the fastest mesh plan where strictly faster than the others."""
+        best = (self.plan, self.sim)
+        for plan, sim in ((self.mesh_plan, self.mesh_sim),
+                          (self.chunked_mesh_plan, self.chunked_mesh_sim)):
+            if sim is not None and sim.step_time_s < best[1].step_time_s * (1 - 1e-9):
+                best = (plan, sim)
+        return best
 
 
 class _Search:
@@ -469,8 +476,7 @@ def _tune(model: ModelSpec, inventory: Inventory, global_batch_size: int, *,
                                   problem.cost(problem.precision_for(problem.types)),
                                   [(b, t) for b in options.micro_batch_sizes
                                    for t in space.tp_sizes(problem)])
-    mesh = best_mesh_plan(problem, search.tables, uniform=sim, upper_bound_s=upper) \
-        if options.meshes else None
+    meshes = mesh_results(problem, search.tables, uniform=sim, upper_bound_s=upper)
     elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
     plan.prediction = {"step_time_s": round(sim.step_time_s, 6),
                        "tokens_per_s": round(sim.tokens_per_s, 3), "mfu": round(sim.mfu, 6),
@@ -485,8 +491,7 @@ def _tune(model: ModelSpec, inventory: Inventory, global_batch_size: int, *,
                       structures_evaluated=search.evaluated, fell_back_to_baseline=fell_back,
                       searched_step_time_s=searched, refine_simulations=sims,
                       warmup_gain=1.0 if fell_back else warmup_gain,
-                      mesh_plan=mesh[0] if mesh else None, mesh_sim=mesh[1] if mesh else None,
-                      mesh_candidates=mesh[2] if mesh else 0)
+                      **meshes)
 
 
 def _group_size(p: int, v: int, microbatches) -> int | None:
