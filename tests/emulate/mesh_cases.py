@@ -56,6 +56,20 @@ def train_interleaved_against_one_process(plan_path: str, lr: float, clip_grad: 
     return out
 
 
+def rehearse_verified(plan_path: str) -> dict:
+    """Rehearse the plan at ``plan_path`` (3 steps, hidden 8, memory metered, not capped) with
+    ``--verify``: its rows ``[mesh, stage of the model, replica]``, the verification message, the measured
+    and the predicted step."""
+    from megatron_hetero.emulate.rehearse import RehearsalConfig, rehearse
+    from megatron_hetero.plan import load_any_plan
+
+    got = rehearse(load_any_plan(plan_path),
+                   RehearsalConfig(steps=3, hidden_size=8, memory_cap=False), verify=True)
+    return {"rows": [[s.mesh, s.stage, s.pipeline] for s in got.stages],
+            "verify": got.verify_message, "measured": got.step_s,
+            "predicted": got.predicted_step_s}
+
+
 def rehearse_with_and_without_offload(plan_path: str, hidden_size: int) -> dict:
     """Rehearse the mesh plan at ``plan_path`` (2 steps, memory metered and not capped) as it
     is, with ``--verify``, then with every stage's offload removed (one device type: the second

@@ -39,8 +39,11 @@ def trained(tmp_path_factory) -> dict:
     for name, (meshes, _, kwargs) in CASES.items():
         plan = tiny_mesh_plan(tmp_path_factory.mktemp(name), meshes, **kwargs)
         calls[name] = f"train_interleaved_against_one_process({plan!r}, {LR!r}, {CLIP!r})"
+    plan = tiny_mesh_plan(tmp_path_factory.mktemp("rehearse"), *CASES["tp1-tp2"][:1],
+                          **CASES["tp1-tp2"][2])
+    calls["rehearse"] = f"rehearse_verified({plan!r})"
     return evaluate_under("from tests.emulate.mesh_cases import "
-                          "train_interleaved_against_one_process", calls,
+                          "train_interleaved_against_one_process, rehearse_verified", calls,
                           timeout=300 * len(calls))
 
 
@@ -73,3 +76,12 @@ def test_megatron_core_017_refuses_chunks_over_meshes():
     msg = evaluated(got, "msg")
     assert msg is not None and msg.startswith("p.yaml: model chunks over a chain of meshes need "
                                               "megatron-core 0.19"), msg
+
+
+def test_rehearse_runs_an_interleaved_mesh_plan(trained):
+    """``rehearse --verify`` takes an interleaved chain (no refusal by its field): a row per
+    (mesh, stage), a prediction, and the verification against one process passes."""
+    got = evaluated(trained, "rehearse")
+    assert got["verify"] is None, got["verify"]  # the first divergence; None: they match
+    assert got["rows"] == [[0, 0, 0], [1, 1, 0]]  # [mesh, global stage, replica]
+    assert got["predicted"] > 0 and got["measured"] > 0
