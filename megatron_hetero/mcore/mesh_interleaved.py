@@ -117,6 +117,7 @@ class Outbox:
         # the thread runs megatron-core's send code: on the CPU backend, under its device mode
         self._pool = ThreadPoolExecutor(max_workers=1, initializer=join_cpu_backend)
         self._pending: list[Future] = []
+        self._abandoned = False
 
     def post(self, send: Callable[[Any], None], tensor) -> None:
         """Send ``tensor`` with ``send`` after the sends posted before; raises the error of an
@@ -131,14 +132,16 @@ class Outbox:
             self._pending.pop(0).result()
 
     def abandon(self) -> None:
-        """Forget the posted sends (after an error: their peers may never take them)."""
+        """Forget the posted sends (after an error: their peers may never take them); the
+        thread is then left to its blocked send rather than waited for."""
         self._pending.clear()
+        self._abandoned = True
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def close(self) -> None:
-        """Drain and stop the thread."""
-        try:
+        """Drain and stop the thread (unless abandoned)."""
+        if not self._abandoned:
             self.drain()
-        finally:
             self._pool.shutdown(wait=True)
 
 
