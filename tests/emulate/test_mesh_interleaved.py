@@ -3,8 +3,9 @@ ranks: the CPU trainer's InterleavedChainRank trains mesh plans with model chunk
 process (fp32, rtol 1e-5, 3 steps): with SGD and no clipping (a gradient off by a factor moves
 the parameters off: DDP's 1 / D_k left as it is fails the DP2 -> DP1 case at step 1) and with
 Adam, clipping and the distributed optimizer. Each case's chunk boundaries cross the meshes,
-the wrap-around bridge from the last mesh's chunk c to mesh 0's chunk c + 1 included; one case
-also links two stages of one mesh (megatron-core's P2PCommunicator)."""
+the wrap-around bridge from the last mesh's chunk c to mesh 0's chunk c + 1 included; two cases
+also link two stages of one mesh (megatron-core's P2PCommunicator), one runs two micro-batch
+groups, one three meshes of three chunks a stage."""
 
 from __future__ import annotations
 
@@ -28,6 +29,13 @@ CASES = {  # case: (meshes, world, tiny_mesh_plan's keyword arguments)
     "two-stage-mesh": ([(1, 1), (1, 1)], 3, {"chunks": {0: [[1, 1], [1, 1]], 1: [[1, 1]]},
                                              "replicas": ONE_BY_ONE,
                                              "fields": {"microbatch_group_size": 4}}),
+    # two groups of 2 micro-batches (the default group: the pipeline's 2 stages)
+    "two-groups": ([(1, 1), (1, 1)], 2, {"chunks": {0: [[1, 2]], 1: [[2, 1]]},
+                                         "replicas": ONE_BY_ONE}),
+    # three meshes, three chunks a stage, uneven
+    "three-meshes": ([(1, 1), (1, 1), (1, 1)], 4, {
+        "chunks": {0: [[1, 1, 1], [1, 2, 1]], 1: [[1, 1, 1]], 2: [[2, 1, 1]]},
+        "replicas": ONE_BY_ONE, "fields": {"microbatch_group_size": 4}}),
 }
 
 
