@@ -58,8 +58,8 @@ def train_interleaved_against_one_process(plan_path: str, lr: float, clip_grad: 
 
 def rehearse_verified(plan_path: str) -> dict:
     """Rehearse the plan at ``plan_path`` (3 steps, hidden 8, memory metered, not capped) with
-    ``--verify``: its rows ``[mesh, stage of the model, replica]``, the verification message, the measured
-    and the predicted step."""
+    ``--verify``: its rows ``[mesh, stage of the model, replica]``, the verification message
+    (None: it matches), the measured and the predicted step."""
     from megatron_hetero.emulate.rehearse import RehearsalConfig, rehearse
     from megatron_hetero.plan import load_any_plan
 
