@@ -5,7 +5,8 @@ For each scenario it tunes the pool once with mesh plans in the search, with and
 chunks (``TuneOptions(meshes=True, mesh_chunks=True)``), and prints side by side the best
 uniform-TP plan (what ``tune`` finds without meshes), the best mesh plan without chunks (one
 mesh per device type, each its own TP and DP, Megatron's multimodule 1F1B) and the best mesh
-plan with chunks (interleaved 1F1B across the meshes: planned, its runtime pending), each with
+plan with chunks (interleaved 1F1B across the meshes: run on CPU ranks, its Megatron-LM
+runtime pending), each with
 its efficiency against the upper bound (bound / step) and its speedup over the uniform plan;
 then the search's CPU seconds (this process's, so other load on the machine does not count):
 without meshes (run first), with meshes, and with meshes and chunks. Figures are the cost

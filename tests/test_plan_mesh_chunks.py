@@ -123,19 +123,24 @@ def test_the_wrap_around_bridge_needs_dividing_replicas():
     assert err.path == "meshes[2].replicas" and "meshes[0]'s 4 replicas" in str(err), str(err)
 
 
-def test_no_runtime_yet_refused_by_validate_args_and_rehearse(tmp_path, capsys):
+def test_refused_by_validate_and_args_until_megatron_runs_it(tmp_path, capsys):
+    """``validate`` and ``args`` (what Megatron-LM's training under ``--hetero-plan`` takes)
+    refuse an interleaved chain by its field, naming what runs it (the CPU trainer and
+    ``rehearse``: tests/emulate/test_mesh_interleaved.py)."""
     data = _chunked([[5, 5], [4, 6], [6, 6]], microbatch_group_size=4)
     plan = mesh_plan_from_data(data, source="p.yaml")
     with pytest.raises(SchemaError) as exc:
         check_runnable(plan, source="p.yaml")
     assert exc.value.path == "meshes[0].stages[0].chunk_layers"
     assert RUNTIME_PENDING in str(exc.value)
+    assert "runs on CPU ranks (megatron-hetero rehearse and the CPU trainer" in RUNTIME_PENDING
     path = tmp_path / "p.yaml"
     save_any_plan(plan, path)
-    for command in (["validate", str(path)], ["args", str(path)], ["rehearse", str(path)]):
+    for command in (["validate", str(path)], ["args", str(path)]):
         assert cli.main(command) != 0, command
         err = capsys.readouterr().err
-        assert "meshes[0].stages[0].chunk_layers" in err and "runtime is pending" in err, err
+        assert "meshes[0].stages[0].chunk_layers" in err and "--hetero-plan" in err, err
+        assert "is pending" in err, err
     check_runnable(mesh_plan_from_data(copy.deepcopy(BASE), source="p.yaml"), source="p.yaml")
 
 

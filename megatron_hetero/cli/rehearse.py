@@ -11,7 +11,6 @@ from pathlib import Path
 from ..hardware.inventory import load_inventory
 from ..placement.inventory import check_against_inventory
 from ..plan import load_any_plan
-from ..plan.checks import check_runnable
 from ..emulate.host import check_rank_count
 from ..emulate.slow import parse_slow
 from ..errors import HeteroError
@@ -26,7 +25,6 @@ def rehearse_main(args) -> int:
     os.environ.setdefault("PYTHONWARNINGS", "ignore")  # megatron's Apex/TE notices, per rank
     inventory = load_inventory(args.inventory) if args.inventory else None
     plan = load_any_plan(args.plan, catalog=inventory.catalog if inventory else None)
-    check_runnable(plan, source=args.plan)
     catalog = plan.catalog  # the built-in (or the inventory's) catalog plus the plan's gpus
     if inventory is not None:
         check_against_inventory(plan, inventory, source=args.plan)

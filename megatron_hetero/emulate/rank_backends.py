@@ -10,7 +10,11 @@ runtime:
 * :class:`ChainRank`: a chain of meshes: :func:`megatron_hetero.mcore.mesh_train.build_mesh_rank`
   (the meshes' grids, the multimodule communicator and its bridges, the rank's ``GPTModel``
   slice, DDP and optimizer over its mesh) and megatron-core's non-interleaved 1F1B with the
-  multimodule communicator (megatron-core 0.17+).
+  multimodule communicator (megatron-core 0.17+);
+* :class:`InterleavedChainRank`: a chain of meshes with model chunks
+  (:attr:`~megatron_hetero.plan.Plan.interleaved_chain`):
+  :mod:`megatron_hetero.mcore.mesh_interleaved`'s chunks, links and interleaved 1F1B
+  (megatron-core 0.19+).
 
 Everything else (the data each replica reads, the steps, the hooks, the parameters' merge)
 is the trainer's, the same for both. :func:`backend_for` picks the backend from the plan's
@@ -35,7 +39,8 @@ from ..mcore.warmup_schedule import schedule_for
 from ..plan import Plan, Slot, Stage
 from .params import init_params, local_params
 
-__all__ = ["RankBackend", "GridRank", "ChainRank", "backend_for", "optimizer_config"]
+__all__ = ["RankBackend", "GridRank", "ChainRank", "InterleavedChainRank", "backend_for",
+           "optimizer_config"]
 
 
 def optimizer_config(plan: Plan, stage: Stage, config):
@@ -86,8 +91,11 @@ class RankBackend(ABC):
 
 
 def backend_for(plan: Plan) -> type[RankBackend]:
-    """:class:`GridRank` where the plan is one grid, :class:`ChainRank` for a chain of meshes."""
-    return GridRank if plan.one_grid else ChainRank
+    """:class:`GridRank` where the plan is one grid, :class:`ChainRank` for a chain of meshes,
+    :class:`InterleavedChainRank` for a chain of meshes with model chunks."""
+    if plan.one_grid:
+        return GridRank
+    return InterleavedChainRank if plan.interleaved_chain else ChainRank
 
 
 class GridRank(RankBackend):
@@ -290,3 +298,83 @@ class ChainRank(RankBackend):
         chunk = (self.built.first, self.built.last)
         return local_params([self.built.gpt], [chunk], self.plan, False,
                             layer_offset=self.layer_offset, expert_offset=self.expert_offset)
+
+
+class InterleavedChainRank(ChainRank):
+    """A rank of a chain of meshes with model chunks, in interleaved 1F1B over the chain
+    (:mod:`megatron_hetero.mcore.mesh_interleaved`)."""
+
+    def __init__(self, plan: Plan, slot: Slot, config) -> None:
+        from megatron.core import tensor_parallel
+
+        from ..mcore.mesh_interleaved import build_interleaved_mesh_rank
+        from ..mcore.mesh_train import mesh_transformer_config
+
+        tp = plan.meshes[slot.mesh].tensor_model_parallel_size
+        tensor_parallel.model_parallel_cuda_manual_seed(config.seed, tp_rank=slot.tensor_rank,
+                                                        ep_rank=0, etp_rank=0)
+
+        def init(gpt, slot, offset):
+            init_params(gpt, plan, config.seed, config.init_std, slot.tensor_rank, False,
+                        tensor_parallel_size=tp, layer_offset=offset,
+                        expert_offset=_mesh_expert_offset(plan, slot))
+
+        self.plan, self.slot = plan, slot
+        stage = plan.stage_of_slot(slot)
+        configs = [mesh_transformer_config(plan, slot, num_layers=n,
+                                           offload_min_numel=config.offload_min_numel)
+                   for n in stage.chunk_layers]
+        self.built = build_interleaved_mesh_rank(
+            plan, plan.rank_of_slot(slot), optimizer_config(plan, stage, config),
+            configs=configs, init=init, overlap_grad_reduce=plan.overlap_grad_reduce, gloo=True)
+        self.ddps, self.optimizer = self.built.ddps, self.built.optimizer
+        self.schedule = join_offload_summary(_interleaved_schedule, plan, stage)
+
+    @classmethod
+    def check_installed(cls, source: str) -> None:
+        """Refuse where megatron-core's bridges share the world's process group (before 0.19)."""
+        from ..mcore.mesh_interleaved import runs_interleaved_chain
+
+        ChainRank.check_installed(source)
+        if not runs_interleaved_chain():
+            from importlib.metadata import version
+            raise HeteroError(f"{source}: model chunks over a chain of meshes need megatron-core "
+                              "0.19 (a process group per bridge); megatron-core "
+                              f"{version('megatron-core')} is installed") from None
+
+    @classmethod
+    @contextlib.contextmanager
+    def open(cls, plan: Plan, slot: Slot, config):
+        cls.check_installed("the plan")
+        with super().open(plan, slot, config) as backend:
+            try:
+                yield backend
+            finally:
+                backend.built.close()
+
+    def run(self, batches, forward_step, forward_only: bool, *, plan=None) -> float:
+        from ..mcore.mesh_train import whole_model_loss
+
+        if plan is not None and plan != self.plan:
+            raise HeteroError("live rebalancing moves the shares of one grid; this plan is a "
+                              "chain of meshes")
+        reduced = self.schedule(self.built, forward_step, [batches() for _ in self.ddps],
+                                forward_only=forward_only)
+        return whole_model_loss(self.plan, self.slot, reduced)
+
+    def params(self):
+        out = {}
+        for c, (gpt, offset) in enumerate(zip(self.built.gpts, self.built.layer_offsets)):
+            out.update(local_params([gpt], [self.built.chunk_ends(c)], self.plan, False,
+                                    layer_offset=offset,
+                                    expert_offset=_mesh_expert_offset(self.plan, self.slot)))
+        return out
+
+
+def _interleaved_schedule(built, forward_step, data_iterators, *, forward_only: bool) -> list:
+    """:func:`~megatron_hetero.mcore.mesh_interleaved.interleaved_mesh_schedule` (imported when
+    megatron-core is)."""
+    from ..mcore.mesh_interleaved import interleaved_mesh_schedule
+
+    return interleaved_mesh_schedule(built, forward_step, data_iterators,
+                                     forward_only=forward_only)

@@ -54,7 +54,6 @@ from pathlib import Path
 from ..errors import HeteroError
 from ..hardware.catalog import Catalog, load_catalog
 from ..plan import Plan
-from ..plan.checks import check_runnable
 from ..telemetry.rebalance import RebalancePolicy, check_rebalanceable
 from .calibration import Calibration, _mean, activation_scale, calibrate
 from .drift import cpu_drifts, in_run_calibrations, measured_allreduce_gb_s
@@ -176,7 +175,6 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
     from .speed import device_slowdowns
 
     config = config or RehearsalConfig()
-    check_runnable(plan, source=source)
     backend_for(plan).check_installed(source)
     if config.emulate_links and not plan.one_grid:
         raise HeteroError(f"{source}: link emulation (--emulate-links) is not built for a "

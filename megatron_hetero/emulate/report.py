@@ -157,7 +157,8 @@ def format_report(result: RehearsalResult, *, source: str = "PLAN",
     plan = result.plan
     chain = not plan.one_grid  # rows name their mesh and its TP
     split = (f"{plan.layer_split}, interleaved: {plan.virtual_pipeline_size} model chunks per "
-             f"stage of {[s.chunk_layers for s in plan.pipelines[0].stages]} layers"
+             f"stage of {[s.chunk_layers for k in plan.meshes for s in k.pipelines[0].stages]} "
+             "layers"
              + (f", micro-batches in groups of {plan.microbatch_group_size}"
                 if plan.microbatch_group_size is not None else "")
              if plan.virtual_pipeline_size > 1 else f"{plan.layer_split}")

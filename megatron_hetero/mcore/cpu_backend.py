@@ -74,7 +74,7 @@ import os
 import sys
 import threading
 
-__all__ = ["enable_cpu_backend", "cpu_backend_enabled", "cpu_mode", "CPU_ENV", "REDIRECTS",
+__all__ = ["enable_cpu_backend", "cpu_backend_enabled", "join_cpu_backend", "cpu_mode", "CPU_ENV", "REDIRECTS",
            "CudaNotCoveredError", "SAFE_CUDA_QUERIES"]
 
 CPU_ENV = "MEGATRON_HETERO_CPU"
@@ -165,6 +165,15 @@ _mode = None
 
 def cpu_backend_enabled() -> bool:
     return _enabled
+
+
+def join_cpu_backend() -> None:
+    """Push the device mode in the calling thread where this process runs on the CPU backend
+    (the mode is per thread; :func:`enable_cpu_backend` pushes it in the thread that enables
+    it); nothing otherwise. For threads that run megatron-core code, such as the senders of
+    :mod:`.mesh_interleaved`; the mode stays pushed for the thread's life."""
+    if _enabled and _mode is not None:
+        _mode.__enter__()
 
 
 # -- 1. the device mode ---------------------------------------------------------------------------

@@ -73,7 +73,7 @@ def global_batch_tokens(plan: Plan, slot: Slot, num_tokens):
     return tokens.reshape(())
 
 
-def mesh_transformer_config(plan: Plan, slot: Slot, *,
+def mesh_transformer_config(plan: Plan, slot: Slot, *, num_layers: int | None = None,
                             offload_min_numel: int | None = None, **settings):
     """The ``TransformerConfig`` of ``slot``'s stage as a mesh rank builds it: fp32, its
     mesh's TP, its stage's layers as a one-stage model (pre- and post-processing are the
@@ -81,7 +81,8 @@ def mesh_transformer_config(plan: Plan, slot: Slot, *,
     (as the format-1 trainer's, :func:`~.stage_policies.built_module_input_kwargs`: module
     inputs of at least ``offload_min_numel`` elements go to the host), variable sequence
     lengths (the multimodule schedule needs them, and they need the all-to-all token
-    dispatcher to pass the config's checks) and :func:`per_token_loss`; ``settings`` are
+    dispatcher to pass the config's checks) and :func:`per_token_loss`; ``num_layers``: one
+    model chunk's layers instead of the stage's (:mod:`.mesh_interleaved`); ``settings`` are
     further fields."""
     from .config import moe_settings, transformer_config
     from .stage_policies import built_module_input_kwargs, recompute_kwargs
@@ -97,7 +98,8 @@ def mesh_transformer_config(plan: Plan, slot: Slot, *,
         num_layers=stage.num_layers, expert_parallel_size=mesh.expert_model_parallel_size,
         expert_tensor_parallel_size=mesh.expert_tensor_size))
     fields.update(settings)
-    return transformer_config(plan.model, num_layers=stage.num_layers,
+    return transformer_config(plan.model,
+                              num_layers=stage.num_layers if num_layers is None else num_layers,
                               tensor_parallel_size=mesh.tensor_model_parallel_size,
                               precision="fp32", **fields)
 

@@ -16,10 +16,11 @@ card under the cost model is :func:`megatron_hetero.sim.fits.check_fits`).
 What depends on the installed stack (Transformer Engine, its ``NVTE_CPU_OFFLOAD_V1``) is the
 runtime's check at start (:func:`megatron_hetero.runtime.policies.check_supported`).
 
-:func:`check_runnable` refuses what no runtime of this project runs yet, though the cost model
-and the simulator take it: interleaved 1F1B over a chain of meshes (a mesh plan whose stages
-list ``chunk_layers``, issue 28). ``validate``, ``args``, ``rehearse`` and the runtime's entry
-call it, so such a plan is refused with its field path rather than run wrongly.
+:func:`check_runnable` refuses what Megatron-LM's training under ``--hetero-plan`` does not
+run yet, though the cost model, the simulator, the CPU trainer and ``rehearse`` take it:
+interleaved 1F1B over a chain of meshes (a mesh plan whose stages list ``chunk_layers``, issue
+28). ``validate``, ``args`` and the runtime's entry call it, so such a plan is refused with its
+field path rather than run wrongly.
 """
 
 from __future__ import annotations
@@ -71,15 +72,19 @@ def stage_path(plan: Plan, replica: int, stage: int) -> str:
 
 
 RUNTIME_PENDING = (
-    "interleaved 1F1B over a chain of meshes is planned (simulate prices it; tune searches it "
-    "with --mesh-chunks) but its runtime is pending: megatron-core's multimodule schedule has "
-    "no interleaved form (docs/meshes.md)")
+    "interleaved 1F1B over a chain of meshes runs on CPU ranks (megatron-hetero rehearse and "
+    "the CPU trainer, megatron-core 0.19+; simulate prices it; tune searches it with "
+    "--mesh-chunks) but its runtime under pretrain_gpt.py --hetero-plan and the launcher is "
+    "pending (docs/meshes.md)")
 """Why :func:`check_runnable` refuses a mesh plan with model chunks."""
 
 
 def check_runnable(plan: Plan, *, source: str) -> None:
-    """Raise :class:`SchemaError` where ``plan`` asks for a schedule no runtime runs yet: model
-    chunks (``chunk_layers``) in a chain of meshes (:attr:`.types.Plan.interleaved_chain`)."""
+    """Raise :class:`SchemaError` where ``plan`` asks for a schedule Megatron-LM's training
+    under ``--hetero-plan`` (and so ``validate`` and ``args``) does not run yet: model chunks
+    (``chunk_layers``) in a chain of meshes (:attr:`.types.Plan.interleaved_chain`). The CPU
+    trainer and ``rehearse`` run such a plan (:mod:`megatron_hetero.mcore.mesh_interleaved`)
+    and do not call this."""
     if not plan.interleaved_chain:
         return
     first = plan.meshes[0].pipelines[0].stages[0]

@@ -86,8 +86,9 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
                         "every supported release")
     p.add_argument("--mesh-chunks", action="store_true",
                    help="with --meshes, search mesh plans whose stages run model chunks too "
-                        "(interleaved 1F1B across meshes): planned, runtime pending; validate, "
-                        "rehearse and the runtime refuse such a plan (docs/meshes.md)")
+                        "(interleaved 1F1B across meshes): rehearse and the CPU trainer run "
+                        "such a plan (megatron-core 0.19+); validate, args and pretrain_gpt.py "
+                        "--hetero-plan refuse it, its runtime pending (docs/meshes.md)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no table")
 
 
@@ -459,5 +460,5 @@ def _tune_mesh_wins(args: argparse.Namespace, result, inventory, profiles, out: 
           f"gives the best uniform-TP plan ({result.sim.step_time_s:.3f} s)")
     if plan.interleaved_chain:
         print(f"note: this mesh plan runs model chunks across meshes: {RUNTIME_PENDING}; "
-              "validate, rehearse and the runtime refuse it")
+              "validate, args and the runtime refuse it")
     return 0

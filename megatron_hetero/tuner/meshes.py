@@ -16,7 +16,8 @@ micro-batches). Candidates are visited in order of a lower bound on their estima
 its no-recompute speed), until it passes the best few estimates, which are simulated (:func:`megatron_hetero.sim.step.simulate`).
 
 With ``TuneOptions.mesh_chunks`` the same chains also run ``v`` model chunks a stage
-(interleaved 1F1B across the meshes, issue 28; planned, its runtime pending): ``v`` from 2 to
+(interleaved 1F1B across the meshes, issue 28; run on CPU ranks, its Megatron-LM runtime
+pending): ``v`` from 2 to
 ``refine_max_virtual_pipeline_size`` while every stage keeps a layer a chunk, each stage's
 layers in even chunks (:func:`.tables.even_chunks`), the micro-batches in whole groups
 (:func:`~megatron_hetero.schedule.rules.whole_group`), the stage tables at the interleaved

@@ -108,7 +108,7 @@ class TuneResult:
     mesh_candidates: int = 0
     """Mesh candidates estimated."""
     chunked_mesh_plan: Plan | None = None
-    """The best mesh plan with model chunks (``TuneOptions.mesh_chunks``; runtime pending)."""
+    """The best mesh plan with model chunks (``TuneOptions.mesh_chunks``; Megatron-LM runtime pending)."""
     chunked_mesh_sim: SimResult | None = None
 
     @property

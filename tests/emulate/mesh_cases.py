@@ -26,6 +26,50 @@ def train_against_one_process(plan_path: str, clip_grad: float) -> dict:
     return out
 
 
+def train_interleaved_against_one_process(plan_path: str, lr: float, clip_grad: float) -> dict:
+    """Train the interleaved mesh plan at ``plan_path`` 3 steps against its one-process
+    reference: with SGD at ``lr``, no clipping and the plain optimizer (``sgd``: a gradient off
+    by a factor shows in the parameters), and with Adam clipping at ``clip_grad`` and the
+    distributed optimizer (``adam``: megatron-core's distributed optimizer takes no SGD).
+    Returns per run the reference's losses and gradient norms, the run's losses and every
+    rank's gradient norms, the first divergence (rtol 1e-5; atol 1e-6 with SGD, 0.2% of a step
+    here, 1e-5 with Adam, as the mesh-trainer tests) or None, and the largest relative
+    difference of the losses and absolute difference of the parameters."""
+    from megatron_hetero.emulate.trainer import (TrainConfig, compare_results, reference_plan,
+                                                 train_plan)
+    from megatron_hetero.plan import load_any_plan
+
+    plan = load_any_plan(plan_path)
+    runs = {"sgd": (dict(optimizer="sgd", lr=lr, clip_grad=0.0), False, 1e-6),
+            "adam": (dict(optimizer="adam", clip_grad=clip_grad), True, 1e-5)}
+    out = {}
+    for name, (config, dist_opt, atol) in runs.items():
+        ref = train_plan(reference_plan(plan), TrainConfig(steps=3, **config))
+        got = train_plan(plan, TrainConfig(steps=3, **config, use_distributed_optimizer=dist_opt))
+        out[name] = {
+            "reference": {"losses": ref.losses, "grad_norms": ref.ranks[0].grad_norms},
+            "losses": got.losses, "grad_norms": [r.grad_norms for r in got.ranks],
+            "diverges": compare_results(got, ref, rtol=1e-5, atol=atol),
+            "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(got.losses, ref.losses)),
+            "param_abs": max(float((got.params[k] - ref.params[k]).abs().max())
+                             for k in ref.params if k in got.params)}
+    return out
+
+
+def rehearse_verified(plan_path: str) -> dict:
+    """Rehearse the plan at ``plan_path`` (3 steps, hidden 8, memory metered, not capped) with
+    ``--verify``: its rows ``[mesh, stage of the model, replica]``, the verification message
+    (None: it matches), the measured and the predicted step."""
+    from megatron_hetero.emulate.rehearse import RehearsalConfig, rehearse
+    from megatron_hetero.plan import load_any_plan
+
+    got = rehearse(load_any_plan(plan_path),
+                   RehearsalConfig(steps=3, hidden_size=8, memory_cap=False), verify=True)
+    return {"rows": [[s.mesh, s.stage, s.pipeline] for s in got.stages],
+            "verify": got.verify_message, "measured": got.step_s,
+            "predicted": got.predicted_step_s}
+
+
 def rehearse_with_and_without_offload(plan_path: str, hidden_size: int) -> dict:
     """Rehearse the mesh plan at ``plan_path`` (2 steps, memory metered and not capped) as it
     is, with ``--verify``, then with every stage's offload removed (one device type: the second

@@ -12,10 +12,13 @@ from ..conftest import REPO
 BASE = yaml.safe_load((REPO / "examples/meshes/3090-t4-plan.yaml").read_text())
 
 
-def tiny_mesh_plan(tmp_path, meshes, *, replicas=None, recompute=None, stages=None) -> str:
+def tiny_mesh_plan(tmp_path, meshes, *, replicas=None, recompute=None, stages=None,
+                   chunks=None, fields=None) -> str:
     """``meshes``: (TP, DP) per mesh, its replicas splitting 2 micro-batches of 2 samples
     (``replicas`` instead where given), one stage of 2 layers (``stages[k]`` the layers of mesh
-    ``k``'s stages where given), ``recompute`` on mesh 1's first stage."""
+    ``k``'s stages where given), ``recompute`` on mesh 1's first stage; ``chunks[k]``: the
+    ``chunk_layers`` of each of mesh ``k``'s stages (the model then has their layers);
+    ``fields``: further top-level fields of the plan."""
     data = copy.deepcopy(BASE)
     data["model"].update(num_layers=4, hidden_size=8, ffn_hidden_size=16, num_attention_heads=2,
                          num_query_groups=2, vocab_size=64, seq_length=3)
@@ -26,6 +29,13 @@ def tiny_mesh_plan(tmp_path, meshes, *, replicas=None, recompute=None, stages=No
          "replicas": replicas or [{"micro_batch_size": 2 // dp, "num_microbatches": 2}] * dp,
          "stages": [{"num_layers": n} for n in (stages or {}).get(k, [2])]}
         for k, (tp, dp) in enumerate(meshes)]
+    if chunks:
+        for k, per_stage in chunks.items():
+            data["meshes"][k]["stages"] = [{"num_layers": sum(c), "chunk_layers": list(c)}
+                                           for c in per_stage]
+        data["model"]["num_layers"] = sum(s["num_layers"] for m in data["meshes"]
+                                          for s in m["stages"])
+    data.update(fields or {})
     if recompute:
         data["meshes"][1]["stages"][0]["recompute"] = recompute
     path = tmp_path / "plan.yaml"

@@ -62,4 +62,4 @@ def test_tune_mesh_chunks_writes_the_winner_with_its_note(tmp_path, capsys, sear
     if plan.interleaved_chain:
         assert RUNTIME_PENDING in text
         assert cli.main(["validate", str(out)]) != 0
-        assert "runtime is pending" in capsys.readouterr().err
+        assert "--hetero-plan and the launcher is pending" in capsys.readouterr().err

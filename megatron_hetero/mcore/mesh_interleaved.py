@@ -1,0 +1,319 @@
+"""Interleaved 1F1B over a chain of meshes (:attr:`~megatron_hetero.plan.Plan.interleaved_chain`)
+from megatron-core's own pieces: its ``forward_step`` and ``backward_step`` per (micro-batch,
+model chunk), its ``P2PCommunicator`` between two stages of one mesh and its
+``BridgeCommunicator`` between meshes. megatron-core has no interleaved multimodule schedule;
+this module is the schedule, not a transport.
+
+**Chunks.** A rank of global stage ``s`` (of ``P`` over all meshes) holds ``v`` model chunks,
+one ``GPTModel`` each: chunk ``c`` is virtual stage ``c P + s`` of the model
+(:attr:`~megatron_hetero.plan.Plan.virtual_stage_layers`), its layers named by their global
+index. The embedding is on virtual stage 0 (mesh 0's first stage, chunk 0), the output layer and
+loss on virtual stage ``P v - 1`` (the last mesh's last stage, chunk ``v - 1``).
+
+**Links.** Every chunk of a stage takes its input over the same link and sends its output over
+the same link: the stage before it in its mesh (the mesh's ``P2PCommunicator``), else the bridge
+from the previous mesh, and on the model's first stage the **wrap-around bridge** from the last
+mesh's last stage (chunk ``c`` there feeds chunk ``c + 1`` here); mirrored for the output.
+Every bridge is built collectively on every rank, in chain order, the wrap-around last. The
+wrap-around bridge gets process groups of its own (:func:`chain_bridges`): megatron-core caches
+a bridge's group by its ranks, so with two meshes of one stage the forward bridge and the
+wrap-around would share one, and their messages in one direction (activations of chunk ``c``,
+gradients of the wrap-around) would meet in one queue in an order neither side controls.
+
+**Order.** Each rank runs :func:`~megatron_hetero.schedule.order.rank_order` (the simulator's
+order: Megatron's interleaved table in micro-batch groups of
+:attr:`~megatron_hetero.plan.Plan.microbatch_group`, its warm-up at the rank's global stage).
+On each link one direction carries one kind of message (activations forward, gradients back),
+sent and received in the table's order on both ends, so the messages of a link pair up without
+tags.
+
+**No deadlock.** A forward receives its input and a backward its output's gradient, blocking,
+before computing; its own result is handed to a sender of its link and direction (one thread
+each, :class:`Outbox`, in order), so a rank never waits on a send: ops then wait only for their
+inputs, as in the simulator, whose order completes. (Megatron's own interleaved schedule pairs
+sends and receives in combined ops at each step instead; a chain's neighbours sit on different
+communicators, which megatron-core cannot combine.) The step ends once every send has been
+received. The numbers do not depend on the threads' timing.
+
+Gradients: each chunk's last backward runs with DDP's gradient sync on (the others in
+``no_sync``), then the finalize of :func:`~.mesh_train.mesh_finalize_model_grads` over every
+chunk, with the step's tokens where the loss is per token, as megatron-core's schedules do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..plan import Plan, Slot
+from ..schedule.order import rank_order
+from .cpu_backend import join_cpu_backend
+from .mesh_grids import DIM_MAPPING, gloo_bridges, mesh_grids, module_name
+from .mesh_stage import use_mesh_globals
+from .mesh_train import (mesh_ddp, mesh_finalize_model_grads, mesh_optimizer,
+                         training_process_groups, wire_schedule)
+
+__all__ = ["Link", "Outbox", "InterleavedMeshRank", "chain_bridges", "stage_links",
+           "chunk_virtual_stage", "build_interleaved_mesh_rank", "interleaved_mesh_schedule",
+           "runs_interleaved_chain"]
+
+
+def runs_interleaved_chain() -> bool:
+    """Whether the installed megatron-core gives every bridge process groups of its own
+    (0.19: ``BridgeCommunicator._get_or_create_bridge_pg``). Before, every bridge sends on the
+    world's group, where a link's two kinds of message between the same two ranks would meet in
+    one queue."""
+    from megatron.core.pipeline_parallel.bridge_communicator import BridgeCommunicator
+
+    return hasattr(BridgeCommunicator, "_get_or_create_bridge_pg")
+
+
+@dataclass(kw_only=True, slots=True)
+class Link:
+    """One boundary of a rank's stage, seen from the rank: megatron-core's ``P2PCommunicator``
+    of its mesh or a ``BridgeCommunicator``, behind the four calls a chunk makes."""
+
+    comm: Any
+    """The communicator."""
+    bridge: bool
+    """A ``BridgeCommunicator`` (else a ``P2PCommunicator``)."""
+    shape: tuple[int, int, int]
+    """The ``[s, b, h]`` a message has (the ``P2PCommunicator`` asks for it; with variable
+    sequence lengths the shapes travel with the messages)."""
+
+    def recv_forward(self):
+        """The activation of the stage before (on the link into the stage)."""
+        if self.bridge:
+            return self.comm.recv_forward()
+        return self.comm.recv_forward(self.shape, is_first_stage=False)
+
+    def send_forward(self, tensor) -> None:
+        """The stage's activation to the stage after (on the link out of the stage)."""
+        if self.bridge:
+            self.comm.send_forward(tensor)
+        else:
+            self.comm.send_forward(tensor, is_last_stage=False)
+
+    def recv_backward(self):
+        """The gradient of the stage's output (on the link out of the stage)."""
+        if self.bridge:
+            return self.comm.recv_backward()
+        return self.comm.recv_backward(self.shape, is_last_stage=False)
+
+    def send_backward(self, grad) -> None:
+        """The gradient of the stage's input to the stage before (on the link into it)."""
+        if self.bridge:
+            self.comm.send_backward(grad)
+        else:
+            self.comm.send_backward(grad, is_first_stage=False)
+
+
+class Outbox:
+    """The sends of one link in one direction, run in order on a thread of their own."""
+
+    def __init__(self) -> None:
+        # the thread runs megatron-core's send code: on the CPU backend, under its device mode
+        self._pool = ThreadPoolExecutor(max_workers=1, initializer=join_cpu_backend)
+        self._pending: list[Future] = []
+        self._abandoned = False
+
+    def post(self, send: Callable[[Any], None], tensor) -> None:
+        """Send ``tensor`` with ``send`` after the sends posted before; raises the error of an
+        earlier send that failed."""
+        while self._pending and self._pending[0].done():
+            self._pending.pop(0).result()
+        self._pending.append(self._pool.submit(send, tensor))
+
+    def drain(self) -> None:
+        """Wait until every posted send is received."""
+        while self._pending:
+            self._pending.pop(0).result()
+
+    def abandon(self) -> None:
+        """Forget the posted sends (after an error: their peers may never take them); the
+        thread is then left to its blocked send rather than waited for."""
+        self._pending.clear()
+        self._abandoned = True
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def close(self) -> None:
+        """Drain and stop the thread (unless abandoned)."""
+        if not self._abandoned:
+            self.drain()
+            self._pool.shutdown(wait=True)
+
+
+def chain_bridges(plan: Plan, grids: list, config) -> list:
+    """megatron-core's ``BridgeCommunicator`` of every boundary between meshes, in chain order,
+    then the wrap-around bridge (last mesh -> mesh 0) on process groups of its own (see the
+    module docstring). Collective: call on every rank."""
+    from megatron.core.pipeline_parallel.bridge_communicator import BridgeCommunicator
+
+    def bridge(cls, src: int, dest: int):
+        return cls(grids[src], grids[dest], dim_mapping=dict(DIM_MAPPING),
+                   comm_dtype=config.pipeline_dtype, src_module_name=module_name(src),
+                   dest_module_name=module_name(dest))
+
+    n = len(grids)
+    # the bridge's group cache is a class attribute: a subclass with its own, for this chain
+    wrap_cls = type("WrapAroundBridge", (BridgeCommunicator,), {"_bridge_pg_cache": {}})
+    return [bridge(BridgeCommunicator, k, k + 1) for k in range(n - 1)] + [bridge(wrap_cls,
+                                                                                 n - 1, 0)]
+
+
+def stage_links(plan: Plan, slot: Slot, grids: list, bridges: list, config) -> tuple[Link, Link]:
+    """(into, out of) ``slot``'s stage: its mesh's ``P2PCommunicator`` inside the mesh, the
+    bridges (:func:`chain_bridges`) at its ends."""
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    mesh = plan.meshes[slot.mesh]
+    shape = (plan.model.seq_length, mesh.pipelines[slot.replica].micro_batch_size,
+             plan.model.hidden_size)
+    p2p = (P2PCommunicator(grids[slot.mesh].get_pg("pp"), config)
+           if mesh.num_stages > 1 else None)
+    into = (Link(comm=p2p, bridge=False, shape=shape) if slot.stage > 0 else
+            Link(comm=bridges[slot.mesh - 1], bridge=True, shape=shape))  # [-1]: wrap-around
+    out = (Link(comm=p2p, bridge=False, shape=shape) if slot.stage < mesh.num_stages - 1 else
+           Link(comm=bridges[slot.mesh], bridge=True, shape=shape))  # the last: wrap-around
+    return into, out
+
+
+def chunk_virtual_stage(plan: Plan, slot: Slot, chunk: int) -> int:
+    """The virtual pipeline stage (of ``P v``, model order) of ``slot``'s chunk ``chunk``."""
+    return chunk * plan.pipeline_model_parallel_size + plan.global_stage(slot)
+
+
+@dataclass(kw_only=True, slots=True)
+class InterleavedMeshRank:
+    """What :func:`build_interleaved_mesh_rank` builds on one rank."""
+
+    plan: Plan
+    slot: Slot
+    """The rank's mesh, stage, replica and tensor rank."""
+    grids: list
+    """Every mesh's ``HyperCommGrid``."""
+    into: Link
+    """The link the stage's chunks take their inputs over."""
+    out: Link
+    """The link the stage's chunks send their outputs over."""
+    pgs: Any
+    """The rank's ``ProcessGroupCollection`` (its mesh's)."""
+    gpts: list
+    """The ``GPTModel`` of each chunk."""
+    ddps: list
+    """``DistributedDataParallel`` around each of ``gpts``: the schedule's model chunks."""
+    optimizer: Any
+    """The Megatron optimizer over ``ddps``."""
+    layer_offsets: list[int]
+    """Per chunk, the model's layers before its first."""
+    outboxes: tuple[Outbox, Outbox] = field(default_factory=lambda: (Outbox(), Outbox()))
+    """The senders of activations (on ``out``) and of gradients (on ``into``)."""
+
+    def chunk_ends(self, chunk: int) -> tuple[bool, bool]:
+        """(holds the embedding, holds the output layer) of chunk ``chunk``."""
+        vs = chunk_virtual_stage(self.plan, self.slot, chunk)
+        return vs == 0, vs == self.plan.pipeline_model_parallel_size * len(self.gpts) - 1
+
+    def close(self) -> None:
+        """Stop the senders."""
+        for box in self.outboxes:
+            box.close()
+
+
+def build_interleaved_mesh_rank(plan: Plan, rank: int, optimizer_config, *, configs: list,
+                                init: Callable[[Any, Slot, int], None] | None = None,
+                                overlap_grad_reduce: bool = False,
+                                gloo: bool = False) -> InterleavedMeshRank:
+    """Build rank ``rank`` of the interleaved chain ``plan`` (collective: call on every rank):
+    the grids, the bridges and the rank's links, one ``GPTModel`` per chunk on ``configs[c]``
+    (:func:`~.mesh_train.mesh_transformer_config` with the chunk's layers), each in DDP over
+    its mesh, the optimizer over them and the schedule's hooks on every chunk's config (as
+    :func:`~.mesh_train.build_mesh_rank`). ``init(gpt, slot, layer_offset)`` sets a chunk's
+    weights; ``gloo``: the world is gloo (CPU ranks)."""
+    from .model import gpt_model
+
+    if gloo:
+        gloo_bridges()
+    slot = plan.slot_of_rank(rank)
+    grids = mesh_grids(plan)
+    pgs = training_process_groups(grids[slot.mesh])
+    use_mesh_globals(pgs)
+    layers = plan.virtual_stage_layers
+    last = plan.pipeline_model_parallel_size * plan.virtual_pipeline_size - 1
+    gpts, ddps, offsets = [], [], []
+    for c, config in enumerate(configs):
+        vs = chunk_virtual_stage(plan, slot, c)
+        gpt = gpt_model(plan.model, config, pre_process=vs == 0, post_process=vs == last,
+                        pg_collection=pgs)
+        offsets.append(sum(layers[:vs]))
+        if init is not None:
+            init(gpt, slot, offsets[-1])
+        gpts.append(gpt)
+        ddps.append(mesh_ddp(gpt, pgs, overlap_grad_reduce=overlap_grad_reduce,
+                             use_distributed_optimizer=optimizer_config.use_distributed_optimizer))
+    optimizer = mesh_optimizer(plan, slot, ddps, pgs, optimizer_config)
+    finalize = mesh_finalize_model_grads(plan, slot, pgs)
+    for config, ddp in zip(configs, ddps):
+        wire_schedule(config, ddp, optimizer, finalize, overlap_grad_reduce=overlap_grad_reduce)
+    into, out = stage_links(plan, slot, grids, chain_bridges(plan, grids, configs[0]),
+                            configs[0])
+    return InterleavedMeshRank(plan=plan, slot=slot, grids=grids, into=into, out=out, pgs=pgs,
+                               gpts=gpts, ddps=ddps, optimizer=optimizer, layer_offsets=offsets)
+
+
+def interleaved_mesh_schedule(rank: InterleavedMeshRank, forward_step_func: Callable,
+                              data_iterators: list, *, forward_only: bool = False) -> list:
+    """One step of ``rank`` (its replica's micro-batches) in interleaved 1F1B over the chain
+    (module docstring); ``data_iterators``: one iterator of the replica's micro-batches per
+    chunk. Returns what the loss function reported on the model's last virtual stage (empty
+    elsewhere)."""
+    import torch
+    from megatron.core.pipeline_parallel import schedules
+
+    plan, slot = rank.plan, rank.slot
+    v = len(rank.ddps)
+    p, s = plan.pipeline_model_parallel_size, plan.global_stage(slot)
+    m = plan.meshes[slot.mesh].pipelines[slot.replica].num_microbatches
+    order = rank_order(p, s, m, v, plan.microbatch_group)
+    if forward_only:
+        order = [op for op in order if op[0] == 0]
+    last_backward = {c: k for k, (kind, _, c) in enumerate(order) if kind == 1}
+    ends = [rank.chunk_ends(c) for c in range(v)]
+    configs = [gpt.config for gpt in rank.gpts]
+    send_fwd, send_bwd = rank.outboxes
+    store: list = []
+    held: dict = {}
+    tokens = torch.zeros((), dtype=torch.int)
+    try:
+        for k, (kind, i, c) in enumerate(order):
+            first, final = ends[c]
+            if kind == 0:
+                x = None if first else rank.into.recv_forward()
+                y, n = schedules.forward_step(
+                    forward_step_func, data_iterators[c], rank.ddps[c], m, x, store, configs[c],
+                    1, is_first_microbatch=i == 0, current_microbatch=i, is_last_stage=final)
+                tokens = tokens + n
+                if not final:
+                    send_fwd.post(rank.out.send_forward, y)
+                if not forward_only:
+                    held[(i, c)] = (x, y)
+                continue
+            dy = None if final else rank.out.recv_backward()
+            x, y = held.pop((i, c))
+            sync = contextlib.nullcontext() if last_backward[c] == k else rank.ddps[c].no_sync()
+            with sync:
+                dx = schedules.backward_step(x, y, dy, configs[c])
+            if not first:
+                send_bwd.post(rank.into.send_backward, dx)
+        send_fwd.drain()
+        send_bwd.drain()
+    except BaseException:
+        for box in rank.outboxes:  # the error, not a wait on a send that will never be taken
+            box.abandon()
+        raise
+    if not forward_only and configs[0].finalize_model_grads_func is not None:
+        configs[0].finalize_model_grads_func(
+            rank.ddps, tokens if configs[0].calculate_per_token_loss else None)
+    return store
