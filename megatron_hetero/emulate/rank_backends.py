@@ -40,14 +40,20 @@ __all__ = ["RankBackend", "GridRank", "ChainRank", "backend_for", "optimizer_con
 
 def optimizer_config(plan: Plan, stage: Stage, config):
     """The rank's ``OptimizerConfig`` (``config``: the trainer's ``TrainConfig``): Adam or SGD,
-    fp32, gradient clipping, the distributed optimizer as ``config`` decides it for ``plan``,
-    and ``stage``'s optimizer offload."""
-    import torch
+    in ``config.precision`` (bf16 or fp16: megatron-core's mixed-precision optimizer, fp32 main
+    parameters; fp16 with dynamic loss scaling from ``config.initial_loss_scale``), gradient
+    clipping, the distributed optimizer as ``config`` decides it for ``plan``, and ``stage``'s
+    optimizer offload."""
     from megatron.core.optimizer import OptimizerConfig
+
+    from ..mcore.config import torch_dtype
 
     return OptimizerConfig(optimizer=config.optimizer, lr=config.lr,
                            weight_decay=config.weight_decay, clip_grad=config.clip_grad,
-                           bf16=False, fp16=False, params_dtype=torch.float32,
+                           bf16=config.precision == "bf16", fp16=config.precision == "fp16",
+                           params_dtype=torch_dtype(config.precision),
+                           initial_loss_scale=config.initial_loss_scale,
+                           hysteresis=config.loss_scale_hysteresis,
                            use_distributed_optimizer=config.distributed_optimizer(plan),
                            **optimizer_offload_kwargs(stage))
 
@@ -131,7 +137,8 @@ class GridRank(RankBackend):
         chunks, models = [], []
         for vp in range(v):
             tconf = plan_transformer_config(  # the stage's policies on its chunk
-                plan, stage, vp, offload_min_numel=config.offload_min_numel)
+                plan, stage, vp, offload_min_numel=config.offload_min_numel,
+                precision=config.precision)
             vp_stage = vp if v > 1 else None
             pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
             post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
@@ -212,7 +219,8 @@ class ChainRank(RankBackend):
         self.built = build_mesh_rank(plan, plan.rank_of_slot(slot),
                                      optimizer_config(plan, stage, config), init=init,
                                      config=mesh_transformer_config(
-                                         plan, slot, offload_min_numel=config.offload_min_numel),
+                                         plan, slot, offload_min_numel=config.offload_min_numel,
+                                         precision=config.precision),
                                      overlap_grad_reduce=plan.overlap_grad_reduce, gloo=True)
         self.ddps, self.optimizer = [self.built.ddp], self.built.optimizer
         # ranks that offload no module inputs join the others' offload summary

@@ -32,7 +32,9 @@ Not rehearsed on a chain of meshes: link emulation (refused: megatron-core's bri
 
 ``--verify`` also trains the same model, data and seed in one process and compares losses and
 final parameters (fp32, rtol 1e-5, atol 1e-5: 1% of an Adam step); it names the first diverging
-step and tensor.
+step and tensor. A bf16 or fp16 plan then trains in its own precision, and its deviation from
+the fp32 one-process run must be no larger than plain Megatron's uniform plan's in the same
+precision (:mod:`.verify`).
 
 The parts live in sibling modules: :mod:`.shrink` (the shrunk plan; the model is shrunk by
 :func:`megatron_hetero.models.shrink_model`), :mod:`.host` (what this machine can host, the
@@ -62,7 +64,8 @@ from .rank_backends import backend_for
 from .rank_hooks import rehearsal_hooks, user_error
 from .report import RehearsalResult, format_report, stage_reports
 from .shrink import offload_min_numel, shrink_plan, without_module_inputs
-from .trainer import TrainConfig, compare_results, reference_plan, train_plan
+from .trainer import TrainConfig, train_plan
+from .verify import fp16_initial_loss_scale, train_and_verify
 
 __all__ = ["RehearsalConfig", "rehearse", "train_and_verify", "format_report",
            "VERIFY_OPTIMIZER"]
@@ -123,27 +126,18 @@ class RehearsalConfig:
                              "expected a finite number of seconds >= 0")
 
 
-def train_and_verify(plan, config, *, hooks, verify: bool, say):
+def _train(plan, config, hooks):
     """:func:`.trainer.train_plan` of ``plan`` on CPU ranks, ``hooks`` each rank's hooks, a
-    rank's plan mistake (out of memory under the caps) raised as its one-line error; with
-    ``verify``, also its :func:`.trainer.reference_plan` in one process and
-    :func:`.trainer.compare_results` of the two. Returns the result and the comparison's
-    message (None: not verified or equal)."""
+    rank's plan mistake (out of memory under the caps) raised as its one-line error."""
     from ..mcore.spawn import SpawnError
 
     try:
-        result = train_plan(plan, config, hooks_factory=hooks)
+        return train_plan(plan, config, hooks_factory=hooks)
     except SpawnError as exc:
         user = user_error(exc)
         if user is not None:
             raise user from None
         raise
-    if not verify:
-        return result, None
-    say("training the same model, data and seed in one process")
-    ref = train_plan(reference_plan(plan), config)
-    # atol: 1% of one Adam step (lr 1e-3); see tests/emulate/test_equivalence.py
-    return result, compare_results(result, ref, rtol=1e-5, atol=1e-5)
 
 
 def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Catalog | None = None,
@@ -189,8 +183,12 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
     # differences a bug could hide behind (issue 32 A.8)
     # (a plan that offloads optimizer state runs megatron-core's hybrid optimizer: Adam only)
     optimizer = VERIFY_OPTIMIZER if verify and not shrunk.offloads_optimizer else "adam"
+    # --verify trains in the plan's precision (megatron-core's mixed precision), the rest fp32
+    precision = shrunk.precision if verify else "fp32"
     tconf = TrainConfig(steps=config.steps, seed=config.seed, gather_params=verify,
-                        optimizer=optimizer,
+                        optimizer=optimizer, precision=precision,
+                        initial_loss_scale=fp16_initial_loss_scale(shrunk),
+                        loss_scale_hysteresis=1,
                         eval_forward_only=verify, timeout_s=config.timeout_s,
                         offload_min_numel=offload_min_numel(plan, shrunk))
     metered = config.meter_memory or config.memory_cap
@@ -198,8 +196,8 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
     hooks = functools.partial(rehearsal_hooks, factors=factors, time_scale=time_scale,
                               caps=caps if metered else None, enforce_caps=config.memory_cap,
                               nice=config.nice, links=links)
-    result, verify_message = train_and_verify(shrunk, tconf, hooks=hooks, verify=verify,
-                                              say=say)
+    result, verify_message, verdict = train_and_verify(shrunk, tconf, hooks=hooks,
+                                                       verify=verify, say=say, train=_train)
 
     steps = range(1, config.steps)  # step 0 is the warm-up
     step_times = [max(r.step_times[k] for r in result.ranks) for k in steps]
@@ -221,7 +219,8 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
                            a_priori_step_s=a_priori.step_time_s, cpu_drift=drift,
                            cpu_drifts=drifts,
                            losses=result.losses, calibration=calibration, time_scale=time_scale,
-                           verify_message=verify_message, kept_module_inputs=kept_inputs,
+                           verify_message=verify_message, precision_verdict=verdict,
+                           kept_module_inputs=kept_inputs,
                            verify_optimizer=optimizer if verify else None,
                            links=links, link_stretch=link_stretch)
 

@@ -73,9 +73,10 @@ def global_batch_tokens(plan: Plan, slot: Slot, num_tokens):
     return tokens.reshape(())
 
 
-def mesh_transformer_config(plan: Plan, slot: Slot, *,
-                            offload_min_numel: int | None = None, **settings):
-    """The ``TransformerConfig`` of ``slot``'s stage as a mesh rank builds it: fp32, its
+def mesh_transformer_config(plan: Plan, slot: Slot, *, offload_min_numel: int | None = None,
+                            precision: str = "fp32", **settings):
+    """The ``TransformerConfig`` of ``slot``'s stage as a mesh rank builds it: in ``precision``
+    (fp32 unless the CPU trainer asks for the plan's own), its
     mesh's TP, its stage's layers as a one-stage model (pre- and post-processing are the
     model's ends, :func:`build_mesh_rank`), its stage's recompute and module-input offload
     (as the format-1 trainer's, :func:`~.stage_policies.built_module_input_kwargs`: module
@@ -95,7 +96,7 @@ def mesh_transformer_config(plan: Plan, slot: Slot, *,
     fields.update(settings)
     return transformer_config(plan.model, num_layers=stage.num_layers,
                               tensor_parallel_size=mesh.tensor_model_parallel_size,
-                              precision="fp32", **fields)
+                              precision=precision, **fields)
 
 
 def training_process_groups(grid):
