@@ -56,6 +56,7 @@ from ..errors import HeteroError
 from ..hardware.catalog import Catalog, load_catalog
 from ..plan import Plan
 from .calibration import Calibration, _mean, activation_scale, calibrate
+from .calibration_file import calibration_key, load_calibrations, save_calibrations
 from .drift import cpu_drifts, in_run_calibrations, measured_allreduce_gb_s
 from .host import MAX_RANKS, auto_time_scale, check_host_capacity
 from .links import rehearsal_links
@@ -143,10 +144,12 @@ def _train(plan, config, hooks):
 def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Catalog | None = None,
              verify: bool = False, source: str = "PLAN", progress=None,
              calibration: Calibration | dict[str, Calibration] | None = None,
-             inventory=None) -> RehearsalResult:
+             inventory=None, calibration_file: str | None = None) -> RehearsalResult:
     """Shrink, check, calibrate, run and predict ``plan`` (see the module docstring);
     ``inventory`` gives the links of ``config.emulate_links``; ``calibration``: one
-    :class:`Calibration` or one per device type, measured before (none is then measured)."""
+    :class:`Calibration` or one per device type, measured before (none is then measured);
+    else ``calibration_file`` (``--calibration``): read where it exists, else measured and
+    written there (:mod:`.calibration_file`)."""
     from ..mcore.cpu_offload import module_input_offload_supported
     from .memory import memory_caps
     from .speed import device_slowdowns
@@ -169,8 +172,7 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
     time_scale = config.time_scale or auto_time_scale(plan, slowdowns)
     factors = {d: s * time_scale for d, s in slowdowns.items()}
     if calibration is None:
-        say("calibrating the CPU and gloo")
-        calibration = _calibrate_devices(shrunk, factors, config)
+        calibration = _calibration(shrunk, factors, config, calibration_file, source, say)
     calibrations = calibration
     if not isinstance(calibration, Calibration):  # the fastest device's
         calibration = calibrations[min(factors, key=lambda d: (factors[d], d))]
@@ -183,8 +185,10 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
     # differences a bug could hide behind (issue 32 A.8)
     # (a plan that offloads optimizer state runs megatron-core's hybrid optimizer: Adam only)
     optimizer = VERIFY_OPTIMIZER if verify and not shrunk.offloads_optimizer else "adam"
-    # --verify trains in the plan's precision (megatron-core's mixed precision), the rest fp32
-    precision = shrunk.precision if verify else "fp32"
+    # --verify trains in the plan's precision (megatron-core's mixed precision), the rest fp32;
+    # a plan that offloads optimizer state verifies in fp32 (the CPU stack's fixes of
+    # megatron-core's hybrid optimizer, mcore/cpu_offload.py, run fp32 parameters only)
+    precision = shrunk.precision if verify and not shrunk.offloads_optimizer else "fp32"
     tconf = TrainConfig(steps=config.steps, seed=config.seed, gather_params=verify,
                         optimizer=optimizer, precision=precision,
                         initial_loss_scale=fp16_initial_loss_scale(shrunk),
@@ -223,6 +227,23 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
                            kept_module_inputs=kept_inputs,
                            verify_optimizer=optimizer if verify else None,
                            links=links, link_stretch=link_stretch)
+
+
+def _calibration(shrunk: Plan, factors: dict[str, float], config: RehearsalConfig,
+                 path: str | None, source: str, say) -> dict[str, Calibration]:
+    """The calibration per device type: read from ``path`` where it exists (measured for this
+    shrunk model, micro-batch sizes, metering and idle gaps, else refused), else measured
+    (:func:`_calibrate_devices`) and, with ``path``, written there."""
+    key = calibration_key(shrunk, {d: max(0.0, f - 1.0) for d, f in factors.items()},
+                          config.meter_memory or config.memory_cap)
+    if path is not None and os.path.exists(path):
+        say(f"reading the calibration from {path}")
+        return load_calibrations(path, key, source=source)
+    say("calibrating the CPU and gloo")
+    measured = _calibrate_devices(shrunk, factors, config)
+    if path is not None:
+        save_calibrations(path, measured, key)
+    return measured
 
 
 def _calibrate_devices(shrunk: Plan, factors: dict[str, float],
