@@ -70,6 +70,7 @@ class PrecisionVerdict:
     optimizer: str
     """The optimizer of all three runs (``sgd`` or ``adam``)."""
     steps: int
+    """Training steps of each run."""
     plan: Deviation
     """The plan's deviation from the fp32 one-process run."""
     baseline: Deviation
@@ -77,9 +78,11 @@ class PrecisionVerdict:
     baseline_world_size: int
     """Ranks of the uniform plan (its tensor parallelism)."""
     tolerance: float = DEVIATION_TOLERANCE
+    """How many times plain Megatron's deviation the plan's may be."""
     skipped: list[bool] = field(default_factory=list)
     """Per step, the plan skipped it (fp16: an overflow), every rank agreeing."""
     baseline_skipped: list[bool] = field(default_factory=list)
+    """Per step, plain Megatron's uniform plan skipped it."""
     loss_scales: list[float] = field(default_factory=list)
     """The plan's loss scale after each step (fp16)."""
     disagreement: str | None = None
@@ -93,6 +96,7 @@ class PrecisionVerdict:
 
     @property
     def ok(self) -> bool:
+        """The ranks agreed and both deviations are within ``tolerance`` of the baseline's."""
         return self.disagreement is None and self.plan.within(self.baseline, self.tolerance)
 
 

@@ -72,22 +72,26 @@ def test_mesh_memory_caps_scale_each_mesh_device():
 
 
 @pytest.mark.slow
-def test_mesh_plan_rehearses_and_verifies(mcore_env):
+def test_mesh_plan_rehearses_and_verifies(mcore_env, tmp_path):
     """The example plan (Llama-2 7B on four 16-24 GB cards, no distributed optimizer) does not
     fit its cards: capped, the rehearsal stops at the first rank past its scaled memory; with
     --no-memory-cap it runs, meters each rank's peak and, in its fp16, deviates from one fp32
-    process no more than plain Megatron in fp16."""
+    process no more than plain Megatron in fp16. The second run reads the calibration the
+    first wrote (``--calibration``)."""
     env = mcore_env | {"PYTHONWARNINGS": "ignore"}
+    calibration = str(tmp_path / "calibration.yaml")
     capped = subprocess.run([sys.executable, "-m", "megatron_hetero.cli", "rehearse", str(PLAN),
-                             "--steps", "2", "--hidden-size", "32"],
+                             "--steps", "2", "--hidden-size", "32", "--calibration", calibration],
                             env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert capped.returncode == 1 and "ran out of memory" in capped.stderr, capped.stderr[-3000:]
     assert "Traceback" not in capped.stderr
     out = subprocess.run([sys.executable, "-m", "megatron_hetero.cli", "rehearse", str(PLAN),
-                          "--steps", "2", "--hidden-size", "32", "--verify", "--no-memory-cap"],
+                          "--steps", "2", "--hidden-size", "32", "--verify", "--no-memory-cap",
+                          "--calibration", calibration],
                          env=mcore_env | {"PYTHONWARNINGS": "ignore"}, cwd=REPO,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-2000:]
+    assert f"reading the calibration from {calibration}" in out.stderr  # not measured again
     text = out.stdout
     # rows: mesh, pipe (replica), stage, device, TP, layers, micro, slow | ... | peak/cap MiB
     rows = [line.split() for line in text.splitlines() if "|" in line and "GB " in line]
@@ -115,16 +119,20 @@ its 10%; a prediction off by a unit or a missing time scale is off by more than 
 
 
 @pytest.mark.slow
-def test_mesh_rehearsal_meets_its_prediction(mcore_env):
+def test_mesh_rehearsal_meets_its_prediction(mcore_env, tmp_path):
     """``examples/meshes/rehearse-plan.yaml`` (3090s TP1 x DP2 -> T4s TP2 x DP1: a fan-in
     bridge and a TP broadcast) rehearsed 3 times: the median of measured / predicted is within
     10% (issue 15, item 5), and of measured / the a-priori prediction (made from the start-up
     calibration before the run) within :data:`A_PRIORI_BOUND`. A shared, loaded machine misses it (docs/meshes.md, "Rehearsal of
-    a mesh plan": gloo's messages then wait milliseconds for a core each)."""
+    a mesh plan": gloo's messages then wait milliseconds for a core each). The first rehearsal
+    measures the start-up calibration and writes it (``--calibration``); the other two read it,
+    so their a-priori predictions are made from a calibration taken before the first run."""
     ratios, a_priori = [], []
+    calibration = str(tmp_path / "calibration.yaml")
     for _ in range(3):
         out = subprocess.run([sys.executable, "-m", "megatron_hetero.cli", "rehearse", str(PLAN),
-                              "--steps", "4", "--hidden-size", "64", "--no-memory-cap"],
+                              "--steps", "4", "--hidden-size", "64", "--no-memory-cap",
+                              "--calibration", calibration],
                              env=mcore_env | {"PYTHONWARNINGS": "ignore"}, cwd=REPO,
                              capture_output=True, text=True, timeout=600)
         assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-2000:]

@@ -127,3 +127,40 @@ def test_fp16_initial_loss_scale_follows_the_tokens_of_a_micro_batch():
     assert fp16_initial_loss_scale(PLAN) == 32768.0  # 8 tokens: 4 x 65504 / 8 -> 2^15
     wide = tiny_plan([1, 5], [(4, 1)], seq_length=32)  # 128 tokens
     assert fp16_initial_loss_scale(wide) == 2048.0
+
+
+@pytest.mark.slow
+def test_rehearse_verify_of_an_fp16_plan_prints_what_it_compared(tmp_path, capsys, monkeypatch):
+    """``rehearse --verify`` of an fp16 plan (replicas of 3 and 1 micro-batches on two GPU
+    types): it prints the precision, the optimizer, both deviations and the loss scaling, and
+    passes; with replica 1 reading wrong labels it fails, exit 1."""
+    import yaml
+
+    from megatron_hetero.cli import main
+    from megatron_hetero.emulate import rehearse
+
+    from .faults import hooks_with_wrong_labels
+
+    model = {"name": "tiny", "num_layers": 4, "hidden_size": 256, "ffn_hidden_size": 688,
+             "num_attention_heads": 8, "num_query_groups": 8, "vocab_size": 1000,
+             "seq_length": 256}
+    pipes = [(3, "A100-SXM-80GB"), (1, "V100-SXM2-32GB")]
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump({
+        "format_version": 1, "model": model, "global_batch_size": 4, "precision": "fp16",
+        "tensor_model_parallel_size": 1,
+        "pipelines": [{"micro_batch_size": 1, "num_microbatches": n,
+                       "stages": [{"device_type": d, "num_layers": 4}]} for n, d in pipes]}))
+    args = ["rehearse", str(path), "--steps", "2", "--hidden-size", "32", "--verify",
+            "--calibration", str(tmp_path / "calibration.yaml")]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "verify (fp16, sgd, 2 steps): deviation from the fp32 single-process run" in out
+    assert "this plan (2 ranks, fp16)" in out and "plain Megatron's uniform plan (1 rank" in out
+    assert "every rank agreeing" in out
+    assert "verify: the plan deviates no more than plain Megatron in fp16" in out
+    monkeypatch.setattr(rehearse, "rehearsal_hooks",
+                        functools.partial(hooks_with_wrong_labels, wrong_replica=1))
+    assert main(args) == 1  # the calibration is read from the file the first run wrote
+    out = capsys.readouterr().out
+    assert "verify: FAILED: the plan deviates more than 1.5x plain Megatron's" in out
