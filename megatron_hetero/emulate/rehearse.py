@@ -16,7 +16,8 @@ One rehearsal for every plan shape: one grid or a chain of meshes (the trainer's
    saves for the backward pass, the optimizer step's rate, and gloo's point-to-point latency and
    bandwidth and all-reduce bandwidth, at each micro-batch size of the plan, once per device
    type's idle gaps; the emulated device ``d`` then computes at
-   ``cpu speed / factor(d)`` (:mod:`.speed`).
+   ``cpu speed / factor(d)`` (:mod:`.speed`). ``--calibration FILE`` reads it from a file an
+   earlier rehearsal of the same shrunk model wrote (:mod:`.calibration_file`).
 4. *Run* N steps on the CPU ranks under the speed and memory emulation (:mod:`.speed`,
    :mod:`.memory`); the first step is a warm-up and is not reported.
 5. *Predict* the same emulated setup with the tuner's cost model and simulator
