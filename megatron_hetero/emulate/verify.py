@@ -76,7 +76,7 @@ class PrecisionVerdict:
     baseline: Deviation
     """Plain Megatron's uniform plan's (:func:`uniform_plan`), in the same precision."""
     baseline_world_size: int
-    """Ranks of the uniform plan (its tensor parallelism)."""
+    """Ranks of the uniform plan (its data and tensor parallelism)."""
     tolerance: float = DEVIATION_TOLERANCE
     """How many times plain Megatron's deviation the plan's may be."""
     skipped: list[bool] = field(default_factory=list)
@@ -118,13 +118,21 @@ def deviation(result, reference) -> Deviation:
 
 
 def uniform_plan(plan: Plan) -> Plan:
-    """Plain Megatron's uniform plan of ``plan``'s model and global batch: the one-process
-    reference (:func:`.trainer.reference_plan`, its micro-batches the plan's data order) with
-    the largest tensor parallelism of ``plan``'s meshes (16-bit tensor-parallel reductions round
+    """Plain Megatron's uniform plan of ``plan``'s model and global batch: one stage, the
+    data-parallel size of ``plan``'s first mesh with every replica alike (each its equal share
+    of the global batch, in micro-batches of the one-process reference's size,
+    :func:`.trainer.reference_plan`; one replica where the batch does not split so), and the
+    largest tensor parallelism of ``plan``'s meshes (16-bit tensor-parallel reductions round
     too, so the baseline rounds at least as the plan's widest stage does)."""
     ref = reference_plan(plan)
     tp = max(m.tensor_model_parallel_size for m in plan.meshes)
-    mesh = dataclasses.replace(ref.meshes[0], tensor_model_parallel_size=tp)
+    pipe = ref.meshes[0].pipelines[0]
+    d = plan.meshes[0].data_parallel_size
+    if pipe.num_microbatches % d:
+        d = 1
+    replica = dataclasses.replace(pipe, num_microbatches=pipe.num_microbatches // d)
+    mesh = dataclasses.replace(ref.meshes[0], tensor_model_parallel_size=tp,
+                               pipelines=[replica] * d)
     return dataclasses.replace(ref, meshes=[mesh])
 
 

@@ -1,7 +1,7 @@
 """``rehearse --verify`` in the plan's precision (issue 33, item 1): an uneven plan (PP=2 split
 1:5, replicas of 3 and 1 micro-batches) trained by the CPU trainer in bf16 and in fp16 (dynamic
 loss scaling) deviates from the fp32 one-process run no more than plain Megatron's uniform plan
-in the same precision; fp16's found overflow and skipped steps agree across the uneven replicas
+(replicas of 2 and 2 micro-batches, one stage) in the same precision; fp16's found overflow and skipped steps agree across the uneven replicas
 (also where only one replica overflows); a replica reading wrong labels fails the verdict; and
 the CLI prints what it compared.
 
@@ -56,7 +56,7 @@ def test_uneven_plan_deviates_no_more_than_plain_megatron(precision):
     result, message, verdict = _verify(precision)
     assert message is None and verdict is not None
     print("\n".join(verdict_lines(verdict, PLAN.world_size)))
-    assert verdict.precision == precision and verdict.baseline_world_size == 1
+    assert verdict.precision == precision and verdict.baseline_world_size == 2  # 2 + 2
     assert verdict.plan.loss > 0 and verdict.plan.params > 0  # 16-bit rounding is there
     assert verdict.ok, verdict
     import torch
@@ -161,7 +161,7 @@ def test_rehearse_verify_of_an_fp16_plan_prints_what_it_compared(tmp_path, capsy
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "verify (fp16, sgd, 2 steps): deviation from the fp32 single-process run" in out
-    assert "this plan (2 ranks, fp16)" in out and "plain Megatron's uniform plan (1 rank" in out
+    assert "this plan (2 ranks, fp16)" in out and "plain Megatron's uniform plan (2 ranks" in out
     assert "every rank agreeing" in out
     assert "verify: the plan deviates no more than plain Megatron in fp16" in out
     monkeypatch.setattr(rehearse, "rehearsal_hooks",
