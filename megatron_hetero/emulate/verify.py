@@ -218,6 +218,10 @@ def verdict_lines(verdict: PrecisionVerdict, world_size: int) -> list[str]:
                      if v.disagreement is None else
                      f"  fp16 loss scaling: the ranks disagree: {v.disagreement}")
         lines.append(f"  plain Megatron's uniform plan: {_steps(v.baseline_skipped)}")
+        if v.skipped != v.baseline_skipped:
+            lines.append("  note: the two skipped different steps (their micro-batches, or the "
+                         "loss over tokens against a chain's mean, overflow at different loss "
+                         "scales): the deviations compare runs that trained different steps")
     if v.ok:
         lines.append(f"verify: the plan deviates no more than plain Megatron in {v.precision} "
                      f"(within {v.tolerance:g}x of its deviation)")
