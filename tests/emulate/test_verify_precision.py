@@ -122,6 +122,10 @@ def test_verdict_needs_both_parts_within_tolerance_and_agreement():
     assert not verdict(plan=Deviation(loss=1.6e-4, params=1e-3)).ok
     assert not verdict(plan=Deviation(loss=1e-4, params=1.6e-3)).ok
     assert not verdict(plan=base, disagreement="step 0: ...").ok
+    lines = verdict_lines(verdict(plan=base, skipped=[True, False], baseline_skipped=[True, True],
+                                  loss_scales=[4.0, 4.0]), 4)
+    assert "  fp16 loss scaling: this plan steps 0 skipped" in lines[3]
+    assert lines[5].startswith("  note: the two skipped different steps")
     with pytest.raises(ValueError):
         Deviation(loss=math.nan, params=0.0)
     with pytest.raises(ValueError):
