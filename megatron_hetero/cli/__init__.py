@@ -147,7 +147,11 @@ def _add_rehearse(sub) -> None:
     p.add_argument("--hidden-size", type=int, default=64, metavar="H",
                    help="hidden size of the shrunk model (default 64)")
     p.add_argument("--verify", action="store_true",
-                   help="also train in one process and check losses and final parameters match")
+                   help="also train in one process and check losses and final parameters match "
+                        "(a bf16/fp16 plan: in its precision, against plain Megatron's)")
+    p.add_argument("--calibration", metavar="FILE", default=None,
+                   help="read the start-up calibration from FILE where it exists (measured for "
+                        "the same shrunk model), else measure it and write it there")
     p.add_argument("--inventory", metavar="INV", help="inventory.yaml (for custom GPU entries)")
     p.add_argument("--time-scale", type=float, default=None, metavar="X",
                    help="slow every emulated device by X more (keeps cores free; default: the "

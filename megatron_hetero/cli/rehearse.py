@@ -52,18 +52,31 @@ def rehearse_main(args) -> int:
     check_quantity("link_latency_s", args.link_latency, source="link_latency_s (--link-latency)")
     progress = lambda msg: print(f"[rehearse] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     result = rehearse(plan, config, catalog=catalog, verify=args.verify, source=args.plan,
-                      progress=progress, inventory=inventory)
+                      progress=progress, inventory=inventory,
+                      calibration_file=args.calibration)
     print(format_report(result, source=args.plan, real=plan.model))
     if args.verify:
-        if result.verify_message is not None:
-            print(f"verify: FAILED: the {plan.world_size}-rank run diverges from the "
-                  f"single-process run: {result.verify_message}")
-            return 1
-        how = ("SGD (momentum 0.9): linear in the gradient, so rounding cannot grow into a "
-               "difference as it can under Adam" if result.verify_optimizer == "sgd" else
-               "Adam (the plan offloads optimizer state, which megatron-core does for Adam only)")
-        print(f"verify: losses and final parameters match the single-process run "
-              f"(fp32, rtol 1e-5, atol 1e-5) over {config.steps} steps, both trained with {how}")
+        return _verify_verdict(result, plan.world_size, config.steps)
+    return 0
+
+
+def _verify_verdict(result, world_size: int, steps: int) -> int:
+    """Print what ``--verify`` compared and its verdict; 0 when it passed, else 1."""
+    from ..emulate.verify import verdict_lines
+
+    if result.precision_verdict is not None:  # a bf16 or fp16 plan, in its own precision
+        print("\n".join(verdict_lines(result.precision_verdict, world_size)))
+        return 0 if result.precision_verdict.ok else 1
+    if result.verify_message is not None:
+        print(f"verify: FAILED: the {world_size}-rank run diverges from the "
+              f"single-process run: {result.verify_message}")
+        return 1
+    how = ("SGD (momentum 0.9): linear in the gradient, so rounding cannot grow into a "
+           "difference as it can under Adam" if result.verify_optimizer == "sgd" else
+           "Adam in fp32 (the plan offloads optimizer state, which megatron-core does for Adam "
+           "only, and the CPU stack's offload runs fp32 parameters only)")
+    print(f"verify: losses and final parameters match the single-process run "
+          f"(fp32, rtol 1e-5, atol 1e-5) over {steps} steps, both trained with {how}")
     return 0
 
 

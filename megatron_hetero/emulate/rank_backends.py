@@ -45,14 +45,20 @@ __all__ = ["RankBackend", "GridRank", "ChainRank", "InterleavedChainRank", "back
 
 def optimizer_config(plan: Plan, stage: Stage, config):
     """The rank's ``OptimizerConfig`` (``config``: the trainer's ``TrainConfig``): Adam or SGD,
-    fp32, gradient clipping, the distributed optimizer as ``config`` decides it for ``plan``,
-    and ``stage``'s optimizer offload."""
-    import torch
+    in ``config.precision`` (bf16 or fp16: megatron-core's mixed-precision optimizer, fp32 main
+    parameters; fp16 with dynamic loss scaling from ``config.initial_loss_scale``), gradient
+    clipping, the distributed optimizer as ``config`` decides it for ``plan``, and ``stage``'s
+    optimizer offload."""
     from megatron.core.optimizer import OptimizerConfig
+
+    from ..mcore.config import torch_dtype
 
     return OptimizerConfig(optimizer=config.optimizer, lr=config.lr,
                            weight_decay=config.weight_decay, clip_grad=config.clip_grad,
-                           bf16=False, fp16=False, params_dtype=torch.float32,
+                           bf16=config.precision == "bf16", fp16=config.precision == "fp16",
+                           params_dtype=torch_dtype(config.precision),
+                           initial_loss_scale=config.initial_loss_scale,
+                           hysteresis=config.loss_scale_hysteresis,
                            use_distributed_optimizer=config.distributed_optimizer(plan),
                            **optimizer_offload_kwargs(stage))
 
@@ -150,7 +156,8 @@ class GridRank(RankBackend):
         chunks, models = [], []
         for vp in range(v):
             tconf = plan_transformer_config(  # the stage's policies on its chunk
-                plan, stage, vp, offload_min_numel=config.offload_min_numel)
+                plan, stage, vp, offload_min_numel=config.offload_min_numel,
+                precision=config.precision)
             vp_stage = vp if v > 1 else None
             pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
             post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
@@ -257,7 +264,8 @@ class ChainRank(RankBackend):
         self.built = build_mesh_rank(plan, plan.rank_of_slot(slot),
                                      optimizer_config(plan, stage, config), init=init,
                                      config=mesh_transformer_config(
-                                         plan, slot, offload_min_numel=config.offload_min_numel),
+                                         plan, slot, offload_min_numel=config.offload_min_numel,
+                                         precision=config.precision),
                                      overlap_grad_reduce=plan.overlap_grad_reduce, gloo=True)
         self.ddps, self.optimizer = [self.built.ddp], self.built.optimizer
         # ranks that offload no module inputs join the others' offload summary
@@ -307,7 +315,7 @@ class InterleavedChainRank(ChainRank):
     def __init__(self, plan: Plan, slot: Slot, config) -> None:
         from megatron.core import tensor_parallel
 
-        from ..mcore.mesh_interleaved import build_interleaved_mesh_rank
+        from ..mcore.mesh_interleaved import build_interleaved_mesh_rank, chunk_virtual_stage
         from ..mcore.mesh_train import mesh_transformer_config
 
         tp = plan.meshes[slot.mesh].tensor_model_parallel_size
@@ -321,9 +329,11 @@ class InterleavedChainRank(ChainRank):
 
         self.plan, self.slot = plan, slot
         stage = plan.stage_of_slot(slot)
-        configs = [mesh_transformer_config(plan, slot, num_layers=n,
-                                           offload_min_numel=config.offload_min_numel)
-                   for n in stage.chunk_layers]
+        layers = plan.virtual_stage_layers
+        configs = [mesh_transformer_config(
+            plan, slot, num_layers=n, offload_min_numel=config.offload_min_numel,
+            first_layer=sum(layers[:chunk_virtual_stage(plan, slot, c)]))
+            for c, n in enumerate(stage.chunk_layers)]
         self.built = build_interleaved_mesh_rank(
             plan, plan.rank_of_slot(slot), optimizer_config(plan, stage, config),
             configs=configs, init=init, overlap_grad_reduce=plan.overlap_grad_reduce, gloo=True)

@@ -16,7 +16,8 @@ One rehearsal for every plan shape: one grid or a chain of meshes (the trainer's
    saves for the backward pass, the optimizer step's rate, and gloo's point-to-point latency and
    bandwidth and all-reduce bandwidth, at each micro-batch size of the plan, once per device
    type's idle gaps; the emulated device ``d`` then computes at
-   ``cpu speed / factor(d)`` (:mod:`.speed`).
+   ``cpu speed / factor(d)`` (:mod:`.speed`). ``--calibration FILE`` reads it from a file an
+   earlier rehearsal of the same shrunk model wrote (:mod:`.calibration_file`).
 4. *Run* N steps on the CPU ranks under the speed and memory emulation (:mod:`.speed`,
    :mod:`.memory`); the first step is a warm-up and is not reported.
 5. *Predict* the same emulated setup with the tuner's cost model and simulator
@@ -32,7 +33,9 @@ Not rehearsed on a chain of meshes: link emulation (refused: megatron-core's bri
 
 ``--verify`` also trains the same model, data and seed in one process and compares losses and
 final parameters (fp32, rtol 1e-5, atol 1e-5: 1% of an Adam step); it names the first diverging
-step and tensor.
+step and tensor. A bf16 or fp16 plan then trains in its own precision, and its deviation from
+the fp32 one-process run must be no larger than plain Megatron's uniform plan's in the same
+precision (:mod:`.verify`).
 
 The parts live in sibling modules: :mod:`.shrink` (the shrunk plan; the model is shrunk by
 :func:`megatron_hetero.models.shrink_model`), :mod:`.host` (what this machine can host, the
@@ -56,6 +59,7 @@ from ..hardware.catalog import Catalog, load_catalog
 from ..plan import Plan
 from ..telemetry.rebalance import RebalancePolicy, check_rebalanceable
 from .calibration import Calibration, _mean, activation_scale, calibrate
+from .calibration_file import calibration_key, load_calibrations, save_calibrations
 from .drift import cpu_drifts, in_run_calibrations, measured_allreduce_gb_s
 from .host import MAX_RANKS, auto_time_scale, check_host_capacity
 from .links import rehearsal_links
@@ -66,7 +70,8 @@ from .report import RehearsalResult, format_report, stage_reports
 from .slow import SlowStage
 from .telemetry import LiveConfig
 from .shrink import offload_min_numel, shrink_plan, without_module_inputs
-from .trainer import TrainConfig, compare_results, reference_plan, train_plan
+from .trainer import TrainConfig, train_plan
+from .verify import fp16_initial_loss_scale, train_and_verify
 
 __all__ = ["RehearsalConfig", "rehearse", "train_and_verify", "format_report",
            "VERIFY_OPTIMIZER"]
@@ -140,36 +145,29 @@ class RehearsalConfig:
                              "expected a finite number of seconds >= 0")
 
 
-def train_and_verify(plan, config, *, hooks, verify: bool, say):
+def _train(plan, config, hooks):
     """:func:`.trainer.train_plan` of ``plan`` on CPU ranks, ``hooks`` each rank's hooks, a
-    rank's plan mistake (out of memory under the caps) raised as its one-line error; with
-    ``verify``, also its :func:`.trainer.reference_plan` in one process and
-    :func:`.trainer.compare_results` of the two. Returns the result and the comparison's
-    message (None: not verified or equal)."""
+    rank's plan mistake (out of memory under the caps) raised as its one-line error."""
     from ..mcore.spawn import SpawnError
 
     try:
-        result = train_plan(plan, config, hooks_factory=hooks)
+        return train_plan(plan, config, hooks_factory=hooks)
     except SpawnError as exc:
         user = user_error(exc)
         if user is not None:
             raise user from None
         raise
-    if not verify:
-        return result, None
-    say("training the same model, data and seed in one process")
-    ref = train_plan(reference_plan(plan), config)
-    # atol: 1% of one Adam step (lr 1e-3); see tests/emulate/test_equivalence.py
-    return result, compare_results(result, ref, rtol=1e-5, atol=1e-5)
 
 
 def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Catalog | None = None,
              verify: bool = False, source: str = "PLAN", progress=None,
              calibration: Calibration | dict[str, Calibration] | None = None,
-             inventory=None) -> RehearsalResult:
+             inventory=None, calibration_file: str | None = None) -> RehearsalResult:
     """Shrink, check, calibrate, run and predict ``plan`` (see the module docstring);
     ``inventory`` gives the links of ``config.emulate_links``; ``calibration``: one
-    :class:`Calibration` or one per device type, measured before (none is then measured)."""
+    :class:`Calibration` or one per device type, measured before (none is then measured);
+    else ``calibration_file`` (``--calibration``): read where it exists, else measured and
+    written there (:mod:`.calibration_file`)."""
     from ..mcore.cpu_offload import module_input_offload_supported
     from .memory import memory_caps
     from .speed import device_slowdowns
@@ -194,8 +192,7 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
     time_scale = config.time_scale or auto_time_scale(plan, slowdowns)
     factors = {d: s * time_scale for d, s in slowdowns.items()}
     if calibration is None:
-        say("calibrating the CPU and gloo")
-        calibration = _calibrate_devices(shrunk, factors, config)
+        calibration = _calibration(shrunk, factors, config, calibration_file, source, say)
     calibrations = calibration
     if not isinstance(calibration, Calibration):  # the fastest device's
         calibration = calibrations[min(factors, key=lambda d: (factors[d], d))]
@@ -208,8 +205,14 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
     # differences a bug could hide behind (issue 32 A.8)
     # (a plan that offloads optimizer state runs megatron-core's hybrid optimizer: Adam only)
     optimizer = VERIFY_OPTIMIZER if verify and not shrunk.offloads_optimizer else "adam"
+    # --verify trains in the plan's precision (megatron-core's mixed precision), the rest fp32;
+    # a plan that offloads optimizer state verifies in fp32 (the CPU stack's fixes of
+    # megatron-core's hybrid optimizer, mcore/cpu_offload.py, run fp32 parameters only)
+    precision = shrunk.precision if verify and not shrunk.offloads_optimizer else "fp32"
     tconf = TrainConfig(steps=config.steps, seed=config.seed, gather_params=verify,
-                        optimizer=optimizer,
+                        optimizer=optimizer, precision=precision,
+                        initial_loss_scale=fp16_initial_loss_scale(shrunk),
+                        loss_scale_hysteresis=1,
                         eval_forward_only=verify, timeout_s=config.timeout_s,
                         offload_min_numel=offload_min_numel(plan, shrunk))
     metered = config.meter_memory or config.memory_cap
@@ -222,8 +225,8 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
     hooks = functools.partial(rehearsal_hooks, factors=factors, time_scale=time_scale,
                               caps=caps if metered else None, enforce_caps=config.memory_cap,
                               nice=config.nice, links=links, live=live)
-    result, verify_message = train_and_verify(shrunk, tconf, hooks=hooks, verify=verify,
-                                              say=say)
+    result, verify_message, verdict = train_and_verify(shrunk, tconf, hooks=hooks,
+                                                       verify=verify, say=say, train=_train)
 
     steps = range(1, config.steps)  # step 0 is the warm-up
     step_times = [max(r.step_times[k] for r in result.ranks) for k in steps]
@@ -245,11 +248,29 @@ def rehearse(plan: Plan, config: RehearsalConfig | None = None, *, catalog: Cata
                            a_priori_step_s=a_priori.step_time_s, cpu_drift=drift,
                            cpu_drifts=drifts,
                            losses=result.losses, calibration=calibration, time_scale=time_scale,
-                           verify_message=verify_message, kept_module_inputs=kept_inputs,
+                           verify_message=verify_message, precision_verdict=verdict,
+                           kept_module_inputs=kept_inputs,
                            verify_optimizer=optimizer if verify else None,
                            links=links, link_stretch=link_stretch,
                            rebalance=(result.ranks[0].extra or {}).get("rebalance", []),
                            slow=list(config.slow), telemetry=config.telemetry)
+
+
+def _calibration(shrunk: Plan, factors: dict[str, float], config: RehearsalConfig,
+                 path: str | None, source: str, say) -> dict[str, Calibration]:
+    """The calibration per device type: read from ``path`` where it exists (measured for this
+    shrunk model, micro-batch sizes, metering and idle gaps, else refused), else measured
+    (:func:`_calibrate_devices`) and, with ``path``, written there."""
+    key = calibration_key(shrunk, {d: max(0.0, f - 1.0) for d, f in factors.items()},
+                          config.meter_memory or config.memory_cap)
+    if path is not None and os.path.exists(path):
+        say(f"reading the calibration from {path}")
+        return load_calibrations(path, key, source=source)
+    say("calibrating the CPU and gloo")
+    measured = _calibrate_devices(shrunk, factors, config)
+    if path is not None:
+        save_calibrations(path, measured, key)
+    return measured
 
 
 def _calibrate_devices(shrunk: Plan, factors: dict[str, float],

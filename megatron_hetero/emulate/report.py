@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from ..plan import ModelSpec, Plan
 from .calibration import Calibration, _mean
+from .verify import PrecisionVerdict
 
 __all__ = ["StageReport", "RehearsalResult", "stage_reports", "module_inputs_note",
            "format_report"]
@@ -84,6 +85,9 @@ class RehearsalResult:
     divergence."""
     verify_optimizer: str | None = None
     """The optimizer ``--verify`` trained both runs with (None: not verified)."""
+    precision_verdict: PrecisionVerdict | None = None
+    """With ``verify`` of a bf16 or fp16 plan: its :class:`.verify.PrecisionVerdict` (the fp32
+    check is ``verify_message``)."""
     kept_module_inputs: list[tuple[int, int]] = field(default_factory=list)
     """(pipeline, stage) slots whose ``offload.module_inputs`` the CPU ranks did not run: the
     installed megatron-core has no fine-grained activation offloading

@@ -29,7 +29,9 @@ Public API
     (``plan.overlap_grad_reduce``) and optimizer (Adam or SGD, grad clipping; distributed as
     :meth:`TrainConfig.distributed_optimizer` says; the stage's optimizer offload), and runs
     ``config.steps`` steps of the backend's schedule, then one forward-only pass.
-    ``plan.precision`` is ignored: everything is fp32. ``RankResult.pipeline`` is the rank's
+    The ranks train in ``config.precision`` (fp32 by default, whatever ``plan.precision``
+    says; bf16 or fp16: megatron-core's mixed precision, fp32 main parameters in the
+    optimizer, fp16 with its dynamic loss scaling). ``RankResult.pipeline`` is the rank's
     replica in its mesh, ``RankResult.stage`` its stage in the whole pipeline.
 ``train_plan(plan, config, hooks_factory=None) -> TrainResult``
     Spawns ``plan.world_size`` CPU processes running :func:`train_rank` and merges their
@@ -121,6 +123,16 @@ class TrainConfig:
     """Hard timeout of ``train_plan``'s processes."""
     offload_min_numel: int | None = None
     """Smallest tensor (elements) ``offload.module_inputs`` moves to the host (None: 1M)."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """The precision the ranks train in: ``fp32``, or megatron-core's mixed precision (the model's
+    parameters, activations and pipeline messages in bf16 or fp16, gradients reduced in fp32,
+    fp32 main parameters in the optimizer; fp16 with dynamic loss scaling)."""
+    initial_loss_scale: float = 2.0 ** 32
+    """fp16: the dynamic loss scale's start (megatron-core's default); it halves after
+    ``loss_scale_hysteresis`` overflowing steps and doubles after 1000 clean ones."""
+    loss_scale_hysteresis: int = 2
+    """fp16: overflowing steps before the loss scale first halves (megatron-core's default 2;
+    Megatron-LM's ``--hysteresis``)."""
 
     def distributed_optimizer(self, plan) -> bool:
         """Whether ``plan`` (either format) trains with the distributed optimizer: the plan's
@@ -133,6 +145,15 @@ class TrainConfig:
             raise ValueError(f"steps must be positive, got {self.steps}")
         if self.optimizer not in ("adam", "sgd"):
             raise ValueError(f"optimizer must be 'adam' or 'sgd', got {self.optimizer!r}")
+        if self.precision not in ("fp32", "bf16", "fp16"):
+            raise ValueError("precision must be 'fp32', 'bf16' or 'fp16', got "
+                             f"{self.precision!r}")
+        if self.loss_scale_hysteresis < 1:
+            raise ValueError("loss_scale_hysteresis must be at least 1, got "
+                             f"{self.loss_scale_hysteresis}")
+        if not 1.0 <= self.initial_loss_scale < math.inf:
+            raise ValueError("initial_loss_scale must be a finite number >= 1, got "
+                             f"{self.initial_loss_scale}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -176,7 +197,12 @@ class RankResult:
     eval_loss: float | None = None
     """Global loss of the forward-only pass after training (``TrainConfig.eval_forward_only``)."""
     grad_norms: list[float] = field(default_factory=list)
-    """Global gradient norm per step (before clipping), as Megatron's optimizer computes it."""
+    """Global gradient norm per step (before clipping), as Megatron's optimizer computes it
+    (NaN where fp16's step was skipped)."""
+    skipped: list[bool] = field(default_factory=list)
+    """Per step: the optimizer skipped it (fp16: a gradient overflowed on some rank)."""
+    loss_scales: list[float] = field(default_factory=list)
+    """Per step: the loss scale after the step (1.0 outside fp16)."""
     step_times: list[float]
     """Wall seconds of each step on this rank."""
     params: dict[str, tuple[Any, int | None, bool]] = field(default_factory=dict)
@@ -346,18 +372,31 @@ def forward_step(data_iterator, model_chunk):
     return out, functools.partial(_loss_func, batch["loss_mask"])
 
 
+@dataclass(kw_only=True, slots=True)
+class _Steps:
+    """What :func:`train_steps` measured."""
+
+    losses: list[float] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    skipped: list[bool] = field(default_factory=list)
+    loss_scales: list[float] = field(default_factory=list)
+    eval_loss: float | None = None
+
+
 def train_steps(run: Callable[[int, bool], float], ddps: list, optimizer, config: TrainConfig,
-                hooks: RankHooks) -> tuple[list[float], list[float], list[float], float | None]:
+                hooks: RankHooks) -> _Steps:
     """``config.steps`` steps of ``run(step, forward_only)`` (one pass of the schedule over the
     step's micro-batches, returning the step's loss over the whole model) each followed by
     ``optimizer.step()``, with ``hooks.compute`` around every micro-batch's forward and backward
     and ``hooks.on_step_end`` after each step; then, with ``config.eval_forward_only``, one
-    forward-only pass. Returns the losses, the wall seconds and the gradient norms of the
-    steps, and the forward-only loss (None without it)."""
+    forward-only pass. Returns the losses, wall seconds, gradient norms, skips and loss scales
+    of the steps, and the forward-only loss (None without it)."""
     import torch
 
     _install_schedule_hooks()
-    losses, times, grad_norms = [], [], []
+    out = _Steps()
+    losses, times, grad_norms = out.losses, out.times, out.grad_norms
     _active[0] = hooks
     try:
         for step in range(config.steps):
@@ -369,23 +408,24 @@ def train_steps(run: Callable[[int, bool], float], ddps: list, optimizer, config
             optimizer.zero_grad()
             loss = run(step, False)
             ok, grad_norm, _zeros = optimizer.step()
-            assert ok, "the fp32 optimizer step reported failure"
+            assert ok or config.precision == "fp16", "the optimizer step reported failure"
+            out.skipped.append(not ok)  # fp16: an overflow anywhere, every rank agreeing
+            out.loss_scales.append(float(optimizer.get_loss_scale()))
             losses.append(loss)
-            grad_norms.append(float(grad_norm))
+            grad_norms.append(math.nan if grad_norm is None else float(grad_norm))
             times.append(time.perf_counter() - t0)
             if hooks.on_step_end:
                 hooks.on_step_end(step, times[-1])
     finally:
         _active[0] = None
-    eval_loss = None
     if config.eval_forward_only:
         for ddp in ddps:
             ddp.eval()
         with torch.no_grad():
-            eval_loss = run(config.steps, True)
+            out.eval_loss = run(config.steps, True)
         for ddp in ddps:
             ddp.train()
-    return losses, times, grad_norms, eval_loss
+    return out
 
 
 def train_rank(plan: Plan, rank: int, config: TrainConfig | None = None,
@@ -416,12 +456,13 @@ def train_rank(plan: Plan, rank: int, config: TrainConfig | None = None,
             return backend.run(batches, forward_step, forward_only,
                                plan=None if now is plan else now)
 
-        losses, times, grad_norms, eval_loss = train_steps(run, backend.ddps, backend.optimizer,
-                                                           config, hooks)
+        done = train_steps(run, backend.ddps, backend.optimizer, config, hooks)
         params = backend.params() if config.gather_params else {}
         return RankResult(rank=rank, pipeline=slot.replica, stage=plan.global_stage(slot),
-                          tensor_rank=slot.tensor_rank, losses=losses, eval_loss=eval_loss,
-                          grad_norms=grad_norms, step_times=times, params=params,
+                          tensor_rank=slot.tensor_rank, losses=done.losses,
+                          eval_loss=done.eval_loss, grad_norms=done.grad_norms,
+                          skipped=done.skipped, loss_scales=done.loss_scales,
+                          step_times=done.times, params=params,
                           extra=hooks.report() if hooks.report else None)
 
 

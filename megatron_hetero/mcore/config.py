@@ -81,9 +81,10 @@ def transformer_config(model: ModelSpec, *, num_layers: int | None = None,
 
 
 def plan_transformer_config(plan: Plan, stage: Stage, chunk: int | None = None, *,
-                            offload_min_numel: int | None = None):
+                            offload_min_numel: int | None = None, precision: str = "fp32"):
     """The ``TransformerConfig`` of ``stage`` of ``plan`` (of its model chunk ``chunk`` for an
-    interleaved plan) as the CPU trainer runs it: fp32, initialized on the CPU, the plan's
+    interleaved plan) as the CPU trainer runs it: in ``precision`` (fp32 unless the trainer
+    asks for the plan's own), initialized on the CPU, the plan's
     tensor and pipeline parallelism and pipeline layout, the loss summed over tokens
     (``calculate_per_token_loss``: uneven replicas stay exact), no sequence parallelism, the
     stage's recompute and its module-input offload (megatron-core's fine-grained activation
@@ -110,5 +111,5 @@ def plan_transformer_config(plan: Plan, stage: Stage, chunk: int | None = None, 
     settings.update(moe_settings(plan.model, expert_parallel_size=mesh.expert_model_parallel_size,
                                  expert_tensor_parallel_size=mesh.expert_tensor_size))
     return transformer_config(plan.model, tensor_parallel_size=plan.tensor_model_parallel_size,
-                              pipeline_parallel_size=pp, precision="fp32",
+                              pipeline_parallel_size=pp, precision=precision,
                               cpu_initialization=True, **settings)

@@ -74,16 +74,20 @@ def global_batch_tokens(plan: Plan, slot: Slot, num_tokens):
 
 
 def mesh_transformer_config(plan: Plan, slot: Slot, *, num_layers: int | None = None,
-                            offload_min_numel: int | None = None, **settings):
-    """The ``TransformerConfig`` of ``slot``'s stage as a mesh rank builds it: fp32, its
+                            first_layer: int | None = None,
+                            offload_min_numel: int | None = None, precision: str = "fp32",
+                            **settings):
+    """The ``TransformerConfig`` of ``slot``'s stage as a mesh rank builds it: in ``precision``
+    (fp32 unless the CPU trainer asks for the plan's own), its
     mesh's TP, its stage's layers as a one-stage model (pre- and post-processing are the
     model's ends, :func:`build_mesh_rank`), its stage's recompute and module-input offload
     (as the format-1 trainer's, :func:`~.stage_policies.built_module_input_kwargs`: module
     inputs of at least ``offload_min_numel`` elements go to the host), variable sequence
     lengths (the multimodule schedule needs them, and they need the all-to-all token
     dispatcher to pass the config's checks) and :func:`per_token_loss`; ``num_layers``: one
-    model chunk's layers instead of the stage's (:mod:`.mesh_interleaved`); ``settings`` are
-    further fields."""
+    model chunk's layers instead of the stage's (:mod:`.mesh_interleaved`), ``first_layer`` the
+    chunk's first (an MoE model's pattern; default the stage's); ``settings`` are further
+    fields."""
     from .config import moe_settings, transformer_config
     from .stage_policies import built_module_input_kwargs, recompute_kwargs
 
@@ -93,15 +97,16 @@ def mesh_transformer_config(plan: Plan, slot: Slot, *, num_layers: int | None = 
                   moe_token_dispatcher_type="alltoall",
                   calculate_per_token_loss=per_token_loss(plan), **recompute_kwargs(stage),
                   **built_module_input_kwargs(stage, offload_min_numel=offload_min_numel))
-    fields.update(moe_settings(  # this stage's layers of an MoE model, its mesh's EP
-        plan.model, first_layer=sum(plan.layer_split[:plan.global_stage(slot)]),
-        num_layers=stage.num_layers, expert_parallel_size=mesh.expert_model_parallel_size,
+    n = stage.num_layers if num_layers is None else num_layers
+    fields.update(moe_settings(  # these layers of an MoE model, its mesh's EP
+        plan.model, num_layers=n, first_layer=(sum(plan.layer_split[:plan.global_stage(slot)])
+                                               if first_layer is None else first_layer),
+        expert_parallel_size=mesh.expert_model_parallel_size,
         expert_tensor_parallel_size=mesh.expert_tensor_size))
     fields.update(settings)
-    return transformer_config(plan.model,
-                              num_layers=stage.num_layers if num_layers is None else num_layers,
+    return transformer_config(plan.model, num_layers=n,
                               tensor_parallel_size=mesh.tensor_model_parallel_size,
-                              precision="fp32", **fields)
+                              precision=precision, **fields)
 
 
 def training_process_groups(grid, expert_grid=None):

@@ -12,25 +12,9 @@ it adapts the few places where Megatron-LM's *training* package insists on a GPU
 * the memory report (``torch.cuda.memory_*``) answers zeros;
 * what any device needs of the installed stack (the dataset helpers of a pip-installed
   megatron-core, module-input offload on the local layers): :mod:`.stack`;
-* the distributed optimizer over torch's own AdamW (no Apex, no Transformer Engine: the CPU
-  stack) reads Adam's ``step`` from every parameter's state in ``state_dict()`` and asserts
-  there is exactly one (megatron-core 0.17.1 ``DistributedOptimizer.state_dict``). Before the
-  first step the state is empty, so loading a checkpoint (which builds the sharded state dict
-  of the fresh optimizer first) fails with a bare ``AssertionError``. The state is allocated
-  first as Megatron's own optimizer would (``init_state_fn``) with ``step`` 0, which is what a
-  fresh AdamW does on its first step; loading then overwrites all of it. Loading the fully
-  reshardable format (``--dist-ckpt-optim-fully-reshardable``) then copies every tensor of a
-  parameter's AdamW state from the checkpoint, ``step`` included, which that format keeps
-  apart (``KeyError: 'step'`` in ``_set_main_param_and_optimizer_states``); the default
-  ``dp_reshardable`` format copies a ``step`` that is the fresh optimizer's (0: every resumed
-  step then takes Adam's first-step bias correction). The step, already set from the
-  checkpoint's parameter groups, is left as it is in both. And ``load_state_dict`` gives
-  every parameter's state the *same* ``step`` tensor, which torch's AdamW then advances once
-  per parameter in every step (a wrong bias correction after any resume): each parameter gets
-  its own copy. In fp32 the main parameters are views of the model's (which require grad), and
-  the default ``dp_reshardable`` format copies into them outside ``no_grad`` (``RuntimeError: a
-  view of a leaf Variable that requires grad is being used in an in-place operation``): the copy
-  runs under ``no_grad``, as the fully reshardable format's already does.
+* megatron-core's distributed optimizer over torch's own AdamW (no Apex, no Transformer
+  Engine, as on every CPU rank) needs checkpoint fixes on any device: :mod:`.torch_optimizer`,
+  which :func:`.stack.prepare_stack` installs wherever the stack lacks Apex and TE;
 * ``pretrain`` warms up the fused bias-GeLU/SwiGLU and bias-dropout-add kernels
   (``set_jit_fusion_options`` → ``_warmup_jit_function``, torch.compile on torch 2.2 and later)
   on random tensors of the training shapes placed on ``"cuda"``. On a CPU rank that is seconds
@@ -51,7 +35,7 @@ import contextlib
 import functools
 import os
 
-from ..mcore.rebind import rebind, skipped, wrap_method
+from ..mcore.rebind import rebind, skipped
 from .cpu_offload import prepare_cpu_offload
 from .stack import prepare_stack
 
@@ -109,67 +93,6 @@ def _wrap_set_random_seed(original):
     return _set_random_seed
 
 
-def _wrap_optimizer_state_dict(original):
-    @functools.wraps(original)
-    def state_dict(self, *a, **kw):
-        import torch
-        from megatron.core.optimizer import distrib_optimizer
-
-        from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
-
-        from ..mcore.cpu_offload import allocate_hdo_state
-
-        inner = self.optimizer
-        if (not distrib_optimizer.HAVE_APEX_OR_TE and isinstance(inner, HybridDeviceOptimizer)
-                and len(inner.state) == 0):
-            allocate_hdo_state(inner)
-        elif (not distrib_optimizer.HAVE_APEX_OR_TE and isinstance(inner, torch.optim.Optimizer)
-                and len(inner.state) == 0 and callable(getattr(self, "init_state_fn", None))):
-            self.init_state_fn(inner, self.config)
-            for group in inner.param_groups:
-                for param in group["params"]:
-                    inner.state[param].setdefault("step", torch.tensor(0.0))
-        return original(self, *a, **kw)
-    return state_dict
-
-
-def _wrap_set_states(original):
-    @functools.wraps(original)
-    def _set_main_param_and_optimizer_states(self, model_param, tensors):
-        import torch
-
-        # the step comes from the checkpoint's parameter groups (load_state_dict set it); a
-        # "step" here is the fresh optimizer's. Megatron skips what is not a tensor.
-        tensors = {**tensors, "step": None}
-        with torch.no_grad():
-            return original(self, model_param, tensors)
-    return _set_main_param_and_optimizer_states
-
-
-def _wrap_load_state_dict(original):
-    @functools.wraps(original)
-    def load_state_dict(self, *a, **kw):
-        import torch
-
-        result = original(self, *a, **kw)
-        inner = self.optimizer
-        if isinstance(inner, torch.optim.Optimizer):
-            for state in inner.state.values():
-                if isinstance(state.get("step"), torch.Tensor):
-                    state["step"] = state["step"].clone()
-        return result
-    return load_state_dict
-
-
-def _patch_torch_optimizer_checkpoints() -> None:
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    for name, wrap in (("state_dict", _wrap_optimizer_state_dict),
-                       ("load_state_dict", _wrap_load_state_dict),
-                       ("_set_main_param_and_optimizer_states", _wrap_set_states)):
-        wrap_method(DistributedOptimizer, name, wrap, layer="cpu")
-
-
 def prepare_cpu_run() -> None:
     """Make ``megatron.training.pretrain`` run on this process's CPU (see the module docstring)."""
     import torch
@@ -189,7 +112,6 @@ def prepare_cpu_run() -> None:
     rebind("megatron.training.initialize", "_set_random_seed", _wrap_set_random_seed,
            layer="cpu")
     rebind("megatron.training.initialize", "_warmup_jit_function", skipped, layer="cpu")
-    _patch_torch_optimizer_checkpoints()
     prepare_cpu_offload()
     prepare_stack()
     import megatron.training.arguments as margs

@@ -256,12 +256,13 @@ def check_device_stacks(plan: Plan, *, source: str) -> None:
     """Refuse, before any model is built and with the same message on every rank, a plan this
     runtime cannot carry on devices: GPUs of several vendors other than across pipeline edges
     (a data-parallel group across vendors, or Ascend NPUs beside another vendor:
-    :func:`~megatron_hetero.placement.inventory.check_plan_vendors`), or a device type whose torch
-    stack this process lacks (Ascend NPUs without ``torch_npu``). Skipped on the CPU backend
-    (``MEGATRON_HETERO_CPU=1``), where gloo serves every group."""
+    :func:`~megatron_hetero.placement.inventory.check_plan_vendors`; on the CPU backend too, as
+    ``validate`` refuses it), or a device type whose torch stack this process lacks (Ascend
+    NPUs without ``torch_npu``; not asked on the CPU backend, ``MEGATRON_HETERO_CPU=1``, whose
+    ranks only play the device)."""
+    check_plan_vendors(plan, plan.catalog, source=source)
     if cpu_mode():
         return
-    check_plan_vendors(plan, plan.catalog, source=source)
     for device_type in sorted(plan.device_counts()):
         stack = plan.catalog.get(device_type).stack
         module = _STACK_MODULES.get(stack.torch_device)

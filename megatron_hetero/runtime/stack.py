@@ -1,7 +1,8 @@
 """Megatron-LM's training loop on the stack that is installed, on any device.
 
 Two things Megatron-LM assumes of its stack that a pip-installed megatron-core, or an image
-without Transformer Engine, does not have; :func:`prepare_stack` adapts both (idempotent).
+without Transformer Engine, does not have; :func:`prepare_stack` adapts both (idempotent), and
+installs :mod:`.torch_optimizer`'s checkpoint fixes where neither Apex nor TE is installed.
 ``megatron_hetero.launch`` calls it on every rank, before the plan's hooks; the CPU backend's
 :func:`megatron_hetero.runtime.cpu.prepare_cpu_run` too.
 
@@ -25,6 +26,7 @@ import os
 
 from ..mcore.local_offload import enable_local_module_input_offload
 from ..mcore.rebind import rebind
+from .torch_optimizer import prepare_torch_optimizer_checkpoints
 
 __all__ = ["prepare_stack"]
 
@@ -55,8 +57,10 @@ def _wrap_compile_helpers(original):
 
 
 def prepare_stack() -> None:
-    """Install the two adaptations above (idempotent)."""
+    """Install the two adaptations above and, where megatron-core steps torch's own optimizers,
+    their checkpoint fixes (:mod:`.torch_optimizer`); idempotent."""
     enable_local_module_input_offload()
+    prepare_torch_optimizer_checkpoints()
     rebind("megatron.training.arguments", "validate_args", _wrap_validate_args, layer="stack")
     rebind("megatron.core.datasets.utils", "compile_helpers", _wrap_compile_helpers,
            layer="stack")

@@ -74,7 +74,7 @@ def rehearse_with_and_without_offload(plan_path: str, hidden_size: int) -> dict:
     """Rehearse the mesh plan at ``plan_path`` (2 steps, memory metered and not capped) as it
     is, with ``--verify``, then with every stage's offload removed (one device type: the second
     run reuses the first's calibration); return each run's rows ``[mesh, stage, replica, peak
-    bytes, cap bytes]`` and the first run's verification message."""
+    bytes, cap bytes]`` and the first run's verification outcome (None: passed)."""
     from megatron_hetero.emulate.rehearse import RehearsalConfig, rehearse
     from megatron_hetero.plan import load_any_plan, mesh_plan_from_data
 
@@ -92,5 +92,14 @@ def rehearse_with_and_without_offload(plan_path: str, hidden_size: int) -> dict:
         calibration = {device: got.calibration}
         out[name] = {"rows": [[s.mesh, s.stage, s.pipeline, s.peak_bytes, s.cap_bytes]
                               for s in got.stages],
-                     "verify": got.verify_message}
+                     "verify": _verify_outcome(got)}
     return out
+
+
+def _verify_outcome(result) -> str | None:
+    """None where ``--verify`` passed (fp32: equal to one process; bf16/fp16: its verdict),
+    else what failed."""
+    verdict = result.precision_verdict
+    if verdict is None:
+        return result.verify_message
+    return None if verdict.ok else repr(verdict)

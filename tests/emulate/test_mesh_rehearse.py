@@ -76,20 +76,24 @@ def test_mesh_memory_caps_scale_each_mesh_device():
 def test_mesh_plan_rehearses_and_verifies(mcore_env, tmp_path):
     """The example plan (Llama-2 7B on four 16-24 GB cards, no distributed optimizer) does not
     fit its cards: capped, the rehearsal stops at the first rank past its scaled memory; with
-    --no-memory-cap it runs, meters each rank's peak and matches one process, its telemetry
-    (``--telemetry``) naming each stage by its mesh path."""
+    --no-memory-cap it runs, meters each rank's peak and, in its fp16, deviates from one fp32
+    process no more than plain Megatron in fp16, its telemetry (``--telemetry``) naming each
+    stage by its mesh path. The second run reads the calibration the first wrote
+    (``--calibration``)."""
     env = mcore_env | {"PYTHONWARNINGS": "ignore"}
+    calibration = str(tmp_path / "calibration.yaml")
     capped = subprocess.run([sys.executable, "-m", "megatron_hetero.cli", "rehearse", str(PLAN),
-                             "--steps", "2", "--hidden-size", "32"],
+                             "--steps", "2", "--hidden-size", "32", "--calibration", calibration],
                             env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert capped.returncode == 1 and "ran out of memory" in capped.stderr, capped.stderr[-3000:]
     assert "Traceback" not in capped.stderr
     out = subprocess.run([sys.executable, "-m", "megatron_hetero.cli", "rehearse", str(PLAN),
                           "--steps", "2", "--hidden-size", "32", "--verify", "--no-memory-cap",
-                          "--telemetry", str(tmp_path / "tel")],
+                          "--calibration", calibration, "--telemetry", str(tmp_path / "tel")],
                          env=mcore_env | {"PYTHONWARNINGS": "ignore"}, cwd=REPO,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-2000:]
+    assert f"reading the calibration from {calibration}" in out.stderr  # not measured again
     text = out.stdout
     # rows: mesh, pipe (replica), stage, device, TP, layers, micro, slow | ... | peak/cap MiB
     rows = [line.split() for line in text.splitlines() if "|" in line and "GB " in line]
@@ -103,7 +107,10 @@ def test_mesh_plan_rehearses_and_verifies(mcore_env, tmp_path):
     want = cat.get("RTX3090-24GB").achievable_flops / cat.get("T4-16GB").achievable_flops
     assert slow / fast == pytest.approx(want, rel=0.01)
     assert "measured/predicted" in text and "by the tuner's cost model" in text
-    assert "verify: losses and final parameters match" in text
+    # an fp16 plan: trained in fp16 on the chain of meshes, every rank agreeing on its loss
+    # scale, no further from fp32 one process than plain Megatron in fp16
+    assert "verify (fp16, sgd, 2 steps)" in text and "every rank agreeing" in text
+    assert "verify: the plan deviates no more than plain Megatron in fp16" in text
     (record,) = read_records(tmp_path / "tel")  # step 2: step 1 is the warm-up
     assert [(st.path, st.replica, st.stage, st.micro_batches) for st in record.stages] == [
         ("meshes[0].stages[0]", 0, 0, 8), ("meshes[1].stages[0]", 0, 1, 8),
@@ -123,7 +130,12 @@ def test_mesh_rehearsal_meets_its_prediction(mcore_env):
     bridge and a TP broadcast) rehearsed 3 times: the median of measured / predicted is within
     10% (issue 15, item 5), and of measured / the a-priori prediction (made from the start-up
     calibration before the run) within :data:`A_PRIORI_BOUND`. A shared, loaded machine misses it (docs/meshes.md, "Rehearsal of
-    a mesh plan": gloo's messages then wait milliseconds for a core each)."""
+    a mesh plan": gloo's messages then wait milliseconds for a core each). Each rehearsal
+    measures its own start-up calibration, as a user's does: sharing one (``--calibration``)
+    saved 10-30 s a run, but the runs that read a calibration measured minutes before met the
+    refitted prediction worse on this loaded machine (2026-11-28, load 4-22: 1.12, 1.14, 1.19,
+    2.14, 2.31 reading it against 1.05-1.07 for the run that measured it; the idle penalty
+    and gloo's figures are not refitted by the run's CPU time), and this is the timed check."""
     ratios, a_priori = [], []
     for _ in range(3):
         out = subprocess.run([sys.executable, "-m", "megatron_hetero.cli", "rehearse", str(PLAN),
@@ -168,7 +180,7 @@ def test_offloading_mesh_rehearses_below_its_peak_without_offload(tmp_path, mcor
                          env=mcore_env | {"PYTHONWARNINGS": "ignore"})
     assert out.returncode == 0, out.stderr[-4000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got["offload"]["verify"] is None  # losses and final parameters match one process
+    assert got["offload"]["verify"] is None  # losses and final parameters match (fp32)
     (_, _, _, peak, cap), (*_, peak_last, _) = got["offload"]["rows"]
     (*_, peak_plain, _), (*_, peak_last_plain, _) = got["none"]["rows"]
     assert 0 < peak < peak_plain and peak < cap

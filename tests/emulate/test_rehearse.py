@@ -23,12 +23,12 @@ from ..conftest import REPO
 from .faults import hooks_with_wrong_labels
 
 
-def _plan_data(stages, pipelines=1, micro=2, model=None):
+def _plan_data(stages, pipelines=1, micro=2, model=None, precision="fp16"):
     model = model or {"name": "tiny", "num_layers": 4, "hidden_size": 256, "ffn_hidden_size": 688,
                       "num_attention_heads": 8, "num_query_groups": 8, "vocab_size": 1000,
                       "seq_length": 256}
     return {"format_version": 1, "model": model, "global_batch_size": pipelines * micro,
-            "precision": "fp16", "tensor_model_parallel_size": 1,
+            "precision": precision, "tensor_model_parallel_size": 1,
             "pipelines": [{"micro_batch_size": 1, "num_microbatches": micro,
                            "stages": [{"device_type": d, "num_layers": n} for d, n in stages]}
                           for _ in range(pipelines)]}
@@ -88,8 +88,8 @@ def test_cli_rehearses_a_two_rank_plan(tmp_path, capsys):
 @pytest.mark.slow
 def test_verify_names_the_first_diverging_step(tmp_path, capsys, monkeypatch):
     """Replica 1 reads wrong labels from step 1 on (a fault this test injects into the rank
-    processes, see tests/emulate/faults.py): --verify must say so."""
-    path = _write(tmp_path, _plan_data([("A100-SXM-80GB", 4)], pipelines=2))
+    processes, see tests/emulate/faults.py): --verify of an fp32 plan (exact) must say so."""
+    path = _write(tmp_path, _plan_data([("A100-SXM-80GB", 4)], pipelines=2, precision="fp32"))
     monkeypatch.setattr(rehearse, "rehearsal_hooks",
                         functools.partial(hooks_with_wrong_labels, wrong_replica=1))
     assert main(["rehearse", path, "--steps", "2", "--hidden-size", "32", "--verify"]) == 1
@@ -105,7 +105,8 @@ def test_interleaved_plan_rehearses_and_verifies(tmp_path, capsys):
     """PP=2 with 2 model chunks per stage (1+1 and 3+1 layers), replicas of 4 and 2
     micro-batches on different GPU types: the rehearsal runs Megatron's interleaved schedule on
     4 CPU ranks at each device's speed and --verify matches one process."""
-    data = _plan_data([("A100-SXM-80GB", 2), ("A100-SXM-80GB", 4)], pipelines=2, micro=4)
+    data = _plan_data([("A100-SXM-80GB", 2), ("A100-SXM-80GB", 4)], pipelines=2, micro=4,
+                      precision="fp32")  # exact verification
     data["virtual_pipeline_size"] = 2
     data["model"]["num_layers"] = 6
     slow = data["pipelines"][1]
@@ -133,7 +134,7 @@ def test_offloading_replica_rehearses_below_its_peak_without_offload(tmp_path, m
     megatron-core's offload threshold), replica 0 offloading its module inputs and half its
     optimizer state, on the venv's megatron-core (0.19.2): the rehearsal runs both offloads (megatron-core's
     offload summary), replica 0's measured peak is below replica 1's, within its cap, and the
-    run trains equal to one process."""
+    run trains equal to one process (verified in fp32: the CPU stack offloads fp32 only)."""
     model = {"name": "wide", "num_layers": 4, "hidden_size": 1024, "ffn_hidden_size": 2816,
              "num_attention_heads": 8, "num_query_groups": 8, "vocab_size": 4000,
              "seq_length": 1024}
@@ -153,7 +154,8 @@ def test_offloading_replica_rehearses_below_its_peak_without_offload(tmp_path, m
     (peak, cap), (peak_plain, _) = (map(float, r[-2].split("/")) for r in rows)
     assert peak < peak_plain and peak < cap and not rows[0][-2].endswith("!")
     assert "note: offload.module_inputs" not in text
-    assert "verify: losses and final parameters match" in text
+    # a plan that offloads optimizer state verifies exactly, in fp32 (the CPU stack's offload)
+    assert "verify: losses and final parameters match" in text and "Adam in fp32" in text
 
 
 @pytest.mark.slow
