@@ -109,6 +109,19 @@ def _wrap_set_random_seed(original):
     return _set_random_seed
 
 
+def _wrap_data_iterators(original):
+    @functools.wraps(original)
+    def build_train_valid_test_data_iterators(*a, **kw):
+        import torch
+
+        state = torch.get_rng_state()
+        try:
+            return original(*a, **kw)
+        finally:
+            torch.set_rng_state(state)
+    return build_train_valid_test_data_iterators
+
+
 def _wrap_optimizer_state_dict(original):
     @functools.wraps(original)
     def state_dict(self, *a, **kw):
@@ -189,6 +202,8 @@ def prepare_cpu_run() -> None:
     rebind("megatron.training.initialize", "_set_random_seed", _wrap_set_random_seed,
            layer="cpu")
     rebind("megatron.training.initialize", "_warmup_jit_function", skipped, layer="cpu")
+    rebind("megatron.training.training", "build_train_valid_test_data_iterators",
+           _wrap_data_iterators, layer="cpu")
     _patch_torch_optimizer_checkpoints()
     prepare_cpu_offload()
     prepare_stack()
