@@ -39,6 +39,11 @@ it adapts the few places where Megatron-LM's *training* package insists on a GPU
   ``--use-cpu-initialization`` then initialises the weights from (on a GPU they come from the
   CUDA generator): the warmup is skipped, and a fusion the model does use compiles on its
   first call instead;
+* building the data iterators draws from the CPU generator (a DataLoader iterator takes its
+  base seed from it), which on a CPU rank is also the one dropout draws from (the CUDA
+  generator's stand-in): a resumed run, which builds them after the checkpoint restored the
+  RNG state, would shift every later mask. The generator's state is given back after
+  ``build_train_valid_test_data_iterators``, as a GPU's CUDA generator never sees that draw;
 * megatron-core's optimizer offload and fine-grained activation offloading (a plan's
   ``offload.optimizer_fraction`` and ``offload.module_inputs``): :mod:`.cpu_offload`.
 
