@@ -39,18 +39,35 @@ def _per_sample(log) -> dict[int, float]:
     return {i[0]: loss for i, (loss, _) in zip(log["indices"][n:], log["losses"][n:])}
 
 
+REORDERED_SUM_ATOL = 1e-4
+"""How far a parameter may be from the reference's where the plan sums a step's micro-batch
+gradients in another order: a tenth of one Adam step (``--lr 1e-3``). Adam moves every element
+by about the learning rate a step whatever its gradient's size, so an element whose gradient
+nearly cancels over the micro-batches turns fp32's rounding of another summation order
+(replicas of 4 and 2 micro-batches summed apart, then together, against 6 in a row) into a
+fraction of a step: measured up to 6.2e-6 (3 of 5120 elements of ``linear_fc2``, the
+interleaved plan after 4 steps), while its Adam state stays within rtol 1e-5. A sample read
+twice or lost, a replica's gradient weighted wrong or a step not taken moves elements by whole
+steps. Plans whose replicas add their micro-batches in the reference's order (3 then 1) match
+within rtol 1e-5 and atol 1e-7."""
+
+
 def assert_same_final_checkpoint(got: Path, want: Path, tmp: Path, *, iteration: int = STEPS,
-                                 optimizer: bool = True, stack: str | None = None) -> None:
+                                 optimizer: bool = True, stack: str | None = None,
+                                 param_atol: float = 1e-7) -> None:
     """The step-``iteration`` checkpoints under the run folders ``got`` and ``want`` hold the same
-    parameters (every model tensor of ``want``'s, by global key) and, with ``optimizer``, the
-    same optimizer state where both keep it under the same key, within fp32's rtol 1e-5
-    (``stack``: the megatron-core that wrote them, where not the venv's own)."""
+    parameters (every model tensor of ``want``'s, by global key; within rtol 1e-5 and
+    ``param_atol``) and, with ``optimizer``, the same optimizer state where both keep it under
+    the same key (fp32's rtol 1e-5, atol 1e-7); ``stack``: the megatron-core that wrote them,
+    where not the venv's own."""
     name = Path("ckpt") / f"iter_{iteration:07d}"
     (tmp / "got").mkdir(exist_ok=True), (tmp / "want").mkdir(exist_ok=True)
     a, b = _tensors(got / name, tmp / "got", stack), _tensors(want / name, tmp / "want", stack)
     weights = [k for k in b if not k.startswith("/optimizer")]
     assert weights and set(weights) <= set(a), sorted(set(weights) - set(a))
-    _assert_same_state(a, b, keys=[k for k in b if k in a] if optimizer else weights)
+    _assert_same_state(a, b, keys=weights, atol=param_atol)
+    if optimizer:
+        _assert_same_state(a, b, keys=[k for k in b if k in a and k not in weights])
 
 
 # A 2-replica 3:1 plan and one replica running all 4 micro-batches, 4 steps, saving after steps 2
@@ -308,7 +325,7 @@ def test_interleaved_uneven_plan_equals_one_replica(tmp_path, reference_run):
     assert four[1][2]["indices"] == [[6 * k + j] for k in range(STEPS) for j in (4, 5, 4, 5)]
     got, want = logged_losses(four[3][1]), logged_losses(two[1][1])
     assert len(want) == STEPS and got == pytest.approx(want, rel=1e-5)
-    assert_same_final_checkpoint(tmp_path, two_dir, tmp_path)
+    assert_same_final_checkpoint(tmp_path, two_dir, tmp_path, param_atol=REORDERED_SUM_ATOL)
 
 
 def test_per_stage_warmup_schedule_trains_as_megatrons(tmp_path, reference_run):
@@ -428,4 +445,5 @@ def test_unchanged_pretrain_gpt_interleaved_uneven_plan(tmp_path, stack):
     assert _validation_losses(four[-1][1]) == pytest.approx(_validation_losses(two[-1][1]),
                                                              rel=1e-5)
     assert_same_final_checkpoint(tmp_path / "a", tmp_path / "b", tmp_path,
+                                 param_atol=REORDERED_SUM_ATOL,
                                  **({"stack": stack} if stack != DEFAULT_STACK else {}))
