@@ -47,9 +47,9 @@ from ..mcore.warmup_schedule import refusal, schedule_for, unsupported
 from ..plan import Plan, Slot, Stage
 from ..schedule.rules import has_extra_warmup, stage_schedule
 from . import plan_args, policies, vendors
-from .replica_rng import own_rng_state_first, replicas_rng_state
 from .backend import Backend
 from .placement import check_device_stacks, detect_device_type, place_this_rank
+from .replica_rng import own_rng_state_first, replicas_rng_state
 from .sampler import sampler_for_replica
 
 __all__ = ["CoreRankState", "CoreBackend", "check_warmup_args"]
