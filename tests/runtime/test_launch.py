@@ -50,7 +50,7 @@ interleaved plan after 4 steps), while its Adam state stays within rtol 1e-5 and
 A sample read twice or lost, or a step not taken, moves elements by whole steps. Plans whose
 replicas add their micro-batches in the reference's order (3 then 1) match within rtol 1e-5 and
 atol 1e-7, which also catches a replica's gradient weighted 0.1% wrong (it moved the 3:1 plan's
-embedding by up to 8.7e-6 in 4 steps); at this tolerance only the Adam state would."""
+embedding by up to 8.7e-6 in 4 steps), which this tolerance would let through."""
 
 
 def assert_same_final_checkpoint(got: Path, want: Path, tmp: Path, *, iteration: int = STEPS,
