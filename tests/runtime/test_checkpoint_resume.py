@@ -50,6 +50,7 @@ import pytest
 
 from megatron_hetero.plan import save_plan
 
+from ..conftest import DEFAULT_STACK
 from .launching import launch, name_training_script, training_script
 from .plans import A100, V100, make_plan
 
@@ -102,7 +103,7 @@ def chain_runs(tmp_path_factory):
     """Every run's per-rank records (``{run: [record per launcher rank]}``), its wall time, the
     checkpoint directories and the training script (:func:`.launching.training_script`)."""
     root = tmp_path_factory.mktemp("chain")
-    script, base_args, what = training_script(root)
+    script, base_args, what = training_script(root, DEFAULT_STACK)
     for name, (_, plan) in PLANS.items():
         save_plan(plan, root / f"{name}.yaml")
     records, walls = {}, {}
