@@ -95,3 +95,8 @@ class Backend(ABC):
     def get_rng_state(self, original, *a, **kw):
         """``megatron.training.checkpointing.get_rng_state``: the RNG state a checkpoint keeps."""
         return original(*a, **kw)
+
+    def load_base_checkpoint(self, original, *a, **kw):
+        """``megatron.training.checkpointing._load_base_checkpoint``: a checkpoint's state
+        read (``(state_dict, name, release, type)``), before Megatron restores from it."""
+        return original(*a, **kw)

@@ -27,6 +27,9 @@ schedules: :class:`CoreBackend`, the hooks' backend of a format-1 plan (:mod:`.h
     (:mod:`megatron_hetero.mcore.warmup_schedule`).
 ``build_pretraining_data_loader``
     (uneven plans) reads this replica's share of every global batch (:mod:`.sampler`).
+``get_rng_state`` and ``_load_base_checkpoint``
+    (uneven plans) a checkpoint keeps every replica's RNG state and each replica gets its own
+    back (:mod:`.replica_rng`).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from ..schedule.rules import has_extra_warmup, stage_schedule
 from . import plan_args, policies, vendors
 from .backend import Backend
 from .placement import check_device_stacks, detect_device_type, place_this_rank
+from .replica_rng import own_rng_state_first, replicas_rng_state
 from .sampler import sampler_for_replica
 
 __all__ = ["CoreRankState", "CoreBackend", "check_warmup_args"]
@@ -270,6 +274,24 @@ class CoreBackend(Backend):
                                  f"{self.state.slot.pipeline}")
         return self.replica_data_loader(dataset, consumed_samples,
                                         num_workers=getattr(self.state.args, "num_workers", 0))
+
+    def get_rng_state(self, original, *a, **kw):
+        saved = original(*a, **kw)
+        if not self.uneven:
+            return saved
+        from megatron.core import parallel_state
+
+        group = kw.get("dp_group") or parallel_state.get_data_parallel_group()
+        return replicas_rng_state(saved, group)
+
+    def load_base_checkpoint(self, original, *a, **kw):
+        loaded = original(*a, **kw)
+        if self.uneven:
+            from megatron.core import parallel_state
+
+            own_rng_state_first(loaded[0], rank=parallel_state.get_data_parallel_rank(),
+                                size=parallel_state.get_data_parallel_world_size())
+        return loaded
 
     def create_group(self, original, *a, **kw):
         if self.vendor_groups is None:

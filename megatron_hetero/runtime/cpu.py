@@ -23,6 +23,11 @@ it adapts the few places where Megatron-LM's *training* package insists on a GPU
   ``--use-cpu-initialization`` then initialises the weights from (on a GPU they come from the
   CUDA generator): the warmup is skipped, and a fusion the model does use compiles on its
   first call instead;
+* building the data iterators draws from the CPU generator (a DataLoader iterator takes its
+  base seed from it), which on a CPU rank is also the one dropout draws from (the CUDA
+  generator's stand-in): a resumed run, which builds them after the checkpoint restored the
+  RNG state, would shift every later mask. The generator's state is given back after
+  ``build_train_valid_test_data_iterators``, as a GPU's CUDA generator never sees that draw;
 * megatron-core's optimizer offload and fine-grained activation offloading (a plan's
   ``offload.optimizer_fraction`` and ``offload.module_inputs``): :mod:`.cpu_offload`.
 
@@ -93,6 +98,19 @@ def _wrap_set_random_seed(original):
     return _set_random_seed
 
 
+def _wrap_data_iterators(original):
+    @functools.wraps(original)
+    def build_train_valid_test_data_iterators(*a, **kw):
+        import torch
+
+        state = torch.get_rng_state()
+        try:
+            return original(*a, **kw)
+        finally:
+            torch.set_rng_state(state)
+    return build_train_valid_test_data_iterators
+
+
 def prepare_cpu_run() -> None:
     """Make ``megatron.training.pretrain`` run on this process's CPU (see the module docstring)."""
     import torch
@@ -112,6 +130,8 @@ def prepare_cpu_run() -> None:
     rebind("megatron.training.initialize", "_set_random_seed", _wrap_set_random_seed,
            layer="cpu")
     rebind("megatron.training.initialize", "_warmup_jit_function", skipped, layer="cpu")
+    rebind("megatron.training.training", "build_train_valid_test_data_iterators",
+           _wrap_data_iterators, layer="cpu")
     prepare_cpu_offload()
     prepare_stack()
     import megatron.training.arguments as margs

@@ -165,6 +165,7 @@ _TARGETS = (  # (module, function, hook point: the Backend method it goes to)
     ("megatron.core.dist_checkpointing.validation", "_validate_sharding_for_key",
      "validate_sharding_for_key"),
     ("megatron.training.checkpointing", "get_rng_state", "get_rng_state"),
+    ("megatron.training.checkpointing", "_load_base_checkpoint", "load_base_checkpoint"),
 )
 
 

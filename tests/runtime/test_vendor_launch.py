@@ -1,7 +1,8 @@
 """A plan across vendors trains through megatron.training's pretrain on CPU ranks, each playing
 its plan GPU (A100: NVIDIA, MI300X: AMD): the pipeline edge between the vendors goes through
 host buffers on its gloo group (counted), every other group on the vendor's, and training equals
-one replica of one vendor in fp32."""
+one replica of one vendor in fp32: 4 steps, every logged loss and the final checkpoint's
+parameters and Adam state."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from megatron_hetero.plan import plan_from_data, save_plan
 
 from .launching import launch, logged_losses
 from .plans import A100, make_plan
-from .test_launch import INTERLEAVED_6, INTERLEAVED_CHUNKS, TWO_STAGES_4, _grad_norms
+from .test_launch import (INTERLEAVED_6, INTERLEAVED_CHUNKS, REORDERED_SUM_ATOL, SAVE_AT_END,
+                          STEPS, TWO_STAGES_4, assert_same_final_checkpoint)
 
 MI300X = "MI300X-192GB"
 
@@ -30,9 +32,10 @@ def test_two_vendor_uneven_plan_equals_one_vendor_replica(tmp_path, reference_ru
     cross = tmp_path / "cross.yaml"
     save_plan(make_plan(split=(1, 2), devices=[[A100, MI300X]] * 2, replicas=[(1, 2), (2, 1)]),
               cross)
-    iters = 2
-    four = launch(4, str(cross), tmp_path, iters=iters, timeout=400)
-    two, _ = reference_run(2, TWO_STAGES_4, iters=iters)
+    iters = STEPS
+    four = launch(4, str(cross), tmp_path, iters=iters, timeout=400,
+                  extra=[a.format(work=tmp_path) for a in SAVE_AT_END])
+    two, two_dir = reference_run(2, TWO_STAGES_4, iters=iters, extra=SAVE_AT_END)
     for code, out, _ in four + two:
         assert code == 0, out[-3000:]
     assert ("megatron-hetero: GPUs of 2 vendors: world group gloo, 2 pipeline edges across "
@@ -44,7 +47,7 @@ def test_two_vendor_uneven_plan_equals_one_vendor_replica(tmp_path, reference_ru
     assert all("staged" not in log for _, _, log in two)
     got, want = logged_losses(four[3][1]), logged_losses(two[1][1])
     assert len(want) == iters and got == pytest.approx(want, rel=1e-5)
-    assert _grad_norms(four[3][1]) == pytest.approx(_grad_norms(two[1][1]), rel=1e-5)
+    assert_same_final_checkpoint(tmp_path, two_dir, tmp_path)
 
 
 def test_interleaved_two_vendor_plan_equals_one_vendor_replica(tmp_path, reference_run):
@@ -55,8 +58,9 @@ def test_interleaved_two_vendor_plan_equals_one_vendor_replica(tmp_path, referen
     plan = make_plan(chunks=INTERLEAVED_CHUNKS, devices=[[A100, MI300X]] * 2,
                      replicas=[(1, 4), (1, 2)])
     save_plan(dataclasses.replace(plan, overlap_grad_reduce=True), cross)
-    four = launch(4, str(cross), tmp_path, timeout=400)
-    two, _ = reference_run(2, INTERLEAVED_6)
+    four = launch(4, str(cross), tmp_path, iters=STEPS, timeout=400,
+                  extra=[a.format(work=tmp_path) for a in SAVE_AT_END])
+    two, two_dir = reference_run(2, INTERLEAVED_6, iters=STEPS, extra=SAVE_AT_END)
     for code, out, _ in four + two:
         assert code == 0, out[-3000:]
     sends = [log["staged"][0] for _, _, log in four]
@@ -65,8 +69,8 @@ def test_interleaved_two_vendor_plan_equals_one_vendor_replica(tmp_path, referen
     assert min(sends) > 0 and sends[0] == recvs[2] and sends[2] == recvs[0]
     assert sends[1] == recvs[3] and sends[3] == recvs[1] and sends[0] == 2 * sends[1]
     got, want = logged_losses(four[3][1]), logged_losses(two[1][1])
-    assert len(want) == 2 and got == pytest.approx(want, rel=1e-5)
-    assert _grad_norms(four[3][1]) == pytest.approx(_grad_norms(two[1][1]), rel=1e-5)
+    assert len(want) == STEPS and got == pytest.approx(want, rel=1e-5)
+    assert_same_final_checkpoint(tmp_path, two_dir, tmp_path, param_atol=REORDERED_SUM_ATOL)
 
 
 def test_per_stage_warmup_across_vendors_trains_as_megatrons(tmp_path, reference_run):
@@ -78,12 +82,13 @@ def test_per_stage_warmup_across_vendors_trains_as_megatrons(tmp_path, reference
     data["pipelines"][0]["stages"][0]["warmup_microbatches"] = 3
     warm = tmp_path / "warm.yaml"
     save_plan(plan_from_data(data), warm)
-    ours = launch(2, str(warm), tmp_path)
-    theirs, _ = reference_run(2, TWO_STAGES_4)
+    ours = launch(2, str(warm), tmp_path, iters=STEPS,
+                  extra=[a.format(work=tmp_path) for a in SAVE_AT_END])
+    theirs, their_dir = reference_run(2, TWO_STAGES_4, iters=STEPS, extra=SAVE_AT_END)
     for code, out, _ in ours + theirs:
         assert code == 0, out[-3000:]
     assert "warm-up 3 micro-batches (Megatron's 1)" in ours[0][1]
-    assert [log["staged"] for _, _, log in ours] == [[8, 8], [8, 8]]  # 4 x 2 steps each way
+    assert [log["staged"] for _, _, log in ours] == [[4 * STEPS] * 2] * 2  # 4 a step each way
     got, want = logged_losses(ours[1][1]), logged_losses(theirs[1][1])
-    assert len(want) == 2 and got == pytest.approx(want, rel=1e-5)
-    assert _grad_norms(ours[1][1]) == pytest.approx(_grad_norms(theirs[1][1]), rel=1e-5)
+    assert len(want) == STEPS and got == pytest.approx(want, rel=1e-5)
+    assert_same_final_checkpoint(tmp_path, their_dir, tmp_path)
