@@ -80,6 +80,7 @@ from typing import Any, Callable, ContextManager, Literal
 
 from ..mcore.cpu_offload import enable_cpu_offload
 from ..plan import Mesh, ModelSpec, Pipeline, Plan, Slot, Stage, replace_grid
+from .data import micro_batches, rows_joined, sample_index, sample_tokens, share_offset
 from .params import merge_params
 from .rank_backends import backend_for
 
@@ -224,13 +225,6 @@ class TrainResult:
 
 
 # -- plans ----------------------------------------------------------------------------------------
-def rows_joined(plan: Plan) -> bool:
-    """Whether the plan's replicas read their micro-batches row by row out of micro-batches of
-    ``D x micro_batch_size`` (a chain of meshes whose replicas are alike: its bridges join and
-    split them so), rather than each its own consecutive share of the global batch."""
-    return not plan.one_grid and not plan.per_token_loss
-
-
 def reference_plan(plan: Plan) -> Plan:
     """One stage, one pipeline, TP=1, no interleaving, the plain (not distributed) optimizer,
     no overlapped gradient reduction: the same model and global batch on one process, in
@@ -269,48 +263,6 @@ def with_tiny_model(plan: Plan, *, hidden_size: int = 64, num_attention_heads: i
                       untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
                       add_bias_linear=m.add_bias_linear)
     return replace_grid(plan, model=model, precision="fp32")
-
-
-# -- data -----------------------------------------------------------------------------------------
-def sample_tokens(index: int, seed: int, seq_length: int, vocab_size: int):
-    """Sample ``index`` of the synthetic dataset: ``seq_length + 1`` token ids."""
-    import torch
-    g = torch.Generator().manual_seed(seed * 1_000_003 + index)
-    return torch.randint(0, vocab_size, (seq_length + 1,), generator=g)
-
-
-def share_offset(plan: Plan, slot: Slot) -> int:
-    """The first position of ``slot``'s replica's consecutive share of every global batch: its
-    mesh's replicas take consecutive shares in data-parallel rank order
-    (``Plan.replica_sample_range`` on one grid)."""
-    return sum(p.samples for p in plan.meshes[slot.mesh].pipelines[:slot.replica])
-
-
-def sample_index(plan: Plan, slot: Slot, step: int, micro: int, row: int) -> int:
-    """The global sample index of row ``row`` of micro-batch ``micro`` that ``slot``'s replica
-    reads in step ``step`` (see the module docstring)."""
-    mesh = plan.meshes[slot.mesh]
-    b = mesh.pipelines[slot.replica].micro_batch_size
-    base = step * plan.global_batch_size
-    if rows_joined(plan):
-        return base + micro * mesh.data_parallel_size * b + slot.replica * b + row
-    return base + share_offset(plan, slot) + micro * b + row
-
-
-def micro_batches(plan: Plan, slot: Slot, step: int, seed: int):
-    """The micro-batches ``slot``'s replica reads in step ``step`` (:func:`sample_index`), as
-    the batches ``forward_step`` takes (every stage reads them: the first its tokens, the last
-    its labels)."""
-    import torch
-    m = plan.model
-    pipe = plan.meshes[slot.mesh].pipelines[slot.replica]
-    for k in range(pipe.num_microbatches):
-        rows = [sample_tokens(sample_index(plan, slot, step, k, j), seed, m.seq_length,
-                              m.vocab_size) for j in range(pipe.micro_batch_size)]
-        tokens = torch.stack(rows)
-        yield {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
-               "loss_mask": torch.ones(len(rows), m.seq_length),
-               "position_ids": torch.arange(m.seq_length).unsqueeze(0).expand(len(rows), -1)}
 
 
 # -- one rank -------------------------------------------------------------------------------------

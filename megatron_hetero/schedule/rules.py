@@ -42,7 +42,7 @@ from ..errors import Described, SchemaError
 
 __all__ = ["StageSchedule", "stage_schedule", "one_f_one_b", "megatron_warmup",
            "pipeline_warmups", "has_extra_warmup", "stage_program", "check_warmups",
-           "group_fits", "whole_group"]
+           "group_fits", "whole_group", "named_group"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -213,3 +213,11 @@ def group_fits(g: int, p: int, microbatches) -> bool:
     for each of ``microbatches``: ``p <= g <= m``, the remainder of ``m`` over ``g`` 0 or at
     least ``p``."""
     return all(p <= g <= m and (m % g == 0 or m % g >= p) for m in microbatches)
+
+
+def named_group(p: int, v: int, microbatches) -> int | None:
+    """The ``microbatch_group_size`` a plan names for micro-batch counts made whole groups of
+    (:func:`whole_group`): None (Megatron's default, ``p``) where ``p`` divides them or the
+    pipeline is not interleaved (``v`` = 1)."""
+    g = whole_group(p, microbatches) if v > 1 else None
+    return None if g == p else g

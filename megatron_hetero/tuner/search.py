@@ -44,7 +44,7 @@ from ..errors import InfeasibleError
 from ..hardware.inventory import Inventory
 from ..plan import ModelSpec, Pipeline, Plan, Stage, uniform_plan
 from ..placement.inventory import embedded_gpus
-from ..schedule.rules import whole_group
+from ..schedule.rules import named_group, whole_group
 from ..sim.step import SimResult, simulate
 from . import space
 from .baseline import baseline_policies, best_group
@@ -286,7 +286,7 @@ class _Search:
                     precision=cand.precision,
                     use_distributed_optimizer=self.opt.use_distributed_optimizer,
                     sequence_parallel=st.tp > 1, virtual_pipeline_size=v,
-                    microbatch_group_size=_group_size(st.pp, v, cand.microbatches),
+                    microbatch_group_size=named_group(st.pp, v, cand.microbatches),
                     overlap_grad_reduce=self.opt.overlap_grad_reduce,
                     expert_model_parallel_size=st.ep, expert_tensor_parallel_size=st.etp)
 
@@ -492,11 +492,3 @@ def _tune(model: ModelSpec, inventory: Inventory, global_batch_size: int, *,
                       searched_step_time_s=searched, refine_simulations=sims,
                       warmup_gain=1.0 if fell_back else warmup_gain,
                       **meshes)
-
-
-def _group_size(p: int, v: int, microbatches) -> int | None:
-    """The plan's ``microbatch_group_size`` for micro-batch counts the search made whole groups
-    of (:func:`~megatron_hetero.schedule.rules.whole_group`): None (Megatron's default, ``p``)
-    where ``p`` divides them or the pipeline is not interleaved."""
-    g = whole_group(p, microbatches) if v > 1 else None
-    return None if g == p else g
