@@ -399,7 +399,8 @@ def test_unchanged_pretrain_gpt_uneven_data_parallel(tmp_path, stack, tp):
     assert (checkout / "pretrain_gpt.py").read_bytes() == before
     assert len(logged_losses(one[-1][1])) == STEPS
     assert logged_losses(many[-1][1]) == pytest.approx(logged_losses(one[-1][1]), rel=1e-5)
-    assert _grad_norms(many[-1][1]) == pytest.approx(_grad_norms(one[-1][1]), rel=1e-4)
+    # the log prints norms to 3 decimals: equal norms may print one unit apart
+    assert _grad_norms(many[-1][1]) == pytest.approx(_grad_norms(one[-1][1]), abs=1.001e-3)
     # evaluation runs each replica's share of the validation batches too
     assert len(_validation_losses(one[-1][1])) >= 2
     assert _validation_losses(many[-1][1]) == pytest.approx(_validation_losses(one[-1][1]),
@@ -441,7 +442,8 @@ def test_unchanged_pretrain_gpt_interleaved_uneven_plan(tmp_path, stack):
     assert "virtual_pipeline_model_parallel_size ............ 2" in four[0][1]
     assert len(logged_losses(two[-1][1])) == STEPS
     assert logged_losses(four[-1][1]) == pytest.approx(logged_losses(two[-1][1]), rel=1e-5)
-    assert _grad_norms(four[-1][1]) == pytest.approx(_grad_norms(two[-1][1]), rel=1e-4)
+    # the log prints norms to 3 decimals: equal norms may print one unit apart
+    assert _grad_norms(four[-1][1]) == pytest.approx(_grad_norms(two[-1][1]), abs=1.001e-3)
     assert len(_validation_losses(two[-1][1])) >= 2
     assert _validation_losses(four[-1][1]) == pytest.approx(_validation_losses(two[-1][1]),
                                                              rel=1e-5)
