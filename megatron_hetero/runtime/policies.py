@@ -163,9 +163,8 @@ def check_supported(plan: Plan, *, source: str = "plan",
             elif use_precision_aware_optimizer is False:
                 problems.append(f"{where}.optimizer_fraction: optimizer offload needs "
                                 f"--use-precision-aware-optimizer on the command line")
-            elif not (optimizer_offload_runs(plan.precision) or cpu_backend_enabled()):
-                problems.append(f"{where}.optimizer_fraction: {FP32_OPTIMIZER_OFFLOAD} (CPU "
-                                f"ranks have fixes: mcore/cpu_offload.py)")
+            elif not optimizer_offload_runs(plan.precision):  # on CPU ranks as on a GPU
+                problems.append(f"{where}.optimizer_fraction: {FP32_OPTIMIZER_OFFLOAD}")
     if problems:
         raise PolicyUnsupported(f"{source}: the plan asks for memory policies this Megatron "
                                 f"cannot apply:\n  " + "\n  ".join(problems))

@@ -128,8 +128,8 @@ def test_sgd_matches_to_rounding(name):
 
 def _wrong_share(plan, rank):
     """Every replica reads the first samples of the batch instead of its own share."""
-    from megatron_hetero.emulate import trainer
-    trainer.share_offset = lambda plan, slot: 0
+    from megatron_hetero.emulate import data
+    data.share_offset = lambda plan, slot: 0
     return RankHooks()
 
 

@@ -82,9 +82,10 @@ def test_stage_policies_as_args_and_config():
     assert policies.stage_args(s1)["optimizer_cpu_offload"] is False
 
 
-def test_optimizer_offload_with_fp32_params_is_refused_off_the_cpu_backend(monkeypatch):
-    # megatron-core 0.17.1's HybridDeviceOptimizer rejects the distributed optimizer's fp32
-    # shards on any device; the CPU backend fixes it (mcore/cpu_offload.py)
+def test_optimizer_offload_with_fp32_params_is_refused_on_every_device(monkeypatch):
+    # megatron-core's HybridDeviceOptimizer rejects the distributed optimizer's fp32 shards on
+    # a GPU; the runtime refuses it on CPU ranks too, as validate does (the CPU mode changes
+    # only device and backend)
     offload = [{"optimizer_fraction": 0.5}, None]
     with pytest.raises(policies.PolicyUnsupported) as err:
         policies.check_supported(make_plan(split=(2, 2), offload=offload), source="p.yaml")
@@ -93,7 +94,8 @@ def test_optimizer_offload_with_fp32_params_is_refused_off_the_cpu_backend(monke
     assert "stages[1]" not in str(err.value)
     policies.check_supported(make_plan(split=(2, 2), offload=offload, precision="bf16"))
     monkeypatch.setattr(policies, "cpu_backend_enabled", lambda: True)
-    policies.check_supported(make_plan(split=(2, 2), offload=offload))
+    with pytest.raises(policies.PolicyUnsupported, match="fp32 parameters"):
+        policies.check_supported(make_plan(split=(2, 2), offload=offload))
 
 
 def test_unsupported_policies_are_refused_at_start():
