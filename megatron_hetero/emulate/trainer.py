@@ -250,18 +250,26 @@ def reference_plan(plan: Plan) -> Plan:
 def with_tiny_model(plan: Plan, *, hidden_size: int = 64, num_attention_heads: int = 4,
                  ffn_hidden_size: int | None = None, vocab_size: int = 128,
                  seq_length: int = 16) -> Plan:
-    """The plan with a small model: same layer count and split, same pipelines and batch."""
+    """The plan with a small model: same layer count and split, same pipelines and batch; an
+    MoE model keeps its experts and routing, each expert (and the shared ones) ``ffn`` wide."""
     tp = plan.tensor_model_parallel_size
     m = plan.model
     groups = num_attention_heads if m.num_query_groups == m.num_attention_heads else tp
+    ffn = ffn_hidden_size or 2 * hidden_size
+    experts = {} if not m.is_moe else dict(
+        num_experts=m.num_experts, moe_router_topk=m.moe_router_topk, moe_ffn_hidden_size=ffn,
+        moe_shared_expert_intermediate_size=(
+            None if m.moe_shared_expert_intermediate_size is None else ffn),
+        moe_shared_expert_gate=m.moe_shared_expert_gate, moe_layer_freq=m.moe_layer_freq,
+        moe_router_load_balancing_type=m.moe_router_load_balancing_type)
     model = ModelSpec(name=f"{m.name}-shrunk", num_layers=m.num_layers, hidden_size=hidden_size,
-                      ffn_hidden_size=ffn_hidden_size or 2 * hidden_size,
+                      ffn_hidden_size=ffn,
                       num_attention_heads=num_attention_heads, num_query_groups=groups,
                       vocab_size=vocab_size, seq_length=seq_length, swiglu=m.swiglu,
                       normalization=m.normalization,
                       position_embedding_type=m.position_embedding_type,
                       untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
-                      add_bias_linear=m.add_bias_linear)
+                      add_bias_linear=m.add_bias_linear, **experts)
     return replace_grid(plan, model=model, precision="fp32")
 
 
