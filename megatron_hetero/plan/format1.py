@@ -26,7 +26,7 @@ from .stages import ModelSpec, Pipeline
 from .types import Mesh, Plan
 
 __all__ = ["Format1Plan", "uniform_plan", "replace_grid", "load_plan", "save_plan", "plan_from_data",
-           "FORMAT_VERSION"]
+           "FORMAT_VERSION", "check_microbatch_group", "check_no_empty_chunk"]
 
 FORMAT_VERSION = 1
 
@@ -160,28 +160,9 @@ class Format1Plan:
                     raise SchemaError("", path, stage.chunk_layers,
                                       f"{first[s].chunk_layers}, as in pipelines[0] (a stage index "
                                       "has the same chunks in every pipeline)")
-            # whole groups of p, or of the plan's group: the layouts the tuner searches keep
-            # them (Megatron itself takes any count whose remainder over its group is 0 or at
-            # least p)
-            m = pipe.num_microbatches
-            if m % p and g is None:
-                raise SchemaError("", f"pipelines[{d}].num_microbatches", m,
-                                  f"a multiple of the {p} pipeline stages (whole groups of "
-                                  "micro-batches under the interleaved schedule), or a "
-                                  "microbatch_group_size whose groups it fills")
-            if g is not None and not group_fits(g, p, [m]):
-                raise SchemaError("", "microbatch_group_size", g,
-                                  f"between the {p} pipeline stages and pipelines[{d}]'s {m} "
-                                  f"micro-batches, with {m} % group 0 or at least {p} "
-                                  "(Megatron's interleaved schedule refuses other groups)")
-        chunks = self.virtual_stage_layers
-        for i, n in enumerate(chunks):
-            if n == 0 and 0 < i < len(chunks) - 1:
-                c, s = divmod(i, p)
-                raise SchemaError("", f"pipelines[0].stages[{s}].chunk_layers[{c}]", 0,
-                                  "at least 1 layer (only the first chunk of the first stage and "
-                                  "the last chunk of the last stage may hold just the embedding "
-                                  "or the loss)")
+            check_microbatch_group(p, g, f"pipelines[{d}]", pipe.num_microbatches)
+        check_no_empty_chunk(self.virtual_stage_layers, p,
+                             lambda s: f"pipelines[0].stages[{s}].chunk_layers")
 
     # -- shape -----------------------------------------------------------------------------------
     @property
@@ -283,3 +264,33 @@ def load_plan(path: str | Path, *, catalog: Catalog | None = None) -> Plan:
 def save_plan(plan: Plan, path: str | Path) -> None:
     """Write ``plan`` in the simplest format that expresses it (:meth:`.types.Plan.to_data`)."""
     write_yaml(plan.to_data(), path)
+
+
+def check_microbatch_group(p: int, g: int | None, replica: str, m: int) -> None:
+    """An interleaved plan's replica at field path ``replica`` runs ``m`` micro-batches over
+    ``p`` pipeline stages: whole groups of ``p``, or of the plan's ``microbatch_group_size``
+    ``g`` (the layouts the tuner searches keep them; Megatron itself takes any count whose
+    remainder over its group is 0 or at least ``p``), each refused by its field path."""
+    if m % p and g is None:
+        raise SchemaError("", f"{replica}.num_microbatches", m,
+                          f"a multiple of the {p} pipeline stages (whole groups of "
+                          "micro-batches under the interleaved schedule), or a "
+                          "microbatch_group_size whose groups it fills")
+    if g is not None and not group_fits(g, p, [m]):
+        raise SchemaError("", "microbatch_group_size", g,
+                          f"between the {p} pipeline stages and {replica}'s {m} "
+                          f"micro-batches, with {m} % group 0 or at least {p} "
+                          "(Megatron's interleaved schedule refuses other groups)")
+
+
+def check_no_empty_chunk(chunks: list[int], p: int, stage_path) -> None:
+    """No virtual stage but the model's first and last holds 0 layers; ``chunks`` are the
+    layers per virtual stage in model order over ``p`` stages, ``stage_path(s)`` the field path
+    of stage ``s``'s ``chunk_layers``."""
+    for i, n in enumerate(chunks):
+        if n == 0 and 0 < i < len(chunks) - 1:
+            c, s = divmod(i, p)
+            raise SchemaError("", f"{stage_path(s)}[{c}]", 0,
+                              "at least 1 layer (only the first chunk of the first stage and "
+                              "the last chunk of the last stage may hold just the embedding "
+                              "or the loss)")

@@ -50,8 +50,8 @@ from .._schema import OMIT_DEFAULT, from_data, read_yaml, write_yaml
 from ..errors import Described, SchemaError
 from ..hardware.catalog import Catalog, GPUSpec
 from .experts import check_experts
-from .format1 import bind_catalog, check_device_type, plan_from_data
-from ..schedule.rules import group_fits
+from .format1 import (bind_catalog, check_device_type, check_microbatch_group,
+                      check_no_empty_chunk, plan_from_data)
 from .policy import Offload, Recompute
 from .stages import ModelSpec, Pipeline, Replica, Stage
 from .types import Mesh, Plan
@@ -225,27 +225,10 @@ class Format2Plan:
                               "pipeline parallelism)")
         for k, mesh in enumerate(self.meshes):
             for r, rep in enumerate(mesh.replicas):
-                m = rep.num_microbatches
-                if m % p and g is None:
-                    raise SchemaError("", f"meshes[{k}].replicas[{r}].num_microbatches", m,
-                                      f"a multiple of the {p} pipeline stages (whole groups of "
-                                      "micro-batches under the interleaved schedule), or a "
-                                      "microbatch_group_size whose groups it fills")
-                if g is not None and not group_fits(g, p, [m]):
-                    raise SchemaError("", "microbatch_group_size", g,
-                                      f"between the {p} pipeline stages and "
-                                      f"meshes[{k}].replicas[{r}]'s {m} micro-batches, with "
-                                      f"{m} % group 0 or at least {p} (Megatron's interleaved "
-                                      "schedule refuses other groups)")
-        chunks = self.virtual_stage_layers
-        for i, n in enumerate(chunks):
-            if n == 0 and 0 < i < len(chunks) - 1:
-                c, s = divmod(i, p)
-                k, j = self.stage_index[s]
-                raise SchemaError("", f"meshes[{k}].stages[{j}].chunk_layers[{c}]", 0,
-                                  "at least 1 layer (only the first chunk of the first stage and "
-                                  "the last chunk of the last stage may hold just the embedding "
-                                  "or the loss)")
+                check_microbatch_group(p, g, f"meshes[{k}].replicas[{r}]", rep.num_microbatches)
+        check_no_empty_chunk(self.virtual_stage_layers, p,
+                             lambda s: "meshes[{}].stages[{}].chunk_layers".format(
+                                 *self.stage_index[s]))
         d0, dl = self.meshes[0].data_parallel_size, self.meshes[-1].data_parallel_size
         if len(self.meshes) > 1 and max(d0, dl) % min(d0, dl):
             raise SchemaError("", f"meshes[{len(self.meshes) - 1}].replicas",
