@@ -296,11 +296,15 @@ class ChainRank(RankBackend):
     def run(self, batches, forward_step, forward_only: bool, *, plan=None) -> float:
         from ..mcore.mesh_train import whole_model_loss
 
+        self._refuse_new_shares(plan)
+        reduced = self.schedule(self.built, forward_step, batches(), forward_only=forward_only)
+        return whole_model_loss(self.plan, self.slot, reduced)
+
+    def _refuse_new_shares(self, plan) -> None:
+        """Live rebalancing (``run``'s ``plan``) moves the shares of one grid only."""
         if plan is not None and plan != self.plan:
             raise HeteroError("live rebalancing moves the shares of one grid; this plan is a "
                               "chain of meshes")
-        reduced = self.schedule(self.built, forward_step, batches(), forward_only=forward_only)
-        return whole_model_loss(self.plan, self.slot, reduced)
 
     def params(self):
         chunk = (self.built.first, self.built.last)
@@ -365,9 +369,7 @@ class InterleavedChainRank(ChainRank):
     def run(self, batches, forward_step, forward_only: bool, *, plan=None) -> float:
         from ..mcore.mesh_train import whole_model_loss
 
-        if plan is not None and plan != self.plan:
-            raise HeteroError("live rebalancing moves the shares of one grid; this plan is a "
-                              "chain of meshes")
+        self._refuse_new_shares(plan)
         reduced = self.schedule(self.built, forward_step, [batches() for _ in self.ddps],
                                 forward_only=forward_only)
         return whole_model_loss(self.plan, self.slot, reduced)

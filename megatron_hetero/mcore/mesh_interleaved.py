@@ -50,10 +50,9 @@ from typing import Any, Callable
 from ..plan import Plan, Slot
 from ..schedule.order import rank_order
 from .cpu_backend import join_cpu_backend
-from .mesh_grids import DIM_MAPPING, gloo_bridges, mesh_expert_grids, mesh_grids, module_name
-from .mesh_stage import use_mesh_globals
-from .mesh_train import (mesh_ddp, mesh_finalize_model_grads, mesh_optimizer,
-                         training_process_groups, wire_schedule)
+from .mesh_grids import DIM_MAPPING, module_name
+from .mesh_train import (mesh_ddp, mesh_finalize_model_grads, mesh_optimizer, mesh_rank_groups,
+                         wire_schedule)
 
 __all__ = ["Link", "Outbox", "InterleavedMeshRank", "chain_bridges", "stage_links",
            "chunk_virtual_stage", "build_interleaved_mesh_rank", "interleaved_mesh_schedule",
@@ -234,13 +233,8 @@ def build_interleaved_mesh_rank(plan: Plan, rank: int, optimizer_config, *, conf
     weights; ``gloo``: the world is gloo (CPU ranks)."""
     from .model import gpt_model
 
-    if gloo:
-        gloo_bridges()
     slot = plan.slot_of_rank(rank)
-    grids = mesh_grids(plan)
-    expert_grids = mesh_expert_grids(plan)
-    pgs = training_process_groups(grids[slot.mesh], expert_grids[slot.mesh])
-    use_mesh_globals(pgs)
+    grids, pgs = mesh_rank_groups(plan, slot, gloo=gloo)
     layers = plan.virtual_stage_layers
     last = plan.pipeline_model_parallel_size * plan.virtual_pipeline_size - 1
     gpts, ddps, offsets = [], [], []

@@ -37,7 +37,7 @@ from .mesh_stage import (MeshStageModule, gradient_scale, mesh_process_groups,
                          multimodule_collection, use_mesh_globals)
 
 __all__ = ["MeshRank", "per_token_loss", "is_loss_rank", "global_batch_tokens",
-           "mesh_transformer_config", "training_process_groups",
+           "mesh_transformer_config", "training_process_groups", "mesh_rank_groups",
            "mesh_ddp", "mesh_optimizer", "use_whole_model_grad_norm",
            "mesh_finalize_model_grads", "whole_model_loss", "wire_schedule", "build_mesh_rank",
            "mesh_schedule"]
@@ -276,6 +276,19 @@ class MeshRank:
                 and self.slot.stage == len(self.plan.meshes[-1].stages) - 1)
 
 
+def mesh_rank_groups(plan: Plan, slot: Slot, *, gloo: bool = False) -> tuple[list, Any]:
+    """Every mesh's grid (and an MoE model's expert grids) with their groups created, and
+    ``slot``'s :func:`training_process_groups`, its mesh's globals set (collective: call on
+    every rank); ``gloo``: the world is gloo (:func:`~.mesh_grids.gloo_bridges`)."""
+    if gloo:
+        gloo_bridges()
+    grids = mesh_grids(plan)
+    expert_grids = mesh_expert_grids(plan)
+    pgs = training_process_groups(grids[slot.mesh], expert_grids[slot.mesh])
+    use_mesh_globals(pgs)
+    return grids, pgs
+
+
 def build_mesh_rank(plan: Plan, rank: int, optimizer_config, *, config=None,
                     init: Callable[[Any, Slot], None] | None = None,
                     overlap_grad_reduce: bool = False, gloo: bool = False) -> MeshRank:
@@ -290,13 +303,8 @@ def build_mesh_rank(plan: Plan, rank: int, optimizer_config, *, config=None,
     :func:`~.mesh_grids.gloo_bridges`)."""
     from .model import gpt_model
 
-    if gloo:
-        gloo_bridges()
     slot = plan.slot_of_rank(rank)
-    grids = mesh_grids(plan)
-    expert_grids = mesh_expert_grids(plan)
-    pgs = training_process_groups(grids[slot.mesh], expert_grids[slot.mesh])
-    use_mesh_globals(pgs)
+    grids, pgs = mesh_rank_groups(plan, slot, gloo=gloo)
     config = config or mesh_transformer_config(plan, slot)
     last_mesh = slot.mesh == len(plan.meshes) - 1
     pre = slot.mesh == 0 and slot.stage == 0

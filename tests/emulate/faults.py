@@ -11,22 +11,20 @@ from megatron_hetero.emulate import rank_hooks, trainer
 def hooks_with_wrong_labels(plan, rank, *, wrong_replica: int, **kwargs):
     """The rehearsal's own hooks, and data-parallel replica ``wrong_replica`` reads wrong labels
     from step 1 on (so that ``--verify`` has a real divergence to catch)."""
-    original = getattr(trainer.micro_batches, "_test_original", trainer.micro_batches)
-
-    def micro_batches(plan, slot, step, seed):
-        for batch in original(plan, slot, step, seed):
-            if slot.replica == wrong_replica and step >= 1:
-                batch = dict(batch, labels=(batch["labels"] + 1) % plan.model.vocab_size)
-            yield batch
-
-    micro_batches._test_original = original
-    trainer.micro_batches = micro_batches
+    _read_wrong_labels(wrong_replica)
     return rank_hooks.rehearsal_hooks(plan, rank, **kwargs)
 
 
 def wrong_labels(plan, rank, *, wrong_replica: int):
     """No emulation: data-parallel replica ``wrong_replica`` reads wrong labels from step 1 on
     (the trainer's own hooks otherwise; for :func:`megatron_hetero.emulate.trainer.train_plan`)."""
+    _read_wrong_labels(wrong_replica)
+    return trainer.RankHooks()
+
+
+def _read_wrong_labels(wrong_replica: int) -> None:
+    """Make this rank's trainer feed replica ``wrong_replica`` labels shifted by one from step 1
+    on (the trainer reads ``micro_batches`` by name at every step)."""
     original = getattr(trainer.micro_batches, "_test_original", trainer.micro_batches)
 
     def micro_batches(plan, slot, step, seed):
@@ -37,7 +35,6 @@ def wrong_labels(plan, rank, *, wrong_replica: int):
 
     micro_batches._test_original = original
     trainer.micro_batches = micro_batches
-    return trainer.RankHooks()
 
 
 def overflow_on_replica(plan, rank, *, replica: int, step: int):
