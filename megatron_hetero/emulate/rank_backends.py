@@ -164,7 +164,7 @@ class GridRank(RankBackend):
             model = gpt_model(plan.model, tconf, pre_process=pre, post_process=post,
                               vp_stage=vp_stage)
             init_params(model, plan, config.seed, config.init_std, slot.tensor_rank,
-                        tied and post and not pre, expert_offset=_expert_offset(plan))
+                        tied and post and not pre, expert_offset=_expert_offset(plan, slot))
             chunks.append((pre, post))
             models.append(model)
         return chunks, models
@@ -215,29 +215,20 @@ class GridRank(RankBackend):
     def params(self):
         tied = not self.plan.model.untie_embeddings_and_output_weights
         return local_params(self.models, self.chunks, self.plan, tied,
-                            expert_offset=_expert_offset(self.plan))
+                            expert_offset=_expert_offset(self.plan, self.slot))
 
 
-def _mesh_expert_offset(plan: Plan, slot: Slot) -> int:
-    """:func:`_expert_offset` on a mesh of a chain: the slot's expert-parallel rank in its
-    mesh's expert grid (the stage's replicas in blocks of ``ETP x EP`` consecutive ranks)."""
+def _expert_offset(plan: Plan, slot: Slot) -> int:
+    """The routed experts of each MoE layer before ``slot``'s first (0 for a dense model): its
+    expert-parallel rank in its mesh's expert grid (the stage's ``T x D`` ranks in ``tp-dp``
+    order cut into blocks of ``ETP x EP``, megatron-core's order on one grid as on a chain's
+    own expert grids) times its local experts."""
     if not plan.model.is_moe:
         return 0
     mesh = plan.meshes[slot.mesh]
     index = slot.replica * mesh.tensor_model_parallel_size + slot.tensor_rank
     ep_rank = index // mesh.expert_tensor_size % mesh.expert_model_parallel_size
     return ep_rank * (plan.model.num_experts // mesh.expert_model_parallel_size)
-
-
-def _expert_offset(plan: Plan) -> int:
-    """The routed experts of each MoE layer before this rank's first (its expert-parallel rank
-    in megatron-core's parallel state, times its local experts; 0 for a dense model)."""
-    from megatron.core import parallel_state as ps
-
-    if not plan.model.is_moe:
-        return 0
-    ep = plan.meshes[0].expert_model_parallel_size
-    return ps.get_expert_model_parallel_rank() * (plan.model.num_experts // ep)
 
 
 class ChainRank(RankBackend):
@@ -254,7 +245,7 @@ class ChainRank(RankBackend):
                                                         ep_rank=0, etp_rank=0)
 
         def init(gpt, slot):
-            self.expert_offset = _mesh_expert_offset(plan, slot)
+            self.expert_offset = _expert_offset(plan, slot)
             init_params(gpt, plan, config.seed, config.init_std, slot.tensor_rank, False,
                         tensor_parallel_size=mesh.tensor_model_parallel_size,
                         layer_offset=offset, expert_offset=self.expert_offset)
@@ -329,7 +320,7 @@ class InterleavedChainRank(ChainRank):
         def init(gpt, slot, offset):
             init_params(gpt, plan, config.seed, config.init_std, slot.tensor_rank, False,
                         tensor_parallel_size=tp, layer_offset=offset,
-                        expert_offset=_mesh_expert_offset(plan, slot))
+                        expert_offset=_expert_offset(plan, slot))
 
         self.plan, self.slot = plan, slot
         stage = plan.stage_of_slot(slot)
@@ -379,7 +370,7 @@ class InterleavedChainRank(ChainRank):
         for c, (gpt, offset) in enumerate(zip(self.built.gpts, self.built.layer_offsets)):
             out.update(local_params([gpt], [self.built.chunk_ends(c)], self.plan, False,
                                     layer_offset=offset,
-                                    expert_offset=_mesh_expert_offset(self.plan, self.slot)))
+                                    expert_offset=_expert_offset(self.plan, self.slot)))
         return out
 
 
