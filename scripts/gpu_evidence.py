@@ -339,30 +339,34 @@ class Run:
             "failed": [{"case": "all", "traceback": tail(text, 40)}]}
         return ok
 
-    def mcore019_part(self, ev: Evidence, until: float) -> bool:
-        rec = ev.data["mcore019"]
+    def env019(self) -> tuple[dict, str]:
+        """The environment of a run on megatron-core 0.19.2 (``--mcore019``: its wheel, installed
+        into OUT's scratch once, or a directory it is installed in), and what it imports."""
         src = self.a.mcore019
         if src is None or self.a.megatron_lm_019 is None:
             raise RuntimeError("--mcore019 and --megatron-lm-019 are needed for this part")
-        src = Path(src)
-        if src.is_file():
-            site = self.out / "_scratch" / "site019"
+        src, site = Path(src), self.out / "_scratch" / "site019"
+        if src.is_dir():
+            site = src
+        elif not src.is_file():
+            raise FileNotFoundError(f"--mcore019 {src}: neither a wheel nor a directory")
+        elif not (site / "megatron").is_dir():
             ok, text = run_step("mcore019/install", [
                 self.py, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                 "--target", str(site), str(src)], self.out, env=self.env, timeout=120)
             if not ok:
                 raise RuntimeError(f"installing {src} failed:\n{tail(text, 20)}")
-        elif src.is_dir():
-            site = src
-        else:
-            raise FileNotFoundError(f"--mcore019 {src}: neither a wheel nor a directory")
         env = self.launch_env(PYTHONPATH=os.pathsep.join([str(site), str(REPO)]))  # no 0.17.1
         # megatron-core 0.19's __version__ appends the git commit of the working directory
         probe = subprocess.run([self.py, "-c", "from importlib.metadata import version as v; "
                                 "import megatron.core as m; print(v('megatron-core'), "
                                 "m.__file__, m.__version__)"],
                                capture_output=True, text=True, env=env, timeout=60)
-        rec["megatron_core"] = probe.stdout.strip() or tail(probe.stderr, 5)
+        return env, probe.stdout.strip() or tail(probe.stderr, 5)
+
+    def mcore019_part(self, ev: Evidence, until: float) -> bool:
+        rec = ev.data["mcore019"]
+        env, rec["megatron_core"] = self.env019()
         name = next(iter(self.shapes))
         plan = self.plans.get(name)
         if plan is None:  # the shapes part did not run: its first plan, without a profile
