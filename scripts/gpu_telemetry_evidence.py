@@ -41,6 +41,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_evidence as ge  # noqa: E402  (the script beside this one)
+sys.path.insert(0, str(ge.REPO))  # megatron_hetero in this process too (the report, the catalog)
 
 PARTS = ("telemetry", "moe_run")
 BUDGETS = {"telemetry": 220, "moe_run": 120}
