@@ -141,9 +141,9 @@ class TelemetryRuns:
                      **self.run.layer, seq_length=128 if self.a.cpu else 4096)
         plan = self.plan("telemetry", model, mbs=1, gbs=4)
         rec = ev.data["telemetry"] = {"plan": "telemetry/plan.yaml", "interval": INTERVAL,
-                                      "order": list(ORDER), "predicted": self.predicted(plan),
+                                      "order": self.a.order, "predicted": self.predicted(plan),
                                       "runs": []}
-        for i, kind in enumerate(ORDER):
+        for i, kind in enumerate(self.a.order):
             tdir = self.out / "telemetry" / f"run{i}" if kind == "on" else None
             rec["runs"].append({"kind": kind, **self.train(
                 f"telemetry/run{i}-{kind}", plan, telemetry=tdir, until=until,
@@ -236,6 +236,8 @@ def main() -> int:
                     help="Megatron-LM core_v0.19.0's scripts")
     ap.add_argument("--mcore019", required=True,
                     help="megatron-core 0.19.2's wheel, or a directory with it")
+    ap.add_argument("--order", type=lambda t: t.split(","), default=list(ORDER),
+                    help="the telemetry part's runs, off or on (default: off,on,on,off)")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--moe-layers", type=int, default=4)
     ap.add_argument("--iters", type=int, default=14)
