@@ -6,7 +6,7 @@ from __future__ import annotations
 import heapq
 import math
 
-__all__ = ["water_fill"]
+__all__ = ["water_fill", "fill_shares"]
 
 
 def water_fill(fixed: list[float], per_item: list[float], total: int, *, minimum: int = 1) -> list[int] | None:
@@ -33,3 +33,16 @@ def water_fill(fixed: list[float], per_item: list[float], total: int, *, minimum
         m[d] += 1
         heapq.heappush(heap, (fixed[d] + (m[d] + 1) * per_item[d], d))
     return m
+
+
+def fill_shares(fixed: list[float], per: list[float], total: int, *, unit: int = 1,
+                alike: int = 1) -> list[int] | None:
+    """:func:`water_fill` of ``total`` micro-batches under a plan's rules: in whole ``unit``s
+    (an interleaved pipeline's micro-batch group) and with every run of ``alike`` consecutive
+    pipelines (one expert-parallel group's replicas, whose all-to-alls pair up) taking one
+    count, filled over the runs with their first pipeline's costs. None where ``total`` does
+    not divide into such shares."""
+    if total % (unit * alike):
+        return None
+    got = water_fill(fixed[::alike], [c * unit for c in per[::alike]], total // (unit * alike))
+    return None if got is None else [k * unit for k in got for _ in range(alike)]

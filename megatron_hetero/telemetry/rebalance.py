@@ -7,11 +7,18 @@ the step's record here:
 - Each replica's measured pipeline time is priced as 1F1B runs it: its slowest stage's compute
   per micro-batch ``c`` for every micro-batch, plus the other stages' compute of one micro-batch
   (the fill and drain), ``T = sum_s c_s + (m - 1) max_s c_s``. Its *drift* is ``T`` over what
-  the plan predicted for it, over the median of that ratio across replicas.
-- A replica that drifts beyond ``threshold`` on ``patience`` reports in a row triggers a new
-  split: the tuner's own min-max assignment (:func:`megatron_hetero.schedule.shares.water_fill`)
-  of the global batch's micro-batches, each replica's fixed part and per-micro-batch part as
-  measured. Where the split is the current one, nothing changes.
+  the current shares expect of it, over the median of that ratio across replicas. What they
+  expect is the plan's prediction until the first split decision, then the measured costs that
+  decision rested on: a replica that was slow when its shares were cut is not drifting while
+  it stays as slow, and one that speeds up again (or another that slows) drifts anew.
+- A replica that drifts beyond ``threshold`` either way on ``patience`` reports in a row
+  triggers a new split: the tuner's own min-max assignment
+  (:func:`megatron_hetero.schedule.shares.fill_shares`) of the global batch's micro-batches
+  under the plan's rules (:func:`share_rules`: an interleaved plan's whole micro-batch groups,
+  an expert-parallel group's replicas on one count),
+  each replica's fixed part and per-micro-batch part the median of those ``patience`` reports
+  (one noisy report does not decide). Where no split beats the current one by ``min_gain``,
+  nothing changes.
 - Where one stage is slow in every replica (its measured over predicted compute beyond
   ``threshold`` times the job's median, on every replica), shares cannot restore balance: the
   decision says so and suggests re-planning from the run (``tune --from-run``).
@@ -28,11 +35,11 @@ from dataclasses import dataclass, field, replace
 from ..errors import HeteroError
 from ..plan import Plan
 from ..plan.format1 import replace_grid
-from ..schedule.shares import water_fill
+from ..schedule.shares import fill_shares
 from .records import RebalanceNote, StepRecord
 
 __all__ = ["RebalancePolicy", "Decision", "Rebalancer", "check_rebalanceable", "replica_costs",
-           "with_shares"]
+           "share_rules", "with_shares"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -81,6 +88,29 @@ def check_rebalanceable(plan: Plan, *, source: str) -> None:
                           f"replica (found {sorted(sizes)}): shares move by whole micro-batches")
     if plan.data_parallel_size < 2:
         raise HeteroError(f"{source}: --hetero-rebalance needs at least two replicas")
+    unit, alike = share_rules(plan)
+    total = sum(p.num_microbatches for p in plan.pipelines)
+    if alike == 0 or total % (unit * alike) or plan.data_parallel_size == alike:
+        raise HeteroError(f"{source}: --hetero-rebalance moves whole micro-batch groups of "
+                          f"{unit} between expert-parallel groups of "
+                          f"{alike or 'uneven numbers of'} replicas; this plan's {total} "
+                          f"micro-batches over {plan.data_parallel_size} replicas leave no "
+                          "such move")
+
+
+def share_rules(plan: Plan) -> tuple[int, int]:
+    """How a one-grid plan's shares may move: (unit, alike). Shares move in whole ``unit``s of
+    micro-batches (an interleaved plan's micro-batch group, else 1), and every run of ``alike``
+    consecutive replicas (one expert-parallel group's, whose all-to-alls pair up) keeps one
+    count; ``alike`` 0 where the expert groups do not split the replicas into equal runs."""
+    mesh = plan.meshes[0]
+    unit = plan.microbatch_group if plan.virtual_pipeline_size > 1 else 1
+    blocks = mesh.expert_blocks()
+    if all(len(b) == 1 for b in blocks):  # each group inside one replica's tensor ranks
+        return unit, 1
+    n = len(blocks[0])
+    return unit, (n if blocks == [range(i, i + n) for i in range(0, plan.data_parallel_size, n)]
+                  else 0)
 
 
 def _per_micro_batch(record: StepRecord, *, predicted: bool) -> dict[int, list[float]]:
@@ -111,25 +141,37 @@ class Rebalancer:
     """Replica -> reports in a row it drifted."""
     said: str = ""
     """The last message that moved nothing (said once, not at every report)."""
+    expected: list[tuple[float, float]] | None = None
+    """Per replica, the (fixed, per micro-batch) costs the current shares rest on: None until
+    the first split decision (the plan's prediction), then the measured costs it used."""
+    recent: list[list[tuple[float, float]]] = field(default_factory=list)
+    """The replicas' measured costs at the last ``patience`` reports, oldest first."""
 
     def decide(self, plan: Plan, record: StepRecord) -> Decision:
         counts = [p.num_microbatches for p in plan.pipelines]
         measured = replica_costs(record)
-        predicted = replica_costs(record, predicted=True)
+        expected = self.expected or replica_costs(record, predicted=True)
         times = [a + m * c for (a, c), m in zip(measured, counts)]
-        planned = [a + m * c for (a, c), m in zip(predicted, counts)]
-        ratios = [t / p for t, p in zip(times, planned)]
+        ratios = [t / (a + m * c) for t, (a, c), m in zip(times, expected, counts)]
         median = statistics.median(ratios)
         limit = self.policy.threshold
         for r, x in enumerate(ratios):
-            self.drifting[r] = self.drifting.get(r, 0) + 1 if x / median > limit else 0
-        ready = [r for r, n in self.drifting.items() if n >= self.policy.patience]
+            drifts = x / median > limit or median / x > limit
+            self.drifting[r] = self.drifting.get(r, 0) + 1 if drifts else 0
+        self.recent = [*self.recent, measured][-self.policy.patience:]
+        ready = sorted((r for r, n in self.drifting.items() if n >= self.policy.patience),
+                       key=lambda r: -ratios[r])  # named: the slowest
         if not ready:
             return self._once(self._everywhere(record, median, limit))
-        shares = water_fill([a for a, _ in measured], [c for _, c in measured], sum(counts))
+        costs = [(statistics.median(a for a, _ in rows), statistics.median(c for _, c in rows))
+                 for rows in map(list, zip(*self.recent))]
+        unit, alike = share_rules(plan)
+        shares = fill_shares([a for a, _ in costs], [c for _, c in costs], sum(counts),
+                             unit=unit, alike=alike)
         self.drifting.clear()
-        before = max(times)
-        after = None if shares is None else max(a + m * c for (a, c), m in zip(measured, shares))
+        self.expected, self.recent = costs, []
+        before = max(a + m * c for (a, c), m in zip(costs, counts))
+        after = None if shares is None else max(a + m * c for (a, c), m in zip(costs, shares))
         if shares is None or shares == counts or before < self.policy.min_gain * after:
             return self._once(f"replica {ready[0]} drifts, and no other split of the "
                               f"{sum(counts)} micro-batches is {self.policy.min_gain:g}x faster: "

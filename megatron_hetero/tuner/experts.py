@@ -1,5 +1,5 @@
-"""Expert parallelism in the search: which EP sizes a structure can run, and micro-batch
-shares that keep every EP group's replicas on one count.
+"""Expert parallelism in the search: which EP sizes a structure can run (its micro-batch shares
+keep every EP group's replicas on one count: :func:`megatron_hetero.schedule.shares.fill_shares`).
 
 An MoE model's structures carry an expert-parallel size (``Structure.ep``, expert TP 1): the
 tables price its stages with the all-to-alls over the EP group's link and the experts sharded
@@ -22,9 +22,8 @@ import numpy as np
 
 from .. import models as M
 from ..plan import ModelSpec
-from ..schedule.shares import water_fill
 
-__all__ = ["expert_sizes", "shared_fill", "split_scale"]
+__all__ = ["expert_sizes", "split_scale"]
 
 
 def expert_sizes(model: ModelSpec, tp: int, templates, microbatches: int) -> list[int]:
@@ -45,17 +44,6 @@ def expert_sizes(model: ModelSpec, tp: int, templates, microbatches: int) -> lis
         if all(n % g == 0 for _, n in templates) and microbatches % g == 0:
             out.append(ep)
     return out
-
-
-def shared_fill(fixed: list[float], per: list[float], total: int, g: int) -> list[int] | None:
-    """:func:`~megatron_hetero.schedule.shares.water_fill` of ``total`` micro-batches over the pipelines with every run
-    of ``g`` consecutive pipelines (one EP group's replicas, alike: :func:`expert_sizes`)
-    taking one count: filled over the groups, ``total / g`` each."""
-    if g == 1:
-        return water_fill(fixed, per, total)
-    got = water_fill(fixed[::g], per[::g], total // g)
-    return None if got is None else [k for k in got for _ in range(g)]
-
 
 
 def split_scale(model: ModelSpec) -> np.ndarray | None:

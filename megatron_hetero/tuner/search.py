@@ -52,9 +52,9 @@ from .meshes import mesh_results
 from .policy import Policy
 from .problem import Problem, TuneOptions
 from .refine import climb, refine_chunk_cap
-from ..schedule.shares import water_fill
+from ..schedule.shares import fill_shares
 from .space import Structure, upper_bound_step_time
-from .experts import shared_fill, split_scale
+from .experts import split_scale
 from .split import min_max_split
 from .tables import StageTables, even_chunks, stage_shape
 from .warmup import warmups_or_flat
@@ -185,12 +185,11 @@ class _Search:
         if baseline:
             mb = [total // D] * D
         elif v > 1:  # whole micro-batch groups (Megatron's interleaved schedule)
-            units = water_fill(fixed, [c * unit for c in per], total // unit)
-            if units is None:
+            mb = fill_shares(fixed, per, total, unit=unit)
+            if mb is None:
                 return None
-            mb = [u * unit for u in units]
         else:
-            mb = shared_fill(fixed, per, total, max(1, st.ep // tp))
+            mb = fill_shares(fixed, per, total, alike=max(1, st.ep // tp))
             if mb is None:
                 return None
         if v > 1 and not self._chunks_fit(st, cost, split, policies, mb):
