@@ -190,12 +190,12 @@ class _Search:
                 return None
             mb = [u * unit for u in units]
         else:
-            mb = shared_fill(fixed, per, total, max(1, st.ep // tp))
+            mb = shared_fill(fixed, per, total, st.block_replicas)
             if mb is None:
                 return None
         if v > 1 and not self._chunks_fit(st, cost, split, policies, mb):
             return None
-        g = max(1, st.ep // tp)
+        g = st.block_replicas
         if any(len(set(mb[i:i + g])) > 1 for i in range(0, D, g)):
             return None  # an EP group's replicas run one count (interleaved groups may not)
         step = max(a + k * c for a, c, k in zip(fixed, per, mb))
