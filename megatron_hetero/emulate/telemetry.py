@@ -127,7 +127,8 @@ class RankLive:
     def on_built(self, model_chunks, optimizer) -> None:
         self.capture.chunks = {id(m): c for c, m in enumerate(model_chunks)}
         if self.plan.model.is_moe:
-            self.capture.experts = ExpertTokenCounter(model_chunks)
+            self.capture.experts = ExpertTokenCounter(model_chunks,
+                                                      self.plan.chunk_first_layers(self.slot))
         for chunk in model_chunks:
             chunk.finish_grad_sync = partial(self.capture.timed, "sync", chunk.finish_grad_sync)
         optimizer.step = partial(self.capture.timed, "optimizer", optimizer.step)

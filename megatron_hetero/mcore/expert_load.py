@@ -11,29 +11,42 @@ step is over, as the telemetry's CUDA-event clock reads its marks. Only forwards
 on are counted: a recomputed layer routes its tokens twice, first without autograd (inside
 the activation checkpoint) and again in the backward, and is counted once.
 
-A layer is megatron-core's ``layer_number`` of the router (the transformer layer's, counted
-from 1 over the whole model).
+A layer is numbered as megatron-core numbers it on a one-grid plan, from 1 over the whole
+model: its index in its chunk's ``decoder.layers`` past the chunk's first layer in the model
+(:meth:`~megatron_hetero.plan.Plan.chunk_first_layers`, handed in), plus 1. (The router's own
+``layer_number`` is that only where megatron-core knows the pipeline offset; a chain of meshes
+builds each chunk as a model of its own.)
 """
 
 from __future__ import annotations
 
+import re
+
 __all__ = ["ExpertTokenCounter"]
+
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 class ExpertTokenCounter:
     """Counts the tokens routed to each expert of each MoE layer of a rank's model chunks while
-    :attr:`armed` (``model_chunks``: what megatron-core's schedules run; a dense model has no
+    :attr:`armed` (``model_chunks``: what megatron-core's schedules run, in chunk order;
+    ``first_layers``: the model's index of each chunk's first layer; a dense model has no
     router and :attr:`routers` is 0)."""
 
-    def __init__(self, model_chunks):
+    def __init__(self, model_chunks, first_layers: list[int]):
         from megatron.core.transformer.moe.router import Router
 
         self.armed = False
         """Whether forwards are counted now (the telemetry arms it for a measured step)."""
         self._counts: dict[int, object] = {}
-        self._handles = [module.register_forward_hook(self._routed)
-                         for chunk in model_chunks for module in chunk.modules()
-                         if isinstance(module, Router)]
+        self._layers: dict[int, int] = {}  # id(router) -> its layer (from 1)
+        self._handles = []
+        for chunk, first in zip(model_chunks, first_layers, strict=True):
+            for name, module in chunk.named_modules():
+                if isinstance(module, Router):
+                    self._layers[id(module)] = first + int(_LAYER.findall(name)[-1]) + 1
+                    self._handles.append(module.register_forward_hook(self._routed))
 
     @property
     def routers(self) -> int:
@@ -46,7 +59,7 @@ class ExpertTokenCounter:
         if not self.armed or not torch.is_grad_enabled():
             return
         counts = output[1].sum(dim=0)  # routing_map [tokens, experts] -> per expert
-        layer = int(router.layer_number or 0)
+        layer = self._layers[id(router)]
         have = self._counts.get(layer)
         self._counts[layer] = counts if have is None else have + counts
 

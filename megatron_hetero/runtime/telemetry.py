@@ -110,7 +110,8 @@ class Telemetry:
             model = a[2] if len(a) > 2 else kw["model"]
             self.rank.chunks = {id(m): c for c, m in enumerate(model)}
             if self.plan.model.is_moe:
-                self.rank.experts = ExpertTokenCounter(model)
+                self.rank.experts = ExpertTokenCounter(
+                    model, self.plan.chunk_first_layers(self.slot))
         if step % self.interval:
             return original(*a, **kw)
         self.rank.arm()
