@@ -130,3 +130,23 @@ def test_moe_model_on_an_interleaved_mesh_chain_equals_one_process(tmp_path, cap
     assert len(experts) == 4 * 4 * 2  # fc1 and fc2 of 4 experts in 4 MoE layers
     assert sorted(got.params) == sorted(ref.params)
     assert compare_results(got, ref, rtol=1e-5, atol=1e-5) is None
+
+
+def test_calibration_of_a_model_mixing_moe_and_dense_layers():
+    """The rehearsal's calibration times a model of one kind of layer at a time: of a model
+    that mixes MoE and dense layers (``moe_layer_freq`` 2 or a list) its MoE layer and its
+    dense layer, weighted by their shares; a model of MoE layers only (or a dense one), its
+    own. It measures such a model (it refused one before: a 1-layer model of a 5-entry list)."""
+    import dataclasses
+
+    from megatron_hetero.emulate.calibration import calibrate, layer_kinds
+
+    plan = tiny_plan([6], [(1, 2)], **MOE)  # pattern [0, 1, 1, 0, 1, 1]
+    kinds = layer_kinds(plan.model)
+    assert [(k.num_experts, k.moe_layer_freq, share) for k, share in kinds] == [
+        (4, 1, pytest.approx(4 / 6)), (None, 1, pytest.approx(2 / 6))]
+    every = dataclasses.replace(plan.model, moe_layer_freq=1)
+    assert layer_kinds(every) == [(every, 1.0)]
+    calibration = calibrate(plan, reps=1, meter=False, timeout_s=120)
+    forward, backward = calibration.parts[("layer", 1)]
+    assert forward > 0 and backward > 0
