@@ -25,7 +25,8 @@ import re
 __all__ = ["ExpertTokenCounter"]
 
 
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_LAYER = re.compile(r"(?:^|\.)decoder\.layers\.(\d+)\.")
+"""A router's place in its chunk's decoder (multi-token prediction's layers are not counted)."""
 
 
 class ExpertTokenCounter:
@@ -44,8 +45,9 @@ class ExpertTokenCounter:
         self._handles = []
         for chunk, first in zip(model_chunks, first_layers, strict=True):
             for name, module in chunk.named_modules():
-                if isinstance(module, Router):
-                    self._layers[id(module)] = first + int(_LAYER.findall(name)[-1]) + 1
+                place = _LAYER.search(name)
+                if isinstance(module, Router) and place:
+                    self._layers[id(module)] = first + int(place.group(1)) + 1
                     self._handles.append(module.register_forward_hook(self._routed))
 
     @property
