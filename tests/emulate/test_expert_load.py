@@ -33,9 +33,11 @@ MOE = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48,
            moe_layer_freq=[0, 1, 1, 0, 1, 1])
 
 
-def _plan():
-    """PP2 x DP2 x EP2 of the tiny MoE model, 2:4 layers, stage 0 on H100, stage 1 on A100."""
-    data = tiny_plan([2, 4], [(1, 2), (1, 2)], expert_model_parallel_size=2, **MOE).to_data()
+def _plan(recompute=None):
+    """PP2 x DP2 x EP2 of the tiny MoE model, 2:4 layers, stage 0 on H100, stage 1 on A100
+    (``recompute``: each stage's)."""
+    data = tiny_plan([2, 4], [(1, 2), (1, 2)], expert_model_parallel_size=2, recompute=recompute,
+                     **MOE).to_data()
     for pipe in data["pipelines"]:
         pipe["stages"][0]["device_type"] = H100
     return plan_from_data(data)
@@ -102,6 +104,10 @@ def counting_hooks(plan, rank, *, inner):
 
 CASES = {  # name: (plan, the (layer, device type) rows every record has)
     "pp2-dp2-ep2": (lambda tmp_path: _plan(), [(2, H100), (3, A100), (5, A100), (6, A100)]),
+    # stage 1 recomputes every layer: its routers run twice per micro-batch, counted once
+    "recompute": (lambda tmp_path: _plan([None, {"granularity": "full", "method": "uniform",
+                                                 "num_layers": 1}]),
+                  [(2, H100), (3, A100), (5, A100), (6, A100)]),
     "interleaved-chain": (_chain, [(1, "RTX3090-24GB"), (3, "RTX3090-24GB"),
                                    (5, "RTX3090-24GB")]),
 }
@@ -146,8 +152,12 @@ def test_rehearsal_measures_the_experts_load_imbalance(tmp_path, monkeypatch, ca
             key = (step, shrunk.global_stage(slot), chunk, number, device)
             have = want.setdefault(key, [0] * len(counts))
             want[key] = [a + b for a, b in zip(have, counts)]
-    if case == "pp2-dp2-ep2":  # one chunk a stage: megatron-core numbers the layers in the model
+    if case != "interleaved-chain":  # one chunk a stage: megatron-core numbers them in the model
         assert sorted((k[3], k[4]) for k in want if k[0] == REPORTED_FROM) == rows
+    if case == "recompute":  # the test's hooks saw stage 1's routing twice, alike
+        for key in [k for k in want if k[1] == 1]:
+            assert all(n % 2 == 0 for n in want[key])
+            want[key] = [n // 2 for n in want[key]]
 
     records = read_records(out)
     assert [r.step for r in records] == [2, 3]
