@@ -14,12 +14,20 @@ share of the step in all-to-all (the most, over the plan's ranks, of the seconds
 in dispatch and combine per step, over the step) and the search's wall and CPU seconds. Figures
 are the cost model's predictions (catalog efficiencies, no profile); inter-node links 50 GB/s
 per node for the H100s, 25 GB/s for the A100s, as in examples/scenarios.
+
+``--before REF`` also times the search of the tree at git revision ``REF`` (``git archive``
+into a temporary folder) beside this tree's, each in a fresh process, scenario by scenario in
+one run (the same machine load for both), and prints their CPU seconds, structure counts,
+predicted steps and the ratios.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -94,15 +102,59 @@ def cost_of(got, model, inv):
     return problem.cost(got.plan.precision)
 
 
+REPO = Path(__file__).resolve().parent.parent
+
+_SEARCH = """
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+from megatron_hetero import models as M
+from megatron_hetero.hardware.inventory import inventory_from_data
+from megatron_hetero.tuner import TuneOptions, tune
+model, inv = M.model_preset(sys.argv[2]), inventory_from_data({"groups": json.loads(sys.argv[3])})
+wall, cpu = time.perf_counter(), time.process_time()
+got = tune(model, inv, int(sys.argv[4]), options=TuneOptions())
+wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+m = got.plan.meshes[0]
+print(json.dumps({"wall": wall, "cpu": cpu, "structures": got.structures_evaluated,
+                  "step": got.sim.step_time_s, "etp": [x.expert_tensor_parallel_size
+                                                       for x in got.plan.meshes]}))
+"""
+
+
+def timed_search(root: Path, model: str, groups: list[dict], gbs: int) -> dict:
+    """The search of the tree at ``root`` in a fresh process: its wall and CPU seconds, the
+    structures it evaluated, the tuned plan's predicted step and expert TP."""
+    out = subprocess.run([sys.executable, "-c", _SEARCH, str(root), model, json.dumps(groups),
+                          str(gbs)], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def compare(name: str, model: str, groups: list[dict], gbs: int, before: Path, ref: str) -> None:
+    """The search before (``ref``) and now, one after the other, on this scenario."""
+    old = timed_search(before, model, groups, gbs)
+    new = timed_search(REPO, model, groups, gbs)
+    print(f"  search before ({ref}): {old['cpu']:.2f} s CPU ({old['wall']:.2f} wall, "
+          f"{old['structures']} structures, step {old['step']:.3f} s, ETP {old['etp']}); "
+          f"now: {new['cpu']:.2f} s CPU ({new['wall']:.2f} wall, {new['structures']} "
+          f"structures, step {new['step']:.3f} s, ETP {new['etp']}); CPU now / before "
+          f"{new['cpu'] / old['cpu']:.2f}, step now / before {new['step'] / old['step']:.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--large", action="store_true", help="also time the search at 1024 GPUs")
+    ap.add_argument("--before", metavar="REF", help="also time the search of git revision REF")
     args = ap.parse_args()
-    for name, (model, groups, gbs) in SCENARIOS.items():
-        run(name, model, groups, gbs)
-    if args.large:
-        for name, (model, groups, gbs) in LARGE.items():
+    todo = list(SCENARIOS.items()) + (list(LARGE.items()) if args.large else [])
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.before:
+            archive = subprocess.run(["git", "-C", str(REPO), "archive", args.before,
+                                      "megatron_hetero"], capture_output=True, check=True)
+            subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
+        for name, (model, groups, gbs) in todo:
             run(name, model, groups, gbs)
+            if args.before:
+                compare(name, model, groups, gbs, Path(tmp), args.before)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,9 @@ from megatron_hetero.telemetry.prediction import implied_inventory, predict, sta
 from megatron_hetero.cost.profile_file import MeasuredProfile, load_profile
 from megatron_hetero.telemetry.profile_out import (profile_name, run_factors, run_profiles,
                                                    software_now, write_run_profiles)
-from megatron_hetero.telemetry.records import (OpSpan, StageFigures, StageRecord, StepRecord,
-                                               append_record, read_records)
+from megatron_hetero.telemetry.records import (ExpertLoad, OpSpan, StageFigures, StageRecord,
+                                               StepRecord, append_record, load_imbalance,
+                                               read_records)
 from megatron_hetero.telemetry.report import slow_stages, summarize
 
 PLAN = "examples/llama2/7b/plan.yaml"
@@ -79,6 +80,54 @@ def test_a_bad_record_is_refused_naming_its_line_and_field(tmp_path, edit, where
     with pytest.raises(SchemaError) as exc:
         read_records(tmp_path)
     assert "telemetry.jsonl:2" in str(exc.value) and where in str(exc.value)
+
+
+def _with_experts(record: StepRecord, rows: list[ExpertLoad]) -> StepRecord:
+    return dataclasses.replace(record, experts=rows, moe_load_imbalance=load_imbalance(rows))
+
+
+def test_expert_rows_round_trip_and_a_wrong_imbalance_is_refused(tmp_path):
+    """An MoE record's tokens per expert: each row's imbalance is its most loaded expert over
+    the mean, the step's the sum of the rows' maxima over the sum of their means; a file that
+    says otherwise is refused at the field."""
+    _, _, records = _records(PLAN, {}, steps=(5,))
+    rows = [ExpertLoad.of(layer=2, device_type="A100-SXM-80GB", tokens=[6, 2, 4, 4]),
+            ExpertLoad.of(layer=4, device_type="A100-SXM-80GB", tokens=[4, 4, 4, 4])]
+    assert [r.imbalance for r in rows] == [1.5, 1.0]
+    record = _with_experts(records[0], rows)
+    assert record.moe_load_imbalance == pytest.approx((6 + 4) / (4 + 4))
+    append_record(tmp_path, record)
+    assert read_records(tmp_path) == [record]
+    for edit, where in ((lambda d: d["experts"][0].update(imbalance=1.2), "experts[0].imbalance"),
+                        (lambda d: d.update(moe_load_imbalance=1.0), "moe_load_imbalance"),
+                        (lambda d: d["experts"][1].update(tokens=[0, 0, 0, 0]),
+                         "experts[1].tokens")):
+        bad = json.loads(record.to_json())
+        edit(bad)
+        (tmp_path / "telemetry.jsonl").write_text(json.dumps(bad) + "\n")
+        with pytest.raises(SchemaError) as exc:
+            read_records(tmp_path)
+        assert where in str(exc.value)
+
+
+def test_the_run_profile_carries_each_device_types_measured_imbalance():
+    """Each device type's profile: :func:`load_imbalance` over its rows of every record; a type
+    with no MoE rows (or a dense run) leaves the field out."""
+    plan, pred, records = _records(PLAN, {}, steps=(5, 6))
+    device, other = sorted(plan.device_counts())
+    by_step = [[ExpertLoad.of(layer=1, device_type=device, tokens=[3, 1]),
+                ExpertLoad.of(layer=1, device_type=other, tokens=[9, 1])],
+               [ExpertLoad.of(layer=1, device_type=device, tokens=[2, 2])]]
+    records = [_with_experts(r, rows) for r, rows in zip(records, by_step)]
+    software = software_now(torch_version="2.13.0", megatron_core="0.19.2", python="3.11",
+                            cuda=None)
+    profiles = run_profiles(plan, records, pred.inventory, software=software,
+                            layer_spec="local", backend="cpu")
+    assert profiles[device].moe_load_imbalance == pytest.approx((3 + 2) / (2 + 2))
+    assert profiles[other].moe_load_imbalance == pytest.approx(9 / 5)
+    dense = run_profiles(plan, _records(PLAN, {})[2], pred.inventory, software=software,
+                         layer_spec="local", backend="cpu")
+    assert dense[device].moe_load_imbalance is None
 
 
 def test_a_line_cut_off_at_the_end_is_dropped(tmp_path):

@@ -18,7 +18,9 @@ The load imbalance (the most loaded expert rank's routed tokens over the mean, a
 the device type's profile's ``moe_load_imbalance`` where it measured one, else the cost
 model's ``moe_load_imbalance`` (default 1: balanced, what an auxiliary loss aims at). It slows
 the routed experts' FLOPs (:meth:`~megatron_hetero.cost.model.CostModel.layer_times`) and the
-all-to-alls alike.
+all-to-alls alike. A run's telemetry measures it per expert (the most loaded expert's tokens
+over the mean, :mod:`megatron_hetero.telemetry.records`): the expert rank's at EP = the number
+of experts, and at a smaller EP a bound from above (a rank's experts even out).
 
 Gradient sync: a stage's dense parameters reduce over its ``D`` replicas as before; its expert
 shard over the ``T D / (ETP EP)`` expert-data-parallel replicas (Megatron's

@@ -268,8 +268,9 @@ class ProfileData:
     """Format 2: the pipeline measurement (:class:`PipelineFigures`)."""
     moe_load_imbalance: float | None = None
     """An MoE model's most loaded expert rank's routed tokens over the mean (at least 1), as
-    measured: the cost model slows the routed experts and the all-to-alls by it on this device
-    type (docs/moe.md). Left out of the file when None."""
+    measured (a run's telemetry measures it per expert, the bound at any EP): the cost model
+    slows the routed experts and the all-to-alls by it on this device type (docs/moe.md). Left
+    out of the file when None."""
 
     def __post_init__(self) -> None:
         if self.format_version == 1 and (

@@ -13,7 +13,8 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
-from ..plan import Mesh, Pipeline, Plan, Stage
+from ..models import layer_forward_flops, mixed_model, moe_fraction
+from ..plan import Mesh, ModelSpec, Pipeline, Plan, Stage
 
 __all__ = ["Calibration", "calibrate", "activation_scale", "idle_gap"]
 
@@ -90,28 +91,43 @@ def _calibrate_rank(rank: int, world_size: int, shrunk: Plan, reps: int, seed: i
         return None
     from ..mcore.cpu_backend import enable_cpu_backend
     from ..mcore.spawn import free_port
-    from ..models import layer_forward_flops
 
     dist.init_process_group("gloo", rank=0, world_size=1,
                             init_method=f"tcp://127.0.0.1:{free_port()}")
     enable_cpu_backend()
     for b in sorted({p.micro_batch_size for m in shrunk.meshes for p in m.pipelines}):
-        one, three = (_time_layers(shrunk, b, n, reps=reps, seed=seed, meter=meter,
-                                   idle_factor=idle_factor) for n in (1, 3))
+        timed = [(share, *(_time_layers(shrunk, kind, b, n, reps=reps, seed=seed, meter=meter,
+                                        idle_factor=idle_factor) for n in (1, 3)))
+                 for kind, share in layer_kinds(shrunk.model)]
+        _, one, three = timed[0]  # the embedding, the output layer, the optimizer: the first
         out.optimizer_gb_s = three.optimizer_gb_s
         if three.idle is not None:
             out.step_overhead[b] = (three.idle[0] - three.times[0],
                                     three.idle[1] - three.times[1])
         emb = out.parts[("embedding", b)] = one.embedding
-        lf = max(1e-6, (three.times[0] - one.times[0]) / 2)
-        lb = max(1e-6, (three.times[1] - one.times[1]) / 2)
+        per = [(share, [max(1e-6, (t3.times[i] - t1.times[i]) / 2) for i in (0, 1)],
+                (t3.saved_bytes - t1.saved_bytes) / 2) for share, t1, t3 in timed]
+        lf, lb = (sum(share * layer[i] for share, layer, _ in per) for i in (0, 1))
         out.parts[("layer", b)] = (lf, lb)
-        out.parts[("output", b)] = (max(0.0, one.times[0] - lf - emb[0]),
-                                    max(0.0, one.times[1] - lb - emb[1]))
+        own = per[0][1]  # the first kind's own layer, inside its one-layer model
+        out.parts[("output", b)] = (max(0.0, one.times[0] - own[0] - emb[0]),
+                                    max(0.0, one.times[1] - own[1] - emb[1]))
         out.layer_flops_per_s = 3 * layer_forward_flops(shrunk.model, b) / (lf + lb)
         if meter:
-            out.layer_activation_bytes[b] = max(0, three.saved_bytes - one.saved_bytes) / 2
+            out.layer_activation_bytes[b] = max(0, sum(share * saved for share, _, saved in per))
     return out
+
+
+def layer_kinds(model: ModelSpec) -> list[tuple[ModelSpec, float]]:
+    """The kinds of layer calibration times, each as a model of those layers alone, with its
+    share of the model's layers: the model's own layer, or of a model that mixes MoE and dense
+    layers (``moe_layer_freq`` other than 1) its MoE layer and its dense layer (a layer is
+    priced at their mean)."""
+    if not model.is_moe:
+        return [(model, 1.0)]
+    moe = dataclasses.replace(model, moe_layer_freq=1)
+    f = moe_fraction(model)
+    return [(moe, 1.0)] if f == 1.0 else [(moe, f), (mixed_model(model, 0, 1), 1.0 - f)]
 
 
 def _measure_gloo(rank: int, out: Calibration) -> None:
@@ -144,9 +160,10 @@ class _Timed:
     """Bytes the Adam step touches per second (3 layers)."""
 
 
-def _time_layers(shrunk: Plan, b: int, n: int, *, reps: int, seed: int, meter: bool,
-                 idle_factor: float) -> _Timed:
-    """Time the shrunk model cut to ``n`` layers, micro-batch size ``b``, on this single rank."""
+def _time_layers(shrunk: Plan, kind: ModelSpec, b: int, n: int, *, reps: int, seed: int,
+                 meter: bool, idle_factor: float) -> _Timed:
+    """Time ``n`` layers of ``kind`` (of :func:`layer_kinds` of the shrunk model), micro-batch
+    size ``b``, on this single rank."""
     import time
 
     from megatron.core import parallel_state as ps
@@ -159,7 +176,7 @@ def _time_layers(shrunk: Plan, b: int, n: int, *, reps: int, seed: int, meter: b
 
     device = shrunk.meshes[0].pipelines[0].stages[0].device_type
     plan = dataclasses.replace(  # one process: n layers of the shrunk model, TP 1
-        shrunk, model=dataclasses.replace(shrunk.model, num_layers=n), global_batch_size=b,
+        shrunk, model=dataclasses.replace(kind, num_layers=n), global_batch_size=b,
         sequence_parallel=False, virtual_pipeline_size=1, microbatch_group_size=None,
         meshes=[Mesh(tensor_model_parallel_size=1, pipelines=[Pipeline(
             micro_batch_size=b, num_microbatches=1,

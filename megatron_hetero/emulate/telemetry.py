@@ -4,7 +4,8 @@
 The marks and the records are the runtime's (:mod:`megatron_hetero.telemetry.collect`): each
 rank wraps megatron-core's ``schedules.forward_step`` / ``backward_step`` (the trainer hands
 them over: :attr:`~.trainer.RankHooks.around`), its gradient sync (``finish_grad_sync``) and
-its optimizer step; after each reported step every rank hands its figures to rank 0 in one
+its optimizer step, and on an MoE model counts the tokens its routers send to each expert
+(:class:`~megatron_hetero.mcore.expert_load.ExpertTokenCounter`); after each reported step every rank hands its figures to rank 0 in one
 ``gather_object`` over the rehearsal's gloo world, and rank 0 writes ``DIR/telemetry.jsonl``,
 ``DIR/plan.yaml`` (the shrunk plan that ran) and ``DIR/profile.<device type>.yaml``. A stage's
 step time is the trainer's own (:attr:`~.trainer.RankResult.step_times`), so the records'
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
+from ..mcore.expert_load import ExpertTokenCounter
 from ..plan import Plan, save_any_plan
 from ..sim.step import simulate
 from ..telemetry.collect import RankCapture, RecordWriter, WallClock
@@ -124,6 +126,9 @@ class RankLive:
     # -- hooks ---------------------------------------------------------------------------------
     def on_built(self, model_chunks, optimizer) -> None:
         self.capture.chunks = {id(m): c for c, m in enumerate(model_chunks)}
+        if self.plan.model.is_moe:
+            self.capture.experts = ExpertTokenCounter(model_chunks,
+                                                      self.plan.chunk_first_layers(self.slot))
         for chunk in model_chunks:
             chunk.finish_grad_sync = partial(self.capture.timed, "sync", chunk.finish_grad_sync)
         optimizer.step = partial(self.capture.timed, "optimizer", optimizer.step)

@@ -15,6 +15,8 @@ and megatron-core run on CPU processes.
 - ``tests/mcore/cuda_coverage.py``: the scan of megatron-core's source that pins the backend's table.
 - :mod:`.rebind`: our wrappers of Megatron's functions and methods, each applied once per
   layer (the runtime's hooks, vendors and CPU fixes, and the CPU offload fixes).
+- :mod:`.expert_load`: ``ExpertTokenCounter``, the tokens the routers of a rank's MoE layers
+  send to each expert in a measured step (the runtime's and the rehearsal's telemetry).
 - :mod:`.spawn`: ``spawn(fn, world_size)``, N gloo processes with results and failures collected.
 - :mod:`.warmup_schedule`: the non-interleaved 1F1B with the plan's per-stage warm-up, from
   megatron-core's ``forward_step``, ``backward_step`` and ``P2PCommunicator`` (``schedule_for``).

@@ -235,14 +235,14 @@ def build_interleaved_mesh_rank(plan: Plan, rank: int, optimizer_config, *, conf
 
     slot = plan.slot_of_rank(rank)
     grids, pgs = mesh_rank_groups(plan, slot, gloo=gloo)
-    layers = plan.virtual_stage_layers
+    first = plan.chunk_first_layers(slot)
     last = plan.pipeline_model_parallel_size * plan.virtual_pipeline_size - 1
     gpts, ddps, offsets = [], [], []
     for c, config in enumerate(configs):
         vs = chunk_virtual_stage(plan, slot, c)
         gpt = gpt_model(plan.model, config, pre_process=vs == 0, post_process=vs == last,
                         pg_collection=pgs)
-        offsets.append(sum(layers[:vs]))
+        offsets.append(first[c])
         if init is not None:
             init(gpt, slot, offsets[-1])
         gpts.append(gpt)

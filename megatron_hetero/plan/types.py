@@ -269,6 +269,13 @@ class Plan:
         """The pipeline stage of the whole model that ``slot`` runs."""
         return sum(m.num_stages for m in self.meshes[:slot.mesh]) + slot.stage
 
+    def chunk_first_layers(self, slot: Slot) -> list[int]:
+        """The model's index (from 0) of the first layer of each of ``slot``'s model chunks:
+        chunk ``c`` of global stage ``s`` is virtual stage ``c P + s`` of ``P`` stages."""
+        layers, s = self.virtual_stage_layers, self.global_stage(slot)
+        p = self.pipeline_model_parallel_size
+        return [sum(layers[:c * p + s]) for c in range(self.virtual_pipeline_size)]
+
     def device_type_of_rank(self, rank: int) -> str:
         return self.stage_of_slot(self.slot_of_rank(rank)).device_type
 

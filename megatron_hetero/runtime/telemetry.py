@@ -6,6 +6,9 @@ step, of every forward and backward of a micro-batch through a model chunk (mega
 schedules call ``forward_step`` / ``backward_step`` for each), of the gradient sync
 (``finalize_model_grads``) and of the optimizer step. On a GPU a mark is a CUDA event, read
 once the step is over (no synchronisation inside the step); on CPU ranks it is the wall clock.
+On an MoE model a forward hook on each of the rank's routers counts the tokens routed to each
+expert in the armed step (:class:`~megatron_hetero.mcore.expert_load.ExpertTokenCounter`:
+device tensors, read after the step).
 Steps that are not armed pass straight through: one comparison per call.
 
 After an armed step every rank hands its figures to rank 0 in one ``gather_object`` over a
@@ -27,6 +30,7 @@ from pathlib import Path
 
 from ..errors import HeteroError
 from ..hardware.inventory import load_inventory
+from ..mcore.expert_load import ExpertTokenCounter
 from ..telemetry.collect import CudaClock, RankCapture, RecordWriter, WallClock
 from ..telemetry.prediction import Prediction, predict
 from ..telemetry.profile_out import run_profiles, software_now
@@ -105,13 +109,16 @@ class Telemetry:
             self._wrap_optimizer(a[3] if len(a) > 3 else kw["optimizer"])
             model = a[2] if len(a) > 2 else kw["model"]
             self.rank.chunks = {id(m): c for c, m in enumerate(model)}
+            if self.plan.model.is_moe:
+                self.rank.experts = ExpertTokenCounter(
+                    model, self.plan.chunk_first_layers(self.slot))
         if step % self.interval:
             return original(*a, **kw)
         self.rank.arm()
         try:
             out = original(*a, **kw)
         except BaseException:
-            self.rank.capture = None
+            self.rank.abandon()
             raise
         self._report(step, self.rank.disarm())
         return out

@@ -8,11 +8,14 @@ megatron-core's ``schedules.forward_step`` / ``backward_step``: a backward is ma
 chunk through the output tensor its forward returned, and each chunk runs its micro-batches in
 order), of the gradient sync and of the optimizer step, and hands its figures (a plain dict, for
 ``gather_object``) to the writer. Steps that are not armed pass straight through: one
-comparison per call.
+comparison per call. On an MoE model it arms the rank's expert-token counter for the step
+(:class:`~megatron_hetero.mcore.expert_load.ExpertTokenCounter`, handed in by the caller) and
+adds its counts, read after the step, to the figures.
 
 :class:`RecordWriter` is rank 0's side: for each stage of each replica it keeps the slowest
-tensor rank of the gathered figures, writes one :class:`~.records.StepRecord` beside the plan's
-prediction, the run's profiles and, at the first report, the plan's copy. A write error (a full
+tensor rank of the gathered figures, sums every rank's tokens per expert by MoE layer and
+device type (:class:`~.records.ExpertLoad`), writes one :class:`~.records.StepRecord` beside
+the plan's prediction, the run's profiles and, at the first report, the plan's copy. A write error (a full
 disk) loses the telemetry, never the training.
 """
 
@@ -27,7 +30,8 @@ from typing import Any, Callable
 from ..plan import Plan
 from .prediction import Prediction, stage_path
 from .profile_out import write_run_profiles
-from .records import OpSpan, RebalanceNote, StageFigures, StageRecord, StepRecord, append_record
+from .records import (ExpertLoad, OpSpan, RebalanceNote, StageFigures, StageRecord, StepRecord,
+                      append_record, load_imbalance)
 
 __all__ = ["WallClock", "CudaClock", "StepCapture", "RankCapture", "RecordWriter"]
 
@@ -102,16 +106,30 @@ class RankCapture:
     """``id(model chunk)`` -> its index on this rank (as the schedule hands the chunks over)."""
     capture: StepCapture | None = None
     """The armed step's marks; None between armed steps."""
+    experts: Any = None
+    """An MoE model's expert-token counter on this rank (``armed``, ``take()``:
+    :class:`~megatron_hetero.mcore.expert_load.ExpertTokenCounter`); None: nothing counted."""
 
     def arm(self) -> None:
         """The step starting now is measured."""
         self.capture = StepCapture(self.clock.mark())
+        if self.experts is not None:
+            self.experts.armed = True
 
     def disarm(self) -> StepCapture:
         """The armed step ended now: its marks."""
         capture, self.capture = self.capture, None
         capture.end = self.clock.mark()
+        if self.experts is not None:
+            self.experts.armed = False
         return capture
+
+    def abandon(self) -> None:
+        """The armed step failed: nothing of it is kept."""
+        self.capture = None
+        if self.experts is not None:
+            self.experts.armed = False
+            self.experts.take()
 
     def forward_step(self, original, *a, **kw):
         """Wraps ``schedules.forward_step(forward_step_func, data_iterator, model, ...)``."""
@@ -165,7 +183,8 @@ class RankCapture:
         ops = [(kind, mb, chunk, clock.between(t0, a), clock.between(t0, b))
                for kind, mb, chunk, a, b in capture.ops]
         spent = {kind: sum(e - s for k, _, _, s, e in ops if k == kind) for kind in "FB"}
-        return {"slot": slot, "device_type": device_type, "micro_batches": micro_batches,
+        tokens = self.experts.take() if self.experts is not None else {}
+        return {"slot": slot, "tokens_per_expert": tokens, "device_type": device_type, "micro_batches": micro_batches,
                 "step_s": clock.between(capture.start, capture.end) if step_s is None else step_s,
                 "forward_s": spent["F"], "backward_s": spent["B"],
                 "sync_s": sum(clock.between(a, b) for a, b in capture.sync),
@@ -262,6 +281,21 @@ class RecordWriter:
                                       replica=r, stage=g, device_type=fig["device_type"],
                                       micro_batches=fig["micro_batches"], measured=measured,
                                       predicted=pred.stages.get((r, g)), ops=ops))
+        experts = _expert_loads(gathered)
         return StepRecord(step=step, step_time_s=max(f["step_s"] for f in gathered),
                           predicted_step_time_s=pred.step_time_s, prediction=pred.source,
-                          clock=self.clock_name, stages=stages)
+                          clock=self.clock_name, stages=stages, experts=experts or None,
+                          moe_load_imbalance=load_imbalance(experts))
+
+
+def _expert_loads(gathered: list[dict]) -> list[ExpertLoad]:
+    """Every rank's tokens per expert summed by (MoE layer, device type), in that order (rows
+    of no tokens left out)."""
+    sums: dict[tuple[int, str], list[int]] = {}
+    for fig in gathered:
+        for layer, counts in fig.get("tokens_per_expert", {}).items():
+            have = sums.setdefault((layer, fig["device_type"]), [0] * len(counts))
+            for e, n in enumerate(counts):
+                have[e] += n
+    return [ExpertLoad.of(layer=layer, device_type=device, tokens=tokens)
+            for (layer, device), tokens in sorted(sums.items()) if sum(tokens)]

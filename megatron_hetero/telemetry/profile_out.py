@@ -8,7 +8,9 @@ run's own shapes (a transformer layer, the embedding, the output layer, per micr
 and TP size the plan gives that type) is written at that factor times its price. The profile
 thus reproduces the run's measured stage compute exactly in total, in the cost model's
 proportions between the parts. It carries no memory figures (memory is priced as without a
-profile).
+profile). Of an MoE model it carries the load imbalance the run measured on that device type
+(``moe_load_imbalance``: :func:`~.records.load_imbalance` over the records' rows of that
+type), which the cost model then prices the routed experts and the all-to-alls at.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from ..cost.profile_schema import (FORMAT_VERSION, DeviceInfo, PartTimes, Profil
 from ..hardware.inventory import Inventory
 from ..plan import Plan
 from .prediction import plan_cost_model
-from .records import StepRecord
+from .records import StepRecord, load_imbalance
 
 __all__ = ["run_factors", "run_profiles", "write_run_profiles", "profile_name"]
 
@@ -86,7 +88,9 @@ def run_profiles(plan: Plan, records: list[StepRecord], inventory: Inventory | N
             software=software,
             timing=Timing(method="run-telemetry", warmup=0, repeats=len(records),
                           layer_spec=layer_spec, precision=plan.precision),
-            model=plan.model, entries=entries, created=created)
+            model=plan.model, entries=entries, created=created,
+            moe_load_imbalance=load_imbalance([row for rec in records for row in rec.experts or ()
+                                               if row.device_type == device]))
     return out
 
 

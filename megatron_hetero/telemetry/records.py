@@ -9,6 +9,11 @@ micro-batches and model chunks), on the slowest tensor-parallel rank of the stag
 
 Reading is strict, as plans are: an unknown key, a missing field or a value of the wrong type
 is a :class:`~megatron_hetero.errors.SchemaError` naming the line and the field path.
+
+An MoE model's record also counts the tokens megatron-core's router sent to each expert in the
+step (:class:`ExpertLoad`, one per MoE layer and device type: the counts of every rank of that
+type that runs the layer, summed), each row's load imbalance (the most loaded expert's tokens
+over the mean) and the step's (:func:`load_imbalance` over the rows).
 """
 
 from __future__ import annotations
@@ -20,8 +25,8 @@ from pathlib import Path
 from .._schema import from_data, to_data
 from ..errors import SchemaError
 
-__all__ = ["StageFigures", "StageRecord", "StepRecord", "OpSpan", "RebalanceNote", "TELEMETRY_FILE",
-           "read_records", "append_record"]
+__all__ = ["StageFigures", "StageRecord", "StepRecord", "OpSpan", "RebalanceNote", "ExpertLoad",
+           "TELEMETRY_FILE", "load_imbalance", "read_records", "append_record"]
 
 TELEMETRY_FILE = "telemetry.jsonl"
 MOST_SECONDS = 1e5
@@ -112,6 +117,49 @@ class StageRecord:
 
 
 @dataclass(kw_only=True, slots=True)
+class ExpertLoad:
+    """The tokens routed to each expert of one MoE layer in one step, on one device type."""
+
+    layer: int
+    """megatron-core's layer number (from 1, over the whole model)."""
+    device_type: str
+    """The device type of the ranks counted (a layer that replicas of several types run has a
+    row per type)."""
+    tokens: list[int]
+    """Per expert (global index): the routed token copies (``k`` per token at top-``k``),
+    summed over the step's micro-batches and the ranks of this type that run the layer."""
+    imbalance: float
+    """The most loaded expert's tokens over the mean (1: balanced)."""
+
+    def __post_init__(self) -> None:
+        if self.layer < 0:
+            raise SchemaError("", "layer", self.layer, "a layer number >= 0")
+        if not self.tokens or any(n < 0 for n in self.tokens) or not sum(self.tokens):
+            raise SchemaError("", "tokens", self.tokens,
+                              "a count >= 0 per expert, some tokens in all")
+        want = max(self.tokens) * len(self.tokens) / sum(self.tokens)
+        if not abs(self.imbalance - want) <= 1e-9 * want:
+            raise SchemaError("", "imbalance", self.imbalance,
+                              f"the most loaded expert's tokens over the mean, {want}")
+
+    @classmethod
+    def of(cls, *, layer: int, device_type: str, tokens: list[int]) -> "ExpertLoad":
+        """The row of these counts, its imbalance computed."""
+        return cls(layer=layer, device_type=device_type, tokens=list(tokens),
+                   imbalance=max(tokens) * len(tokens) / sum(tokens))
+
+
+def load_imbalance(rows: list[ExpertLoad]) -> float | None:
+    """The load imbalance of several layers (and steps) together: the sum of each row's most
+    loaded expert's tokens over the sum of its mean (the experts' compute at the most loaded
+    expert's pace, over the same at balance); None without rows."""
+    if not rows:
+        return None
+    return (sum(max(r.tokens) for r in rows)
+            / sum(sum(r.tokens) / len(r.tokens) for r in rows))
+
+
+@dataclass(kw_only=True, slots=True)
 class RebalanceNote:
     """What live rebalancing decided at a reported step (``--hetero-rebalance``)."""
 
@@ -139,9 +187,19 @@ class StepRecord:
     stages: list[StageRecord]
     rebalance: RebalanceNote | None = None
     """Live rebalancing's decision at this step, where it decided or said something."""
+    experts: list[ExpertLoad] | None = None
+    """An MoE model's tokens per expert, per MoE layer and device type, in layer order."""
+    moe_load_imbalance: float | None = None
+    """The step's load imbalance over every row of :attr:`experts` (:func:`load_imbalance`)."""
 
     def __post_init__(self) -> None:
         _check_seconds("step_time_s", self.step_time_s)
+        want = load_imbalance(self.experts or [])
+        if want != self.moe_load_imbalance and not (
+                want is not None and self.moe_load_imbalance is not None
+                and abs(self.moe_load_imbalance - want) <= 1e-9 * want):
+            raise SchemaError("", "moe_load_imbalance", self.moe_load_imbalance,
+                              f"the imbalance of the experts' rows ({want})")
         if self.predicted_step_time_s is not None:
             _check_seconds("predicted_step_time_s", self.predicted_step_time_s)
         if self.step < 0:

@@ -46,7 +46,7 @@ from ..schedule.rules import whole_group
 from ..sim.step import SimResult, simulate
 from . import space
 from .problem import Problem
-from .experts import split_scale
+from .experts import expert_sizes, split_scale
 from .split import min_max_split
 from .tables import StageTables, even_chunks
 
@@ -80,7 +80,7 @@ class MeshSearch:
     def layouts(self) -> list[list[tuple[str, int, int, int, int]]]:
         """Every (type, TP, PP, DP, EP) chain: one mesh per type, the types memory-rich first
         (:attr:`.problem.Problem.types`) or the reverse; an MoE model's meshes at TP 1, each
-        with every expert-parallel size its replicas allow (:func:`.space.expert_sizes`)."""
+        with every expert-parallel size its replicas allow (:func:`.experts.expert_sizes`)."""
         p, inv = self.problem, self.problem.inv
         counts = inv.gpu_counts()
         per_type = {}
@@ -97,7 +97,7 @@ class MeshSearch:
                     continue  # an MoE mesh runs TP 1 (no sequence parallelism in a mesh plan)
                 for pp in range(1, min(groups, p.model.num_layers) + 1):
                     if groups % pp == 0:
-                        for ep in space.expert_sizes(p.model, tp, ((gpu, groups // pp),), 0):
+                        for ep in expert_sizes(p.model, tp, ((gpu, groups // pp),), 0):
                             options.append((gpu, tp, pp, groups // pp, ep))
             per_type[gpu] = options
         out = []

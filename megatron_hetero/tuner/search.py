@@ -189,12 +189,12 @@ class _Search:
             if mb is None:
                 return None
         else:
-            mb = fill_shares(fixed, per, total, alike=max(1, st.ep // tp))
+            mb = fill_shares(fixed, per, total, alike=st.block_replicas)
             if mb is None:
                 return None
         if v > 1 and not self._chunks_fit(st, cost, split, policies, mb):
             return None
-        g = max(1, st.ep // tp)
+        g = st.block_replicas
         if any(len(set(mb[i:i + g])) > 1 for i in range(0, D, g)):
             return None  # an EP group's replicas run one count (interleaved groups may not)
         step = max(a + k * c for a, c, k in zip(fixed, per, mb))

@@ -35,7 +35,7 @@ from ..hardware.inventory import Inventory
 from ..plan import ModelSpec, Recompute
 from ..plan.checks import FP32_OPTIMIZER_OFFLOAD, optimizer_offload_runs
 from ..schedule.rules import whole_group
-from .experts import expert_sizes
+from .experts import block_replicas, expert_grids
 from .problem import Problem
 
 __all__ = ["Structure", "infeasible_message", "structures", "templates", "subsets", "orders", "slots", "tp_sizes",
@@ -52,13 +52,15 @@ class Structure:
     vp: int = 1
     """Model chunks per stage (interleaved 1F1B when > 1)."""
     ep: int = 1
-    """Expert parallelism of an MoE model (:func:`expert_sizes`), expert TP 1."""
+    """Expert parallelism of an MoE model (:func:`.experts.expert_grids`)."""
+    etp: int | None = None
+    """Expert TP of an MoE model (:func:`.experts.expert_grids`); None: TP, Megatron's
+    default (a dense model's)."""
 
     @property
-    def etp(self) -> int | None:
-        """Expert TP: 1 where the model has experts and TP > 1 (Megatron's common choice: no
-        expert is split, EP takes the tensor ranks too); None (TP) otherwise."""
-        return 1 if self.ep > 1 and self.tp > 1 else None
+    def block_replicas(self) -> int:
+        """The replicas one expert block spans (they run one micro-batch count)."""
+        return block_replicas(self.tp, self.ep, self.etp)
 
     @property
     def num_pipelines(self) -> int:
@@ -255,23 +257,24 @@ def structures(problem: Problem) -> list[tuple[float, Structure]]:
                                                 _whole_layers(layer, L))
                         paces.append((1 / got[0], got[1], n))
                     rate = _rate(paces)
-                    eps = expert_sizes(problem.model, tp, tm, total)
-                    for ep in eps:
-                        out.append((_bound(paces, total, pp - 1, rate), tp, pp, mbs, 1, ep, tm))
+                    grids = expert_grids(problem.model, tp, tm, total)
+                    for ep, etp in grids:
+                        out.append((_bound(paces, total, pp - 1, rate), tp, pp, mbs, 1, ep,
+                                    etp or 0, tm))
                     unit = whole_group(pp, [total])  # micro-batch groups of the interleaving
                     if pp == 1 or unit is None or total // unit < Dm:
                         continue
                     for v in chunks:
-                        for ep in eps:
+                        for ep, etp in grids:
                             out.append((_bound(paces, total, (pp - 1) / v, rate), tp, pp, mbs, v,
-                                        ep, tm))
+                                        ep, etp or 0, tm))
     out.sort()
     unique, seen = [], set()
-    for lb, tp, pp, mbs, v, ep, tm in out:
-        key = (tp, pp, mbs, v, ep, id(tm))  # equal templates are one object
+    for lb, tp, pp, mbs, v, ep, etp, tm in out:
+        key = (tp, pp, mbs, v, ep, etp, id(tm))  # equal templates are one object
         if key not in seen:
             seen.add(key)
-            unique.append((lb, Structure(tp, pp, mbs, tm, v, ep)))
+            unique.append((lb, Structure(tp, pp, mbs, tm, v, ep, etp or None)))
     return unique
 
 

@@ -184,7 +184,7 @@ class StageTables:
         through first and last, and not on the optimizer offload)."""
         quick = (precision, types[s], st.tp, st.mbs, st.vp, s == 0, s == st.pp - 1, layers,
                  policy.recompute, policy.offload.module_inputs, policy.offload.activations,
-                 st.ep)
+                 st.ep, st.etp)
         got = self._seconds.get(quick)
         if got is None:
             shape = stage_shape(st, types, s, layers=layers, policy=policy)
@@ -203,7 +203,7 @@ class StageTables:
             for s in range(p):
                 # the search asks for the same positions again and again: find them by a tuple
                 # before building their shape
-                quick = (prec, types[s], st.tp, st.mbs, st.vp, p, s, m, D, st.ep)
+                quick = (prec, types[s], st.tp, st.mbs, st.vp, p, s, m, D, st.ep, st.etp)
                 got = self._seen.get(quick)
                 if got is None:
                     got = self._seen[quick] = self.table(stage_shape(st, types, s, microbatches=m),

@@ -95,3 +95,58 @@ def test_mesh_plan_with_expert_parallelism_on_one_mesh_equals_one_process(tmp_pa
     ref = train_plan(reference_plan(plan), CONFIG)
     assert sorted(got.params) == sorted(ref.params)
     assert compare_results(got, ref, rtol=1e-5, atol=1e-5) is None
+
+
+def test_moe_model_on_an_interleaved_mesh_chain_equals_one_process(tmp_path, capsys):
+    """A chain of two meshes with two model chunks a stage (interleaved 1F1B over the chain:
+    mesh 0 TP1 DP1 chunks of 1 and 1 layer, mesh 1 TP1 DP2 with EP2, chunks of 2 and 1), MoE
+    layers on both meshes (``moe_layer_freq`` [1, 1, 0, 1, 1]: layers 0 and 3 on mesh 0 at
+    EP1, 1 and 4 on mesh 1 at EP2). ``validate`` refuses it at the chunks' field path (the
+    launcher does not run chunked chains yet); the CPU trainer trains it 3 steps equal to one
+    process (losses and every parameter, each expert under its global index)."""
+    import yaml
+
+    from megatron_hetero.cli import main
+    from megatron_hetero.plan import load_any_plan
+
+    from ..mcore.tiny_mesh_plans import tiny_mesh_plan
+
+    path = tiny_mesh_plan(tmp_path, [(1, 1), (1, 2)], chunks={0: [[1, 1]], 1: [[2, 1]]})
+    data = yaml.safe_load(open(path))
+    data["model"].update(hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+                         num_query_groups=4, seq_length=8,
+                         **(MOE | {"moe_layer_freq": [1, 1, 0, 1, 1]}))
+    data["meshes"][1]["expert_model_parallel_size"] = 2
+    with open(path, "w") as f:
+        yaml.safe_dump(data, f)
+    plan = load_any_plan(path)
+    assert plan.interleaved_chain and plan.model.num_layers == 5
+    assert [m.expert_model_parallel_size for m in plan.meshes] == [1, 2]
+    assert main(["validate", path]) == 1
+    assert "meshes[0].stages[0].chunk_layers" in capsys.readouterr().err
+    got = train_plan(plan, CONFIG)
+    ref = train_plan(reference_plan(plan), CONFIG)
+    experts = [n for n in ref.params if ".local_experts." in n]
+    assert len(experts) == 4 * 4 * 2  # fc1 and fc2 of 4 experts in 4 MoE layers
+    assert sorted(got.params) == sorted(ref.params)
+    assert compare_results(got, ref, rtol=1e-5, atol=1e-5) is None
+
+
+def test_calibration_of_a_model_mixing_moe_and_dense_layers():
+    """The rehearsal's calibration times a model of one kind of layer at a time: of a model
+    that mixes MoE and dense layers (``moe_layer_freq`` 2 or a list) its MoE layer and its
+    dense layer, weighted by their shares; a model of MoE layers only (or a dense one), its
+    own. It measures such a model (it refused one before: a 1-layer model of a 5-entry list)."""
+    import dataclasses
+
+    from megatron_hetero.emulate.calibration import calibrate, layer_kinds
+
+    plan = tiny_plan([6], [(1, 2)], **MOE)  # pattern [0, 1, 1, 0, 1, 1]
+    kinds = layer_kinds(plan.model)
+    assert [(k.num_experts, k.moe_layer_freq, share) for k, share in kinds] == [
+        (4, 1, pytest.approx(4 / 6)), (None, 1, pytest.approx(2 / 6))]
+    every = dataclasses.replace(plan.model, moe_layer_freq=1)
+    assert layer_kinds(every) == [(every, 1.0)]
+    calibration = calibrate(plan, reps=1, meter=False, timeout_s=120)
+    forward, backward = calibration.parts[("layer", 1)]
+    assert forward > 0 and backward > 0

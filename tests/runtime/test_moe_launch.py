@@ -95,3 +95,37 @@ def test_expert_parallel_plan_equals_one_process(tmp_path, mcore_env):
             assert got.keys() == want.keys() and len(want) == 4, step
             for i, loss in want.items():
                 assert got[i] == pytest.approx(loss, rel=1e-5), (step, i)
+
+
+@pytest.mark.parametrize("name, plan, ranks", [("ep", PP2_DP2_EP2, 4),
+                                               ("mesh", MESHES_EP2_ON_ONE, 3)])
+def test_telemetry_counts_the_tokens_routed_to_each_expert(tmp_path, mcore_env, name, plan,
+                                                           ranks):
+    """``--hetero-telemetry`` in Megatron's loop, on the PP2 x DP2 x EP2 plan and on the chain
+    of two meshes with EP2 on the second: each step's record counts, per MoE layer (1 on the
+    first stage, 3 on the second, numbered in the whole model), the top-2 copies of every token
+    of the global batch, summed over the ranks; each layer's imbalance and the step's are the
+    most loaded expert over the mean of those counts, at least 1."""
+    from megatron_hetero.telemetry.records import read_records
+
+    path = tmp_path / "plan.yaml"
+    save_any_plan(plan, path)
+    out = tmp_path / "telemetry"
+    results = launch(ranks, str(path), tmp_path, iters=2, timeout=400,
+                     extra=["--hetero-telemetry", str(out), "--hetero-telemetry-interval", "1"])
+    for code, text, _ in results:
+        assert code == 0, text[-3000:]
+    model = plan.model
+    copies = model.moe_router_topk * plan.global_batch_size * model.seq_length
+    devices = [plan.stage_of_slot(plan.slot_of_rank(r)).device_type for r in (0, ranks - 1)]
+    records = read_records(out)
+    assert [r.step for r in records] == [1, 2]
+    for rec in records:
+        assert [(row.layer, row.device_type) for row in rec.experts] == [
+            (1, devices[0]), (3, devices[1])]
+        for row in rec.experts:
+            assert len(row.tokens) == 4 and sum(row.tokens) == copies
+            assert row.imbalance == pytest.approx(max(row.tokens) / (copies / 4))
+            assert row.imbalance >= 1
+        assert rec.moe_load_imbalance == pytest.approx(
+            sum(max(r.tokens) for r in rec.experts) / (2 * copies / 4))

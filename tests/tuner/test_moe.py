@@ -253,6 +253,61 @@ def test_search_takes_ep_where_memory_needs_it():
     assert again.meshes[0].expert_model_parallel_size == got.plan.meshes[0].expert_model_parallel_size
 
 
+def test_search_takes_expert_tp_where_ep_runs_out():
+    """32 A100-40GB, TP 4 and one stage: a rank holds the whole model but Mixtral's 8 experts;
+    EP 8 at expert TP 1 shards them 8 ways (a block of 8 ranks) and does not fit. Expert TP
+    shards each expert further (a block of ETP x EP = 16 or 32 ranks over the replicas), so
+    the search finds a plan; it validates and round-trips."""
+    inv = inventory_from_data({"groups": [{"gpu": "A100-SXM-40GB", "nodes": 4,
+                                           "gpus_per_node": 8}]})
+    opt = TuneOptions(tensor_parallel_sizes=(4,), max_pipeline_stages=1)
+    got = tune(MIXTRAL, inv, 256, options=opt)
+    mesh = got.plan.meshes[0]
+    etp = mesh.expert_tensor_parallel_size or mesh.tensor_model_parallel_size
+    assert got.sim.fits_memory and etp > 1
+    assert etp * mesh.expert_model_parallel_size > MIXTRAL.num_experts
+    ep1 = uniform_plan(model=MIXTRAL, global_batch_size=256, tensor_model_parallel_size=4,
+                       pipelines=got.plan.pipelines, sequence_parallel=True,
+                       expert_model_parallel_size=8, expert_tensor_parallel_size=1,
+                       use_distributed_optimizer=got.plan.use_distributed_optimizer)
+    cost = CostModel(MIXTRAL, inv)
+    assert not simulate(ep1, cost, record_events=False).fits_memory  # EP alone runs out
+    again = any_plan_from_data(got.plan.to_data())
+    assert again.meshes[0].expert_tensor_parallel_size == mesh.expert_tensor_parallel_size
+
+
+@settings(max_examples=60, deadline=None)
+@given(experts=st.sampled_from([2, 4, 8, 16, 64]), tp=st.sampled_from([1, 2, 4, 8]),
+       replicas=st.sampled_from([1, 2, 4, 8, 16]), ffn=st.sampled_from([96, 256, 768]),
+       bias=st.booleans())
+def test_every_expert_grid_the_search_offers_validates(experts, tp, replicas, ffn, bias):
+    """:func:`expert_grids`: each (EP, expert TP) validates on a stage of ``tp x replicas``
+    ranks; expert TP is 1 past EP 1 up to the widest block EP reaches alone, beyond it the
+    least expert TP of each wider block, at EP 1 Megatron's default (TP); with biases 1."""
+    from megatron_hetero.tuner.experts import expert_grids
+
+    model = dataclasses.replace(MIXTRAL, num_layers=2, num_experts=experts,
+                                moe_router_topk=min(2, experts), moe_ffn_hidden_size=ffn,
+                                add_bias_linear=bias)
+    grids = expert_grids(model, tp, [((H100,), replicas)], replicas * 2)
+    assert len(set(grids)) == len(grids)
+    pure = [ep * tp if etp is None else ep * etp for ep, etp in grids
+            if ep > 1 and (etp or tp) == 1]
+    for ep, etp in grids:
+        e = tp if etp is None else etp
+        assert etp != tp and (e == 1 or not bias)
+        assert ep > 1 or e == tp
+        if ep > 1 and e > 1:
+            assert e * ep > max(pure, default=0)
+            assert not any(x * ep == e * ep for x in range(1, e) if tp % x == 0 and ffn % x == 0
+                           and (ep, None if x == tp else x) in grids)
+        plan = uniform_plan(model=model, global_batch_size=replicas * 2,
+                            tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
+                            pipelines=_pipes((H100,) * replicas, (2,) * replicas, layers=(2,)),
+                            expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+        assert plan.meshes[0].expert_model_parallel_size == ep
+
+
 @st.composite
 def _moe_models(draw):
     heads = draw(st.sampled_from([4, 8]))
