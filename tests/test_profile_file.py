@@ -65,6 +65,8 @@ def test_round_trip(tmp_path):
     (lambda d: d["entries"].append(d["entries"][0]), "entries[4]"),
     (lambda d: d.update(format_version=3), "format_version"),
     (lambda d: d.update(efficiency=1.5), "efficiency"),
+    (lambda d: d.update(optimizer_factor=0.0), "optimizer_factor"),
+    (lambda d: d.update(optimizer_factor="fast"), "optimizer_factor"),
     (lambda d: d["device"].update(backend="tpu"), "device.backend"),
 ])
 def test_bad_files_name_the_field(tmp_path, edit, field_path):

@@ -247,6 +247,18 @@ def test_the_run_profile_reproduces_the_measured_compute(factors, path):
         acc[1] += s.measured.backward_s
     for t in types:
         assert got[t] == pytest.approx(want[t], rel=1e-6), t
+    # the optimizer step too: each type's profile carries its measured over predicted step,
+    # and the cost model prices that type's optimizer at it
+    from megatron_hetero.cost.stage import StageShape
+    from megatron_hetero.telemetry.prediction import plan_cost_model
+    base = plan_cost_model(plan, pred.inventory)
+    for (r, g) in pred.stages:
+        k, j = plan.stage_index[g]
+        shape = StageShape.at(plan, k, j, r)
+        t = shape.device_type
+        assert profiles[t].optimizer_factor == pytest.approx(per_type[t])
+        assert cost.optimizer_seconds(shape) == pytest.approx(
+            per_type[t] * base.optimizer_seconds(shape), rel=1e-9)
 
 
 def test_profiles_are_written_whole_and_load_back(tmp_path):
@@ -260,3 +272,4 @@ def test_profiles_are_written_whole_and_load_back(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in written)
     for p in written:
         assert load_profile(p).data.timing.method == "run-telemetry"
+        assert load_profile(p).optimizer_factor == pytest.approx(2.0)  # the file keeps it

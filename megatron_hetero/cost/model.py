@@ -341,10 +341,14 @@ class CostModel(StageMemory, ExpertCosts):
         return self._optimizer_seconds(shape, 1.0) - self._optimizer_seconds(shape, 0.0)
 
     def _optimizer_seconds(self, shape: StageShape, fraction: float) -> float:
+        """On the device memory-bound at its bandwidth, times its profile's measured
+        ``optimizer_factor``; the offloaded ``fraction`` at the host's rate."""
         shard = self.optimizer_params(shape)
         touched = shard * (self.grad_bytes + 2 * self.optim_bytes + self.param_bytes)
         dev_bw = self.spec(shape.device_type).memory_bandwidth_gb_s * 1e9
-        return (1 - fraction) * touched / dev_bw + fraction * touched / self.host_optimizer_rate
+        factor = getattr(self.profiles.get(shape.device_type), "optimizer_factor", None) or 1.0
+        return ((1 - fraction) * factor * touched / dev_bw
+                + fraction * touched / self.host_optimizer_rate)
 
     def p2p_seconds(self, micro_batch_size: int, bandwidth_gb_s: float, *, tp: int = 1,
                     sp: bool = False) -> float:

@@ -86,6 +86,11 @@ class MeasuredProfile:
         """The measured load imbalance of an MoE model's experts (None: not measured)."""
         return self.data.moe_load_imbalance
 
+    @property
+    def optimizer_factor(self) -> float | None:
+        """The measured optimizer step over the cost model's price (None: not measured)."""
+        return self.data.optimizer_factor
+
     def times(self, part: Part, *, model: ModelSpec, micro_batch_size: int,
               tensor_parallel_size: int) -> tuple[float, float] | None:
         found = self.lookup(part, model=model, micro_batch_size=micro_batch_size,
@@ -237,6 +242,10 @@ class _Recording:
     @property
     def moe_load_imbalance(self) -> float | None:
         return self._p.moe_load_imbalance
+
+    @property
+    def optimizer_factor(self) -> float | None:
+        return self._p.optimizer_factor
 
     def times(self, part: Part, *, model: ModelSpec, micro_batch_size: int,
               tensor_parallel_size: int) -> tuple[float, float] | None:

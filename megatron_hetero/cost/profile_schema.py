@@ -271,6 +271,11 @@ class ProfileData:
     measured (a run's telemetry measures it per expert, the bound at any EP): the cost model
     slows the routed experts and the all-to-alls by it on this device type (docs/moe.md). Left
     out of the file when None."""
+    optimizer_factor: float | None = None
+    """The optimizer step as measured over the cost model's price of it (memory-bound at the
+    card's full bandwidth): a run's telemetry measures it (without Apex or Transformer Engine's
+    fused Adam, megatron-core's fallback ran 4.7x the price on an H200, docs/gpu.md); the cost
+    model prices this device type's optimizer step at it. Left out of the file when None."""
 
     def __post_init__(self) -> None:
         if self.format_version == 1 and (
@@ -295,6 +300,9 @@ class ProfileData:
         if self.moe_load_imbalance is not None and not 1 <= self.moe_load_imbalance <= 1000:
             raise SchemaError("", "moe_load_imbalance", self.moe_load_imbalance,
                               "a factor from 1 (balanced) to 1000")
+        if self.optimizer_factor is not None and not 0.01 <= self.optimizer_factor <= 1000:
+            raise SchemaError("", "optimizer_factor", self.optimizer_factor,
+                              "a factor from 0.01 to 1000")
         if self.efficiency is not None and not 0 < self.efficiency <= 1:
             raise SchemaError("", "efficiency", self.efficiency, "a fraction in (0, 1]")
 

@@ -10,7 +10,9 @@ thus reproduces the run's measured stage compute exactly in total, in the cost m
 proportions between the parts. It carries no memory figures (memory is priced as without a
 profile). Of an MoE model it carries the load imbalance the run measured on that device type
 (``moe_load_imbalance``: :func:`~.records.load_imbalance` over the records' rows of that
-type), which the cost model then prices the routed experts and the all-to-alls at.
+type), which the cost model then prices the routed experts and the all-to-alls at. It carries
+the optimizer step's measured over predicted seconds, summed alike (``optimizer_factor``), by
+which the cost model then scales its price of that type's optimizer step.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from ..plan import Plan
 from .prediction import plan_cost_model
 from .records import StepRecord, load_imbalance
 
-__all__ = ["run_factors", "run_profiles", "write_run_profiles", "profile_name"]
+__all__ = ["run_factors", "optimizer_factors", "run_profiles", "write_run_profiles", "profile_name"]
 
 profile_name = run_profile_name
 
@@ -55,6 +57,19 @@ def run_factors(records: list[StepRecord]) -> dict[str, tuple[float, float]]:
     return {d: (mf / pf, mb / pb) for d, (mf, pf, mb, pb) in sums.items() if pf > 0 and pb > 0}
 
 
+def optimizer_factors(records: list[StepRecord]) -> dict[str, float]:
+    """Per device type: the optimizer step's measured over predicted seconds, summed over its
+    stages and the reported steps (types whose predicted optimizer step is 0 left out)."""
+    sums: dict[str, list[float]] = {}
+    for rec in records:
+        for s in rec.stages:
+            if s.predicted is not None:
+                acc = sums.setdefault(s.device_type, [0.0, 0.0])
+                acc[0] += s.measured.optimizer_s
+                acc[1] += s.predicted.optimizer_s
+    return {d: min(max(m / p, 0.01), 1000.0) for d, (m, p) in sums.items() if p > 0 and m > 0}
+
+
 def run_profiles(plan: Plan, records: list[StepRecord], inventory: Inventory | None, *,
                  software: Software, layer_spec: str, backend: str, cost: CostModel | None = None,
                  priced_as: Callable[[str], str] = str) -> dict[str, ProfileData]:
@@ -71,6 +86,7 @@ def run_profiles(plan: Plan, records: list[StepRecord], inventory: Inventory | N
                 shapes.setdefault(st.device_type, set()).add(
                     (pipe.micro_batch_size, mesh.tensor_model_parallel_size))
     created = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    optimizer = optimizer_factors(records)
     out = {}
     for device, (kf, kb) in sorted(run_factors(records).items()):
         entries = []
@@ -89,6 +105,7 @@ def run_profiles(plan: Plan, records: list[StepRecord], inventory: Inventory | N
             timing=Timing(method="run-telemetry", warmup=0, repeats=len(records),
                           layer_spec=layer_spec, precision=plan.precision),
             model=plan.model, entries=entries, created=created,
+            optimizer_factor=optimizer.get(device),
             moe_load_imbalance=load_imbalance([row for rec in records for row in rec.experts or ()
                                                if row.device_type == device]))
     return out
