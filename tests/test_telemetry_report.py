@@ -273,3 +273,32 @@ def test_profiles_are_written_whole_and_load_back(tmp_path):
     for p in written:
         assert load_profile(p).data.timing.method == "run-telemetry"
         assert load_profile(p).optimizer_factor == pytest.approx(2.0)  # the file keeps it
+
+
+def test_a_new_run_sets_an_earlier_runs_records_aside(tmp_path):
+    """A run reporting into a folder that holds another run's records moves them into
+    earlier-N instead of appending to them; a resume of the same plan past its last recorded
+    step appends."""
+    from megatron_hetero.telemetry.records import set_aside_earlier_run
+
+    _, _, records = _records(PLAN, {})  # steps 10 and 20
+    plan_text = b"the plan\n"
+
+    def earlier_run():
+        for rec in records:
+            append_record(tmp_path, rec)
+        (tmp_path / "plan.yaml").write_bytes(plan_text)
+        (tmp_path / "profile.A100-SXM-80GB.yaml").write_text("x")
+
+    earlier_run()
+    assert set_aside_earlier_run(tmp_path, first_step=30, plan_text=plan_text) is None  # resume
+    assert len(read_records(tmp_path)) == 2
+    moved = set_aside_earlier_run(tmp_path, first_step=2, plan_text=plan_text)  # from the start
+    assert moved == tmp_path / "earlier-1" and read_records(moved) == records
+    assert sorted(p.name for p in moved.iterdir()) == ["plan.yaml", "profile.A100-SXM-80GB.yaml",
+                                                       "telemetry.jsonl"]
+    assert not (tmp_path / "telemetry.jsonl").exists()
+    earlier_run()
+    assert set_aside_earlier_run(tmp_path, first_step=30, plan_text=b"another plan\n") == \
+        tmp_path / "earlier-2"  # past the last step, but another plan
+    assert set_aside_earlier_run(tmp_path, first_step=2, plan_text=plan_text) is None  # empty

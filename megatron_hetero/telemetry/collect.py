@@ -31,7 +31,7 @@ from ..plan import Plan
 from .prediction import Prediction, stage_path
 from .profile_out import write_run_profiles
 from .records import (ExpertLoad, OpSpan, RebalanceNote, StageFigures, StageRecord, StepRecord,
-                      append_record, load_imbalance)
+                      append_record, load_imbalance, set_aside_earlier_run)
 
 __all__ = ["WallClock", "CudaClock", "StepCapture", "RankCapture", "RecordWriter"]
 
@@ -220,6 +220,18 @@ class RecordWriter:
     began: bool = False
     """Whether the folder and the plan's copy were made (or failed)."""
 
+    def _begin(self, step: int) -> None:
+        """The folder and the plan's copy; another run's records found there are set aside
+        (:func:`~.records.set_aside_earlier_run`), never mixed with this run's."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        fresh = self.directory / "plan.yaml.partial"
+        self.copy_plan(fresh)
+        earlier = set_aside_earlier_run(self.directory, first_step=step,
+                                        plan_text=fresh.read_bytes())
+        if earlier is not None:
+            _say(f"{self.directory} held another run's records; they are now in {earlier}")
+        fresh.replace(self.directory / "plan.yaml")
+
     def runs(self, plan: Plan) -> None:
         """The run's plan from now on (its shares moved): predicted anew at the next report."""
         self.plan, self.prediction = plan, None
@@ -231,8 +243,7 @@ class RecordWriter:
         if not self.began and self.directory is not None:
             self.began = True
             try:
-                self.directory.mkdir(parents=True, exist_ok=True)
-                self.copy_plan(self.directory / "plan.yaml")
+                self._begin(step)
             except OSError as exc:  # as below: the telemetry is lost, the training goes on
                 _say(str(exc))
         if self.prediction is None:

@@ -26,7 +26,8 @@ from .._schema import from_data, to_data
 from ..errors import SchemaError
 
 __all__ = ["StageFigures", "StageRecord", "StepRecord", "OpSpan", "RebalanceNote", "ExpertLoad",
-           "TELEMETRY_FILE", "load_imbalance", "read_records", "append_record"]
+           "TELEMETRY_FILE", "load_imbalance", "read_records", "append_record",
+           "set_aside_earlier_run"]
 
 TELEMETRY_FILE = "telemetry.jsonl"
 MOST_SECONDS = 1e5
@@ -243,3 +244,41 @@ def read_records(directory: str | Path) -> list[StepRecord]:
     if not out:
         raise SchemaError(str(path), "", None, "at least one reported step")
     return out
+
+
+def _last_step(path: Path) -> int | None:
+    """The step of the file's last whole record, or None where it has none that reads."""
+    last = None
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                step = json.loads(line).get("step") if line.endswith("\n") else None
+            except (json.JSONDecodeError, AttributeError):
+                step = None
+            last = step if isinstance(step, int) else last
+    return last
+
+
+def set_aside_earlier_run(directory: Path, *, first_step: int, plan_text: bytes) -> Path | None:
+    """Before a run's first record goes to ``directory``: where the folder holds another run's
+    records, move them (``telemetry.jsonl``, ``plan.yaml``, ``profile.*.yaml``) into
+    ``directory/earlier-N`` (the first free N) and return that folder; None where there are
+    none, or where they are this run's own before a resume: the same plan (``plan_text``, the
+    plan file this run writes), every recorded step before ``first_step``."""
+    records = directory / TELEMETRY_FILE
+    if not records.is_file() or records.stat().st_size == 0:
+        return None
+    plan = directory / "plan.yaml"
+    last = _last_step(records)
+    if last is not None and last < first_step and plan.is_file() and \
+            plan.read_bytes() == plan_text:
+        return None
+    n = 1
+    while (directory / f"earlier-{n}").exists():
+        n += 1
+    target = directory / f"earlier-{n}"
+    target.mkdir()
+    for path in [records, plan, *sorted(directory.glob("profile.*.yaml"))]:
+        if path.is_file():
+            path.replace(target / path.name)
+    return target
