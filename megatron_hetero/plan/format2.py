@@ -20,6 +20,10 @@ So every sample of a micro-batch crosses a boundary whole or split evenly:
   micro-batches, each mesh's replicas the same micro-batch size, and ``D_a x mbs_a = D_b x
   mbs_b`` (the micro-batch divides evenly across the boundary).
 
+Sequence parallelism (``sequence_parallel``, issue 28) runs in every mesh of TP > 1; a bridge
+carries the whole tensor, joined from the sending mesh's sequence shards and cut into the
+receiving mesh's (:mod:`megatron_hetero.mcore.mesh_stage`).
+
 Interleaving (issue 28): a stage may list ``chunk_layers`` as a format-1 stage does; then every
 stage of the chain lists the same number ``v`` of chunks (the plan's ``virtual_pipeline_size``,
 read off them), and the model runs chunk 0 of every stage of every mesh, then chunk 1, and so
@@ -152,6 +156,11 @@ class Format2Plan:
     """Shard each stage's optimizer state over its mesh's replicas."""
     overlap_grad_reduce: bool = False
     """Overlap each mesh's gradient reduction with its last backward."""
+    sequence_parallel: bool = False
+    """Megatron's ``--sequence-parallel`` in every mesh of TP > 1 (a mesh of TP 1 runs without,
+    as Megatron turns it off at TP 1); at least one mesh has TP > 1 and every such mesh's TP
+    divides ``model.seq_length``. A bridge gathers the sending mesh's sequence shards into the
+    whole ``[s, b, h]`` tensor and the receiving mesh takes its own shard of it."""
     microbatch_group_size: int | None = None
     """With interleaving (stages list ``chunk_layers``): micro-batches that run one model chunk
     in a row, as in format 1 (None: the pipeline size, all meshes' stages)."""
@@ -189,8 +198,9 @@ class Format2Plan:
                                   f"global_batch_size ({self.global_batch_size}) in every mesh")
             check_experts(m, tp=tp, ep=mesh.expert_model_parallel_size,
                           etp=mesh.expert_tensor_parallel_size,
-                          pipelines=mesh.replicas, sequence_parallel=False,
+                          pipelines=mesh.replicas, sequence_parallel=self.sequence_parallel,
                           where=f"meshes[{k}].", replicas=f"meshes[{k}].replicas")
+        self._check_sequence_parallel()
         self._check_layers()
         for k in range(len(self.meshes) - 1):
             self._check_boundary(k)
@@ -236,6 +246,21 @@ class Format2Plan:
                               f"a multiple or a divisor of meshes[0]'s {d0} replicas (with "
                               "model chunks the last mesh's chunk c feeds mesh 0's chunk c + 1 "
                               "over a bridge, which joins or splits whole micro-batches)")
+
+    def _check_sequence_parallel(self) -> None:
+        if not self.sequence_parallel:
+            return
+        tps = [m.tensor_model_parallel_size for m in self.meshes]
+        if max(tps) == 1:
+            raise SchemaError("", "sequence_parallel", True,
+                              "false when every mesh's tensor_model_parallel_size is 1 (sequence "
+                              "parallelism splits the sequence over a tensor-parallel group)")
+        s = self.model.seq_length
+        for k, tp in enumerate(tps):
+            if s % tp:
+                raise SchemaError("", f"meshes[{k}].tensor_model_parallel_size", tp,
+                                  f"a divisor of model.seq_length ({s}) with sequence_parallel "
+                                  "(each tensor rank holds an equal share of the sequence)")
 
     def _check_layers(self) -> None:
         split = self.layer_split
@@ -329,6 +354,7 @@ class Format2Plan:
         return Plan(model=self.model, global_batch_size=self.global_batch_size, meshes=meshes,
                     precision=self.precision,
                     use_distributed_optimizer=self.use_distributed_optimizer,
+                    sequence_parallel=self.sequence_parallel,
                     overlap_grad_reduce=self.overlap_grad_reduce,
                     virtual_pipeline_size=self.virtual_pipeline_size,
                     microbatch_group_size=self.microbatch_group_size, gpus=self.gpus,
@@ -393,7 +419,7 @@ def meshes_of(plan: Plan) -> Plan | None:
         for a, b in zip(first, pipe.stages):
             if (a.device_type, a.recompute, a.offload) != (b.device_type, b.recompute, b.offload):
                 return None
-    if plan.virtual_pipeline_size > 1 or plan.sequence_parallel or any(
+    if plan.virtual_pipeline_size > 1 or any(
             st.warmup_microbatches is not None for st in first):
         return None
     replicas = [Replica(micro_batch_size=p.micro_batch_size, num_microbatches=p.num_microbatches)
@@ -413,6 +439,7 @@ def meshes_of(plan: Plan) -> Plan | None:
     out = mesh_plan(model=plan.model, global_batch_size=plan.global_batch_size, meshes=meshes,
                     precision=plan.precision,
                     use_distributed_optimizer=plan.use_distributed_optimizer,
-                    overlap_grad_reduce=plan.overlap_grad_reduce, gpus=dict(plan.gpus))
+                    overlap_grad_reduce=plan.overlap_grad_reduce,
+                    sequence_parallel=plan.sequence_parallel, gpus=dict(plan.gpus))
     out.catalog = plan.catalog
     return out

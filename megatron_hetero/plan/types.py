@@ -80,7 +80,8 @@ class Plan:
     use_distributed_optimizer: bool = True
     """Shard optimizer state over each stage's data-parallel group."""
     sequence_parallel: bool = False
-    """Megatron's ``--sequence-parallel`` (format 1 only: one mesh)."""
+    """Megatron's ``--sequence-parallel`` in every mesh of TP > 1 (a mesh of TP 1 runs
+    without)."""
     overlap_grad_reduce: bool = False
     """Overlap the data-parallel gradient reduction with the last micro-batch's backward."""
     virtual_pipeline_size: int = 1
@@ -136,6 +137,11 @@ class Plan:
         (interleaved 1F1B across meshes: simulated, searched, run on CPU ranks; not yet under
         Megatron-LM's training)."""
         return self.virtual_pipeline_size > 1 and len(self.meshes) > 1
+
+    def sequence_parallel_in(self, mesh: int) -> bool:
+        """Whether mesh ``mesh`` runs sequence parallelism: the plan's ``sequence_parallel``
+        where the mesh's TP is above 1 (Megatron turns it off at TP 1)."""
+        return self.sequence_parallel and self.meshes[mesh].tensor_model_parallel_size > 1
 
     @property
     def uniform_data_parallel(self) -> bool:
@@ -335,13 +341,12 @@ class Plan:
     def format_version(self) -> int:
         """The simplest file format that expresses the plan: 1 for one mesh; 2 where every
         mesh's replicas run one stage list on one device type, with none of format 1's
-        sequence parallelism or warm-ups (model chunks, ``chunk_layers``, and the micro-batch
-        group it takes as format 1 does). A chain of meshes beyond both has no file format
+        warm-ups (model chunks, ``chunk_layers``, the micro-batch group and sequence
+        parallelism it takes as format 1 does). A chain of meshes beyond both has no file format
         yet: :class:`PlanShapeError`."""
         if self.one_grid:
             return 1
-        if not self.sequence_parallel and all(
-                m.alike and len(m.device_types) == 1 and all(
+        if all(m.alike and len(m.device_types) == 1 and all(
                     s.warmup_microbatches is None for s in m.pipelines[0].stages)
                 for m in self.meshes):
             return 2
@@ -375,6 +380,7 @@ class Plan:
                                 | expert_data(m) for m in self.meshes],
                      "precision": self.precision,
                      "use_distributed_optimizer": self.use_distributed_optimizer,
+                     "sequence_parallel": self.sequence_parallel,
                      "overlap_grad_reduce": self.overlap_grad_reduce}
             if self.microbatch_group_size is not None:
                 data["microbatch_group_size"] = self.microbatch_group_size

@@ -94,7 +94,7 @@ class MeshSearch:
                 if groups * tp != counts[gpu]:
                     continue  # a TP size that strands GPUs of the type
                 if tp > 1 and p.model.is_moe:
-                    continue  # an MoE mesh runs TP 1 (no sequence parallelism in a mesh plan)
+                    continue  # an MoE mesh runs TP 1 (the search sets no sequence parallelism)
                 for pp in range(1, min(groups, p.model.num_layers) + 1):
                     if groups % pp == 0:
                         for ep in space.expert_sizes(p.model, tp, ((gpu, groups // pp),), 0):
