@@ -29,6 +29,11 @@ they are.
 **Order.** Each rank runs :func:`~megatron_hetero.schedule.order.rank_order` (the simulator's
 order: Megatron's interleaved table in micro-batch groups of
 :attr:`~megatron_hetero.plan.Plan.microbatch_group`, its warm-up at the rank's global stage).
+A chain without model chunks whose plan warms a stage up beyond Megatron's ``P - s - 1``
+(:attr:`~megatron_hetero.plan.Plan.own_chain_schedule`) runs here too, as one chunk a stage:
+non-interleaved 1F1B with the stage's warm-up (:func:`~megatron_hetero.schedule.rules.
+chain_warmup`); the plan's rule (each stage at least one more than the next) keeps that
+order free of cycles, as the simulator's.
 On each link one direction carries one kind of message (activations forward, gradients back),
 sent and received in the table's order on both ends, so the messages of a link pair up without
 tags.
@@ -55,6 +60,7 @@ from typing import Any, Callable
 
 from ..plan import Plan, Slot
 from ..schedule.order import rank_order
+from ..schedule.rules import chain_warmup
 from .cpu_backend import join_cpu_backend
 from .mesh_grids import DIM_MAPPING, module_name
 from .mesh_stage import sequence_group
@@ -312,7 +318,7 @@ def interleaved_mesh_schedule(rank: InterleavedMeshRank, forward_step_func: Call
     v = len(rank.ddps)
     p, s = plan.pipeline_model_parallel_size, plan.global_stage(slot)
     m = plan.meshes[slot.mesh].pipelines[slot.replica].num_microbatches
-    order = rank_order(p, s, m, v, plan.microbatch_group)
+    order = rank_order(p, s, m, v, plan.microbatch_group, warmup=chain_warmup(plan, slot))
     if forward_only:
         order = [op for op in order if op[0] == 0]
     last_backward = {c: k for k, (kind, _, c) in enumerate(order) if kind == 1}

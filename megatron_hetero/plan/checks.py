@@ -78,13 +78,28 @@ RUNTIME_PENDING = (
     "pending (docs/meshes.md)")
 """Why :func:`check_runnable` refuses a mesh plan with model chunks."""
 
+WARMUP_PENDING = (
+    "per-stage warm-up over a chain of meshes runs on CPU ranks (megatron-hetero rehearse and "
+    "the CPU trainer, megatron-core 0.19+, on the chain's own schedule; simulate prices it) but "
+    "under pretrain_gpt.py --hetero-plan and the launcher megatron-core's multimodule 1F1B "
+    "runs the chain, with Megatron's warm-up (docs/meshes.md)")
+"""Why :func:`check_runnable` refuses a chain of meshes with per-stage warm-ups."""
+
 
 def check_runnable(plan: Plan, *, source: str) -> None:
     """Raise :class:`SchemaError` where ``plan`` asks for a schedule Megatron-LM's training
     under ``--hetero-plan`` (and so ``validate`` and ``args``) does not run yet: model chunks
     (``chunk_layers``) in a chain of meshes (:attr:`.types.Plan.interleaved_chain`). The CPU
     trainer and ``rehearse`` run such a plan (:mod:`megatron_hetero.mcore.mesh_interleaved`)
-    and do not call this."""
+    and do not call this. Also per-stage warm-ups on a chain of meshes
+    (:attr:`.types.Plan.own_chain_schedule` without chunks), which there the same CPU ranks run
+    and Megatron-LM's training (megatron-core's multimodule 1F1B) would not."""
+    if plan.own_chain_schedule and not plan.interleaved_chain:
+        k, j = next((k, j) for k, j in plan.stage_index
+                    if plan.meshes[k].pipelines[0].stages[j].warmup_microbatches is not None)
+        raise SchemaError(source, f"meshes[{k}].stages[{j}].warmup_microbatches",
+                          plan.meshes[k].pipelines[0].stages[j].warmup_microbatches,
+                          f"absent in every stage: {WARMUP_PENDING}")
     if not plan.interleaved_chain:
         return
     first = plan.meshes[0].pipelines[0].stages[0]

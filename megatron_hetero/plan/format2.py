@@ -24,6 +24,10 @@ Sequence parallelism (``sequence_parallel``, issue 28) runs in every mesh of TP 
 carries the whole tensor, joined from the sending mesh's sequence shards and cut into the
 receiving mesh's (:mod:`megatron_hetero.mcore.mesh_stage`).
 
+Per-stage warm-up (issue 28): a stage's ``warmup_microbatches`` as format 1's, its rules over
+each replica's path through the chain; such a chain runs the chain's own schedule
+(:attr:`.types.Plan.own_chain_schedule`).
+
 Interleaving (issue 28): a stage may list ``chunk_layers`` as a format-1 stage does; then every
 stage of the chain lists the same number ``v`` of chunks (the plan's ``virtual_pipeline_size``,
 read off them), and the model runs chunk 0 of every stage of every mesh, then chunk 1, and so
@@ -53,6 +57,7 @@ from typing import ClassVar, Literal
 from .._schema import OMIT_DEFAULT, from_data, read_yaml, write_yaml
 from ..errors import Described, SchemaError
 from ..hardware.catalog import Catalog, GPUSpec
+from ..schedule.rules import check_stage_warmups
 from .experts import check_experts
 from .format1 import (bind_catalog, check_device_type, check_microbatch_group,
                       check_no_empty_chunk, plan_from_data)
@@ -78,6 +83,11 @@ class MeshStage:
     chunk_layers: list[int] | None = None
     """With interleaving: the layers of each of the stage's model chunks, in chunk order (at
     least 2; they add up to ``num_layers``). Every stage of the chain lists as many, or none."""
+    warmup_microbatches: int | None = None
+    """Warm-up forwards of this stage's 1F1B, as a format-1 stage's (None: Megatron's
+    ``min(P - s - 1, m)`` at the stage's global index ``s`` of the chain's ``P``): at most the
+    replicas' ``num_microbatches``, at least one more than the next stage of the chain's;
+    without ``chunk_layers`` only (:mod:`megatron_hetero.schedule.rules`)."""
 
     def __post_init__(self) -> None:
         if self.num_layers < 0:
@@ -205,6 +215,22 @@ class Format2Plan:
         for k in range(len(self.meshes) - 1):
             self._check_boundary(k)
         self._check_chunks()
+        self._check_warmups()
+
+    def _check_warmups(self) -> None:
+        """Format 1's warm-up rules over each replica's path through the chain: replica ``r``
+        of every mesh where the meshes' replicas match, else (a bridge that joins or splits:
+        every replica alike) the one path of mesh 0's micro-batch count."""
+        given = [self.meshes[k].stages[j].warmup_microbatches for k, j in self.stage_index]
+        if all(w is None for w in given):
+            return
+        paths = {}  # a path's micro-batches -> the first replica with them
+        for r, rep in enumerate(self.meshes[0].replicas):
+            paths.setdefault(rep.num_microbatches, r)
+        for m, r in paths.items():
+            check_stage_warmups(given, m, self.virtual_pipeline_size,
+                                lambda s: "meshes[{}].stages[{}].warmup_microbatches".format(
+                                    *self.stage_index[s]), f"meshes[0].replicas[{r}]")
 
     def _check_chunks(self) -> None:
         """Interleaving as format 1 checks it (:meth:`.format1.Format1Plan._check_chunks`), over
@@ -343,7 +369,8 @@ class Format2Plan:
         for mesh in self.meshes:
             stages = [Stage(device_type=mesh.device_type, num_layers=st.num_layers,
                             recompute=st.recompute, offload=st.offload,
-                            chunk_layers=None if st.chunk_layers is None else list(st.chunk_layers))
+                            chunk_layers=None if st.chunk_layers is None else list(st.chunk_layers),
+                            warmup_microbatches=st.warmup_microbatches)
                       for st in mesh.stages]
             meshes.append(Mesh(tensor_model_parallel_size=mesh.tensor_model_parallel_size,
                                expert_model_parallel_size=mesh.expert_model_parallel_size,
@@ -413,20 +440,22 @@ def save_any_plan(plan: Plan, path: str | Path) -> None:
 def meshes_of(plan: Plan) -> Plan | None:
     """The chain of meshes that runs the one-mesh ``plan`` as it is: consecutive stages on one
     device type form a mesh of the plan's TP and DP. None where a stage index differs between
-    replicas in device type or memory policy (format 1 can say that; a mesh cannot)."""
+    replicas in device type, memory policy or warm-up (format 1 can say that; a mesh cannot),
+    and where it runs model chunks."""
     first = plan.pipelines[0].stages
     for pipe in plan.pipelines[1:]:
         for a, b in zip(first, pipe.stages):
-            if (a.device_type, a.recompute, a.offload) != (b.device_type, b.recompute, b.offload):
+            if (a.device_type, a.recompute, a.offload, a.warmup_microbatches) != (
+                    b.device_type, b.recompute, b.offload, b.warmup_microbatches):
                 return None
-    if plan.virtual_pipeline_size > 1 or any(
-            st.warmup_microbatches is not None for st in first):
+    if plan.virtual_pipeline_size > 1:
         return None
     replicas = [Replica(micro_batch_size=p.micro_batch_size, num_microbatches=p.num_microbatches)
                 for p in plan.pipelines]
     meshes: list[Format2Mesh] = []
     for st in first:
-        stage = MeshStage(num_layers=st.num_layers, recompute=st.recompute, offload=st.offload)
+        stage = MeshStage(num_layers=st.num_layers, recompute=st.recompute, offload=st.offload,
+                          warmup_microbatches=st.warmup_microbatches)
         if meshes and meshes[-1].device_type == st.device_type:
             meshes[-1].stages.append(stage)
         else:
