@@ -401,21 +401,15 @@ def _show(replica: Replica) -> str:
 def mesh_plan_from_data(data: object, *, source: str = "<plan>",
                         catalog: Catalog | None = None) -> Plan:
     """Build and check a mesh plan from plain data, its device types against ``catalog`` plus
-    the plan's ``gpus`` (as :func:`.format1.plan_from_data`)."""
+    the plan's ``gpus`` (as :func:`.format1.plan_from_data`). Meshes may be of several vendors
+    (each mesh is one device type; its bridges are the vendor boundaries): what runs them is
+    :func:`.checks.check_runnable`'s and the vendor checks' (docs/meshes.md)."""
     plan = from_data(Format2Plan, data, source=source)
     catalog = bind_catalog(plan, catalog, source=source)
     for k, mesh in enumerate(plan.meshes):
         path = f"meshes[{k}].device_type"
-        canonical = check_device_type(catalog, mesh.device_type, precision=plan.precision,
-                                      source=source, path=path)
-        first = catalog.get(plan.meshes[0].device_type)
-        if catalog.get(canonical).stack.library != first.stack.library:
-            raise SchemaError(source, path, mesh.device_type,
-                              f"a device on {first.stack.library}, as meshes[0] "
-                              f"({plan.meshes[0].device_type}): a mesh plan's bridges and groups "
-                              "use one collective library; a pool of several vendors takes a "
-                              "format-1 plan, whose pipeline edges between vendors go through "
-                              "the host (docs/vendors.md)")
+        check_device_type(catalog, mesh.device_type, precision=plan.precision,
+                          source=source, path=path)
     return plan.plan()
 
 
