@@ -4,7 +4,8 @@ warm up beyond Megatron's ``P - s - 1`` runs the chain's own schedule
 stage's warm-up: tests/test_plan_mesh_warmup.py checks the orders) and trains equal to one
 process (fp32, rtol 1e-5, 3 steps, Adam with clipping, plain and distributed optimizer): the
 issue's TP2·DP1 -> TP1·DP2 with a warm-up (4 ranks), two meshes of two stages warming up 4, 3,
-2, 0 of 4 micro-batches, and TP2·DP1 -> TP1·DP2 with sequence parallelism in the TP 2 mesh."""
+2, 0 of 4 micro-batches, and TP2·DP1 -> TP1·DP2 with sequence parallelism in the TP 2 mesh;
+and ``rehearse --verify`` of the first."""
 
 from __future__ import annotations
 
@@ -35,8 +36,10 @@ def trained(tmp_path_factory) -> dict:
     for name, (meshes, _, kwargs) in CASES.items():
         plan = tiny_mesh_plan(tmp_path_factory.mktemp(name), meshes, **kwargs)
         calls[name] = f"train_against_one_process({plan!r}, {CLIP!r})"
-    return evaluate_under("from tests.emulate.mesh_cases import train_against_one_process",
-                          calls, timeout=300 * len(calls))
+        if name == "tp2dp1-tp1dp2":
+            calls["rehearse"] = f"rehearse_verified({plan!r})"
+    return evaluate_under("from tests.emulate.mesh_cases import train_against_one_process, "
+                          "rehearse_verified", calls, timeout=300 * len(calls))
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -51,3 +54,12 @@ def test_chain_with_warmups_trains_equal_to_one_process(trained, name):
         assert len(run["grad_norms"]) == world
         for norms in run["grad_norms"]:  # every rank: the norm of the whole model
             assert norms == pytest.approx(ref["grad_norms"], rel=1e-5), (optimizer, norms, ref)
+
+
+def test_rehearse_runs_a_chain_with_warmups(trained):
+    """``rehearse --verify`` of the TP2·DP1 -> TP1·DP2 plan with a warm-up: a row per (mesh,
+    stage of the model, replica), equal to one process, a measured and a predicted step."""
+    got = evaluated(trained, "rehearse")
+    assert got["rows"] == [[0, 0, 0], [1, 1, 0], [1, 1, 1]]
+    assert got["verify"] is None
+    assert got["measured"] > 0 and got["predicted"] > 0
