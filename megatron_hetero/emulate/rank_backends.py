@@ -346,8 +346,9 @@ class InterleavedChainRank(ChainRank):
         ChainRank.check_installed(source)
         if not runs_interleaved_chain():
             from importlib.metadata import version
-            raise HeteroError(f"{source}: model chunks over a chain of meshes need megatron-core "
-                              "0.19 (a process group per bridge); megatron-core "
+            raise HeteroError(f"{source}: model chunks or per-stage warm-ups over a chain of "
+                              "meshes (the chain's own schedule) need megatron-core 0.19 (a "
+                              "process group per bridge); megatron-core "
                               f"{version('megatron-core')} is installed") from None
 
     @classmethod

@@ -5,7 +5,8 @@ bridge into it hands each rank its shard; the local layers' norms sum their grad
 TP group (megatron_hetero/mcore/model.py: without that the norms' weights drift off at step
 1). Non-interleaved (megatron-core's multimodule 1F1B: the shards joined and cut inside
 autograd, mcore/mesh_stage.py) and interleaved (the chain's own schedule: at its links,
-mcore/mesh_interleaved.py, the wrap-around bridge out of the TP 2 mesh included)."""
+mcore/mesh_interleaved.py, the wrap-around bridge out of the TP 2 mesh included); the first
+also under megatron-core 0.17.1."""
 
 from __future__ import annotations
 
@@ -28,6 +29,16 @@ CASES = {  # case: (meshes, world, tiny_mesh_plan's keyword arguments, interleav
 
 
 @pytest.fixture(scope="module")
+def trained_017(tmp_path_factory) -> dict:
+    """The non-interleaved case under megatron-core 0.17.1, the oldest supported."""
+    meshes, _, kwargs, _ = CASES["tp2dp1-tp1dp2"]
+    plan = tiny_mesh_plan(tmp_path_factory.mktemp("stack-017"), meshes, **kwargs)
+    return evaluate_under("from tests.emulate.mesh_cases import train_against_one_process",
+                          {"tp2dp1-tp1dp2": f"train_against_one_process({plan!r}, {CLIP!r})"},
+                          timeout=300, stack="0.17")
+
+
+@pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> dict:
     calls = {}
     for name, (meshes, _, kwargs, interleaved) in CASES.items():
@@ -41,6 +52,14 @@ def trained(tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_sequence_parallel_mesh_plan_trains_equal_to_one_process(trained, name):
+    _check(trained, name)
+
+
+def test_sequence_parallel_on_megatron_core_017(trained_017):
+    _check(trained_017, "tp2dp1-tp1dp2")
+
+
+def _check(trained: dict, name: str) -> None:
     got, world = evaluated(trained, name), CASES[name][1]
     runs = ({k: got[k] for k in ("sgd", "adam")} if CASES[name][3]
             else {k: got[k] | {"reference": got["reference"]} for k in ("plain", "distributed")})
