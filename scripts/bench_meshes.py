@@ -11,7 +11,7 @@ its efficiency against the upper bound (bound / step) and its speedup over the u
 then the search's CPU seconds (this process's, so other load on the machine does not count):
 without meshes (run first), with meshes, and with meshes and chunks. Figures are the cost
 model's predictions. Pools of one device type have no mesh search (one mesh is a uniform
-plan); pools of two vendors none either (a mesh plan's bridges need one collective library).
+plan); pools of two vendors none either (no runtime stages a bridge between vendors on devices).
 
 Targets (issue 28): the winner never worse than the uniform plan; 3090 + T4 at least 0.95;
 every pool of PCIe cards or 4-GPU nodes at least 0.93. Where the winner of such a pool misses

@@ -20,6 +20,13 @@ The bridge (megatron-core's ``BridgeCommunicator``) between mesh ``a`` (``D_a`` 
 * backward: the same transfers carry the gradients the other way (the hub splits or joins
   them), then ``a``'s leaders broadcast ``[s, b_a, h]`` gradients inside their ``T_a`` group.
 
+With sequence parallelism (the plan's ``sequence_parallel``) a mesh of ``T > 1`` holds
+``[s/T, b, h]`` per rank: the sending mesh's TP group first all-gathers its shards into the
+whole tensor the leader sends (a ring all-gather, ``latency + (T_a - 1)/T_a x bytes /
+bandwidth`` on its node's link), and each receiving rank keeps its own shard of what the leader
+broadcast (no traffic); backward, the receiving mesh all-gathers its gradient shards likewise
+before its leader sends, and each sending rank keeps its shard of the broadcast gradient.
+
 With model chunks (:attr:`~megatron_hetero.plan.Plan.interleaved_chain`) every chunk boundary
 between meshes is such a bridge, each crossed once per micro-batch and chunk in each direction,
 and one more joins the last mesh's last stage (chunk ``c``) to mesh 0's first stage (chunk
@@ -63,6 +70,9 @@ class Bridge:
     src_broadcast_gb_s: float
     """The sending mesh's intra-node link (gradients broadcast in its TP group)."""
     dst_broadcast_gb_s: float
+    sequence_parallel: bool = False
+    """The plan runs sequence parallelism: a side of TP > 1 gathers its sequence shards (the
+    sender forward, the receiver backward) on its broadcast link."""
 
 
 def bridges(plan: Plan, placement: Placement, inventory,
@@ -99,7 +109,8 @@ def _bridge(plan: Plan, placement: Placement, inventory, ka: int, kb: int,
                   dst_micro_batch=_micro(b.replicas, replica_of_path),
                   hubs=tuple(hubs),
                   src_broadcast_gb_s=inventory.intra_node_bandwidth(src[0].group),
-                  dst_broadcast_gb_s=inventory.intra_node_bandwidth(dst[0].group))
+                  dst_broadcast_gb_s=inventory.intra_node_bandwidth(dst[0].group),
+                  sequence_parallel=plan.sequence_parallel)
 
 
 def bridge_crossings(plan: Plan) -> list[int]:
@@ -134,8 +145,15 @@ def bridge_seconds(cost, bridge: Bridge) -> tuple[float, float]:
             return 0.0
         return 2 * lat + cost.hidden_bytes(micro_batch, 1) / (gb_s * 1e9)
 
-    return (transfers + broadcast(bridge.dst_tp, bridge.dst_micro_batch, bridge.dst_broadcast_gb_s),
-            transfers + broadcast(bridge.src_tp, bridge.src_micro_batch, bridge.src_broadcast_gb_s))
+    def gather(tp: int, micro_batch: int, gb_s: float) -> float:
+        if tp == 1 or not bridge.sequence_parallel:
+            return 0.0
+        return lat + (tp - 1) / tp * cost.hidden_bytes(micro_batch, 1) / (gb_s * 1e9)
+
+    src = (bridge.src_tp, bridge.src_micro_batch, bridge.src_broadcast_gb_s)
+    dst = (bridge.dst_tp, bridge.dst_micro_batch, bridge.dst_broadcast_gb_s)
+    return (gather(*src) + transfers + broadcast(*dst),
+            gather(*dst) + transfers + broadcast(*src))
 
 
 def same_replicas(meshes: list[Mesh]) -> bool:

@@ -107,7 +107,7 @@ class StageShape:
         return cls(device_type=st.device_type,
                    chunk_layers=tuple(st.chunk_layers) if st.chunk_layers else (st.num_layers,),
                    micro_batch_size=pipe.micro_batch_size, tensor_parallel_size=tp,
-                   sequence_parallel=plan.sequence_parallel and tp > 1, recompute=st.recompute,
+                   sequence_parallel=plan.sequence_parallel_in(mesh), recompute=st.recompute,
                    offload=st.offload, pipeline_size=plan.pipeline_model_parallel_size,
                    stage=global_stage, num_microbatches=pipe.num_microbatches,
                    microbatch_group=plan.microbatch_group_size,

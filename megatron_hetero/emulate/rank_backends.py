@@ -11,9 +11,9 @@ runtime:
   (the meshes' grids, the multimodule communicator and its bridges, the rank's ``GPTModel``
   slice, DDP and optimizer over its mesh) and megatron-core's non-interleaved 1F1B with the
   multimodule communicator (megatron-core 0.17+);
-* :class:`InterleavedChainRank`: a chain of meshes with model chunks
-  (:attr:`~megatron_hetero.plan.Plan.interleaved_chain`):
-  :mod:`megatron_hetero.mcore.mesh_interleaved`'s chunks, links and interleaved 1F1B
+* :class:`InterleavedChainRank`: a chain of meshes on the chain's own schedule
+  (:attr:`~megatron_hetero.plan.Plan.own_chain_schedule`: model chunks, or per-stage warm-ups):
+  :mod:`megatron_hetero.mcore.mesh_interleaved`'s chunks, links and (interleaved) 1F1B
   (megatron-core 0.19+).
 
 Everything else (the data each replica reads, the steps, the hooks, the parameters' merge)
@@ -98,10 +98,11 @@ class RankBackend(ABC):
 
 def backend_for(plan: Plan) -> type[RankBackend]:
     """:class:`GridRank` where the plan is one grid, :class:`ChainRank` for a chain of meshes,
-    :class:`InterleavedChainRank` for a chain of meshes with model chunks."""
+    :class:`InterleavedChainRank` for a chain of meshes on the chain's own schedule (model
+    chunks, or per-stage warm-ups: :attr:`~megatron_hetero.plan.Plan.own_chain_schedule`)."""
     if plan.one_grid:
         return GridRank
-    return InterleavedChainRank if plan.interleaved_chain else ChainRank
+    return InterleavedChainRank if plan.own_chain_schedule else ChainRank
 
 
 class GridRank(RankBackend):
@@ -305,7 +306,9 @@ class ChainRank(RankBackend):
 
 class InterleavedChainRank(ChainRank):
     """A rank of a chain of meshes with model chunks, in interleaved 1F1B over the chain
-    (:mod:`megatron_hetero.mcore.mesh_interleaved`)."""
+    (:mod:`megatron_hetero.mcore.mesh_interleaved`); also, as one chunk a stage, a chain
+    without chunks whose stages warm up beyond Megatron's (non-interleaved 1F1B with per-stage
+    warm-up)."""
 
     def __init__(self, plan: Plan, slot: Slot, config) -> None:
         from megatron.core import tensor_parallel
@@ -328,7 +331,7 @@ class InterleavedChainRank(ChainRank):
         configs = [mesh_transformer_config(
             plan, slot, num_layers=n, offload_min_numel=config.offload_min_numel,
             first_layer=sum(layers[:chunk_virtual_stage(plan, slot, c)]))
-            for c, n in enumerate(stage.chunk_layers)]
+            for c, n in enumerate(stage.chunk_layers or [stage.num_layers])]
         self.built = build_interleaved_mesh_rank(
             plan, plan.rank_of_slot(slot), optimizer_config(plan, stage, config),
             configs=configs, init=init, overlap_grad_reduce=plan.overlap_grad_reduce, gloo=True)
@@ -343,8 +346,9 @@ class InterleavedChainRank(ChainRank):
         ChainRank.check_installed(source)
         if not runs_interleaved_chain():
             from importlib.metadata import version
-            raise HeteroError(f"{source}: model chunks over a chain of meshes need megatron-core "
-                              "0.19 (a process group per bridge); megatron-core "
+            raise HeteroError(f"{source}: model chunks or per-stage warm-ups over a chain of "
+                              "meshes (the chain's own schedule) need megatron-core 0.19 (a "
+                              "process group per bridge); megatron-core "
                               f"{version('megatron-core')} is installed") from None
 
     @classmethod

@@ -20,9 +20,20 @@ a bridge's group by its ranks, so with two meshes of one stage the forward bridg
 wrap-around would share one, and their messages in one direction (activations of chunk ``c``,
 gradients of the wrap-around) would meet in one queue in an order neither side controls.
 
+**Sequence parallelism** (in a mesh of TP > 1 where the plan runs it): a bridge link cuts
+each whole tensor it delivers into the rank's sequence shard and joins the TP group's shards of
+what the rank sends (:meth:`Link.joined`, an all-gather on the schedule's thread, before the
+send is handed to a sender), as :mod:`.mesh_stage` says; inside a mesh the shards travel as
+they are.
+
 **Order.** Each rank runs :func:`~megatron_hetero.schedule.order.rank_order` (the simulator's
 order: Megatron's interleaved table in micro-batch groups of
 :attr:`~megatron_hetero.plan.Plan.microbatch_group`, its warm-up at the rank's global stage).
+A chain without model chunks whose plan warms a stage up beyond Megatron's ``P - s - 1``
+(:attr:`~megatron_hetero.plan.Plan.own_chain_schedule`) runs here too, as one chunk a stage:
+non-interleaved 1F1B with the stage's warm-up (:func:`~megatron_hetero.schedule.rules.
+chain_warmup`); the plan's rule (each stage at least one more than the next) keeps that
+order free of cycles, as the simulator's.
 On each link one direction carries one kind of message (activations forward, gradients back),
 sent and received in the table's order on both ends, so the messages of a link pair up without
 tags.
@@ -49,8 +60,10 @@ from typing import Any, Callable
 
 from ..plan import Plan, Slot
 from ..schedule.order import rank_order
+from ..schedule.rules import chain_warmup
 from .cpu_backend import join_cpu_backend
 from .mesh_grids import DIM_MAPPING, module_name
+from .mesh_stage import sequence_group
 from .mesh_train import (mesh_ddp, mesh_finalize_model_grads, mesh_optimizer, mesh_rank_groups,
                          wire_schedule)
 
@@ -81,12 +94,43 @@ class Link:
     shape: tuple[int, int, int]
     """The ``[s, b, h]`` a message has (the ``P2PCommunicator`` asks for it; with variable
     sequence lengths the shapes travel with the messages)."""
+    sequence_group: Any = None
+    """On a bridge of a mesh that runs sequence parallelism, its TP group
+    (:func:`~.mesh_stage.sequence_group`): a bridge carries whole tensors, the stage holds its
+    shard of the sequence (what comes in is cut, what goes out :meth:`joined`)."""
 
     def recv_forward(self):
         """The activation of the stage before (on the link into the stage)."""
         if self.bridge:
-            return self.comm.recv_forward()
+            return self._shard(self.comm.recv_forward(), leaf=True)
         return self.comm.recv_forward(self.shape, is_first_stage=False)
+
+    def joined(self, tensor):
+        """What this rank sends of its ``tensor`` over the link: on a bridge under sequence
+        parallelism, its TP group's shards joined (collective over the group: call in the
+        schedule's order, never from a sender thread); else ``tensor``."""
+        if self.sequence_group is None:
+            return tensor
+        import torch
+        import torch.distributed as dist
+
+        part = tensor.detach().contiguous()
+        n = dist.get_world_size(self.sequence_group)
+        whole = torch.empty((n * part.shape[0], *part.shape[1:]), dtype=part.dtype,
+                            device=part.device)
+        dist.all_gather_into_tensor(whole, part, group=self.sequence_group)
+        return whole
+
+    def _shard(self, tensor, *, leaf: bool):
+        """This rank's sequence shard of the whole ``tensor`` a bridge delivered (a leaf that
+        takes its gradient where ``leaf``)."""
+        if self.sequence_group is None:
+            return tensor
+        import torch.distributed as dist
+
+        n, r = dist.get_world_size(self.sequence_group), dist.get_rank(self.sequence_group)
+        part = tensor.detach().chunk(n, dim=0)[r].clone()
+        return part.requires_grad_() if leaf else part
 
     def send_forward(self, tensor) -> None:
         """The stage's activation to the stage after (on the link out of the stage)."""
@@ -98,7 +142,7 @@ class Link:
     def recv_backward(self):
         """The gradient of the stage's output (on the link out of the stage)."""
         if self.bridge:
-            return self.comm.recv_backward()
+            return self._shard(self.comm.recv_backward(), leaf=False)
         return self.comm.recv_backward(self.shape, is_last_stage=False)
 
     def send_backward(self, grad) -> None:
@@ -168,14 +212,17 @@ def stage_links(plan: Plan, slot: Slot, grids: list, bridges: list, config) -> t
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
     mesh = plan.meshes[slot.mesh]
-    shape = (plan.model.seq_length, mesh.pipelines[slot.replica].micro_batch_size,
-             plan.model.hidden_size)
+    group = sequence_group(plan, slot.mesh, grids[slot.mesh].get_pg("tp"))
+    seq = plan.model.seq_length // (1 if group is None else mesh.tensor_model_parallel_size)
+    shape = (seq, mesh.pipelines[slot.replica].micro_batch_size, plan.model.hidden_size)
     p2p = (P2PCommunicator(grids[slot.mesh].get_pg("pp"), config)
            if mesh.num_stages > 1 else None)
     into = (Link(comm=p2p, bridge=False, shape=shape) if slot.stage > 0 else
-            Link(comm=bridges[slot.mesh - 1], bridge=True, shape=shape))  # [-1]: wrap-around
+            Link(comm=bridges[slot.mesh - 1], bridge=True, shape=shape,  # [-1]: wrap-around
+                 sequence_group=group))
     out = (Link(comm=p2p, bridge=False, shape=shape) if slot.stage < mesh.num_stages - 1 else
-           Link(comm=bridges[slot.mesh], bridge=True, shape=shape))  # the last: wrap-around
+           Link(comm=bridges[slot.mesh], bridge=True, shape=shape,  # the last: wrap-around
+                sequence_group=group))
     return into, out
 
 
@@ -271,7 +318,7 @@ def interleaved_mesh_schedule(rank: InterleavedMeshRank, forward_step_func: Call
     v = len(rank.ddps)
     p, s = plan.pipeline_model_parallel_size, plan.global_stage(slot)
     m = plan.meshes[slot.mesh].pipelines[slot.replica].num_microbatches
-    order = rank_order(p, s, m, v, plan.microbatch_group)
+    order = rank_order(p, s, m, v, plan.microbatch_group, warmup=chain_warmup(plan, slot))
     if forward_only:
         order = [op for op in order if op[0] == 0]
     last_backward = {c: k for k, (kind, _, c) in enumerate(order) if kind == 1}
@@ -291,7 +338,7 @@ def interleaved_mesh_schedule(rank: InterleavedMeshRank, forward_step_func: Call
                     1, is_first_microbatch=i == 0, current_microbatch=i, is_last_stage=final)
                 tokens = tokens + n
                 if not final:
-                    send_fwd.post(rank.out.send_forward, y)
+                    send_fwd.post(rank.out.send_forward, rank.out.joined(y))
                 if not forward_only:
                     held[(i, c)] = (x, y)
                 continue
@@ -301,7 +348,7 @@ def interleaved_mesh_schedule(rank: InterleavedMeshRank, forward_step_func: Call
             with sync:
                 dx = schedules.backward_step(x, y, dy, configs[c])
             if not first:
-                send_bwd.post(rank.into.send_backward, dx)
+                send_bwd.post(rank.into.send_backward, rank.into.joined(dx))
         send_fwd.drain()
         send_bwd.drain()
     except BaseException:

@@ -11,6 +11,15 @@ mesh returns the loss as it is). Megatron-core 0.17.1 still reads two globals on
 the TP group of ``GPTModel``'s vocab-parallel loss and the attention's memory buffer
 (:func:`use_mesh_globals`).
 
+Sequence parallelism (the plan's ``sequence_parallel``, in a mesh of TP > 1): each tensor rank
+holds its ``[s/T, b, h]`` shard of the sequence, and a bridge carries the whole ``[s, b, h]``
+tensor from one leader rank. So a stage whose output crosses a bridge joins its mesh's shards
+first (:func:`joined_for_bridge`, an all-gather in its TP group; each rank's gradient back is
+its shard of the whole gradient the bridge broadcast), and a stage whose input came over a
+bridge keeps its own shard of the whole tensor (:func:`shard_from_bridge`; the gradient back
+is the TP group's shards joined). :class:`MeshStageModule` does both inside autograd; the
+interleaved schedule's links outside it (:mod:`.mesh_interleaved`).
+
 Gradient scale: the loss is the mean over each last-mesh replica's samples, and each replica of
 an earlier mesh receives the gradients of every last-mesh replica it feeds; so after a sum over
 its mesh's data-parallel group every rank scales its gradients by ``1 / D_last``
@@ -25,26 +34,68 @@ from ..plan import Plan
 from .mesh_grids import module_name
 
 __all__ = ["MeshStageModule", "mesh_process_groups", "multimodule_collection",
-           "use_mesh_globals", "gradient_scale"]
+           "use_mesh_globals", "gradient_scale", "sequence_group", "shard_from_bridge",
+           "joined_for_bridge"]
+
+
+def sequence_group(plan: Plan, mesh: int, tp_group):
+    """``tp_group`` (a rank of mesh ``mesh``'s TP group) where that mesh runs sequence
+    parallelism, else None."""
+    return tp_group if plan.sequence_parallel_in(mesh) else None
+
+
+def shard_from_bridge(tensor, group):
+    """This rank's sequence shard of the whole ``tensor`` a bridge delivered (``group``: its
+    :func:`sequence_group`; None or no tensor: as it is). Its gradient is the group's shards
+    joined (megatron-core's ``scatter_to_sequence_parallel_region``)."""
+    if group is None or tensor is None:
+        return tensor
+    from megatron.core.tensor_parallel.mappings import scatter_to_sequence_parallel_region
+
+    return scatter_to_sequence_parallel_region(tensor, group=group)
+
+
+def joined_for_bridge(tensor, group):
+    """The whole tensor of the sequence shards of ``group`` (this rank's is ``tensor``) for a
+    bridge to carry; its gradient, the same on every rank of ``group``, goes back as this rank's
+    shard (megatron-core's ``gather_from_sequence_parallel_region`` without a reduce)."""
+    if group is None:
+        return tensor
+    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+    return gather_from_sequence_parallel_region(tensor, tensor_parallel_output_grad=False,
+                                                group=group)
 
 
 class MeshStageModule(torch.nn.Module):
-    """A mesh's ``GPTModel`` (slice) between the multimodule communicator's dictionaries."""
+    """A mesh's ``GPTModel`` (slice) between the multimodule communicator's dictionaries;
+    ``sequence_group``: its :func:`sequence_group`, ``bridge_out``: its output crosses a
+    bridge (the mesh's last stage, not the model's)."""
 
-    def __init__(self, gpt, *, mesh: int, last: bool):
+    def __init__(self, gpt, *, mesh: int, last: bool, sequence_group=None,
+                 bridge_out: bool = False):
         super().__init__()
         self.gpt, self.config, self.mesh, self.last = gpt, gpt.config, mesh, last
+        self.sequence_group, self.bridge_out = sequence_group, bridge_out
 
     def set_input_tensor(self, tensors) -> None:
         got = tensors[0] if isinstance(tensors, list) else tensors
         if isinstance(got, dict):  # from the stage before in this mesh, else from the bridge
             own, before = module_name(self.mesh), module_name(self.mesh - 1)
-            got = got[own] if own in got else (got.get(before) if self.mesh else None)
+            if own in got:
+                got = got[own]
+            else:
+                got = shard_from_bridge(got.get(before) if self.mesh else None,
+                                        self.sequence_group)
         self.gpt.set_input_tensor(got)
 
     def forward(self, *args, **kwargs):
         out = self.gpt(*args, **kwargs)
-        return out if self.last else {module_name(self.mesh): out}
+        if self.last:
+            return out
+        if self.bridge_out:
+            out = joined_for_bridge(out, self.sequence_group)
+        return {module_name(self.mesh): out}
 
 
 def mesh_process_groups(grid):

@@ -34,7 +34,7 @@ from typing import Any, Callable
 from ..plan import Plan, Slot
 from .mesh_grids import gloo_bridges, mesh_communicator, mesh_expert_grids, mesh_grids
 from .mesh_stage import (MeshStageModule, gradient_scale, mesh_process_groups,
-                         multimodule_collection, use_mesh_globals)
+                         multimodule_collection, sequence_group, use_mesh_globals)
 
 __all__ = ["MeshRank", "per_token_loss", "is_loss_rank", "global_batch_tokens",
            "mesh_transformer_config", "training_process_groups", "mesh_rank_groups",
@@ -84,7 +84,8 @@ def mesh_transformer_config(plan: Plan, slot: Slot, *, num_layers: int | None = 
     (as the format-1 trainer's, :func:`~.stage_policies.built_module_input_kwargs`: module
     inputs of at least ``offload_min_numel`` elements go to the host), variable sequence
     lengths (the multimodule schedule needs them, and they need the all-to-all token
-    dispatcher to pass the config's checks) and :func:`per_token_loss`; ``num_layers``: one
+    dispatcher to pass the config's checks), sequence parallelism where the plan runs it and
+    the mesh's TP is above 1, and :func:`per_token_loss`; ``num_layers``: one
     model chunk's layers instead of the stage's (:mod:`.mesh_interleaved`), ``first_layer`` the
     chunk's first (an MoE model's pattern; default the stage's); ``settings`` are further
     fields."""
@@ -94,6 +95,7 @@ def mesh_transformer_config(plan: Plan, slot: Slot, *, num_layers: int | None = 
     mesh = plan.meshes[slot.mesh]
     stage = mesh.stages[slot.stage]
     fields = dict(perform_initialization=True, variable_seq_lengths=True,
+                  sequence_parallel=plan.sequence_parallel_in(slot.mesh),
                   moe_token_dispatcher_type="alltoall",
                   calculate_per_token_loss=per_token_loss(plan), **recompute_kwargs(stage),
                   **built_module_input_kwargs(stage, offload_min_numel=offload_min_numel))
@@ -313,7 +315,9 @@ def build_mesh_rank(plan: Plan, rank: int, optimizer_config, *, config=None,
                     pg_collection=pgs)
     if init is not None:
         init(gpt, slot)
-    module = MeshStageModule(gpt, mesh=slot.mesh, last=post)  # post: returns the loss
+    module = MeshStageModule(  # post: returns the loss
+        gpt, mesh=slot.mesh, last=post, sequence_group=sequence_group(plan, slot.mesh, pgs.tp),
+        bridge_out=slot.stage == plan.meshes[slot.mesh].num_stages - 1)
     dist_opt = optimizer_config.use_distributed_optimizer
     ddp = mesh_ddp(module, pgs, overlap_grad_reduce=overlap_grad_reduce,
                    use_distributed_optimizer=dist_opt)

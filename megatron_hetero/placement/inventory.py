@@ -9,6 +9,7 @@ import dataclasses
 from ..errors import Described, InfeasibleError, SchemaError
 from ..hardware.catalog import Catalog, GPUSpec, load_catalog
 from ..plan import Plan
+from ..plan.checks import plan_stages
 from .nodes import place
 
 __all__ = ["check_against_inventory", "check_gpu_count", "check_plan_gpus", "embedded_gpus",
@@ -126,7 +127,9 @@ def check_plan_vendors(plan: Plan, catalog: Catalog, *, source: str = "<plan>") 
     * a device type whose tensors gloo cannot take (Ascend ``npu``): Megatron's world-group
       collectives (loss, grad norm, timers) run on device tensors.
 
-    A tensor-parallel group is one stage's ranks, of one device type: it never spans vendors.
+    A tensor-parallel group is one stage's ranks, of one device type: it never spans vendors;
+    nor does any group of a mesh plan (each mesh is one device type), whose vendor boundaries
+    are its bridges.
     """
     def vendor(device_type: str) -> str:
         return catalog.get(device_type, source=source).vendor
@@ -134,28 +137,29 @@ def check_plan_vendors(plan: Plan, catalog: Catalog, *, source: str = "<plan>") 
     if len({vendor(t) for t in plan.device_counts()}) < 2:
         return
     libraries = " and ".join(sorted({catalog.get(t).stack.library for t in plan.device_counts()}))
-    first_pipe = plan.pipelines[0]
-    for d, pipe in enumerate(plan.pipelines):
-        for s, stage in enumerate(pipe.stages):
-            ours, theirs = vendor(stage.device_type), vendor(first_pipe.stages[s].device_type)
-            if ours != theirs:
-                raise SchemaError(source, f"pipelines[{d}].stages[{s}].device_type",
-                                  Described(f"{stage.device_type} ({ours}) beside "
-                                            f"{first_pipe.stages[s].device_type} ({theirs})"),
-                                  f"GPUs of one vendor in stage {s}'s data-parallel group: "
-                                  f"{libraries} cannot join one communicator, and the runtime "
-                                  "does not reduce gradients across vendors on gloo (every "
-                                  "gradient through host memory each step: docs/vendors.md); "
-                                  "put the vendor boundary on a pipeline edge (tune does)")
-    for d, pipe in enumerate(plan.pipelines):
-        for s, stage in enumerate(pipe.stages):
-            stack = catalog.get(stage.device_type).stack
-            if stack.torch_device not in GLOO_DEVICES:
-                raise SchemaError(source, f"pipelines[{d}].stages[{s}].device_type",
-                                  Described(f"{stage.device_type} ({stack.torch_device} "
-                                            f"devices) in a plan across vendors"),
-                                  "GPUs whose tensors gloo takes (cuda: NVIDIA, AMD ROCm): "
-                                  "across vendors the world group is gloo, and Megatron runs "
-                                  "its loss, grad-norm and timer collectives on it with device "
-                                  f"tensors, which gloo refuses for {stack.torch_device} "
-                                  "(docs/vendors.md); tune on one vendor's GPUs")
+    if plan.one_grid:
+        first_pipe = plan.pipelines[0]
+        for d, pipe in enumerate(plan.pipelines):
+            for s, stage in enumerate(pipe.stages):
+                ours, theirs = vendor(stage.device_type), vendor(first_pipe.stages[s].device_type)
+                if ours != theirs:
+                    raise SchemaError(source, f"pipelines[{d}].stages[{s}].device_type",
+                                      Described(f"{stage.device_type} ({ours}) beside "
+                                                f"{first_pipe.stages[s].device_type} ({theirs})"),
+                                      f"GPUs of one vendor in stage {s}'s data-parallel group: "
+                                      f"{libraries} cannot join one communicator, and the "
+                                      "runtime does not reduce gradients across vendors on gloo "
+                                      "(every gradient through host memory each step: "
+                                      "docs/vendors.md); put the vendor boundary on a pipeline "
+                                      "edge (tune does)")
+    for where, _, stage in plan_stages(plan):
+        stack = catalog.get(stage.device_type).stack
+        if stack.torch_device not in GLOO_DEVICES:
+            raise SchemaError(source, f"{where}.device_type",
+                              Described(f"{stage.device_type} ({stack.torch_device} "
+                                        f"devices) in a plan across vendors"),
+                              "GPUs whose tensors gloo takes (cuda: NVIDIA, AMD ROCm): "
+                              "across vendors the world group is gloo, and Megatron runs "
+                              "its loss, grad-norm and timer collectives on it with device "
+                              f"tensors, which gloo refuses for {stack.torch_device} "
+                              "(docs/vendors.md); tune on one vendor's GPUs")

@@ -26,10 +26,12 @@ field path rather than run wrongly.
 from __future__ import annotations
 
 from ..errors import Described, SchemaError
+from ..hardware.catalog import load_catalog
 from .types import Plan
 
 __all__ = ["check_offload", "check_runnable", "RUNTIME_PENDING", "stage_layers", "optimizer_offload_runs",
-           "plan_stages", "stage_path", "FP32_OPTIMIZER_OFFLOAD"]
+           "plan_stages", "stage_path", "FP32_OPTIMIZER_OFFLOAD", "check_chain_vendors",
+           "VENDORS_PENDING", "WARMUP_PENDING"]
 
 FP32_OPTIMIZER_OFFLOAD = (
     "megatron-core's CPU-offload optimizer does not run with fp32 parameters under the "
@@ -78,13 +80,30 @@ RUNTIME_PENDING = (
     "pending (docs/meshes.md)")
 """Why :func:`check_runnable` refuses a mesh plan with model chunks."""
 
+WARMUP_PENDING = (
+    "per-stage warm-up over a chain of meshes runs on CPU ranks (megatron-hetero rehearse and "
+    "the CPU trainer, megatron-core 0.19+, on the chain's own schedule; simulate prices it) but "
+    "under pretrain_gpt.py --hetero-plan and the launcher megatron-core's multimodule 1F1B "
+    "runs the chain, with Megatron's warm-up (docs/meshes.md)")
+"""Why :func:`check_runnable` refuses a chain of meshes with per-stage warm-ups."""
+
 
 def check_runnable(plan: Plan, *, source: str) -> None:
     """Raise :class:`SchemaError` where ``plan`` asks for a schedule Megatron-LM's training
     under ``--hetero-plan`` (and so ``validate`` and ``args``) does not run yet: model chunks
     (``chunk_layers``) in a chain of meshes (:attr:`.types.Plan.interleaved_chain`). The CPU
     trainer and ``rehearse`` run such a plan (:mod:`megatron_hetero.mcore.mesh_interleaved`)
-    and do not call this."""
+    and do not call this. Also meshes of several vendors (:func:`check_chain_vendors`), and
+    per-stage warm-ups on a chain of meshes
+    (:attr:`.types.Plan.own_chain_schedule` without chunks), which there the same CPU ranks run
+    and Megatron-LM's training (megatron-core's multimodule 1F1B) would not."""
+    check_chain_vendors(plan, source=source)
+    if plan.own_chain_schedule and not plan.interleaved_chain:
+        k, j = next((k, j) for k, j in plan.stage_index
+                    if plan.meshes[k].pipelines[0].stages[j].warmup_microbatches is not None)
+        raise SchemaError(source, f"meshes[{k}].stages[{j}].warmup_microbatches",
+                          plan.meshes[k].pipelines[0].stages[j].warmup_microbatches,
+                          f"absent in every stage: {WARMUP_PENDING}")
     if not plan.interleaved_chain:
         return
     first = plan.meshes[0].pipelines[0].stages[0]
@@ -92,6 +111,29 @@ def check_runnable(plan: Plan, *, source: str) -> None:
             "interleaved schedule runs it" if plan.shares_tp_dp else "")
     raise SchemaError(source, "meshes[0].stages[0].chunk_layers", first.chunk_layers,
                       f"absent in every stage: {RUNTIME_PENDING}{hint}")
+
+
+VENDORS_PENDING = (
+    "a mesh plan's bridges between vendors are planned and priced on the host path (simulate, "
+    "validate) and run on CPU ranks (the CPU trainer, rehearse), but no runtime stages them "
+    "through host memory on devices yet, so Megatron-LM's training under --hetero-plan refuses "
+    "them; a pool of several vendors runs a format-1 plan, whose pipeline edges between "
+    "vendors go through the host (docs/vendors.md, docs/meshes.md)")
+"""Why :func:`check_chain_vendors` refuses a chain of meshes of several vendors."""
+
+
+def check_chain_vendors(plan: Plan, *, source: str) -> None:
+    """Raise :class:`SchemaError` at the first mesh whose collective library is not mesh 0's
+    (a bridge between vendors: :data:`VENDORS_PENDING`)."""
+    if plan.one_grid:
+        return
+    catalog = plan.catalog or load_catalog()
+    first = catalog.get(plan.meshes[0].device_type).stack.library
+    for k, mesh in enumerate(plan.meshes):
+        if catalog.get(mesh.device_type).stack.library != first:
+            raise SchemaError(source, f"meshes[{k}].device_type", mesh.device_type,
+                              f"a device on {first}, as meshes[0] ({plan.meshes[0].device_type}) "
+                              f"under pretrain_gpt.py: {VENDORS_PENDING}")
 
 
 def check_offload(plan: Plan, *, source: str) -> None:

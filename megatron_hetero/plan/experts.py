@@ -14,7 +14,7 @@ of its block (:meth:`.types.Mesh.expert_blocks`). What is refused here, each at 
   ``add_bias_linear`` (megatron-core: "Bias in Moe is only supported when ETP==1");
 * ``ETP x EP`` not dividing ``T x D``;
 * TP > 1 on an MoE model without sequence parallelism (megatron-core's MoE layer refuses to
-  train so; a mesh plan has no sequence parallelism yet, so its MoE meshes run TP = 1);
+  train so; a mesh plan's ``sequence_parallel`` turns it on in every mesh of TP > 1);
 * a block whose replicas run different micro-batch counts: every MoE layer of every
   micro-batch runs one dispatch and one combine all-to-all over the EP group, and a replica
   with fewer micro-batches would leave its peers waiting for ever;
@@ -70,8 +70,7 @@ def check_experts(model: ModelSpec, *, tp: int, ep: int, etp: int | None,
     if tp > 1 and not sequence_parallel:
         raise SchemaError("", f"{where}tensor_model_parallel_size", tp,
                           "1 for an MoE model without sequence parallelism (megatron-core's MoE "
-                          "layer does not train with TP > 1 without it; a mesh plan has no "
-                          "sequence parallelism yet)")
+                          "layer does not train with TP > 1 without it: sequence_parallel: true)")
     _check_blocks(pipelines, tp=tp, size=etp_ * ep, replicas=replicas)
 
 

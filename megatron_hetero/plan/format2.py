@@ -20,6 +20,14 @@ So every sample of a micro-batch crosses a boundary whole or split evenly:
   micro-batches, each mesh's replicas the same micro-batch size, and ``D_a x mbs_a = D_b x
   mbs_b`` (the micro-batch divides evenly across the boundary).
 
+Sequence parallelism (``sequence_parallel``, issue 28) runs in every mesh of TP > 1; a bridge
+carries the whole tensor, joined from the sending mesh's sequence shards and cut into the
+receiving mesh's (:mod:`megatron_hetero.mcore.mesh_stage`).
+
+Per-stage warm-up (issue 28): a stage's ``warmup_microbatches`` as format 1's, its rules over
+each replica's path through the chain; such a chain runs the chain's own schedule
+(:attr:`.types.Plan.own_chain_schedule`).
+
 Interleaving (issue 28): a stage may list ``chunk_layers`` as a format-1 stage does; then every
 stage of the chain lists the same number ``v`` of chunks (the plan's ``virtual_pipeline_size``,
 read off them), and the model runs chunk 0 of every stage of every mesh, then chunk 1, and so
@@ -49,6 +57,7 @@ from typing import ClassVar, Literal
 from .._schema import OMIT_DEFAULT, from_data, read_yaml, write_yaml
 from ..errors import Described, SchemaError
 from ..hardware.catalog import Catalog, GPUSpec
+from ..schedule.rules import check_stage_warmups
 from .experts import check_experts
 from .format1 import (bind_catalog, check_device_type, check_microbatch_group,
                       check_no_empty_chunk, plan_from_data)
@@ -74,6 +83,11 @@ class MeshStage:
     chunk_layers: list[int] | None = None
     """With interleaving: the layers of each of the stage's model chunks, in chunk order (at
     least 2; they add up to ``num_layers``). Every stage of the chain lists as many, or none."""
+    warmup_microbatches: int | None = None
+    """Warm-up forwards of this stage's 1F1B, as a format-1 stage's (None: Megatron's
+    ``min(P - s - 1, m)`` at the stage's global index ``s`` of the chain's ``P``): at most the
+    replicas' ``num_microbatches``, at least one more than the next stage of the chain's;
+    without ``chunk_layers`` only (:mod:`megatron_hetero.schedule.rules`)."""
 
     def __post_init__(self) -> None:
         if self.num_layers < 0:
@@ -152,6 +166,11 @@ class Format2Plan:
     """Shard each stage's optimizer state over its mesh's replicas."""
     overlap_grad_reduce: bool = False
     """Overlap each mesh's gradient reduction with its last backward."""
+    sequence_parallel: bool = False
+    """Megatron's ``--sequence-parallel`` in every mesh of TP > 1 (a mesh of TP 1 runs without,
+    as Megatron turns it off at TP 1); at least one mesh has TP > 1 and every such mesh's TP
+    divides ``model.seq_length``. A bridge gathers the sending mesh's sequence shards into the
+    whole ``[s, b, h]`` tensor and the receiving mesh takes its own shard of it."""
     microbatch_group_size: int | None = None
     """With interleaving (stages list ``chunk_layers``): micro-batches that run one model chunk
     in a row, as in format 1 (None: the pipeline size, all meshes' stages)."""
@@ -189,12 +208,29 @@ class Format2Plan:
                                   f"global_batch_size ({self.global_batch_size}) in every mesh")
             check_experts(m, tp=tp, ep=mesh.expert_model_parallel_size,
                           etp=mesh.expert_tensor_parallel_size,
-                          pipelines=mesh.replicas, sequence_parallel=False,
+                          pipelines=mesh.replicas, sequence_parallel=self.sequence_parallel,
                           where=f"meshes[{k}].", replicas=f"meshes[{k}].replicas")
+        self._check_sequence_parallel()
         self._check_layers()
         for k in range(len(self.meshes) - 1):
             self._check_boundary(k)
         self._check_chunks()
+        self._check_warmups()
+
+    def _check_warmups(self) -> None:
+        """Format 1's warm-up rules over each replica's path through the chain: replica ``r``
+        of every mesh where the meshes' replicas match, else (a bridge that joins or splits:
+        every replica alike) the one path of mesh 0's micro-batch count."""
+        given = [self.meshes[k].stages[j].warmup_microbatches for k, j in self.stage_index]
+        if all(w is None for w in given):
+            return
+        paths = {}  # a path's micro-batches -> the first replica with them
+        for r, rep in enumerate(self.meshes[0].replicas):
+            paths.setdefault(rep.num_microbatches, r)
+        for m, r in paths.items():
+            check_stage_warmups(given, m, self.virtual_pipeline_size,
+                                lambda s: "meshes[{}].stages[{}].warmup_microbatches".format(
+                                    *self.stage_index[s]), f"meshes[0].replicas[{r}]")
 
     def _check_chunks(self) -> None:
         """Interleaving as format 1 checks it (:meth:`.format1.Format1Plan._check_chunks`), over
@@ -236,6 +272,21 @@ class Format2Plan:
                               f"a multiple or a divisor of meshes[0]'s {d0} replicas (with "
                               "model chunks the last mesh's chunk c feeds mesh 0's chunk c + 1 "
                               "over a bridge, which joins or splits whole micro-batches)")
+
+    def _check_sequence_parallel(self) -> None:
+        if not self.sequence_parallel:
+            return
+        tps = [m.tensor_model_parallel_size for m in self.meshes]
+        if max(tps) == 1:
+            raise SchemaError("", "sequence_parallel", True,
+                              "false when every mesh's tensor_model_parallel_size is 1 (sequence "
+                              "parallelism splits the sequence over a tensor-parallel group)")
+        s = self.model.seq_length
+        for k, tp in enumerate(tps):
+            if s % tp:
+                raise SchemaError("", f"meshes[{k}].tensor_model_parallel_size", tp,
+                                  f"a divisor of model.seq_length ({s}) with sequence_parallel "
+                                  "(each tensor rank holds an equal share of the sequence)")
 
     def _check_layers(self) -> None:
         split = self.layer_split
@@ -318,7 +369,8 @@ class Format2Plan:
         for mesh in self.meshes:
             stages = [Stage(device_type=mesh.device_type, num_layers=st.num_layers,
                             recompute=st.recompute, offload=st.offload,
-                            chunk_layers=None if st.chunk_layers is None else list(st.chunk_layers))
+                            chunk_layers=None if st.chunk_layers is None else list(st.chunk_layers),
+                            warmup_microbatches=st.warmup_microbatches)
                       for st in mesh.stages]
             meshes.append(Mesh(tensor_model_parallel_size=mesh.tensor_model_parallel_size,
                                expert_model_parallel_size=mesh.expert_model_parallel_size,
@@ -329,6 +381,7 @@ class Format2Plan:
         return Plan(model=self.model, global_batch_size=self.global_batch_size, meshes=meshes,
                     precision=self.precision,
                     use_distributed_optimizer=self.use_distributed_optimizer,
+                    sequence_parallel=self.sequence_parallel,
                     overlap_grad_reduce=self.overlap_grad_reduce,
                     virtual_pipeline_size=self.virtual_pipeline_size,
                     microbatch_group_size=self.microbatch_group_size, gpus=self.gpus,
@@ -348,21 +401,15 @@ def _show(replica: Replica) -> str:
 def mesh_plan_from_data(data: object, *, source: str = "<plan>",
                         catalog: Catalog | None = None) -> Plan:
     """Build and check a mesh plan from plain data, its device types against ``catalog`` plus
-    the plan's ``gpus`` (as :func:`.format1.plan_from_data`)."""
+    the plan's ``gpus`` (as :func:`.format1.plan_from_data`). Meshes may be of several vendors
+    (each mesh is one device type; its bridges are the vendor boundaries): what runs them is
+    :func:`.checks.check_runnable`'s and the vendor checks' (docs/meshes.md)."""
     plan = from_data(Format2Plan, data, source=source)
     catalog = bind_catalog(plan, catalog, source=source)
     for k, mesh in enumerate(plan.meshes):
         path = f"meshes[{k}].device_type"
-        canonical = check_device_type(catalog, mesh.device_type, precision=plan.precision,
-                                      source=source, path=path)
-        first = catalog.get(plan.meshes[0].device_type)
-        if catalog.get(canonical).stack.library != first.stack.library:
-            raise SchemaError(source, path, mesh.device_type,
-                              f"a device on {first.stack.library}, as meshes[0] "
-                              f"({plan.meshes[0].device_type}): a mesh plan's bridges and groups "
-                              "use one collective library; a pool of several vendors takes a "
-                              "format-1 plan, whose pipeline edges between vendors go through "
-                              "the host (docs/vendors.md)")
+        check_device_type(catalog, mesh.device_type, precision=plan.precision,
+                          source=source, path=path)
     return plan.plan()
 
 
@@ -387,20 +434,22 @@ def save_any_plan(plan: Plan, path: str | Path) -> None:
 def meshes_of(plan: Plan) -> Plan | None:
     """The chain of meshes that runs the one-mesh ``plan`` as it is: consecutive stages on one
     device type form a mesh of the plan's TP and DP. None where a stage index differs between
-    replicas in device type or memory policy (format 1 can say that; a mesh cannot)."""
+    replicas in device type, memory policy or warm-up (format 1 can say that; a mesh cannot),
+    and where it runs model chunks."""
     first = plan.pipelines[0].stages
     for pipe in plan.pipelines[1:]:
         for a, b in zip(first, pipe.stages):
-            if (a.device_type, a.recompute, a.offload) != (b.device_type, b.recompute, b.offload):
+            if (a.device_type, a.recompute, a.offload, a.warmup_microbatches) != (
+                    b.device_type, b.recompute, b.offload, b.warmup_microbatches):
                 return None
-    if plan.virtual_pipeline_size > 1 or plan.sequence_parallel or any(
-            st.warmup_microbatches is not None for st in first):
+    if plan.virtual_pipeline_size > 1:
         return None
     replicas = [Replica(micro_batch_size=p.micro_batch_size, num_microbatches=p.num_microbatches)
                 for p in plan.pipelines]
     meshes: list[Format2Mesh] = []
     for st in first:
-        stage = MeshStage(num_layers=st.num_layers, recompute=st.recompute, offload=st.offload)
+        stage = MeshStage(num_layers=st.num_layers, recompute=st.recompute, offload=st.offload,
+                          warmup_microbatches=st.warmup_microbatches)
         if meshes and meshes[-1].device_type == st.device_type:
             meshes[-1].stages.append(stage)
         else:
@@ -413,6 +462,7 @@ def meshes_of(plan: Plan) -> Plan | None:
     out = mesh_plan(model=plan.model, global_batch_size=plan.global_batch_size, meshes=meshes,
                     precision=plan.precision,
                     use_distributed_optimizer=plan.use_distributed_optimizer,
-                    overlap_grad_reduce=plan.overlap_grad_reduce, gpus=dict(plan.gpus))
+                    overlap_grad_reduce=plan.overlap_grad_reduce,
+                    sequence_parallel=plan.sequence_parallel, gpus=dict(plan.gpus))
     out.catalog = plan.catalog
     return out

@@ -40,6 +40,7 @@ from typing import Literal
 
 from .._schema import to_data
 from ..hardware.catalog import Catalog, GPUSpec
+from ..schedule.rules import has_extra_warmup
 from .experts import expert_data
 from .mesh import Mesh, PlanShapeError
 from .stages import ModelSpec, Pipeline, Stage
@@ -80,7 +81,8 @@ class Plan:
     use_distributed_optimizer: bool = True
     """Shard optimizer state over each stage's data-parallel group."""
     sequence_parallel: bool = False
-    """Megatron's ``--sequence-parallel`` (format 1 only: one mesh)."""
+    """Megatron's ``--sequence-parallel`` in every mesh of TP > 1 (a mesh of TP 1 runs
+    without)."""
     overlap_grad_reduce: bool = False
     """Overlap the data-parallel gradient reduction with the last micro-batch's backward."""
     virtual_pipeline_size: int = 1
@@ -136,6 +138,36 @@ class Plan:
         (interleaved 1F1B across meshes: simulated, searched, run on CPU ranks; not yet under
         Megatron-LM's training)."""
         return self.virtual_pipeline_size > 1 and len(self.meshes) > 1
+
+    def sequence_parallel_in(self, mesh: int) -> bool:
+        """Whether mesh ``mesh`` runs sequence parallelism: the plan's ``sequence_parallel``
+        where the mesh's TP is above 1 (Megatron turns it off at TP 1)."""
+        return self.sequence_parallel and self.meshes[mesh].tensor_model_parallel_size > 1
+
+    @property
+    def own_chain_schedule(self) -> bool:
+        """A chain of meshes that runs the chain's own schedule
+        (:mod:`megatron_hetero.mcore.mesh_interleaved`) instead of megatron-core's multimodule
+        1F1B: model chunks (:attr:`interleaved_chain`), or some replica's path warming a stage
+        up beyond Megatron's ``P - s - 1`` (per-stage warm-up)."""
+        if len(self.meshes) == 1:
+            return False
+        return self.virtual_pipeline_size > 1 or any(
+            has_extra_warmup(self.path_pipeline(r))
+            for r in range(self.meshes[0].data_parallel_size))
+
+    def path_pipeline(self, replica: int) -> Pipeline:
+        """Replica ``replica``'s path through every mesh as one pipeline: its micro-batches,
+        every mesh's stages in order. Where the meshes' replicas differ in number every replica
+        is alike (the plan's bridge rules), and a mesh with fewer stands in with its replica 0.
+        One mesh: the replica's own pipeline."""
+        meshes = self.meshes
+        if len(meshes) == 1:
+            return meshes[0].pipelines[replica]
+        pipes = [m.pipelines[replica if replica < len(m.pipelines) else 0] for m in meshes]
+        return Pipeline(micro_batch_size=pipes[0].micro_batch_size,
+                        num_microbatches=pipes[0].num_microbatches,
+                        stages=[st for x in pipes for st in x.stages])
 
     @property
     def uniform_data_parallel(self) -> bool:
@@ -341,19 +373,15 @@ class Plan:
     @property
     def format_version(self) -> int:
         """The simplest file format that expresses the plan: 1 for one mesh; 2 where every
-        mesh's replicas run one stage list on one device type, with none of format 1's
-        sequence parallelism or warm-ups (model chunks, ``chunk_layers``, and the micro-batch
-        group it takes as format 1 does). A chain of meshes beyond both has no file format
-        yet: :class:`PlanShapeError`."""
+        mesh's replicas run one stage list on one device type (model chunks, per-stage
+        warm-ups, the micro-batch group and sequence parallelism it takes as format 1 does). A
+        chain of meshes beyond both has no file format yet: :class:`PlanShapeError`."""
         if self.one_grid:
             return 1
-        if not self.sequence_parallel and all(
-                m.alike and len(m.device_types) == 1 and all(
-                    s.warmup_microbatches is None for s in m.pipelines[0].stages)
-                for m in self.meshes):
+        if all(m.alike and len(m.device_types) == 1 for m in self.meshes):
             return 2
         raise PlanShapeError("a chain of meshes whose replicas differ in device types or stages "
-                             "(or with format-1 options) has no file format yet")
+                             "has no file format yet")
 
     def to_data(self) -> dict:
         """The plan as a file's plain data, in the simplest format that expresses it
@@ -382,6 +410,7 @@ class Plan:
                                 | expert_data(m) for m in self.meshes],
                      "precision": self.precision,
                      "use_distributed_optimizer": self.use_distributed_optimizer,
+                     "sequence_parallel": self.sequence_parallel,
                      "overlap_grad_reduce": self.overlap_grad_reduce}
             if self.microbatch_group_size is not None:
                 data["microbatch_group_size"] = self.microbatch_group_size
@@ -393,9 +422,12 @@ class Plan:
 
 
 def _mesh_stage_data(stage: Stage, v: int) -> dict:
-    """A format-2 file's stage: its layers, policies and, interleaved, its chunks."""
+    """A format-2 file's stage: its layers, policies and, interleaved, its chunks; its
+    warm-up where it sets one."""
     data = {"num_layers": stage.num_layers, "recompute": to_data(stage.recompute),
             "offload": to_data(stage.offload)}
     if v > 1:
         data["chunk_layers"] = list(stage.chunk_layers)
+    if stage.warmup_microbatches is not None:
+        data["warmup_microbatches"] = stage.warmup_microbatches
     return data

@@ -74,28 +74,38 @@ def mesh_config(original, st: MeshRankState, args, *a, **kw):
 def adapt_stage_model(model, st: MeshRankState):
     """The model's input from the communicator's dictionary (the stage before in its mesh, or
     the previous mesh's across the bridge), its output under its own mesh's name (the model's
-    last stage returns the loss as it is): what
+    last stage returns the loss as it is), the sequence shards cut and joined at its bridges
+    where its mesh runs sequence parallelism: what
     :class:`megatron_hetero.mcore.mesh_stage.MeshStageModule` does, on the module itself so
     that Megatron's wrappers, checkpoints and ``get_attr_wrapped_model`` see it unchanged."""
+    from megatron.core import parallel_state
+
     from ..mcore.mesh_grids import module_name
+    from ..mcore.mesh_stage import joined_for_bridge, sequence_group, shard_from_bridge
 
     set_input, forward = model.set_input_tensor, model.forward
     name = module_name(st.slot.mesh)
+    group = sequence_group(st.plan, st.slot.mesh, parallel_state.get_tensor_model_parallel_group())
     # from the stage before in this mesh, else from the previous mesh across the bridge
     source = name if st.slot.stage else (module_name(st.slot.mesh - 1) if st.slot.mesh else None)
+    bridged_in = st.slot.stage == 0 and st.slot.mesh > 0
+    bridged_out = st.slot.stage == len(st.mesh.stages) - 1
 
     def set_input_tensor(tensors):
         got = tensors[0] if isinstance(tensors, list) else tensors
         if isinstance(got, dict):
             got = got.get(source) if source else None
+            if bridged_in:
+                got = shard_from_bridge(got, group)
         set_input(got)
 
     model.set_input_tensor = set_input_tensor
-    if not (st.last_mesh and st.slot.stage == len(st.mesh.stages) - 1):  # not the loss
+    if not (st.last_mesh and bridged_out):  # not the loss
 
         @functools.wraps(forward)
         def named_forward(*a, **kw):
-            return {name: forward(*a, **kw)}
+            out = forward(*a, **kw)
+            return {name: joined_for_bridge(out, group) if bridged_out else out}
         model.forward = named_forward
     return model
 

@@ -147,7 +147,7 @@ def before_validate(args, plan: Plan, *, path: str, argv) -> MeshRankState:
     args.micro_batch_size = (mesh.replicas[st.slot.replica].micro_batch_size if even_plan(plan)
                              else _virtual_micro_batch_size(plan, path))
     args.pipeline_model_parallel_layout = _mesh_layout(plan, st)
-    args.sequence_parallel = False
+    args.sequence_parallel = plan.sequence_parallel_in(st.slot.mesh)
     args.ddp_average_in_collective = False
     policies.apply_stage_args(args, st.stage)
     return st

@@ -42,6 +42,7 @@ from ..errors import Described, SchemaError
 
 __all__ = ["StageSchedule", "stage_schedule", "one_f_one_b", "megatron_warmup",
            "pipeline_warmups", "has_extra_warmup", "stage_program", "check_warmups",
+           "check_stage_warmups", "chain_warmup",
            "group_fits", "whole_group", "named_group"]
 
 
@@ -84,6 +85,20 @@ def pipeline_warmups(pipeline) -> list[int]:
     p, m = len(pipeline.stages), pipeline.num_microbatches
     return [megatron_warmup(p, s, m) if st.warmup_microbatches is None else st.warmup_microbatches
             for s, st in enumerate(pipeline.stages)]
+
+
+def chain_warmup(plan, slot) -> int | None:
+    """The warm-up forwards of ``slot``'s stage in the chain's own schedule
+    (:attr:`~megatron_hetero.plan.Plan.own_chain_schedule`): its count on its replica's path
+    through the chain (:meth:`~megatron_hetero.plan.Plan.path_pipeline`) where some stage of
+    that path warms up beyond Megatron's, else None (Megatron's count, or the interleaved
+    order's)."""
+    if plan.virtual_pipeline_size > 1:
+        return None
+    path = plan.path_pipeline(slot.replica)
+    if not has_extra_warmup(path):
+        return None
+    return pipeline_warmups(path)[plan.global_stage(slot)]
 
 
 def has_extra_warmup(pipeline) -> bool:
@@ -157,40 +172,49 @@ def stage_program(warmups, stage: int, m: int) -> tuple[tuple[str, int], ...]:
 
 def check_warmups(plan) -> None:
     """Raise :class:`SchemaError` naming ``pipelines[d].stages[s].warmup_microbatches`` where a
-    plan's warm-up counts break the rules of the module docstring."""
-    v = plan.virtual_pipeline_size
+    format-1 plan's warm-up counts break the rules of the module docstring."""
     for d, pipe in enumerate(plan.pipelines):
-        p, m = len(pipe.stages), pipe.num_microbatches
-        given = [st.warmup_microbatches for st in pipe.stages]
-        path = f"pipelines[{d}].stages[{{}}].warmup_microbatches"
-        for s, w in enumerate(given):
-            if w is None:
-                continue
-            if v > 1:
-                raise SchemaError("", path.format(s), w, f"absent: per-stage warm-up is for the "
-                                  f"non-interleaved 1F1B (virtual_pipeline_size is {v}; "
-                                  "microbatch_group_size gives the interleaved schedule's "
-                                  "stages slack)")
-            if p == 1 and w != 0:
-                raise SchemaError("", path.format(s), w, "absent or 0 (a plan with one pipeline "
-                                  "stage runs no pipeline schedule to warm up)")
-            if w > m:
-                raise SchemaError("", path.format(s), w, f"at most {m}, the micro-batches of "
-                                  f"pipelines[{d}] (num_microbatches)")
-        if v > 1:
+        check_stage_warmups([st.warmup_microbatches for st in pipe.stages],
+                            pipe.num_microbatches, plan.virtual_pipeline_size,
+                            lambda s, d=d: f"pipelines[{d}].stages[{s}].warmup_microbatches",
+                            f"pipelines[{d}]")
+
+
+def check_stage_warmups(given: list, m: int, v: int, path, replica: str) -> None:
+    """The rules of the module docstring over one pipeline of ``len(given)`` stages (a
+    format-1 pipeline, or a replica's path through a chain of meshes): ``given`` each stage's
+    ``warmup_microbatches`` (None: Megatron's), ``m`` the path's micro-batches, ``v`` the
+    model chunks per stage, ``path(s)`` the field path of stage ``s``'s count, ``replica`` that
+    of the path's micro-batch count's owner."""
+    p = len(given)
+    for s, w in enumerate(given):
+        if w is None:
             continue
-        counts = pipeline_warmups(pipe)
-        if counts[-1] < 0:
-            raise SchemaError("", path.format(p - 1), counts[-1], "at least 0")
-        for s in range(p - 2, -1, -1):
-            need = min(counts[s + 1] + 1, m)
-            if counts[s] < need:
-                found = (counts[s] if given[s] is not None else
-                         Described(f"nothing (Megatron's default {counts[s]})"))
-                raise SchemaError("", path.format(s), found, f"at least {need}: stage {s + 1} "
-                                  f"warms up {counts[s + 1]}, and each stage warms up at least "
-                                  f"one more micro-batch than the next, or all {m} (as "
-                                  "Megatron's p - s - 1 does)")
+        if v > 1:
+            raise SchemaError("", path(s), w, f"absent: per-stage warm-up is for the "
+                              f"non-interleaved 1F1B (the plan runs {v} model chunks a stage; "
+                              "microbatch_group_size gives the interleaved schedule's "
+                              "stages slack)")
+        if p == 1 and w != 0:
+            raise SchemaError("", path(s), w, "absent or 0 (a plan with one pipeline "
+                              "stage runs no pipeline schedule to warm up)")
+        if w > m:
+            raise SchemaError("", path(s), w, f"at most {m}, the micro-batches of "
+                              f"{replica} (num_microbatches)")
+    if v > 1:
+        return
+    counts = [megatron_warmup(p, s, m) if w is None else w for s, w in enumerate(given)]
+    if counts[-1] < 0:
+        raise SchemaError("", path(p - 1), counts[-1], "at least 0")
+    for s in range(p - 2, -1, -1):
+        need = min(counts[s + 1] + 1, m)
+        if counts[s] < need:
+            found = (counts[s] if given[s] is not None else
+                     Described(f"nothing (Megatron's default {counts[s]})"))
+            raise SchemaError("", path(s), found, f"at least {need}: stage {s + 1} "
+                              f"warms up {counts[s + 1]}, and each stage warms up at least "
+                              f"one more micro-batch than the next, or all {m} (as "
+                              "Megatron's p - s - 1 does)")
 
 
 def whole_group(p: int, microbatches) -> int | None:

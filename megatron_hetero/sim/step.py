@@ -58,7 +58,7 @@ from ..cost.mesh import bridge_seconds, bridges, same_replicas
 from ..cost.model import CostModel
 from ..cost.stage import StageShape
 from ..errors import HeteroError
-from ..plan import Pipeline, Plan
+from ..plan import Plan
 from ..schedule.rules import has_extra_warmup, pipeline_warmups
 from .pipeline import pipeline_run
 from .result import Event, HostMemory, SimResult, StageResult, nodes_host_memory, step_result
@@ -214,10 +214,7 @@ def _run_path(plan: Plan, cost: CostModel, placement, times, d: int, key, cache:
         send_f, send_b = _sends(plan, cost, d, links)
     else:
         send_f = send_b = list(sends)
-    pipes = [m.pipelines[d] for m in plan.meshes]
-    pipe = pipes[0] if len(pipes) == 1 else Pipeline(
-        micro_batch_size=pipes[0].micro_batch_size, num_microbatches=pipes[0].num_microbatches,
-        stages=[st for x in pipes for st in x.stages])
+    pipe = plan.path_pipeline(d)
     fwd = [[c.forward_s for c in t] for t in times]
     bwd = [[c.backward_s for c in t] for t in times]
     warmups = None  # Megatron's schedule, as the runtime picks it

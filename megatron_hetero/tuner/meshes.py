@@ -94,7 +94,7 @@ class MeshSearch:
                 if groups * tp != counts[gpu]:
                     continue  # a TP size that strands GPUs of the type
                 if tp > 1 and p.model.is_moe:
-                    continue  # an MoE mesh runs TP 1 (no sequence parallelism in a mesh plan)
+                    continue  # an MoE mesh runs TP 1 (the search sets no sequence parallelism)
                 for pp in range(1, min(groups, p.model.num_layers) + 1):
                     if groups % pp == 0:
                         for ep in expert_sizes(p.model, tp, ((gpu, groups // pp),), 0):
@@ -269,12 +269,14 @@ def best_mesh_plan(problem: Problem, tables: StageTables, *, uniform: SimResult,
     ``search``: a search to go on with (its estimates reused), ``budget``: the most candidates
     to estimate (:meth:`MeshSearch.candidates`). None
     on a pool of one device type (one mesh is a uniform plan, which the main search covers), on
-    a pool of several vendors' collective libraries (the bridges need one), for a model whose
+    a pool of several vendors' collective libraries (no runtime stages a bridge between vendors
+    through host memory on devices yet: :func:`~megatron_hetero.plan.checks.
+    check_chain_vendors`), for a model whose
     output layer is tied to its embedding, or where none fits."""
     libraries = {problem.inv.catalog.get(t).stack.library for t in problem.types}
     if len(problem.types) < 2 or len(libraries) > 1 \
             or not problem.model.untie_embeddings_and_output_weights:
-        return None  # one library for the bridges; a mesh plan cannot tie the embeddings
+        return None  # bridges of one library run; a mesh plan cannot tie the embeddings
     search = search or MeshSearch(problem, tables)
     before, best = search.evaluated, None
     finalists = [plan for _, plan in search.candidates(problem.opt.finalists, chunks=chunks,

@@ -82,8 +82,9 @@ def test_megatron_core_017_refuses_chunks_over_meshes():
         "    except Exception as e:\n"
         "        return str(e)\n", {"msg": "refusal()"}, timeout=120, stack="0.17")
     msg = evaluated(got, "msg")
-    assert msg is not None and msg.startswith("p.yaml: model chunks over a chain of meshes need "
-                                              "megatron-core 0.19"), msg
+    assert msg is not None and msg.startswith(
+        "p.yaml: model chunks or per-stage warm-ups over a chain of meshes (the chain's own "
+        "schedule) need megatron-core 0.19"), msg
 
 
 def test_rehearse_runs_an_interleaved_mesh_plan(trained):

@@ -1,0 +1,65 @@
+"""Per-stage warm-up over a chain of meshes (issue 28) on CPU ranks: a mesh plan whose stages
+warm up beyond Megatron's ``P - s - 1`` runs the chain's own schedule
+(megatron_hetero/mcore/mesh_interleaved.py, one chunk a stage, each rank's order with its
+stage's warm-up: tests/test_plan_mesh_warmup.py checks the orders) and trains equal to one
+process (fp32, rtol 1e-5, 3 steps, Adam with clipping, plain and distributed optimizer): the
+issue's TP2·DP1 -> TP1·DP2 with a warm-up (4 ranks), two meshes of two stages warming up 4, 3,
+2, 0 of 4 micro-batches, and TP2·DP1 -> TP1·DP2 with sequence parallelism in the TP 2 mesh;
+and ``rehearse --verify`` of the first."""
+
+from __future__ import annotations
+
+import pytest
+
+from ..conftest import evaluate_under, evaluated
+from ..mcore.tiny_mesh_plans import tiny_mesh_plan
+
+pytestmark = pytest.mark.slow  # each case spawns 4 ranks twice and one process once
+
+CLIP = 0.05  # below every step's norm: clipping happens
+CASES = {  # case: (meshes, world, tiny_mesh_plan's keyword arguments)
+    # stage 0 (TP 2) warms up both micro-batches, Megatron's 1
+    "tp2dp1-tp1dp2": ([(2, 1), (1, 2)], 4, {"warmups": {0: [2]}}),
+    # Megatron's 3, 2, 1, 0 raised to 4, 3, 2, 0 (4 micro-batches of 1)
+    "four-stages": ([(1, 1), (1, 1)], 4, {
+        "stages": {0: [1, 1], 1: [1, 1]}, "warmups": {0: [4, 3], 1: [2, None]},
+        "replicas": [{"micro_batch_size": 1, "num_microbatches": 4}]}),
+    # with sequence parallelism in the TP 2 mesh (its bridge joins the shards at the link)
+    "sequence-parallel": ([(2, 1), (1, 2)], 4, {
+        "warmups": {0: [2]}, "seq_length": 4, "fields": {"sequence_parallel": True}}),
+}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> dict:
+    calls = {}
+    for name, (meshes, _, kwargs) in CASES.items():
+        plan = tiny_mesh_plan(tmp_path_factory.mktemp(name), meshes, **kwargs)
+        calls[name] = f"train_against_one_process({plan!r}, {CLIP!r})"
+        if name == "tp2dp1-tp1dp2":
+            calls["rehearse"] = f"rehearse_verified({plan!r})"
+    return evaluate_under("from tests.emulate.mesh_cases import train_against_one_process, "
+                          "rehearse_verified", calls, timeout=300 * len(calls))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_chain_with_warmups_trains_equal_to_one_process(trained, name):
+    got, world = evaluated(trained, name), CASES[name][1]
+    ref = got["reference"]
+    assert all(n > 2 * CLIP for n in ref["grad_norms"]), ref  # clipping is active
+    assert ref["losses"][2] < ref["losses"][0]  # it trains
+    for optimizer in ("plain", "distributed"):
+        run = got[optimizer]
+        assert run["diverges"] is None, (optimizer, run["diverges"])
+        assert len(run["grad_norms"]) == world
+        for norms in run["grad_norms"]:  # every rank: the norm of the whole model
+            assert norms == pytest.approx(ref["grad_norms"], rel=1e-5), (optimizer, norms, ref)
+
+
+def test_rehearse_runs_a_chain_with_warmups(trained):
+    """``rehearse --verify`` of the TP2·DP1 -> TP1·DP2 plan with a warm-up: a row per (mesh,
+    stage of the model, replica), equal to one process, a measured and a predicted step."""
+    got = evaluated(trained, "rehearse")
+    assert got["rows"] == [[0, 0, 0], [1, 1, 0], [1, 1, 1]]
+    assert got["verify"] is None
+    assert got["measured"] > 0 and got["predicted"] > 0

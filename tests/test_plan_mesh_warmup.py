@@ -1,0 +1,134 @@
+"""Per-stage warm-up in a mesh plan (issue 28): a mesh stage's ``warmup_microbatches`` loads and
+round-trips, format 1's rules hold over each replica's path through the chain (refused at the
+``meshes[k].stages[j]`` field), it converts from a format-1 plan, the simulator runs each stage's
+count, the chain's own schedule takes it on every rank, and Megatron-LM's path refuses it
+(tier 1)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import yaml
+
+from megatron_hetero.cost.model import CostModel
+from megatron_hetero.errors import SchemaError
+from megatron_hetero.hardware import inventory_from_data
+from megatron_hetero.plan import load_any_plan, mesh_plan_from_data, meshes_of, save_any_plan
+from megatron_hetero.plan.checks import check_runnable
+from megatron_hetero.plan import Pipeline, Stage, uniform_plan
+from megatron_hetero.schedule.order import rank_order
+from megatron_hetero.schedule.rules import chain_warmup, megatron_warmup
+from megatron_hetero.sim.step import simulate
+
+from .conftest import REPO
+
+EXAMPLE = REPO / "examples/meshes/3090-t4-plan.yaml"  # stages 10 | 10 || 12, 16 micro-batches
+BASE = yaml.safe_load(EXAMPLE.read_text())
+INV = inventory_from_data({"groups": [
+    {"gpu": "RTX3090-24GB", "nodes": 2, "gpus_per_node": 8},
+    {"gpu": "T4-16GB", "nodes": 4, "gpus_per_node": 4}]}, source="inv.yaml")
+
+
+def _data(*counts) -> dict:
+    """The example with ``counts`` (mesh 0's two stages, mesh 1's one; None: absent)."""
+    data = copy.deepcopy(BASE)
+    stages = [*data["meshes"][0]["stages"], *data["meshes"][1]["stages"]]
+    for stage, w in zip(stages, counts):
+        if w is not None:
+            stage["warmup_microbatches"] = w
+    return data
+
+
+def _error(data) -> SchemaError:
+    with pytest.raises(SchemaError) as exc:
+        mesh_plan_from_data(data, source="p.yaml")
+    return exc.value
+
+
+def test_warmups_load_round_trip_and_choose_the_chain_schedule(tmp_path):
+    plan = mesh_plan_from_data(_data(6, 3), source="p.yaml")
+    assert [s.warmup_microbatches for m in plan.meshes for s in m.stages] == [6, 3, None]
+    assert plan.format_version == 2 and plan.own_chain_schedule and not plan.interleaved_chain
+    save_any_plan(plan, tmp_path / "p.yaml")
+    again = load_any_plan(tmp_path / "p.yaml")
+    assert again == plan
+    assert "warmup_microbatches" not in yaml.safe_load(
+        (tmp_path / "p.yaml").read_text())["meshes"][1]["stages"][0]  # None: left out
+    # Megatron's own counts (P - s - 1: 2, 1, 0) stay on megatron-core's multimodule 1F1B
+    same = mesh_plan_from_data(_data(2, 1, 0), source="p.yaml")
+    assert not same.own_chain_schedule
+    assert not mesh_plan_from_data(_data(), source="p.yaml").own_chain_schedule
+
+
+@pytest.mark.parametrize("counts,path,expected", [
+    ((3, 3), "meshes[0].stages[0].warmup_microbatches", "at least 4: stage 1 warms up 3"),
+    ((None, 3), "meshes[0].stages[0].warmup_microbatches",
+     "found nothing (Megatron's default 2); expected at least 4"),
+    ((17,), "meshes[0].stages[0].warmup_microbatches",
+     "at most 16, the micro-batches of meshes[0].replicas[0]"),
+    ((None, None, -1), "meshes[1].stages[0].warmup_microbatches", "at least 0"),
+])
+def test_warmup_rules_hold_over_the_chain(counts, path, expected):
+    err = _error(_data(*counts))
+    assert err.path == path and expected in str(err), str(err)
+
+
+def test_warmups_with_model_chunks_are_refused():
+    data = _data(6)
+    for mesh in data["meshes"]:
+        for stage in mesh["stages"]:
+            n = stage["num_layers"]
+            stage["chunk_layers"] = [n // 2, n - n // 2]
+    data["microbatch_group_size"] = 4  # whole groups of 16 micro-batches over 3 stages
+    err = _error(data)
+    assert err.path == "meshes[0].stages[0].warmup_microbatches"
+    assert "non-interleaved 1F1B" in str(err)
+
+
+def test_meshes_of_carries_a_format_1_plans_warmups():
+    plan = load_any_plan(EXAMPLE)
+    stages = [Stage(device_type=t, num_layers=n, warmup_microbatches=w)
+              for t, n, w in (("RTX3090-24GB", 10, 6), ("RTX3090-24GB", 10, 3),
+                              ("T4-16GB", 12, None))]
+    one = uniform_plan(model=plan.model, global_batch_size=128, tensor_model_parallel_size=2,
+                       precision="fp16",
+                       pipelines=[Pipeline(micro_batch_size=1, num_microbatches=16,
+                                           stages=stages)] * 8)
+    chain = meshes_of(one)
+    assert [[s.warmup_microbatches for s in m.stages] for m in chain.meshes] == [[6, 3], [None]]
+    assert chain.own_chain_schedule
+    assert [chain_warmup(chain, chain.slot_of_rank(r)) for r in (0, 16, 32)] == [6, 3, 0]
+
+
+def test_simulator_and_chain_schedule_run_each_stages_warmup():
+    plan = mesh_plan_from_data(_data(6, 3), source="p.yaml")
+    cost = CostModel(plan.model, INV)
+    got = simulate(plan, cost)
+    m = plan.meshes[0].replicas[0].num_microbatches
+    for s, w in enumerate([6, 3, 0]):
+        ops = sorted((e for e in got.events if e.pipeline == 0 and e.stage == s
+                      and e.kind in "FB"), key=lambda e: e.start)
+        first_b = next(i for i, e in enumerate(ops) if e.kind == "B")
+        assert first_b == w + (1 if w < m else 0), (s, [e.kind for e in ops[:10]])
+    # every rank of the chain takes its stage's count, on every replica
+    for rank in range(plan.world_size):
+        slot = plan.slot_of_rank(rank)
+        w = chain_warmup(plan, slot)
+        assert w == [6, 3, 0][plan.global_stage(slot)]
+        order = rank_order(plan.pipeline_model_parallel_size, plan.global_stage(slot), m, 1,
+                           warmup=w)
+        assert [kind for kind, _, _ in order[:w]] == [0] * w and order[w] == (0, w, 0)
+    # Megatron's counts: no override (megatron-core's schedule runs the plan)
+    plain = mesh_plan_from_data(_data(), source="p.yaml")
+    assert chain_warmup(plain, plain.slot_of_rank(0)) is None
+    assert megatron_warmup(3, 0, m) == 2
+
+
+def test_megatron_lms_path_refuses_chain_warmups():
+    plan = mesh_plan_from_data(_data(6, 3), source="p.yaml")
+    with pytest.raises(SchemaError) as exc:
+        check_runnable(plan, source="p.yaml")
+    assert exc.value.path == "meshes[0].stages[0].warmup_microbatches"
+    assert "CPU ranks" in str(exc.value)
+    check_runnable(mesh_plan_from_data(_data(2, 1, 0), source="p.yaml"), source="p.yaml")
