@@ -330,7 +330,8 @@ class InterleavedChainRank(ChainRank):
         layers = plan.virtual_stage_layers
         configs = [mesh_transformer_config(
             plan, slot, num_layers=n, offload_min_numel=config.offload_min_numel,
-            first_layer=sum(layers[:chunk_virtual_stage(plan, slot, c)]))
+            first_layer=sum(layers[:chunk_virtual_stage(plan, slot, c)]),
+            precision=config.precision)
             for c, n in enumerate(stage.chunk_layers or [stage.num_layers])]
         self.built = build_interleaved_mesh_rank(
             plan, plan.rank_of_slot(slot), optimizer_config(plan, stage, config),

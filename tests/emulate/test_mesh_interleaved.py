@@ -50,6 +50,9 @@ def trained(tmp_path_factory) -> dict:
     plan = tiny_mesh_plan(tmp_path_factory.mktemp("rehearse"), *CASES["tp1-tp2"][:1],
                           **CASES["tp1-tp2"][2])
     calls["rehearse"] = f"rehearse_verified({plan!r})"
+    bf16 = tiny_mesh_plan(tmp_path_factory.mktemp("rehearse-bf16"), *CASES["tp1-tp2"][:1],
+                          **CASES["tp1-tp2"][2], fields={"precision": "bf16"})
+    calls["rehearse-bf16"] = f"rehearse_verified({bf16!r})"
     return evaluate_under("from tests.emulate.mesh_cases import "
                           "train_interleaved_against_one_process, rehearse_verified", calls,
                           timeout=300 * len(calls))
@@ -94,3 +97,10 @@ def test_rehearse_runs_an_interleaved_mesh_plan(trained):
     assert got["verify"] is None, got["verify"]  # the first divergence; None: they match
     assert got["rows"] == [[0, 0, 0], [1, 1, 0]]  # [mesh, global stage, replica]
     assert got["predicted"] > 0 and got["measured"] > 0
+
+
+def test_rehearse_verifies_an_interleaved_mesh_plan_in_bf16(trained):
+    """In the plan's precision: each chunk's rank builds its layers in bf16 (it built them in
+    fp32 once, and the verdict, which now requires a 16-bit plan to round as one, passed)."""
+    got = evaluated(trained, "rehearse-bf16")
+    assert got["verify"] is None, got["verify"]

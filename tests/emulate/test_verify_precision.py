@@ -122,6 +122,10 @@ def test_verdict_needs_both_parts_within_tolerance_and_agreement():
     assert not verdict(plan=Deviation(loss=1.6e-4, params=1e-3)).ok
     assert not verdict(plan=Deviation(loss=1e-4, params=1.6e-3)).ok
     assert not verdict(plan=base, disagreement="step 0: ...").ok
+    exact = verdict(plan=Deviation(loss=3.8e-8, params=3.9e-10))  # trained in fp32
+    assert not exact.in_precision and not exact.ok
+    assert "it did not train in fp16" in verdict_lines(exact, 3)[-1]
+    assert verdict(plan=Deviation(loss=1e-6, params=1e-5)).ok  # rounds less, still 16-bit
     lines = verdict_lines(verdict(plan=base, skipped=[True, False], baseline_skipped=[True, True],
                                   loss_scales=[4.0, 4.0]), 4)
     assert "  fp16 loss scaling: this plan steps 0 skipped" in lines[3]
