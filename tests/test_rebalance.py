@@ -98,12 +98,15 @@ def test_a_split_barely_faster_does_not_move():
     assert steady.decide(plan, again).message == ""  # said once
 
 
-def _flat_plan_path(tmp_path_factory) -> str:
-    """PLAN without its model chunks: 8 replicas of 16 micro-batches, one at a time."""
+def _flat_plan_path(tmp_path_factory, replicas: int = 8) -> str:
+    """PLAN without its model chunks: ``replicas`` of its 8 replicas of 16 micro-batches, one
+    at a time."""
     import yaml
 
     from megatron_hetero.plan import plan_from_data, save_plan
     data = yaml.safe_load(open(PLAN))
+    data["pipelines"] = data["pipelines"][:replicas]
+    data["global_batch_size"] = 16 * replicas
     for pipe in data["pipelines"]:
         for stage in pipe["stages"]:
             stage.pop("chunk_layers", None)
@@ -207,3 +210,39 @@ def test_a_replica_that_recovers_gets_its_share_back(tmp_path_factory):
     assert [(s, m) for s, m, _ in history][0][0] == 1 and history[0][1] < 16
     assert len(history) == 2 and history[1][0] == 5 and history[1][1] == 16
     assert "replica 5 drifts" in history[0][2]
+
+
+@pytest.mark.parametrize("factor, advised", [(4.0, True), (1.3, False)])
+def test_a_decision_says_what_moving_layers_would_add(tmp_path_factory, factor, advised):
+    """Of two replicas (PP=2 each), replica 1's first stage 4x slower: shares move, and since
+    re-splitting that replica's layers at its stages' measured cost per layer would beat the
+    best share split by more than 10%, the decision says so and points to a re-plan (layers
+    never move live). At 1.3x the share split comes within 10% of it and nothing more is said.
+    The figure it names is the one recomputed here from the tuner's own split."""
+    import numpy as np
+
+    from megatron_hetero.schedule.shares import fill_shares
+    from megatron_hetero.schedule.split import min_max_split
+
+    path = _flat_plan_path(tmp_path_factory, replicas=2)
+    plan = load_any_plan(path)
+    rebalancer = Rebalancer(policy=RebalancePolicy(patience=1, threshold=1.05))
+    rec = _records(path, {(1, 0): factor}, steps=(1,))[2][0]
+    decision = rebalancer.decide(plan, rec)
+    assert decision.shares is not None and decision.shares[1] < 16
+    assert ("moving layers as well" in decision.message) is advised
+    if advised:
+        assert "tune INVENTORY --from-run DIR" in decision.message
+        per = {}  # each replica's stages per micro-batch, split anew by their cost per layer
+        for s in rec.stages:
+            per.setdefault(s.replica, []).append(s.measured.compute_s / s.micro_batches)
+        costs = []
+        for r, stage_costs in sorted(per.items()):
+            layers = [st.num_layers for st in plan.pipelines[r].stages]
+            unit = np.array(stage_costs) / np.array(layers)
+            _, split = min_max_split(unit[:, None] * np.arange(33)[None, :], 32)
+            c = list(unit * split)
+            costs.append((sum(c) - max(c), max(c)))
+        shares = fill_shares([a for a, _ in costs], [c for _, c in costs], 32)
+        moved = max(a + m * c for (a, c), m in zip(costs, shares))
+        assert f"would make it {moved:.3g} s" in decision.message

@@ -31,11 +31,15 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field, replace
+from functools import partial
+
+import numpy as np
 
 from ..errors import HeteroError
 from ..plan import Plan
 from ..plan.format1 import replace_grid
 from ..schedule.shares import fill_shares
+from ..schedule.split import min_max_split
 from .records import RebalanceNote, StepRecord
 
 __all__ = ["RebalancePolicy", "Decision", "Rebalancer", "check_rebalanceable", "replica_costs",
@@ -51,6 +55,9 @@ class RebalancePolicy:
     that ratio by more than this factor."""
     patience: int = 2
     """Reports in a row a replica must drift before its shares move."""
+    relayer_gain: float = 1.10
+    """A decision also says what moving layers would give (a re-plan: layers never move live)
+    where that beats the best share split by more than this factor."""
     min_gain: float = 1.05
     """A new split moves only when it shortens the slowest replica's measured time by at least
     this factor: near-equal splits do not swap back and forth on measurement noise."""
@@ -62,6 +69,9 @@ class RebalancePolicy:
         if not 1.0 <= self.min_gain <= 100.0:
             raise HeteroError(f"rebalancing's min_gain: found {self.min_gain}; expected a "
                               "factor from 1 to 100")
+        if not 1.0 <= self.relayer_gain <= 100.0:
+            raise HeteroError(f"rebalancing's relayer_gain: found {self.relayer_gain}; expected "
+                              "a factor from 1 to 100")
         if not 1 <= self.patience <= 1000:
             raise HeteroError(f"--hetero-rebalance-patience: found {self.patience}; expected a "
                               "number of reports from 1 to 1000")
@@ -128,8 +138,33 @@ def replica_costs(record: StepRecord, *, predicted: bool = False) -> list[tuple[
     """Per replica: (fixed seconds, seconds per micro-batch) of its pipeline under 1F1B, as
     measured (or predicted): the fill and drain of one micro-batch through the other stages,
     and the slowest stage's compute per micro-batch."""
-    per = _per_micro_batch(record, predicted=predicted)
+    return _pipeline_costs(_per_micro_batch(record, predicted=predicted))
+
+
+def _pipeline_costs(per: dict[int, list[float]]) -> list[tuple[float, float]]:
     return [(sum(c) - max(c), max(c)) for _, c in sorted(per.items())]
+
+
+def _median_stages(window: list[dict[int, list[float]]]) -> dict[int, list[float]]:
+    """Each replica's stages' compute per micro-batch, the median over the reports of
+    ``window``."""
+    return {r: [statistics.median(w[r][s] for w in window) for s in range(len(stages))]
+            for r, stages in window[-1].items()}
+
+
+def _relayered(plan: Plan, stages: dict[int, list[float]]) -> dict[int, list[float]]:
+    """Each replica's stages' compute per micro-batch had its layers been split anew by the
+    tuner's split (:func:`~megatron_hetero.schedule.split.min_max_split`) at each stage's measured
+    compute per layer: what re-planning from the run could move that shares cannot."""
+    out = {}
+    for r, costs in stages.items():
+        layers = [st.num_layers for st in plan.pipelines[r].stages]
+        total = sum(layers)
+        per_layer = np.array([c / max(n, 1) for c, n in zip(costs, layers)])
+        table = per_layer[:, None] * np.arange(total + 1)[None, :]
+        found = min_max_split(table, total)
+        out[r] = costs if found is None else [float(x) for x in per_layer * found[1]]
+    return out
 
 
 @dataclass(kw_only=True, slots=True)
@@ -144,8 +179,9 @@ class Rebalancer:
     expected: list[tuple[float, float]] | None = None
     """Per replica, the (fixed, per micro-batch) costs the current shares rest on: None until
     the first split decision (the plan's prediction), then the measured costs it used."""
-    recent: list[list[tuple[float, float]]] = field(default_factory=list)
-    """The replicas' measured costs at the last ``patience`` reports, oldest first."""
+    recent: list[dict[int, list[float]]] = field(default_factory=list)
+    """Each replica's stages' measured compute per micro-batch at the last ``patience``
+    reports, oldest first."""
 
     def decide(self, plan: Plan, record: StepRecord) -> Decision:
         counts = [p.num_microbatches for p in plan.pipelines]
@@ -158,30 +194,53 @@ class Rebalancer:
         for r, x in enumerate(ratios):
             drifts = x / median > limit or median / x > limit
             self.drifting[r] = self.drifting.get(r, 0) + 1 if drifts else 0
-        self.recent = [*self.recent, measured][-self.policy.patience:]
+        self.recent = [*self.recent, _per_micro_batch(record, predicted=False)][
+            -self.policy.patience:]
         ready = sorted((r for r, n in self.drifting.items() if n >= self.policy.patience),
                        key=lambda r: -ratios[r])  # named: the slowest
         if not ready:
             return self._once(self._everywhere(record, median, limit))
-        costs = [(statistics.median(a for a, _ in rows), statistics.median(c for _, c in rows))
-                 for rows in map(list, zip(*self.recent))]
+        stages = _median_stages(self.recent)
+        costs = _pipeline_costs(stages)
         unit, alike = share_rules(plan)
-        shares = fill_shares([a for a, _ in costs], [c for _, c in costs], sum(counts),
-                             unit=unit, alike=alike)
+        fill = partial(fill_shares, total=sum(counts), unit=unit, alike=alike)
+        shares = fill([a for a, _ in costs], [c for _, c in costs])
         self.drifting.clear()
         self.expected, self.recent = costs, []
         before = max(a + m * c for (a, c), m in zip(costs, counts))
         after = None if shares is None else max(a + m * c for (a, c), m in zip(costs, shares))
+        advice = self._layers_advice(plan, stages, fill, before if after is None else
+                                     min(before, after))
         if shares is None or shares == counts or before < self.policy.min_gain * after:
             return self._once(f"replica {ready[0]} drifts, and no other split of the "
                               f"{sum(counts)} micro-batches is {self.policy.min_gain:g}x faster: "
-                              f"shares stay {counts}")
+                              f"shares stay {counts}{advice}")
         self.said = ""
         return Decision(shares=shares,
                         message=f"replica {ready[0]} drifts {ratios[ready[0]] / median:.2f}x the "
                                 f"replicas' median for {self.policy.patience} report(s): shares "
                                 f"{counts} -> {shares} (slowest replica {before:.3g} s -> "
-                                f"{after:.3g} s as measured)")
+                                f"{after:.3g} s as measured){advice}")
+
+    def _layers_advice(self, plan: Plan, stages: dict[int, list[float]], fill,
+                       best: float) -> str:
+        """Where moving layers too would beat the best share split (``best`` seconds) by more
+        than ``policy.relayer_gain``: what it would give, and how to get it (layers never move
+        live); else ''."""
+        if plan.pipeline_model_parallel_size < 2:
+            return ""
+        costs = _pipeline_costs(_relayered(plan, stages))
+        split = fill([a for a, _ in costs], [c for _, c in costs])
+        if split is None:
+            return ""
+        moved = max(a + m * c for (a, c), m in zip(costs, split))
+        if best <= self.policy.relayer_gain * moved:
+            return ""
+        return (f"; moving layers as well (each replica's layers split anew at its stages' "
+                f"measured cost per layer, memory permitting) would make it {moved:.3g} s, "
+                f"{best / moved:.2f}x faster than shares alone: layers do not move live; "
+                "re-plan from what ran (megatron-hetero tune INVENTORY --from-run DIR) and "
+                "resume from a checkpoint under the new plan")
 
     def note(self, plan: Plan, record: StepRecord, *, lookahead: int = 0) -> RebalanceNote | None:
         """The decision at this report as the telemetry writes it (None: nothing to say): new

@@ -97,8 +97,9 @@ def expert_sizes(model: ModelSpec, tp: int, templates, microbatches: int) -> lis
 
 
 def split_scale(model: ModelSpec) -> np.ndarray | None:
-    """For :func:`.split.min_max_split`: per (layers so far ``l``, a stage's layers ``n``) its
-    layers' forward FLOPs over ``n`` mean layers' (MoE and dense layers by their own FLOPs);
+    """For :func:`megatron_hetero.schedule.split.min_max_split`: per (layers so far ``l``, a
+    stage's layers ``n``) its layers' forward FLOPs over ``n`` mean layers' (MoE and dense
+    layers by their own FLOPs);
     None where the layers are alike (a dense model, or MoE layers throughout)."""
     pattern = model.moe_layer_pattern
     if not model.is_moe or all(pattern):

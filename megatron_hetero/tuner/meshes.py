@@ -47,7 +47,7 @@ from ..sim.step import SimResult, simulate
 from . import space
 from .problem import Problem
 from .experts import expert_sizes, split_scale
-from .split import min_max_split
+from ..schedule.split import min_max_split
 from .tables import StageTables, even_chunks
 
 __all__ = ["MeshSearch", "best_mesh_plan", "mesh_results"]

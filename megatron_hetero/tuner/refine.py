@@ -56,7 +56,7 @@ from ..sim.step import SimResult, simulate
 from .policy import Menu, Policy, cheapest_for_stage
 from .problem import Problem, TuneOptions
 from .experts import split_scale
-from .split import min_max_split
+from ..schedule.split import min_max_split
 from .tables import even_chunks
 
 __all__ = ["refine", "climb", "refine_chunk_cap", "Layout"]

@@ -55,7 +55,7 @@ from .refine import climb, refine_chunk_cap
 from ..schedule.shares import fill_shares
 from .space import Structure, upper_bound_step_time
 from .experts import split_scale
-from .split import min_max_split
+from ..schedule.split import min_max_split
 from .tables import StageTables, even_chunks, stage_shape
 from .warmup import warmups_or_flat
 

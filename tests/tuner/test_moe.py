@@ -382,7 +382,7 @@ def test_the_weighted_split_is_the_brute_force_one(pattern, p, seed):
     import numpy as np
 
     from megatron_hetero.tuner.experts import split_scale
-    from megatron_hetero.tuner.split import min_max_split
+    from megatron_hetero.schedule.split import min_max_split
 
     L = len(pattern)
     model = dataclasses.replace(QWEN3, num_layers=L, moe_layer_freq=pattern)

@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from megatron_hetero.schedule.shares import water_fill
-from megatron_hetero.tuner.split import min_max_split
+from megatron_hetero.schedule.split import min_max_split
 
 
 def _compositions(total, parts):

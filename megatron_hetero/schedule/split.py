@@ -1,4 +1,5 @@
-"""The uneven layer split: dynamic programming over stages that minimises the slowest stage."""
+"""The uneven layer split: dynamic programming over stages that minimises the slowest stage
+(the tuner's split, and live rebalancing's estimate of what re-planning would move)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ def min_max_split(costs: np.ndarray, total: int,
 
     ``scale``: where layers differ (a model that mixes MoE and dense layers), ``scale[l, n - 1]``
     multiplies the cost of a stage of ``n`` layers that ends after layer ``l`` (its layers' cost
-    over ``n`` mean layers', :func:`.experts.split_scale`); shape ``(total + 1, total)``.
+    over ``n`` mean layers', :func:`megatron_hetero.tuner.experts.split_scale`); shape
+    ``(total + 1, total)``.
     """
     p = costs.shape[0]
     if p > total:
