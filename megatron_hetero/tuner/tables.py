@@ -258,9 +258,17 @@ def _canonical(position: StageShape) -> StageShape:
     1F1B a stage's costs depend on its place only through whether it is first or last and how
     many micro-batches it holds in flight (``f``), so it becomes stage 0 of ``f`` (first),
     stage 1 of 2 (last) or stage 1 of ``f + 1`` (middle; of at least 3), with ``f``
-    micro-batches."""
+    micro-batches. Interleaved, the in-flight peak depends on the place only through the
+    stages after it (the warm-up, :func:`~megatron_hetero.schedule.order.warmup_count`, is
+    ``(p - s - 1) 2 + (v - 1) g``) once the group ``g`` is named: a middle stage becomes stage 1
+    of ``p - s + 1``, the last stage 1 of 2, the group named (the first keeps its place); the
+    chains of the mesh search share a mesh's tables whatever the meshes before it."""
     if position.virtual_size > 1:
-        return position
+        g = position.microbatch_group or position.pipeline_size
+        if position.first:
+            return position.but(microbatch_group=g)
+        return position.but(pipeline_size=position.pipeline_size - position.stage + 1, stage=1,
+                            microbatch_group=g)
     f = min(position.pipeline_size - position.stage, position.num_microbatches)
     if position.first:
         p, s = (1, 0) if position.last else (max(f, 2), 0)
