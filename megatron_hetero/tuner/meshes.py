@@ -12,8 +12,10 @@ cheapest fitting memory policy come from the stage tables (:mod:`.tables`, at th
 without sequence parallelism: a bridge carries whole ``[s, b, h]`` tensors); the layer split
 from :func:`.split.min_max_split` on seconds per micro-batch (every stage runs the same
 micro-batches). Candidates are visited in order of a lower bound on their estimate (``(m + P -
-1)`` times the slowest stage, the layers split as if each stage took any fraction of them at
-its no-recompute speed), until it passes the best few estimates, which are simulated (:func:`megatron_hetero.sim.step.simulate`).
+1)`` times the least slowest stage of a split of whole layers were every stage at its
+no-recompute speed, the embedding and the output layer on the end stages:
+:func:`.split.whole_layers_bound`), until it passes the best few estimates, which are simulated
+(:func:`megatron_hetero.sim.step.simulate`).
 
 With ``TuneOptions.mesh_chunks`` the same chains also run ``v`` model chunks a stage
 (interleaved 1F1B across the meshes, issue 28; run on CPU ranks, its Megatron-LM runtime
@@ -25,8 +27,9 @@ in-flight peak, and the fill and drain ``v`` times shorter in the bound and the 
 (``(m + (P - 1) / v)`` times the slowest stage; a chain's bound with chunks is raised to that
 times its unchunked estimate's slowest stage before it is evaluated, since chunks hold more
 micro-batches in flight). They are searched apart
-(:func:`best_mesh_plan` with ``chunks``), so the best mesh plan with chunks and the best
-without are both known.
+(:func:`best_mesh_plan` with ``chunks``), after the search without chunks, and only while
+their bound is below the faster of the uniform plan's step and the best mesh plan's without
+chunks (:func:`mesh_results`): a chunked plan that cannot beat them is not looked for.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from ..sim.step import SimResult, simulate
 from . import space
 from .problem import Problem
 from .experts import split_scale
-from .split import min_max_split
+from .split import min_max_split, whole_layers_bound
 from .tables import StageTables, even_chunks
 
 __all__ = ["MeshSearch", "best_mesh_plan", "mesh_results"]
@@ -118,14 +121,18 @@ class MeshSearch:
         return list(range(2, max(2, self.problem.opt.refine_max_virtual_pipeline_size) + 1))
 
     def pairs(self) -> list[tuple[float, list, int, int, int]]:
-        """Every (layout, micro-batch) in listing order, computed once: ``L / rate`` (the
-        slowest stage if each stage took any fraction of the layers at its no-recompute speed),
-        the chain, the samples of a micro-batch over the mesh with most replicas, the
-        micro-batches and the pipeline stages."""
+        """Every (layout, micro-batch) in listing order, computed once: a lower bound on its
+        slowest stage (each stage at its no-recompute speed, the embedding on the first and the
+        output layer on the last: the least slowest stage of a split of whole layers,
+        :func:`.split.whole_layers_bound`; where layers differ, an MoE model's mixed ones, of
+        any fraction of the layers at the mean layer's speed), the chain, the samples of a
+        micro-batch over the mesh with most replicas, the micro-batches and the pipeline
+        stages."""
         if self._pairs is not None:
             return self._pairs
         p = self.problem
         L = p.model.num_layers
+        whole = split_scale(p.model) is None
         cost = self.problem.cost(self.problem.precision_for(p.types))
         layer: dict[tuple, float] = {}  # one layer's seconds per micro-batch, by (type, mbs, TP)
         out = []
@@ -136,28 +143,35 @@ class MeshSearch:
                 batch = b * dmax
                 if p.gbs % batch or any(batch % c[3] for c in chain):
                     continue
-                rate = 0.0
-                for t, tp, pp, dp, _ in chain:
-                    key = (t, batch // dp, tp)
+                keys = [(t, batch // dp, tp) for t, tp, _, dp, _ in chain]
+                for key in keys:
                     if key not in layer:
                         layer[key] = sum(cost.layer_times(*key))
-                    rate += pp / layer[key]
-                out.append((L / rate, chain, batch, p.gbs // batch, P))
+                if whole:
+                    per_layer = np.array([layer[k] for k, c in zip(keys, chain)
+                                          for _ in range(c[2])])
+                    fixed = np.zeros(P)
+                    fixed[0] += sum(cost.embedding_times(*keys[0]))
+                    fixed[-1] += sum(cost.output_times(*keys[-1]))
+                    bound = whole_layers_bound(per_layer, fixed, L) * (1 - 1e-9)
+                else:
+                    bound = L / sum(c[2] / layer[k] for k, c in zip(keys, chain))
+                out.append((bound, chain, batch, p.gbs // batch, P))
         self._pairs = out
         return out
 
     def candidates(self, keep: int, *, chunks: bool = False,
-                   budget: int | None = None) -> list[tuple[float, Plan]]:
+                   beat: float = float("inf")) -> list[tuple[float, Plan]]:
         """The ``keep`` best estimates over every layout, micro-batch size and (``chunks``)
         chunk count, visited in order of a lower bound on their estimate until it passes the
-        ``keep``-th, or (``budget``) once that many candidates were estimated.
+        ``keep``-th or ``beat`` (the step a plan must beat to matter: an estimate leaves out
+        the bubbles and the bridges, so it is below the simulated step).
 
         The bound: ``(m + (P - 1) / v)`` times the slowest stage of the best split if each
         stage took any fraction of the layers at its no-recompute speed. With chunks, one entry
         per (layout, micro-batch) at its most chunks comes first; once visited, its unchunked
         estimate's slowest stage bounds each chunk count's (chunks hold more in flight, so
         their slowest stage is no faster), and those go back in order."""
-        stop = None if budget is None else self.evaluated + budget
         L = self.problem.model.num_layers
         counts = self.chunk_counts(chunks)
         todo = []  # (bound, listing index, chunks (0: every count, to expand), chain, batch)
@@ -171,7 +185,7 @@ class MeshSearch:
         best: list[tuple[float, Plan]] = []
         while todo:
             lb, i, v, chain, batch = heapq.heappop(todo)
-            if len(best) >= keep and lb >= best[-1][0] or stop is not None and self.evaluated >= stop:
+            if lb >= beat or len(best) >= keep and lb >= best[-1][0]:
                 break
             shapes = [_MeshShape(device_type=t, tp=tp, pp=pp, dp=dp, mbs=batch // dp, ep=ep)
                       for t, tp, pp, dp, ep in chain]
@@ -208,16 +222,13 @@ class MeshSearch:
                 return None
             group = None if g == P else g
         prec = p.precision_for({x.device_type for x in meshes})
-        rows, s = [], 0
-        for x in meshes:
-            for _ in range(x.pp):
-                position = StageShape(device_type=x.device_type, chunk_layers=(0,) * v,
-                                      micro_batch_size=x.mbs, tensor_parallel_size=x.tp,
-                                      pipeline_size=P, stage=s, num_microbatches=m,
-                                      microbatch_group=group, data_parallel_size=x.dp,
-                                      expert_parallel_size=x.ep)
-                rows.append(self.tables.table(position, precision=prec).fit)
-                s += 1
+        positions = [StageShape(device_type=x.device_type, chunk_layers=(0,) * v,
+                                micro_batch_size=x.mbs, tensor_parallel_size=x.tp,
+                                pipeline_size=P, stage=s, num_microbatches=m,
+                                microbatch_group=group, data_parallel_size=x.dp,
+                                expert_parallel_size=x.ep)
+                     for s, x in enumerate(x for x in meshes for _ in range(x.pp))]
+        rows = [t.fit for t in self.tables.tables(positions, precision=prec)]
         got = min_max_split(np.stack([r.seconds for r in rows]), L, split_scale(p.model))
         if v == 1:
             self._slowest[tuple(meshes), m] = None if got is None else got[0]
@@ -262,12 +273,12 @@ def _stage(n: int, policy, v: int) -> MeshStage:
 
 def best_mesh_plan(problem: Problem, tables: StageTables, *, uniform: SimResult,
                    upper_bound_s: float, chunks: bool = False, search: MeshSearch | None = None,
-                   budget: int | None = None) -> tuple[Plan, SimResult, int] | None:
+                   beat: float = float("inf")) -> tuple[Plan, SimResult, int] | None:
     """The fastest simulated of the best estimated mesh plans that fits (its ``prediction``
     beside the ``uniform`` plan's step and the upper bound), and the candidates estimated;
     ``chunks``: of the plans with model chunks (:meth:`MeshSearch.chunk_counts`) instead;
-    ``search``: a search to go on with (its estimates reused), ``budget``: the most candidates
-    to estimate (:meth:`MeshSearch.candidates`). None
+    ``search``: a search to go on with (its estimates reused), ``beat``: the step a plan must
+    beat (:meth:`MeshSearch.candidates`). None
     on a pool of one device type (one mesh is a uniform plan, which the main search covers), on
     a pool of several vendors' collective libraries (the bridges need one), for a model whose
     output layer is tied to its embedding, or where none fits."""
@@ -278,7 +289,7 @@ def best_mesh_plan(problem: Problem, tables: StageTables, *, uniform: SimResult,
     search = search or MeshSearch(problem, tables)
     before, best = search.evaluated, None
     finalists = [plan for _, plan in search.candidates(problem.opt.finalists, chunks=chunks,
-                                                       budget=budget)]
+                                                       beat=beat)]
     if chunks:  # the remainder layers on the early chunks too: the estimate misses the bubbles
         finalists += [_early_chunks(plan) for plan in finalists]  # of unequal chunks
     for plan in finalists:
@@ -303,10 +314,10 @@ def mesh_results(problem: Problem, tables: StageTables, *, uniform: SimResult,
                  upper_bound_s: float) -> dict:
     """The :class:`~megatron_hetero.tuner.search.TuneResult` fields of the mesh search the
     options ask for (``meshes``, ``mesh_chunks``): the best mesh plan without model chunks, the
-    best with them, and the candidates estimated (nothing without ``meshes``). The search with
-    chunks goes on from the one without (its estimates bound the chunked ones) and estimates at
-    most :data:`CHUNK_BUDGET` times as many candidates (at least :data:`CHUNK_BUDGET_LEAST`),
-    in order of their bound: what keeps its time near the search without chunks."""
+    best with them that can beat both the uniform plan and that mesh plan, and the candidates
+    estimated (nothing without ``meshes``). The search with chunks goes on from the one
+    without (its estimates bound the chunked ones) and stops once its bound passes the faster
+    of those two steps: what keeps its time near the search without chunks."""
     if not problem.opt.meshes:
         return {}
     out: dict = {"mesh_candidates": 0}
@@ -315,16 +326,13 @@ def mesh_results(problem: Problem, tables: StageTables, *, uniform: SimResult,
                                           (True, "chunked_mesh_plan", "chunked_mesh_sim")):
         if chunks and not problem.opt.mesh_chunks:
             continue
-        budget = max(CHUNK_BUDGET_LEAST, CHUNK_BUDGET * search.evaluated) if chunks else None
+        beat = float("inf")
+        if chunks:
+            beat = min([uniform.step_time_s] + ([out["mesh_sim"].step_time_s]
+                                                if "mesh_sim" in out else []))
         got = best_mesh_plan(problem, tables, uniform=uniform, upper_bound_s=upper_bound_s,
-                             chunks=chunks, search=search, budget=budget)
+                             chunks=chunks, search=search, beat=beat)
         if got is not None:
             out[plan_field], out[sim_field] = got[0], got[1]
             out["mesh_candidates"] += got[2]
     return out
-
-
-CHUNK_BUDGET = 4
-"""The search with chunks estimates at most this many times the candidates of the one without."""
-CHUNK_BUDGET_LEAST = 64
-"""... and at least this many."""

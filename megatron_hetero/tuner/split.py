@@ -6,7 +6,7 @@ from functools import lru_cache
 
 import numpy as np
 
-__all__ = ["min_max_split"]
+__all__ = ["min_max_split", "whole_layers_bound"]
 
 
 def min_max_split(costs: np.ndarray, total: int,
@@ -53,6 +53,22 @@ def min_max_split(costs: np.ndarray, total: int,
         left -= n
     assert left == 0
     return float(last[pick]), split[::-1]
+
+
+def whole_layers_bound(per_layer: np.ndarray, fixed: np.ndarray, total: int) -> float:
+    """:func:`min_max_split`'s cost for the linear costs ``per_layer[s] n + fixed[s]`` (each
+    stage at least one layer; ``inf`` where there are more stages than layers), without the
+    dynamic program: the least of those costs at which the stages can hold ``total`` layers.
+    Where a stage's true costs are at least its linear ones, a lower bound on their split's
+    (the search bounds candidates by it before building their stage tables)."""
+    p = len(per_layer)
+    if p > total:
+        return float("inf")
+    rows = per_layer[:, None] * np.arange(1, total + 1)[None, :] + fixed[:, None]
+    values = np.unique(rows)
+    values = values[values >= rows[:, 0].max()]
+    held = sum(np.searchsorted(row, values, side="right") for row in rows)
+    return float(values[int(np.argmax(held >= total))])
 
 
 @lru_cache(maxsize=64)

@@ -212,11 +212,23 @@ class StageTables:
                         new[id(got)] = got._builder
                 row.append(got)
             out.append(row)
-        if new:  # every caller picks a menu on each: their first grids, built together
-            builders = list(new.values())
-            for b, grid in zip(builders, build_grids(builders, builders[0].module_inputs)):
-                b.grids.append(grid)
+        _first_grids(list(new.values()))
         return out
+
+    def tables(self, positions: list[StageShape], *, precision: str) -> list[StageTable]:
+        """:meth:`table` of each of ``positions`` (the stages of a mesh candidate), the first
+        grids of those new built together."""
+        out = [self.table(position, precision=precision) for position in positions]
+        _first_grids(list({id(t): t._builder for t in out if not t._builder.grids}.values()))
+        return out
+
+
+def _first_grids(builders: list[_Builder]) -> None:
+    """Build the first grids of the tables of ``builders`` together (one stack per kind,
+    :func:`.grid.build_grids`): every caller picks a menu on each."""
+    if builders:
+        for b, grid in zip(builders, build_grids(builders, builders[0].module_inputs)):
+            b.grids.append(grid)
 
 
 _NO_RECOMPUTE, _SELECTIVE = Recompute(), Recompute(granularity="selective")
