@@ -137,6 +137,8 @@ class MeshSearch:
         layer: dict[tuple, float] = {}  # one layer's seconds per micro-batch, by (type, mbs, TP)
         out = []
         for chain in self.layouts():
+            if not self._weights_fit(chain):
+                continue
             dmax = max(c[3] for c in chain)
             P = sum(c[2] for c in chain)
             for b in p.opt.micro_batch_sizes:
@@ -148,17 +150,45 @@ class MeshSearch:
                     if key not in layer:
                         layer[key] = sum(cost.layer_times(*key))
                 if whole:
-                    per_layer = np.array([layer[k] for k, c in zip(keys, chain)
-                                          for _ in range(c[2])])
-                    fixed = np.zeros(P)
-                    fixed[0] += sum(cost.embedding_times(*keys[0]))
-                    fixed[-1] += sum(cost.output_times(*keys[-1]))
-                    bound = whole_layers_bound(per_layer, fixed, L) * (1 - 1e-9)
+                    bound = whole_layers_bound(self._linear_stages(chain, keys, layer), L) \
+                        * (1 - 1e-9)
                 else:
                     bound = L / sum(c[2] / layer[k] for k, c in zip(keys, chain))
                 out.append((bound, chain, batch, p.gbs // batch, P))
         self._pairs = out
         return out
+
+    def _weights_fit(self, chain) -> bool:
+        """Whether the chain's stages can hold the model's layers at all: a stage of ``n``
+        layers keeps at least their 16-bit weights and gradients besides the workspace (the
+        optimizer state may go to the host, and activations count on top), so it holds at
+        most the layers whose weights and gradients fit (an MoE model's experts split further:
+        not checked)."""
+        p = self.problem
+        if p.model.is_moe:
+            return True
+        cost = p.cost(p.precision_for(p.types))
+        room = 0
+        for t, tp, pp, _, _ in chain:
+            per = cost.params(1, first=False, last=False, tp=tp) * (cost.param_bytes
+                                                                    + cost.grad_bytes)
+            room += pp * (int((cost.capacity(t) - cost.workspace_bytes) // per) + 1)
+        return room >= p.model.num_layers
+
+    def _linear_stages(self, chain, keys, layer) -> list[tuple[float, float, int]]:
+        """The chain's stages as :func:`.split.whole_layers_bound` takes them: each mesh's at
+        its layer's seconds, the first stage with the embedding's, the last with the output
+        layer's."""
+        cost = self.problem.cost(self.problem.precision_for(self.problem.types))
+        a = [layer[k] for k in keys]
+        first, last = sum(cost.embedding_times(*keys[0])), sum(cost.output_times(*keys[-1]))
+        if len(chain) == 1 and chain[0][2] == 1:
+            return [(a[0], first + last, 1)]
+        out = [(a[0], first, 1), (a[-1], last, 1)]
+        inner = [c[2] for c in chain]
+        inner[0] -= 1
+        inner[-1] -= 1
+        return out + [(x, 0.0, k) for x, k in zip(a, inner) if k > 0]
 
     def candidates(self, keep: int, *, chunks: bool = False,
                    beat: float = float("inf")) -> list[tuple[float, Plan]]:

@@ -47,7 +47,7 @@ def test_whole_layers_bound_is_the_split_of_linear_costs_and_below_any_larger(p,
     fixed = rng.uniform(0.0, 3.0, p) * (rng.random(p) < 0.5)
     costs = np.full((p, total + 1), np.inf)
     costs[:, 1:] = per_layer[:, None] * np.arange(1, total + 1)[None, :] + fixed[:, None]
-    bound = whole_layers_bound(per_layer, fixed, total)
+    bound = whole_layers_bound([(a, e, 1) for a, e in zip(per_layer, fixed)], total)
     got = min_max_split(costs, total)
     if got is None:
         assert p > total and bound == np.inf
