@@ -79,6 +79,8 @@ class MeshSearch:
         """Per (meshes, micro-batches): the slowest stage of its unchunked estimate (None:
         nothing fits), from every evaluation without chunks."""
         self._pairs: list | None = None
+        self._whole: dict[int, float] = {}
+        """Per entry of :meth:`pairs`: :meth:`bound`, once computed."""
 
     def layouts(self) -> list[list[tuple[str, int, int, int, int]]]:
         """Every (type, TP, PP, DP, EP) chain: one mesh per type, the types memory-rich first
@@ -120,14 +122,14 @@ class MeshSearch:
             return [1]
         return list(range(2, max(2, self.problem.opt.refine_max_virtual_pipeline_size) + 1))
 
-    def pairs(self) -> list[tuple[float, list, int, int, int]]:
-        """Every (layout, micro-batch) in listing order, computed once: a lower bound on its
-        slowest stage (each stage at its no-recompute speed, the embedding on the first and the
-        output layer on the last: the least slowest stage of a split of whole layers,
-        :func:`.split.whole_layers_bound`; where layers differ, an MoE model's mixed ones, of
-        any fraction of the layers at the mean layer's speed), the chain, the samples of a
-        micro-batch over the mesh with most replicas, the micro-batches and the pipeline
-        stages."""
+    def pairs(self) -> list[tuple[float, list, int, int, int, list | None]]:
+        """Every (layout, micro-batch) in listing order whose stages can hold the model's
+        weights (:meth:`_room`), computed once: a lower bound on its slowest stage (each stage
+        at its no-recompute speed, the embedding on the first and the output layer on the
+        last, the layers split in fractions), the chain, the samples of a micro-batch over the
+        mesh with most replicas, the micro-batches, the pipeline stages, and the stages as
+        :func:`.split.whole_layers_bound` takes them (None where layers differ, an MoE model's
+        mixed ones: the bound then takes the mean layer's speed)."""
         if self._pairs is not None:
             return self._pairs
         p = self.problem
@@ -135,9 +137,12 @@ class MeshSearch:
         whole = split_scale(p.model) is None
         cost = self.problem.cost(self.problem.precision_for(p.types))
         layer: dict[tuple, float] = {}  # one layer's seconds per micro-batch, by (type, mbs, TP)
+        ends: dict[tuple, tuple[float, float]] = {}  # the embedding's and the output layer's
+        room: dict[tuple, int] = {}  # layers a stage of (type, TP) can hold at most
         out = []
         for chain in self.layouts():
-            if not self._weights_fit(chain):
+            if not p.model.is_moe and sum(c[2] * self._room(cost, c[0], c[1], room)
+                                          for c in chain) < L:
                 continue
             dmax = max(c[3] for c in chain)
             P = sum(c[2] for c in chain)
@@ -149,46 +154,41 @@ class MeshSearch:
                 for key in keys:
                     if key not in layer:
                         layer[key] = sum(cost.layer_times(*key))
+                        ends[key] = (sum(cost.embedding_times(*key)),
+                                     sum(cost.output_times(*key)))
                 if whole:
-                    bound = whole_layers_bound(self._linear_stages(chain, keys, layer), L) \
-                        * (1 - 1e-9)
+                    stages = _linear_stages(chain, keys, layer, ends)
+                    bound = (L + sum(k * e / a for a, e, k in stages)) \
+                        / sum(k / a for a, _, k in stages) * (1 - 1e-9)
                 else:
-                    bound = L / sum(c[2] / layer[k] for k, c in zip(keys, chain))
-                out.append((bound, chain, batch, p.gbs // batch, P))
+                    stages, bound = None, L / sum(c[2] / layer[k] for k, c in zip(keys, chain))
+                out.append((bound, chain, batch, p.gbs // batch, P, stages))
         self._pairs = out
         return out
 
-    def _weights_fit(self, chain) -> bool:
-        """Whether the chain's stages can hold the model's layers at all: a stage of ``n``
-        layers keeps at least their 16-bit weights and gradients besides the workspace (the
-        optimizer state may go to the host, and activations count on top), so it holds at
-        most the layers whose weights and gradients fit (an MoE model's experts split further:
-        not checked)."""
-        p = self.problem
-        if p.model.is_moe:
-            return True
-        cost = p.cost(p.precision_for(p.types))
-        room = 0
-        for t, tp, pp, _, _ in chain:
+    def bound(self, i: int) -> float:
+        """A lower bound on the slowest stage of :meth:`pairs`' entry ``i``: the least slowest
+        stage of a split of whole layers (:func:`.split.whole_layers_bound`), computed once."""
+        got = self._whole.get(i)
+        if got is None:
+            base, *_, stages = self.pairs()[i]
+            got = base if stages is None else \
+                whole_layers_bound(stages, self.problem.model.num_layers) * (1 - 1e-9)
+            self._whole[i] = got = max(got, base)
+        return got
+
+    @staticmethod
+    def _room(cost, gpu: str, tp: int, memo: dict) -> int:
+        """The most layers a stage of ``gpu`` at ``tp`` can hold: a stage of ``n`` layers keeps
+        at least their 16-bit weights and gradients besides the workspace (the optimizer state
+        may go to the host, activations count on top); a dense model's (an MoE model's experts
+        split further and are not bounded here)."""
+        got = memo.get((gpu, tp))
+        if got is None:
             per = cost.params(1, first=False, last=False, tp=tp) * (cost.param_bytes
                                                                     + cost.grad_bytes)
-            room += pp * (int((cost.capacity(t) - cost.workspace_bytes) // per) + 1)
-        return room >= p.model.num_layers
-
-    def _linear_stages(self, chain, keys, layer) -> list[tuple[float, float, int]]:
-        """The chain's stages as :func:`.split.whole_layers_bound` takes them: each mesh's at
-        its layer's seconds, the first stage with the embedding's, the last with the output
-        layer's."""
-        cost = self.problem.cost(self.problem.precision_for(self.problem.types))
-        a = [layer[k] for k in keys]
-        first, last = sum(cost.embedding_times(*keys[0])), sum(cost.output_times(*keys[-1]))
-        if len(chain) == 1 and chain[0][2] == 1:
-            return [(a[0], first + last, 1)]
-        out = [(a[0], first, 1), (a[-1], last, 1)]
-        inner = [c[2] for c in chain]
-        inner[0] -= 1
-        inner[-1] -= 1
-        return out + [(x, 0.0, k) for x, k in zip(a, inner) if k > 0]
+            got = memo[gpu, tp] = int((cost.capacity(gpu) - cost.workspace_bytes) // per) + 1
+        return got
 
     def candidates(self, keep: int, *, chunks: bool = False,
                    beat: float = float("inf")) -> list[tuple[float, Plan]]:
@@ -197,15 +197,18 @@ class MeshSearch:
         ``keep``-th or ``beat`` (the step a plan must beat to matter: an estimate leaves out
         the bubbles and the bridges, so it is below the simulated step).
 
-        The bound: ``(m + (P - 1) / v)`` times the slowest stage of the best split if each
-        stage took any fraction of the layers at its no-recompute speed. With chunks, one entry
+        The bound: ``(m + (P - 1) / v)`` times :meth:`bound`'s slowest stage; each entry
+        first goes in at the split of fractions of layers (:meth:`pairs`) and, when it comes
+        out, back in at the whole-layer bound (no lower; computed only for the entries the
+        walk reaches). With chunks, one entry
         per (layout, micro-batch) at its most chunks comes first; once visited, its unchunked
         estimate's slowest stage bounds each chunk count's (chunks hold more in flight, so
         their slowest stage is no faster), and those go back in order."""
         L = self.problem.model.num_layers
         counts = self.chunk_counts(chunks)
         todo = []  # (bound, listing index, chunks (0: every count, to expand), chain, batch)
-        for i, (base, chain, batch, m, P) in enumerate(self.pairs()):
+        for i, (base, chain, batch, m, P, _) in enumerate(self.pairs()):
+            base = self._whole.get(i, base)
             if not chunks:
                 todo.append(((m + P - 1) * base, i, 1, chain, batch))
             elif P > 1 and L >= 2 * P and whole_group(P, [m]) is not None:
@@ -217,9 +220,12 @@ class MeshSearch:
             lb, i, v, chain, batch = heapq.heappop(todo)
             if lb >= beat or len(best) >= keep and lb >= best[-1][0]:
                 break
+            base, _, _, m, P, _ = self._pairs[i]
+            if v <= 1 and i not in self._whole:  # in again at the whole-layer bound
+                heapq.heappush(todo, (lb / base * self.bound(i), i, v, chain, batch))
+                continue
             shapes = [_MeshShape(device_type=t, tp=tp, pp=pp, dp=dp, mbs=batch // dp, ep=ep)
                       for t, tp, pp, dp, ep in chain]
-            base, _, _, m, P = self._pairs[i]
             if v == 0:
                 key = (tuple(shapes), m)
                 if key not in self._slowest:
@@ -227,7 +233,7 @@ class MeshSearch:
                 if self._slowest[key] is not None:
                     for c in counts:
                         if L >= P * c:
-                            heapq.heappush(todo, ((m + (P - 1) / c) * max(base, self._slowest[key]),
+                            heapq.heappush(todo, ((m + (P - 1) / c) * max(self.bound(i), self._slowest[key]),
                                                   i, c, chain, batch))
                 continue
             got = self.evaluate(shapes, m, v)
@@ -281,6 +287,20 @@ class MeshSearch:
                                         for _ in range(x.pp)])
                     for x in meshes])
         return (m + (P - 1) / v) * slowest, plan
+
+
+def _linear_stages(chain, keys, layer: dict, ends: dict) -> list[tuple[float, float, int]]:
+    """The chain's stages as :func:`.split.whole_layers_bound` takes them: each mesh's at its
+    layer's seconds (``layer``), the first stage with the embedding's, the last with the output
+    layer's (``ends``)."""
+    a = [layer[k] for k in keys]
+    first, last = ends[keys[0]][0], ends[keys[-1]][1]
+    if len(chain) == 1 and chain[0][2] == 1:
+        return [(a[0], first + last, 1)]
+    inner = [c[2] for c in chain]
+    inner[0] -= 1
+    inner[-1] -= 1
+    return [(a[0], first, 1), (a[-1], last, 1)] + [(x, 0.0, k) for x, k in zip(a, inner) if k > 0]
 
 
 def _early_chunks(plan: Plan) -> Plan:

@@ -57,7 +57,9 @@ def test_each_candidates_bound_is_below_its_estimate(groups, model, gbs):
                       TuneOptions(meshes=True, mesh_chunks=True))
     search = MeshSearch(problem, StageTables(problem))
     L, checked = problem.model.num_layers, 0
-    for bound, chain, batch, m, P in search.pairs():
+    for i, (fractions, chain, batch, m, P, _) in enumerate(search.pairs()):
+        bound = search.bound(i)
+        assert bound >= fractions
         shapes = [_MeshShape(device_type=t, tp=tp, pp=pp, dp=dp, mbs=batch // dp, ep=ep)
                   for t, tp, pp, dp, ep in chain]
         for v in (1, 2, 4):
