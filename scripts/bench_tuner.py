@@ -16,7 +16,9 @@ exit status 1 when they did not. ``--compare-tree PATH`` does the same against a
 ``--meshes`` searches mesh plans too (``TuneOptions.meshes``) in every run, and ``--mesh-chunks``
 mesh plans with model chunks as well where the tree has that option (an older tree then runs
 its search with meshes alone: today's search against the one with chunks); the result compared
-is then the winner (``TuneResult.best``).
+is then the winner (``TuneResult.best``). ``--old-without-chunks`` with ``--mesh-chunks``: the
+other tree searches mesh plans without chunks (today's search against this tree's with them;
+the "same result" column then compares different searches).
 """
 
 from __future__ import annotations
@@ -126,13 +128,17 @@ def _run_one(tree: Path, path: Path, max_vp: int | None, flags: tuple[str, ...] 
 
 
 def against(paths: list[Path], old_tree: Path, old_name: str, repeats: int, quick: bool,
-            max_vp: int | None, flags: tuple[str, ...] = ()) -> int:
+            max_vp: int | None, flags: tuple[str, ...] = (),
+            old_flags: tuple[str, ...] | None = None) -> int:
     """Time each scenario's search under ``old_tree`` and this tree, ``repeats`` times each,
-    alternating which runs first; print the medians and their ratio."""
+    alternating which runs first; print the medians and their ratio. ``old_flags``: the old
+    tree's flags where they differ from ``flags``."""
+    old_flags = flags if old_flags is None else old_flags
     header = (f"{'scenario':34s} {'GPUs':>5s} {'old s':>7s} {'new s':>7s} {'new/old':>7s} "
               f"{'old cpu':>7s} {'new cpu':>7s} {'new/old':>7s}  same result")
     print(f"old: {old_name} ({old_tree})\nnew: this tree ({REPO})\n"
-          + (f"options: {' '.join(flags)}\n" if flags else "") +
+          + (f"options: {' '.join(flags)}\n" if flags else "")
+          + (f"old tree's options: {' '.join(old_flags)}\n" if old_flags != flags else "") +
           f"search time: median of {repeats} run(s) per tree, each a fresh process, the tree "
           f"that runs first alternating\n")
     print(header)
@@ -146,7 +152,7 @@ def against(paths: list[Path], old_tree: Path, old_name: str, repeats: int, quic
         runs: dict[str, list[dict]] = {"old": [], "new": []}
         for k in range(repeats):
             for which in (("old", "new") if (i + k) % 2 == 0 else ("new", "old")):
-                got = _run_one(trees[which], path, max_vp, flags)
+                got = _run_one(trees[which], path, max_vp, old_flags if which == "old" else flags)
                 if Path(got["package"]).resolve().parent != trees[which]:
                     raise SystemExit(f"{path.stem}: the {which} run imported {got['package']}")
                 runs[which].append(got)
@@ -196,6 +202,9 @@ def main(argv=None) -> int:
     ap.add_argument("--meshes", action="store_true", help="search mesh plans too")
     ap.add_argument("--mesh-chunks", action="store_true",
                     help="search mesh plans with model chunks too (where the tree has them)")
+    ap.add_argument("--old-without-chunks", action="store_true",
+                    help="with --mesh-chunks: the other tree searches without model chunks "
+                         "(today's mesh search against this tree's with chunks)")
     ap.add_argument("--repeats", type=int, default=3, metavar="N",
                     help="with --against: runs per scenario and tree, median taken (default 3)")
     ap.add_argument("scenarios", nargs="*", help="scenario files (default: all in examples/scenarios)")
@@ -214,8 +223,10 @@ def main(argv=None) -> int:
                     else args.compare_tree)
             flags = tuple(f for f, on in (("--meshes", args.meshes),
                                           ("--mesh-chunks", args.mesh_chunks)) if on)
+            old = tuple(f for f in flags if f != "--mesh-chunks") if args.old_without_chunks \
+                else flags
             return against(paths, tree, name, args.repeats, args.quick,
-                           args.max_virtual_pipeline_size, flags)
+                           args.max_virtual_pipeline_size, flags, old)
     header = (f"{'scenario':34s} {'GPUs':>5s} {'search s':>8s} {'cpu s':>6s} {'tuned s':>9s} {'searched':>8s} {'baseline s':>10s} "
               f"{'bound s':>9s} {'speedup':>7s} {'room':>6s} {'effic.':>6s} {'1F1B':>5s} {'VPP':>5s}  plan")
     print(header)

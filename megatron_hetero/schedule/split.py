@@ -7,7 +7,7 @@ from functools import lru_cache
 
 import numpy as np
 
-__all__ = ["min_max_split"]
+__all__ = ["min_max_split", "whole_layers_bound"]
 
 
 def min_max_split(costs: np.ndarray, total: int,
@@ -55,6 +55,37 @@ def min_max_split(costs: np.ndarray, total: int,
         left -= n
     assert left == 0
     return float(last[pick]), split[::-1]
+
+
+def whole_layers_bound(stages: list[tuple[float, float, int]], total: int) -> float:
+    """:func:`min_max_split`'s cost for linear costs, without the dynamic program: ``stages``
+    lists (seconds per layer ``a``, fixed seconds ``e``, how many stages) for stages that cost
+    ``a n + e`` with ``n`` layers, each at least one; the least of those costs at which they
+    hold ``total`` layers (``inf`` where there are more stages than layers). Where a stage's
+    true costs are at least its linear ones, a lower bound on their split's (the mesh search
+    bounds candidates by it before building their stage tables).
+
+    From the split of fractions of layers (every stage at the same cost ``T``) it steps up
+    through the costs ``a n + e`` where some stage takes one more layer until the stages hold
+    ``total``: at most one step per stage."""
+    if sum(k for _, _, k in stages) > total:
+        return float("inf")
+    t = max(max(a + e for a, e, _ in stages),  # every stage one layer
+            (total + sum(k * e / a for a, e, k in stages)) / sum(k / a for a, _, k in stages))
+    while True:
+        held, step, reached = 0, float("inf"), 0.0
+        for a, e, k in stages:
+            n = max(0, int((t - e) // a))
+            while n > 0 and a * n + e > t:  # the float division may round up
+                n -= 1
+            while a * (n + 1) + e <= t:  # ... or down
+                n += 1
+            held += k * n
+            step = min(step, a * (n + 1) + e)
+            reached = max(reached, a * n + e)
+        if held >= total:  # first reached at the largest of the stages' costs up to t
+            return reached
+        t = step
 
 
 @lru_cache(maxsize=64)

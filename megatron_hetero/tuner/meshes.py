@@ -12,8 +12,10 @@ cheapest fitting memory policy come from the stage tables (:mod:`.tables`, at th
 without sequence parallelism: a bridge carries whole ``[s, b, h]`` tensors); the layer split
 from :func:`.split.min_max_split` on seconds per micro-batch (every stage runs the same
 micro-batches). Candidates are visited in order of a lower bound on their estimate (``(m + P -
-1)`` times the slowest stage, the layers split as if each stage took any fraction of them at
-its no-recompute speed), until it passes the best few estimates, which are simulated (:func:`megatron_hetero.sim.step.simulate`).
+1)`` times the least slowest stage of a split of whole layers were every stage at its
+no-recompute speed, the embedding and the output layer on the end stages:
+:func:`whole_layers_bound`), until it passes the best few estimates, which are simulated
+(:func:`megatron_hetero.sim.step.simulate`).
 
 With ``TuneOptions.mesh_chunks`` the same chains also run ``v`` model chunks a stage
 (interleaved 1F1B across the meshes, issue 28; run on CPU ranks, its Megatron-LM runtime
@@ -25,8 +27,9 @@ in-flight peak, and the fill and drain ``v`` times shorter in the bound and the 
 (``(m + (P - 1) / v)`` times the slowest stage; a chain's bound with chunks is raised to that
 times its unchunked estimate's slowest stage before it is evaluated, since chunks hold more
 micro-batches in flight). They are searched apart
-(:func:`best_mesh_plan` with ``chunks``), so the best mesh plan with chunks and the best
-without are both known.
+(:func:`best_mesh_plan` with ``chunks``), after the search without chunks, and only while
+their bound is below the faster of the uniform plan's step and the best mesh plan's without
+chunks (:func:`mesh_results`): a chunked plan that cannot beat them is not looked for.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from ..sim.step import SimResult, simulate
 from . import space
 from .problem import Problem
 from .experts import expert_sizes, split_scale
-from ..schedule.split import min_max_split
+from ..schedule.split import min_max_split, whole_layers_bound
 from .tables import StageTables, even_chunks
 
 __all__ = ["MeshSearch", "best_mesh_plan", "mesh_results"]
@@ -76,6 +79,8 @@ class MeshSearch:
         """Per (meshes, micro-batches): the slowest stage of its unchunked estimate (None:
         nothing fits), from every evaluation without chunks."""
         self._pairs: list | None = None
+        self._whole: dict[int, float] = {}
+        """Per entry of :meth:`pairs`: :meth:`bound`, once computed."""
 
     def layouts(self) -> list[list[tuple[str, int, int, int, int]]]:
         """Every (type, TP, PP, DP, EP) chain: one mesh per type, the types memory-rich first
@@ -117,51 +122,93 @@ class MeshSearch:
             return [1]
         return list(range(2, max(2, self.problem.opt.refine_max_virtual_pipeline_size) + 1))
 
-    def pairs(self) -> list[tuple[float, list, int, int, int]]:
-        """Every (layout, micro-batch) in listing order, computed once: ``L / rate`` (the
-        slowest stage if each stage took any fraction of the layers at its no-recompute speed),
-        the chain, the samples of a micro-batch over the mesh with most replicas, the
-        micro-batches and the pipeline stages."""
+    def pairs(self) -> list[tuple[float, list, int, int, int, list | None]]:
+        """Every (layout, micro-batch) in listing order whose stages can hold the model's
+        weights (:meth:`_room`), computed once: a lower bound on its slowest stage (each stage
+        at its no-recompute speed, the embedding on the first and the output layer on the
+        last, the layers split in fractions), the chain, the samples of a micro-batch over the
+        mesh with most replicas, the micro-batches, the pipeline stages, and the stages as
+        :func:`whole_layers_bound` takes them (None where layers differ, an MoE model's
+        mixed ones: the bound then takes the mean layer's speed)."""
         if self._pairs is not None:
             return self._pairs
         p = self.problem
         L = p.model.num_layers
+        whole = split_scale(p.model) is None
         cost = self.problem.cost(self.problem.precision_for(p.types))
         layer: dict[tuple, float] = {}  # one layer's seconds per micro-batch, by (type, mbs, TP)
+        ends: dict[tuple, tuple[float, float]] = {}  # the embedding's and the output layer's
+        room: dict[tuple, int] = {}  # layers a stage of (type, TP) can hold at most
         out = []
         for chain in self.layouts():
+            if not p.model.is_moe and sum(c[2] * self._room(cost, c[0], c[1], room)
+                                          for c in chain) < L:
+                continue
             dmax = max(c[3] for c in chain)
             P = sum(c[2] for c in chain)
             for b in p.opt.micro_batch_sizes:
                 batch = b * dmax
                 if p.gbs % batch or any(batch % c[3] for c in chain):
                     continue
-                rate = 0.0
-                for t, tp, pp, dp, _ in chain:
-                    key = (t, batch // dp, tp)
+                keys = [(t, batch // dp, tp) for t, tp, _, dp, _ in chain]
+                for key in keys:
                     if key not in layer:
                         layer[key] = sum(cost.layer_times(*key))
-                    rate += pp / layer[key]
-                out.append((L / rate, chain, batch, p.gbs // batch, P))
+                        ends[key] = (sum(cost.embedding_times(*key)),
+                                     sum(cost.output_times(*key)))
+                if whole:
+                    stages = _linear_stages(chain, keys, layer, ends)
+                    bound = (L + sum(k * e / a for a, e, k in stages)) \
+                        / sum(k / a for a, _, k in stages) * (1 - 1e-9)
+                else:
+                    stages, bound = None, L / sum(c[2] / layer[k] for k, c in zip(keys, chain))
+                out.append((bound, chain, batch, p.gbs // batch, P, stages))
         self._pairs = out
         return out
 
+    def bound(self, i: int) -> float:
+        """A lower bound on the slowest stage of :meth:`pairs`' entry ``i``: the least slowest
+        stage of a split of whole layers (:func:`whole_layers_bound`), computed once."""
+        got = self._whole.get(i)
+        if got is None:
+            base, *_, stages = self.pairs()[i]
+            got = base if stages is None else \
+                whole_layers_bound(stages, self.problem.model.num_layers) * (1 - 1e-9)
+            self._whole[i] = got = max(got, base)
+        return got
+
+    @staticmethod
+    def _room(cost, gpu: str, tp: int, memo: dict) -> int:
+        """The most layers a stage of ``gpu`` at ``tp`` can hold: a stage of ``n`` layers keeps
+        at least their 16-bit weights and gradients besides the workspace (the optimizer state
+        may go to the host, activations count on top); a dense model's (an MoE model's experts
+        split further and are not bounded here)."""
+        got = memo.get((gpu, tp))
+        if got is None:
+            per = cost.params(1, first=False, last=False, tp=tp) * (cost.param_bytes
+                                                                    + cost.grad_bytes)
+            got = memo[gpu, tp] = int((cost.capacity(gpu) - cost.workspace_bytes) // per) + 1
+        return got
+
     def candidates(self, keep: int, *, chunks: bool = False,
-                   budget: int | None = None) -> list[tuple[float, Plan]]:
+                   beat: float = float("inf")) -> list[tuple[float, Plan]]:
         """The ``keep`` best estimates over every layout, micro-batch size and (``chunks``)
         chunk count, visited in order of a lower bound on their estimate until it passes the
-        ``keep``-th, or (``budget``) once that many candidates were estimated.
+        ``keep``-th or ``beat`` (the step a plan must beat to matter: an estimate leaves out
+        the bubbles and the bridges, so it is below the simulated step).
 
-        The bound: ``(m + (P - 1) / v)`` times the slowest stage of the best split if each
-        stage took any fraction of the layers at its no-recompute speed. With chunks, one entry
+        The bound: ``(m + (P - 1) / v)`` times :meth:`bound`'s slowest stage; each entry
+        first goes in at the split of fractions of layers (:meth:`pairs`) and, when it comes
+        out, back in at the whole-layer bound (no lower; computed only for the entries the
+        walk reaches). With chunks, one entry
         per (layout, micro-batch) at its most chunks comes first; once visited, its unchunked
         estimate's slowest stage bounds each chunk count's (chunks hold more in flight, so
         their slowest stage is no faster), and those go back in order."""
-        stop = None if budget is None else self.evaluated + budget
         L = self.problem.model.num_layers
         counts = self.chunk_counts(chunks)
         todo = []  # (bound, listing index, chunks (0: every count, to expand), chain, batch)
-        for i, (base, chain, batch, m, P) in enumerate(self.pairs()):
+        for i, (base, chain, batch, m, P, _) in enumerate(self.pairs()):
+            base = self._whole.get(i, base)
             if not chunks:
                 todo.append(((m + P - 1) * base, i, 1, chain, batch))
             elif P > 1 and L >= 2 * P and whole_group(P, [m]) is not None:
@@ -171,11 +218,14 @@ class MeshSearch:
         best: list[tuple[float, Plan]] = []
         while todo:
             lb, i, v, chain, batch = heapq.heappop(todo)
-            if len(best) >= keep and lb >= best[-1][0] or stop is not None and self.evaluated >= stop:
+            if lb >= beat or len(best) >= keep and lb >= best[-1][0]:
                 break
+            base, _, _, m, P, _ = self._pairs[i]
+            if v <= 1 and i not in self._whole:  # in again at the whole-layer bound
+                heapq.heappush(todo, (lb / base * self.bound(i), i, v, chain, batch))
+                continue
             shapes = [_MeshShape(device_type=t, tp=tp, pp=pp, dp=dp, mbs=batch // dp, ep=ep)
                       for t, tp, pp, dp, ep in chain]
-            base, _, _, m, P = self._pairs[i]
             if v == 0:
                 key = (tuple(shapes), m)
                 if key not in self._slowest:
@@ -183,7 +233,7 @@ class MeshSearch:
                 if self._slowest[key] is not None:
                     for c in counts:
                         if L >= P * c:
-                            heapq.heappush(todo, ((m + (P - 1) / c) * max(base, self._slowest[key]),
+                            heapq.heappush(todo, ((m + (P - 1) / c) * max(self.bound(i), self._slowest[key]),
                                                   i, c, chain, batch))
                 continue
             got = self.evaluate(shapes, m, v)
@@ -208,16 +258,13 @@ class MeshSearch:
                 return None
             group = None if g == P else g
         prec = p.precision_for({x.device_type for x in meshes})
-        rows, s = [], 0
-        for x in meshes:
-            for _ in range(x.pp):
-                position = StageShape(device_type=x.device_type, chunk_layers=(0,) * v,
-                                      micro_batch_size=x.mbs, tensor_parallel_size=x.tp,
-                                      pipeline_size=P, stage=s, num_microbatches=m,
-                                      microbatch_group=group, data_parallel_size=x.dp,
-                                      expert_parallel_size=x.ep)
-                rows.append(self.tables.table(position, precision=prec).fit)
-                s += 1
+        positions = [StageShape(device_type=x.device_type, chunk_layers=(0,) * v,
+                                micro_batch_size=x.mbs, tensor_parallel_size=x.tp,
+                                pipeline_size=P, stage=s, num_microbatches=m,
+                                microbatch_group=group, data_parallel_size=x.dp,
+                                expert_parallel_size=x.ep)
+                     for s, x in enumerate(x for x in meshes for _ in range(x.pp))]
+        rows = [t.fit for t in self.tables.tables(positions, precision=prec)]
         got = min_max_split(np.stack([r.seconds for r in rows]), L, split_scale(p.model))
         if v == 1:
             self._slowest[tuple(meshes), m] = None if got is None else got[0]
@@ -242,6 +289,20 @@ class MeshSearch:
         return (m + (P - 1) / v) * slowest, plan
 
 
+def _linear_stages(chain, keys, layer: dict, ends: dict) -> list[tuple[float, float, int]]:
+    """The chain's stages as :func:`whole_layers_bound` takes them: each mesh's at its
+    layer's seconds (``layer``), the first stage with the embedding's, the last with the output
+    layer's (``ends``)."""
+    a = [layer[k] for k in keys]
+    first, last = ends[keys[0]][0], ends[keys[-1]][1]
+    if len(chain) == 1 and chain[0][2] == 1:
+        return [(a[0], first + last, 1)]
+    inner = [c[2] for c in chain]
+    inner[0] -= 1
+    inner[-1] -= 1
+    return [(a[0], first, 1), (a[-1], last, 1)] + [(x, 0.0, k) for x, k in zip(a, inner) if k > 0]
+
+
 def _early_chunks(plan: Plan) -> Plan:
     """``plan`` with every stage's remainder layers on its early chunks
     (:func:`.tables.even_chunks` with ``early``)."""
@@ -262,12 +323,12 @@ def _stage(n: int, policy, v: int) -> MeshStage:
 
 def best_mesh_plan(problem: Problem, tables: StageTables, *, uniform: SimResult,
                    upper_bound_s: float, chunks: bool = False, search: MeshSearch | None = None,
-                   budget: int | None = None) -> tuple[Plan, SimResult, int] | None:
+                   beat: float = float("inf")) -> tuple[Plan, SimResult, int] | None:
     """The fastest simulated of the best estimated mesh plans that fits (its ``prediction``
     beside the ``uniform`` plan's step and the upper bound), and the candidates estimated;
     ``chunks``: of the plans with model chunks (:meth:`MeshSearch.chunk_counts`) instead;
-    ``search``: a search to go on with (its estimates reused), ``budget``: the most candidates
-    to estimate (:meth:`MeshSearch.candidates`). None
+    ``search``: a search to go on with (its estimates reused), ``beat``: the step a plan must
+    beat (:meth:`MeshSearch.candidates`). None
     on a pool of one device type (one mesh is a uniform plan, which the main search covers), on
     a pool of several vendors' collective libraries (no runtime stages a bridge between vendors
     through host memory on devices yet: :func:`~megatron_hetero.plan.checks.
@@ -280,7 +341,7 @@ def best_mesh_plan(problem: Problem, tables: StageTables, *, uniform: SimResult,
     search = search or MeshSearch(problem, tables)
     before, best = search.evaluated, None
     finalists = [plan for _, plan in search.candidates(problem.opt.finalists, chunks=chunks,
-                                                       budget=budget)]
+                                                       beat=beat)]
     if chunks:  # the remainder layers on the early chunks too: the estimate misses the bubbles
         finalists += [_early_chunks(plan) for plan in finalists]  # of unequal chunks
     for plan in finalists:
@@ -305,10 +366,10 @@ def mesh_results(problem: Problem, tables: StageTables, *, uniform: SimResult,
                  upper_bound_s: float) -> dict:
     """The :class:`~megatron_hetero.tuner.search.TuneResult` fields of the mesh search the
     options ask for (``meshes``, ``mesh_chunks``): the best mesh plan without model chunks, the
-    best with them, and the candidates estimated (nothing without ``meshes``). The search with
-    chunks goes on from the one without (its estimates bound the chunked ones) and estimates at
-    most :data:`CHUNK_BUDGET` times as many candidates (at least :data:`CHUNK_BUDGET_LEAST`),
-    in order of their bound: what keeps its time near the search without chunks."""
+    best with them that can beat both the uniform plan and that mesh plan, and the candidates
+    estimated (nothing without ``meshes``). The search with chunks goes on from the one
+    without (its estimates bound the chunked ones) and stops once its bound passes the faster
+    of those two steps: what keeps its time near the search without chunks."""
     if not problem.opt.meshes:
         return {}
     out: dict = {"mesh_candidates": 0}
@@ -317,16 +378,13 @@ def mesh_results(problem: Problem, tables: StageTables, *, uniform: SimResult,
                                           (True, "chunked_mesh_plan", "chunked_mesh_sim")):
         if chunks and not problem.opt.mesh_chunks:
             continue
-        budget = max(CHUNK_BUDGET_LEAST, CHUNK_BUDGET * search.evaluated) if chunks else None
+        beat = float("inf")
+        if chunks:
+            beat = min([uniform.step_time_s] + ([out["mesh_sim"].step_time_s]
+                                                if "mesh_sim" in out else []))
         got = best_mesh_plan(problem, tables, uniform=uniform, upper_bound_s=upper_bound_s,
-                             chunks=chunks, search=search, budget=budget)
+                             chunks=chunks, search=search, beat=beat)
         if got is not None:
             out[plan_field], out[sim_field] = got[0], got[1]
             out["mesh_candidates"] += got[2]
     return out
-
-
-CHUNK_BUDGET = 4
-"""The search with chunks estimates at most this many times the candidates of the one without."""
-CHUNK_BUDGET_LEAST = 64
-"""... and at least this many."""

@@ -108,7 +108,9 @@ class TuneResult:
     mesh_candidates: int = 0
     """Mesh candidates estimated."""
     chunked_mesh_plan: Plan | None = None
-    """The best mesh plan with model chunks (``TuneOptions.mesh_chunks``; Megatron-LM runtime pending)."""
+    """The best mesh plan with model chunks (``TuneOptions.mesh_chunks``; Megatron-LM runtime
+    pending) among those whose estimate beats the uniform plan and the mesh plan without
+    chunks (None where none does, :func:`.meshes.mesh_results`)."""
     chunked_mesh_sim: SimResult | None = None
 
     @property

@@ -212,11 +212,23 @@ class StageTables:
                         new[id(got)] = got._builder
                 row.append(got)
             out.append(row)
-        if new:  # every caller picks a menu on each: their first grids, built together
-            builders = list(new.values())
-            for b, grid in zip(builders, build_grids(builders, builders[0].module_inputs)):
-                b.grids.append(grid)
+        _first_grids(list(new.values()))
         return out
+
+    def tables(self, positions: list[StageShape], *, precision: str) -> list[StageTable]:
+        """:meth:`table` of each of ``positions`` (the stages of a mesh candidate), the first
+        grids of those new built together."""
+        out = [self.table(position, precision=precision) for position in positions]
+        _first_grids(list({id(t): t._builder for t in out if not t._builder.grids}.values()))
+        return out
+
+
+def _first_grids(builders: list[_Builder]) -> None:
+    """Build the first grids of the tables of ``builders`` together (one stack per kind,
+    :func:`.grid.build_grids`): every caller picks a menu on each."""
+    if builders:
+        for b, grid in zip(builders, build_grids(builders, builders[0].module_inputs)):
+            b.grids.append(grid)
 
 
 _NO_RECOMPUTE, _SELECTIVE = Recompute(), Recompute(granularity="selective")
@@ -258,9 +270,17 @@ def _canonical(position: StageShape) -> StageShape:
     1F1B a stage's costs depend on its place only through whether it is first or last and how
     many micro-batches it holds in flight (``f``), so it becomes stage 0 of ``f`` (first),
     stage 1 of 2 (last) or stage 1 of ``f + 1`` (middle; of at least 3), with ``f``
-    micro-batches."""
+    micro-batches. Interleaved, the in-flight peak depends on the place only through the
+    stages after it (the warm-up, :func:`~megatron_hetero.schedule.order.warmup_count`, is
+    ``(p - s - 1) 2 + (v - 1) g``) once the group ``g`` is named: a middle stage becomes stage 1
+    of ``p - s + 1``, the last stage 1 of 2, the group named (the first keeps its place); the
+    chains of the mesh search share a mesh's tables whatever the meshes before it."""
     if position.virtual_size > 1:
-        return position
+        g = position.microbatch_group or position.pipeline_size
+        if position.first:
+            return position.but(microbatch_group=g)
+        return position.but(pipeline_size=position.pipeline_size - position.stage + 1, stage=1,
+                            microbatch_group=g)
     f = min(position.pipeline_size - position.stage, position.num_microbatches)
     if position.first:
         p, s = (1, 0) if position.last else (max(f, 2), 0)

@@ -15,7 +15,7 @@ from megatron_hetero.plan import load_any_plan
 from megatron_hetero.placement.inventory import check_against_inventory
 from megatron_hetero.sim.step import simulate
 from megatron_hetero.tuner import TuneOptions, tune
-from megatron_hetero.tuner.meshes import MeshSearch
+from megatron_hetero.tuner.meshes import MeshSearch, _MeshShape
 from megatron_hetero.tuner.problem import Problem
 from megatron_hetero.tuner.tables import StageTables
 
@@ -43,6 +43,33 @@ def test_layouts_keep_tp_inside_each_types_node_and_use_every_gpu():
         dps = [c[3] for c in chain]
         assert all(max(a, b) % min(a, b) == 0 for a, b in zip(dps, dps[1:]))
     assert tps == {"RTX3090-24GB": {1, 2, 4, 8}, "T4-16GB": {1, 2, 4}}
+
+
+@pytest.mark.parametrize("groups, model, gbs", [
+    ([("RTX3090-24GB", 2, 8), ("T4-16GB", 4, 4)], "llama2-7b", 128),
+    (A100_T4, "llama2-13b", 256),
+])
+def test_each_candidates_bound_is_below_its_estimate(groups, model, gbs):
+    # the search visits candidates in order of their bound and stops once it passes the kept
+    # estimates: for every chain and micro-batch, at every chunk count, the estimate (when one
+    # fits) is at least (m + (P - 1) / v) times the bound's slowest stage
+    problem = Problem(load_model(model, seq_length=2048), _inventory(groups), gbs, {},
+                      TuneOptions(meshes=True, mesh_chunks=True))
+    search = MeshSearch(problem, StageTables(problem))
+    L, checked = problem.model.num_layers, 0
+    for i, (fractions, chain, batch, m, P, _) in enumerate(search.pairs()):
+        bound = search.bound(i)
+        assert bound >= fractions
+        shapes = [_MeshShape(device_type=t, tp=tp, pp=pp, dp=dp, mbs=batch // dp, ep=ep)
+                  for t, tp, pp, dp, ep in chain]
+        for v in (1, 2, 4):
+            if L < P * v:
+                continue
+            got = search.evaluate(shapes, m, v, build=False)
+            if got is not None:
+                assert got[0] >= (m + (P - 1) / v) * bound
+                checked += 1
+    assert checked > 20
 
 
 def test_a_mesh_plan_wins_where_it_is_strictly_faster():

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from megatron_hetero.cost import CostModel
+from megatron_hetero.cost.stage import StageShape
 from megatron_hetero.schedule.order import (_held_states, peak_activations, peak_in_flight,
                                            rank_order)
 from megatron_hetero.hardware.catalog import load_catalog
@@ -17,6 +18,8 @@ from megatron_hetero.models import model_preset
 from megatron_hetero.plan import Offload, Recompute
 from megatron_hetero.tuner.policy import (OFFLOAD_STEPS, Menu, cheapest_for_stage, option_costs,
                                           pick, timing_position)
+from megatron_hetero.tuner.problem import Problem, TuneOptions
+from megatron_hetero.tuner.tables import StageTables, _Builder, _canonical
 
 from ..shapes import stage
 
@@ -250,3 +253,34 @@ def test_a_stage_shape_hashes_as_its_fields_in_any_process():
                              capture_output=True, env={**os.environ, "PYTHONHASHSEED": seed},
                              cwd=repo, check=True)
         assert out.stdout.split() == [b"found", b"5"]
+
+
+@pytest.mark.parametrize("p", [2, 3, 5, 8])
+@pytest.mark.parametrize("group", [None, "more"])
+def test_canonical_interleaved_position_costs_what_the_position_does(p, group):
+    # the stage tables key an interleaved position by its first/last place and the stages
+    # after it (the group named): each stage of p, at every layer count and policy, costs in
+    # memory and time what its canonical position does, and its table is the same
+    cost = _cost()
+    problem = Problem(cost.model, cost.inventory, 128, {}, TuneOptions())
+    tables = StageTables(problem)
+    prec = problem.precision_for([GPU])
+    v, m = 3, 4 * p
+    g = None if group is None else p + 1 if m % (p + 1) == 0 else 2 * p
+    for s in range(p):
+        position = StageShape(device_type=GPU, chunk_layers=(0,) * v, micro_batch_size=1,
+                              tensor_parallel_size=2, pipeline_size=p, stage=s,
+                              num_microbatches=m, microbatch_group=g, data_parallel_size=2)
+        canon = _canonical(position)
+        assert (canon.first, canon.last) == (position.first, position.last)
+        assert canon.pipeline_size <= p
+        for chunks in ((1, 1, 1), (3, 2, 2), (4, 4, 5)):
+            for recompute in (Recompute(), Recompute.full_layers(2, of=sum(chunks))):
+                got = position.but(chunk_layers=chunks, recompute=recompute)
+                same = canon.but(chunk_layers=chunks, recompute=recompute)
+                assert cost.memory(same) == cost.memory(got)
+                assert cost.times(same) == cost.times(got)
+        exact = _Builder(problem, position, prec, timing_lines={}, figures={}).build()
+        table = tables.table(position, precision=prec)
+        np.testing.assert_array_equal(table.fit.seconds, exact.fit.seconds)
+        np.testing.assert_array_equal(table.t_none, exact.t_none)
