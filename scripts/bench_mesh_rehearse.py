@@ -29,7 +29,8 @@ stretches the ranks' messages and compute past what the prediction prices). Need
 megatron-core 0.19 for the chunked plan (the venv's 0.19.2):
 
     .venv/bin/python scripts/bench_mesh_rehearse.py [--runs 3] [--steps 4] \
-        [--plans fan-in,fan-in-chunked] [--time-scale T] [--hidden-size 64] [--verbose]
+        [--plans fan-in,fan-in-chunked] [--time-scale T] [--hidden-size 64] [--nice -10] \
+        [--verbose]
 """
 
 from __future__ import annotations
@@ -86,6 +87,9 @@ def main() -> int:
     ap.add_argument("--time-scale", type=float, default=None,
                     help="extra slowdown of every device (default: the rehearsal's automatic)")
     ap.add_argument("--hidden-size", type=int, default=64, help="hidden size of the shrunk model")
+    ap.add_argument("--nice", type=int, default=0,
+                    help="os.nice increment of the ranks (negative, as root, shields them from "
+                         "other load)")
     ap.add_argument("--target", type=float, default=0.10,
                     help="the largest |median measured/predicted - 1| that passes")
     ap.add_argument("--verbose", action="store_true", help="print each rehearsal's table")
@@ -104,7 +108,7 @@ def main() -> int:
             links = inventory is not None
             config = RehearsalConfig(steps=args.steps, hidden_size=args.hidden_size,
                                      time_scale=args.time_scale or (3.0 if links else None),
-                                     memory_cap=False, emulate_links=links)
+                                     memory_cap=False, emulate_links=links, nice=args.nice)
             res = rehearse(plan, config, source=name, inventory=inventory)
             if args.verbose:
                 print(format_report(res, source=name, real=plan.model), flush=True)

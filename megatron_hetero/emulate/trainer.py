@@ -342,8 +342,8 @@ def _freeze_heap() -> None:
     one per rank, in the first or second step after the warm-up), inside a forward or backward,
     where the speed emulation (:mod:`.speed`) takes it for the device's compute and stretches
     it by the device's factor (0.6-1.1 s), and the stages after it wait. A real rank's host
-    pauses the same 0.2 s in steps of seconds; Megatron-LM's ``--manual-gc`` keeps them out of
-    the steps for the same reason. Objects made during the steps are collected as usual."""
+    pauses the same 0.2 s in steps of seconds; Megatron-LM's ``--manual-gc`` moves collections
+    to step boundaries for the same jitter. Objects made during the steps are collected as usual."""
     gc.collect()
     gc.freeze()
 
