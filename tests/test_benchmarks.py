@@ -170,46 +170,90 @@ def test_bench_recovery_prints_every_part():
     assert size and int(size.group(1)) > 0, out
 
 
-def test_bench_mesh_rehearse_rehearses_both_plans_and_prints_each_figure(monkeypatch, capsys):
-    """scripts/bench_mesh_rehearse.py without its two rehearsals (minutes on CPU ranks, and
-    tests/emulate/test_mesh_rehearse.py already rehearses a mesh plan against its prediction):
-    it rehearses the two plans its docstring names (fan-out: the meshes reversed, 14 layers on
-    the T4s' TP 2 mesh, 18 on the 3090s') with the command line's steps, time scale and hidden
-    size, memory metered not capped, and prints each figure of each result in its own column."""
-    from types import SimpleNamespace
-
-    from megatron_hetero.plan import load_any_plan
-
+def _bench_mesh_rehearse():
     sys.path.insert(0, str(REPO / "scripts"))
     try:
         import bench_mesh_rehearse as bench
     finally:
         sys.path.pop(0)
-    calls = []
+    return bench
 
-    def rehearse(plan, config, *, source):
-        calls.append((source, plan, config))
-        i = len(calls)  # distinct figures per plan and per column
-        return SimpleNamespace(predicted_step_s=1.0 * i, a_priori_step_s=2.0 * i, step_s=1.5 * i,
-                               ratio=0.75 * i, step_times=[1.25 * i, 1.5 * i])
+
+def test_bench_mesh_rehearse_rehearses_each_plan_in_rounds_and_prints_medians(monkeypatch,
+                                                                              capsys):
+    """scripts/bench_mesh_rehearse.py without its rehearsals (minutes on CPU ranks; the tests
+    in tests/emulate rehearse mesh plans once each, untimed): it rehearses the plans its
+    docstring names (fan-in, and fan-in with chunks [7, 7] and [9, 9]) in rounds, one of each
+    plan a round, with the command line's steps, time scale and hidden size, memory metered
+    not capped; it prints each plan's medians and each run's figures, and exits 1 where a
+    median ratio misses the target (0 where every plan meets it)."""
+    from types import SimpleNamespace
+
+    from megatron_hetero.plan import load_any_plan
+
+    bench = _bench_mesh_rehearse()
+    calls = []
+    ratios = {"fan-in": [1.0, 1.3, 1.05], "fan-in-chunked": [0.7, 1.2, 1.25]}
+
+    def rehearse(plan, config, *, source, inventory):
+        calls.append((source, plan, config, inventory))
+        ratio = ratios[source][sum(c[0] == source for c in calls) - 1]
+        return SimpleNamespace(predicted_step_s=2.0, a_priori_step_s=4.0, step_s=2.0 * ratio,
+                               ratio=ratio)
 
     monkeypatch.setattr(bench, "rehearse", rehearse)
     monkeypatch.setattr(sys, "argv", ["bench_mesh_rehearse.py", "--steps", "3", "--time-scale",
                                       "2", "--hidden-size", "32"])
-    bench.main()
-    rows = {r[0]: r for r in (line.split() for line in capsys.readouterr().out.splitlines())
-            if r and r[0] in ("fan-in", "fan-out")}
-    # plan, predicted s, a priori s, measured s, ratio, the steps measured
-    assert rows["fan-in"][1:] == ["1.000", "2.000", "1.500", "0.75", "1.250,", "1.500"]
-    assert rows["fan-out"][1:] == ["2.000", "4.000", "3.000", "1.50", "2.500,", "3.000"]
-    assert [source for source, _, _ in calls] == ["fan-in", "fan-out"]
-    for _, _, config in calls:
-        assert (config.steps, config.time_scale, config.hidden_size, config.memory_cap) == \
-            (3, 2.0, 32, False)
-    fan_in, fan_out = calls[0][1], calls[1][1]
+    assert bench.main() == 1  # fan-in-chunked's median, 1.20, misses 10%
+    out = capsys.readouterr().out
+    rows = {r[0]: r for r in (line.split() for line in out.splitlines())
+            if r and r[0] in ratios}
+    # plan, predicted s, a priori s, measured s, ratio (medians), then each run's figures
+    assert rows["fan-in"][1:5] == ["2.000", "4.000", "2.100", "1.05"]
+    assert rows["fan-in-chunked"][1:5] == ["2.000", "4.000", "2.400", "1.20"]
+    assert " ".join(rows["fan-in"][5:]) == ("2.000 / 2.000 = 1.00, 2.000 / 2.600 = 1.30, "
+                                            "2.000 / 2.100 = 1.05")
+    assert "MISSED by fan-in-chunked 1.20" in out and "fan-in 1.05" not in out
+    assert [c[0] for c in calls] == ["fan-in", "fan-in-chunked"] * 3  # rounds
+    for _, _, config, inventory in calls:
+        assert (config.steps, config.time_scale, config.hidden_size, config.memory_cap,
+                config.emulate_links, inventory) == (3, 2.0, 32, False, False, None)
+    fan_in, chunked = calls[0][1], calls[1][1]
     assert fan_in.to_data() == load_any_plan(REPO / "examples/meshes/rehearse-plan.yaml").to_data()
     shape = [(m.device_type, m.layer_split, m.tensor_model_parallel_size) for m in fan_in.meshes]
     assert shape == [("RTX3090-24GB", [14], 1), ("T4-16GB", [18], 2)]
+    assert [(m.device_type, m.layer_split, m.tensor_model_parallel_size)
+            for m in chunked.meshes] == shape
+    assert [m.pipelines[0].stages[0].chunk_layers for m in chunked.meshes] == [[7, 7], [9, 9]]
+    ratios["fan-in-chunked"] = [1.0, 0.95, 1.05]
+    calls.clear()
+    monkeypatch.setattr(sys, "argv", ["bench_mesh_rehearse.py", "--runs", "3"])
+    assert bench.main() == 0 and "met by every plan" in capsys.readouterr().out
+
+
+def test_bench_mesh_rehearse_runs_the_two_vendor_plan_over_its_emulated_links(monkeypatch,
+                                                                               capsys):
+    """``--plans a100-mi300x-tcp,a100-mi300x-rdma``: the format-1 plan of
+    examples/rehearse/a100-mi300x over each inventory, its links emulated, time scale 3; the
+    fan-out plan has the meshes the other way round."""
+    from types import SimpleNamespace
+
+    bench = _bench_mesh_rehearse()
+    calls = []
+
+    def rehearse(plan, config, *, source, inventory):
+        calls.append((source, plan, config, inventory))
+        return SimpleNamespace(predicted_step_s=1.0, a_priori_step_s=1.0, step_s=1.0, ratio=1.0)
+
+    monkeypatch.setattr(bench, "rehearse", rehearse)
+    monkeypatch.setattr(sys, "argv", ["bench_mesh_rehearse.py", "--runs", "1", "--plans",
+                                      "a100-mi300x-tcp,a100-mi300x-rdma,fan-out"])
+    assert bench.main() == 0
+    (tcp, _, tcp_config, tcp_inv), (rdma, _, _, rdma_inv), (_, fan_out, out_config, none) = calls
+    assert (tcp, rdma) == ("a100-mi300x-tcp", "a100-mi300x-rdma")
+    assert tcp_config.emulate_links and tcp_config.time_scale == 3.0
+    assert tcp_inv.source.endswith("tcp.yaml") and rdma_inv.source.endswith("rdma.yaml")
+    assert not out_config.emulate_links and out_config.time_scale is None and none is None
     assert [(m.device_type, m.layer_split, m.tensor_model_parallel_size)
             for m in fan_out.meshes] == [("T4-16GB", [14], 2), ("RTX3090-24GB", [18], 1)]
 

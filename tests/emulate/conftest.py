@@ -43,3 +43,16 @@ def tiny_plan(split: list[int], pipes: list[tuple[int, int]], *, tp: int = 1,
         "global_batch_size": sum(m * n for m, n in pipes), "tensor_model_parallel_size": tp,
         "pipelines": [{"micro_batch_size": m, "num_microbatches": n, "stages": stages()}
                       for m, n in pipes]})
+
+
+def assert_prediction_is_the_runs(result) -> None:
+    """The prediction of a rehearsal (``RehearsalResult``) is made from its own run: for each
+    device, its stages' predicted compute over the device's factor is the CPU seconds its ranks
+    measured (the start-up calibration rescaled by the CPU drift; a prediction off by a unit or
+    a time scale fails it). An identity, not a timing: it holds on any load."""
+    import pytest
+
+    for device in {st.device_type for st in result.stages}:
+        mine = [st for st in result.stages if st.device_type == device]
+        assert sum(st.predicted_busy_s / st.factor for st in mine) == pytest.approx(
+            sum(st.cpu_s for st in mine), rel=1e-6), device

@@ -1,13 +1,13 @@
 """``megatron-hetero rehearse`` of a mesh plan (format 2): refused on megatron-core 0.16 naming
 0.17; on 0.17.1 the CPU ranks play each mesh's device at its relative speed, the simulator
-predicts the step, and --verify matches one process. The one timed check is the one issue 15
-asks for (as tests/emulate/test_rehearse.py's for format 1): the measured step within 10% of
-the prediction, median of 3 rehearsals; scripts/bench_mesh_rehearse.py prints the figures."""
+predicts the step, and --verify matches one process. No check here is timed: how close the
+measured step comes to the prediction (issues 15 and 28: within 10%, median of 3) is
+scripts/bench_mesh_rehearse.py's figure; the tests check that both are there, that the
+prediction is made from the run's own CPU time and that the telemetry is the run's."""
 
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 
@@ -21,6 +21,7 @@ from megatron_hetero.plan import load_any_plan
 from megatron_hetero.telemetry.records import read_records
 
 from ..conftest import REPO, one_line_error
+from .conftest import assert_prediction_is_the_runs
 
 PLAN = REPO / "examples/meshes/rehearse-plan.yaml"
 
@@ -117,41 +118,89 @@ def test_mesh_plan_rehearses_and_verifies(mcore_env, tmp_path):
         ("meshes[0].stages[0]", 1, 0, 8)]
 
 
-A_PRIORI_BOUND = 4.0
-"""Measured over a-priori step time, median of 3 rehearsals: within [1/4, 4]. The a-priori
-prediction misses the CPU drift of 4 ranks sharing the cores: 2.02, 2.17 and 3.11 measured on
-the 2-core machine shared with other test runs (2026-11-27), where the refitted prediction met
-its 10%; a prediction off by a unit or a missing time scale is off by more than 4x."""
+def _fan_in(chunks: tuple[list[int], list[int]] | None = None):
+    """``examples/meshes/rehearse-plan.yaml``, with ``chunks`` the model chunks of its two
+    meshes' stages (interleaved)."""
+    from megatron_hetero._schema import read_yaml
+    from megatron_hetero.plan import mesh_plan_from_data
+
+    data = read_yaml(PLAN)
+    for mesh, layers in zip(data["meshes"], chunks or ()):
+        mesh["stages"][0]["chunk_layers"] = layers
+    return mesh_plan_from_data(data, source=str(PLAN))
+
+
+def test_prediction_of_a_slower_mesh_device_grows():
+    """The rehearsal's prediction of the interleaved fan-in plan on the emulated cluster: a
+    device played twice as slow doubles its stage's predicted compute and lengthens the step;
+    the other stage's compute stays."""
+    from megatron_hetero.emulate.calibration import Calibration
+    from megatron_hetero.emulate.prediction import emulated_name, predict
+    from megatron_hetero.emulate.speed import device_slowdowns
+
+    plan = _fan_in(([7, 7], [9, 9]))
+    shrunk = shrink_plan(plan, 64, plan.catalog)
+    parts = {(part, b): (t * b, 2 * t * b) for b in (1, 2)
+             for part, t in (("layer", 1e-3), ("embedding", 2e-4), ("output", 5e-4))}
+    calibration = Calibration(parts=parts, layer_flops_per_s=1e9, p2p_latency_s=5e-5,
+                              allreduce_gb_s=2.0, optimizer_gb_s=2.0)
+    factors = device_slowdowns(plan)
+    base = predict(shrunk, calibration, factors)
+    for device in factors:
+        slower = predict(shrunk, calibration, {**factors, device: 2 * factors[device]})
+        assert slower.step_time_s > base.step_time_s, device
+        for st in base.stages:
+            grown = slower.stage(st.pipeline, st.stage).busy_s / st.busy_s
+            want = 2.0 if st.device_type == emulated_name(device) else 1.0
+            assert grown == pytest.approx(want), (device, st)
 
 
 @pytest.mark.slow
-def test_mesh_rehearsal_meets_its_prediction(mcore_env):
+@pytest.mark.parametrize("chunks", [None, ([7, 7], [9, 9])], ids=["1f1b", "interleaved"])
+def test_mesh_rehearsal_measures_and_predicts_one_run(chunks, tmp_path):
     """``examples/meshes/rehearse-plan.yaml`` (3090s TP1 x DP2 -> T4s TP2 x DP1: a fan-in
-    bridge and a TP broadcast) rehearsed 3 times: the median of measured / predicted is within
-    10% (issue 15, item 5), and of measured / the a-priori prediction (made from the start-up
-    calibration before the run) within :data:`A_PRIORI_BOUND`. A shared, loaded machine misses it (docs/meshes.md, "Rehearsal of
-    a mesh plan": gloo's messages then wait milliseconds for a core each). Each rehearsal
-    measures its own start-up calibration, as a user's does: sharing one (``--calibration``)
-    saved 10-30 s a run, but the runs that read a calibration measured minutes before met the
-    refitted prediction worse on this loaded machine (2026-11-28, load 4-22: 1.12, 1.14, 1.19,
-    2.14, 2.31 reading it against 1.05-1.07 for the run that measured it; the idle penalty
-    and gloo's figures are not refitted by the run's CPU time), and this is the timed check."""
-    ratios, a_priori = [], []
-    for _ in range(3):
-        out = subprocess.run([sys.executable, "-m", "megatron_hetero.cli", "rehearse", str(PLAN),
-                              "--steps", "4", "--hidden-size", "64", "--no-memory-cap"],
-                             env=mcore_env | {"PYTHONWARNINGS": "ignore"}, cwd=REPO,
-                             capture_output=True, text=True, timeout=600)
-        assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-2000:]
-        line = next(x for x in out.stdout.splitlines() if x.startswith("step time: measured"))
-        ratios.append(float(line.rsplit("measured/predicted", 1)[1].split()[0]))
-        measured = float(line.split("step time: measured", 1)[1].split()[0])
-        before = re.search(r"from that calibration alone the prediction is ([\d.]+) s", out.stdout)
-        a_priori.append(measured / float(before.group(1)))
-    assert sorted(ratios)[1] == pytest.approx(1.0, abs=0.1), ratios
-    # the prediction made before the run (start-up calibration only, not rescaled by the run's
-    # own CPU time): within A_PRIORI_BOUND of the measured step, median of 3
-    assert 1 / A_PRIORI_BOUND <= sorted(a_priori)[1] <= A_PRIORI_BOUND, a_priori
+    bridge and a TP broadcast), without and with model chunks (interleaved 1F1B over the two
+    meshes), rehearsed once with ``--telemetry``. What holds whatever the machine's load:
+
+    - the measured step, the prediction and the a-priori prediction are there and positive;
+      the measured step is the mean of the steps the telemetry recorded, and those are the
+      ranks' own (the same numbers);
+    - the prediction is this run's: for each device, its stages' predicted compute over the
+      device's factor is the CPU time its ranks measured (the start-up calibration rescaled by
+      the CPU drift; a prediction off by a unit or a time scale fails it);
+    - each stage's telemetry has one forward and one backward of every micro-batch through
+      every model chunk, the forward first, and its spans enclose the emulated compute.
+
+    How close the measured step comes to the prediction (issue 28: within 10%, median of 3) is
+    a benchmark's figure, not a test's: ``scripts/bench_mesh_rehearse.py`` (docs/rehearsal.md)."""
+    import statistics
+
+    from megatron_hetero.emulate.rehearse import RehearsalConfig, rehearse
+
+    config = RehearsalConfig(steps=3, hidden_size=64, memory_cap=False, telemetry=tmp_path)
+    result = rehearse(_fan_in(chunks), config, source="fan-in")
+    v = 2 if chunks else 1
+    assert result.plan.virtual_pipeline_size == v
+    assert result.step_s > 0 and result.predicted_step_s > 0 and result.a_priori_step_s > 0
+    records = read_records(tmp_path)
+    assert [r.step_time_s for r in records] == result.step_times
+    assert result.step_s == pytest.approx(statistics.fmean(result.step_times))
+    assert_prediction_is_the_runs(result)
+    for rec in records:
+        assert rec.predicted_step_time_s > 0
+        assert [(s.path, s.replica, s.micro_batches) for s in rec.stages] == [
+            ("meshes[0].stages[0]", 0, 8), ("meshes[1].stages[0]", 0, 8),
+            ("meshes[0].stages[0]", 1, 8)]
+        for s in rec.stages:
+            spans = {(o.kind, o.micro_batch, o.chunk): o for o in s.ops}
+            assert len(spans) == len(s.ops) == 2 * v * s.micro_batches, (rec.step, s.path)
+            for m in range(s.micro_batches):
+                for c in range(v):
+                    assert spans[("F", m, c)].end_s <= spans[("B", m, c)].start_s
+    for st in result.stages:  # the lead rank's compute, inside its stage's spans
+        rows = [s for r in records for s in r.stages
+                if (s.replica, s.stage) == (st.pipeline, st.stage)]
+        assert st.busy_s <= statistics.fmean(s.measured.compute_s for s in rows), st
 
 
 @pytest.mark.slow

@@ -162,10 +162,12 @@ def test_a_rehearsal_that_rebalances_mid_way_trains_as_one_process_and_reports_i
     for st_ in result.stages:  # mean over the reported steps, as the report takes them
         rows = [s for r in records for s in r.stages
                 if (s.replica, s.stage) == (st_.pipeline, st_.stage)]
+        # the telemetry's spans enclose the emulation's timers (no bound on the time between
+        # them: a loaded machine may stretch it), inside the step
         compute = statistics.fmean(s.measured.compute_s for s in rows)
-        assert st_.busy_s <= compute <= 2 * st_.busy_s + 0.02, (st_, compute)
         sync = statistics.fmean(s.measured.sync_s + s.measured.optimizer_s for s in rows)
-        assert st_.sync_s <= sync <= st_.sync_s + 0.01
+        assert st_.busy_s <= compute and st_.sync_s <= sync, (st_, compute, sync)
+        assert compute + sync <= result.step_s * (1 + 1e-9), (st_, compute, sync)
     assert load_any_plan(out / "plan.yaml") == result.plan
     profile = load_profile(out / "profile.A100-SXM-80GB.yaml")
     assert profile.data.model == result.plan.model
