@@ -22,6 +22,16 @@ all-to-alls alike. A run's telemetry measures it per expert (the most loaded exp
 over the mean, :mod:`megatron_hetero.telemetry.records`): the expert rank's at EP = the number
 of experts, and at a smaller EP a bound from above (a rank's experts even out).
 
+Without grouped GEMM (``moe_grouped_gemm`` false, megatron-core's ``SequentialMLP``) the
+experts run one after another, each a few kernels whose launch and bookkeeping cost does not
+shrink with its tokens: :data:`SEQUENTIAL_EXPERT_S` per local expert (``num_experts / EP``) per
+MoE layer and micro-batch, forward and backward, measured on an H200 (docs/gpu.md, run 4:
+128 experts of 768, top 8, took 39.66 + 44.14 ms in the MoE block against 0.81 + 1.33 ms for a
+dense block of the same FLOPs; 8 experts of 14336 took 0.39 + 0.43 ms each beyond FLOPs, part
+of it the router's). A profile that measured the layer has it in its times, and the cost model
+then adds nothing. With the constant, the catalog's prediction of a 4-layer Qwen3-30B-A3B step
+on one H200 (run 5) went from 0.168 s to 1.477 s against 2.152 s measured (0.08x to 0.69x).
+
 Gradient sync: a stage's dense parameters reduce over its ``D`` replicas as before; its expert
 shard over the ``T D / (ETP EP)`` expert-data-parallel replicas (Megatron's
 ``expert_data_parallel`` group) on the same links.
@@ -35,7 +45,13 @@ from .. import models as M
 from ..errors import HeteroError
 from .stage import StageShape
 
-__all__ = ["ExpertCosts", "check_imbalance", "per_stage_mix", "placed_expert_link"]
+__all__ = ["ExpertCosts", "SEQUENTIAL_EXPERT_S", "check_imbalance", "per_stage_mix",
+           "placed_expert_link"]
+
+SEQUENTIAL_EXPERT_S = (3.04e-4, 3.35e-4)
+"""(forward, backward) seconds each local expert adds to an MoE layer's micro-batch without
+grouped GEMM, beyond its FLOPs (module docstring): ((39.66 - 0.81) / 128, (44.14 - 1.33) / 128)
+ms on an H200."""
 
 
 def per_stage_mix(method):
@@ -66,6 +82,7 @@ class ExpertCosts:
     attributes it reads and caches :meth:`_alltoall` and :meth:`expert_link_gb_s`."""
 
     moe_load_imbalance: float
+    sequential_expert_s: tuple[float, float]
     p2p_latency_s: float
     options: dict
     """The keyword arguments the cost model was built with (its mixes are built alike)."""
@@ -127,6 +144,28 @@ class ExpertCosts:
         if etp > 1:
             one += (etp - 1) * nbytes / self.intra_node_bandwidth(device_type)
         return 2.0 * one
+
+    @per_stage_mix
+    def sequential_expert_seconds(self, shape: StageShape) -> tuple[float, float]:
+        """(forward, backward) seconds the stage's local experts add to one layer's micro-batch
+        run one by one (module docstring), the mean over the model's layers; nothing with
+        grouped GEMM, for a dense model, or where the device type's profile measured the
+        layer."""
+        return self.sequential_expert_times(shape.device_type, shape.micro_batch_size,
+                                            shape.tensor_parallel_size,
+                                            shape.expert_parallel_size)
+
+    def sequential_expert_times(self, device_type: str, b: int, tp: int,
+                                ep: int) -> tuple[float, float]:
+        """:meth:`sequential_expert_seconds` of a stage of this device type, micro-batch size,
+        TP and EP (the search's bound asks before it has a stage)."""
+        m = self.model
+        if not m.is_moe or m.moe_grouped_gemm or self._measured(device_type, "layer", b,
+                                                                tp) is not None:
+            return 0.0, 0.0
+        local = m.num_experts / ep * M.moe_fraction(m)
+        f, bw = self.sequential_expert_s
+        return local * f, local * bw
 
     @per_stage_mix
     def grad_sync_seconds(self, shape: StageShape, bandwidth_gb_s: float) -> float:

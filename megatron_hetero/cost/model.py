@@ -50,7 +50,7 @@ from ..errors import HeteroError
 from ..hardware.inventory import Inventory
 from ..plan import ModelSpec, Offload, Plan, Recompute
 from ..placement.host_path import DEFAULT_HOST_LINK_GB_S
-from .experts import ExpertCosts, check_imbalance, per_stage_mix
+from .experts import SEQUENTIAL_EXPERT_S, ExpertCosts, check_imbalance, per_stage_mix
 from .memory import StageMemory
 from ..placement.nodes import Placement, place
 from .profile_protocol import DeviceProfile
@@ -96,7 +96,8 @@ class CostModel(StageMemory, ExpertCosts):
                  p2p_latency_s: float = 20e-6,
                  pipeline_overhead_s: tuple[float, float] = (0.0, 0.0),
                  memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
-                 moe_load_imbalance: float = 1.0):
+                 moe_load_imbalance: float = 1.0,
+                 sequential_expert_s: tuple[float, float] = SEQUENTIAL_EXPERT_S):
         """
         ``flash_attention``: core attention runs a fused kernel that stores no ``s x s``
         matrices (Megatron's default with Transformer Engine), so no-recompute activations
@@ -124,6 +125,8 @@ class CostModel(StageMemory, ExpertCosts):
         (:meth:`capacity`, :data:`DEFAULT_MEMORY_HEADROOM`).
         ``moe_load_imbalance``: an MoE model's most loaded expert rank's tokens over the mean
         (at least 1) where no profile of the device type measured it (:mod:`.experts`).
+        ``sequential_expert_s``: (forward, backward) seconds each local expert adds to an MoE
+        layer's micro-batch without grouped GEMM (:data:`.experts.SEQUENTIAL_EXPERT_S`).
         """
         self.options = dict(profiles=profiles, precision=precision,
                             use_distributed_optimizer=use_distributed_optimizer,
@@ -131,7 +134,8 @@ class CostModel(StageMemory, ExpertCosts):
                             workspace_gb=workspace_gb, host_optimizer_gb_s=host_optimizer_gb_s,
                             pcie_bandwidth_gb_s=pcie_bandwidth_gb_s, host_reserve_gb=host_reserve_gb,
                             p2p_latency_s=p2p_latency_s, pipeline_overhead_s=pipeline_overhead_s,
-                            memory_headroom=memory_headroom, moe_load_imbalance=moe_load_imbalance)
+                            memory_headroom=memory_headroom, moe_load_imbalance=moe_load_imbalance,
+                            sequential_expert_s=sequential_expert_s)
         self._mixes = {}
         self.model = model
         self.inventory = inventory
@@ -148,6 +152,7 @@ class CostModel(StageMemory, ExpertCosts):
         self.pipeline_overhead_s = pipeline_overhead_s
         self.memory_headroom = check_memory_headroom(memory_headroom, flag="memory_headroom")
         self.moe_load_imbalance = check_imbalance(moe_load_imbalance, flag="moe_load_imbalance")
+        self.sequential_expert_s = sequential_expert_s
         self.param_bytes = 4.0 if precision == "fp32" else 2.0
         self.grad_bytes = 2.0 if precision == "fp16" else 4.0
         self.optim_bytes = 8.0 if precision == "fp32" else 12.0
@@ -287,9 +292,10 @@ class CostModel(StageMemory, ExpertCosts):
         num_layers, first, last, recompute = self._part(shape, chunk)
         lf, lb = self.layer_times(device_type, b, tp)
         fwd, bwd = num_layers * lf, num_layers * lb
-        if self.model.is_moe:  # dispatch and combine, forward and backward
+        if self.model.is_moe:  # dispatch and combine, forward and backward; experts one by one
             a2a = num_layers * self.alltoall_seconds(shape)
-            fwd, bwd = fwd + a2a, bwd + a2a
+            sf, sb = self.sequential_expert_seconds(shape)
+            fwd, bwd = fwd + a2a + num_layers * sf, bwd + a2a + num_layers * sb
         if shape.offload.module_inputs:
             # copies on side streams: a layer waits only for what its own compute cannot hide
             n = num_layers - recompute.recomputed_layers(num_layers)
@@ -304,8 +310,9 @@ class CostModel(StageMemory, ExpertCosts):
             of, ob = self.output_times(device_type, b, tp)
             fwd, bwd = fwd + of, bwd + ob
         bwd += self._recompute_extra(device_type, b, tp, num_layers, recompute)
-        if self.model.is_moe and recompute.granularity == "full":  # the recompute's all-to-alls
-            bwd += recompute.recomputed_layers(num_layers) * self.alltoall_seconds(shape)
+        if self.model.is_moe and recompute.granularity == "full":  # the recompute's MoE part
+            bwd += recompute.recomputed_layers(num_layers) * (
+                self.alltoall_seconds(shape) + self.sequential_expert_seconds(shape)[0])
         sf, sb = self.step_overhead(device_type, b, tp)
         fwd, bwd = fwd + sf, bwd + sb
         if not (first and last):  # a pipeline stage (or an interleaved chunk)

@@ -242,32 +242,32 @@ def structures(problem: Problem) -> list[tuple[float, Structure]]:
                         tm = _divisible_templates(tm, gbs)
                         Dm = sum(n for _, n in tm)
                     tm = shared.setdefault(tm, tm)
-                    paces = []  # (balanced seconds per micro-batch, whole-layer ones, pipelines)
-                    for types, n in tm:
-                        # the stage order does not change the bound: key by type counts
-                        counts = counts_of.get(types)
-                        if counts is None:
-                            counts = counts_of[types] = tuple((t, types.count(t))
-                                                              for t in sorted(set(types)))
-                        key = (prec, counts, tp, mbs)
-                        got = rates.get(key)
-                        if got is None:
-                            layer = [(sum(cost.layer_times(t, mbs, tp)), k) for t, k in counts]
-                            got = rates[key] = (sum(k / (L * x) for x, k in layer),
-                                                _whole_layers(layer, L))
-                        paces.append((1 / got[0], got[1], n))
-                    rate = _rate(paces)
                     grids = expert_grids(problem.model, tp, tm, total)
+                    unit = whole_group(pp, [total])  # micro-batch groups of the interleaving
+                    interleaves = not (pp == 1 or unit is None or total // unit < Dm)
                     for ep, etp in grids:
+                        paces = []  # (balanced s per micro-batch, whole-layer ones, pipelines)
+                        for types, n in tm:
+                            # the stage order does not change the bound: key by type counts
+                            counts = counts_of.get(types)
+                            if counts is None:
+                                counts = counts_of[types] = tuple((t, types.count(t))
+                                                                  for t in sorted(set(types)))
+                            key = (prec, counts, tp, mbs, ep)
+                            got = rates.get(key)
+                            if got is None:  # a layer's compute, its experts one by one too
+                                layer = [(sum(cost.layer_times(t, mbs, tp))
+                                          + sum(cost.sequential_expert_times(t, mbs, tp, ep)), k)
+                                         for t, k in counts]
+                                got = rates[key] = (sum(k / (L * x) for x, k in layer),
+                                                    _whole_layers(layer, L))
+                            paces.append((1 / got[0], got[1], n))
+                        rate = _rate(paces)
                         out.append((_bound(paces, total, pp - 1, rate), tp, pp, mbs, 1, ep,
                                     etp or 0, tm))
-                    unit = whole_group(pp, [total])  # micro-batch groups of the interleaving
-                    if pp == 1 or unit is None or total // unit < Dm:
-                        continue
-                    for v in chunks:
-                        for ep, etp in grids:
-                            out.append((_bound(paces, total, (pp - 1) / v, rate), tp, pp, mbs, v,
-                                        ep, etp or 0, tm))
+                        if interleaves:
+                            out.extend((_bound(paces, total, (pp - 1) / v, rate), tp, pp, mbs, v,
+                                        ep, etp or 0, tm) for v in chunks)
     out.sort()
     unique, seen = [], set()
     for lb, tp, pp, mbs, v, ep, etp, tm in out:

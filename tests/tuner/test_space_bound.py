@@ -58,3 +58,47 @@ def test_structures_are_unique_and_in_bound_order(gbs):
     keys = [(lb, s.tp, s.pp, s.mbs, s.vp, s.templates) for lb, s in got]
     assert keys == sorted(keys)
     assert len({s for _, s in got}) == len(got) > 1000
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_the_bound_is_below_every_estimate_of_a_mixture_of_experts(grouped):
+    """Qwen3-30B-A3B (128 experts): without grouped GEMM every stage pays each local expert's
+    launch cost (cost.experts.SEQUENTIAL_EXPERT_S), which depends on the structure's EP; the
+    bound counts it at that EP and stays below every estimate."""
+    import dataclasses
+
+    from megatron_hetero.models import model_preset
+    inventory = inventory_from_data({"groups": [
+        {"gpu": "H100-SXM-80GB", "nodes": 1, "gpus_per_node": 8},
+        {"gpu": "A100-SXM-40GB", "nodes": 2, "gpus_per_node": 8}]}, source="pool")
+    model = dataclasses.replace(model_preset("qwen3-30b-a3b"), moe_grouped_gemm=grouped)
+    problem = Problem(model, inventory, 256, {}, TuneOptions())
+    search = _Search(problem)
+    checked, eps = 0, set()
+    for lb, structure in structures(problem)[:120]:
+        got = search.evaluate(structure, baseline=False)
+        if got is not None:
+            checked += 1
+            eps.add(structure.ep)
+            assert lb <= got.score * (1 + 1e-9), structure
+    assert checked > 10 and len(eps) > 1
+
+
+def test_sequential_experts_cost_per_local_expert_unless_grouped():
+    import dataclasses
+
+    from megatron_hetero.cost.experts import SEQUENTIAL_EXPERT_S
+    from megatron_hetero.cost.model import CostModel
+    from megatron_hetero.models import model_preset
+    inventory = inventory_from_data({"groups": [{"gpu": "H100-SXM-80GB", "nodes": 1,
+                                                 "gpus_per_node": 8}]}, source="pool")
+    model = model_preset("qwen3-30b-a3b")
+    cost = CostModel(model, inventory)
+    one = cost.sequential_expert_times("H100-SXM-80GB", 1, 1, 1)
+    assert one == pytest.approx((128 * SEQUENTIAL_EXPERT_S[0], 128 * SEQUENTIAL_EXPERT_S[1]))
+    assert cost.sequential_expert_times("H100-SXM-80GB", 1, 1, 8) == pytest.approx(
+        (one[0] / 8, one[1] / 8))
+    grouped = CostModel(dataclasses.replace(model, moe_grouped_gemm=True), inventory)
+    assert grouped.sequential_expert_times("H100-SXM-80GB", 1, 1, 1) == (0.0, 0.0)
+    dense = CostModel(model_preset("llama2-7b"), inventory)
+    assert dense.sequential_expert_times("H100-SXM-80GB", 1, 1, 1) == (0.0, 0.0)
