@@ -11,6 +11,9 @@ Plans (4 CPU ranks each, Llama-2 7B's 32 layers shrunk in width):
   on the T4s (4 bridge crossings a micro-batch, the wrap-around included);
 - ``fan-out`` (``--plans``): the same meshes in the other order, 14 layers on the T4s, 18 on
   the 3090s;
+- ``moe-h100-a100`` (``--plans``): the mixture-of-experts example,
+  ``examples/rehearse/moe-h100-a100/plan.yaml`` (PP2 x DP2 x EP2, 8 experts, uneven 5:3
+  layers on H100 and A100; issue 30: within 10%, median of 3);
 - ``a100-mi300x-tcp``, ``a100-mi300x-rdma`` (``--plans``): a format-1 plan across two vendors,
   ``examples/rehearse/a100-mi300x/plan.yaml`` (A100 1 layer -> MI300X 3 layers, 4 micro-batches)
   with its pipeline edge emulated as the host path over TCP or RDMA NICs (``--emulate-links``,
@@ -53,6 +56,7 @@ from megatron_hetero.plan import load_plan, mesh_plan_from_data  # noqa: E402
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
 PLAN = os.path.join(EXAMPLES, "meshes", "rehearse-plan.yaml")
 VENDORS = os.path.join(EXAMPLES, "rehearse", "a100-mi300x")
+MOE = os.path.join(EXAMPLES, "rehearse", "moe-h100-a100")
 DEFAULT_PLANS = ("fan-in", "fan-in-chunked")
 
 
@@ -94,8 +98,11 @@ def main() -> int:
                     help="the largest |median measured/predicted - 1| that passes")
     ap.add_argument("--verbose", action="store_true", help="print each rehearsal's table")
     args = ap.parse_args()
-    known = {name: (plan, None) for name, plan in plans().items()}
-    known |= {f"a100-mi300x-{nic}": two_vendor(nic) for nic in ("tcp", "rdma")}
+    known = {name: (plan, None, False) for name, plan in plans().items()}
+    known |= {f"a100-mi300x-{nic}": (*two_vendor(nic), True) for nic in ("tcp", "rdma")}
+    moe_inventory = load_inventory(os.path.join(MOE, "inventory.yaml"))
+    known["moe-h100-a100"] = (load_plan(os.path.join(MOE, "plan.yaml"),
+                                        catalog=moe_inventory.catalog), moe_inventory, False)
     names = [n.strip() for n in args.plans.split(",") if n.strip()]
     unknown = [n for n in names if n not in known]
     if unknown or not names or args.runs < 1:
@@ -104,8 +111,7 @@ def main() -> int:
     start = (time.strftime('%H:%M', time.gmtime()), os.getloadavg()[0])
     for _ in range(args.runs):
         for name in names:
-            plan, inventory = known[name]
-            links = inventory is not None
+            plan, inventory, links = known[name]
             config = RehearsalConfig(steps=args.steps, hidden_size=args.hidden_size,
                                      time_scale=args.time_scale or (3.0 if links else None),
                                      memory_cap=False, emulate_links=links, nice=args.nice)
