@@ -19,8 +19,8 @@ runtime's check at start (:func:`megatron_hetero.runtime.policies.check_supporte
 :func:`check_runnable` refuses what Megatron-LM's training under ``--hetero-plan`` does not
 run yet, though the cost model, the simulator, the CPU trainer and ``rehearse`` take it:
 interleaved 1F1B over a chain of meshes (a mesh plan whose stages list ``chunk_layers``, issue
-28). ``validate``, ``args`` and the runtime's entry call it, so such a plan is refused with its
-field path rather than run wrongly.
+28) with replicas that differ in micro-batch size or count. ``validate``, ``args`` and the
+runtime's entry call it, so such a plan is refused with its field path rather than run wrongly.
 """
 
 from __future__ import annotations
@@ -72,26 +72,23 @@ def stage_path(plan: Plan, replica: int, stage: int) -> str:
 
 
 RUNTIME_PENDING = (
-    "interleaved 1F1B over a chain of meshes runs on CPU ranks (megatron-hetero rehearse and "
-    "the CPU trainer, megatron-core 0.19+; simulate prices it; tune searches it with "
-    "--mesh-chunks) but its runtime under pretrain_gpt.py --hetero-plan and the launcher is "
-    "pending (docs/meshes.md)")
-"""Why :func:`check_runnable` refuses a mesh plan with model chunks."""
+    "interleaved 1F1B over a chain of meshes with replicas that differ runs on CPU ranks "
+    "(megatron-hetero rehearse and the CPU trainer); under pretrain_gpt.py --hetero-plan and the "
+    "launcher a chain with model chunks runs with every replica of a mesh alike (docs/meshes.md)")
+"""Why :func:`check_runnable` refuses a mesh plan with model chunks and uneven replicas."""
 
 
 def check_runnable(plan: Plan, *, source: str) -> None:
     """Raise :class:`SchemaError` where ``plan`` asks for a schedule Megatron-LM's training
     under ``--hetero-plan`` (and so ``validate`` and ``args``) does not run yet: model chunks
-    (``chunk_layers``) in a chain of meshes (:attr:`.types.Plan.interleaved_chain`). The CPU
-    trainer and ``rehearse`` run such a plan (:mod:`megatron_hetero.mcore.mesh_interleaved`)
-    and do not call this."""
-    if not plan.interleaved_chain:
+    (``chunk_layers``) in a chain of meshes (:attr:`.types.Plan.interleaved_chain`) whose
+    replicas differ. The CPU trainer and ``rehearse`` run such a plan
+    (:mod:`megatron_hetero.mcore.mesh_interleaved`) and do not call this."""
+    if not (plan.interleaved_chain and plan.replicas_differ):
         return
-    first = plan.meshes[0].pipelines[0].stages[0]
-    hint = ("; its meshes share TP and DP, so as a format-1 plan (one grid) megatron-core's own "
-            "interleaved schedule runs it" if plan.shares_tp_dp else "")
-    raise SchemaError(source, "meshes[0].stages[0].chunk_layers", first.chunk_layers,
-                      f"absent in every stage: {RUNTIME_PENDING}{hint}")
+    k = next(k for k, mesh in enumerate(plan.meshes) if not mesh.even)
+    raise SchemaError(source, f"meshes[{k}].replicas", Described("replicas that differ"),
+                      f"replicas alike with chunk_layers: {RUNTIME_PENDING}")
 
 
 def check_offload(plan: Plan, *, source: str) -> None:
