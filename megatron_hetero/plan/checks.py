@@ -15,12 +15,6 @@ card under the cost model is :func:`megatron_hetero.sim.fits.check_fits`).
 
 What depends on the installed stack (Transformer Engine, its ``NVTE_CPU_OFFLOAD_V1``) is the
 runtime's check at start (:func:`megatron_hetero.runtime.policies.check_supported`).
-
-:func:`check_runnable` refuses what Megatron-LM's training under ``--hetero-plan`` does not
-run yet, though the cost model, the simulator, the CPU trainer and ``rehearse`` take it:
-interleaved 1F1B over a chain of meshes (a mesh plan whose stages list ``chunk_layers``, issue
-28) with replicas that differ in micro-batch size or count. ``validate``, ``args`` and the
-runtime's entry call it, so such a plan is refused with its field path rather than run wrongly.
 """
 
 from __future__ import annotations
@@ -28,7 +22,7 @@ from __future__ import annotations
 from ..errors import Described, SchemaError
 from .types import Plan
 
-__all__ = ["check_offload", "check_runnable", "RUNTIME_PENDING", "stage_layers", "optimizer_offload_runs",
+__all__ = ["check_offload", "stage_layers", "optimizer_offload_runs",
            "plan_stages", "stage_path", "FP32_OPTIMIZER_OFFLOAD"]
 
 FP32_OPTIMIZER_OFFLOAD = (
@@ -69,26 +63,6 @@ def stage_path(plan: Plan, replica: int, stage: int) -> str:
         return f"pipelines[{replica}].stages[{stage}]"
     k, j = plan.stage_index[stage]
     return f"meshes[{k}].stages[{j}]"
-
-
-RUNTIME_PENDING = (
-    "interleaved 1F1B over a chain of meshes with replicas that differ runs on CPU ranks "
-    "(megatron-hetero rehearse and the CPU trainer); under pretrain_gpt.py --hetero-plan and the "
-    "launcher a chain with model chunks runs with every replica of a mesh alike (docs/meshes.md)")
-"""Why :func:`check_runnable` refuses a mesh plan with model chunks and uneven replicas."""
-
-
-def check_runnable(plan: Plan, *, source: str) -> None:
-    """Raise :class:`SchemaError` where ``plan`` asks for a schedule Megatron-LM's training
-    under ``--hetero-plan`` (and so ``validate`` and ``args``) does not run yet: model chunks
-    (``chunk_layers``) in a chain of meshes (:attr:`.types.Plan.interleaved_chain`) whose
-    replicas differ. The CPU trainer and ``rehearse`` run such a plan
-    (:mod:`megatron_hetero.mcore.mesh_interleaved`) and do not call this."""
-    if not (plan.interleaved_chain and plan.replicas_differ):
-        return
-    k = next(k for k, mesh in enumerate(plan.meshes) if not mesh.even)
-    raise SchemaError(source, f"meshes[{k}].replicas", Described("replicas that differ"),
-                      f"replicas alike with chunk_layers: {RUNTIME_PENDING}")
 
 
 def check_offload(plan: Plan, *, source: str) -> None:

@@ -18,8 +18,7 @@ Questions about the plan's shape are answered here, once:
   micro-batch size or count).
 - :attr:`Plan.interleaved_chain`: a chain of several meshes whose stages run model chunks
   (``chunk_layers``): the cost model, the simulator, the CPU trainer, ``rehearse`` and
-  Megatron-LM's training run it (the last not yet with replicas that differ:
-  :func:`.checks.check_runnable`).
+  Megatron-LM's training run it (megatron-core 0.19).
 
 Rank numbering: mesh ``k``'s ranks are ``offset_k .. offset_k + T_k D_k P_k - 1`` (megatron-core's
 ``HyperCommGrid`` with ``rank_offset``), and slot (mesh ``k``, stage ``j`` of the mesh, replica

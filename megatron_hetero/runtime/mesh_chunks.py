@@ -25,18 +25,20 @@ non-interleaved multimodule schedule (``get_forward_backward_func``):
 ``get_forward_backward_func``
     the interleaved schedule over Megatron's chunks and its data iterator of each chunk, with
     model chunk 0's config for every chunk, as Megatron's own interleaved schedule takes it (its
-    training sets the schedule's hooks, finalize among them, on that config).
+    training sets the schedule's hooks, finalize among them, on that config); with replicas
+    that differ, each replica's own micro-batches (:func:`.mesh_run.replica_micro_batch_size`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 from typing import Any
 
 from ..mcore.cpu_offload import join_offload_summary
 from . import mesh_model
-from .mesh_run import MeshBackend
+from .mesh_run import MeshBackend, replica_micro_batch_size, uneven
 from .mesh_state import MeshRankState
 
 __all__ = ["InterleavedMeshBackend", "chunk_models", "chain_rank"]
@@ -112,9 +114,12 @@ def interleaved_schedule(backend: "InterleavedMeshBackend"):
             "the schedule runs the model chunks get_model built"
         iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator]
         assert len(iterators) == len(model), "one data iterator per model chunk"
-        return interleaved_mesh_schedule(chain, forward_step_func, iterators,
-                                         forward_only=forward_only,
-                                         config=get_model_config(model[0]))
+        # replicas that differ: each its own micro-batches (the schedule counts them from the
+        # plan) under Megatron's global step accounting
+        with replica_micro_batch_size(st) if uneven(st) else contextlib.nullcontext():
+            return interleaved_mesh_schedule(chain, forward_step_func, iterators,
+                                             forward_only=forward_only,
+                                             config=get_model_config(model[0]))
     # ranks that offload no module inputs join the others' offload summary
     return join_offload_summary(forward_backward, st.plan, st.stage)
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 from .._schema import read_yaml
 from ..errors import HeteroError
 from ..plan import MESH_FORMAT_VERSION, Plan, mesh_plan_from_data
-from ..plan.checks import check_runnable
 from . import releases
 
 __all__ = ["mesh_plan_of", "MULTIMODULE_SCHEDULE_VERSION"]
@@ -26,9 +25,8 @@ MULTIMODULE_SCHEDULE_VERSION = releases.FEATURES["multimodule_schedule"]
 def mesh_plan_of(path: str) -> Plan | None:
     """The mesh plan in ``path`` (None for a format-1 plan), checked; on megatron-core older
     than :data:`MULTIMODULE_SCHEDULE_VERSION` a :class:`HeteroError` naming the version it
-    needs, before anything is built; what a chain of meshes with model chunks cannot run yet is
-    refused (:func:`~megatron_hetero.plan.checks.check_runnable`, and before megatron-core 0.19
-    such a chain at all)."""
+    needs, before anything is built; before megatron-core 0.19 a chain of meshes with model
+    chunks is refused too."""
     data = read_yaml(path)
     if not (isinstance(data, dict) and data.get("format_version") == MESH_FORMAT_VERSION):
         return None
@@ -39,7 +37,6 @@ def mesh_plan_of(path: str) -> Plan | None:
             f"forward_backward_pipelining_without_interleaving runs MultiModulePipelineCommunicator "
             f"with a MultiModuleProcessGroupCollection; megatron-core {text} is installed")
     plan = mesh_plan_from_data(data, source=path)
-    check_runnable(plan, source=path)
     if plan.interleaved_chain:
         _check_interleaved_chain(path)
     return plan

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ..cost.model import DEFAULT_MEMORY_HEADROOM, check_memory_headroom, usable_memory_text
-from ..errors import HeteroError, SchemaError
+from ..errors import HeteroError
 from ..hardware.inventory import load_inventory
 from ..models import load_model
 from ..outputs import Outputs
@@ -424,7 +424,6 @@ def _tune_mesh_wins(args: argparse.Namespace, result, inventory, profiles, out: 
     from ..cost import CostModel
     from ..plan.megatron_args import megatron_args_line
     from ..plan import save_any_plan
-    from ..plan.checks import check_runnable
     from ..sim.step import simulate
     from .report import report_dict, summary_lines, unused_gpus, unused_line
 
@@ -458,8 +457,4 @@ def _tune_mesh_wins(args: argparse.Namespace, result, inventory, profiles, out: 
     print(megatron_args_line(plan, args.output))
     print("note: mesh plans run on megatron-core 0.17 or later (docs/meshes.md); without --meshes tune "
           f"gives the best uniform-TP plan ({result.sim.step_time_s:.3f} s)")
-    try:
-        check_runnable(plan, source=args.output)
-    except SchemaError as exc:
-        print(f"note: {exc}; validate, args and the runtime refuse it")
     return 0

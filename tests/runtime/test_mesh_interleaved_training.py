@@ -10,7 +10,9 @@ optimizer (Adam), gradient clipping at 1.0 and ``--ckpt-format torch_dist``, as
 1, 3 on the TP-1 mesh and 2, 4 on the TP-2 mesh, so every chunk boundary crosses a bridge, the
 wrap-around from the TP-2 mesh's chunk 0 to the TP-1 mesh's chunk 1 among them), loads
 ``ref``'s step-1 checkpoint and trains steps 2-4, saving after steps 2 and 4; ``resume`` (the
-same plan) loads its step 2 and trains steps 3-4 again. megatron-core 0.17.1's bridges send on
+same plan) loads its step 2 and trains steps 3-4 again; ``uneven`` (DP 2 -> DP 2, two chunks a
+stage, replicas of 2 micro-batches of 2 and 2 of 1) loads ``ref6``'s step 1 (one process, 3
+micro-batches of 2) and trains steps 2-4. megatron-core 0.17.1's bridges send on
 the world's group, so there the runtime refuses such a plan, naming the version it needs.
 """
 
@@ -23,7 +25,7 @@ import pytest
 
 from megatron_hetero.plan import save_any_plan, save_plan
 
-from .launching import launch, name_training_script, training_script
+from .launching import TRAIN_SCRIPT, launch, name_training_script, training_script
 from .plans import make_mesh_plan, make_plan
 from .test_checkpoint_resume import CHECKPOINT_ARGS, _assert_same_state, _close, _steps, _tensors
 
@@ -32,20 +34,30 @@ pytestmark = pytest.mark.slow
 STEPS = 4
 CHUNKS = [(1, 1, [2], None), (2, 1, [2], None)]  # TP 1 -> TP 2, one stage each
 CHUNK_LAYERS = {0: [[1, 1]], 1: [[1, 1]]}
+UNEVEN = [(1, 2, [2], None), (1, 2, [2], None)]  # DP 2 -> DP 2, replicas of 2 x 2 and 2 x 1
+UNEVEN_REPLICAS = [(2, 2), (1, 2)]
 
 
 def chunked_plan():
     return make_mesh_plan(CHUNKS, chunks=CHUNK_LAYERS)
 
 
+def uneven_plan():
+    return make_mesh_plan(UNEVEN, chunks=CHUNK_LAYERS, replicas=UNEVEN_REPLICAS, global_batch=6)
+
+
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory):
-    """``ref``, ``chunks`` and ``resume`` (module docstring), run once: their records."""
+    """``ref``, ``chunks``, ``resume``, ``ref6`` and ``uneven`` (module docstring), run once:
+    their records."""
     root = tmp_path_factory.mktemp("interleaved-meshes")
     script, base_args, what = training_script(root, "0.19")
     save_plan(make_plan(split=(4,), replicas=[(2, 2)], distributed_optimizer=True),
               root / "ref.yaml")
+    save_plan(make_plan(split=(4,), replicas=[(2, 3)], distributed_optimizer=True),
+              root / "ref6.yaml")
     save_any_plan(chunked_plan(), root / "chunks.yaml")
+    save_any_plan(uneven_plan(), root / "uneven.yaml")
     records = {}
     runs = [("ref", "ref", 1, ["--save", str(root / "ckpt-ref"), "--save-interval", "1"]),
             ("chunks", "chunks", 3, ["--load", str(root / "ckpt-ref"), "--ckpt-step", "1",
@@ -53,7 +65,10 @@ def chain(tmp_path_factory):
                                      "--save-interval", "2"]),
             ("resume", "chunks", 3, ["--load", str(root / "ckpt-chunks"), "--ckpt-step", "2",
                                      "--save", str(root / "ckpt-resume"),
-                                     "--save-interval", "2"])]
+                                     "--save-interval", "2"]),
+            ("ref6", "ref6", 1, ["--save", str(root / "ckpt-ref6"), "--save-interval", "1"]),
+            ("uneven", "uneven", 4, ["--load", str(root / "ckpt-ref6"), "--ckpt-step", "1",
+                                     "--no-load-rng"])]
     for run, plan, ranks, extra in runs:
         work = root / run
         work.mkdir()
@@ -64,7 +79,7 @@ def chain(tmp_path_factory):
             assert code == 0, f"{run}: {out[-3000:]}"
         records[run] = [json.loads((work / f"samples.{r}").read_text()) for r in range(ranks)]
         records[run + "-logs"] = [log for _, _, log in results]
-    return {"records": records, "root": root, "what": what}
+    return {"records": records, "root": root, "what": what, "script": script}
 
 
 @pytest.fixture
@@ -77,7 +92,8 @@ def test_interleaved_mesh_plan_trains_equal_to_one_process(trained):
     """Steps 2-4 of ``chunks``: the loss (on the TP-2 mesh, which holds the loss) and the
     whole model's gradient norm (on every rank) equal the one process's within rtol 1e-5; each
     rank built two chunks of one layer, numbered as in the one process (chunk c of global stage
-    s is virtual stage 2c + s)."""
+    s is virtual stage 2c + s; ``train_tiny.py`` logs them, Megatron-LM's script does not: its
+    checkpoint's keys below say the same)."""
     rec = trained["records"]
     ref, got = _steps(rec["ref"]), _steps(rec["chunks"])
     assert sorted(ref) == [1, 2, 3, 4] and sorted(got) == [2, 3, 4]
@@ -87,9 +103,10 @@ def test_interleaved_mesh_plan_trains_equal_to_one_process(trained):
         assert [s[0] for s in record["steps"]] == [1, 2, 3]
         assert all((s[1] is not None) == (r >= 1) for s in record["steps"]), r
         assert [s[2] for s in record["steps"]] == [s[2] for s in records[-1]["steps"]]
-    layers = {log["rank"]: [chunk[0] for chunk in log["chunks"]]
-              for log in rec["chunks-logs"]}
-    assert layers == {0: [[1], [3]], 1: [[2], [4]], 2: [[2], [4]]}
+    if trained["script"] == TRAIN_SCRIPT:  # its log names each chunk's layers
+        layers = {log["rank"]: [chunk[0] for chunk in log["chunks"]]
+                  for log in rec["chunks-logs"]}
+        assert layers == {0: [[1], [3]], 1: [[2], [4]], 2: [[2], [4]]}
 
 
 def test_interleaved_mesh_plan_resumes_equal_to_the_uninterrupted_run(trained, tmp_path):
@@ -111,6 +128,16 @@ def test_interleaved_mesh_plan_resumes_equal_to_the_uninterrupted_run(trained, t
     common = [k for k in ref if k in a]
     assert any(k.startswith("/optimizer.state.exp_avg.decoder.layers.") for k in common)
     _assert_same_state(a, ref, keys=common)
+
+
+def test_uneven_replicas_with_chunks_train_equal_to_one_process(trained):
+    """``uneven``: DP 2 -> DP 2 with two chunks a stage, the replicas running 2 micro-batches of
+    2 and 2 of 1 (per-token loss, each replica its own share of the global batch of 6):
+    steps 2-4 equal the one process's (3 micro-batches of 2) within rtol 1e-5."""
+    rec = trained["records"]
+    ref, got = _steps(rec["ref6"]), _steps(rec["uneven"])
+    assert sorted(ref) == [1, 2, 3, 4] and sorted(got) == [2, 3, 4]
+    _close(got, ref)
 
 
 def test_megatron_core_017_refuses_an_interleaved_mesh_plan(tmp_path):
