@@ -12,7 +12,8 @@ wrap-around from the TP-2 mesh's chunk 0 to the TP-1 mesh's chunk 1 among them),
 ``ref``'s step-1 checkpoint and trains steps 2-4, saving after steps 2 and 4; ``resume`` (the
 same plan) loads its step 2 and trains steps 3-4 again; ``uneven`` (DP 2 -> DP 2, two chunks a
 stage, replicas of 2 micro-batches of 2 and 2 of 1) loads ``ref6``'s step 1 (one process, 3
-micro-batches of 2) and trains steps 2-4. megatron-core 0.17.1's bridges send on
+micro-batches of 2) and trains steps 2-4; ``pp2`` (a TP-1 mesh of two stages, then TP 2) loads
+``ref``'s step 1 and trains steps 2-4. megatron-core 0.17.1's bridges send on
 the world's group, so there the runtime refuses such a plan, naming the version it needs.
 """
 
@@ -34,6 +35,10 @@ pytestmark = pytest.mark.slow
 STEPS = 4
 CHUNKS = [(1, 1, [2], None), (2, 1, [2], None)]  # TP 1 -> TP 2, one stage each
 CHUNK_LAYERS = {0: [[1, 1]], 1: [[1, 1]]}
+# a mesh of two stages (Megatron's get_model asks for every chunk in one call) -> TP 2; empty
+# chunks at the model's two ends; 4 micro-batches of 1 in one group
+PP2 = [(1, 1, [1, 2], None), (2, 1, [1], None)]
+PP2_CHUNKS = {0: [[0, 1], [1, 1]], 1: [[1, 0]]}
 UNEVEN = [(1, 2, [2], None), (1, 2, [2], None)]  # DP 2 -> DP 2, replicas of 2 x 2 and 2 x 1
 UNEVEN_REPLICAS = [(2, 2), (1, 2)]
 
@@ -42,14 +47,19 @@ def chunked_plan():
     return make_mesh_plan(CHUNKS, chunks=CHUNK_LAYERS)
 
 
+def pp2_plan():
+    return make_mesh_plan(PP2, chunks=PP2_CHUNKS, num_microbatches=4,
+                          fields={"microbatch_group_size": 4})
+
+
 def uneven_plan():
     return make_mesh_plan(UNEVEN, chunks=CHUNK_LAYERS, replicas=UNEVEN_REPLICAS, global_batch=6)
 
 
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory):
-    """``ref``, ``chunks``, ``resume``, ``ref6`` and ``uneven`` (module docstring), run once:
-    their records."""
+    """``ref``, ``chunks``, ``resume``, ``pp2``, ``ref6`` and ``uneven`` (module docstring),
+    run once: their records."""
     root = tmp_path_factory.mktemp("interleaved-meshes")
     script, base_args, what = training_script(root, "0.19")
     save_plan(make_plan(split=(4,), replicas=[(2, 2)], distributed_optimizer=True),
@@ -58,6 +68,7 @@ def chain(tmp_path_factory):
               root / "ref6.yaml")
     save_any_plan(chunked_plan(), root / "chunks.yaml")
     save_any_plan(uneven_plan(), root / "uneven.yaml")
+    save_any_plan(pp2_plan(), root / "pp2.yaml")
     records = {}
     runs = [("ref", "ref", 1, ["--save", str(root / "ckpt-ref"), "--save-interval", "1"]),
             ("chunks", "chunks", 3, ["--load", str(root / "ckpt-ref"), "--ckpt-step", "1",
@@ -66,6 +77,8 @@ def chain(tmp_path_factory):
             ("resume", "chunks", 3, ["--load", str(root / "ckpt-chunks"), "--ckpt-step", "2",
                                      "--save", str(root / "ckpt-resume"),
                                      "--save-interval", "2"]),
+            ("pp2", "pp2", 4, ["--load", str(root / "ckpt-ref"), "--ckpt-step", "1",
+                               "--no-load-rng"]),
             ("ref6", "ref6", 1, ["--save", str(root / "ckpt-ref6"), "--save-interval", "1"]),
             ("uneven", "uneven", 4, ["--load", str(root / "ckpt-ref6"), "--ckpt-step", "1",
                                      "--no-load-rng"])]
@@ -128,6 +141,20 @@ def test_interleaved_mesh_plan_resumes_equal_to_the_uninterrupted_run(trained, t
     common = [k for k in ref if k in a]
     assert any(k.startswith("/optimizer.state.exp_avg.decoder.layers.") for k in common)
     _assert_same_state(a, ref, keys=common)
+
+
+def test_a_mesh_of_two_stages_with_chunks_trains_equal_to_one_process(trained):
+    """``pp2``: a TP-1 mesh of two stages (chunks of 0 + 1 and 1 + 1 layers) then one TP-2
+    stage (1 + 0), 4 micro-batches of 1 in one group: Megatron's ``get_model`` builds both
+    chunks of a two-stage mesh's rank in one call; steps 2-4 equal the one process's (2
+    micro-batches of 2) within rtol 1e-5."""
+    rec = trained["records"]
+    got = _steps(rec["pp2"])
+    assert sorted(got) == [2, 3, 4]
+    _close(got, _steps(rec["ref"]))
+    if trained["script"] == TRAIN_SCRIPT:
+        layers = {log["rank"]: [chunk[0] for chunk in log["chunks"]] for log in rec["pp2-logs"]}
+        assert layers == {0: [[], [3]], 1: [[1], [4]], 2: [[2], []], 3: [[2], []]}
 
 
 def test_uneven_replicas_with_chunks_train_equal_to_one_process(trained):
