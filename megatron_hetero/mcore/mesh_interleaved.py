@@ -306,11 +306,14 @@ def build_interleaved_mesh_rank(plan: Plan, rank: int, optimizer_config, *, conf
 
 
 def interleaved_mesh_schedule(rank: InterleavedMeshRank, forward_step_func: Callable,
-                              data_iterators: list, *, forward_only: bool = False) -> list:
+                              data_iterators: list, *, forward_only: bool = False,
+                              config=None) -> list:
     """One step of ``rank`` (its replica's micro-batches) in interleaved 1F1B over the chain
     (module docstring); ``data_iterators``: one iterator of the replica's micro-batches per
-    chunk. Returns what the loss function reported on the model's last virtual stage (empty
-    elsewhere)."""
+    chunk; ``config``: the one config of every chunk's steps (Megatron's training sets the
+    schedule's hooks on model chunk 0's, as its own interleaved schedule takes it), else each
+    chunk's own. Returns what the loss function reported on the model's last virtual stage
+    (empty elsewhere)."""
     import torch
     from megatron.core.pipeline_parallel import schedules
 
@@ -323,7 +326,7 @@ def interleaved_mesh_schedule(rank: InterleavedMeshRank, forward_step_func: Call
         order = [op for op in order if op[0] == 0]
     last_backward = {c: k for k, (kind, _, c) in enumerate(order) if kind == 1}
     ends = [rank.chunk_ends(c) for c in range(v)]
-    configs = [gpt.config for gpt in rank.gpts]
+    configs = [gpt.config if config is None else config for gpt in rank.gpts]
     send_fwd, send_bwd = rank.outboxes
     store: list = []
     held: dict = {}

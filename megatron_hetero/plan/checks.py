@@ -13,14 +13,12 @@ card under the cost model is :func:`megatron_hetero.sim.fits.check_fits`).
   ``--use-precision-aware-optimizer``) only with the distributed optimizer, and only with 16-bit
   parameters (:func:`optimizer_offload_runs`).
 
+:func:`check_runnable` refuses what Megatron-LM's training under ``--hetero-plan`` does not run
+yet of a mesh plan (``validate``, ``args`` and the runtime's entry call it): bridges between
+vendors, and per-stage warm-ups on a chain of meshes without model chunks.
+
 What depends on the installed stack (Transformer Engine, its ``NVTE_CPU_OFFLOAD_V1``) is the
 runtime's check at start (:func:`megatron_hetero.runtime.policies.check_supported`).
-
-:func:`check_runnable` refuses what Megatron-LM's training under ``--hetero-plan`` does not
-run yet, though the cost model, the simulator, the CPU trainer and ``rehearse`` take it:
-interleaved 1F1B over a chain of meshes (a mesh plan whose stages list ``chunk_layers``, issue
-28). ``validate``, ``args`` and the runtime's entry call it, so such a plan is refused with its
-field path rather than run wrongly.
 """
 
 from __future__ import annotations
@@ -29,7 +27,7 @@ from ..errors import Described, SchemaError
 from ..hardware.catalog import load_catalog
 from .types import Plan
 
-__all__ = ["check_offload", "check_runnable", "RUNTIME_PENDING", "stage_layers", "optimizer_offload_runs",
+__all__ = ["check_offload", "check_runnable", "stage_layers", "optimizer_offload_runs",
            "plan_stages", "stage_path", "FP32_OPTIMIZER_OFFLOAD", "check_chain_vendors",
            "VENDORS_PENDING", "WARMUP_PENDING"]
 
@@ -73,13 +71,6 @@ def stage_path(plan: Plan, replica: int, stage: int) -> str:
     return f"meshes[{k}].stages[{j}]"
 
 
-RUNTIME_PENDING = (
-    "interleaved 1F1B over a chain of meshes runs on CPU ranks (megatron-hetero rehearse and "
-    "the CPU trainer, megatron-core 0.19+; simulate prices it; tune searches it with "
-    "--mesh-chunks) but its runtime under pretrain_gpt.py --hetero-plan and the launcher is "
-    "pending (docs/meshes.md)")
-"""Why :func:`check_runnable` refuses a mesh plan with model chunks."""
-
 WARMUP_PENDING = (
     "per-stage warm-up over a chain of meshes runs on CPU ranks (megatron-hetero rehearse and "
     "the CPU trainer, megatron-core 0.19+, on the chain's own schedule; simulate prices it) but "
@@ -89,14 +80,13 @@ WARMUP_PENDING = (
 
 
 def check_runnable(plan: Plan, *, source: str) -> None:
-    """Raise :class:`SchemaError` where ``plan`` asks for a schedule Megatron-LM's training
-    under ``--hetero-plan`` (and so ``validate`` and ``args``) does not run yet: model chunks
-    (``chunk_layers``) in a chain of meshes (:attr:`.types.Plan.interleaved_chain`). The CPU
-    trainer and ``rehearse`` run such a plan (:mod:`megatron_hetero.mcore.mesh_interleaved`)
-    and do not call this. Also meshes of several vendors (:func:`check_chain_vendors`), and
-    per-stage warm-ups on a chain of meshes
-    (:attr:`.types.Plan.own_chain_schedule` without chunks), which there the same CPU ranks run
-    and Megatron-LM's training (megatron-core's multimodule 1F1B) would not."""
+    """Raise :class:`SchemaError` where ``plan`` asks for what Megatron-LM's training under
+    ``--hetero-plan`` (and so ``validate`` and ``args``) does not run yet: meshes of several
+    vendors (:func:`check_chain_vendors`), and per-stage warm-ups on a chain of meshes without
+    model chunks (:attr:`.types.Plan.own_chain_schedule`), which the CPU trainer and
+    ``rehearse`` run on the chain's own schedule and Megatron-LM's training (megatron-core's
+    multimodule 1F1B) would not. Model chunks over a chain of meshes run in both
+    (:mod:`megatron_hetero.runtime.mesh_chunks`)."""
     check_chain_vendors(plan, source=source)
     if plan.own_chain_schedule and not plan.interleaved_chain:
         k, j = next((k, j) for k, j in plan.stage_index
@@ -104,13 +94,6 @@ def check_runnable(plan: Plan, *, source: str) -> None:
         raise SchemaError(source, f"meshes[{k}].stages[{j}].warmup_microbatches",
                           plan.meshes[k].pipelines[0].stages[j].warmup_microbatches,
                           f"absent in every stage: {WARMUP_PENDING}")
-    if not plan.interleaved_chain:
-        return
-    first = plan.meshes[0].pipelines[0].stages[0]
-    hint = ("; its meshes share TP and DP, so as a format-1 plan (one grid) megatron-core's own "
-            "interleaved schedule runs it" if plan.shares_tp_dp else "")
-    raise SchemaError(source, "meshes[0].stages[0].chunk_layers", first.chunk_layers,
-                      f"absent in every stage: {RUNTIME_PENDING}{hint}")
 
 
 VENDORS_PENDING = (

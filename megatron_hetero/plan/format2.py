@@ -34,9 +34,9 @@ read off them), and the model runs chunk 0 of every stage of every mesh, then ch
 on. Every chunk boundary between meshes is a bridge, including the wrap-around from the last
 mesh's chunk ``c`` to mesh 0's chunk ``c + 1``, so the last mesh's and mesh 0's data-parallel
 sizes divide one another too. ``microbatch_group_size`` is format 1's. The simulator and the
-search run such plans, and so do the CPU trainer and ``rehearse``
-(:mod:`megatron_hetero.mcore.mesh_interleaved`); Megatron-LM's training does not yet
-(:func:`.checks.check_runnable` refuses them for ``validate``, ``args`` and the runtime).
+search run such plans, and so do the CPU trainer, ``rehearse``
+(:mod:`megatron_hetero.mcore.mesh_interleaved`) and Megatron-LM's training
+(:mod:`megatron_hetero.runtime.mesh_chunks`, megatron-core 0.19).
 
 Rank numbering (the runtime builds one megatron-core ``HyperCommGrid`` per mesh, shape
 ``[T, 1, D, P]`` over ``["tp", "cp", "dp", "pp"]``, with ``rank_offset`` the ranks of the

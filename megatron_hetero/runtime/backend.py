@@ -7,7 +7,8 @@ calls straight through while no plan is applied, and otherwise hands the call, w
 * :class:`megatron_hetero.runtime.core_run.CoreBackend`: megatron-core's own schedules (every
   stage shares TP and DP: interleaving, per-stage warm-ups, vendors, sequence parallelism);
 * :class:`megatron_hetero.runtime.mesh_run.MeshBackend`: megatron-core's multimodule pipeline
-  (meshes of different TP and DP).
+  (meshes of different TP and DP); its :class:`megatron_hetero.runtime.mesh_chunks.InterleavedMeshBackend`
+  runs a chain whose stages hold model chunks on our interleaved schedule over the meshes.
 
 The abstract methods are the points every backend changes; the others call ``original``
 unchanged unless a backend needs them. A backend is made by :meth:`Backend.start` inside

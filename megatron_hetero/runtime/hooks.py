@@ -33,6 +33,7 @@ from .backend import Backend
 from .builders import wrap_builders
 from .core_run import CoreBackend
 from .cpu import prepare_cpu_run
+from .mesh_chunks import InterleavedMeshBackend
 from .mesh_run import MeshBackend
 from .meshes import mesh_plan_of
 from .stack import prepare_stack
@@ -52,8 +53,11 @@ _RUNTIME_MARK = "_megatron_hetero_runtime"
 def backend_class(plan) -> type[Backend]:
     """The backend that runs ``plan``: megatron-core's own schedules where the plan is one grid
     (one mesh: every stage shares TP and DP and each replica runs one pipeline through all of
-    them), the multimodule backend for a chain of meshes. The one choice of backend."""
-    return CoreBackend if plan.one_grid else MeshBackend
+    them), the multimodule backend for a chain of meshes, with our interleaved schedule where
+    the chain's stages run model chunks. The one choice of backend."""
+    if plan.one_grid:
+        return CoreBackend
+    return InterleavedMeshBackend if plan.interleaved_chain else MeshBackend
 
 
 def _load(path: str):

@@ -76,7 +76,8 @@ from .sampler import HeteroBatchSampler
 
 __all__ = ["MeshBackend", "MeshRankState", "before_validate", "mesh_view", "after_validate",
            "initialize_per_mesh", "global_stage_check", "mesh_schedule", "mesh_finalize",
-           "whole_model_optimizer", "replica_data_loader", "uneven", "even_plan"]
+           "whole_model_optimizer", "replica_data_loader", "uneven", "even_plan",
+           "replica_micro_batch_size"]
 
 _PER_MESH_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
                    "--micro-batch-size", "--num-layers-per-virtual-pipeline-stage",
@@ -246,6 +247,19 @@ def _collection(st: MeshRankState):
     return multimodule_collection(st.plan, st.slot.mesh, mesh_process_groups(st.grids[st.slot.mesh]))
 
 
+@contextlib.contextmanager
+def replica_micro_batch_size(st: MeshRankState):
+    """Replicas that differ: ``args.micro_batch_size`` is the rank's replica's own while its
+    schedule runs (``get_batch_on_this_tp_rank`` reads it), Megatron's step accounting's
+    (:func:`_virtual_micro_batch_size`) otherwise."""
+    saved = st.args.micro_batch_size
+    st.args.micro_batch_size = st.mesh.replicas[st.slot.replica].micro_batch_size
+    try:
+        yield
+    finally:
+        st.args.micro_batch_size = saved
+
+
 def mesh_schedule(st: MeshRankState):
     """megatron-core's non-interleaved 1F1B over the meshes."""
     from megatron.core.pipeline_parallel.schedules import (
@@ -264,11 +278,8 @@ def mesh_schedule(st: MeshRankState):
         # uneven replicas: this replica's own micro-batches under Megatron's global accounting
         kw["num_microbatches"], kw["micro_batch_size"] = (replica.num_microbatches,
                                                           replica.micro_batch_size)
-        saved, st.args.micro_batch_size = st.args.micro_batch_size, replica.micro_batch_size
-        try:  # get_batch_on_this_tp_rank reads it
+        with replica_micro_batch_size(st):
             return forward_backward_pipelining_without_interleaving(*a, **kw)
-        finally:
-            st.args.micro_batch_size = saved
     # ranks that offload no module inputs join the others' offload summary
     return join_offload_summary(forward_backward, st.plan, st.stage)
 

@@ -424,7 +424,6 @@ def _tune_mesh_wins(args: argparse.Namespace, result, inventory, profiles, out: 
     from ..cost import CostModel
     from ..plan.megatron_args import megatron_args_line
     from ..plan import save_any_plan
-    from ..plan.checks import RUNTIME_PENDING
     from ..sim.step import simulate
     from .report import report_dict, summary_lines, unused_gpus, unused_line
 
@@ -458,7 +457,4 @@ def _tune_mesh_wins(args: argparse.Namespace, result, inventory, profiles, out: 
     print(megatron_args_line(plan, args.output))
     print("note: mesh plans run on megatron-core 0.17 or later (docs/meshes.md); without --meshes tune "
           f"gives the best uniform-TP plan ({result.sim.step_time_s:.3f} s)")
-    if plan.interleaved_chain:
-        print(f"note: this mesh plan runs model chunks across meshes: {RUNTIME_PENDING}; "
-              "validate, args and the runtime refuse it")
     return 0

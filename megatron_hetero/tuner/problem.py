@@ -71,10 +71,8 @@ class TuneOptions:
     the runtime runs mesh plans from megatron-core 0.17 (docs/meshes.md)."""
     mesh_chunks: bool = False
     """With ``meshes``: search mesh plans whose stages run model chunks too (interleaved 1F1B
-    across meshes, :mod:`.meshes`). ``rehearse`` and the CPU trainer run such a plan; its
-    runtime under Megatron-LM is pending: ``validate``, ``args`` and the runtime refuse it
-    (:func:`~megatron_hetero.plan.checks.check_runnable`), so it is off by default (``tune
-    --mesh-chunks``)."""
+    across meshes, :mod:`.meshes`). ``rehearse``, the CPU trainer and Megatron-LM's training
+    (megatron-core 0.19) run such a plan; off by default (``tune --mesh-chunks``)."""
     precision: str | None = None
     """Train every plan in this precision (``bf16``, ``fp16``, ``fp32``); None: bf16 where all
     the plan's GPUs support it, else fp16. ``replan`` keeps the checkpoint's."""

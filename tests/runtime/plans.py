@@ -55,13 +55,14 @@ def make_plan(*, split=(1, 1), devices=None, replicas=((1, 1),), tp=1, recompute
 
 def make_mesh_plan(meshes, *, global_batch=4, num_microbatches=2, replicas=None, devices=None,
                    hidden=16, heads=4, vocab=128, seq=8, precision="fp32",
-                   distributed_optimizer=True, offload=None):
+                   distributed_optimizer=True, offload=None, chunks=None, fields=None):
     """A mesh plan (format 2) of the same tiny model: ``meshes`` is
     ``[(tp, dp, [layers per stage], recompute or None), ...]``; every mesh's replicas run
     ``num_microbatches`` micro-batches of ``global_batch / (dp x num_microbatches)``, or, with
     ``replicas`` (``[(micro_batch_size, num_microbatches), ...]``), those in every mesh;
     ``devices[k]`` mesh k's device type (default A100); ``offload[k]`` the offload of every
-    stage of mesh k."""
+    stage of mesh k; ``chunks[k][j]``: the ``chunk_layers`` of mesh k's stage j (summing to its
+    layers); ``fields``: more of the plan's top-level fields."""
     from megatron_hetero.plan import mesh_plan_from_data
 
     data = {
@@ -80,8 +81,9 @@ def make_mesh_plan(meshes, *, global_batch=4, num_microbatches=2, replicas=None,
                                  [{"micro_batch_size": global_batch // (dp * num_microbatches),
                                    "num_microbatches": num_microbatches}] * dp),
                     "stages": [{"num_layers": n, **({"recompute": rec} if rec else {}),
-                                **({"offload": offload[k]} if offload and k in offload else {})}
-                               for n in layers]}
+                                **({"offload": offload[k]} if offload and k in offload else {}),
+                                **({"chunk_layers": list(chunks[k][j])} if chunks else {})}
+                               for j, n in enumerate(layers)]}
                    for k, (tp, dp, layers, rec) in enumerate(meshes)],
     }
-    return mesh_plan_from_data(data, source="test-mesh-plan")
+    return mesh_plan_from_data({**data, **(fields or {})}, source="test-mesh-plan")
