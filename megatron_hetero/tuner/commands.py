@@ -86,9 +86,9 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
                         "every supported release")
     p.add_argument("--mesh-chunks", action="store_true",
                    help="with --meshes, search mesh plans whose stages run model chunks too "
-                        "(interleaved 1F1B across meshes): rehearse and the CPU trainer run "
-                        "such a plan (megatron-core 0.19+); validate, args and pretrain_gpt.py "
-                        "--hetero-plan refuse it, its runtime pending (docs/meshes.md)")
+                        "(interleaved 1F1B across meshes): rehearse, the CPU trainer and "
+                        "pretrain_gpt.py --hetero-plan run such a plan on megatron-core 0.19 "
+                        "or later (docs/meshes.md)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no table")
 
 
