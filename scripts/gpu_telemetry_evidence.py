@@ -93,6 +93,14 @@ class TelemetryRuns:
         self.out = self.run.out
         self.script = a.megatron_lm_019.resolve() / "pretrain_gpt.py"
         self.device_type = "A100-SXM-80GB" if a.cpu else _device_type(info)
+        self.env019: dict | None = None
+        """megatron-core 0.19.2's environment, installed and probed at the first run."""
+
+    def launch_env(self) -> dict:
+        """One run's environment on megatron-core 0.19.2, with a port of its own."""
+        if self.env019 is None:
+            self.env019, _ = self.run.env019()
+        return dict(self.env019, MASTER_PORT=self.run.launch_env()["MASTER_PORT"])
 
     def plan(self, name: str, model: dict, *, mbs: int, gbs: int) -> Path:
         d = self.out / name
@@ -112,7 +120,7 @@ class TelemetryRuns:
 
     def train(self, name: str, plan: Path, *, telemetry: Path | None, until: float,
               vocab: int) -> dict:
-        env, _ = self.run.env019()
+        env = self.launch_env()
         cmd = [self.run.py, "-m", "megatron_hetero.launch", str(self.script),
                *self.run.megatron_base(vocab), "--hetero-plan", str(plan)]
         if telemetry is not None:

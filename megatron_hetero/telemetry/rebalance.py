@@ -185,7 +185,8 @@ class Rebalancer:
 
     def decide(self, plan: Plan, record: StepRecord) -> Decision:
         counts = [p.num_microbatches for p in plan.pipelines]
-        measured = replica_costs(record)
+        stages_now = _per_micro_batch(record, predicted=False)
+        measured = _pipeline_costs(stages_now)
         expected = self.expected or replica_costs(record, predicted=True)
         times = [a + m * c for (a, c), m in zip(measured, counts)]
         ratios = [t / (a + m * c) for t, (a, c), m in zip(times, expected, counts)]
@@ -194,8 +195,7 @@ class Rebalancer:
         for r, x in enumerate(ratios):
             drifts = x / median > limit or median / x > limit
             self.drifting[r] = self.drifting.get(r, 0) + 1 if drifts else 0
-        self.recent = [*self.recent, _per_micro_batch(record, predicted=False)][
-            -self.policy.patience:]
+        self.recent = [*self.recent, stages_now][-self.policy.patience:]
         ready = sorted((r for r, n in self.drifting.items() if n >= self.policy.patience),
                        key=lambda r: -ratios[r])  # named: the slowest
         if not ready:
