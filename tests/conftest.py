@@ -117,6 +117,16 @@ def one_line_error(capsys, command: str) -> str:
     return err
 
 
+def mesh_plan_error(data):
+    """The :class:`~megatron_hetero.errors.SchemaError` that loading ``data`` as a mesh plan
+    (``source="p.yaml"``) raises; the test fails where it loads."""
+    from megatron_hetero.errors import SchemaError
+    from megatron_hetero.plan import mesh_plan_from_data
+    with pytest.raises(SchemaError) as exc:
+        mesh_plan_from_data(data, source="p.yaml")
+    return exc.value
+
+
 def typed_plan(types: list[list[str]], tp: int):
     """A plan of one grid whose pipeline ``d`` runs device type ``types[d][s]`` on stage ``s`` at
     TP ``tp`` (one layer a stage): what placement reads of a plan."""

@@ -18,7 +18,7 @@ from megatron_hetero.plan import (Plan, Slot, any_plan_from_data, load_any_plan,
                                   mesh_plan_from_data, plan_from_data, save_any_plan)
 from megatron_hetero.placement.inventory import check_against_inventory
 
-from .conftest import EXAMPLE_PLANS, REPO
+from .conftest import EXAMPLE_PLANS, REPO, mesh_plan_error
 
 EXAMPLE = REPO / "examples/meshes/3090-t4-plan.yaml"
 INVENTORY = REPO / "examples/meshes/inventory.yaml"
@@ -34,12 +34,6 @@ def _with(**changes) -> dict:
     for k, (key, value) in changes.items():
         data["meshes"][int(k[1:])][key] = value
     return data
-
-
-def _error(data) -> SchemaError:
-    with pytest.raises(SchemaError) as exc:
-        mesh_plan_from_data(data, source="p.yaml")
-    return exc.value
 
 
 def test_example_loads_and_round_trips(tmp_path):
@@ -110,7 +104,7 @@ def test_format_1_loader_refuses_a_mesh_plan_by_its_version():
      "meshes[1].stages[0].chunk_layers", "absent, as in meshes[0].stages[0]"),
 ])
 def test_errors_name_the_field(data, path, expected):
-    err = _error(data)
+    err = mesh_plan_error(data)
     assert err.path == path and expected in err.expected, str(err)
 
 
@@ -120,7 +114,7 @@ def test_tied_embeddings_are_refused_where_the_model_has_several_stages():
     stage keeps it (nothing to tie across)."""
     data = copy.deepcopy(BASE)
     data["model"]["untie_embeddings_and_output_weights"] = False
-    err = _error(data)
+    err = mesh_plan_error(data)
     assert err.path == "model.untie_embeddings_and_output_weights", str(err)
     assert "no embedding group" in err.expected
     one = copy.deepcopy(data)
@@ -144,18 +138,18 @@ def test_meshes_of_two_vendors_load_and_megatron_lm_refuses_them():
 def test_micro_batch_must_split_evenly_across_a_bridge():
     data = _with(m1=("replicas", _replicas(4, 3, 16)))  # 8 x 1 samples -> 4 x 3
     data["global_batch_size"] = 128
-    err = _error(data)
+    err = mesh_plan_error(data)
     # the sums differ first: the T4 mesh would take 192 samples
     assert err.path == "meshes[1].replicas"
     data = copy.deepcopy(BASE)
     data["meshes"][0]["replicas"] = _replicas(8, 2, 8)
     data["meshes"][1]["replicas"] = _replicas(2, 4, 16)  # 128 samples, 8 x 2 != 2 x 4 per micro-batch
-    err = _error(data)
+    err = mesh_plan_error(data)
     assert err.path == "meshes[1].replicas[0].num_microbatches"
     data["meshes"][1]["replicas"] = _replicas(2, 8, 8)
     assert mesh_plan_from_data(data).meshes[1].replicas[0].micro_batch_size == 8
     data["meshes"][1]["replicas"] = _replicas(32, 1, 4)
-    assert _error(data).path == "meshes[1].replicas[0].num_microbatches"
+    assert mesh_plan_error(data).path == "meshes[1].replicas[0].num_microbatches"
 
 
 def test_uneven_replicas_only_where_the_bridges_keep_the_paths():
@@ -167,7 +161,7 @@ def test_uneven_replicas_only_where_the_bridges_keep_the_paths():
     assert not plan.meshes[0].even
     assert "--calculate-per-token-loss" in megatron_args(plan)
     data["meshes"][1]["replicas"] = _replicas(4, 2, 16)
-    err = _error(data)
+    err = mesh_plan_error(data)
     assert err.path == "meshes[0].replicas"
     assert "uneven data parallelism needs the same number of replicas on both sides" in err.expected
 
@@ -177,7 +171,7 @@ def test_zero_layer_stage_only_at_the_ends():
     data["meshes"][0]["stages"] = [{"num_layers": 0}, {"num_layers": 20}]
     assert mesh_plan_from_data(data).layer_split == [0, 20, 12]
     data["meshes"][0]["stages"] = [{"num_layers": 20}, {"num_layers": 0}]
-    assert _error(data).path == "meshes[0].stages[1].num_layers"
+    assert mesh_plan_error(data).path == "meshes[0].stages[1].num_layers"
 
 
 def test_rank_numbering_matches_megatron_rank_generator_with_rank_offset():

@@ -10,12 +10,11 @@ import pytest
 import yaml
 
 from megatron_hetero import cli
-from megatron_hetero.errors import SchemaError
 from megatron_hetero.plan import load_any_plan, mesh_plan_from_data, save_any_plan
 from megatron_hetero.plan.checks import stage_layers
 from megatron_hetero.plan.megatron_args import GROUP_FLAG, megatron_args
 
-from .conftest import REPO
+from .conftest import REPO, mesh_plan_error
 
 BASE = yaml.safe_load((REPO / "examples/meshes/3090-t4-plan.yaml").read_text())
 
@@ -30,12 +29,6 @@ def _chunked(chunks: list[list[int] | None], **top) -> dict:
             st["num_layers"] = sum(c)
     data.update(top)
     return data
-
-
-def _error(data) -> SchemaError:
-    with pytest.raises(SchemaError) as exc:
-        mesh_plan_from_data(data, source="p.yaml")
-    return exc.value
 
 
 def test_chunks_load_answer_for_the_chain_and_round_trip(tmp_path):
@@ -79,14 +72,14 @@ def test_a_plan_without_chunks_writes_none():
 ])
 def test_refusals_name_the_field(chunks, top, path, expected):
     data = _chunked(chunks or [None, None, None], **top)
-    err = _error(data)
+    err = mesh_plan_error(data)
     assert err.path == path and expected in str(err), str(err)
 
 
 def test_layers_add_up_over_the_chunks():
     data = _chunked([[5, 5], [5, 5], [6, 6]], microbatch_group_size=4)
     data["meshes"][0]["stages"][0]["num_layers"] = 11
-    err = _error(data)
+    err = mesh_plan_error(data)
     assert err.path == "meshes[0].stages[0].chunk_layers" and "adding up to num_layers (11)" in str(err)
 
 
@@ -97,7 +90,7 @@ def test_micro_batches_fill_whole_groups():
     assert mesh_plan_from_data(data, source="p.yaml").virtual_pipeline_size == 2
     for mesh in data["meshes"]:
         mesh["replicas"] = [{"micro_batch_size": 12, "num_microbatches": 1}] * 8
-    err = _error(data)
+    err = mesh_plan_error(data)
     assert err.path == "meshes[0].replicas[0].num_microbatches", str(err)
 
 
@@ -118,7 +111,7 @@ def test_the_wrap_around_bridge_needs_dividing_replicas():
         return data
 
     assert mesh_plan_from_data(chain((4, 2, 8)), source="p.yaml").interleaved_chain
-    err = _error(chain((4, 2, 6)))
+    err = mesh_plan_error(chain((4, 2, 6)))
     assert err.path == "meshes[2].replicas" and "meshes[0]'s 4 replicas" in str(err), str(err)
 
 

@@ -14,12 +14,11 @@ import yaml
 from megatron_hetero.cost.mesh import Bridge, bridge_seconds
 from megatron_hetero.cost.model import CostModel
 from megatron_hetero.cost.stage import StageShape
-from megatron_hetero.errors import SchemaError
 from megatron_hetero.hardware import inventory_from_data
 from megatron_hetero.plan import load_any_plan, mesh_plan_from_data, save_any_plan
 from megatron_hetero.plan.megatron_args import megatron_args
 
-from .conftest import REPO
+from .conftest import REPO, mesh_plan_error
 
 BASE = yaml.safe_load((REPO / "examples/meshes/3090-t4-plan.yaml").read_text())
 INV = inventory_from_data({"groups": [
@@ -31,12 +30,6 @@ def _data(**top) -> dict:
     data = copy.deepcopy(BASE)  # mesh 0: TP 1, mesh 1: TP 2
     data.update(top)
     return data
-
-
-def _error(data) -> SchemaError:
-    with pytest.raises(SchemaError) as exc:
-        mesh_plan_from_data(data, source="p.yaml")
-    return exc.value
 
 
 def test_sequence_parallel_loads_round_trips_and_reaches_args(tmp_path):
@@ -55,14 +48,14 @@ def test_sequence_parallel_loads_round_trips_and_reaches_args(tmp_path):
 def test_sequence_parallel_without_a_tensor_parallel_mesh_is_refused():
     data = _data(sequence_parallel=True)
     data["meshes"][1]["tensor_model_parallel_size"] = 1
-    err = _error(data)
+    err = mesh_plan_error(data)
     assert err.path == "sequence_parallel" and "tensor_model_parallel_size is 1" in str(err)
 
 
 def test_a_mesh_tp_that_does_not_divide_the_sequence_is_refused():
     data = _data(sequence_parallel=True)
     data["model"]["seq_length"] = 2047
-    err = _error(data)
+    err = mesh_plan_error(data)
     assert err.path == "meshes[1].tensor_model_parallel_size"
     assert "model.seq_length (2047)" in str(err)
     data["sequence_parallel"] = False  # without it any sequence length goes
@@ -72,7 +65,7 @@ def test_a_mesh_tp_that_does_not_divide_the_sequence_is_refused():
 def test_an_moe_mesh_runs_tp_2_with_sequence_parallelism_only():
     data = _data()
     data["model"].update(num_experts=8, moe_router_topk=2)
-    err = _error(data)
+    err = mesh_plan_error(data)
     assert err.path == "meshes[1].tensor_model_parallel_size"
     assert "sequence_parallel: true" in str(err)
     data["sequence_parallel"] = True

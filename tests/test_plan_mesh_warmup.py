@@ -21,7 +21,7 @@ from megatron_hetero.schedule.order import rank_order
 from megatron_hetero.schedule.rules import chain_warmup, megatron_warmup
 from megatron_hetero.sim.step import simulate
 
-from .conftest import REPO
+from .conftest import REPO, mesh_plan_error
 
 EXAMPLE = REPO / "examples/meshes/3090-t4-plan.yaml"  # stages 10 | 10 || 12, 16 micro-batches
 BASE = yaml.safe_load(EXAMPLE.read_text())
@@ -38,12 +38,6 @@ def _data(*counts) -> dict:
         if w is not None:
             stage["warmup_microbatches"] = w
     return data
-
-
-def _error(data) -> SchemaError:
-    with pytest.raises(SchemaError) as exc:
-        mesh_plan_from_data(data, source="p.yaml")
-    return exc.value
 
 
 def test_warmups_load_round_trip_and_choose_the_chain_schedule(tmp_path):
@@ -70,7 +64,7 @@ def test_warmups_load_round_trip_and_choose_the_chain_schedule(tmp_path):
     ((None, None, -1), "meshes[1].stages[0].warmup_microbatches", "at least 0"),
 ])
 def test_warmup_rules_hold_over_the_chain(counts, path, expected):
-    err = _error(_data(*counts))
+    err = mesh_plan_error(_data(*counts))
     assert err.path == path and expected in str(err), str(err)
 
 
@@ -81,7 +75,7 @@ def test_warmups_with_model_chunks_are_refused():
             n = stage["num_layers"]
             stage["chunk_layers"] = [n // 2, n - n // 2]
     data["microbatch_group_size"] = 4  # whole groups of 16 micro-batches over 3 stages
-    err = _error(data)
+    err = mesh_plan_error(data)
     assert err.path == "meshes[0].stages[0].warmup_microbatches"
     assert "non-interleaved 1F1B" in str(err)
 

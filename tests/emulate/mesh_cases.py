@@ -26,6 +26,23 @@ def train_against_one_process(plan_path: str, clip_grad: float) -> dict:
     return out
 
 
+def check_against_one_process(got: dict, *, world: int, clip: float) -> None:
+    """Assert what :func:`train_against_one_process` returned of a plan of ``world`` ranks: the
+    reference clips (every norm above twice ``clip``) and trains, and each optimizer's run
+    matches it, every rank's gradient norm the whole model's."""
+    import pytest
+
+    ref = got["reference"]
+    assert all(n > 2 * clip for n in ref["grad_norms"]), ref  # clipping is active
+    assert ref["losses"][2] < ref["losses"][0]  # it trains
+    for optimizer in ("plain", "distributed"):
+        run = got[optimizer]
+        assert run["diverges"] is None, (optimizer, run["diverges"])
+        assert len(run["grad_norms"]) == world
+        for norms in run["grad_norms"]:  # every rank: the norm of the whole model
+            assert norms == pytest.approx(ref["grad_norms"], rel=1e-5), (optimizer, norms, ref)
+
+
 def train_interleaved_against_one_process(plan_path: str, lr: float, clip_grad: float) -> dict:
     """Train the interleaved mesh plan at ``plan_path`` 3 steps against its one-process
     reference: with SGD at ``lr``, no clipping and the plain optimizer (``sgd``: a gradient off

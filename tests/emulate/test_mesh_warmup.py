@@ -13,6 +13,7 @@ import pytest
 
 from ..conftest import evaluate_under, evaluated
 from ..mcore.tiny_mesh_plans import tiny_mesh_plan
+from .mesh_cases import check_against_one_process
 
 pytestmark = pytest.mark.slow  # each case spawns 4 ranks twice and one process once
 
@@ -44,16 +45,7 @@ def trained(tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_chain_with_warmups_trains_equal_to_one_process(trained, name):
-    got, world = evaluated(trained, name), CASES[name][1]
-    ref = got["reference"]
-    assert all(n > 2 * CLIP for n in ref["grad_norms"]), ref  # clipping is active
-    assert ref["losses"][2] < ref["losses"][0]  # it trains
-    for optimizer in ("plain", "distributed"):
-        run = got[optimizer]
-        assert run["diverges"] is None, (optimizer, run["diverges"])
-        assert len(run["grad_norms"]) == world
-        for norms in run["grad_norms"]:  # every rank: the norm of the whole model
-            assert norms == pytest.approx(ref["grad_norms"], rel=1e-5), (optimizer, norms, ref)
+    check_against_one_process(evaluated(trained, name), world=CASES[name][1], clip=CLIP)
 
 
 def test_rehearse_runs_a_chain_with_warmups(trained):

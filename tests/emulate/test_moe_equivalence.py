@@ -24,6 +24,17 @@ MOE = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48,
 CONFIG = TrainConfig(steps=3, optimizer="sgd")
 
 
+def _trains_as_one_process_with_16_experts(plan) -> None:
+    """``plan`` trains 3 steps equal to one process (losses and every parameter, each expert
+    under its global index), 4 experts in each of 4 MoE layers."""
+    got = train_plan(plan, CONFIG)
+    ref = train_plan(reference_plan(plan), CONFIG)
+    experts = [n for n in ref.params if ".local_experts." in n]
+    assert len(experts) == 4 * 4 * 2  # fc1 and fc2 of 4 experts in 4 MoE layers
+    assert sorted(got.params) == sorted(ref.params)
+    assert compare_results(got, ref, rtol=1e-5, atol=1e-5) is None
+
+
 @pytest.mark.parametrize("name, plan", [
     ("pp2_dp2_ep2_split_2_4", tiny_plan([2, 4], [(1, 2), (1, 2)],
                                         expert_model_parallel_size=2, **MOE)),
@@ -32,12 +43,7 @@ CONFIG = TrainConfig(steps=3, optimizer="sgd")
 ])
 def test_expert_parallel_plan_equals_one_process(name, plan):
     assert plan.meshes[0].expert_model_parallel_size == 2 and plan.model.is_moe
-    got = train_plan(plan, CONFIG)
-    ref = train_plan(reference_plan(plan), CONFIG)
-    experts = [n for n in ref.params if ".local_experts." in n]
-    assert len(experts) == 4 * 4 * 2  # fc1 and fc2 of 4 experts in 4 MoE layers
-    assert sorted(got.params) == sorted(ref.params)
-    assert compare_results(got, ref, rtol=1e-5, atol=1e-5) is None
+    _trains_as_one_process_with_16_experts(plan)
 
 
 def test_rehearsal_of_the_moe_example_verifies(mcore_env):
@@ -123,12 +129,7 @@ def test_moe_model_on_an_interleaved_mesh_chain_equals_one_process(tmp_path, cap
     assert plan.interleaved_chain and plan.model.num_layers == 5
     assert [m.expert_model_parallel_size for m in plan.meshes] == [1, 2]
     assert main(["validate", path]) == 0, capsys.readouterr().err
-    got = train_plan(plan, CONFIG)
-    ref = train_plan(reference_plan(plan), CONFIG)
-    experts = [n for n in ref.params if ".local_experts." in n]
-    assert len(experts) == 4 * 4 * 2  # fc1 and fc2 of 4 experts in 4 MoE layers
-    assert sorted(got.params) == sorted(ref.params)
-    assert compare_results(got, ref, rtol=1e-5, atol=1e-5) is None
+    _trains_as_one_process_with_16_experts(plan)
 
 
 def test_calibration_of_a_model_mixing_moe_and_dense_layers():
