@@ -68,16 +68,58 @@ def test_warmup_rules_hold_over_the_chain(counts, path, expected):
     assert err.path == path and expected in str(err), str(err)
 
 
-def test_warmups_with_model_chunks_are_refused():
-    data = _data(6)
+def _chunked(*counts) -> dict:
+    """:func:`_data` with two chunks a stage (groups of 4 micro-batches: Megatron's interleaved
+    warm-ups 8, 6, 4 of 32 chunk-steps)."""
+    data = _data(*counts)
     for mesh in data["meshes"]:
         for stage in mesh["stages"]:
             n = stage["num_layers"]
             stage["chunk_layers"] = [n // 2, n - n // 2]
     data["microbatch_group_size"] = 4  # whole groups of 16 micro-batches over 3 stages
-    err = mesh_plan_error(data)
+    return data
+
+
+def test_warmups_with_model_chunks_run_on_the_chain_within_the_chain_rule():
+    """A chain with chunks takes counts of forward chunk-steps whose orders complete
+    (megatron_hetero/schedule/chain.py; tests/test_schedule_chain.py), refuses the others
+    naming the counts that would, and refuses any on a plan of one mesh (Megatron's own
+    interleaved schedule runs it)."""
+    plan = mesh_plan_from_data(_chunked(12), source="p.yaml")
+    assert plan.interleaved_chain and plan.own_chain_schedule
+    assert [chain_warmup(plan, plan.slot_of_rank(r)) for r in (0, 8, 16)] == [12, 6, 4]
+    plain = mesh_plan_from_data(_chunked(), source="p.yaml")
+    assert chain_warmup(plain, plain.slot_of_rank(0)) is None
+    err = mesh_plan_error(_chunked(13))
+    assert err.path == "meshes[0].stages[0].warmup_microbatches", str(err)
+    assert "expected 6 to 12 with the other stages' counts as given" in str(err), str(err)
+    err = mesh_plan_error(_chunked(None, None, 33))
+    assert err.path == "meshes[1].stages[0].warmup_microbatches"
+    assert "expected 0 to 32" in str(err), str(err)
+    one = _chunked(3)
+    one["meshes"] = one["meshes"][:1]
+    for stage in one["meshes"][0]["stages"]:
+        stage.update(num_layers=16, chunk_layers=[8, 8])
+    del one["microbatch_group_size"]
+    err = mesh_plan_error(one)
     assert err.path == "meshes[0].stages[0].warmup_microbatches"
-    assert "non-interleaved 1F1B" in str(err)
+    assert "runs Megatron's own interleaved schedule" in str(err), str(err)
+
+
+def test_simulator_and_memory_price_an_interleaved_chains_warmup():
+    """Stage 0 warmed up 12 chunk-steps instead of Megatron's 8: the simulator runs 12 + 1
+    forwards before its first backward, and the memory model holds more activations there
+    (more forwards in flight per chunk) and the same elsewhere."""
+    warm = mesh_plan_from_data(_chunked(12), source="p.yaml")
+    plain = mesh_plan_from_data(_chunked(), source="p.yaml")
+    cost = CostModel(warm.model, INV)
+    got, ref = simulate(warm, cost), simulate(plain, cost)
+    for sim, w in ((got, 12), (ref, 8)):
+        ops = sorted((e for e in sim.events if e.pipeline == 0 and e.stage == 0
+                      and e.kind in "FB"), key=lambda e: e.start)
+        assert next(i for i, e in enumerate(ops) if e.kind == "B") == w + 1
+    acts = [[s.memory.activations for s in sim.stages if s.pipeline == 0] for sim in (got, ref)]
+    assert acts[0][0] > acts[1][0] and acts[0][1:] == acts[1][1:]
 
 
 def test_meshes_of_carries_a_format_1_plans_warmups():

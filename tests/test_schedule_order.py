@@ -112,7 +112,8 @@ def test_interleaved_and_single_stage_plans_refuse_it():
             stage["chunk_layers"] = chunks
         pipe["stages"][0]["warmup_microbatches"] = 3
     with pytest.raises(SchemaError, match=r"pipelines\[0\]\.stages\[0\]\.warmup_microbatches: "
-                       r"found 3; expected absent: per-stage warm-up is for the non-interleaved"):
+                       r"found 3; expected absent: a plan of one pipeline grid with model chunks "
+                       r"\(2 a stage\) runs Megatron's own interleaved schedule"):
         plan_from_data(data)
     data = copy.deepcopy(BASE)
     for pipe in data["pipelines"]:

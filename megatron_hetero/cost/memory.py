@@ -262,7 +262,8 @@ class StageMemory:
                 acts = max(per_chunk)
             else:
                 acts = peak_activations(p, s, shape.num_microbatches, v, per_chunk,
-                                        shape.microbatch_group)
+                                        shape.microbatch_group,
+                                        warmup=shape.warmup_microbatches)
             acts += transient * layer
             acts += margin
         return Memory(params=params * self.param_bytes, grads=params * self.grad_bytes,

@@ -26,7 +26,9 @@ receiving mesh's (:mod:`megatron_hetero.mcore.mesh_stage`).
 
 Per-stage warm-up (issue 28): a stage's ``warmup_microbatches`` as format 1's, its rules over
 each replica's path through the chain; such a chain runs the chain's own schedule
-(:attr:`.types.Plan.own_chain_schedule`).
+(:attr:`.types.Plan.own_chain_schedule`). With model chunks the count is of forward
+chunk-steps, taken where the ranks' orders complete (:mod:`megatron_hetero.schedule.chain`); a
+plan of one mesh with chunks runs Megatron's own interleaved schedule and takes none.
 
 Interleaving (issue 28): a stage may list ``chunk_layers`` as a format-1 stage does; then every
 stage of the chain lists the same number ``v`` of chunks (the plan's ``virtual_pipeline_size``,
@@ -218,9 +220,10 @@ class Format2Plan:
         self._check_warmups()
 
     def _check_warmups(self) -> None:
-        """Format 1's warm-up rules over each replica's path through the chain: replica ``r``
-        of every mesh where the meshes' replicas match, else (a bridge that joins or splits:
-        every replica alike) the one path of mesh 0's micro-batch count."""
+        """Format 1's warm-up rules (with chunks over several meshes, the chain's:
+        :mod:`megatron_hetero.schedule.chain`) over each replica's path through the chain:
+        replica ``r`` of every mesh where the meshes' replicas match, else (a bridge that joins
+        or splits: every replica alike) the one path of mesh 0's micro-batch count."""
         given = [self.meshes[k].stages[j].warmup_microbatches for k, j in self.stage_index]
         if all(w is None for w in given):
             return
@@ -230,7 +233,8 @@ class Format2Plan:
         for m, r in paths.items():
             check_stage_warmups(given, m, self.virtual_pipeline_size,
                                 lambda s: "meshes[{}].stages[{}].warmup_microbatches".format(
-                                    *self.stage_index[s]), f"meshes[0].replicas[{r}]")
+                                    *self.stage_index[s]), f"meshes[0].replicas[{r}]",
+                                chain=len(self.meshes) > 1, group=self.microbatch_group_size)
 
     def _check_chunks(self) -> None:
         """Interleaving as format 1 checks it (:meth:`.format1.Format1Plan._check_chunks`), over

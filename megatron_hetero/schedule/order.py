@@ -49,8 +49,9 @@ def warmup_count(p: int, r: int, m: int, v: int = 1, group: int | None = None) -
 def rank_order(p: int, r: int, m: int, v: int = 1, group: int | None = None, *,
                warmup: int | None = None) -> list[Op]:
     """The ops of rank ``r`` of ``p`` for ``m`` micro-batches and ``v`` chunks, in run order;
-    ``warmup``: the rank's warm-up forwards where the plan sets them (non-interleaved only;
-    default Megatron's, :func:`warmup_count`)."""
+    ``warmup``: the rank's warm-up forwards where the plan sets them (default Megatron's,
+    :func:`warmup_count`; with chunks, forward chunk-steps: a chain of meshes,
+    :mod:`.chain`)."""
     return list(rank_order_cached(p, r, m, v, group, warmup))
 
 
@@ -84,34 +85,39 @@ def peak_in_flight(order: list[Op], weights: list[float]) -> float:
 
 
 def peak_activations(p: int, r: int, m: int, v: int, weights: list[float],
-                     group: int | None = None) -> float:
+                     group: int | None = None, *, warmup: int | None = None) -> float:
     """:func:`peak_in_flight` of rank ``r``'s order for non-negative ``weights``, without walking
     all ``m`` micro-batches each time: the table repeats every ``g v`` entries (``g`` the group,
     ``group``, default ``p``), so the chunks held after each steady-state forward repeat too,
     and the first ``g v`` steady steps (after the warm-up, which only adds) reach every state
     the whole order reaches before its last group. When ``m`` is not a multiple of ``g`` that
     last group is shorter; a shorter order with the same remainder ends in the same way. The
-    states (chunks held per chunk index) are cached per shape."""
+    states (chunks held per chunk index) are cached per shape. ``warmup``: the rank's warm-up
+    forwards where the plan sets them (a chain of meshes: more warm-up, more chunks in flight),
+    as :func:`rank_order` takes it."""
     g = p if group is None else group
-    warm = warmup_count(p, r, 10**9, v, g)
+    warm = warmup_count(p, r, 10**9, v, g) if warmup is None else warmup
     enough = g * -(-(warm + g * v + 1) // (g * v))
     if m % g == 0:
         m = min(m, enough)
     else:  # a last group of m % g: the same steady states, then the same last group and drain
         m = min(m, enough + g + m % g)
-    return _peak(p, r, m, v, g, tuple(weights))
+    return _peak(p, r, m, v, g, tuple(weights), warmup)
 
 
 @lru_cache(maxsize=65536)
-def _peak(p: int, r: int, m: int, v: int, g: int, weights: tuple[float, ...]) -> float:
+def _peak(p: int, r: int, m: int, v: int, g: int, weights: tuple[float, ...],
+          warmup: int | None = None) -> float:
     """:func:`peak_activations` once its ``m`` is cut to the orders that reach every state
     (cached: stages of many pipelines and batches share it)."""
-    return float((_held_states(p, r, m, v, g) @ np.asarray(weights, dtype=float)).max())
+    return float((_held_states(p, r, m, v, g, warmup) @ np.asarray(weights, dtype=float)).max())
 
 
 @lru_cache(maxsize=8192)
-def _held_states(p: int, r: int, m: int, v: int, g: int) -> np.ndarray:
-    """The chunk counts held after each forward of rank ``r``'s order, keeping only those no
+def _held_states(p: int, r: int, m: int, v: int, g: int,
+                 warmup: int | None = None) -> np.ndarray:
+    """The chunk counts held after each forward of rank ``r``'s order (warm-up ``warmup``,
+    default Megatron's), keeping only those no
     other state holds at least as much of in every chunk (the candidates for a peak), one row
     per state."""
     # rank_order's forwards by chunk: the table's chunks (each group of g micro-batches runs
@@ -123,7 +129,7 @@ def _held_states(p: int, r: int, m: int, v: int, g: int) -> np.ndarray:
     eye = np.eye(v, dtype=np.int64)
     forwards = np.cumsum(eye[chunks], axis=0)  # [f]: per chunk, forwards up to f
     backwards = np.cumsum(eye[v - 1 - chunks], axis=0)
-    warm = warmup_count(p, r, m, v, g)
+    warm = warmup_count(p, r, m, v, g) if warmup is None else min(warmup, m * v)
     held = forwards.copy()
     held[warm + 1:] -= backwards[:max(0, len(chunks) - warm - 1)]
     # in order of the most held first (then by the counts); kept: those no other state covers

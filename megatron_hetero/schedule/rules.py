@@ -18,10 +18,17 @@ The rules a plan's counts must follow (:func:`check_warmups`, on load, with the 
   ``min(p - s - 1, m)``. The runtime's schedule (:mod:`megatron_hetero.mcore.warmup_schedule`)
   needs counts that never rise along the pipeline to be free of deadlock; the ``+ 1`` is
   Megatron's own step (each stage keeps its successor fed while it waits for a gradient);
-- only non-interleaved plans with more than one stage.
+- only plans with more than one stage, and no model chunks but on a chain of meshes.
 
-Interleaved plans do not take the field. Megatron's interleaved schedule has its own knob that
-gives its stages slack, the micro-batch group (``Plan.microbatch_group_size``, searched by the
+With model chunks (``v`` > 1) on a chain of meshes, the chain's own schedule
+(:mod:`megatron_hetero.mcore.mesh_interleaved`) runs each rank's interleaved order with its
+stage's count: the forward chunk-steps before the steady state's first forward (the first
+backward follows ``w + 1`` forwards), default Megatron's interleaved
+``2 (P - s - 1) + (v - 1) g`` (:func:`~.order.warmup_count`). The counts it takes are
+``0 .. m v`` whose ranks' orders complete (:mod:`.chain`: no closed form; the wrap-around
+bridge bounds each count from above as well as below). A plan of one pipeline grid with chunks
+(format 1, or one mesh) does not take the field: Megatron's interleaved schedule runs it, and
+has its own knob that gives its stages slack, the micro-batch group (``Plan.microbatch_group_size``, searched by the
 tuner: a group of ``g`` warms every stage up ``(v - 1) g`` virtual micro-batches); its
 overlapped sends pair each rank's exchanges with its neighbours' under its own fixed offsets, so
 other offsets need a second schedule of our own. Measured with the simulator on the issue's
@@ -39,6 +46,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..errors import Described, SchemaError
+from .chain import check_chain_warmups
+from .order import warmup_count
 
 __all__ = ["StageSchedule", "stage_schedule", "one_f_one_b", "megatron_warmup",
            "pipeline_warmups", "has_extra_warmup", "stage_program", "check_warmups",
@@ -79,33 +88,36 @@ def one_f_one_b(m: int, warmup: int) -> tuple[str, ...]:
     return tuple(ops + [f"B{k}" for k in range(m - warmup, m)])
 
 
-def pipeline_warmups(pipeline) -> list[int]:
-    """The warm-up of every stage of a :class:`~megatron_hetero.plan.Pipeline`: the stage's
-    ``warmup_microbatches``, else Megatron's default."""
+def pipeline_warmups(pipeline, v: int = 1, group: int | None = None) -> list[int]:
+    """The warm-up of every stage of a :class:`~megatron_hetero.plan.Pipeline` run with ``v``
+    model chunks a stage (micro-batch group ``group``): the stage's ``warmup_microbatches``,
+    else Megatron's default (:func:`~.order.warmup_count`)."""
     p, m = len(pipeline.stages), pipeline.num_microbatches
-    return [megatron_warmup(p, s, m) if st.warmup_microbatches is None else st.warmup_microbatches
-            for s, st in enumerate(pipeline.stages)]
+    return [warmup_count(p, s, m, v, group) if st.warmup_microbatches is None
+            else st.warmup_microbatches for s, st in enumerate(pipeline.stages)]
 
 
 def chain_warmup(plan, slot) -> int | None:
     """The warm-up forwards of ``slot``'s stage in the chain's own schedule
     (:attr:`~megatron_hetero.plan.Plan.own_chain_schedule`): its count on its replica's path
     through the chain (:meth:`~megatron_hetero.plan.Plan.path_pipeline`) where some stage of
-    that path warms up beyond Megatron's, else None (Megatron's count, or the interleaved
+    that path departs from Megatron's count, else None (Megatron's count, or the interleaved
     order's)."""
-    if plan.virtual_pipeline_size > 1:
-        return None
     path = plan.path_pipeline(slot.replica)
-    if not has_extra_warmup(path):
+    v, group = plan.virtual_pipeline_size, plan.microbatch_group
+    if not has_extra_warmup(path, v, group):
         return None
-    return pipeline_warmups(path)[plan.global_stage(slot)]
+    return pipeline_warmups(path, v, group)[plan.global_stage(slot)]
 
 
-def has_extra_warmup(pipeline) -> bool:
-    """Whether some stage of ``pipeline`` warms up more than Megatron would (the runtime then
-    runs this pipeline under :mod:`megatron_hetero.mcore.warmup_schedule`)."""
+def has_extra_warmup(pipeline, v: int = 1, group: int | None = None) -> bool:
+    """Whether some stage of ``pipeline`` (``v`` chunks a stage, micro-batch group ``group``)
+    warms up other than Megatron would: more, without chunks (the rules allow no less; the
+    runtime then runs this pipeline under :mod:`megatron_hetero.mcore.warmup_schedule`, a
+    chain of meshes its own schedule), or any other count, with chunks (a chain of meshes)."""
     p, m = len(pipeline.stages), pipeline.num_microbatches
-    return any(w > megatron_warmup(p, s, m) for s, w in enumerate(pipeline_warmups(pipeline)))
+    return any(w != warmup_count(p, s, m, v, group)
+               for s, w in enumerate(pipeline_warmups(pipeline, v, group)))
 
 
 def stage_schedule(plan, pipeline: int, stage: int) -> StageSchedule:
@@ -180,21 +192,29 @@ def check_warmups(plan) -> None:
                             f"pipelines[{d}]")
 
 
-def check_stage_warmups(given: list, m: int, v: int, path, replica: str) -> None:
+def check_stage_warmups(given: list, m: int, v: int, path, replica: str, *,
+                        chain: bool = False, group: int | None = None) -> None:
     """The rules of the module docstring over one pipeline of ``len(given)`` stages (a
     format-1 pipeline, or a replica's path through a chain of meshes): ``given`` each stage's
     ``warmup_microbatches`` (None: Megatron's), ``m`` the path's micro-batches, ``v`` the
     model chunks per stage, ``path(s)`` the field path of stage ``s``'s count, ``replica`` that
-    of the path's micro-batch count's owner."""
+    of the path's micro-batch count's owner; ``chain``: the path crosses meshes (the chain's
+    own schedule runs it, which takes counts with chunks too, micro-batch group ``group``:
+    :func:`~.chain.check_chain_warmups`)."""
+    if v > 1 and chain:
+        if any(w is not None for w in given):
+            check_chain_warmups(given, m, v, group, path, replica)
+        return
     p = len(given)
     for s, w in enumerate(given):
         if w is None:
             continue
         if v > 1:
-            raise SchemaError("", path(s), w, f"absent: per-stage warm-up is for the "
-                              f"non-interleaved 1F1B (the plan runs {v} model chunks a stage; "
-                              "microbatch_group_size gives the interleaved schedule's "
-                              "stages slack)")
+            raise SchemaError("", path(s), w, f"absent: a plan of one pipeline grid with "
+                              f"model chunks ({v} a stage) runs Megatron's own interleaved "
+                              "schedule, which takes no per-stage warm-up "
+                              "(microbatch_group_size gives its stages slack); per-stage "
+                              "warm-ups with chunks run on a chain of meshes (format 2)")
         if p == 1 and w != 0:
             raise SchemaError("", path(s), w, "absent or 0 (a plan with one pipeline "
                               "stage runs no pipeline schedule to warm up)")

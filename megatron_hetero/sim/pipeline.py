@@ -20,6 +20,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from ..schedule.chain import waits_for
 from ..schedule.order import rank_order_cached
 
 __all__ = ["one_f_one_b", "interleaved_1f1b", "pipeline_run", "DIRECT_MICROBATCHES", "PROBE_MOST",
@@ -194,19 +195,13 @@ def _compiled_order(p: int, m: int, v: int, group: int | None = None,
         row = []
         for kind in (0, 1):
             for c in range(v):
-                if kind == 0:
-                    if s > 0:
-                        dep, link = (s - 1) * 2 * vm + c * m, s - 1
-                    elif c > 0:
-                        dep, link = (p - 1) * 2 * vm + (c - 1) * m, p - 1
-                    else:
-                        dep, link = -1, none
-                elif s < p - 1:
-                    dep, link = (s + 1) * 2 * vm + vm + c * m, p + s
-                elif c < v - 1:
-                    dep, link = vm + (c + 1) * m, p + p - 1
-                else:  # the last chunk's backward on the last stage: after its forward
-                    dep, link = s * 2 * vm + c * m, none
+                waited = waits_for(p, v, s, kind, c)
+                if waited is None:
+                    dep, link = -1, none
+                else:  # the link it crosses: forwards from the stage before (the wrap-around
+                    ws, wk, wc = waited  # link p - 1), backwards from the stage after; none
+                    dep = ws * 2 * vm + wk * vm + wc * m  # from its own forward
+                    link = none if kind > wk else ws if kind == 0 else p + s
                 row.append((dep, link, s * 2 * vm + kind * vm + c * m, (2 * s + kind) * v + c))
         tables.append(row)
     where = [0] * (2 * p * vm)  # op (stage, kind, chunk, micro-batch) -> its position + 1

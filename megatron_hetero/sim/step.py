@@ -218,8 +218,9 @@ def _run_path(plan: Plan, cost: CostModel, placement, times, d: int, key, cache:
     fwd = [[c.forward_s for c in t] for t in times]
     bwd = [[c.backward_s for c in t] for t in times]
     warmups = None  # Megatron's schedule, as the runtime picks it
-    if has_extra_warmup(pipe):
-        warmups = tuple(pipeline_warmups(pipe))
+    v, group = plan.virtual_pipeline_size, plan.microbatch_group_size
+    if has_extra_warmup(pipe, v, group):
+        warmups = tuple(pipeline_warmups(pipe, v, group))
     got = pipeline_run(fwd, bwd, send_f, send_b, pipe.num_microbatches, record=record,
                        group=plan.microbatch_group_size, warmups=warmups)
     if plan.virtual_pipeline_size == 1:  # last backwards per stage; events without a chunk
