@@ -4,12 +4,17 @@ warm up beyond Megatron's ``P - s - 1`` runs the chain's own schedule
 stage's warm-up: tests/test_plan_mesh_warmup.py checks the orders) and trains equal to one
 process (fp32, rtol 1e-5, 3 steps, Adam with clipping, plain and distributed optimizer): the
 issue's TP2·DP1 -> TP1·DP2 with a warm-up (4 ranks), two meshes of two stages warming up 4, 3,
-2, 0 of 4 micro-batches, and TP2·DP1 -> TP1·DP2 with sequence parallelism in the TP 2 mesh;
-and ``rehearse --verify`` of the first."""
+2, 0 of 4 micro-batches, TP2·DP1 -> TP1·DP2 with sequence parallelism in the TP 2 mesh, and
+TP2·DP1 -> TP1·DP2 interleaved (two chunks a stage) with stage 1 warmed up beyond Megatron's
+interleaved count (the issue's case); and ``rehearse --verify`` of the first."""
 
 from __future__ import annotations
 
 import pytest
+
+from megatron_hetero.plan import load_any_plan
+from megatron_hetero.schedule.order import rank_order
+from megatron_hetero.schedule.rules import chain_warmup
 
 from ..conftest import evaluate_under, evaluated
 from ..mcore.tiny_mesh_plans import tiny_mesh_plan
@@ -28,7 +33,25 @@ CASES = {  # case: (meshes, world, tiny_mesh_plan's keyword arguments)
     # with sequence parallelism in the TP 2 mesh (its bridge joins the shards at the link)
     "sequence-parallel": ([(2, 1), (1, 2)], 4, {
         "warmups": {0: [2]}, "seq_length": 4, "fields": {"sequence_parallel": True}}),
+    # interleaved: two chunks a stage, stage 1 (TP 1, DP 2) warms up 3 forward chunk-steps of
+    # 4, Megatron's 2 (its second micro-batch's chunk-1 forward before its first backward)
+    "interleaved-tp2dp1-tp1dp2": ([(2, 1), (1, 2)], 4, {
+        "chunks": {0: [[1, 1]], 1: [[1, 1]]}, "warmups": {1: [3]}}),
 }
+
+
+def test_the_interleaved_case_runs_its_warmup_on_every_rank_of_stage_1(tmp_path):
+    """What the chain's schedule takes of the interleaved case: stage 1's two replicas warm up
+    3 chunk-steps, an order other than Megatron's; stage 0 keeps Megatron's 4 (all of them)."""
+    meshes, world, kwargs = CASES["interleaved-tp2dp1-tp1dp2"]
+    plan = load_any_plan(tiny_mesh_plan(tmp_path, meshes, **kwargs))
+    assert plan.interleaved_chain and plan.world_size == world
+    for rank in range(world):
+        slot = plan.slot_of_rank(rank)
+        s = plan.global_stage(slot)
+        assert chain_warmup(plan, slot) == [4, 3][s]
+        if s == 1:
+            assert rank_order(2, 1, 2, 2, warmup=3) != rank_order(2, 1, 2, 2)
 
 
 @pytest.fixture(scope="module")
