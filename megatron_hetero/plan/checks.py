@@ -29,7 +29,7 @@ from .types import Plan
 
 __all__ = ["check_offload", "check_runnable", "stage_layers", "optimizer_offload_runs",
            "plan_stages", "stage_path", "FP32_OPTIMIZER_OFFLOAD", "check_chain_vendors",
-           "VENDORS_PENDING", "WARMUP_PENDING"]
+           "VENDORS_PENDING"]
 
 FP32_OPTIMIZER_OFFLOAD = (
     "megatron-core's CPU-offload optimizer does not run with fp32 parameters under the "
@@ -71,29 +71,13 @@ def stage_path(plan: Plan, replica: int, stage: int) -> str:
     return f"meshes[{k}].stages[{j}]"
 
 
-WARMUP_PENDING = (
-    "per-stage warm-up over a chain of meshes runs on CPU ranks (megatron-hetero rehearse and "
-    "the CPU trainer, megatron-core 0.19+, on the chain's own schedule; simulate prices it) but "
-    "under pretrain_gpt.py --hetero-plan and the launcher megatron-core's multimodule 1F1B "
-    "runs the chain, with Megatron's warm-up (docs/meshes.md)")
-"""Why :func:`check_runnable` refuses a chain of meshes with per-stage warm-ups."""
-
-
 def check_runnable(plan: Plan, *, source: str) -> None:
     """Raise :class:`SchemaError` where ``plan`` asks for what Megatron-LM's training under
     ``--hetero-plan`` (and so ``validate`` and ``args``) does not run yet: meshes of several
-    vendors (:func:`check_chain_vendors`), and per-stage warm-ups on a chain of meshes without
-    model chunks (:attr:`.types.Plan.own_chain_schedule`), which the CPU trainer and
-    ``rehearse`` run on the chain's own schedule and Megatron-LM's training (megatron-core's
-    multimodule 1F1B) would not. Model chunks over a chain of meshes run in both
-    (:mod:`megatron_hetero.runtime.mesh_chunks`)."""
+    vendors (:func:`check_chain_vendors`). Model chunks and per-stage warm-ups over a chain of
+    meshes run there on the chain's own schedule (:mod:`megatron_hetero.runtime.mesh_chunks`)
+    as on CPU ranks."""
     check_chain_vendors(plan, source=source)
-    if plan.own_chain_schedule and not plan.interleaved_chain:
-        k, j = next((k, j) for k, j in plan.stage_index
-                    if plan.meshes[k].pipelines[0].stages[j].warmup_microbatches is not None)
-        raise SchemaError(source, f"meshes[{k}].stages[{j}].warmup_microbatches",
-                          plan.meshes[k].pipelines[0].stages[j].warmup_microbatches,
-                          f"absent in every stage: {WARMUP_PENDING}")
 
 
 VENDORS_PENDING = (

@@ -53,11 +53,12 @@ _RUNTIME_MARK = "_megatron_hetero_runtime"
 def backend_class(plan) -> type[Backend]:
     """The backend that runs ``plan``: megatron-core's own schedules where the plan is one grid
     (one mesh: every stage shares TP and DP and each replica runs one pipeline through all of
-    them), the multimodule backend for a chain of meshes, with our interleaved schedule where
-    the chain's stages run model chunks. The one choice of backend."""
+    them), the multimodule backend for a chain of meshes, with the chain's own schedule where
+    its stages run model chunks or warm up other than Megatron's
+    (:attr:`~megatron_hetero.plan.Plan.own_chain_schedule`). The one choice of backend."""
     if plan.one_grid:
         return CoreBackend
-    return InterleavedMeshBackend if plan.interleaved_chain else MeshBackend
+    return InterleavedMeshBackend if plan.own_chain_schedule else MeshBackend
 
 
 def _load(path: str):

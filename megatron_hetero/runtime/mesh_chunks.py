@@ -1,7 +1,8 @@
-"""Interleaved 1F1B over a chain of meshes (:attr:`~megatron_hetero.plan.Plan.interleaved_chain`)
-inside Megatron-LM's own training loop: :class:`InterleavedMeshBackend`, the multimodule backend
-(:class:`.mesh_run.MeshBackend`) with model chunks. Everything but the model's chunks and the
-schedule is the mesh backend's (the mesh's view in ``validate_args``, the groups of every mesh,
+"""The chain's own schedule (:attr:`~megatron_hetero.plan.Plan.own_chain_schedule`: interleaved
+1F1B over a chain of meshes, or a chain whose stages warm up other than Megatron's, as one chunk
+a stage) inside Megatron-LM's own training loop: :class:`InterleavedMeshBackend`, the
+multimodule backend (:class:`.mesh_run.MeshBackend`) with model chunks. Everything but the
+model's chunks and the schedule is the mesh backend's (the mesh's view in ``validate_args``, the groups of every mesh,
 the whole model's config and layout, the gradient scale, finalize, the whole-model gradient
 norm, the checkpoints); the schedule is
 :func:`megatron_hetero.mcore.mesh_interleaved.interleaved_mesh_schedule`, the one the CPU
@@ -11,7 +12,9 @@ non-interleaved multimodule schedule (``get_forward_backward_func``):
 ``validate_args``, ``initialize_model_parallel``
     Megatron's checks see the mesh's stages without chunks (the mesh backend's layout: one
     segment per stage of the mesh), since its own interleaved schedule, which they check for,
-    does not run; then ``args.virtual_pipeline_model_parallel_size`` is the plan's ``v``, so
+    does not run; then, with model chunks (``v`` > 1; one chunk a stage leaves Megatron's
+    arguments and parallel state without a virtual pipeline, and builds its one model chunk
+    without a ``vp_stage``), ``args.virtual_pipeline_model_parallel_size`` is the plan's ``v``, so
     that Megatron builds one data iterator per chunk and the config's layout (the whole model's
     ``P v`` segments, :func:`.mesh_model.mesh_config`) numbers each chunk's layers; the mesh's
     parallel state gets a virtual pipeline of ``v`` (which megatron-core's own initialisation
@@ -62,7 +65,9 @@ def chunk_models(original, st: MeshRankState, model_provider_func, *a, **kw) -> 
             else:
                 asked_all[0] = True
             vs = c * p + s
-            pkw.update(vp_stage=c, pre_process=vs == 0, post_process=vs == p * v - 1)
+            pkw.update(pre_process=vs == 0, post_process=vs == p * v - 1)
+            if v > 1:  # one chunk a stage: Megatron's plain pipeline, no virtual stage
+                pkw["vp_stage"] = c
             return model_provider_func(*pa, **pkw)
         return provider
 
@@ -126,20 +131,24 @@ def interleaved_schedule(backend: "InterleavedMeshBackend"):
 
 @dataclass(kw_only=True, slots=True)
 class InterleavedMeshBackend(MeshBackend):
-    """A chain of meshes with model chunks on our interleaved schedule (module docstring)."""
+    """A chain of meshes on its own schedule: model chunks, or per-stage warm-ups (module
+    docstring)."""
 
     chain: Any = None
     """This rank's chunks and links (after ``get_model``)."""
 
     def validate_args(self, original, args, *a, **kw):
         result = MeshBackend.validate_args(self, original, args, *a, **kw)
-        args.virtual_pipeline_model_parallel_size = self.state.plan.virtual_pipeline_size
+        v = self.state.plan.virtual_pipeline_size
+        args.virtual_pipeline_model_parallel_size = v if v > 1 else None
         return result
 
     def initialize_model_parallel(self, original, *a, **kw):
         from megatron.core import parallel_state
 
         MeshBackend.initialize_model_parallel(self, original, *a, **kw)
+        if self.state.plan.virtual_pipeline_size == 1:
+            return
         # megatron-core's layout numbers a chunk's layers by its vp_stage only where its
         # parallel state has a virtual pipeline (its own function refuses one at a mesh of one
         # stage): the mesh's groups, v chunks a rank

@@ -55,14 +55,16 @@ def make_plan(*, split=(1, 1), devices=None, replicas=((1, 1),), tp=1, recompute
 
 def make_mesh_plan(meshes, *, global_batch=4, num_microbatches=2, replicas=None, devices=None,
                    hidden=16, heads=4, vocab=128, seq=8, precision="fp32",
-                   distributed_optimizer=True, offload=None, chunks=None, fields=None):
+                   distributed_optimizer=True, offload=None, chunks=None, fields=None,
+                   warmups=None):
     """A mesh plan (format 2) of the same tiny model: ``meshes`` is
     ``[(tp, dp, [layers per stage], recompute or None), ...]``; every mesh's replicas run
     ``num_microbatches`` micro-batches of ``global_batch / (dp x num_microbatches)``, or, with
     ``replicas`` (``[(micro_batch_size, num_microbatches), ...]``), those in every mesh;
     ``devices[k]`` mesh k's device type (default A100); ``offload[k]`` the offload of every
     stage of mesh k; ``chunks[k][j]``: the ``chunk_layers`` of mesh k's stage j (summing to its
-    layers); ``fields``: more of the plan's top-level fields."""
+    layers); ``fields``: more of the plan's top-level fields; ``warmups[k][j]``: the
+    ``warmup_microbatches`` of mesh k's stage j (None: absent)."""
     from megatron_hetero.plan import mesh_plan_from_data
 
     data = {
@@ -82,7 +84,10 @@ def make_mesh_plan(meshes, *, global_batch=4, num_microbatches=2, replicas=None,
                                    "num_microbatches": num_microbatches}] * dp),
                     "stages": [{"num_layers": n, **({"recompute": rec} if rec else {}),
                                 **({"offload": offload[k]} if offload and k in offload else {}),
-                                **({"chunk_layers": list(chunks[k][j])} if chunks else {})}
+                                **({"chunk_layers": list(chunks[k][j])} if chunks else {}),
+                                **({"warmup_microbatches": warmups[k][j]}
+                                   if warmups and k in warmups and warmups[k][j] is not None
+                                   else {})}
                                for j, n in enumerate(layers)]}
                    for k, (tp, dp, layers, rec) in enumerate(meshes)],
     }

@@ -139,8 +139,8 @@ def test_unsupported_policies_of_a_mesh_plan_are_refused_with_their_mesh_path():
 
 def test_the_backend_follows_the_plans_shape():
     """megatron-core's own schedules where every stage shares TP and DP, the multimodule
-    backend otherwise, with our interleaved schedule where the chain's stages run model chunks;
-    all are Backends (the hooks' one interface)."""
+    backend otherwise, with the chain's own schedule where its stages run model chunks or warm
+    up beyond Megatron's; all are Backends (the hooks' one interface)."""
     from megatron_hetero.runtime.backend import Backend
     from megatron_hetero.runtime.mesh_chunks import InterleavedMeshBackend
     from megatron_hetero.runtime.mesh_run import MeshBackend
@@ -151,6 +151,8 @@ def test_the_backend_follows_the_plans_shape():
     chunked = make_mesh_plan([(1, 1, [2], None), (2, 1, [2], None)],
                              chunks={0: [[1, 1]], 1: [[1, 1]]})
     assert hooks.backend_class(chunked) is InterleavedMeshBackend
+    warm = make_mesh_plan([(1, 1, [2], None), (2, 1, [2], None)], warmups={0: [2]})
+    assert warm.own_chain_schedule and hooks.backend_class(warm) is InterleavedMeshBackend
     assert issubclass(InterleavedMeshBackend, MeshBackend)
     assert issubclass(CoreBackend, Backend) and issubclass(MeshBackend, Backend)
     assert hooks.Runtime().state is None  # a fresh process's: no plan yet
