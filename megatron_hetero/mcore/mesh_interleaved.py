@@ -33,7 +33,9 @@ A chain without model chunks whose plan warms a stage up beyond Megatron's ``P -
 (:attr:`~megatron_hetero.plan.Plan.own_chain_schedule`) runs here too, as one chunk a stage:
 non-interleaved 1F1B with the stage's warm-up (:func:`~megatron_hetero.schedule.rules.
 chain_warmup`); the plan's rule (each stage at least one more than the next) keeps that
-order free of cycles, as the simulator's.
+order free of cycles, as the simulator's. With chunks a stage's warm-up (forward chunk-steps)
+is one whose orders the plan's check walked to completion
+(:func:`~megatron_hetero.schedule.chain.blocked_stage`, with this executor's dependencies).
 On each link one direction carries one kind of message (activations forward, gradients back),
 sent and received in the table's order on both ends, so the messages of a link pair up without
 tags.
