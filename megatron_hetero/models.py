@@ -73,7 +73,7 @@ __all__ = ["PRESETS", "model_preset", "load_model", "shrink_model", "padded_voca
            "output_params", "layer_activation_bytes", "core_attention_forward_flops",
            "step_model_flops", "layer_input_bytes", "logits_bytes", "moe_fraction",
            "layer_param_parts", "model_layer_params", "expert_forward_flops",
-           "moe_dispatch_bytes", "mixed_model"]
+           "moe_dispatch_bytes", "mixed_model", "column_linear_forward_flops"]
 
 PRESETS: dict[str, ModelSpec] = {
     "llama2-7b": ModelSpec(name="llama2-7b", num_layers=32, hidden_size=4096, ffn_hidden_size=11008,
@@ -216,6 +216,15 @@ def layer_forward_flops(m: ModelSpec, b: int) -> float:
         moe = 2.0 * b * s * h * m.num_experts + _shared_flops(m, b) + expert_forward_flops(m, b) / x
         mlp = (1.0 - x) * mlp + x * moe
     return linear + mlp + core_attention_forward_flops(m, b)
+
+
+def column_linear_forward_flops(m: ModelSpec, b: int) -> tuple[float, float]:
+    """Forward FLOPs of a layer's two column-parallel linears, QKV and the dense MLP's fc1
+    (its backward's input-gradient and weight-gradient GEMMs each take as many): the GEMMs
+    behind which megatron-core's backward hides their input gradient's tensor-parallel
+    all-reduce (or reduce-scatter)."""
+    s, h, f, q = m.seq_length, m.hidden_size, m.ffn_hidden_size, _q(m)
+    return 2.0 * b * s * h * (q + 2 * _kv(m)), 2.0 * b * s * h * f * (2 if m.swiglu else 1)
 
 
 def moe_fraction(m: ModelSpec) -> float:

@@ -47,8 +47,9 @@ SCENARIOS = REPO / "examples" / "scenarios"
 
 def one_f_one_b_estimate(model, inventory, gbs: int, chunks: int = 1) -> tuple[float, int]:
     """The best step time a plan of the searched kind can hope for, counting what the upper
-    bound leaves out but such a plan must pay: tensor-parallel all-reduces (Megatron does not
-    overlap them) and the fill and drain of 1F1B, divided by ``chunks`` (interleaved 1F1B with
+    bound leaves out but such a plan must pay: tensor-parallel all-reduces (the forward's, and
+    what the backward's weight-gradient GEMMs do not hide) and the fill and drain of 1F1B,
+    divided by ``chunks`` (interleaved 1F1B with
     that many model chunks per stage; memory for it ignored). Per TP size ``t``: every
     TP group of every type at its own per-layer speed (compute plus TP traffic, from the cost
     model), stages perfectly balanced, micro-batch size 1; the model's 16-bit weights and

@@ -8,7 +8,10 @@ device type (with the inventory's overrides) and, where given, a measured profil
   profile has them. Precision ``fp32`` uses ``fp32_tflops``, 16-bit precisions ``bf16_tflops``.
 * tensor parallelism: two ring all-reduces of the layer output per layer in forward and two in
   backward, ``2 (t-1)/t x bytes / bandwidth`` on the slowest intra-node link of the device type
-  (not added to measured layer times, which include them).
+  (not added to measured layer times, which include them); the forward waits for its two, the
+  backward only for each one's excess over the weight-gradient GEMM it overlaps (with sequence
+  parallelism: half an all-reduce per linear, exposed, besides;
+  :meth:`CostModel._tp_backward_seconds`).
 * pipeline sends: one 16-bit ``[s, b, h]`` tensor over the link the two stages share
   (:mod:`.placement`), plus a fixed latency.
 * data-parallel sync: with the distributed optimizer a reduce-scatter of the gradients plus an
@@ -218,8 +221,12 @@ class CostModel(StageMemory, ExpertCosts):
             return None
         return prof.times(part, model=self.model, micro_batch_size=b, tensor_parallel_size=tp)
 
-    def layer_times(self, device_type: str, b: int, tp: int) -> tuple[float, float]:
-        """(forward, backward) seconds of one transformer layer on one micro-batch, TP included."""
+    def layer_times(self, device_type: str, b: int, tp: int,
+                    sp: bool = False) -> tuple[float, float]:
+        """(forward, backward) seconds of one transformer layer on one micro-batch, TP included:
+        the forward waits for its two all-reduces (with sequence parallelism ``sp`` all-gathers
+        and reduce-scatters of the same traffic), the backward for what
+        :meth:`_tp_backward_seconds` leaves exposed."""
         got = self._measured(device_type, "layer", b, tp)
         if got is not None:
             return got
@@ -229,8 +236,32 @@ class CostModel(StageMemory, ExpertCosts):
             fwd = (M.layer_forward_flops(m, b) + extra) / tp / self.flops_rate(device_type)
         else:
             fwd = M.layer_forward_flops(m, b) / tp / self.flops_rate(device_type)
-        comm = 2 * self._allreduce(M.layer_input_bytes(m, b), tp, self.intra_node_bandwidth(device_type))
-        return fwd + comm, 2 * fwd + comm
+        ar = self._allreduce(M.layer_input_bytes(m, b), tp, self.intra_node_bandwidth(device_type))
+        return fwd + 2 * ar, 2 * fwd + self._tp_backward_seconds(device_type, b, tp, sp, ar)
+
+    def _tp_backward_seconds(self, device_type: str, b: int, tp: int, sp: bool,
+                             ar: float) -> float:
+        """The tensor-parallel traffic one layer's backward waits for, ``ar`` one all-reduce of
+        its ``[s, b, h]`` output. megatron-core (0.17-0.19; its local layers and Transformer
+        Engine's alike, with ``CUDA_DEVICE_MAX_CONNECTIONS=1`` as the launcher sets) starts a
+        column-parallel linear's (QKV, the dense MLP's fc1) input-gradient all-reduce
+        asynchronously and computes the weight gradient meanwhile, so only the all-reduce's
+        excess over that GEMM shows. With sequence parallelism it is a reduce-scatter (half the
+        traffic) behind the weight gradient, the all-gather of the linear's input behind the
+        input gradient's GEMM, and the row-parallel linears' (projection, fc2) output gradients
+        are all-gathered synchronously: half an all-reduce each. An MoE layer's MLP pays an
+        all-reduce in full (its experts' linears hide nothing)."""
+        if tp <= 1:
+            return 0.0
+        x = M.moe_fraction(self.model)
+        rate = self.flops_rate(device_type)
+        gemm = [f / tp / rate for f in M.column_linear_forward_flops(self.model, b)]
+        share = (1.0, 1.0 - x)  # of the layers whose linear hides its all-reduce
+        if sp:
+            hidden = sum(k * (2 * max(0.0, ar / 2 - g) + ar / 2) for k, g in zip(share, gemm))
+        else:
+            hidden = sum(k * max(0.0, ar - g) for k, g in zip(share, gemm))
+        return hidden + x * ar
 
     def embedding_times(self, device_type: str, b: int, tp: int) -> tuple[float, float]:
         got = self._measured(device_type, "embedding", b, tp)
@@ -290,7 +321,7 @@ class CostModel(StageMemory, ExpertCosts):
     def _part_times(self, shape: StageShape, chunk: int | None) -> StageTimes:
         device_type, b, tp = shape.device_type, shape.micro_batch_size, shape.tensor_parallel_size
         num_layers, first, last, recompute = self._part(shape, chunk)
-        lf, lb = self.layer_times(device_type, b, tp)
+        lf, lb = self.layer_times(device_type, b, tp, shape.sp)
         fwd, bwd = num_layers * lf, num_layers * lb
         if self.model.is_moe:  # dispatch and combine, forward and backward; experts one by one
             a2a = num_layers * self.alltoall_seconds(shape)

@@ -443,7 +443,12 @@ def _tune_mesh_wins(args: argparse.Namespace, result, inventory, profiles, out: 
         cost = CostModel(plan.model, inventory, profiles=profiles, precision=plan.precision,
                          memory_headroom=memory_headroom(args))
         simulate(plan, cost).timeline_png(out.staged(args.timeline))
-    print(f"tuned   : mesh plan, step {sim.step_time_s:.3f} s, {sim.tokens_per_s:,.0f} tokens/s, "
+    kind = "mesh plan"
+    if plan.interleaved_chain:
+        kind += (f" interleaved across the meshes, {plan.virtual_pipeline_size} model chunks a "
+                 f"stage" + (f", micro-batch groups of {plan.microbatch_group_size}"
+                             if plan.microbatch_group_size else ""))
+    print(f"tuned   : {kind}, step {sim.step_time_s:.3f} s, {sim.tokens_per_s:,.0f} tokens/s, "
           f"MFU {sim.mfu:.3f}\n{plan.describe()}")
     if unused_line(plan, inventory):
         print(unused_line(plan, inventory))
@@ -455,6 +460,8 @@ def _tune_mesh_wins(args: argparse.Namespace, result, inventory, profiles, out: 
     print(f"wrote {args.output}" + (f", {args.report}" if args.report else "")
           + (f", {args.timeline}" if args.timeline else ""))
     print(megatron_args_line(plan, args.output))
-    print("note: mesh plans run on megatron-core 0.17 or later (docs/meshes.md); without --meshes tune "
-          f"gives the best uniform-TP plan ({result.sim.step_time_s:.3f} s)")
+    runs = ("mesh plans with model chunks run on megatron-core 0.19" if plan.interleaved_chain
+            else "mesh plans run on megatron-core 0.17")
+    print(f"note: {runs} or later (docs/meshes.md); without --meshes tune gives the best "
+          f"uniform-TP plan ({result.sim.step_time_s:.3f} s)")
     return 0

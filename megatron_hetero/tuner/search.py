@@ -57,7 +57,7 @@ from .space import Structure, upper_bound_step_time
 from .experts import split_scale
 from ..schedule.split import min_max_split
 from .tables import StageTables, even_chunks, stage_shape
-from .warmup import warmups_or_flat
+from .warmup import FLAT_WARMUP_CANDIDATES, warmups_or_flat
 
 # TuneOptions, Structure and upper_bound_step_time live in .problem and .space; named here too
 __all__ = ["TuneOptions", "TuneResult", "Structure", "tune", "upper_bound_step_time"]
@@ -348,8 +348,13 @@ class _Search:
         return keep + [c for vp in sorted(by_vp) for c in by_vp[vp] if id(c) not in chosen]
 
     def best_simulated(self, cands: list[_Candidate]) -> tuple[Plan, SimResult] | None:
-        best = None
+        return next(iter(self.fastest_simulated(cands, 1)), None)
+
+    def fastest_simulated(self, cands: list[_Candidate], keep: int) -> list[tuple[Plan, SimResult]]:
+        """The ``keep`` fastest of ``cands`` that fit, simulated, fastest first."""
+        out = []
         for cand in cands:
+            best = None
             # interleaved: the remainder layers on the late chunks (least memory) or the early
             # ones (a lighter last chunk beside the output layer); the simulator picks
             for early in ((False, True) if cand.structure.vp > 1 else (False,)):
@@ -358,11 +363,11 @@ class _Search:
                     sim = simulate(plan, self.problem.cost(cand.precision), record_events=False)
                 except InfeasibleError:
                     continue
-                if not sim.fits_memory:
-                    continue
-                if best is None or sim.step_time_s < best[1].step_time_s:
+                if sim.fits_memory and (best is None or sim.step_time_s < best[1].step_time_s):
                     best = (plan, sim)
-        return best
+            out += [best] if best is not None else []
+        out.sort(key=lambda x: x[1].step_time_s)  # stable: listing order among ties
+        return out[:keep]
 
 
 def _tuned_split(st: Structure, tables, L: int, *, offload: bool, scale=None):
@@ -457,8 +462,8 @@ def _tune(model: ModelSpec, inventory: Inventory, global_batch_size: int, *,
                                           climbed=climbed)
                 best = (plan1, sim1)
         if best is not None and options.per_stage_warmup:
-            best, warmup_gain, more = warmups_or_flat(problem, best, lambda: search.best_simulated(
-                [c for c in tuned if c.structure.vp == 1]))
+            best, warmup_gain, more = warmups_or_flat(problem, best, lambda: search.fastest_simulated(
+                [c for c in tuned if c.structure.vp == 1], FLAT_WARMUP_CANDIDATES))
             sims += more
     finally:
         if progress is not None:

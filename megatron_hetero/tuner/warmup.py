@@ -27,11 +27,16 @@ from .problem import Problem
 from .refine import climb
 
 __all__ = ["SLOW_LINK_SHARE", "WarmupChoice", "best_warmups", "harp_warmups", "slow_boundaries",
-           "warmups_or_flat", "with_warmups"]
+           "warmups_or_flat", "with_warmups", "FLAT_WARMUP_CANDIDATES"]
 
 SLOW_LINK_SHARE = 0.1
 """A boundary's warm-up is weighed when one send over it takes at least this share of the
 slowest stage's forward plus backward of a micro-batch."""
+
+FLAT_WARMUP_CANDIDATES = 2
+"""Non-interleaved plans given warm-ups where the best plan interleaves: the fastest under
+Megatron's 1F1B is not always the fastest once warm-ups hide its slow link (two plans a few
+tenths of a percent apart under 1F1B can differ by percents with warm-ups)."""
 
 _MOST_BOUNDARIES = 3
 _DELTAS = (1, 2, 3)
@@ -134,25 +139,27 @@ def with_warmups(plan: Plan, deltas: list[int]) -> Plan:
 
 
 def warmups_or_flat(problem: Problem, best: tuple[Plan, SimResult],
-                    best_flat: Callable[[], tuple[Plan, SimResult] | None]
+                    flats: Callable[[], list[tuple[Plan, SimResult]]]
                     ) -> tuple[tuple[Plan, SimResult], float, int]:
     """``best`` with the per-stage warm-ups that beat Megatron's 1F1B on it; where ``best``
-    interleaves, the best non-interleaved plan (``best_flat()``, asked only then), climbed and
-    given its warm-ups, wins instead when that is faster (it can hide a slow link that
-    Megatron's interleaved order, which keeps its own warm-ups, cannot). Returns (plan and
-    simulation, the warm-ups' gain over Megatron's 1F1B on that plan, simulations the
-    non-interleaved climb ran)."""
+    interleaves, the fastest non-interleaved plans (``flats()``, asked only then: up to
+    :data:`FLAT_WARMUP_CANDIDATES`), each with a link worth hiding given its warm-ups as it is
+    and once climbed, win instead when faster (they can hide a slow link that Megatron's interleaved
+    order, which keeps its own warm-ups, cannot). Returns (plan and simulation, the warm-ups'
+    gain over Megatron's 1F1B on that plan, simulations the non-interleaved climbs ran)."""
     warm = best_warmups(*best, problem.cost(best[0].precision))
     if best[0].virtual_pipeline_size == 1:
         return (warm.plan, warm.sim), warm.gain, 0
-    flat = best_flat()
-    if flat is None or not slow_boundaries(*flat, problem.cost(flat[0].precision)):
-        return (warm.plan, warm.sim), warm.gain, 0  # no link worth hiding
     sims = 0
-    if problem.opt.refine_rounds > 0:
-        plan, sim, sims = climb(problem, *flat, chunk_cap=1)
-        flat = (plan, sim)
-    other = best_warmups(*flat, problem.cost(flat[0].precision))
-    if other.sim.step_time_s < warm.sim.step_time_s * (1 - 1e-9):
-        warm = other
+    for flat in flats():
+        if not slow_boundaries(*flat, problem.cost(flat[0].precision)):
+            continue  # no link worth hiding
+        tried = [flat]
+        if problem.opt.refine_rounds > 0:  # the climb speeds up 1F1B, not always warm-ups
+            plan, sim, more = climb(problem, *flat, chunk_cap=1)
+            tried, sims = tried + [(plan, sim)], sims + more
+        for plan, sim in tried:
+            other = best_warmups(plan, sim, problem.cost(plan.precision))
+            if other.sim.step_time_s < warm.sim.step_time_s * (1 - 1e-9):
+                warm = other
     return (warm.plan, warm.sim), warm.gain, sims

@@ -57,4 +57,10 @@ def test_tune_mesh_chunks_writes_a_winner_validate_takes(tmp_path, capsys, searc
                      "-o", str(out)]) == 0
     plan = load_any_plan(out)
     assert plan.interleaved_chain == searched.best[0].interleaved_chain
+    text = capsys.readouterr().out
+    if plan.interleaved_chain:  # the summary names the chunks and the release that runs them
+        assert (f"interleaved across the meshes, {plan.virtual_pipeline_size} model chunks a "
+                f"stage") in text and "megatron-core 0.19" in text, text
+    else:
+        assert "interleaved" not in text.split("\n")[0] and "megatron-core 0.17" in text, text
     assert cli.main(["validate", str(out)]) == 0
