@@ -40,10 +40,16 @@ On each link one direction carries one kind of message (activations forward, gra
 sent and received in the table's order on both ends, so the messages of a link pair up without
 tags.
 
-**No deadlock.** A forward receives its input and a backward its output's gradient, blocking,
+**No deadlock.** A forward waits for its input and a backward for its output's gradient
 before computing; its own result is handed to a sender of its link and direction (one thread
 each, :class:`Outbox`, in order), so a rank never waits on a send: ops then wait only for their
-inputs, as in the simulator, whose order completes. (Megatron's own interleaved schedule pairs
+inputs, as in the simulator, whose order completes. The inputs come from the rank's receiver
+(:class:`Inbox`: one thread for both links, in the table's order), which is asked for the next
+op's input as soon as an op has its own, so that the receive runs while the op computes (a
+bridge's receive is a chain of messages, the shapes, each tensor of a fan-in, the broadcast
+in the TP group, that only starts once the receive is posted; megatron-core's schedules post
+the next receive with the current op's send likewise). One receive ahead at most: an input
+is held no longer than one op before its op. (Megatron's own interleaved schedule pairs
 sends and receives in combined ops at each step instead; a chain's neighbours sit on different
 communicators, which megatron-core cannot combine.) The step ends once every send has been
 received. The numbers do not depend on the threads' timing.
@@ -69,7 +75,7 @@ from .mesh_stage import sequence_group
 from .mesh_train import (mesh_ddp, mesh_finalize_model_grads, mesh_optimizer, mesh_rank_groups,
                          wire_schedule)
 
-__all__ = ["Link", "Outbox", "InterleavedMeshRank", "chain_bridges", "stage_links",
+__all__ = ["Link", "Outbox", "Inbox", "InterleavedMeshRank", "chain_bridges", "stage_links",
            "chunk_virtual_stage", "build_interleaved_mesh_rank", "interleaved_mesh_schedule",
            "runs_interleaved_chain"]
 
@@ -190,6 +196,23 @@ class Outbox:
             self._pool.shutdown(wait=True)
 
 
+class Inbox(Outbox):
+    """The receives of one rank, over both its links, run in the schedule's order on a thread
+    of their own, so that an op's receive can be posted before the op before it computes
+    (:func:`interleaved_mesh_schedule` keeps one ahead). One thread for both links: a bridge's
+    receive ends in a broadcast inside the receiving mesh's TP group, and the two links of a
+    mesh's boundary stage broadcast in the same group, so the TP peers must run them in one
+    order, the schedule's."""
+
+    def ask(self, recv: Callable[[], Any]) -> None:
+        """Receive with ``recv`` after the receives asked for before."""
+        self._pending.append(self._pool.submit(recv))
+
+    def take(self):
+        """What the oldest receive asked for delivered (waiting for it); raises its error."""
+        return self._pending.pop(0).result()
+
+
 def chain_bridges(plan: Plan, grids: list, config) -> list:
     """megatron-core's ``BridgeCommunicator`` of every boundary between meshes, in chain order,
     then the wrap-around bridge (last mesh -> mesh 0) on process groups of its own (see the
@@ -258,6 +281,8 @@ class InterleavedMeshRank:
     """Per chunk, the model's layers before its first."""
     outboxes: tuple[Outbox, Outbox] = field(default_factory=lambda: (Outbox(), Outbox()))
     """The senders of activations (on ``out``) and of gradients (on ``into``)."""
+    inbox: Inbox = field(default_factory=Inbox)
+    """The receiver of activations (on ``into``) and of gradients (on ``out``)."""
 
     def chunk_ends(self, chunk: int) -> tuple[bool, bool]:
         """(holds the embedding, holds the output layer) of chunk ``chunk``."""
@@ -265,8 +290,8 @@ class InterleavedMeshRank:
         return vs == 0, vs == self.plan.pipeline_model_parallel_size * len(self.gpts) - 1
 
     def close(self) -> None:
-        """Stop the senders."""
-        for box in self.outboxes:
+        """Stop the senders and the receiver."""
+        for box in (*self.outboxes, self.inbox):
             box.close()
 
 
@@ -330,14 +355,29 @@ def interleaved_mesh_schedule(rank: InterleavedMeshRank, forward_step_func: Call
     ends = [rank.chunk_ends(c) for c in range(v)]
     configs = [gpt.config if config is None else config for gpt in rank.gpts]
     send_fwd, send_bwd = rank.outboxes
+    # each op's receive, if it takes one; the next is asked for once the op before has its own
+    recvs = [(None if ends[c][0] else rank.into.recv_forward) if kind == 0 else
+             (None if ends[c][1] else rank.out.recv_backward) for kind, _, c in order]
+    asks = iter([recv for recv in recvs if recv is not None])
+
+    def ask_next() -> None:
+        recv = next(asks, None)
+        if recv is not None:
+            rank.inbox.ask(recv)
+
     store: list = []
     held: dict = {}
     tokens = torch.zeros((), dtype=torch.int)
     try:
+        ask_next()
         for k, (kind, i, c) in enumerate(order):
             first, final = ends[c]
+            got = None
+            if recvs[k] is not None:
+                got = rank.inbox.take()
+                ask_next()
             if kind == 0:
-                x = None if first else rank.into.recv_forward()
+                x = got
                 y, n = schedules.forward_step(
                     forward_step_func, data_iterators[c], rank.ddps[c], m, x, store, configs[c],
                     1, is_first_microbatch=i == 0, current_microbatch=i, is_last_stage=final)
@@ -347,7 +387,7 @@ def interleaved_mesh_schedule(rank: InterleavedMeshRank, forward_step_func: Call
                 if not forward_only:
                     held[(i, c)] = (x, y)
                 continue
-            dy = None if final else rank.out.recv_backward()
+            dy = got
             x, y = held.pop((i, c))
             sync = contextlib.nullcontext() if last_backward[c] == k else rank.ddps[c].no_sync()
             with sync:
@@ -357,7 +397,8 @@ def interleaved_mesh_schedule(rank: InterleavedMeshRank, forward_step_func: Call
         send_fwd.drain()
         send_bwd.drain()
     except BaseException:
-        for box in rank.outboxes:  # the error, not a wait on a send that will never be taken
+        # the error, not a wait on a send or receive that will never be taken
+        for box in (*rank.outboxes, rank.inbox):
             box.abandon()
         raise
     if not forward_only and configs[0].finalize_model_grads_func is not None:
