@@ -9,12 +9,13 @@ join and split on dimension 1 (``BridgeCommunicator`` defaults to dimension 0).
 
 On the CPU backend (gloo) the bridges' broadcast groups (and from megatron-core 0.19 their
 leader group) are made with the default backend: ``BridgeCommunicator`` asks for ``nccl`` by
-name (:func:`gloo_bridges`).
+name (:func:`gloo_bridges`, :mod:`.bridge_groups`).
 """
 
 from __future__ import annotations
 
 from ..plan import Plan
+from .bridge_groups import bridge_dist
 
 __all__ = ["mesh_grids", "mesh_expert_grids", "mesh_communicator", "module_name", "DIM_MAPPING",
            "GRID_DIMS", "EXPERT_DIMS", "gloo_bridges"]
@@ -84,30 +85,7 @@ def mesh_communicator(plan: Plan, grids: list, config):
         config, dim_mapping=dict(DIM_MAPPING))
 
 
-class _DefaultBackendGroups:
-    """``torch.distributed`` as ``BridgeCommunicator`` sees it, but its broadcast groups made on
-    the default backend."""
-
-    def __init__(self, dist):
-        self._dist = dist
-
-    def __getattr__(self, name):
-        return getattr(self._dist, name)
-
-    def new_subgroups_by_enumeration(self, ranks_per_subgroup_list, timeout=None, backend=None,
-                                     pg_options=None):
-        return self._dist.new_subgroups_by_enumeration(ranks_per_subgroup_list, timeout=timeout,
-                                                       pg_options=pg_options)
-
-    def new_group(self, *a, backend=None, **kw):
-        # megatron-core 0.19's leader group across each bridge (older versions make none)
-        return self._dist.new_group(*a, **kw)
-
-
 def gloo_bridges() -> None:
-    """Let ``BridgeCommunicator`` build its broadcast groups on a gloo world (CPU ranks)."""
-    import torch.distributed as dist
-    from megatron.core.pipeline_parallel import bridge_communicator
-
-    if not isinstance(bridge_communicator.dist, _DefaultBackendGroups):
-        bridge_communicator.dist = _DefaultBackendGroups(dist)
+    """Let ``BridgeCommunicator`` build its broadcast groups (and from megatron-core 0.19 its
+    leader group) on a gloo world (CPU ranks): :func:`~.bridge_groups.bridge_dist`."""
+    bridge_dist()

@@ -14,11 +14,13 @@ loss on virtual stage ``P v - 1`` (the last mesh's last stage, chunk ``v - 1``).
 the same link: the stage before it in its mesh (the mesh's ``P2PCommunicator``), else the bridge
 from the previous mesh, and on the model's first stage the **wrap-around bridge** from the last
 mesh's last stage (chunk ``c`` there feeds chunk ``c + 1`` here); mirrored for the output.
-Every bridge is built collectively on every rank, in chain order, the wrap-around last. The
-wrap-around bridge gets process groups of its own (:func:`chain_bridges`): megatron-core caches
-a bridge's group by its ranks, so with two meshes of one stage the forward bridge and the
-wrap-around would share one, and their messages in one direction (activations of chunk ``c``,
-gradients of the wrap-around) would meet in one queue in an order neither side controls.
+Every bridge is built collectively on every rank, in chain order, the wrap-around last, and
+sends on process groups of its own (:func:`~.bridge_groups.chain_bridge_classes`): with two
+meshes of one stage the forward bridge and the wrap-around join the same two ranks, and on one
+group their messages in one direction (activations of chunk ``c``, gradients of the
+wrap-around) would meet in one queue in an order neither side controls. megatron-core 0.19
+caches a bridge's group by its ranks (the wrap-around gets a cache of its own); 0.17 and 0.18
+send on the world's group, and there each bridge's calls are given its own.
 
 **Sequence parallelism** (in a mesh of TP > 1 where the plan runs it): a bridge link cuts
 each whole tensor it delivers into the rank's sequence shard and joins the TP group's shards of
@@ -61,6 +63,7 @@ from typing import Any, Callable
 from ..plan import Plan, Slot
 from ..schedule.order import rank_order
 from ..schedule.rules import chain_warmup
+from .bridge_groups import chain_bridge_classes
 from .cpu_backend import join_cpu_backend
 from .mesh_grids import DIM_MAPPING, module_name
 from .mesh_stage import sequence_group
@@ -68,18 +71,7 @@ from .mesh_train import (mesh_ddp, mesh_finalize_model_grads, mesh_optimizer, me
                          wire_schedule)
 
 __all__ = ["Link", "Outbox", "InterleavedMeshRank", "chain_bridges", "stage_links",
-           "chunk_virtual_stage", "build_interleaved_mesh_rank", "interleaved_mesh_schedule",
-           "runs_interleaved_chain"]
-
-
-def runs_interleaved_chain() -> bool:
-    """Whether the installed megatron-core gives every bridge process groups of its own
-    (0.19: ``BridgeCommunicator._get_or_create_bridge_pg``). Before, every bridge sends on the
-    world's group, where a link's two kinds of message between the same two ranks would meet in
-    one queue."""
-    from megatron.core.pipeline_parallel.bridge_communicator import BridgeCommunicator
-
-    return hasattr(BridgeCommunicator, "_get_or_create_bridge_pg")
+           "chunk_virtual_stage", "build_interleaved_mesh_rank", "interleaved_mesh_schedule"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -190,20 +182,16 @@ class Outbox:
 
 def chain_bridges(plan: Plan, grids: list, config) -> list:
     """megatron-core's ``BridgeCommunicator`` of every boundary between meshes, in chain order,
-    then the wrap-around bridge (last mesh -> mesh 0) on process groups of its own (see the
-    module docstring). Collective: call on every rank."""
-    from megatron.core.pipeline_parallel.bridge_communicator import BridgeCommunicator
-
+    then the wrap-around bridge (last mesh -> mesh 0), each on process groups of its own (see
+    the module docstring). Collective: call on every rank."""
     def bridge(cls, src: int, dest: int):
         return cls(grids[src], grids[dest], dim_mapping=dict(DIM_MAPPING),
                    comm_dtype=config.pipeline_dtype, src_module_name=module_name(src),
                    dest_module_name=module_name(dest))
 
     n = len(grids)
-    # the bridge's group cache is a class attribute: a subclass with its own, for this chain
-    wrap_cls = type("WrapAroundBridge", (BridgeCommunicator,), {"_bridge_pg_cache": {}})
-    return [bridge(BridgeCommunicator, k, k + 1) for k in range(n - 1)] + [bridge(wrap_cls,
-                                                                                 n - 1, 0)]
+    forward, wrap = chain_bridge_classes()
+    return [bridge(forward, k, k + 1) for k in range(n - 1)] + [bridge(wrap, n - 1, 0)]
 
 
 def stage_links(plan: Plan, slot: Slot, grids: list, bridges: list, config) -> tuple[Link, Link]:

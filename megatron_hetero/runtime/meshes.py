@@ -26,8 +26,7 @@ MULTIMODULE_SCHEDULE_VERSION = releases.FEATURES["multimodule_schedule"]
 def mesh_plan_of(path: str) -> Plan | None:
     """The mesh plan in ``path`` (None for a format-1 plan), checked; on megatron-core older
     than :data:`MULTIMODULE_SCHEDULE_VERSION` a :class:`HeteroError` naming the version it
-    needs, before anything is built; before megatron-core 0.19 a chain of meshes with model
-    chunks is refused too, and what :func:`~megatron_hetero.plan.checks.check_runnable`
+    needs, before anything is built; and what :func:`~megatron_hetero.plan.checks.check_runnable`
     refuses always."""
     data = read_yaml(path)
     if not (isinstance(data, dict) and data.get("format_version") == MESH_FORMAT_VERSION):
@@ -40,18 +39,4 @@ def mesh_plan_of(path: str) -> Plan | None:
             f"with a MultiModuleProcessGroupCollection; megatron-core {text} is installed")
     plan = mesh_plan_from_data(data, source=path)
     check_runnable(plan, source=path)  # per-stage warm-ups, vendors: CPU ranks only
-    if plan.interleaved_chain:
-        _check_interleaved_chain(path)
     return plan
-
-
-def _check_interleaved_chain(path: str) -> None:
-    """Model chunks over a chain of meshes need a process group per bridge
-    (:func:`~megatron_hetero.mcore.mesh_interleaved.runs_interleaved_chain`)."""
-    from ..mcore.mesh_interleaved import runs_interleaved_chain
-
-    if not runs_interleaved_chain():
-        raise HeteroError(
-            f"{path}: chunk_layers over a chain of meshes (interleaved 1F1B across meshes) need "
-            f"megatron-core 0.19 or later, whose BridgeCommunicator sends on process groups of "
-            f"its own; megatron-core {releases.installed()[0]} is installed")

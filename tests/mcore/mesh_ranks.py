@@ -222,3 +222,58 @@ def schedule_ranks(rank: int, world_size: int, plan_path: str, steps: int = 3) -
 
 def _rel(got, want) -> float:
     return float((got - want).abs().max() / (want.abs().max() + 1e-30))
+
+
+def chain_bridge_groups(rank: int, world_size: int, plan_path: str) -> dict:
+    """Build the chain's bridges (megatron_hetero.mcore.mesh_interleaved.chain_bridges) on
+    gloo ranks; return, per bridge this rank leads on, the ranks of its group, and whether the
+    forward bridge's and the wrap-around's groups are distinct objects, neither the world's."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_hetero.mcore.cpu_backend import enable_cpu_backend
+    from megatron_hetero.mcore.mesh_grids import gloo_bridges, mesh_grids
+    from megatron_hetero.mcore.mesh_interleaved import chain_bridges
+    from megatron_hetero.plan import load_any_plan
+
+    enable_cpu_backend()
+    gloo_bridges()
+    from megatron.core.model_parallel_config import ModelParallelConfig
+
+    plan = load_any_plan(plan_path)
+    bridges = chain_bridges(plan, mesh_grids(plan),
+                            ModelParallelConfig(pipeline_dtype=torch.float32))
+    groups = [b.bridge_pg for b in bridges]
+    member = [g not in (None, dist.GroupMember.NON_GROUP_MEMBER) for g in groups]
+    out = {"ranks": [dist.get_process_group_ranks(g) if m else None
+                     for g, m in zip(groups, member)],
+           "distinct": all(m for m in member) and len({id(g) for g in groups}) == len(groups)
+           and all(g is not dist.GroupMember.WORLD for g in groups)}
+    if world_size == 2:
+        out["crossed"] = _crossed_messages(rank, plan, *bridges)
+    dist.barrier()
+    return out
+
+
+def _crossed_messages(rank: int, plan, forward, wrap) -> list:
+    """Rank 0 sends an activation (ones) on the forward bridge, then, from another sender
+    thread half a second later, a gradient (twos) on the wrap-around, both to rank 1, which
+    receives the gradient first: on one shared queue the activation would arrive as the
+    gradient. Returns what rank 1 received, in order (each tensor's distinct values)."""
+    import time
+
+    import torch
+
+    from megatron_hetero.mcore.mesh_interleaved import Outbox
+
+    b = plan.meshes[0].replicas[0].micro_batch_size
+    if rank == 0:
+        boxes = [Outbox(), Outbox()]
+        boxes[0].post(forward.send_forward, torch.ones(3, b, 5))
+        time.sleep(0.5)
+        boxes[1].post(wrap.send_backward, torch.full((3, b, 5), 2.0))
+        for box in boxes:
+            box.close()
+        return []
+    got = [wrap.recv_backward(), forward.recv_forward()]
+    return [sorted(set(t.flatten().tolist())) for t in got]
