@@ -20,7 +20,9 @@ meshes of one stage the forward bridge and the wrap-around join the same two ran
 group their messages in one direction (activations of chunk ``c``, gradients of the
 wrap-around) would meet in one queue in an order neither side controls. megatron-core 0.19
 caches a bridge's group by its ranks (the wrap-around gets a cache of its own); 0.17 and 0.18
-send on the world's group, and there each bridge's calls are given its own.
+send on the world's group, and there each bridge's calls are given its own. A bridge between
+two collective libraries (vendors) is host-staged on a gloo group of its own, as
+:mod:`.bridge_groups` says.
 
 **Sequence parallelism** (in a mesh of TP > 1 where the plan runs it): a bridge link cuts
 each whole tensor it delivers into the rank's sequence shard and joins the TP group's shards of
@@ -61,6 +63,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..plan import Plan, Slot
+from ..plan.checks import host_bridges
 from ..schedule.order import rank_order
 from ..schedule.rules import chain_warmup
 from .bridge_groups import chain_bridge_classes
@@ -190,8 +193,8 @@ def chain_bridges(plan: Plan, grids: list, config) -> list:
                    dest_module_name=module_name(dest))
 
     n = len(grids)
-    forward, wrap = chain_bridge_classes()
-    return [bridge(forward, k, k + 1) for k in range(n - 1)] + [bridge(wrap, n - 1, 0)]
+    classes = chain_bridge_classes(host_bridges(plan), wrap_around=True)
+    return [bridge(classes[k], k, (k + 1) % n) for k in range(n)]
 
 
 def stage_links(plan: Plan, slot: Slot, grids: list, bridges: list, config) -> tuple[Link, Link]:
