@@ -114,7 +114,7 @@ class BridgeDist:
         group, staged = self._route(group)
         if staged is not None:
             host = host_buffer(tensor)
-            host.copy_(tensor)
+            host.copy_(tensor.detach())
             tensor, staged.host_sends = host, staged.host_sends + 1
         return self._dist.send(tensor, dst, group, **kw)
 
@@ -136,7 +136,7 @@ class BridgeDist:
         if op is self._dist.irecv:
             staged.host_recvs += 1
         else:
-            host.copy_(tensor)
+            host.copy_(tensor.detach())
             staged.host_sends += 1
         p2p = self._dist.P2POp(op, host, peer, group, **kw)
         self._routes.copies = {**getattr(self._routes, "copies", {}), id(p2p): (p2p, tensor)}
