@@ -12,7 +12,7 @@ import yaml
 from megatron_hetero import cli
 from megatron_hetero.errors import SchemaError
 from megatron_hetero.hardware import inventory_from_data
-from megatron_hetero.plan.checks import check_runnable
+from megatron_hetero.plan.checks import host_bridges
 from megatron_hetero.plan.megatron_args import megatron_args
 from megatron_hetero.plan import (Plan, Slot, any_plan_from_data, load_any_plan, load_plan,
                                   mesh_plan_from_data, plan_from_data, save_any_plan)
@@ -123,16 +123,15 @@ def test_tied_embeddings_are_refused_where_the_model_has_several_stages():
     assert mesh_plan_from_data(one, source="p.yaml").layer_split == [32]
 
 
-def test_meshes_of_two_vendors_load_and_megatron_lm_refuses_them():
+def test_meshes_of_two_vendors_load_and_their_bridge_is_host_staged():
     """A bridge between an NVIDIA mesh and an AMD one is a vendor boundary on a pipeline edge:
     the plan loads (simulate prices the bridge on the host path,
-    tests/test_plan_mesh_vendors.py), and Megatron-LM's path refuses it at the second vendor's
-    ``device_type``, pointing to format 1's host path."""
+    tests/test_plan_mesh_vendors.py), Megatron-LM's path takes it, and its bridge is the one
+    staged through host memory."""
     plan = mesh_plan_from_data(_with(m1=("device_type", "MI300X-192GB")), source="p.yaml")
-    with pytest.raises(SchemaError) as exc:
-        check_runnable(plan, source="p.yaml")
-    assert exc.value.path == "meshes[1].device_type", str(exc.value)
-    assert "a device on NCCL" in exc.value.expected and "format-1" in exc.value.expected
+    assert host_bridges(plan) == [True, True]  # mesh 0 -> 1, and the wrap-around 1 -> 0
+    same = mesh_plan_from_data(_with(m1=("device_type", "H100-SXM-80GB")), source="p.yaml")
+    assert host_bridges(same) == [False, False]
 
 
 def test_micro_batch_must_split_evenly_across_a_bridge():

@@ -2,9 +2,9 @@
 inside one vendor and its bridges are the vendor boundaries. Such a plan loads and round-trips,
 the simulator prices each bridge between vendors on the host path (device -> host -> NIC ->
 host -> device, placement/host_path.py), Ascend NPUs beside another vendor are refused as in
-format 1, and Megatron-LM's path refuses the plan with its field path until a runtime stages
-bridges through host memory on devices (tier 1; the CPU ranks' run:
-tests/emulate/test_mesh_vendors.py)."""
+format 1, and Megatron-LM's path takes the plan, its bridges between vendors staged through
+host memory (plan.checks.host_bridges; tier 1; the CPU ranks' runs:
+tests/emulate/test_mesh_vendors.py, tests/runtime/test_mesh_vendors_training.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from megatron_hetero.placement.host_path import host_path
 from megatron_hetero.placement.inventory import check_plan_vendors
 from megatron_hetero.plan import (Format2Mesh, MeshStage, Replica, any_plan_from_data,
                                   mesh_plan)
-from megatron_hetero.plan.checks import check_runnable
+from megatron_hetero.plan.checks import host_bridges
 from megatron_hetero.sim.step import simulate
 
 MODEL = load_model("llama2-13b", seq_length=4096)
@@ -74,9 +74,8 @@ def test_ascend_beside_another_vendor_is_refused_at_the_mesh():
     assert "gloo" in str(exc.value)
 
 
-def test_megatron_lms_path_refuses_bridges_between_vendors():
-    with pytest.raises(SchemaError) as exc:
-        check_runnable(_plan(), source="p.yaml")
-    assert exc.value.path == "meshes[1].device_type"
-    assert "a device on NCCL, as meshes[0]" in str(exc.value) and "host" in str(exc.value)
-    check_runnable(_plan("H100-SXM-80GB"), source="p.yaml")  # one vendor: runs
+def test_megatron_lms_path_takes_bridges_between_vendors_staged_through_the_host():
+    """Only the bridge between the two libraries is host-staged (the wrap-around of a chain
+    of two meshes joins them too); a plan of one library stages none."""
+    assert host_bridges(_plan()) == [True, True]
+    assert host_bridges(_plan("H100-SXM-80GB")) == [False, False]

@@ -14,9 +14,9 @@ import yaml
 from megatron_hetero.cost.model import CostModel
 from megatron_hetero.hardware import inventory_from_data
 from megatron_hetero.plan import load_any_plan, mesh_plan_from_data, meshes_of, save_any_plan
-from megatron_hetero.plan.checks import check_runnable
 from megatron_hetero.plan import Pipeline, Stage, uniform_plan
 from megatron_hetero.schedule.order import rank_order
+from megatron_hetero.tuner.validation import validate_plan
 from megatron_hetero.schedule.rules import chain_warmup, megatron_warmup
 from megatron_hetero.sim.step import simulate
 
@@ -161,7 +161,9 @@ def test_simulator_and_chain_schedule_run_each_stages_warmup():
 
 
 def test_megatron_lms_path_takes_chain_warmups():
-    """Megatron-LM's training runs a chain with warm-ups, interleaved or not, on the chain's
-    own schedule (tests/runtime/test_mesh_warmup_training.py trains them)."""
+    """``validate`` (what Megatron-LM's training checks too) takes a chain with warm-ups,
+    interleaved or not: the chain's own schedule runs it there
+    (tests/runtime/test_mesh_warmup_training.py trains them)."""
     for data in (_data(6, 3), _chunked(12), _data(2, 1, 0)):
-        check_runnable(mesh_plan_from_data(data, source="p.yaml"), source="p.yaml")
+        validate_plan(mesh_plan_from_data(data, source="p.yaml"), None, source="p.yaml",
+                      memory_check=False)

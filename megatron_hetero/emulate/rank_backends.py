@@ -340,22 +340,8 @@ class InterleavedChainRank(ChainRank):
         self.schedule = join_offload_summary(_interleaved_schedule, plan, stage)
 
     @classmethod
-    def check_installed(cls, source: str) -> None:
-        """Refuse where megatron-core's bridges share the world's process group (before 0.19)."""
-        from ..mcore.mesh_interleaved import runs_interleaved_chain
-
-        ChainRank.check_installed(source)
-        if not runs_interleaved_chain():
-            from importlib.metadata import version
-            raise HeteroError(f"{source}: model chunks or per-stage warm-ups over a chain of "
-                              "meshes (the chain's own schedule) need megatron-core 0.19 (a "
-                              "process group per bridge); megatron-core "
-                              f"{version('megatron-core')} is installed") from None
-
-    @classmethod
     @contextlib.contextmanager
     def open(cls, plan: Plan, slot: Slot, config):
-        cls.check_installed("the plan")
         with super().open(plan, slot, config) as backend:
             try:
                 yield backend

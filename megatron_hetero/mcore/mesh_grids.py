@@ -9,12 +9,14 @@ join and split on dimension 1 (``BridgeCommunicator`` defaults to dimension 0).
 
 On the CPU backend (gloo) the bridges' broadcast groups (and from megatron-core 0.19 their
 leader group) are made with the default backend: ``BridgeCommunicator`` asks for ``nccl`` by
-name (:func:`gloo_bridges`).
+name (:func:`gloo_bridges`, :mod:`.bridge_groups`).
 """
 
 from __future__ import annotations
 
 from ..plan import Plan
+from ..plan.checks import host_bridges
+from .bridge_groups import bridge_dist, chain_bridge_classes
 
 __all__ = ["mesh_grids", "mesh_expert_grids", "mesh_communicator", "module_name", "DIM_MAPPING",
            "GRID_DIMS", "EXPERT_DIMS", "gloo_bridges"]
@@ -36,15 +38,18 @@ def module_name(mesh: int) -> str:
     return f"mesh{mesh}"
 
 
-def mesh_grids(plan: Plan, *, backend: str | None = None) -> list:
-    """The grid of every mesh, each with its groups created (call on every rank)."""
+def mesh_grids(plan: Plan, *, backend: str | None = None,
+               backends: list[str | None] | None = None) -> list:
+    """The grid of every mesh, each with its groups created (call on every rank), on
+    ``backend``, or mesh ``k``'s on ``backends[k]`` (a plan across vendors on devices)."""
     from megatron.core.hyper_comm_grid import HyperCommGrid
 
     grids = []
     for k, mesh in enumerate(plan.meshes):
         grid = HyperCommGrid([mesh.tensor_model_parallel_size, 1, mesh.data_parallel_size,
                               len(mesh.stages)], list(GRID_DIMS),
-                             rank_offset=plan.rank_offset(k), backend=backend)
+                             rank_offset=plan.rank_offset(k),
+                             backend=backends[k] if backends is not None else backend)
         for dims in _GROUPS:
             grid.create_pg(dims)
         grids.append(grid)
@@ -72,42 +77,32 @@ def mesh_expert_grids(plan: Plan, *, backend: str | None = None) -> list:
 
 def mesh_communicator(plan: Plan, grids: list, config):
     """megatron-core's ``MultiModulePipelineCommunicator`` chaining the meshes' ``grids`` (call
-    on every rank: each bridge is built collectively)."""
+    on every rank: each bridge is built collectively), a bridge between two collective
+    libraries host-staged (:mod:`.bridge_groups`)."""
     from megatron.core.pipeline_parallel.multimodule_communicator import (
         MultiModulePipelineCommunicator,
     )
 
+    from megatron.core.pipeline_parallel import multimodule_communicator as module
+
     n = len(grids)
-    return MultiModulePipelineCommunicator(
-        {module_name(k): g for k, g in enumerate(grids)},
-        {module_name(k): [module_name(k + 1)] if k + 1 < n else [] for k in range(n)},
-        config, dim_mapping=dict(DIM_MAPPING))
+    classes = {module_name(k): cls for k, cls in enumerate(
+        chain_bridge_classes(host_bridges(plan)[:n - 1], wrap_around=False))}
 
+    def bridge(*a, src_module_name, **kw):  # the class of the bridge out of that mesh
+        return classes[src_module_name](*a, src_module_name=src_module_name, **kw)
 
-class _DefaultBackendGroups:
-    """``torch.distributed`` as ``BridgeCommunicator`` sees it, but its broadcast groups made on
-    the default backend."""
-
-    def __init__(self, dist):
-        self._dist = dist
-
-    def __getattr__(self, name):
-        return getattr(self._dist, name)
-
-    def new_subgroups_by_enumeration(self, ranks_per_subgroup_list, timeout=None, backend=None,
-                                     pg_options=None):
-        return self._dist.new_subgroups_by_enumeration(ranks_per_subgroup_list, timeout=timeout,
-                                                       pg_options=pg_options)
-
-    def new_group(self, *a, backend=None, **kw):
-        # megatron-core 0.19's leader group across each bridge (older versions make none)
-        return self._dist.new_group(*a, **kw)
+    megatron_class, module.BridgeCommunicator = module.BridgeCommunicator, bridge
+    try:  # megatron-core builds the bridges by that name, here only
+        return MultiModulePipelineCommunicator(
+            {module_name(k): g for k, g in enumerate(grids)},
+            {module_name(k): [module_name(k + 1)] if k + 1 < n else [] for k in range(n)},
+            config, dim_mapping=dict(DIM_MAPPING))
+    finally:
+        module.BridgeCommunicator = megatron_class
 
 
 def gloo_bridges() -> None:
-    """Let ``BridgeCommunicator`` build its broadcast groups on a gloo world (CPU ranks)."""
-    import torch.distributed as dist
-    from megatron.core.pipeline_parallel import bridge_communicator
-
-    if not isinstance(bridge_communicator.dist, _DefaultBackendGroups):
-        bridge_communicator.dist = _DefaultBackendGroups(dist)
+    """Let ``BridgeCommunicator`` build its broadcast groups (and from megatron-core 0.19 its
+    leader group) on a gloo world (CPU ranks): :func:`~.bridge_groups.bridge_dist`."""
+    bridge_dist(gloo=True)

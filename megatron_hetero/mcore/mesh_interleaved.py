@@ -14,11 +14,15 @@ loss on virtual stage ``P v - 1`` (the last mesh's last stage, chunk ``v - 1``).
 the same link: the stage before it in its mesh (the mesh's ``P2PCommunicator``), else the bridge
 from the previous mesh, and on the model's first stage the **wrap-around bridge** from the last
 mesh's last stage (chunk ``c`` there feeds chunk ``c + 1`` here); mirrored for the output.
-Every bridge is built collectively on every rank, in chain order, the wrap-around last. The
-wrap-around bridge gets process groups of its own (:func:`chain_bridges`): megatron-core caches
-a bridge's group by its ranks, so with two meshes of one stage the forward bridge and the
-wrap-around would share one, and their messages in one direction (activations of chunk ``c``,
-gradients of the wrap-around) would meet in one queue in an order neither side controls.
+Every bridge is built collectively on every rank, in chain order, the wrap-around last, and
+sends on process groups of its own (:func:`~.bridge_groups.chain_bridge_classes`): with two
+meshes of one stage the forward bridge and the wrap-around join the same two ranks, and on one
+group their messages in one direction (activations of chunk ``c``, gradients of the
+wrap-around) would meet in one queue in an order neither side controls. megatron-core 0.19
+caches a bridge's group by its ranks (the wrap-around gets a cache of its own); 0.17 and 0.18
+send on the world's group, and there each bridge's calls are given its own. A bridge between
+two collective libraries (vendors) is host-staged on a gloo group of its own, as
+:mod:`.bridge_groups` says.
 
 **Sequence parallelism** (in a mesh of TP > 1 where the plan runs it): a bridge link cuts
 each whole tensor it delivers into the rank's sequence shard and joins the TP group's shards of
@@ -67,27 +71,18 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..plan import Plan, Slot
+from ..plan.checks import host_bridges
 from ..schedule.order import rank_order
 from ..schedule.rules import chain_warmup
-from .cpu_backend import join_cpu_backend
+from .bridge_groups import chain_bridge_classes
+from .cpu_backend import cpu_mode, join_cpu_backend
 from .mesh_grids import DIM_MAPPING, module_name
 from .mesh_stage import sequence_group
 from .mesh_train import (mesh_ddp, mesh_finalize_model_grads, mesh_optimizer, mesh_rank_groups,
                          wire_schedule)
 
 __all__ = ["Link", "Outbox", "Inbox", "InterleavedMeshRank", "chain_bridges", "stage_links",
-           "chunk_virtual_stage", "build_interleaved_mesh_rank", "interleaved_mesh_schedule",
-           "runs_interleaved_chain"]
-
-
-def runs_interleaved_chain() -> bool:
-    """Whether the installed megatron-core gives every bridge process groups of its own
-    (0.19: ``BridgeCommunicator._get_or_create_bridge_pg``). Before, every bridge sends on the
-    world's group, where a link's two kinds of message between the same two ranks would meet in
-    one queue."""
-    from megatron.core.pipeline_parallel.bridge_communicator import BridgeCommunicator
-
-    return hasattr(BridgeCommunicator, "_get_or_create_bridge_pg")
+           "chunk_virtual_stage", "build_interleaved_mesh_rank", "interleaved_mesh_schedule"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -161,12 +156,33 @@ class Link:
             self.comm.send_backward(grad, is_first_stage=False)
 
 
+def rank_device() -> int | None:
+    """This rank's CUDA device, the calling thread's (None without CUDA, and on the CPU
+    backend, whose device mode stands in for CUDA)."""
+    import torch
+
+    return torch.cuda.current_device() if torch.cuda.is_available() and not cpu_mode() else None
+
+
+def join_rank(device: int | None) -> None:
+    """Make the calling thread run megatron-core's code as the rank's own thread does: the
+    CPU backend's device mode where it runs, and ``device`` as its CUDA device (the current
+    device is per thread, and megatron-core's bridges allocate their shape messages on it; a
+    new thread starts on device 0)."""
+    join_cpu_backend()
+    if device is not None:
+        import torch
+
+        torch.cuda.set_device(device)
+
+
 class Outbox:
-    """The sends of one link in one direction, run in order on a thread of their own."""
+    """The sends of one link in one direction, run in order on a thread of their own, which
+    runs as the rank's thread that builds it (:func:`join_rank`)."""
 
     def __init__(self) -> None:
-        # the thread runs megatron-core's send code: on the CPU backend, under its device mode
-        self._pool = ThreadPoolExecutor(max_workers=1, initializer=join_cpu_backend)
+        self._pool = ThreadPoolExecutor(max_workers=1, initializer=join_rank,
+                                        initargs=(rank_device(),))
         self._pending: list[Future] = []
         self._abandoned = False
 
@@ -215,20 +231,16 @@ class Inbox(Outbox):
 
 def chain_bridges(plan: Plan, grids: list, config) -> list:
     """megatron-core's ``BridgeCommunicator`` of every boundary between meshes, in chain order,
-    then the wrap-around bridge (last mesh -> mesh 0) on process groups of its own (see the
-    module docstring). Collective: call on every rank."""
-    from megatron.core.pipeline_parallel.bridge_communicator import BridgeCommunicator
-
+    then the wrap-around bridge (last mesh -> mesh 0), each on process groups of its own (see
+    the module docstring). Collective: call on every rank."""
     def bridge(cls, src: int, dest: int):
         return cls(grids[src], grids[dest], dim_mapping=dict(DIM_MAPPING),
                    comm_dtype=config.pipeline_dtype, src_module_name=module_name(src),
                    dest_module_name=module_name(dest))
 
     n = len(grids)
-    # the bridge's group cache is a class attribute: a subclass with its own, for this chain
-    wrap_cls = type("WrapAroundBridge", (BridgeCommunicator,), {"_bridge_pg_cache": {}})
-    return [bridge(BridgeCommunicator, k, k + 1) for k in range(n - 1)] + [bridge(wrap_cls,
-                                                                                 n - 1, 0)]
+    classes = chain_bridge_classes(host_bridges(plan), wrap_around=True)
+    return [bridge(classes[k], k, (k + 1) % n) for k in range(n)]
 
 
 def stage_links(plan: Plan, slot: Slot, grids: list, bridges: list, config) -> tuple[Link, Link]:

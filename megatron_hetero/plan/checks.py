@@ -13,9 +13,8 @@ card under the cost model is :func:`megatron_hetero.sim.fits.check_fits`).
   ``--use-precision-aware-optimizer``) only with the distributed optimizer, and only with 16-bit
   parameters (:func:`optimizer_offload_runs`).
 
-:func:`check_runnable` refuses what Megatron-LM's training under ``--hetero-plan`` does not run
-yet of a mesh plan (``validate``, ``args`` and the runtime's entry call it): bridges between
-vendors, and per-stage warm-ups on a chain of meshes without model chunks.
+:func:`host_bridges` says which bridges of a chain of meshes join two collective libraries
+(they run staged through host memory).
 
 What depends on the installed stack (Transformer Engine, its ``NVTE_CPU_OFFLOAD_V1``) is the
 runtime's check at start (:func:`megatron_hetero.runtime.policies.check_supported`).
@@ -27,9 +26,8 @@ from ..errors import Described, SchemaError
 from ..hardware.catalog import load_catalog
 from .types import Plan
 
-__all__ = ["check_offload", "check_runnable", "stage_layers", "optimizer_offload_runs",
-           "plan_stages", "stage_path", "FP32_OPTIMIZER_OFFLOAD", "check_chain_vendors",
-           "VENDORS_PENDING"]
+__all__ = ["check_offload", "stage_layers", "optimizer_offload_runs",
+           "plan_stages", "stage_path", "FP32_OPTIMIZER_OFFLOAD", "host_bridges"]
 
 FP32_OPTIMIZER_OFFLOAD = (
     "megatron-core's CPU-offload optimizer does not run with fp32 parameters under the "
@@ -71,36 +69,18 @@ def stage_path(plan: Plan, replica: int, stage: int) -> str:
     return f"meshes[{k}].stages[{j}]"
 
 
-def check_runnable(plan: Plan, *, source: str) -> None:
-    """Raise :class:`SchemaError` where ``plan`` asks for what Megatron-LM's training under
-    ``--hetero-plan`` (and so ``validate`` and ``args``) does not run yet: meshes of several
-    vendors (:func:`check_chain_vendors`). Model chunks and per-stage warm-ups over a chain of
-    meshes run there on the chain's own schedule (:mod:`megatron_hetero.runtime.mesh_chunks`)
-    as on CPU ranks."""
-    check_chain_vendors(plan, source=source)
-
-
-VENDORS_PENDING = (
-    "a mesh plan's bridges between vendors are planned and priced on the host path (simulate, "
-    "validate) and run on CPU ranks (the CPU trainer, rehearse), but no runtime stages them "
-    "through host memory on devices yet, so Megatron-LM's training under --hetero-plan refuses "
-    "them; a pool of several vendors runs a format-1 plan, whose pipeline edges between "
-    "vendors go through the host (docs/vendors.md, docs/meshes.md)")
-"""Why :func:`check_chain_vendors` refuses a chain of meshes of several vendors."""
-
-
-def check_chain_vendors(plan: Plan, *, source: str) -> None:
-    """Raise :class:`SchemaError` at the first mesh whose collective library is not mesh 0's
-    (a bridge between vendors: :data:`VENDORS_PENDING`)."""
+def host_bridges(plan: Plan) -> list[bool]:
+    """Per bridge of a chain of meshes (mesh ``k`` -> ``k + 1`` in chain order, then the
+    wrap-around, last mesh -> mesh 0, which only an interleaved chain uses): whether its two
+    meshes' collective libraries differ (NCCL beside RCCL), so that no device communicator joins
+    them and the bridge sends through host memory on a gloo group
+    (:mod:`megatron_hetero.mcore.bridge_groups`); empty for a format-1 plan."""
     if plan.one_grid:
-        return
+        return []
     catalog = plan.catalog or load_catalog()
-    first = catalog.get(plan.meshes[0].device_type).stack.library
-    for k, mesh in enumerate(plan.meshes):
-        if catalog.get(mesh.device_type).stack.library != first:
-            raise SchemaError(source, f"meshes[{k}].device_type", mesh.device_type,
-                              f"a device on {first}, as meshes[0] ({plan.meshes[0].device_type}) "
-                              f"under pretrain_gpt.py: {VENDORS_PENDING}")
+    libraries = [catalog.get(m.device_type).stack.library for m in plan.meshes]
+    n = len(libraries)
+    return [libraries[k] != libraries[(k + 1) % n] for k in range(n)]
 
 
 def check_offload(plan: Plan, *, source: str) -> None:

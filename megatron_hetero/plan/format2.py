@@ -407,7 +407,7 @@ def mesh_plan_from_data(data: object, *, source: str = "<plan>",
     """Build and check a mesh plan from plain data, its device types against ``catalog`` plus
     the plan's ``gpus`` (as :func:`.format1.plan_from_data`). Meshes may be of several vendors
     (each mesh is one device type; its bridges are the vendor boundaries): what runs them is
-    :func:`.checks.check_runnable`'s and the vendor checks' (docs/meshes.md)."""
+    :func:`.checks.host_bridges` and the vendor checks (docs/meshes.md)."""
     plan = from_data(Format2Plan, data, source=source)
     catalog = bind_catalog(plan, catalog, source=source)
     for k, mesh in enumerate(plan.meshes):

@@ -18,13 +18,17 @@ edge (:func:`megatron_hetero.runtime.vendors.pipeline_edges`):
 Messages forward (``send_next``/``recv_prev``) and backward (``send_prev``/``recv_next``) carry
 their own tags, so a pair of stages that are each other's previous and next (two stages with
 interleaving) never mix them up. Each returned request keeps its buffers alive until waited
-(Megatron frees a sent activation's storage right after the send). Nothing else of Megatron
+(Megatron frees a sent activation's storage right after the send; the staging's request and
+host buffer are :mod:`megatron_hetero.mcore.bridge_groups`', whose bridges between vendors stage
+the same way). Nothing else of Megatron
 changes: the schedules, the communicator and its shapes are its own.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from ..mcore.bridge_groups import HostRequest, host_buffer
 
 __all__ = ["Edge", "Router", "install_router", "FORWARD_TAG", "BACKWARD_TAG"]
 
@@ -47,36 +51,6 @@ class Edge:
     """The process group of the edge's two ranks."""
     staged: bool
     """The two ranks are of two vendors: gloo, through host buffers."""
-
-
-class _Request:
-    """A request whose ``wait()`` waits for its works, then copies a staged receive onto its
-    device tensor; it holds every buffer until then."""
-
-    def __init__(self, works, *, keep=(), host=None, target=None):
-        self.works, self.keep, self.host, self.target = list(works), keep, host, target
-
-    def wait(self, *args, **kwargs):
-        for work in self.works:
-            work.wait(*args, **kwargs)
-        if self.target is not None:
-            import torch
-
-            with torch.no_grad():  # a received activation is a leaf that requires grad
-                self.target.copy_(self.host)
-        self.works, self.keep, self.host, self.target = [], (), None, None
-        return True
-
-    def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self.works)
-
-
-def _host_buffer(tensor):
-    """An empty host tensor like ``tensor``: pinned where ``tensor`` is on a device."""
-    import torch
-
-    return torch.empty(tensor.shape, dtype=tensor.dtype,
-                       pin_memory=tensor.device.type != "cpu")
 
 
 class Router:
@@ -113,14 +87,14 @@ class Router:
                 op = dist.P2POp(dist.isend if send else dist.irecv, tensor, peer, edge.group, tag)
                 device_ops.setdefault(peer, []).append((kind, op, tensor))
                 continue
-            host = _host_buffer(tensor)
+            host = host_buffer(tensor)
             if send:
                 host.copy_(tensor)
-                reqs[kind] = _Request([dist.isend(host, dst=peer, group=edge.group, tag=tag)],
+                reqs[kind] = HostRequest([dist.isend(host, dst=peer, group=edge.group, tag=tag)],
                                       keep=(host,))
                 self.staged_sends += 1
             else:
-                reqs[kind] = _Request([dist.irecv(host, src=peer, group=edge.group, tag=tag)],
+                reqs[kind] = HostRequest([dist.irecv(host, src=peer, group=edge.group, tag=tag)],
                                       host=host, target=tensor)
                 self.staged_recvs += 1
         for ops in device_ops.values():
@@ -129,7 +103,7 @@ class Router:
                 works = [works] * len(ops)
             for (kind, _, tensor), work in zip(ops, works):
                 # detach() shares the storage; Megatron's ``out.data = ...`` replaces only out's
-                reqs[kind] = _Request(work if isinstance(work, list) else [work],
+                reqs[kind] = HostRequest(work if isinstance(work, list) else [work],
                                       keep=(tensor.detach(),))
         return reqs
 

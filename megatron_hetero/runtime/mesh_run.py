@@ -19,7 +19,10 @@ step calls Megatron's own function or megatron-core's multimodule pieces (docs/m
     collective), with the mesh's sizes, ``local_world_size`` its ranks and ``rank_offset`` its
     first rank; each rank keeps the ``parallel_state`` globals of its own mesh's call
     (:func:`initialize_per_mesh`). Then megatron-core's grids of every mesh
-    (:func:`megatron_hetero.mcore.mesh_grids.mesh_grids`).
+    (:func:`megatron_hetero.mcore.mesh_grids.mesh_grids`). On a plan across vendors the world
+    is gloo and each group on its vendor's backend (:mod:`.vendors`, through
+    ``create_group``), each mesh's grid too, and a bridge between vendors host-staged
+    (:mod:`megatron_hetero.mcore.bridge_groups`).
 ``parallel_state.is_pipeline_first_stage`` / ``is_pipeline_last_stage``
     the whole model's first and last stage (the mesh's groups alone would make every mesh's
     first stage "first"): the training loop's loss on the last mesh, ``get_batch``'s inputs.
@@ -67,7 +70,7 @@ from ..mcore.cpu_backend import cpu_mode
 from ..mcore.cpu_offload import join_offload_summary
 from ..plan.megatron_args import megatron_args
 from ..plan import Plan, Slot
-from . import mesh_model, plan_args, policies
+from . import mesh_model, plan_args, policies, vendors
 from .backend import Backend
 from .mesh_checkpoint import check_mixed_grids, rng_state_per_mesh
 from .mesh_state import MeshRankState, even_plan
@@ -202,9 +205,9 @@ def _restore(module, values: dict) -> None:
         setattr(module, name, value)
 
 
-def initialize_per_mesh(original, st: MeshRankState, *a, **kw) -> None:
+def initialize_per_mesh(original, st: MeshRankState, *a, grid_backends=None, **kw) -> None:
     """Megatron's ``initialize_model_parallel`` once per mesh (see the module docstring), then
-    the grids of every mesh."""
+    the grids of every mesh (mesh ``k``'s groups on ``grid_backends[k]`` where given)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -229,7 +232,7 @@ def initialize_per_mesh(original, st: MeshRankState, *a, **kw) -> None:
         for j in range(len(st.mesh.stages))], "mesh pipeline group differs from the plan's"
     if cpu_mode():
         gloo_bridges()
-    st.grids = mesh_grids(st.plan)
+    st.grids = mesh_grids(st.plan, backends=grid_backends)
 
 
 def global_stage_check(original, st: MeshRankState, *, last: bool):
@@ -358,10 +361,20 @@ class MeshBackend(Backend):
 
     state: MeshRankState
     """This rank's slot in the mesh plan."""
+    vendor_groups: vendors.VendorGroups | None = None
+    """The group hooks of a plan across vendors (None: one vendor): the world gloo, each group
+    on its vendor's backend."""
 
     @classmethod
     def start(cls, args, plan: Plan, *, path: str, argv: Sequence[str]) -> "MeshBackend":
-        return cls(state=before_validate(args, plan, path=path, argv=argv))
+        st = before_validate(args, plan, path=path, argv=argv)
+        return cls(state=st, vendor_groups=vendors.prepare(plan, args, source=path,
+                                                           cpu_backend=cpu_mode()))
+
+    def create_group(self, original, *a, **kw):
+        if self.vendor_groups is None:
+            return original(*a, **kw)
+        return self.vendor_groups.create_group(original, *a, **kw)
 
     def validate_args(self, original, args, *a, **kw):
         with mesh_view(args, self.state):
@@ -385,7 +398,10 @@ class MeshBackend(Backend):
         return original(dataset, consumed_samples, *a, **kw)
 
     def initialize_model_parallel(self, original, *a, **kw):
-        return initialize_per_mesh(original, self.state, *a, **kw)
+        # across vendors on devices (a gloo world) each mesh's groups on its vendor's backend
+        backends = (None if self.vendor_groups is None or self.vendor_groups.cpu_backend else
+                    vendors.mesh_backends(self.state.plan))
+        return initialize_per_mesh(original, self.state, *a, grid_backends=backends, **kw)
 
     def is_pipeline_first_stage(self, original, *a, **kw):
         return global_stage_check(original, self.state, last=False)(*a, **kw)

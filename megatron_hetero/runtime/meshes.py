@@ -14,7 +14,6 @@ from __future__ import annotations
 from .._schema import read_yaml
 from ..errors import HeteroError
 from ..plan import MESH_FORMAT_VERSION, Plan, mesh_plan_from_data
-from ..plan.checks import check_runnable
 from . import releases
 
 __all__ = ["mesh_plan_of", "MULTIMODULE_SCHEDULE_VERSION"]
@@ -26,9 +25,7 @@ MULTIMODULE_SCHEDULE_VERSION = releases.FEATURES["multimodule_schedule"]
 def mesh_plan_of(path: str) -> Plan | None:
     """The mesh plan in ``path`` (None for a format-1 plan), checked; on megatron-core older
     than :data:`MULTIMODULE_SCHEDULE_VERSION` a :class:`HeteroError` naming the version it
-    needs, before anything is built; before megatron-core 0.19 a chain of meshes on its own
-    schedule (model chunks, per-stage warm-ups) is refused too, and what :func:`~megatron_hetero.plan.checks.check_runnable`
-    refuses always."""
+    needs, before anything is built."""
     data = read_yaml(path)
     if not (isinstance(data, dict) and data.get("format_version") == MESH_FORMAT_VERSION):
         return None
@@ -38,24 +35,4 @@ def mesh_plan_of(path: str) -> Plan | None:
             f"{path}: a mesh plan (format_version 2) needs megatron-core {need} or later, whose "
             f"forward_backward_pipelining_without_interleaving runs MultiModulePipelineCommunicator "
             f"with a MultiModuleProcessGroupCollection; megatron-core {text} is installed")
-    plan = mesh_plan_from_data(data, source=path)
-    check_runnable(plan, source=path)  # vendors: CPU ranks only
-    if plan.own_chain_schedule:
-        _check_interleaved_chain(plan, path)
-    return plan
-
-
-def _check_interleaved_chain(plan, path: str) -> None:
-    """The chain's own schedule (model chunks or per-stage warm-ups over a chain of meshes)
-    needs a process group per bridge
-    (:func:`~megatron_hetero.mcore.mesh_interleaved.runs_interleaved_chain`)."""
-    from ..mcore.mesh_interleaved import runs_interleaved_chain
-
-    what = ("chunk_layers over a chain of meshes (interleaved 1F1B across meshes)"
-            if plan.interleaved_chain else "per-stage warm-ups (warmup_microbatches) over a "
-            "chain of meshes (the chain's own schedule)")
-    if not runs_interleaved_chain():
-        raise HeteroError(
-            f"{path}: {what} need "
-            f"megatron-core 0.19 or later, whose BridgeCommunicator sends on process groups of "
-            f"its own; megatron-core {releases.installed()[0]} is installed")
+    return mesh_plan_from_data(data, source=path)

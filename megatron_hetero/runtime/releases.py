@@ -15,7 +15,8 @@ feature                   first    what changes here
 Changes met by the code that meets them, without a version test: megatron-core 0.19 gave
 ``get_forward_backward_func`` a ``schedule_pg_collection`` parameter (the hooks pass every
 argument through); ``BridgeCommunicator`` a leader group made with ``backend='nccl'``
-(:func:`megatron_hetero.mcore.mesh_grids.gloo_bridges`); the optimizers'
+(:func:`megatron_hetero.mcore.mesh_grids.gloo_bridges`), a group of its own per bridge (before,
+:mod:`megatron_hetero.mcore.bridge_groups` gives each bridge of a chain its own); the optimizers'
 ``get_main_grads_for_grad_norm`` became ``get_grads_for_grad_norm``
 (:func:`megatron_hetero.mcore.mesh_train.use_whole_model_grad_norm`); fine-grained activation
 offloading takes only ``cuda`` tensors (the CPU backend: :mod:`megatron_hetero.mcore.cpu_offload`)

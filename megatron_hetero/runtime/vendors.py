@@ -17,6 +17,12 @@ edges only), every group gets the backend its members can share:
   edge across vendors is staged through host buffers on its gloo group);
 * the hooks make the world group gloo (``--distributed-backend gloo``).
 
+A mesh plan across vendors (each mesh one device type) takes the same world and ``create_group``
+hooks (the multimodule backend, :mod:`.mesh_run`); each mesh's grid is made on its vendor's
+backend (:func:`mesh_backends`), and its bridges between vendors stage through host memory on
+gloo groups of their own (:mod:`megatron_hetero.mcore.bridge_groups`) instead of the edge
+routing.
+
 On the CPU backend (``MEGATRON_HETERO_CPU=1``) every group is gloo whatever the decision; the
 decisions are still recorded (:func:`choices`) and the edges still routed, so a CPU run takes
 the same host-staged path.
@@ -27,9 +33,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..plan import Plan
+from ..plan.checks import host_bridges
 
 __all__ = ["GLOO", "GroupChoice", "rank_vendors", "spans_vendors", "group_backend",
-           "pipeline_edges", "VendorGroups", "groups_for", "prepare"]
+           "pipeline_edges", "VendorGroups", "groups_for", "prepare", "mesh_backends"]
 
 GLOO = "gloo"
 
@@ -163,16 +170,30 @@ def prepare(plan: Plan, args, *, source: str, cpu_backend: bool) -> VendorGroups
         used = [flag for flag, on in (
             ("--variable-seq-lengths", getattr(args, "variable_seq_lengths", False)),
             ("--use-ring-exchange-p2p", getattr(args, "use_ring_exchange_p2p", False))) if on]
-        if used:
+        if used and plan.one_grid:
             raise HeteroError(f"{source}: a plan across vendors routes pipeline messages edge "
                               f"by edge (host-staged across vendors); {' and '.join(used)} "
                               "exchange on the whole pipeline group instead and are not "
                               "supported with it (docs/vendors.md)")
         args.distributed_backend = GLOO
         vendors = rank_vendors(plan)
-        staged = sum(1 for a, b in pipeline_edges(plan) if vendors[a] != vendors[b])
+        if plan.one_grid:
+            staged = sum(1 for a, b in pipeline_edges(plan) if vendors[a] != vendors[b])
+            what = "pipeline edges"
+        else:  # a chain of meshes: its bridges (the wrap-around where it has model chunks)
+            crossing = host_bridges(plan)
+            staged = sum(crossing if plan.interleaved_chain else crossing[:-1])
+            what = "bridges between meshes"
         if int(getattr(args, "rank", 0)) == 0:
             print(f"megatron-hetero: GPUs of {len(set(vendors))} vendors: world group "
-                  f"gloo, {staged} pipeline edges across vendors staged through host memory",
+                  f"gloo, {staged} {what} across vendors staged through host memory",
                   flush=True)
     return groups_for(plan, cpu_backend=cpu_backend)
+
+
+def mesh_backends(plan: Plan) -> list[str | None]:
+    """The backend of each mesh's grid groups on devices (:func:`group_backend` of its ranks:
+    its vendor's device backend on a plan across vendors, whose world is gloo; None, the
+    world's, otherwise)."""
+    return [group_backend(plan, range(plan.rank_offset(k), plan.rank_offset(k) + m.world_size),
+                          asked=None) for k, m in enumerate(plan.meshes)]

@@ -330,9 +330,9 @@ def best_mesh_plan(problem: Problem, tables: StageTables, *, uniform: SimResult,
     ``search``: a search to go on with (its estimates reused), ``beat``: the step a plan must
     beat (:meth:`MeshSearch.candidates`). None
     on a pool of one device type (one mesh is a uniform plan, which the main search covers), on
-    a pool of several vendors' collective libraries (no runtime stages a bridge between vendors
-    through host memory on devices yet: :func:`~megatron_hetero.plan.checks.
-    check_chain_vendors`), for a model whose
+    a pool of several vendors' collective libraries (their bridges run staged through host
+    memory, :func:`~megatron_hetero.plan.checks.host_bridges`, untried on two vendors'
+    hardware: the search keeps to format 1 there), for a model whose
     output layer is tied to its embedding, or where none fits."""
     libraries = {problem.inv.catalog.get(t).stack.library for t in problem.types}
     if len(problem.types) < 2 or len(libraries) > 1 \

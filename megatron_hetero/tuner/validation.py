@@ -10,7 +10,7 @@ from ..errors import SchemaError
 from ..hardware.inventory import GPUGroup, Inventory
 from ..placement.inventory import check_against_inventory, check_plan_vendors
 from ..plan import Plan
-from ..plan.checks import check_offload, check_runnable
+from ..plan.checks import check_offload
 from ..sim.fits import check_fits
 from ..sim.step import simulate
 
@@ -24,7 +24,6 @@ def validate_plan(plan: Plan, inventory: Inventory | None, *, source: str,
     ``inventory`` (None: the plan alone, its memory checked on the cards its catalog names:
     :func:`own_gpus`)."""
     check_offload(plan, source=source)
-    check_runnable(plan, source=source)
     if inventory is not None:
         check_against_inventory(plan, inventory, source=source)
     if plan.one_grid:

@@ -5,7 +5,7 @@ the parameters off: DDP's 1 / D_k left as it is fails the DP2 -> DP1 case at ste
 Adam, clipping and the distributed optimizer. Each case's chunk boundaries cross the meshes,
 the wrap-around bridge from the last mesh's chunk c to mesh 0's chunk c + 1 included; two cases
 also link two stages of one mesh (megatron-core's P2PCommunicator), one runs two micro-batch
-groups, one three meshes of three chunks a stage."""
+groups, one three meshes of three chunks a stage; two cases also under megatron-core 0.17.1."""
 
 from __future__ import annotations
 
@@ -73,21 +73,35 @@ def test_interleaved_mesh_plan_trains_equal_to_one_process(trained, name):
     assert all(n > 2 * CLIP for n in got["adam"]["reference"]["grad_norms"])  # it clips
 
 
-def test_megatron_core_017_refuses_chunks_over_meshes():
-    """megatron-core 0.17's bridges send on the world's group, where an activation and a
-    wrap-around gradient between the same two ranks would share a queue: the backend refuses,
-    naming the version it needs."""
-    got = evaluate_under(
-        "from megatron_hetero.emulate.rank_backends import InterleavedChainRank\n"
-        "def refusal():\n"
-        "    try:\n"
-        "        InterleavedChainRank.check_installed('p.yaml')\n"
-        "    except Exception as e:\n"
-        "        return str(e)\n", {"msg": "refusal()"}, timeout=120, stack="0.17")
-    msg = evaluated(got, "msg")
-    assert msg is not None and msg.startswith(
-        "p.yaml: model chunks or per-stage warm-ups over a chain of meshes (the chain's own "
-        "schedule) need megatron-core 0.19"), msg
+OLD_STACK_CASES = ("tp1-tp2", "two-groups")
+"""Run on megatron-core 0.17.1 too: two meshes of one stage, so the forward bridge and the
+wrap-around join the same two ranks (0.17.1 sends both on the world's group; each gets a group
+of its own here, megatron_hetero/mcore/bridge_groups.py)."""
+
+
+@pytest.fixture(scope="module")
+def trained_017(tmp_path_factory) -> dict:
+    """:data:`OLD_STACK_CASES` trained against one process under megatron-core 0.17.1."""
+    calls = {}
+    for name in OLD_STACK_CASES:
+        meshes, _, kwargs = CASES[name]
+        plan = tiny_mesh_plan(tmp_path_factory.mktemp(name), meshes, **kwargs)
+        calls[name] = f"train_interleaved_against_one_process({plan!r}, {LR!r}, {CLIP!r})"
+    return evaluate_under("from tests.emulate.mesh_cases import "
+                          "train_interleaved_against_one_process", calls,
+                          timeout=300 * len(calls), stack="0.17")
+
+
+@pytest.mark.parametrize("name", OLD_STACK_CASES)
+def test_megatron_core_017_trains_chunks_over_meshes_equal_to_one_process(trained_017, name):
+    """As the test above, under megatron-core 0.17.1."""
+    got = evaluated(trained_017, name)
+    for run in ("sgd", "adam"):
+        r = got[run]
+        assert r["diverges"] is None, (run, r["diverges"])
+        assert r["reference"]["losses"][2] < r["reference"]["losses"][0]
+        for norms in r["grad_norms"]:
+            assert norms == pytest.approx(r["reference"]["grad_norms"], rel=1e-5), (run, norms)
 
 
 def test_rehearse_runs_an_interleaved_mesh_plan(trained):

@@ -222,3 +222,105 @@ def schedule_ranks(rank: int, world_size: int, plan_path: str, steps: int = 3) -
 
 def _rel(got, want) -> float:
     return float((got - want).abs().max() / (want.abs().max() + 1e-30))
+
+
+def chain_bridge_groups(rank: int, world_size: int, plan_path: str) -> dict:
+    """Build the chain's bridges (megatron_hetero.mcore.mesh_interleaved.chain_bridges) on
+    gloo ranks; return, per bridge this rank leads on, the ranks of its group, and whether the
+    forward bridge's and the wrap-around's groups are distinct objects, neither the world's."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_hetero.mcore.cpu_backend import enable_cpu_backend
+    from megatron_hetero.mcore.mesh_grids import gloo_bridges, mesh_grids
+    from megatron_hetero.mcore.mesh_interleaved import chain_bridges
+    from megatron_hetero.plan import load_any_plan
+
+    enable_cpu_backend()
+    gloo_bridges()
+    from megatron.core.model_parallel_config import ModelParallelConfig
+
+    plan = load_any_plan(plan_path)
+    bridges = chain_bridges(plan, mesh_grids(plan),
+                            ModelParallelConfig(pipeline_dtype=torch.float32))
+    groups = [b.bridge_pg for b in bridges]
+    member = [g not in (None, dist.GroupMember.NON_GROUP_MEMBER) for g in groups]
+    out = {"ranks": [dist.get_process_group_ranks(g) if m else None
+                     for g, m in zip(groups, member)],
+           "distinct": all(m for m in member) and len({id(g) for g in groups}) == len(groups)
+           and all(g is not dist.GroupMember.WORLD for g in groups)}
+    if world_size == 2:
+        out["crossed"] = _crossed_messages(rank, plan, *bridges)
+    dist.barrier()
+    return out
+
+
+def _crossed_messages(rank: int, plan, forward, wrap) -> list:
+    """Rank 0 sends an activation (ones) on the forward bridge, then, from another sender
+    thread half a second later, a gradient (twos) on the wrap-around, both to rank 1, which
+    receives the gradient first: on one shared queue the activation would arrive as the
+    gradient. Returns what rank 1 received, in order (each tensor's distinct values)."""
+    import time
+
+    import torch
+
+    from megatron_hetero.mcore.mesh_interleaved import Outbox
+
+    b = plan.meshes[0].replicas[0].micro_batch_size
+    if rank == 0:
+        boxes = [Outbox(), Outbox()]
+        boxes[0].post(forward.send_forward, torch.ones(3, b, 5))
+        time.sleep(0.5)
+        boxes[1].post(wrap.send_backward, torch.full((3, b, 5), 2.0))
+        for box in boxes:
+            box.close()
+        return []
+    got = [wrap.recv_backward(), forward.recv_forward()]
+    return [sorted(set(t.flatten().tolist())) for t in got]
+
+
+def vendor_bridge_ranks(rank: int, world_size: int, plan_path: str) -> dict:
+    """On a chain whose bridge joins two collective libraries, through the multimodule
+    communicator the runtime builds (``mesh_communicator``): the bridge's class, its group's
+    backend and ranks, whether that group is none of the meshes' grids' groups (nor the
+    world's), one micro-batch forward and its gradient back as :func:`bridge_ranks` checks
+    them, and how many messages this rank staged through host buffers (sent, received)."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_hetero.mcore.cpu_backend import enable_cpu_backend
+    from megatron_hetero.mcore.mesh_grids import (gloo_bridges, mesh_communicator, mesh_grids,
+                                                  module_name)
+    from megatron_hetero.plan import load_any_plan
+
+    enable_cpu_backend()
+    gloo_bridges()
+    from megatron.core.model_parallel_config import ModelParallelConfig
+
+    plan = load_any_plan(plan_path)
+    grids = mesh_grids(plan)
+    comm = mesh_communicator(plan, grids, ModelParallelConfig(pipeline_dtype=torch.float32,
+                                                              variable_seq_lengths=True))
+    (bridge,) = comm.bridge_comms
+    member = bridge.bridge_pg not in (None, dist.GroupMember.NON_GROUP_MEMBER)
+    out = {"cls": type(bridge).__name__, "host": bridge.host,
+           "backend": dist.get_backend(bridge.bridge_pg) if member else None,
+           "group_ranks": dist.get_process_group_ranks(bridge.bridge_pg) if member else None,
+           "own": all(bridge.bridge_pg is not pg for g in grids for pg in g._pgs.values())
+           and bridge.bridge_pg is not dist.GroupMember.WORLD}
+    slot = plan.slot_of_rank(rank)
+    mesh = plan.meshes[slot.mesh]
+    b = mesh.replicas[slot.replica].micro_batch_size
+    batch = b * mesh.data_parallel_size
+    full = torch.arange(3 * batch * 5, dtype=torch.float32).reshape(3, batch, 5)
+    mine = full[:, slot.replica * b:(slot.replica + 1) * b].contiguous()
+    if slot.mesh == 0:
+        comm.send_forward({module_name(0): mine})
+        out["ok"] = torch.equal(comm.recv_backward()[module_name(0)], 2 * mine)
+    else:
+        got = comm.recv_forward()[module_name(0)]
+        out["ok"] = torch.equal(got, mine)
+        comm.send_backward({module_name(0): 2 * got})
+    out["staged"] = [bridge.host_sends, bridge.host_recvs]
+    dist.barrier()
+    return out

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_hetero.mcore.mesh_interleaved import (Inbox, InterleavedMeshRank,
+from megatron_hetero.mcore.mesh_interleaved import (Inbox, InterleavedMeshRank, Outbox,
                                                    interleaved_mesh_schedule)
 from megatron_hetero.plan import load_any_plan
 
@@ -152,3 +152,30 @@ def test_inbox_delivers_in_order_and_raises_a_receive_error():
     with pytest.raises(RuntimeError, match="peer gone"):
         inbox.take()
     inbox.close()
+
+
+def test_the_schedules_threads_run_on_the_ranks_cuda_device(monkeypatch):
+    """The sender and receiver threads take the CUDA device of the rank's thread that builds
+    them (megatron-core's bridges allocate on the current device, which is per thread and
+    starts at 0 in a new thread): torch.cuda replaced by a fake with a current device per
+    thread, as CUDA keeps it."""
+    import torch
+
+    monkeypatch.delenv("MEGATRON_HETERO_CPU", raising=False)
+    per_thread = threading.local()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: getattr(per_thread, "device", 0))
+    monkeypatch.setattr(torch.cuda, "set_device",
+                        lambda d: setattr(per_thread, "device", d))
+    torch.cuda.set_device(3)  # the rank's device, set on its main thread
+    seen = {}
+    for box in (Outbox(), Inbox()):
+        box.post(lambda _: seen.setdefault(type(box).__name__, torch.cuda.current_device()),
+                 None)
+        box.close()
+    assert seen == {"Outbox": 3, "Inbox": 3}
+    # and a thread that does not join the rank stays on device 0
+    other = threading.Thread(target=lambda: seen.setdefault("other", torch.cuda.current_device()))
+    other.start()
+    other.join()
+    assert seen["other"] == 0

@@ -13,8 +13,9 @@ wrap-around from the TP-2 mesh's chunk 0 to the TP-1 mesh's chunk 1 among them),
 same plan) loads its step 2 and trains steps 3-4 again; ``uneven`` (DP 2 -> DP 2, two chunks a
 stage, replicas of 2 micro-batches of 2 and 2 of 1) loads ``ref6``'s step 1 (one process, 3
 micro-batches of 2) and trains steps 2-4; ``pp2`` (a TP-1 mesh of two stages, then TP 2) loads
-``ref``'s step 1 and trains steps 2-4. megatron-core 0.17.1's bridges send on
-the world's group, so there the runtime refuses such a plan, naming the version it needs.
+``ref``'s step 1 and trains steps 2-4. ``ref`` and ``chunks`` run under megatron-core 0.17.1
+too (core_v0.17.1's ``pretrain_gpt.py`` with ``MEGATRON_LM_GIT``), whose bridges send on the
+world's group: each bridge gets a group of its own there (megatron_hetero/mcore/bridge_groups.py).
 """
 
 from __future__ import annotations
@@ -167,15 +168,31 @@ def test_uneven_replicas_with_chunks_train_equal_to_one_process(trained):
     _close(got, ref)
 
 
-def test_megatron_core_017_refuses_an_interleaved_mesh_plan(tmp_path):
-    """On megatron-core 0.17.1 every rank stops before building anything, naming the version
-    an interleaved chain needs."""
+def test_megatron_core_017_trains_an_interleaved_mesh_plan_equal_to_one_process(tmp_path,
+                                                                              request):
+    """``ref`` and ``chunks`` under megatron-core 0.17.1 (core_v0.17.1's ``pretrain_gpt.py``
+    with ``MEGATRON_LM_GIT``), whose bridges send on the world's group: each bridge gets a
+    group of its own there too (the forward bridge and the wrap-around join the same two
+    ranks); steps 2-4 equal the one process's within rtol 1e-5."""
+    script, base_args, what = training_script(tmp_path, "0.17")
+    name_training_script(request, what)
+    save_plan(make_plan(split=(4,), replicas=[(2, 2)], distributed_optimizer=True),
+              tmp_path / "ref.yaml")
     save_any_plan(chunked_plan(), tmp_path / "chunks.yaml")
-    script, base_args, _ = training_script(tmp_path, "0.17")
-    results = launch(3, str(tmp_path / "chunks.yaml"), tmp_path, script=script,
-                     base_args=base_args, iters=1, extra=CHECKPOINT_ARGS, timeout=300,
-                     stack="0.17")
-    for code, out, _ in results:
-        assert code != 0
-        assert ("chunk_layers over a chain of meshes (interleaved 1F1B across meshes) need "
-                "megatron-core 0.19 or later") in out, out[-3000:]
+    records = {}
+    for run, ranks, extra in [
+            ("ref", 1, ["--save", str(tmp_path / "ckpt-ref"), "--save-interval", "1"]),
+            ("chunks", 3, ["--load", str(tmp_path / "ckpt-ref"), "--ckpt-step", "1",
+                           "--no-load-rng"])]:
+        work = tmp_path / run
+        work.mkdir()
+        results = launch(ranks, str(tmp_path / f"{run}.yaml"), work, script=script,
+                         base_args=base_args, iters=STEPS, extra=CHECKPOINT_ARGS + extra,
+                         env={"SAMPLES_LOG": str(work / "samples")}, timeout=500,
+                         stack="0.17")
+        for code, out, _ in results:
+            assert code == 0, f"{run}: {out[-3000:]}"
+        records[run] = [json.loads((work / f"samples.{r}").read_text()) for r in range(ranks)]
+    ref, got = _steps(records["ref"]), _steps(records["chunks"])
+    assert sorted(ref) == [1, 2, 3, 4] and sorted(got) == [2, 3, 4]
+    _close(got, ref)
