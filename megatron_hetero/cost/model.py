@@ -221,7 +221,7 @@ class CostModel(StageMemory, ExpertCosts):
             return None
         return prof.times(part, model=self.model, micro_batch_size=b, tensor_parallel_size=tp)
 
-    def layer_times(self, device_type: str, b: int, tp: int,
+    def layer_times(self, device_type: str, b: int, tp: int, *,
                     sp: bool = False) -> tuple[float, float]:
         """(forward, backward) seconds of one transformer layer on one micro-batch, TP included:
         the forward waits for its two all-reduces (with sequence parallelism ``sp`` all-gathers
@@ -321,7 +321,7 @@ class CostModel(StageMemory, ExpertCosts):
     def _part_times(self, shape: StageShape, chunk: int | None) -> StageTimes:
         device_type, b, tp = shape.device_type, shape.micro_batch_size, shape.tensor_parallel_size
         num_layers, first, last, recompute = self._part(shape, chunk)
-        lf, lb = self.layer_times(device_type, b, tp, shape.sp)
+        lf, lb = self.layer_times(device_type, b, tp, sp=shape.sp)
         fwd, bwd = num_layers * lf, num_layers * lb
         if self.model.is_moe:  # dispatch and combine, forward and backward; experts one by one
             a2a = num_layers * self.alltoall_seconds(shape)

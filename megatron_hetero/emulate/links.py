@@ -111,7 +111,7 @@ def rehearsal_links(plan: Plan, shrunk: Plan, inventory, *, calibration, factor:
     slowdowns = device_slowdowns(plan, inventory.catalog)
     fastest = min(slowdowns, key=lambda d: (slowdowns[d], d))
     b, tp = plan.pipelines[0].micro_batch_size, plan.tensor_model_parallel_size
-    real = sum(cost.layer_times(fastest, b, tp))
+    real = sum(cost.layer_times(fastest, b, tp, sp=plan.sequence_parallel))
     emulated = sum(calibration.parts[("layer", b)]) * factor / tp
     stretch = emulated / real
     real_bytes = cost.hidden_bytes(b, tp, sp=plan.sequence_parallel)

@@ -256,7 +256,7 @@ def structures(problem: Problem) -> list[tuple[float, Structure]]:
                             key = (prec, counts, tp, mbs, ep)
                             got = rates.get(key)
                             if got is None:  # a layer's compute, its experts one by one too
-                                layer = [(sum(cost.layer_times(t, mbs, tp, tp > 1))
+                                layer = [(sum(cost.layer_times(t, mbs, tp, sp=tp > 1))
                                           + sum(cost.sequential_expert_times(t, mbs, tp, ep)), k)
                                          for t, k in counts]
                                 got = rates[key] = (sum(k / (L * x) for x, k in layer),

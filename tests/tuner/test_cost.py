@@ -238,7 +238,7 @@ def test_backward_hides_tp_allreduces_behind_weight_gradients(bw_gb_s):
     # each column-parallel linear's input-gradient all-reduce runs beside its weight gradient
     assert bwd == pytest.approx(2 * compute + max(0, ar - qkv) + max(0, ar - fc1))
     # sequence parallelism: half of each behind a GEMM, the row-parallel all-gathers exposed
-    _, bwd_sp = cost.layer_times("A100-SXM-80GB", b, t, True)
+    _, bwd_sp = cost.layer_times("A100-SXM-80GB", b, t, sp=True)
     assert bwd_sp == pytest.approx(2 * compute + 2 * max(0, ar / 2 - qkv)
                                    + 2 * max(0, ar / 2 - fc1) + ar)
     if bw_gb_s > 1:

@@ -68,14 +68,14 @@ def test_copies_cost_only_what_the_compute_cannot_hide():
     tp2 = dict(tensor_parallel_size=2, sequence_parallel=True)
     mi = Offload(module_inputs=True)
     fast = CostModel(M70, INV)  # 25 GB/s: 176 MB in 7 ms, well inside a layer's compute
-    lf, lb = fast.layer_times("A40-48GB", 1, 2, True)
+    lf, lb = fast.layer_times("A40-48GB", 1, 2, sp=True)
     assert fast.module_input_bytes(1, 2, sp=True) / fast.pcie_bandwidth < lf
     a = fast.times(stage("A40-48GB", 3, **tp2))
     b = fast.times(stage("A40-48GB", 3, offload=mi, **tp2))
     assert (a.forward_s, a.backward_s) == (b.forward_s, b.backward_s)
     slow = CostModel(M70, INV, pcie_bandwidth_gb_s=0.5)  # 352 ms per layer's copy
     moved = slow.module_input_bytes(1, 2, sp=True) / slow.pcie_bandwidth
-    lf, lb = slow.layer_times("A40-48GB", 1, 2, True)
+    lf, lb = slow.layer_times("A40-48GB", 1, 2, sp=True)
     a = slow.times(stage("A40-48GB", 3, **tp2))
     b = slow.times(stage("A40-48GB", 3, offload=mi, **tp2))
     assert b.forward_s - a.forward_s == pytest.approx(3 * (moved - lf))
