@@ -15,7 +15,9 @@ micro-batches). Candidates are visited in order of a lower bound on their estima
 1)`` times the least slowest stage of a split of whole layers were every stage at its
 no-recompute speed, the embedding and the output layer on the end stages:
 :func:`whole_layers_bound`), until it passes the best few estimates, which are simulated
-(:func:`megatron_hetero.sim.step.simulate`).
+(:func:`megatron_hetero.sim.step.simulate`). An estimate is ``(m + P - 1)`` times the slowest
+stage, or, where more, the slowest stage's compute that many times plus the longest per-step
+optimizer offload of a stage, which runs after the pipeline drains (:func:`_estimate`).
 
 With ``TuneOptions.mesh_chunks`` the same chains also run ``v`` model chunks a stage
 (interleaved 1F1B across the meshes, issue 28; run on CPU ranks, its Megatron-LM runtime
@@ -264,7 +266,8 @@ class MeshSearch:
                                 microbatch_group=group, data_parallel_size=x.dp,
                                 expert_parallel_size=x.ep)
                      for s, x in enumerate(x for x in meshes for _ in range(x.pp))]
-        rows = [t.fit for t in self.tables.tables(positions, precision=prec)]
+        tables = self.tables.tables(positions, precision=prec)
+        rows = [t.fit for t in tables]
         got = min_max_split(np.stack([r.seconds for r in rows]), L, split_scale(p.model))
         if v == 1:
             self._slowest[tuple(meshes), m] = None if got is None else got[0]
@@ -273,8 +276,9 @@ class MeshSearch:
         slowest, split = got
         if v > 1 and min(split) < v:
             return None  # every chunk holds a layer
+        estimate = _estimate(tables, rows, split, slowest, m, m + (P - 1) / v)
         if not build:
-            return (m + (P - 1) / v) * slowest, None
+            return estimate, None
         policies = iter([r.policy(n) for r, n in zip(rows, split)])
         layers = iter(split)
         plan = mesh_plan(
@@ -286,7 +290,21 @@ class MeshSearch:
                                 stages=[_stage(next(layers), next(policies), v)
                                         for _ in range(x.pp)])
                     for x in meshes])
-        return (m + (P - 1) / v) * slowest, plan
+        return estimate, plan
+
+
+def _estimate(tables, rows, split, slowest: float, m: int, turns: float) -> float:
+    """A candidate's estimated step: ``turns`` (the micro-batches plus the fill and drain)
+    times its slowest stage, or, where more, the slowest stage's compute alone that many
+    times plus the longest per-step optimizer offload: a stage's offload runs after the
+    pipeline drains (:func:`megatron_hetero.sim.step.simulate`), not spread over its
+    ``m`` micro-batches as the stage tables count it for the split, so one on a stage that is not
+    the slowest still lengthens the step. (Never below the first: the search's bounds hold.)"""
+    off = [r.fraction[n] * t.off_step[n] for t, r, n in zip(tables, rows, split)]
+    if not any(off):
+        return turns * slowest
+    compute = max(r.seconds[n] - o / m for r, n, o in zip(rows, split, off))
+    return max(turns * slowest, turns * compute + max(off))
 
 
 def _linear_stages(chain, keys, layer: dict, ends: dict) -> list[tuple[float, float, int]]:

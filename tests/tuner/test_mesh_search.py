@@ -4,7 +4,9 @@ uniform-TP plans and win only where strictly faster, and ``tune`` writes the win
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from megatron_hetero import cli
@@ -15,7 +17,7 @@ from megatron_hetero.plan import load_any_plan
 from megatron_hetero.placement.inventory import check_against_inventory
 from megatron_hetero.sim.step import simulate
 from megatron_hetero.tuner import TuneOptions, tune
-from megatron_hetero.tuner.meshes import MeshSearch, _MeshShape
+from megatron_hetero.tuner.meshes import MeshSearch, _estimate, _MeshShape
 from megatron_hetero.tuner.problem import Problem
 from megatron_hetero.tuner.tables import StageTables
 
@@ -147,3 +149,31 @@ def test_no_mesh_plan_across_vendors():
     r = tune(load_model("llama2-13b", seq_length=4096), inv, 256,
              options=TuneOptions(meshes=True))
     assert r.mesh_plan is None and r.best[0] is r.plan
+
+
+def _stage_row(compute, fraction, off_step, m):
+    """A stage table row at one layer count (index 1): its seconds per micro-batch with the
+    optimizer fraction's per-step offload spread over ``m`` micro-batches, as the tables cost it."""
+    table = SimpleNamespace(off_step=np.array([0.0, off_step]))
+    row = SimpleNamespace(fraction=np.array([0.0, fraction]),
+                          seconds=np.array([np.inf, compute + fraction * off_step / m]))
+    return table, row
+
+
+@pytest.mark.parametrize("stages, expected", [
+    # an offload on a stage that is not the slowest: its 4 s run after the drain, in full
+    ([(1.0, 1.0, 4.0), (1.8, 0.0, 0.0)], 5 * 1.8 + 4.0),
+    # no offload: turns times the slowest stage
+    ([(1.0, 0.0, 4.0), (1.8, 0.0, 0.0)], 5 * 1.8),
+    # a spread offload already costs more on the slowest stage: never below that (the bounds)
+    ([(1.0, 1.0, 40.0), (1.8, 0.0, 0.0)], 5 * (1.0 + 40.0 / 4)),
+])
+def test_the_estimate_counts_an_optimizer_offload_after_the_drain(stages, expected):
+    # the simulator runs each stage's optimizer step (its offload included) after the pipeline
+    # drains, so an offload on a fast stage lengthens the step though the split saw it spread
+    m, turns = 4, 5.0
+    tables, rows = zip(*(_stage_row(c, f, o, m) for c, f, o in stages))
+    slowest = max(r.seconds[1] for r in rows)
+    got = _estimate(tables, rows, [1, 1], slowest, m, turns)
+    assert got == pytest.approx(expected)
+    assert got >= turns * slowest
