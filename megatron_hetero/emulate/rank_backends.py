@@ -14,7 +14,7 @@ runtime:
 * :class:`InterleavedChainRank`: a chain of meshes on the chain's own schedule
   (:attr:`~megatron_hetero.plan.Plan.own_chain_schedule`: model chunks, or per-stage warm-ups):
   :mod:`megatron_hetero.mcore.mesh_interleaved`'s chunks, links and (interleaved) 1F1B
-  (megatron-core 0.19+).
+  (megatron-core 0.17.1+; before 0.19 each bridge's group from :mod:`~megatron_hetero.mcore.bridge_groups`).
 
 Everything else (the data each replica reads, the steps, the hooks, the parameters' merge)
 is the trainer's, the same for both. :func:`backend_for` picks the backend from the plan's

@@ -38,7 +38,7 @@ mesh's chunk ``c`` to mesh 0's chunk ``c + 1``, so the last mesh's and mesh 0's 
 sizes divide one another too. ``microbatch_group_size`` is format 1's. The simulator and the
 search run such plans, and so do the CPU trainer, ``rehearse``
 (:mod:`megatron_hetero.mcore.mesh_interleaved`) and Megatron-LM's training
-(:mod:`megatron_hetero.runtime.mesh_chunks`, megatron-core 0.19).
+(:mod:`megatron_hetero.runtime.mesh_chunks`, megatron-core 0.17.1+).
 
 Rank numbering (the runtime builds one megatron-core ``HyperCommGrid`` per mesh, shape
 ``[T, 1, D, P]`` over ``["tp", "cp", "dp", "pp"]``, with ``rank_offset`` the ranks of the

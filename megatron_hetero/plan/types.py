@@ -18,7 +18,7 @@ Questions about the plan's shape are answered here, once:
   micro-batch size or count).
 - :attr:`Plan.interleaved_chain`: a chain of several meshes whose stages run model chunks
   (``chunk_layers``): the cost model, the simulator, the CPU trainer, ``rehearse`` and
-  Megatron-LM's training run it (megatron-core 0.19).
+  Megatron-LM's training run it (megatron-core 0.17.1+).
 
 Rank numbering: mesh ``k``'s ranks are ``offset_k .. offset_k + T_k D_k P_k - 1`` (megatron-core's
 ``HyperCommGrid`` with ``rank_offset``), and slot (mesh ``k``, stage ``j`` of the mesh, replica
@@ -136,7 +136,7 @@ class Plan:
     def interleaved_chain(self) -> bool:
         """A chain of several meshes whose stages run ``virtual_pipeline_size`` > 1 model chunks
         (interleaved 1F1B across meshes: simulated, searched, run on CPU ranks and under
-        Megatron-LM's training, megatron-core 0.19+)."""
+        Megatron-LM's training, megatron-core 0.17.1+)."""
         return self.virtual_pipeline_size > 1 and len(self.meshes) > 1
 
     def sequence_parallel_in(self, mesh: int) -> bool:

@@ -86,9 +86,10 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
                         "every supported release")
     p.add_argument("--mesh-chunks", action="store_true",
                    help="with --meshes, search mesh plans whose stages run model chunks too "
-                        "(interleaved 1F1B across meshes): rehearse, the CPU trainer and "
-                        "pretrain_gpt.py --hetero-plan run such a plan on megatron-core 0.19 "
-                        "or later (docs/meshes.md)")
+                        "(interleaved 1F1B across meshes), which rehearse, the CPU trainer and "
+                        "pretrain_gpt.py --hetero-plan run wherever mesh plans run; off by "
+                        "default, as it costs search time and wins on few pools "
+                        "(docs/meshes.md)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no table")
 
 
@@ -460,8 +461,7 @@ def _tune_mesh_wins(args: argparse.Namespace, result, inventory, profiles, out: 
     print(f"wrote {args.output}" + (f", {args.report}" if args.report else "")
           + (f", {args.timeline}" if args.timeline else ""))
     print(megatron_args_line(plan, args.output))
-    runs = ("mesh plans with model chunks run on megatron-core 0.19" if plan.interleaved_chain
-            else "mesh plans run on megatron-core 0.17")
+    runs = "mesh plans, with model chunks or without, run on megatron-core 0.17"
     print(f"note: {runs} or later (docs/meshes.md); without --meshes tune gives the best "
           f"uniform-TP plan ({result.sim.step_time_s:.3f} s)")
     return 0

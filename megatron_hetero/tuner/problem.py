@@ -72,7 +72,8 @@ class TuneOptions:
     mesh_chunks: bool = False
     """With ``meshes``: search mesh plans whose stages run model chunks too (interleaved 1F1B
     across meshes, :mod:`.meshes`). ``rehearse``, the CPU trainer and Megatron-LM's training
-    (megatron-core 0.19) run such a plan; off by default (``tune --mesh-chunks``)."""
+    run such a plan wherever mesh plans run; off by default (``tune --mesh-chunks``): it costs
+    search time and wins on few pools (docs/meshes.md)."""
     precision: str | None = None
     """Train every plan in this precision (``bf16``, ``fp16``, ``fp32``); None: bf16 where all
     the plan's GPUs support it, else fp16. ``replan`` keeps the checkpoint's."""

@@ -58,9 +58,11 @@ def test_tune_mesh_chunks_writes_a_winner_validate_takes(tmp_path, capsys, searc
     plan = load_any_plan(out)
     assert plan.interleaved_chain == searched.best[0].interleaved_chain
     text = capsys.readouterr().out
-    if plan.interleaved_chain:  # the summary names the chunks and the release that runs them
+    # the summary names the chunks, and the release that runs mesh plans, chunked or not
+    if plan.interleaved_chain:
         assert (f"interleaved across the meshes, {plan.virtual_pipeline_size} model chunks a "
-                f"stage") in text and "megatron-core 0.19" in text, text
+                f"stage") in text, text
     else:
-        assert "interleaved" not in text.split("\n")[0] and "megatron-core 0.17" in text, text
+        assert "interleaved" not in text.split("\n")[0], text
+    assert "megatron-core 0.17 or later" in text, text
     assert cli.main(["validate", str(out)]) == 0
