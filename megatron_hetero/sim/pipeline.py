@@ -24,7 +24,7 @@ from ..schedule.chain import waits_for
 from ..schedule.order import rank_order_cached
 
 __all__ = ["one_f_one_b", "interleaved_1f1b", "pipeline_run", "finish_lower_bound",
-           "DIRECT_MICROBATCHES", "PROBE_MOST", "EXACT_MOST"]
+           "backward_holds", "DIRECT_MICROBATCHES", "PROBE_MOST", "EXACT_MOST"]
 
 DIRECT_MICROBATCHES = 256
 """Pipelines of up to this many micro-batches are simulated op by op (:func:`pipeline_run`)."""
@@ -373,6 +373,12 @@ def _held(fwd, bwd, send_f, send_b, warmups) -> list[list[float]] | None:
     p = len(fwd)
     return [[f[0] + (send_f[s] if s < p - 1 else 0.0), b[0] + (send_b[s - 1] if s else 0.0)]
             for s, (f, b) in enumerate(zip(fwd, bwd))]
+
+
+def backward_holds(fwd, bwd, send_f, send_b, warmups) -> list[list[float]]:
+    """Per stage and chunk, how long a backward keeps its stage (:func:`_held`)."""
+    held = _held(fwd, bwd, send_f, send_b, warmups)
+    return [list(b) for b in bwd] if held is None else [[h[1]] for h in held]
 
 
 def finish_lower_bound(fwd, bwd, send_f, send_b, m: int, *,

@@ -60,11 +60,12 @@ from ..cost.stage import StageShape
 from ..errors import HeteroError
 from ..plan import Plan
 from ..schedule.rules import has_extra_warmup, pipeline_warmups
-from .pipeline import EXACT_MOST, finish_lower_bound, pipeline_run
+from .pipeline import EXACT_MOST, backward_holds, finish_lower_bound, pipeline_run
 from .result import Event, HostMemory, SimResult, StageResult, nodes_host_memory, step_result
 
-__all__ = ["simulate", "step_lower_bound", "check_recordable", "recorded_ops", "RECORD_MOST", "host_memory",
-           "nodes_host_memory", "step_result", "SimResult", "StageResult", "HostMemory", "Event"]
+__all__ = ["simulate", "step_lower_bound", "check_recordable", "recorded_ops", "RECORD_MOST",
+           "host_memory", "nodes_host_memory", "step_result", "SimResult", "StageResult",
+           "HostMemory", "Event"]
 
 
 RECORD_MOST = 2_000_000
@@ -107,20 +108,23 @@ def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True,
     meshes, index = plan.meshes, plan.stage_index
     v, paths = plan.virtual_pipeline_size, len(rep)
     inputs = _path_inputs(plan, cost, placement, lockstep, rep, times_of, pipeline_sends)
+    priced_syncs = _stage_syncs(plan, cost, placement, shapes,
+                                _per_replica(meshes, lockstep, rep, rep)[2])
     limits = None
     if faster_than is not None and not record_events and not pipeline_sends:
-        after = _after_finish(plan, cost, placement, shapes, _per_replica(meshes, lockstep, rep,
-                                                                           rep)[2])
-        if _lower_bound(plan, lockstep, rep, inputs, after) >= faster_than:
+        after = _after_finish(plan, priced_syncs, inputs)
+        bound, finishes = _lower_bound(plan, lockstep, rep, inputs, after)
+        if bound >= faster_than:
             return None
+        # the path likeliest to be cut short first
+        order = sorted(range(paths), key=lambda d: -max(map(sum, zip(finishes[d], after))))
         limits = [faster_than * (1 + STEP_BOUND_SLACK) - a for a in after]
     cache: dict[tuple, tuple] = {}
-    runs = []
-    for full, args in inputs:
-        got = _run_path(plan, full, args, cache, record_events, limits)
-        if got is None:
+    runs: list = [None] * paths
+    for d in range(paths) if limits is None else order:
+        runs[d] = _run_path(plan, *inputs[d], cache, record_events, limits)
+        if runs[d] is None:
             return None
-        runs.append(got)
     memory_of = {r: [cost.memory(shape) for shape in row] for r, row in shapes.items()}
     sums = {r: [(sum(c.forward_s for c in row), sum(c.backward_s for c in row)) for row in rows]
             for r, rows in times_of.items()}
@@ -130,10 +134,8 @@ def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True,
     stage_end: list[list[float]] = []
     sync_of: list[list[float]] = []
     for s, (k, j) in enumerate(index):
-        D, pipes = replicas[s], meshes[k].pipelines
-        shape = shapes[rep_of[0]][s]
-        bw = placement.dp_bandwidth(k, j)
-        comm = cost.grad_sync_seconds(shape, bw)
+        D = replicas[s]
+        comm, seconds, opts = priced_syncs[s]
         staged = record_events and placement.dp_host_staged(k, j)
         mine = run_of if D == len(run_of) else run_of[:D]
         finish = max(run[0][s] for run in mine)
@@ -141,10 +143,9 @@ def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True,
             # each model chunk's buckets go once its last backward starts on every replica,
             # one after another on the data-parallel link
             if v == 1:
-                parts = [(max(run[2][s] for run in mine), comm)]
+                parts = [(max(run[2][s] for run in mine), seconds[0])]
             else:
-                parts = sorted((max(run[2][s][c] for run in mine),
-                                cost.dp_sync_seconds(cost.chunk_params(shape, c), D, bw))
+                parts = sorted((max(run[2][s][c] for run in mine), seconds[c])
                                for c in range(v))
             start = end = parts[0][0]
             for ready, seconds in parts:
@@ -153,7 +154,6 @@ def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True,
         else:
             start, sync_end = finish, finish + comm
         ends, syncs = [0.0] * D, [0.0] * D
-        opts = _optimizer_seconds(cost, pipes, j, [shapes[r][s] for r in rep_of[:D]])
         for d, opt in enumerate(opts):
             ends[d] = sync_end + opt
             syncs[d] = (sync_end - max(start, mine[d][0][s])) + opt
@@ -215,20 +215,23 @@ def step_lower_bound(plan: Plan, cost: CostModel) -> float:
     :data:`.pipeline.EXACT_MOST` micro-batches (extrapolated past its last probe)."""
     placement, lockstep, rep, shapes, times_of = _priced(plan, cost)
     inputs = _path_inputs(plan, cost, placement, lockstep, rep, times_of, {})
-    after = _after_finish(plan, cost, placement, shapes,
-                          _per_replica(plan.meshes, lockstep, rep, rep)[2])
-    return _lower_bound(plan, lockstep, rep, inputs, after)
+    after = _after_finish(plan, _stage_syncs(plan, cost, placement, shapes,
+                                             _per_replica(plan.meshes, lockstep, rep, rep)[2]),
+                          inputs)
+    return _lower_bound(plan, lockstep, rep, inputs, after)[0]
 
 
-def _lower_bound(plan: Plan, lockstep: bool, rep: list[int], inputs, after) -> float:
+def _lower_bound(plan: Plan, lockstep: bool, rep: list[int], inputs,
+                 after) -> tuple[float, list]:
     """:func:`step_lower_bound` from what :func:`_priced`, :func:`_path_inputs` and
-    :func:`_after_finish` give."""
+    :func:`_after_finish` give, and each path's finish bounds per stage (zeros where a path
+    runs too long to bound)."""
     meshes, index = plan.meshes, plan.stage_index
     per_path: dict[tuple, list[float]] = {}
     finishes = []
     for full, (fwd, bwd, send_f, send_b, m, warmups) in inputs:
         if m > EXACT_MOST:
-            return 0.0
+            return 0.0, [[0.0] * len(index) for _ in inputs]
         got = per_path.get(full)
         if got is None:
             got = per_path[full] = finish_lower_bound(fwd, bwd, send_f, send_b, m,
@@ -240,21 +243,46 @@ def _lower_bound(plan: Plan, lockstep: bool, rep: list[int], inputs, after) -> f
         D = meshes[k].data_parallel_size
         mine = run_of if D == len(run_of) else run_of[:D]
         step = max(step, max(f[s] for f in mine) + after[s])
-    return step * (1 - STEP_BOUND_SLACK)
+    return step * (1 - STEP_BOUND_SLACK), finishes
 
 
-def _after_finish(plan: Plan, cost: CostModel, placement, shapes, rep_of) -> list[float]:
-    """Per stage, the least a step goes on after the stage's slowest replica finishes
-    (:func:`simulate`'s sync and optimizer): its gradient sync where that is not overlapped
-    (overlapped, it may end with that backward: nothing), then the slowest replica's optimizer
-    step."""
+def _stage_syncs(plan: Plan, cost: CostModel, placement, shapes, rep_of) -> list[tuple]:
+    """Per stage (``rep_of``: each replica's representative): the seconds of its whole
+    gradient sync over its replicas; where the sync overlaps the backwards, of each model
+    chunk's (the whole stage's, one chunk), else none; each replica's optimizer step."""
     overlap = plan.overlap_grad_reduce or cost.overlap_grad_reduce
-    meshes, out = plan.meshes, []
+    v, meshes, out = plan.virtual_pipeline_size, plan.meshes, []
     for s, (k, j) in enumerate(plan.stage_index):
         D = meshes[k].data_parallel_size
-        sync = 0.0 if overlap else cost.grad_sync_seconds(shapes[rep_of[0]][s],
-                                                          placement.dp_bandwidth(k, j))
+        shape, bw = shapes[rep_of[0]][s], placement.dp_bandwidth(k, j)
+        comm = cost.grad_sync_seconds(shape, bw)
+        chunks = []
+        if overlap:
+            chunks = [comm] if v == 1 else [cost.dp_sync_seconds(cost.chunk_params(shape, c), D, bw)
+                                            for c in range(v)]
         opts = _optimizer_seconds(cost, meshes[k].pipelines, j, [shapes[r][s] for r in rep_of[:D]])
+        out.append((comm, chunks, opts))
+    return out
+
+
+def _after_finish(plan: Plan, syncs: list[tuple], inputs) -> list[float]:
+    """Per stage, the least a step goes on after the stage's slowest replica finishes
+    (:func:`simulate`'s sync and optimizer), then the slowest replica's optimizer step. The
+    gradient sync, where it is not overlapped, whole; overlapped, each chunk's sync ends no
+    sooner than the start of that chunk's last backward plus its seconds, and the slowest
+    replica's last op is a backward of some chunk that started its hold before it finished
+    (:func:`.pipeline.backward_holds`, the longest over the paths, ``inputs``): the least over
+    the chunks of its sync less that hold, where positive (``syncs``: :func:`_stage_syncs`)."""
+    holds = {}
+    out = []
+    for s, (comm, chunks, opts) in enumerate(syncs):
+        if chunks:
+            if not holds:
+                holds = {full: backward_holds(*args[:4], args[5]) for full, args in inputs}
+            sync = max(0.0, min(x - max(h[s][c] for h in holds.values())
+                                for c, x in enumerate(chunks)))
+        else:
+            sync = comm
         out.append(sync + max(opts))
     return out
 
