@@ -60,7 +60,8 @@ from ..cost.stage import StageShape
 from ..errors import HeteroError
 from ..plan import Plan
 from ..schedule.rules import has_extra_warmup, pipeline_warmups
-from .pipeline import EXACT_MOST, backward_holds, finish_lower_bound, pipeline_run
+from .bound import STEP_BOUND_SLACK, after_finish, lower_bound, per_replica
+from .pipeline import pipeline_run
 from .result import Event, HostMemory, SimResult, StageResult, nodes_host_memory, step_result
 
 __all__ = ["simulate", "step_lower_bound", "check_recordable", "recorded_ops", "RECORD_MOST",
@@ -109,11 +110,11 @@ def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True,
     v, paths = plan.virtual_pipeline_size, len(rep)
     inputs = _path_inputs(plan, cost, placement, lockstep, rep, times_of, pipeline_sends)
     priced_syncs = _stage_syncs(plan, cost, placement, shapes,
-                                _per_replica(meshes, lockstep, rep, rep)[2])
+                                per_replica(meshes, lockstep, rep, rep)[2])
     limits = None
     if faster_than is not None and not record_events and not pipeline_sends:
-        after = _after_finish(plan, priced_syncs, inputs)
-        bound, finishes = _lower_bound(plan, lockstep, rep, inputs, after)
+        after = after_finish(plan, priced_syncs, inputs)
+        bound, finishes = lower_bound(plan, lockstep, rep, inputs, after)
         if bound >= faster_than:
             return None
         # the path likeliest to be cut short first
@@ -128,7 +129,7 @@ def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True,
     memory_of = {r: [cost.memory(shape) for shape in row] for r, row in shapes.items()}
     sums = {r: [(sum(c.forward_s for c in row), sum(c.backward_s for c in row)) for row in rows]
             for r, rows in times_of.items()}
-    most, run_of, rep_of = _per_replica(meshes, lockstep, runs, rep)
+    most, run_of, rep_of = per_replica(meshes, lockstep, runs, rep)
     replicas = [meshes[k].data_parallel_size for k, _ in index]  # per stage
     events: list[Event] = []
     stage_end: list[list[float]] = []
@@ -196,11 +197,6 @@ def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True,
                        hosts=host_memory(plan, cost, placement), fits=fits)
 
 
-STEP_BOUND_SLACK = 1e-6
-"""Relative room :func:`step_lower_bound` leaves under its sums: a long pipeline's run is
-extrapolated from its steady state, repeats found to a relative 1e-9 (:mod:`.pipeline`)."""
-
-
 def step_lower_bound(plan: Plan, cost: CostModel) -> float:
     """A lower bound of :func:`simulate`'s step time of ``plan``, from the same stage costs and
     links but without running any schedule: where a search only wants plans faster than one
@@ -208,42 +204,16 @@ def step_lower_bound(plan: Plan, cost: CostModel) -> float:
 
     Every stage's last backward ends no sooner than :func:`.pipeline.finish_lower_bound` (its
     fill, its forwards and backwards one after another, and the drain of the stages before it),
-    on the slowest of its replicas; then, as :func:`simulate` prices it, its gradient sync where
-    that is not overlapped (overlapped, the sync may end with that backward: nothing) and each
+    on the slowest of its replicas; then, as :func:`simulate` prices it, its gradient sync (where
+    overlapped, what the last backward's chunk leaves: :func:`.bound.after_finish`) and each
     replica's optimizer step. The step is the latest of these ends over all stages; the bound
     takes ``STEP_BOUND_SLACK`` off, and is 0.0 where a path runs more than
     :data:`.pipeline.EXACT_MOST` micro-batches (extrapolated past its last probe)."""
     placement, lockstep, rep, shapes, times_of = _priced(plan, cost)
     inputs = _path_inputs(plan, cost, placement, lockstep, rep, times_of, {})
-    after = _after_finish(plan, _stage_syncs(plan, cost, placement, shapes,
-                                             _per_replica(plan.meshes, lockstep, rep, rep)[2]),
-                          inputs)
-    return _lower_bound(plan, lockstep, rep, inputs, after)[0]
-
-
-def _lower_bound(plan: Plan, lockstep: bool, rep: list[int], inputs,
-                 after) -> tuple[float, list]:
-    """:func:`step_lower_bound` from what :func:`_priced`, :func:`_path_inputs` and
-    :func:`_after_finish` give, and each path's finish bounds per stage (zeros where a path
-    runs too long to bound)."""
-    meshes, index = plan.meshes, plan.stage_index
-    per_path: dict[tuple, list[float]] = {}
-    finishes = []
-    for full, (fwd, bwd, send_f, send_b, m, warmups) in inputs:
-        if m > EXACT_MOST:
-            return 0.0, [[0.0] * len(index) for _ in inputs]
-        got = per_path.get(full)
-        if got is None:
-            got = per_path[full] = finish_lower_bound(fwd, bwd, send_f, send_b, m,
-                                                      warmups=warmups)
-        finishes.append(got)
-    run_of = _per_replica(meshes, lockstep, finishes, rep)[1]
-    step = 0.0
-    for s, (k, _) in enumerate(index):
-        D = meshes[k].data_parallel_size
-        mine = run_of if D == len(run_of) else run_of[:D]
-        step = max(step, max(f[s] for f in mine) + after[s])
-    return step * (1 - STEP_BOUND_SLACK), finishes
+    rep_of = per_replica(plan.meshes, lockstep, rep, rep)[2]
+    after = after_finish(plan, _stage_syncs(plan, cost, placement, shapes, rep_of), inputs)
+    return lower_bound(plan, lockstep, rep, inputs, after)[0]
 
 
 def _stage_syncs(plan: Plan, cost: CostModel, placement, shapes, rep_of) -> list[tuple]:
@@ -256,34 +226,11 @@ def _stage_syncs(plan: Plan, cost: CostModel, placement, shapes, rep_of) -> list
         D = meshes[k].data_parallel_size
         shape, bw = shapes[rep_of[0]][s], placement.dp_bandwidth(k, j)
         comm = cost.grad_sync_seconds(shape, bw)
-        chunks = []
+        chunks: tuple | list = []
         if overlap:
-            chunks = [comm] if v == 1 else [cost.dp_sync_seconds(cost.chunk_params(shape, c), D, bw)
-                                            for c in range(v)]
+            chunks = [comm] if v == 1 else cost.chunk_sync_seconds(shape, D, bw)
         opts = _optimizer_seconds(cost, meshes[k].pipelines, j, [shapes[r][s] for r in rep_of[:D]])
         out.append((comm, chunks, opts))
-    return out
-
-
-def _after_finish(plan: Plan, syncs: list[tuple], inputs) -> list[float]:
-    """Per stage, the least a step goes on after the stage's slowest replica finishes
-    (:func:`simulate`'s sync and optimizer), then the slowest replica's optimizer step. The
-    gradient sync, where it is not overlapped, whole; overlapped, each chunk's sync ends no
-    sooner than the start of that chunk's last backward plus its seconds, and the slowest
-    replica's last op is a backward of some chunk that started its hold before it finished
-    (:func:`.pipeline.backward_holds`, the longest over the paths, ``inputs``): the least over
-    the chunks of its sync less that hold, where positive (``syncs``: :func:`_stage_syncs`)."""
-    holds = {}
-    out = []
-    for s, (comm, chunks, opts) in enumerate(syncs):
-        if chunks:
-            if not holds:
-                holds = {full: backward_holds(*args[:4], args[5]) for full, args in inputs}
-            sync = max(0.0, min(x - max(h[s][c] for h in holds.values())
-                                for c, x in enumerate(chunks)))
-        else:
-            sync = comm
-        out.append(sync + max(opts))
     return out
 
 
@@ -303,13 +250,6 @@ def _priced(plan: Plan, cost: CostModel):
               for r in set(rep)}
     times_of = {r: [cost.chunk_times(shape) for shape in row] for r, row in shapes.items()}
     return placement, lockstep, rep, shapes, times_of
-
-
-def _per_replica(meshes, lockstep: bool, runs: list, rep: list[int]):
-    """(most replicas of a mesh, per replica index its path's ``runs`` entry, its
-    representative): every mesh has as many replicas as paths unless they run in lockstep."""
-    most = max(m.data_parallel_size for m in meshes)
-    return (most, runs * most, rep * most) if lockstep else (most, runs, rep)
 
 
 def _optimizer_seconds(cost: CostModel, pipes, j: int, shapes) -> list[float]:
