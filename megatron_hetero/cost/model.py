@@ -168,6 +168,10 @@ class CostModel(StageMemory, ExpertCosts):
         self._activations = lru_cache(maxsize=None)(self._activations)
         self._layer_bytes = lru_cache(maxsize=None)(self._layer_bytes)
         self._module_inputs = lru_cache(maxsize=None)(self._module_inputs)
+        # the simulator prices every stage of every plan a search simulates: most repeat
+        self.chunk_sync_seconds = lru_cache(maxsize=None)(self.chunk_sync_seconds)
+        self.grad_sync_seconds = lru_cache(maxsize=None)(self.grad_sync_seconds)
+        self.optimizer_seconds = lru_cache(maxsize=None)(self.optimizer_seconds)
         self.memory = lru_cache(maxsize=None)(self.memory)
         self._params = lru_cache(maxsize=None)(self._params)
         self._chunk_activations = lru_cache(maxsize=None)(self._chunk_activations)
@@ -357,6 +361,13 @@ class CostModel(StageMemory, ExpertCosts):
         return StageTimes(fwd, bwd)
 
     # -- data-parallel sync and optimizer -------------------------------------------------------
+    def chunk_sync_seconds(self, shape: StageShape, data_parallel: int,
+                           bandwidth_gb_s: float) -> tuple[float, ...]:
+        """Each model chunk's gradient sync over ``data_parallel`` replicas (overlapped with
+        the backwards, each chunk's buckets go on their own)."""
+        return tuple(self.dp_sync_seconds(self.chunk_params(shape, c), data_parallel,
+                                          bandwidth_gb_s) for c in range(shape.virtual_size))
+
     def dp_sync_seconds(self, params_per_rank: float, data_parallel: int, bandwidth_gb_s: float) -> float:
         """Gradient sync of one rank's parameters over ``data_parallel`` replicas."""
         d = data_parallel

@@ -23,8 +23,8 @@ import numpy as np
 from ..schedule.chain import waits_for
 from ..schedule.order import rank_order_cached
 
-__all__ = ["one_f_one_b", "interleaved_1f1b", "pipeline_run", "DIRECT_MICROBATCHES", "PROBE_MOST",
-           "EXACT_MOST"]
+__all__ = ["one_f_one_b", "interleaved_1f1b", "pipeline_run", "finish_lower_bound",
+           "backward_holds", "DIRECT_MICROBATCHES", "PROBE_MOST", "EXACT_MOST"]
 
 DIRECT_MICROBATCHES = 256
 """Pipelines of up to this many micro-batches are simulated op by op (:func:`pipeline_run`)."""
@@ -42,18 +42,30 @@ _TOLERANCE = 1e-9
 
 def pipeline_run(fwd: list[list[float]], bwd: list[list[float]], send_f: list[float],
                  send_b: list[float], m: int, *, record: bool = False,
-                 group: int | None = None, warmups: tuple[int, ...] | None = None):
+                 group: int | None = None, warmups: tuple[int, ...] | None = None,
+                 limits: list[float] | None = None):
     """What :func:`interleaved_1f1b` returns, in time that does not grow with ``m``: a run of
     more than :data:`DIRECT_MICROBATCHES` micro-batches (without ``record``: its events would
     be as many) is extrapolated from its steady state (:func:`_steady_state_run`) when that
     repeats within a short probe, else simulated op by op. Runs are cached by their inputs
-    (:data:`_RUNS`); the lists returned are the caller's."""
+    (:data:`_RUNS`); the lists returned are the caller's. ``limits`` (per stage, without
+    ``record``): a run op by op stops, and returns None, once some stage's finish is sure to
+    reach its limit (:func:`_run`)."""
     if record:
         return interleaved_1f1b(fwd, bwd, send_f, send_b, m, record=record, group=group,
                                 warmups=warmups)
     key = (tuple(map(tuple, fwd)), tuple(map(tuple, bwd)), tuple(send_f), tuple(send_b), m,
            group, None if warmups is None else tuple(warmups))
     got = _RUNS.get(key)
+    if got is None and limits is not None and m <= DIRECT_MICROBATCHES:
+        run = _run(fwd, bwd, send_f, send_b, m, group=group, record=False, warmups=warmups,
+                   limits=limits)
+        if run is None:
+            return None
+        got = (run[0], run[1], run[2], [])
+        if len(_RUNS) >= _RUNS_MOST:
+            _RUNS.clear()
+        _RUNS[key] = got
     if got is None:
         if len(_RUNS) >= _RUNS_MOST:
             _RUNS.clear()
@@ -265,10 +277,16 @@ def interleaved_1f1b(fwd: list[list[float]], bwd: list[list[float]], send_f: lis
 
 
 def _run(fwd, bwd, send_f, send_b, m: int, *, group: int | None, record: bool,
-         warmups: tuple[int, ...] | None = None, since: tuple | None = None):
+         warmups: tuple[int, ...] | None = None, since: tuple | None = None,
+         limits: list[float] | None = None):
     """One pass over the compiled order: (finish, busy and last backwards' starts per stage,
     every op's end, every op's start when ``record``, the order's ops and their micro-batches,
     what a longer run resumes from).
+
+    ``limits`` (not with ``record``): None as soon as, after some stride of ops, a stage is
+    sure to finish at or past its limit: stage ``s`` finishes no sooner than its free time
+    plus the hold of its ops still to run (they run after it, one at a time), and stage
+    ``t < s`` no sooner than that plus the drain from ``s`` to ``t`` (:func:`_drains`).
 
     Megatron's non-interleaved 1F1B (``v = 1``, ``warmups`` None) waits for each send before
     its next op (``send_forward`` and the batched send-and-receive wait on their requests, and
@@ -288,10 +306,7 @@ def _run(fwd, bwd, send_f, send_b, m: int, *, group: int | None, record: bool,
     key = (p, m, v, group, None if warmups is None else tuple(warmups))
     ops, at, last_b = _compiled_order(*key)
     durs = [list(f) + list(b) for f, b in zip(fwd, bwd)]
-    held = durs  # how long an op keeps its stage
-    if v == 1 and warmups is None:
-        held = [[f[0] + (send_f[s] if s < p - 1 else 0.0), b[0] + (send_b[s - 1] if s else 0.0)]
-                for s, (f, b) in enumerate(zip(fwd, bwd))]
+    held = _held(fwd, bwd, send_f, send_b, warmups) or durs  # how long an op keeps its stage
     dur = [x for row in durs for x in row]
     hold = [x for row in held for x in row]
     link = [*send_f[:p], *[0.0] * (p - len(send_f)), *send_b[:p], *[0.0] * (p - len(send_b)), 0.0]
@@ -299,6 +314,7 @@ def _run(fwd, bwd, send_f, send_b, m: int, *, group: int | None, record: bool,
     free = [0.0] * p
     start: list[float] | None = None
     resume = None
+    stops = None if limits is None else _stops(key, ops, held, durs, bwd, send_b, limits)
     if record:
         start = []
         for s, i, d, lk in ops:
@@ -336,11 +352,108 @@ def _run(fwd, bwd, send_f, send_b, m: int, *, group: int | None, record: bool,
                     append(t + dur[i])
                     free[s] = t + hold[i]
             kept.append(tuple(free))
+            if stops is not None:
+                need, left = stops
+                row = left[low // _STRIDE]
+                if any(f + r >= n for f, r, n in zip(free, row, need)):
+                    return None
         resume = (key, kept)
     del end[0]
     busy = [m * sum(row) for row in durs]
     last_b_start = [[end[k] - durs[s][v + c] for c, k in enumerate(last_b[s])] for s in range(p)]
     return free, busy, last_b_start, end, start, (ops, at), resume
+
+
+def _held(fwd, bwd, send_f, send_b, warmups) -> list[list[float]] | None:
+    """How long a forward and a backward keep their stage where Megatron's non-interleaved
+    1F1B holds it until the op's send has crossed (:func:`_run`), per stage; None where a stage
+    is free when its op ends."""
+    if len(fwd[0]) > 1 or warmups is not None:
+        return None
+    p = len(fwd)
+    return [[f[0] + (send_f[s] if s < p - 1 else 0.0), b[0] + (send_b[s - 1] if s else 0.0)]
+            for s, (f, b) in enumerate(zip(fwd, bwd))]
+
+
+def backward_holds(fwd, bwd, send_f, send_b, warmups) -> list[list[float]]:
+    """Per stage and chunk, how long a backward keeps its stage (:func:`_held`)."""
+    held = _held(fwd, bwd, send_f, send_b, warmups)
+    return [list(b) for b in bwd] if held is None else [[h[1]] for h in held]
+
+
+def finish_lower_bound(fwd, bwd, send_f, send_b, m: int, *,
+                       warmups: tuple[int, ...] | None = None) -> list[float]:
+    """A lower bound of each stage's finish (the free times :func:`pipeline_run` returns) that
+    holds under every order of the ops, found in ``O(p^2 v)`` without simulating:
+
+    * stage ``s`` starts no op before micro-batch 0's forward of chunk 0 has run on stages
+      ``0 .. s - 1`` and crossed their links (any op of stage ``s`` waits, through a chain of
+      forwards, on that of some micro-batch), and then runs its ``m`` forwards and backwards of
+      every chunk one after another, each holding the stage for its held time (:func:`_held`);
+    * a stage's last op is a backward (every forward's backward runs on its stage after it), of
+      some chunk ``c``; the backward of that micro-batch and chunk then runs on every earlier
+      stage in turn, each after crossing its link, so stage ``t < s`` finishes no sooner than
+      stage ``s``'s last op ends plus those backwards and sends (the least over ``c``).
+
+    Each op starts no sooner than its stage is free and its dependency's end plus the link, as
+    in :func:`_run`, so the simulated finish is never below these sums."""
+    p = len(fwd)
+    durs = [list(f) + list(b) for f, b in zip(fwd, bwd)]
+    held = _held(fwd, bwd, send_f, send_b, warmups) or durs
+    bound, head = [], 0.0
+    for s in range(p):
+        bound.append(head + m * sum(held[s]))
+        if s < p - 1:
+            head += fwd[s][0] + send_f[s]
+    drain = _drains(held, durs, bwd, send_b)
+    for s in range(p - 1, 0, -1):
+        for t in range(s):
+            bound[t] = max(bound[t], bound[s] + drain[s][t])
+    return bound
+
+
+def _drains(held, durs, bwd, send_b) -> list[list[float]]:
+    """``[s][t]`` for ``t < s``: the least time from stage ``s`` being free after its last op
+    (a backward, of some chunk ``c``) to stage ``t`` finishing: that op's hold beyond its end
+    taken off, the backwards of chunk ``c`` on stages ``s - 1 .. t`` and their links added
+    (:func:`finish_lower_bound`)."""
+    p, v = len(bwd), len(bwd[0])
+    out = []
+    for s in range(p):
+        row, chain = [0.0] * s, [0.0] * v
+        back = -max(h - d for h, d in zip(held[s], durs[s]))
+        for t in range(s - 1, -1, -1):
+            chain = [chain[c] + send_b[t] + bwd[t][c] for c in range(v)]
+            row[t] = back + min(chain)
+        out.append(row)
+    return out
+
+
+def _stops(key: tuple, ops, held, durs, bwd, send_b, limits):
+    """For :func:`_run`'s ``limits``: per stage the free time (plus the hold still to run) at
+    which some stage is sure to finish at or past its limit, and per stride of ops the hold
+    each stage has left after it."""
+    p = len(held)
+    drain = _drains(held, durs, bwd, send_b)
+    need = [min([limits[s]] + [limits[t] - drain[s][t] for t in range(s)]) for s in range(p)]
+    left = _ops_left(key) * np.array(held).reshape(1, p, -1)
+    return need, left.sum(axis=2).tolist()
+
+
+@lru_cache(maxsize=64)
+def _ops_left(key: tuple) -> np.ndarray:
+    """``[k, s, i]``: the ops of stage ``s`` and kind-and-chunk ``i`` that
+    :func:`_compiled_order` ``key``'s order runs after its first ``k + 1`` strides."""
+    ops = _compiled_order(*key)[0]
+    p, v = key[0], key[2]
+    slots = np.fromiter((op[1] for op in ops), np.int64, len(ops))
+    strides = -(-len(ops) // _STRIDE)
+    block = np.arange(len(ops)) // _STRIDE
+    done = np.bincount(block * 2 * p * v + slots, minlength=strides * 2 * p * v)
+    done = np.cumsum(done.reshape(strides, 2 * p * v), axis=0)
+    left = (done[-1] - done).reshape(strides, p, 2 * v).astype(float)
+    left.flags.writeable = False
+    return left
 
 
 _STRIDE = 256

@@ -60,11 +60,13 @@ from ..cost.stage import StageShape
 from ..errors import HeteroError
 from ..plan import Plan
 from ..schedule.rules import has_extra_warmup, pipeline_warmups
+from .bound import STEP_BOUND_SLACK, after_finish, lower_bound, per_replica
 from .pipeline import pipeline_run
 from .result import Event, HostMemory, SimResult, StageResult, nodes_host_memory, step_result
 
-__all__ = ["simulate", "check_recordable", "recorded_ops", "RECORD_MOST", "host_memory",
-           "nodes_host_memory", "step_result", "SimResult", "StageResult", "HostMemory", "Event"]
+__all__ = ["simulate", "step_lower_bound", "check_recordable", "recorded_ops", "RECORD_MOST",
+           "host_memory", "nodes_host_memory", "step_result", "SimResult", "StageResult",
+           "HostMemory", "Event"]
 
 
 RECORD_MOST = 2_000_000
@@ -90,46 +92,51 @@ def check_recordable(ops: int) -> None:
 
 
 def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True,
-             pipeline_sends: Mapping[int, Sequence[float]] | None = None) -> SimResult:
+             pipeline_sends: Mapping[int, Sequence[float]] | None = None,
+             faster_than: float | None = None) -> SimResult | None:
     """Simulate one training step of ``plan`` (any shape) under ``cost``. ``pipeline_sends``:
     for the paths it names, the seconds of one send over each link between consecutive stages
     (and, interleaved, from the last stage back to the first) instead of the placed link's (the
-    rehearsal's emulated links)."""
+    rehearsal's emulated links). ``faster_than`` (seconds; without ``record_events`` or
+    ``pipeline_sends``): None instead of a result once the step is sure not to be below it
+    (a pipeline run op by op stops where a stage's finish plus what
+    :func:`step_lower_bound` adds after it reaches that: :func:`.pipeline.pipeline_run`'s
+    ``limits``); a step that is below it comes back as without."""
     pipeline_sends = pipeline_sends or {}
     if record_events:
         check_recordable(recorded_ops(plan))
-    placement = cost.placement(plan)
+    placement, lockstep, rep, shapes, times_of = _priced(plan, cost)
     meshes, index = plan.meshes, plan.stage_index
-    p, v = len(index), plan.virtual_pipeline_size
-    lockstep = not same_replicas(meshes)
-    # replica r of every mesh runs path r, or all of them the one lockstep path 0
-    paths = 1 if lockstep else meshes[0].data_parallel_size
-    # paths alike in every stage share their costs (large pools repeat one template)
-    rep = _representatives(plan, paths)
-    shapes = {r: [placed_expert_link(StageShape.at(plan, k, j, r, global_stage=s), meshes[k],
-                                     placement, k, j, r) for s, (k, j) in enumerate(index)]
-              for r in set(rep)}
-    times_of = {r: [cost.chunk_times(shape) for shape in row] for r, row in shapes.items()}
+    v, paths = plan.virtual_pipeline_size, len(rep)
+    inputs = _path_inputs(plan, cost, placement, lockstep, rep, times_of, pipeline_sends)
+    priced_syncs = _stage_syncs(plan, cost, placement, shapes,
+                                per_replica(meshes, lockstep, rep, rep)[2])
+    limits = None
+    if faster_than is not None and not record_events and not pipeline_sends:
+        after = after_finish(plan, priced_syncs, inputs)
+        bound, finishes = lower_bound(plan, lockstep, rep, inputs, after)
+        if bound >= faster_than:
+            return None
+        # the path likeliest to be cut short first
+        order = sorted(range(paths), key=lambda d: -max(map(sum, zip(finishes[d], after))))
+        limits = [faster_than * (1 + STEP_BOUND_SLACK) - a for a in after]
+    cache: dict[tuple, tuple] = {}
+    runs: list = [None] * paths
+    for d in range(paths) if limits is None else order:
+        runs[d] = _run_path(plan, *inputs[d], cache, record_events, limits)
+        if runs[d] is None:
+            return None
     memory_of = {r: [cost.memory(shape) for shape in row] for r, row in shapes.items()}
     sums = {r: [(sum(c.forward_s for c in row), sum(c.backward_s for c in row)) for row in rows]
             for r, rows in times_of.items()}
-    cache: dict[tuple, tuple] = {}
-    runs = [_run_path(plan, cost, placement, times_of[rep[d]], d, rep[d], cache, record_events,
-                      lockstep, None if d not in pipeline_sends else tuple(pipeline_sends[d]))
-            for d in range(paths)]
-    # per replica index: its path's run and representative (every mesh has ``paths``
-    # replicas unless the paths run in lockstep)
-    most = max(m.data_parallel_size for m in meshes)
-    run_of, rep_of = (runs * most, rep * most) if lockstep else (runs, rep)
+    most, run_of, rep_of = per_replica(meshes, lockstep, runs, rep)
     replicas = [meshes[k].data_parallel_size for k, _ in index]  # per stage
     events: list[Event] = []
     stage_end: list[list[float]] = []
     sync_of: list[list[float]] = []
     for s, (k, j) in enumerate(index):
-        D, pipes = replicas[s], meshes[k].pipelines
-        shape = shapes[rep_of[0]][s]
-        bw = placement.dp_bandwidth(k, j)
-        comm = cost.grad_sync_seconds(shape, bw)
+        D = replicas[s]
+        comm, seconds, opts = priced_syncs[s]
         staged = record_events and placement.dp_host_staged(k, j)
         mine = run_of if D == len(run_of) else run_of[:D]
         finish = max(run[0][s] for run in mine)
@@ -137,10 +144,9 @@ def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True,
             # each model chunk's buckets go once its last backward starts on every replica,
             # one after another on the data-parallel link
             if v == 1:
-                parts = [(max(run[2][s] for run in mine), comm)]
+                parts = [(max(run[2][s] for run in mine), seconds[0])]
             else:
-                parts = sorted((max(run[2][s][c] for run in mine),
-                                cost.dp_sync_seconds(cost.chunk_params(shape, c), D, bw))
+                parts = sorted((max(run[2][s][c] for run in mine), seconds[c])
                                for c in range(v))
             start = end = parts[0][0]
             for ready, seconds in parts:
@@ -148,14 +154,8 @@ def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True,
             sync_end = max(finish, end)
         else:
             start, sync_end = finish, finish + comm
-        opts: dict[tuple, float] = {}
         ends, syncs = [0.0] * D, [0.0] * D
-        for d in range(D):
-            st = pipes[d].stages[j]
-            key = (st.device_type, st.offload.optimizer_fraction)
-            opt = opts.get(key)
-            if opt is None:
-                opt = opts[key] = cost.optimizer_seconds(shapes[rep_of[d]][s])
+        for d, opt in enumerate(opts):
             ends[d] = sync_end + opt
             syncs[d] = (sync_end - max(start, mine[d][0][s])) + opt
             if record_events:
@@ -197,19 +197,118 @@ def simulate(plan: Plan, cost: CostModel, *, record_events: bool = True,
                        hosts=host_memory(plan, cost, placement), fits=fits)
 
 
-def _run_path(plan: Plan, cost: CostModel, placement, times, d: int, key, cache: dict,
-              record: bool, lockstep: bool, sends: tuple[float, ...] | None):
-    """Simulate path ``d`` (the non-interleaved or the interleaved schedule); ``key`` names its
-    costs (paths alike share it: :func:`_representatives`) and runs are cached by it and its
-    links (or the sends); ``sends``: the seconds of one send over each of its links, where they
-    are given rather than placed."""
-    if sends is None:
-        links = _path_links(plan, cost, placement, d, lockstep)
-        full = (key, links)
-    else:
-        full = (key, "sends", sends)
+def step_lower_bound(plan: Plan, cost: CostModel) -> float:
+    """A lower bound of :func:`simulate`'s step time of ``plan``, from the same stage costs and
+    links but without running any schedule: where a search only wants plans faster than one
+    it has, a plan whose bound is not below that one's step cannot be (and needs no run).
+
+    Every stage's last backward ends no sooner than :func:`.pipeline.finish_lower_bound` (its
+    fill, its forwards and backwards one after another, and the drain of the stages before it),
+    on the slowest of its replicas; then, as :func:`simulate` prices it, its gradient sync (where
+    overlapped, what the last backward's chunk leaves: :func:`.bound.after_finish`) and each
+    replica's optimizer step. The step is the latest of these ends over all stages; the bound
+    takes ``STEP_BOUND_SLACK`` off, and is 0.0 where a path runs more than
+    :data:`.pipeline.EXACT_MOST` micro-batches (extrapolated past its last probe)."""
+    placement, lockstep, rep, shapes, times_of = _priced(plan, cost)
+    inputs = _path_inputs(plan, cost, placement, lockstep, rep, times_of, {})
+    rep_of = per_replica(plan.meshes, lockstep, rep, rep)[2]
+    after = after_finish(plan, _stage_syncs(plan, cost, placement, shapes, rep_of), inputs)
+    return lower_bound(plan, lockstep, rep, inputs, after)[0]
+
+
+def _stage_syncs(plan: Plan, cost: CostModel, placement, shapes, rep_of) -> list[tuple]:
+    """Per stage (``rep_of``: each replica's representative): the seconds of its whole
+    gradient sync over its replicas; where the sync overlaps the backwards, of each model
+    chunk's (the whole stage's, one chunk), else none; each replica's optimizer step."""
+    overlap = plan.overlap_grad_reduce or cost.overlap_grad_reduce
+    v, meshes, out = plan.virtual_pipeline_size, plan.meshes, []
+    for s, (k, j) in enumerate(plan.stage_index):
+        D = meshes[k].data_parallel_size
+        shape, bw = shapes[rep_of[0]][s], placement.dp_bandwidth(k, j)
+        comm = cost.grad_sync_seconds(shape, bw)
+        chunks: tuple | list = []
+        if overlap:
+            chunks = [comm] if v == 1 else cost.chunk_sync_seconds(shape, D, bw)
+        opts = _optimizer_seconds(cost, meshes[k].pipelines, j, [shapes[r][s] for r in rep_of[:D]])
+        out.append((comm, chunks, opts))
+    return out
+
+
+def _priced(plan: Plan, cost: CostModel):
+    """What :func:`simulate` and :func:`step_lower_bound` price a plan from: its placement,
+    whether its paths run in lockstep, each path's representative (:func:`_representatives`),
+    and per representative every stage's shape and chunk times."""
+    placement = cost.placement(plan)
+    meshes, index = plan.meshes, plan.stage_index
+    lockstep = not same_replicas(meshes)
+    # replica r of every mesh runs path r, or all of them the one lockstep path 0
+    paths = 1 if lockstep else meshes[0].data_parallel_size
+    # paths alike in every stage share their costs (large pools repeat one template)
+    rep = _representatives(plan, paths)
+    shapes = {r: [placed_expert_link(StageShape.at(plan, k, j, r, global_stage=s), meshes[k],
+                                     placement, k, j, r) for s, (k, j) in enumerate(index)]
+              for r in set(rep)}
+    times_of = {r: [cost.chunk_times(shape) for shape in row] for r, row in shapes.items()}
+    return placement, lockstep, rep, shapes, times_of
+
+
+def _optimizer_seconds(cost: CostModel, pipes, j: int, shapes) -> list[float]:
+    """The optimizer step of stage ``j`` of each of ``pipes`` (``shapes``: each one's stage
+    shape), priced once per device type and optimizer offload."""
+    opts: dict[tuple, float] = {}
+    out = []
+    for pipe, shape in zip(pipes, shapes):
+        st = pipe.stages[j]
+        key = (st.device_type, st.offload.optimizer_fraction)
+        if key not in opts:
+            opts[key] = cost.optimizer_seconds(shape)
+        out.append(opts[key])
+    return out
+
+
+def _run_path(plan: Plan, full: tuple, args: tuple, cache: dict, record: bool,
+              limits: list[float] | None):
+    """Simulate one path (the non-interleaved or the interleaved schedule) on ``args``
+    (:func:`_path_inputs`); runs are cached by ``full``. None where the run stopped at
+    ``limits`` (:func:`.pipeline.pipeline_run`)."""
     if full in cache and not record:
         return cache[full]
+    fwd, bwd, send_f, send_b, m, warmups = args
+    got = pipeline_run(fwd, bwd, send_f, send_b, m, record=record,
+                       group=plan.microbatch_group_size, warmups=warmups, limits=limits)
+    if got is None:
+        return None
+    if plan.virtual_pipeline_size == 1:  # last backwards per stage; events without a chunk
+        got = (got[0], got[1], [x[0] for x in got[2]], [e[:5] for e in got[3]])
+    cache[full] = got
+    return got
+
+
+def _path_inputs(plan: Plan, cost: CostModel, placement, lockstep: bool, rep: list[int],
+                 times_of: dict, pipeline_sends: Mapping[int, Sequence[float]]) -> list[tuple]:
+    """Per path ``d``: (what names its run: its representative's costs, :func:`_representatives`,
+    and its links or the sends given in ``pipeline_sends``; :func:`_path_args` of it), each
+    distinct one found once."""
+    out, seen = [], {}
+    for d, r in enumerate(rep):
+        if d in pipeline_sends:
+            links, sends = None, tuple(pipeline_sends[d])
+            full = (r, "sends", sends)
+        else:
+            links, sends = _path_links(plan, cost, placement, d, lockstep), None
+            full = (r, links)
+        if full not in seen:
+            seen[full] = _path_args(plan, cost, times_of[r], d, links, sends)
+        out.append((full, seen[full]))
+    return out
+
+
+def _path_args(plan: Plan, cost: CostModel, times, d: int, links: tuple | None,
+               sends: tuple[float, ...] | None):
+    """What the pipeline of path ``d`` runs on (:func:`.pipeline.pipeline_run`'s arguments but
+    the group): forward and backward seconds per stage and chunk, the sends over its ``links``
+    (or the ``sends`` given), its micro-batches, and the stages' warm-ups where the plan sets
+    them (None: Megatron's schedule, as the runtime picks it)."""
     if sends is None:
         send_f, send_b = _sends(plan, cost, d, links)
     else:
@@ -217,16 +316,11 @@ def _run_path(plan: Plan, cost: CostModel, placement, times, d: int, key, cache:
     pipe = plan.path_pipeline(d)
     fwd = [[c.forward_s for c in t] for t in times]
     bwd = [[c.backward_s for c in t] for t in times]
-    warmups = None  # Megatron's schedule, as the runtime picks it
+    warmups = None
     v, group = plan.virtual_pipeline_size, plan.microbatch_group_size
     if has_extra_warmup(pipe, v, group):
         warmups = tuple(pipeline_warmups(pipe, v, group))
-    got = pipeline_run(fwd, bwd, send_f, send_b, pipe.num_microbatches, record=record,
-                       group=plan.microbatch_group_size, warmups=warmups)
-    if plan.virtual_pipeline_size == 1:  # last backwards per stage; events without a chunk
-        got = (got[0], got[1], [x[0] for x in got[2]], [e[:5] for e in got[3]])
-    cache[full] = got
-    return got
+    return fwd, bwd, send_f, send_b, pipe.num_microbatches, warmups
 
 
 def _path_links(plan: Plan, cost: CostModel, placement, d: int, lockstep: bool) -> tuple:

@@ -302,9 +302,14 @@ class _Climb:
         self.p = plan.pipeline_model_parallel_size
         self.seen: set[Layout] = set()
         self.sims = 0
+        # layouts simulated: to the end, or until sure not to beat the climb's best
 
-    def evaluate(self, lay: Layout) -> tuple[Plan, SimResult] | None:
-        """``lay`` built and simulated (None: seen before, invalid, or it does not fit)."""
+    def evaluate(self, lay: Layout, beat: float | None = None) -> tuple[Plan, SimResult] | None:
+        """``lay`` built and simulated (None: seen before, invalid, or it does not fit). With
+        ``beat``, a layout whose step is sure not to be below ``beat`` seconds is not simulated
+        to its end (None; :func:`~megatron_hetero.sim.step.simulate`'s ``faster_than``): the
+        climb would not take it, and having seen it never looks at it again, as when it is
+        simulated to the end. Both count in :attr:`sims`."""
         if lay in self.seen or not lay.valid(self.p):
             return None
         self.seen.add(lay)
@@ -312,10 +317,12 @@ class _Climb:
         if new is None:
             return None
         try:
-            got = simulate(new, self.cost, record_events=False)
+            got = simulate(new, self.cost, record_events=False, faster_than=beat)
         except InfeasibleError:
             return None
         self.sims += 1
+        if got is None:  # sure not to beat ``beat``: cut short
+            return None
         return (new, got) if got.fits_memory else None
 
     def climb(self, lay: Layout, plan: Plan, sim: SimResult) -> tuple[Layout, Plan, SimResult]:
@@ -324,8 +331,8 @@ class _Climb:
         for _ in range(self.max_rounds):
             winner = None
             for cand in _moves(lay, self.p, max(self.max_v, lay.v), sim):
-                got = self.evaluate(cand)
                 ref = winner[2] if winner else sim
+                got = self.evaluate(cand, beat=ref.step_time_s * (1 - 1e-9))
                 if got is not None and got[1].step_time_s < ref.step_time_s * (1 - 1e-9):
                     winner = (cand, *got)
             if winner is None:
