@@ -169,10 +169,12 @@ class CostModel(StageMemory, ExpertCosts):
         self._layer_bytes = lru_cache(maxsize=None)(self._layer_bytes)
         self._module_inputs = lru_cache(maxsize=None)(self._module_inputs)
         # the simulator prices every stage of every plan a search simulates: most repeat
+        # (``chunk_times``: a local-search move leaves most stages' shapes as they were)
         self.chunk_sync_seconds = lru_cache(maxsize=None)(self.chunk_sync_seconds)
         self.grad_sync_seconds = lru_cache(maxsize=None)(self.grad_sync_seconds)
         self.optimizer_seconds = lru_cache(maxsize=None)(self.optimizer_seconds)
         self.memory = lru_cache(maxsize=None)(self.memory)
+        self.chunk_times = lru_cache(maxsize=None)(self.chunk_times)
         self._params = lru_cache(maxsize=None)(self._params)
         self._chunk_activations = lru_cache(maxsize=None)(self._chunk_activations)
         self._alltoall = lru_cache(maxsize=None)(self._alltoall)

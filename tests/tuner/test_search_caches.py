@@ -60,10 +60,14 @@ def test_memory_and_times_from_warm_caches_match_a_fresh_cost_model():
     for shape in reversed(shapes):
         warm.memory(shape)
         warm.times(shape)
+        warm.chunk_times(shape)
     for shape in shapes:
         fresh = _cost()
         assert warm.memory(shape) == fresh.memory(shape)
         assert warm.times(shape) == fresh.times(shape)
+        # the simulator's per-chunk seconds, cached per shape: one entry per chunk, as fresh
+        assert warm.chunk_times(shape) == fresh.chunk_times(shape)
+        assert len(warm.chunk_times(shape)) == len(shape.chunk_layers)
         assert warm.params(shape.num_layers, first=shape.first, last=shape.last, tp=2) == \
             fresh.params(shape.num_layers, first=shape.first, last=shape.last, tp=2)
 
