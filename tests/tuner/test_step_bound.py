@@ -167,21 +167,11 @@ def test_a_climb_ends_where_one_simulating_every_move_in_order_ends():
     """The climb (each move cut short once it cannot beat the round's best so far) ends on
     the plan, and has seen the layouts, that simulating every move to its end reaches, from
     starts of 1-3 chunks and one or two pipelines."""
-    from megatron_hetero.tuner.refine import _moves
+    class PlainClimb(_Climb):
+        """The same climb, every move simulated to its end (``beat`` ignored)."""
 
-    def plain_climb(run, lay, plan, sim):
-        run.seen.add(lay)
-        for _ in range(run.max_rounds):
-            winner = None
-            for cand in _moves(lay, run.p, max(run.max_v, lay.v), sim):
-                got = run.evaluate(cand)
-                ref = winner[2] if winner else sim
-                if got is not None and got[1].step_time_s < ref.step_time_s * (1 - 1e-9):
-                    winner = (cand, *got)
-            if winner is None:
-                break
-            lay, plan, sim = winner
-        return lay, plan, sim
+        def evaluate(self, lay, beat=None):
+            return _Climb.evaluate(self, lay)
 
     cost = _cost()
     starts = [_plan([9, 3], [4, 4]), _plan([3, 9], [6, 2]),
@@ -189,9 +179,10 @@ def test_a_climb_ends_where_one_simulating_every_move_in_order_ends():
               _plan([6, 6], [8], v=3, chunks=[[2, 2, 2], [1, 3, 2]])]
     for plan in starts:
         sim = simulate(plan, cost, record_events=False)
-        runs = [_Climb(plan, cost, _Policies(cost, plan, Menu()), 3, 6) for _ in range(2)]
+        runs = [kind(plan, cost, _Policies(cost, plan, Menu()), 3, 6)
+                for kind in (_Climb, PlainClimb)]
         lay_a, plan_a, sim_a = runs[0].climb(layout_of(plan), plan, sim)
-        lay_b, plan_b, sim_b = plain_climb(runs[1], layout_of(plan), plan, sim)
+        lay_b, plan_b, sim_b = runs[1].climb(layout_of(plan), plan, sim)
         assert lay_a == lay_b and sim_a.step_time_s == sim_b.step_time_s
         assert plan_a.to_data() == plan_b.to_data()
         assert runs[0].sims == runs[1].sims and runs[0].seen == runs[1].seen
