@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 
-def bridge_ranks(rank: int, world_size: int, plan_path: str) -> dict:
-    """Build the plan's grids and multimodule communicator, then pass one global micro-batch
-    ``[s, B, h]`` forward across the bridge from the first mesh's last stage and its gradient
-    (twice the activations) back; return what this rank sent and received."""
+def _bridged_communicator(plan_path: str):
+    """(plan, grids, the multimodule communicator the runtime builds) on the CPU backend, its
+    bridges on gloo."""
     import torch
 
     from megatron_hetero.mcore.cpu_backend import enable_cpu_backend
-    from megatron_hetero.mcore.mesh_grids import (gloo_bridges, mesh_communicator, mesh_grids,
-                                                  module_name)
+    from megatron_hetero.mcore.mesh_grids import gloo_bridges, mesh_communicator, mesh_grids
     from megatron_hetero.plan import load_any_plan
 
     enable_cpu_backend()
@@ -22,6 +20,17 @@ def bridge_ranks(rank: int, world_size: int, plan_path: str) -> dict:
     grids = mesh_grids(plan)
     comm = mesh_communicator(plan, grids, ModelParallelConfig(pipeline_dtype=torch.float32,
                                                               variable_seq_lengths=True))
+    return plan, grids, comm
+
+
+def _round_trip(plan, rank: int, comm) -> dict:
+    """Pass one global micro-batch ``[s, B, h]`` forward across the bridge from the first
+    mesh's last stage and its gradient (twice the activations) back: ``grad_ok`` on the first
+    mesh, ``forward_ok`` on the second."""
+    import torch
+
+    from megatron_hetero.mcore.mesh_grids import module_name
+
     slot = plan.slot_of_rank(rank)
     mesh = plan.meshes[slot.mesh]
     b = mesh.replicas[slot.replica].micro_batch_size
@@ -29,18 +38,26 @@ def bridge_ranks(rank: int, world_size: int, plan_path: str) -> dict:
     batch = b * mesh.data_parallel_size
     full = torch.arange(s * batch * h, dtype=torch.float32).reshape(s, batch, h)
     mine = full[:, slot.replica * b:(slot.replica + 1) * b].contiguous()
+    if slot.mesh == 0:
+        comm.send_forward({module_name(0): mine})
+        return {"grad_ok": torch.equal(comm.recv_backward()[module_name(0)], 2 * mine)}
+    got = comm.recv_forward()[module_name(0)]
+    comm.send_backward({module_name(0): 2 * got})
+    return {"forward_ok": torch.equal(got, mine)}
+
+
+def bridge_ranks(rank: int, world_size: int, plan_path: str) -> dict:
+    """Build the plan's grids and multimodule communicator, then pass a micro-batch across the
+    bridge and back (:func:`_round_trip`); return what this rank saw."""
+    import torch
+
+    plan, _, comm = _bridged_communicator(plan_path)
+    slot = plan.slot_of_rank(rank)
     out = {"rank": rank, "mesh": slot.mesh, "replica": slot.replica,
            "tensor_rank": slot.tensor_rank, "first": comm.is_pp_first_stage,
            "last": comm.is_pp_last_stage, "total_stages": comm.total_stages,
            "current_stage": comm.current_stage}
-    if slot.mesh == 0:
-        comm.send_forward({module_name(0): mine})
-        grad = comm.recv_backward()[module_name(0)]
-        out["grad_ok"] = torch.equal(grad, 2 * mine)
-    else:
-        got = comm.recv_forward()[module_name(0)]
-        out["forward_ok"] = torch.equal(got, mine)
-        comm.send_backward({module_name(0): 2 * got})
+    out.update(_round_trip(plan, rank, comm))
     torch.distributed.barrier()
     return out
 
@@ -283,24 +300,11 @@ def vendor_bridge_ranks(rank: int, world_size: int, plan_path: str) -> dict:
     """On a chain whose bridge joins two collective libraries, through the multimodule
     communicator the runtime builds (``mesh_communicator``): the bridge's class, its group's
     backend and ranks, whether that group is none of the meshes' grids' groups (nor the
-    world's), one micro-batch forward and its gradient back as :func:`bridge_ranks` checks
-    them, and how many messages this rank staged through host buffers (sent, received)."""
-    import torch
+    world's), one micro-batch forward and its gradient back (:func:`_round_trip`, ``ok``), and
+    how many messages this rank staged through host buffers (sent, received)."""
     import torch.distributed as dist
 
-    from megatron_hetero.mcore.cpu_backend import enable_cpu_backend
-    from megatron_hetero.mcore.mesh_grids import (gloo_bridges, mesh_communicator, mesh_grids,
-                                                  module_name)
-    from megatron_hetero.plan import load_any_plan
-
-    enable_cpu_backend()
-    gloo_bridges()
-    from megatron.core.model_parallel_config import ModelParallelConfig
-
-    plan = load_any_plan(plan_path)
-    grids = mesh_grids(plan)
-    comm = mesh_communicator(plan, grids, ModelParallelConfig(pipeline_dtype=torch.float32,
-                                                              variable_seq_lengths=True))
+    plan, grids, comm = _bridged_communicator(plan_path)
     (bridge,) = comm.bridge_comms
     member = bridge.bridge_pg not in (None, dist.GroupMember.NON_GROUP_MEMBER)
     out = {"cls": type(bridge).__name__, "host": bridge.host,
@@ -308,19 +312,7 @@ def vendor_bridge_ranks(rank: int, world_size: int, plan_path: str) -> dict:
            "group_ranks": dist.get_process_group_ranks(bridge.bridge_pg) if member else None,
            "own": all(bridge.bridge_pg is not pg for g in grids for pg in g._pgs.values())
            and bridge.bridge_pg is not dist.GroupMember.WORLD}
-    slot = plan.slot_of_rank(rank)
-    mesh = plan.meshes[slot.mesh]
-    b = mesh.replicas[slot.replica].micro_batch_size
-    batch = b * mesh.data_parallel_size
-    full = torch.arange(3 * batch * 5, dtype=torch.float32).reshape(3, batch, 5)
-    mine = full[:, slot.replica * b:(slot.replica + 1) * b].contiguous()
-    if slot.mesh == 0:
-        comm.send_forward({module_name(0): mine})
-        out["ok"] = torch.equal(comm.recv_backward()[module_name(0)], 2 * mine)
-    else:
-        got = comm.recv_forward()[module_name(0)]
-        out["ok"] = torch.equal(got, mine)
-        comm.send_backward({module_name(0): 2 * got})
+    (out["ok"],) = _round_trip(plan, rank, comm).values()
     out["staged"] = [bridge.host_sends, bridge.host_recvs]
     dist.barrier()
     return out
