@@ -139,6 +139,19 @@ def launch(nproc: int, plan: str, workdir: Path, *, iters: int = 2, extra=(), en
     return results
 
 
+def launch_recorded(run: str, ranks: int, plan: str, root: Path, **kw) -> tuple[list, list]:
+    """:func:`launch` of ``ranks`` ranks in ``root / run`` (made here) with the samples each rank
+    read logged (``SAMPLES_LOG``, beside ``kw``'s ``env``); asserts every rank exits 0 and
+    returns (its results, each rank's samples record)."""
+    work = root / run
+    work.mkdir()
+    env = {"SAMPLES_LOG": str(work / "samples"), **kw.pop("env", {})}
+    results = launch(ranks, plan, work, env=env, **kw)
+    for code, out, _ in results:
+        assert code == 0, f"{run}: {out[-3000:]}"
+    return results, [json.loads((work / f"samples.{r}").read_text()) for r in range(ranks)]
+
+
 def together(*runs):
     """Call each of ``runs`` (callables, a launch each) at the same time, in threads: runs that do
     not depend on each other and whose ranks alone leave a core idle. Their results, in order."""

@@ -20,14 +20,13 @@ world's group: each bridge gets a group of its own there (megatron_hetero/mcore/
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from megatron_hetero.plan import save_any_plan, save_plan
 
-from .launching import TRAIN_SCRIPT, launch, name_training_script, training_script
+from .launching import TRAIN_SCRIPT, launch_recorded, name_training_script, training_script
 from .plans import make_mesh_plan, make_plan
 from .test_checkpoint_resume import CHECKPOINT_ARGS, _assert_same_state, _close, _steps, _tensors
 
@@ -84,14 +83,9 @@ def chain(tmp_path_factory):
             ("uneven", "uneven", 4, ["--load", str(root / "ckpt-ref6"), "--ckpt-step", "1",
                                      "--no-load-rng"])]
     for run, plan, ranks, extra in runs:
-        work = root / run
-        work.mkdir()
-        results = launch(ranks, str(root / f"{plan}.yaml"), work, script=script,
-                         base_args=base_args, iters=STEPS, extra=CHECKPOINT_ARGS + extra,
-                         env={"SAMPLES_LOG": str(work / "samples")}, timeout=500)
-        for code, out, _ in results:
-            assert code == 0, f"{run}: {out[-3000:]}"
-        records[run] = [json.loads((work / f"samples.{r}").read_text()) for r in range(ranks)]
+        results, records[run] = launch_recorded(
+            run, ranks, str(root / f"{plan}.yaml"), root, script=script, base_args=base_args,
+            iters=STEPS, extra=CHECKPOINT_ARGS + extra, timeout=500)
         records[run + "-logs"] = [log for _, _, log in results]
     return {"records": records, "root": root, "what": what, "script": script}
 
@@ -184,15 +178,10 @@ def test_megatron_core_017_trains_an_interleaved_mesh_plan_equal_to_one_process(
             ("ref", 1, ["--save", str(tmp_path / "ckpt-ref"), "--save-interval", "1"]),
             ("chunks", 3, ["--load", str(tmp_path / "ckpt-ref"), "--ckpt-step", "1",
                            "--no-load-rng"])]:
-        work = tmp_path / run
-        work.mkdir()
-        results = launch(ranks, str(tmp_path / f"{run}.yaml"), work, script=script,
-                         base_args=base_args, iters=STEPS, extra=CHECKPOINT_ARGS + extra,
-                         env={"SAMPLES_LOG": str(work / "samples")}, timeout=500,
-                         stack="0.17")
-        for code, out, _ in results:
-            assert code == 0, f"{run}: {out[-3000:]}"
-        records[run] = [json.loads((work / f"samples.{r}").read_text()) for r in range(ranks)]
+        _, records[run] = launch_recorded(run, ranks, str(tmp_path / f"{run}.yaml"), tmp_path,
+                                          script=script, base_args=base_args, iters=STEPS,
+                                          extra=CHECKPOINT_ARGS + extra, timeout=500,
+                                          stack="0.17")
     ref, got = _steps(records["ref"]), _steps(records["chunks"])
     assert sorted(ref) == [1, 2, 3, 4] and sorted(got) == [2, 3, 4]
     _close(got, ref)

@@ -13,13 +13,11 @@ equal to the one process within rtol 1e-5; ``vendor-chunks`` under megatron-core
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from megatron_hetero.plan import save_any_plan, save_plan
 
-from .launching import launch, name_training_script, training_script
+from .launching import launch_recorded, name_training_script, training_script
 from .plans import A100, make_mesh_plan, make_plan
 from .test_checkpoint_resume import CHECKPOINT_ARGS, _close, _steps
 
@@ -45,14 +43,10 @@ def _train(root, stack: str, runs: list[str]) -> dict:
     for run, ranks, extra in [
             ("ref", 1, ["--save", str(root / "ckpt-ref"), "--save-interval", "1"]),
             *((run, 3, load) for run in runs)]:
-        work = root / run
-        work.mkdir()
-        results = launch(ranks, str(root / f"{run}.yaml"), work, script=script,
-                         base_args=base_args, iters=STEPS, extra=CHECKPOINT_ARGS + extra,
-                         env={"SAMPLES_LOG": str(work / "samples")}, timeout=500, stack=stack)
-        for code, text, _ in results:
-            assert code == 0, f"{run}: {text[-3000:]}"
-        out[run] = [json.loads((work / f"samples.{r}").read_text()) for r in range(ranks)]
+        results, out[run] = launch_recorded(run, ranks, str(root / f"{run}.yaml"), root,
+                                            script=script, base_args=base_args, iters=STEPS,
+                                            extra=CHECKPOINT_ARGS + extra, timeout=500,
+                                            stack=stack)
         out[run + "-out"] = [text for _, text, _ in results]
     return out
 

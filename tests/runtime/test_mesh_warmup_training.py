@@ -17,14 +17,12 @@ stages warming up 6 and 3 forward chunk-steps of 8 (Megatron's interleaved 4 and
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from megatron_hetero.plan import save_any_plan, save_plan
 from megatron_hetero.schedule.order import rank_order
 
-from .launching import launch, name_training_script, training_script
+from .launching import launch_recorded, name_training_script, training_script
 from .plans import make_mesh_plan, make_plan
 from .test_checkpoint_resume import CHECKPOINT_ARGS, _close, _steps
 
@@ -68,14 +66,9 @@ def chain(tmp_path_factory):
     runs = [("ref", 1, ["--save", str(root / "ckpt-ref"), "--save-interval", "1"]),
             ("warm", 3, load), ("chunks-warm", 3, load)]
     for run, ranks, extra in runs:
-        work = root / run
-        work.mkdir()
-        results = launch(ranks, str(root / f"{run}.yaml"), work, script=script,
-                         base_args=base_args, iters=STEPS, extra=CHECKPOINT_ARGS + extra,
-                         env={"SAMPLES_LOG": str(work / "samples")}, timeout=500)
-        for code, out, _ in results:
-            assert code == 0, f"{run}: {out[-3000:]}"
-        records[run] = [json.loads((work / f"samples.{r}").read_text()) for r in range(ranks)]
+        _, records[run] = launch_recorded(run, ranks, str(root / f"{run}.yaml"), root,
+                                          script=script, base_args=base_args, iters=STEPS,
+                                          extra=CHECKPOINT_ARGS + extra, timeout=500)
     return {"records": records, "what": what}
 
 
